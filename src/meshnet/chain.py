@@ -1,0 +1,47 @@
+"""Drive one step through a chain of stages in this process: head -> ... -> tail.
+
+This is the in-process data path: the hidden states of stage i become the input of stage i+1. The gRPC
+mesh moves the same :class:`~meshnet.contract.StepRequest` objects between processes instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Protocol, Sequence
+
+from meshnet.contract import Outcome, StepRequest, StepResult
+
+
+class Stage(Protocol):
+    """Anything that serves one layer range under the engine contract (an engine or a remote stub)."""
+
+    def prefill(self, req: StepRequest) -> StepResult: ...
+
+    def decode(self, req: StepRequest) -> StepResult: ...
+
+    def cancel(self, session_id: str) -> Outcome: ...
+
+    def release(self, session_id: str) -> Outcome: ...
+
+
+def run_step(stages: Sequence[Stage], req: StepRequest, decode: bool) -> tuple[StepResult, int]:
+    """Run ``req`` through ``stages`` in order; return the tail's result and the index of the stage
+    that produced it (``len(stages) - 1`` on success, the failing stage's index otherwise).
+
+    ``req.hidden`` must be None (the first stage is the head). A non-OK result stops the chain.
+    """
+    result = StepResult(status=None)  # type: ignore[arg-type]
+    cur = req
+    for i, stage in enumerate(stages):
+        result = stage.decode(cur) if decode else stage.prefill(cur)
+        if not result.ok:
+            return result, i
+        if i + 1 < len(stages):
+            cur = replace(req, hidden=result.hidden)
+    return result, len(stages) - 1
+
+
+def release_all(stages: Sequence[Stage], session_id: str) -> None:
+    """Release the session on every stage (idempotent)."""
+    for stage in stages:
+        stage.release(session_id)

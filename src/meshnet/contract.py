@@ -1,0 +1,341 @@
+"""The shard-engine contract's data types: what crosses the boundary of one layer range.
+
+Every engine (the real ggml engine, the fake fixture engine, later a gRPC stub) speaks only these frozen
+types. Expected outcomes are :class:`Status` codes on the result, never exceptions; an exception out of an
+engine means a bug or a crash (the fake engine's crash knob raises on purpose).
+
+Layer ranges are half-open ``[start, end)`` everywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class Status(enum.Enum):
+    """Outcome of an engine call, named after the gRPC status codes the mesh maps them to."""
+
+    OK = "OK"
+    NOT_FOUND = "NOT_FOUND"  # no cached session: a KV-cache miss; the caller replays the session
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"  # not loaded, stale route epoch, wrong position
+    CANCELLED = "CANCELLED"  # the session was cancelled before or during the step
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # retryable: session limit or memory budget
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"  # the request itself is wrong; retrying cannot help
+
+
+@dataclass(frozen=True)
+class LayerRange:
+    """Half-open range of transformer layers ``[start, end)`` owned by one stage.
+
+    Raises:
+        ValueError: ``start < 0`` or ``end <= start``.
+    """
+
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if self.start < 0 or self.end <= self.start:
+            raise ValueError(f"layer range [{self.start}, {self.end}) is empty or negative; "
+                             "expected 0 <= start < end")
+
+    @property
+    def n_layers(self) -> int:
+        return self.end - self.start
+
+    def is_head(self) -> bool:
+        """True when the range starts at layer 0 (the stage owns the token embedding)."""
+        return self.start == 0
+
+    def is_tail(self, n_layer: int) -> bool:
+        """True when the range ends at ``n_layer`` (the stage owns output norm, projection, sampling)."""
+        return self.end == n_layer
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.end}"
+
+    @classmethod
+    def parse(cls, text: str) -> "LayerRange":
+        """Parse ``"start:end"`` (half-open). Raises ValueError naming the bad text."""
+        try:
+            a, b = text.split(":")
+            return cls(int(a), int(b))
+        except ValueError as e:
+            raise ValueError(f"bad layer range {text!r}: expected START:END with START < END ({e})") from None
+
+
+def split_layers(n_layer: int, n_stages: int) -> list[LayerRange]:
+    """Split ``[0, n_layer)`` into ``n_stages`` contiguous ranges whose sizes differ by at most one.
+
+    Raises:
+        ValueError: ``n_stages`` is not in ``[1, n_layer]``.
+    """
+    if not 1 <= n_stages <= n_layer:
+        raise ValueError(f"cannot split {n_layer} layers into {n_stages} stages (need 1..{n_layer})")
+    base, extra = divmod(n_layer, n_stages)
+    out, start = [], 0
+    for i in range(n_stages):
+        end = start + base + (1 if i < extra else 0)
+        out.append(LayerRange(start, end))
+        start = end
+    return out
+
+
+@dataclass(frozen=True)
+class ArtifactId:
+    """Exact identity of what a stage serves: the GGUF file's sha256 (hex) and its layer range."""
+
+    sha256: str
+    layers: LayerRange
+
+
+# dtype names a NamedTensor may carry, with their numpy equivalents.
+TENSOR_DTYPES: dict[str, np.dtype] = {
+    "f32": np.dtype("<f4"),
+    "f16": np.dtype("<f2"),
+}
+
+
+@dataclass(frozen=True)
+class NamedTensor:
+    """A tensor as it crosses a stage boundary: name, shape, dtype name and little-endian bytes.
+
+    Hidden states are ``name="hidden"``, shape ``(n_tokens, n_embd)``, dtype ``"f32"``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    data: bytes
+
+    def validate(self) -> str | None:
+        """Return None when well-formed, else a message naming what is wrong."""
+        if self.dtype not in TENSOR_DTYPES:
+            return f"tensor {self.name!r}: unknown dtype {self.dtype!r} (supported: {sorted(TENSOR_DTYPES)})"
+        if any(d <= 0 for d in self.shape):
+            return f"tensor {self.name!r}: shape {self.shape} has a zero or negative dimension"
+        want = int(np.prod(self.shape)) * TENSOR_DTYPES[self.dtype].itemsize
+        if want != len(self.data):
+            return (f"tensor {self.name!r}: shape {self.shape} of {self.dtype} needs {want} bytes, "
+                    f"got {len(self.data)}")
+        return None
+
+    def to_numpy(self) -> np.ndarray:
+        """A read-only view of the data with this tensor's shape and dtype (no copy)."""
+        return np.frombuffer(self.data, dtype=TENSOR_DTYPES[self.dtype]).reshape(self.shape)
+
+    @classmethod
+    def from_numpy(cls, name: str, array: np.ndarray) -> "NamedTensor":
+        """Wrap a float32/float16 array (copied to little-endian contiguous bytes)."""
+        for dname, dt in TENSOR_DTYPES.items():
+            if array.dtype == dt or array.dtype == dt.newbyteorder("="):
+                arr = np.ascontiguousarray(array, dtype=dt)
+                return cls(name, tuple(int(d) for d in arr.shape), dname, arr.tobytes())
+        raise ValueError(f"unsupported array dtype {array.dtype} for tensor {name!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the tail picks the next token. ``temperature == 0`` is greedy (argmax, lowest id on ties).
+
+    The filters apply in llama.cpp's sampler-chain order: penalties, top-k, top-p, min-p, temperature.
+    With ``seed`` set, a draw depends only on ``(seed, position)``, so a replayed step samples the same token.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0.0 = off
+    repetition_penalty: float = 1.0  # 1.0 = off; llama.cpp's repeat_penalty
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = 64  # how many recent tokens the penalties look at; -1 = all
+    seed: int | None = None
+    n_top_logprobs: int = 0  # how many top log-probs to return with each sampled token
+
+    def validate(self) -> str | None:
+        """Return None when the values are usable, else a message naming the bad field."""
+        if not self.temperature >= 0:
+            return f"temperature must be >= 0, got {self.temperature}"
+        if self.top_k < 0:
+            return f"top_k must be >= 0, got {self.top_k}"
+        if not 0 < self.top_p <= 1:
+            return f"top_p must be in (0, 1], got {self.top_p}"
+        if not 0 <= self.min_p <= 1:
+            return f"min_p must be in [0, 1], got {self.min_p}"
+        if not self.repetition_penalty > 0:
+            return f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+        if self.n_top_logprobs < 0 or self.n_top_logprobs > 20:
+            return f"n_top_logprobs must be in [0, 20], got {self.n_top_logprobs}"
+        if self.penalty_last_n < -1:
+            return f"penalty_last_n must be >= -1, got {self.penalty_last_n}"
+        return None
+
+
+GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One forward step of a session on one stage: prefill (many tokens) or decode (one token).
+
+    Attributes:
+        session_id: caller-chosen id; each session has its own KV cache and epoch on every stage.
+        epoch: route epoch; a request older than the session's epoch is refused (FAILED_PRECONDITION).
+        position: index of the first token of this step in the session (equals the tokens already cached).
+        token_ids: the step's token ids ``[n_tokens]``. The head embeds them; every stage keeps them so
+            the tail can apply repetition penalties.
+        hidden: ``[n_tokens, n_embd]`` f32 hidden states from the previous stage; None on the head.
+        sampling: used by the tail only.
+        step_id: caller's monotonically increasing step counter (for logs and the ledger).
+    """
+
+    session_id: str
+    epoch: int
+    position: int
+    token_ids: tuple[int, ...]
+    hidden: NamedTensor | None = None
+    sampling: SamplingParams = GREEDY
+    step_id: int = 0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """What the tail returns instead of logits: the chosen token, its log-prob and optional top log-probs."""
+
+    token_id: int
+    logprob: float
+    top: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Result of prefill/decode on one stage.
+
+    Exactly one of ``hidden`` (non-tail stages, ``[n_tokens, n_embd]`` f32) or ``token`` (tail) is set
+    when ``status`` is OK; neither otherwise. ``message`` explains any non-OK status.
+    ``retry_after_s`` is set with RESOURCE_EXHAUSTED.
+    """
+
+    status: Status
+    message: str = ""
+    hidden: NamedTensor | None = None
+    token: SampledToken | None = None
+    n_past: int = 0  # tokens cached for the session after this step
+    retry_after_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK
+
+
+@dataclass(frozen=True)
+class MultiTokenPrediction:
+    """Reserved hook: extra draft heads predicting several tokens per step. Not implemented: enabling
+    it is refused at construction."""
+
+    enabled: bool = False
+    n_predict: int = 0
+
+    def __post_init__(self) -> None:
+        if self.enabled:
+            raise NotImplementedError("multi-token prediction is reserved and not implemented")
+
+
+@dataclass(frozen=True)
+class AuxiliaryState:
+    """Reserved hook: architecture-local per-session state besides the KV cache (recurrent state,
+    convolution state). Not implemented: enabling it is refused at construction."""
+
+    enabled: bool = False
+    kind: str = ""
+
+    def __post_init__(self) -> None:
+        if self.enabled:
+            raise NotImplementedError(f"auxiliary state {self.kind!r} is reserved and not implemented")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What to load: a GGUF path, its expected identity and execution settings.
+
+    Attributes:
+        path: the GGUF file.
+        artifact: expected sha256 and layer range; ``sha256=""`` accepts whatever the file hashes to.
+        n_threads: CPU threads for compute.
+        n_ctx: context length in tokens per session (0 = the model's trained length, capped at 4096).
+        n_ubatch: prefill micro-batch size in tokens.
+        max_sessions: concurrent sessions before RESOURCE_EXHAUSTED.
+        memory_budget_bytes: KV bytes across sessions before RESOURCE_EXHAUSTED (0 = unlimited).
+    """
+
+    path: str
+    artifact: ArtifactId
+    n_threads: int = 2
+    n_ctx: int = 0
+    n_ubatch: int = 512
+    max_sessions: int = 16
+    memory_budget_bytes: int = 0
+    mtp: MultiTokenPrediction = MultiTokenPrediction()
+    aux_state: AuxiliaryState = AuxiliaryState()
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a loaded stage serves."""
+
+    engine: str  # "ggml" or "fake"
+    backend: str  # "cpu", ...
+    architecture: str
+    artifact: ArtifactId
+    n_layer: int  # layers in the whole model
+    n_embd: int
+    n_vocab: int
+    n_ctx: int
+    is_head: bool
+    is_tail: bool
+    fixture: bool = False  # True for test fixtures that are not a real model
+    max_sessions: int = 16
+
+
+@dataclass(frozen=True)
+class Health:
+    loaded: bool
+    healthy: bool
+    active_sessions: int
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Counters since load. Times in seconds, memory in bytes."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    active_sessions: int = 0
+    kv_bytes: int = 0
+    weight_bytes: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Result of load, cancel and release: a status and, when not OK, why."""
+
+    status: Status
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.OK

@@ -1,0 +1,288 @@
+"""The abstract shard engine: session bookkeeping and request validation shared by every engine.
+
+A concrete engine implements four hooks: ``_load`` (read weights for the range), ``_new_state`` (allocate
+one session's KV cache), ``_forward`` (run the owned layers for one step) and ``_free_state``. Everything
+the contract promises about statuses — cache misses, stale epochs, positions, cancellation, session
+limits, malformed input — is decided here, once, before any state changes, so every engine behaves alike.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from meshnet.contract import (
+    Capabilities,
+    Health,
+    LoadSpec,
+    Metrics,
+    Outcome,
+    StepRequest,
+    StepResult,
+    Status,
+)
+
+# Suggested client back-off when the stage is at its session or memory limit.
+RETRY_AFTER_S = 0.5
+
+
+class EngineError(Exception):
+    """An expected failure inside an engine hook, carried out as a status (never past the engine)."""
+
+    def __init__(self, status: Status, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class Session:
+    """One session's bookkeeping on this stage; ``state`` is the engine's own (its KV cache)."""
+
+    session_id: str
+    epoch: int
+    state: Any
+    n_past: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class ShardEngine(ABC):
+    """One layer range ``[start, end)`` of one model, serving many sessions.
+
+    Thread-safe: calls may come from several threads; compute is serialized by one lock, while
+    ``cancel`` takes effect between prefill micro-batches of a step already running.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._compute_lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+        self._spec: LoadSpec | None = None
+        self._caps: Capabilities | None = None
+        self._metrics = Metrics()
+        self._errors: dict[str, int] = {}
+
+    # ---- hooks -------------------------------------------------------------------------------
+    @abstractmethod
+    def _load(self, spec: LoadSpec) -> Capabilities:
+        """Load the range's weights. Raises EngineError (INVALID_ARGUMENT for a bad file or range)."""
+
+    @abstractmethod
+    def _new_state(self, session_id: str) -> Any:
+        """Allocate one session's state. Raises EngineError(RESOURCE_EXHAUSTED) over budget."""
+
+    @abstractmethod
+    def _forward(self, session: Session, req: StepRequest) -> StepResult:
+        """Run the owned layers on a validated request, writing its KV cells at ``req.position``.
+
+        The base class advances ``session.n_past`` and ``session.token_ids`` after an OK result, so
+        during the call they still describe the tokens cached before this step."""
+
+    @abstractmethod
+    def _free_state(self, state: Any) -> None:
+        """Release one session's state (idempotent)."""
+
+    def _kv_bytes(self) -> int:
+        return 0
+
+    def _weight_bytes(self) -> int:
+        return 0
+
+    # ---- contract ----------------------------------------------------------------------------
+    def load(self, spec: LoadSpec) -> Outcome:
+        """Load ``spec``; INVALID_ARGUMENT names what is wrong with the file, range or identity."""
+        with self._lock:
+            try:
+                caps = self._load(spec)
+            except EngineError as e:
+                return Outcome(e.status, e.message)
+            self._spec, self._caps = spec, caps
+            return Outcome(Status.OK)
+
+    def capabilities(self) -> Capabilities:
+        """Raises RuntimeError when nothing is loaded."""
+        if self._caps is None:
+            raise RuntimeError("engine not loaded")
+        return self._caps
+
+    @property
+    def loaded(self) -> bool:
+        return self._caps is not None
+
+    def prefill(self, req: StepRequest) -> StepResult:
+        """Run ``len(req.token_ids)`` tokens; creates the session at position 0 or extends it."""
+        return self._step(req, decode=False)
+
+    def decode(self, req: StepRequest) -> StepResult:
+        """Run exactly one token on an existing session; NOT_FOUND on a cache miss."""
+        return self._step(req, decode=True)
+
+    def cancel(self, session_id: str) -> Outcome:
+        """Stop the session's running and future steps (CANCELLED). Idempotent; unknown ids are OK."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is not None:
+                s.cancelled = True
+        return Outcome(Status.OK)
+
+    def release(self, session_id: str) -> Outcome:
+        """Free the session's KV cache. Idempotent; unknown ids are OK."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            if s is None:
+                return Outcome(Status.OK)
+            s.cancelled = True  # a step still running on it stops at the next micro-batch
+        with self._compute_lock, self._lock:
+            s = self._sessions.pop(session_id, None)
+            if s is not None:
+                self._free_state(s.state)
+        return Outcome(Status.OK)
+
+    def release_idle(self, idle_s: float) -> list[str]:
+        """Release sessions unused for more than ``idle_s`` seconds; returns their ids."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [sid for sid, s in self._sessions.items() if now - s.last_used > idle_s]
+        for sid in stale:
+            self.release(sid)
+        return stale
+
+    def session_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._sessions)
+
+    def health(self) -> Health:
+        with self._lock:
+            n = len(self._sessions)
+        if self._caps is None:
+            return Health(loaded=False, healthy=False, active_sessions=n, message="not loaded")
+        return Health(loaded=True, healthy=True, active_sessions=n)
+
+    def metrics(self) -> Metrics:
+        m = self._metrics
+        with self._lock:
+            n = len(self._sessions)
+        return Metrics(prefill_tokens=m.prefill_tokens, decode_tokens=m.decode_tokens,
+                       prefill_seconds=m.prefill_seconds, decode_seconds=m.decode_seconds,
+                       active_sessions=n, kv_bytes=self._kv_bytes(), weight_bytes=self._weight_bytes(),
+                       errors=dict(self._errors))
+
+    # ---- shared validation -------------------------------------------------------------------
+    def _fail(self, status: Status, message: str, **kw: Any) -> StepResult:
+        self._errors[status.value] = self._errors.get(status.value, 0) + 1
+        return StepResult(status=status, message=message, **kw)
+
+    def _check_request(self, req: StepRequest, decode: bool) -> StepResult | None:
+        caps = self._caps
+        if caps is None:
+            return self._fail(Status.FAILED_PRECONDITION, "engine not loaded")
+        n = len(req.token_ids)
+        if n == 0:
+            return self._fail(Status.INVALID_ARGUMENT, "no tokens in the step")
+        if decode and n != 1:
+            return self._fail(Status.INVALID_ARGUMENT, f"decode takes exactly 1 token, got {n}")
+        if req.position < 0:
+            return self._fail(Status.INVALID_ARGUMENT, f"negative position {req.position}")
+        bad = [t for t in req.token_ids if not 0 <= int(t) < caps.n_vocab]
+        if bad:
+            return self._fail(Status.INVALID_ARGUMENT,
+                              f"token id {bad[0]} outside the vocabulary [0, {caps.n_vocab})")
+        if req.position + n > caps.n_ctx:
+            return self._fail(Status.INVALID_ARGUMENT,
+                              f"{req.position + n} tokens exceed the context length {caps.n_ctx} "
+                              f"(position {req.position} + {n} new tokens)")
+        if caps.is_head:
+            if req.hidden is not None:
+                return self._fail(Status.INVALID_ARGUMENT, "the head stage takes token ids, not hidden states")
+        else:
+            if req.hidden is None:
+                return self._fail(Status.INVALID_ARGUMENT,
+                                  f"stage {caps.artifact.layers} needs hidden states from the previous stage")
+            problem = req.hidden.validate()
+            if problem is None and req.hidden.dtype != "f32":
+                problem = f"hidden states must be f32, got {req.hidden.dtype}"
+            if problem is None and req.hidden.shape != (n, caps.n_embd):
+                problem = (f"hidden states have shape {req.hidden.shape}, expected ({n}, {caps.n_embd}) "
+                           f"for {n} tokens")
+            if problem is not None:
+                return self._fail(Status.INVALID_ARGUMENT, problem)
+        if caps.is_tail:
+            problem = req.sampling.validate()
+            if problem is not None:
+                return self._fail(Status.INVALID_ARGUMENT, problem)
+        return None
+
+    def _session_for(self, req: StepRequest, decode: bool) -> Session | StepResult:
+        """Find or create the session; every refusal happens before any state changes."""
+        assert self._caps is not None and self._spec is not None
+        s = self._sessions.get(req.session_id)
+        if s is None:
+            if decode or req.position != 0:
+                return self._fail(Status.NOT_FOUND,
+                                  f"session {req.session_id!r} is not cached here (released, expired or "
+                                  "never prefilled); replay it from position 0")
+            if len(self._sessions) >= self._caps.max_sessions:
+                return self._fail(Status.RESOURCE_EXHAUSTED,
+                                  f"stage is at its limit of {self._caps.max_sessions} sessions",
+                                  retry_after_s=RETRY_AFTER_S)
+            try:
+                state = self._new_state(req.session_id)
+            except EngineError as e:
+                return self._fail(e.status, e.message,
+                                  retry_after_s=RETRY_AFTER_S if e.status is Status.RESOURCE_EXHAUSTED else None)
+            s = Session(req.session_id, req.epoch, state)
+            self._sessions[req.session_id] = s
+            return s
+        if s.cancelled:
+            return self._fail(Status.CANCELLED, f"session {req.session_id!r} was cancelled")
+        if req.epoch < s.epoch:
+            return self._fail(Status.FAILED_PRECONDITION,
+                              f"stale route epoch {req.epoch} for session {req.session_id!r} "
+                              f"(session is at epoch {s.epoch})")
+        if req.position != s.n_past:
+            return self._fail(Status.FAILED_PRECONDITION,
+                              f"step starts at position {req.position} but session {req.session_id!r} "
+                              f"has {s.n_past} tokens cached")
+        return s
+
+    def _step(self, req: StepRequest, decode: bool) -> StepResult:
+        with self._compute_lock:
+            with self._lock:
+                bad = self._check_request(req, decode)
+                if bad is not None:
+                    return bad
+                found = self._session_for(req, decode)
+                if isinstance(found, StepResult):
+                    return found
+                session = found
+                session.epoch = max(session.epoch, req.epoch)
+            t0 = time.perf_counter()
+            try:
+                result = self._forward(session, req)
+            except EngineError as e:
+                result = self._fail(e.status, e.message,
+                                    retry_after_s=RETRY_AFTER_S if e.status is Status.RESOURCE_EXHAUSTED else None)
+            dt = time.perf_counter() - t0
+            with self._lock:
+                session.last_used = time.monotonic()
+                if result.ok:
+                    session.n_past += len(req.token_ids)
+                    session.token_ids.extend(int(t) for t in req.token_ids)
+                    result = replace(result, n_past=session.n_past)
+                    m = self._metrics  # frozen: counters advance by replacement
+                    if decode:
+                        self._metrics = replace(m, decode_tokens=m.decode_tokens + 1,
+                                                decode_seconds=m.decode_seconds + dt)
+                    else:
+                        self._metrics = replace(m, prefill_tokens=m.prefill_tokens + len(req.token_ids),
+                                                prefill_seconds=m.prefill_seconds + dt)
+                elif session.n_past == 0 and session.session_id in self._sessions:
+                    # A first prefill that failed leaves nothing worth keeping.
+                    self._sessions.pop(session.session_id)
+                    self._free_state(session.state)
+            return result

@@ -1,0 +1,144 @@
+"""ggml memory for one stage: the CPU backend, the range's weights as stored, and per-session KV caches.
+
+Everything here talks to ggml through ``ggml-python``'s ctypes bindings; nothing opens a socket.
+Weights are copied once from the memory-mapped GGUF into one backend buffer in their stored type
+(Q4_1 stays Q4_1), so a stage's resident memory follows its layer range.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import ggml
+import ggml.utils  # noqa: F401  (ggml-python needs this import for its type helpers)
+import gguf
+import numpy as np
+
+from meshnet.contract import LayerRange
+
+_init_lock = threading.Lock()
+_cpu_ready = False
+
+
+def cpu_backend(n_threads: int):
+    """A new ggml CPU backend using ``n_threads`` threads (``ggml_cpu_init`` runs once per process)."""
+    global _cpu_ready
+    with _init_lock:
+        if not _cpu_ready:
+            ggml.ggml_cpu_init()
+            _cpu_ready = True
+    backend = ggml.ggml_backend_cpu_init()
+    if not backend:
+        raise RuntimeError("ggml_backend_cpu_init failed")
+    ggml.ggml_backend_cpu_set_n_threads(backend, int(n_threads))
+    return backend
+
+
+def new_meta_context(n_tensors: int, graph_size: int = 0) -> ggml.ggml_context_p:
+    """A ggml context that holds tensor metadata only (``no_alloc``): data lives in backend buffers."""
+    mem = ggml.ggml_tensor_overhead() * n_tensors
+    if graph_size:
+        mem += ggml.ggml_graph_overhead_custom(graph_size, False)
+    params = ggml.ggml_init_params(mem_size=mem + 1024, mem_buffer=None, no_alloc=True)
+    ctx = ggml.ggml_init(params)
+    if not ctx:
+        raise MemoryError("ggml_init failed")
+    return ctx
+
+
+def new_tensor(ctx, gtype: int, shape: tuple[int, ...]):
+    """``shape`` in ggml order (ne0 first)."""
+    ne = (ctypes.c_int64 * len(shape))(*shape)
+    return ggml.ggml_new_tensor(ctx, gtype, len(shape), ne)
+
+
+def set_tensor(t, array: np.ndarray) -> None:
+    """Copy a contiguous numpy array's bytes into a backend tensor (sizes must match exactly)."""
+    a = np.ascontiguousarray(array)
+    n = ggml.ggml_nbytes(t)
+    if a.nbytes != n:
+        raise ValueError(f"tensor size mismatch: ggml wants {n} bytes, got {a.nbytes}")
+    ggml.ggml_backend_tensor_set(t, a.ctypes.data_as(ctypes.c_void_p), 0, n)
+
+
+def get_tensor(t, dtype=np.float32) -> np.ndarray:
+    """Read a 2-D backend tensor ``[ne0, ne1]`` into a new numpy array ``(ne1, ne0)`` of ``dtype``
+    (a trailing ne1 of 1 is kept, unlike ggml_n_dims)."""
+    n = ggml.ggml_nbytes(t)
+    shape = (int(t.contents.ne[1]), int(t.contents.ne[0]))
+    out = np.empty(shape, dtype=dtype)
+    if out.nbytes != n:
+        raise ValueError(f"tensor read size mismatch: {out.nbytes} != {n}")
+    ggml.ggml_backend_tensor_get(t, out.ctypes.data_as(ctypes.c_void_p), 0, n)
+    return out
+
+
+class StageWeights:
+    """The tensors of one layer range, in one CPU backend buffer, in their stored GGUF types.
+
+    ``get(name)`` returns the ggml tensor for a GGUF tensor name, or None if the stage does not hold it.
+    """
+
+    def __init__(self, reader: gguf.GGUFReader, names: tuple[str, ...], backend) -> None:
+        by_name = {t.name: t for t in reader.tensors}
+        self.ctx = new_meta_context(len(names) + 1)
+        self.tensors: dict[str, object] = {}
+        for name in names:
+            rt = by_name[name]
+            shape = tuple(int(d) for d in rt.shape)  # gguf lists dims ne0-first, as ggml does
+            t = new_tensor(self.ctx, int(rt.tensor_type), shape)
+            ggml.ggml_set_name(t, name.encode())
+            self.tensors[name] = t
+        self.buffer = ggml.ggml_backend_alloc_ctx_tensors(self.ctx, backend)
+        if not self.buffer:
+            raise MemoryError("could not allocate the weight buffer")
+        for name in names:
+            set_tensor(self.tensors[name], by_name[name].data)
+        self.nbytes = int(ggml.ggml_backend_buffer_get_size(self.buffer))
+
+    def get(self, name: str):
+        return self.tensors.get(name)
+
+    def free(self) -> None:
+        if self.buffer:
+            ggml.ggml_backend_buffer_free(self.buffer)
+            self.buffer = None
+        if self.ctx:
+            ggml.ggml_free(self.ctx)
+            self.ctx = None
+
+
+class KVCache:
+    """One session's F16 K and V cache for each layer of a range: ``[n_embd_k_gqa, n_ctx]`` per layer.
+
+    Cells are indexed by token position (cell i holds position i). The buffer is zeroed on creation
+    because masked padding cells are still read by attention and garbage there can turn into NaN.
+    """
+
+    def __init__(self, layers: LayerRange, n_embd_k: int, n_embd_v: int, n_ctx: int, backend) -> None:
+        self.n_ctx = n_ctx
+        self.ctx = new_meta_context(2 * layers.n_layers + 1)
+        self.k: dict[int, object] = {}
+        self.v: dict[int, object] = {}
+        for il in range(layers.start, layers.end):
+            self.k[il] = new_tensor(self.ctx, ggml.GGML_TYPE_F16, (n_embd_k, n_ctx))
+            self.v[il] = new_tensor(self.ctx, ggml.GGML_TYPE_F16, (n_embd_v, n_ctx))
+        self.buffer = ggml.ggml_backend_alloc_ctx_tensors(self.ctx, backend)
+        if not self.buffer:
+            raise MemoryError("could not allocate a KV cache")
+        ggml.ggml_backend_buffer_clear(self.buffer, 0)
+        self.nbytes = int(ggml.ggml_backend_buffer_get_size(self.buffer))
+
+    def free(self) -> None:
+        if self.buffer:
+            ggml.ggml_backend_buffer_free(self.buffer)
+            self.buffer = None
+        if self.ctx:
+            ggml.ggml_free(self.ctx)
+            self.ctx = None
+
+    @staticmethod
+    def bytes_needed(layers: LayerRange, n_embd_k: int, n_embd_v: int, n_ctx: int) -> int:
+        """F16 bytes for K and V of every layer in the range."""
+        return layers.n_layers * (n_embd_k + n_embd_v) * n_ctx * 2

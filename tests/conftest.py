@@ -1,0 +1,40 @@
+"""Shared fixtures: where the golden files and the real models are."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from meshnet.model.bundled import ModelNotFound, resolve_model
+
+GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden"
+TINY_MODELS = sorted(p.stem for p in (GOLDEN_DIR / "models").glob("*.gguf"))
+
+
+def load_golden(name: str) -> dict:
+    return json.loads((GOLDEN_DIR / f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    if not GOLDEN_DIR.is_dir():
+        pytest.skip(f"golden files not found at {GOLDEN_DIR}")
+    return GOLDEN_DIR
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    try:
+        return resolve_model("smollm2")
+    except ModelNotFound as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    try:
+        return resolve_model("gemma3-270m")
+    except ModelNotFound as e:
+        pytest.skip(str(e))
