@@ -108,7 +108,10 @@ def test_smollm2_matches_llama_cpp_bit_for_bit(smollm2_path, golden_dir):
 @pytest.mark.gemma
 def test_gemma3_270m_matches_llama_cpp(gemma_path, golden_dir):
     report = check_against_golden(gemma_path, load_golden("gemma-3-270m-q4_k_m"), n_stages=2)
-    assert min(report["greedy_equal"]) >= 0
+    # llama.cpp repacks Q4_K weights for AVX2 and so runs a differently ordered kernel than the plain
+    # ggml CPU kernels here; prompts 1 and 2 part ways at golden near-ties (checked above), which the
+    # golden README's rule 4 allows. Prompts 0 and 3 match all the way.
+    assert report["greedy_equal"][0] == N_GEN and report["greedy_equal"][3] == N_GEN
 
 
 def test_one_two_three_stages_bit_identical(smollm2_path):

@@ -45,3 +45,24 @@ def release_all(stages: Sequence[Stage], session_id: str) -> None:
     """Release the session on every stage (idempotent)."""
     for stage in stages:
         stage.release(session_id)
+
+
+class LocalChain:
+    """An in-process mesh: a fixed route of stages in this process (tests, ``generate`` without a
+    tracker, benchmarks). Implements the same client-side interface the gRPC mesh client does."""
+
+    def __init__(self, stages: Sequence[Stage]) -> None:
+        if not stages:
+            raise ValueError("a chain needs at least one stage")
+        self.stages = list(stages)
+
+    def step(self, req: StepRequest, decode: bool) -> StepResult:
+        """One prefill or decode step through every stage; the tail's result."""
+        return run_step(self.stages, req, decode)[0]
+
+    def cancel(self, session_id: str) -> None:
+        for stage in self.stages:
+            stage.cancel(session_id)
+
+    def release(self, session_id: str) -> None:
+        release_all(self.stages, session_id)

@@ -276,6 +276,7 @@ class LoadSpec:
         n_ubatch: prefill micro-batch size in tokens.
         max_sessions: concurrent sessions before RESOURCE_EXHAUSTED.
         memory_budget_bytes: KV bytes across sessions before RESOURCE_EXHAUSTED (0 = unlimited).
+        use_mmap: map the weights from the file instead of copying them (llama.cpp's default).
     """
 
     path: str
@@ -285,6 +286,7 @@ class LoadSpec:
     n_ubatch: int = 512
     max_sessions: int = 16
     memory_budget_bytes: int = 0
+    use_mmap: bool = True
     mtp: MultiTokenPrediction = MultiTokenPrediction()
     aux_state: AuxiliaryState = AuxiliaryState()
 

@@ -74,35 +74,56 @@ def get_tensor(t, dtype=np.float32) -> np.ndarray:
     return out
 
 
-class StageWeights:
-    """The tensors of one layer range, in one CPU backend buffer, in their stored GGUF types.
+# ggml-python declares this function's result as a plain int, which truncates the pointer; fix the
+# ctypes signature once.
+_cpu_buffer_from_ptr = ggml.lib.ggml_backend_cpu_buffer_from_ptr
+_cpu_buffer_from_ptr.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_cpu_buffer_from_ptr.restype = ctypes.c_void_p
 
-    ``get(name)`` returns the ggml tensor for a GGUF tensor name, or None if the stage does not hold it.
+
+class StageWeights:
+    """The tensors of one layer range, in their stored GGUF types, on the CPU backend.
+
+    With ``use_mmap`` (the default, as in llama.cpp) the tensors point straight into the read-only
+    memory map of the file: loading copies nothing, and only pages a stage actually reads become
+    resident — the head reads just the embedding rows of its tokens. Without it the tensors are copied
+    into one backend buffer. ``get(name)`` returns the ggml tensor for a GGUF tensor name, or None.
     """
 
-    def __init__(self, reader: gguf.GGUFReader, names: tuple[str, ...], backend) -> None:
+    def __init__(self, reader: gguf.GGUFReader, names: tuple[str, ...], backend, use_mmap: bool = True) -> None:
         by_name = {t.name: t for t in reader.tensors}
         self.ctx = new_meta_context(len(names) + 1)
         self.tensors: dict[str, object] = {}
+        self.owns_buffer = not use_mmap
+        self._reader = reader  # keeps the memory map alive while tensors point into it
         for name in names:
             rt = by_name[name]
             shape = tuple(int(d) for d in rt.shape)  # gguf lists dims ne0-first, as ggml does
             t = new_tensor(self.ctx, int(rt.tensor_type), shape)
             ggml.ggml_set_name(t, name.encode())
             self.tensors[name] = t
-        self.buffer = ggml.ggml_backend_alloc_ctx_tensors(self.ctx, backend)
-        if not self.buffer:
-            raise MemoryError("could not allocate the weight buffer")
-        for name in names:
-            set_tensor(self.tensors[name], by_name[name].data)
-        self.nbytes = int(ggml.ggml_backend_buffer_get_size(self.buffer))
+        self.nbytes = sum(int(by_name[n].n_bytes) for n in names)
+        if use_mmap:
+            base = reader.data.ctypes.data
+            self.buffer = _cpu_buffer_from_ptr(base, len(reader.data))
+            if not self.buffer:
+                raise MemoryError("could not wrap the model's memory map in a ggml buffer")
+            for name in names:
+                addr = by_name[name].data.ctypes.data
+                ggml.ggml_backend_tensor_alloc(self.buffer, self.tensors[name], ctypes.c_void_p(addr))
+        else:
+            self.buffer = ggml.ggml_backend_alloc_ctx_tensors(self.ctx, backend)
+            if not self.buffer:
+                raise MemoryError("could not allocate the weight buffer")
+            for name in names:
+                set_tensor(self.tensors[name], by_name[name].data)
 
     def get(self, name: str):
         return self.tensors.get(name)
 
     def free(self) -> None:
         if self.buffer:
-            ggml.ggml_backend_buffer_free(self.buffer)
+            ggml.ggml_backend_buffer_free(self.buffer)  # for a mapped buffer this frees only ggml's handle
             self.buffer = None
         if self.ctx:
             ggml.ggml_free(self.ctx)

@@ -59,7 +59,7 @@ class GgmlStage:
     """
 
     def __init__(self, path: str, layers: LayerRange, n_threads: int = 2, n_ctx: int = 0,
-                 n_ubatch: int = 512) -> None:
+                 n_ubatch: int = 512, use_mmap: bool = True) -> None:
         reader = open_gguf(path)
         self.cfg = ModelConfig.from_reader(reader)
         if layers.end > self.cfg.n_layer:
@@ -72,8 +72,9 @@ class GgmlStage:
         self.n_ubatch = max(1, n_ubatch)
         self.backend = cpu_backend(n_threads)
         selection = stage_tensor_names(reader, layers, self.cfg.n_layer)
-        self.weights = StageWeights(reader, selection.names, self.backend)
-        drop_pages(reader)  # only this range's weights, copied into the backend buffer, stay resident
+        self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=use_mmap)
+        if not use_mmap:
+            drop_pages(reader)  # the copies are what stays resident, not the file pages read to make them
 
     def kv_bytes_per_session(self) -> int:
         return KVCache.bytes_needed(self.layers, self.cfg.n_embd_k_gqa, self.cfg.n_embd_v_gqa, self.n_ctx)
@@ -154,7 +155,8 @@ class GgmlEngine(ShardEngine):
             raise EngineError(Status.INVALID_ARGUMENT,
                               f"{spec.path} has sha256 {sha}, expected {spec.artifact.sha256}")
         try:
-            stage = GgmlStage(spec.path, spec.artifact.layers, spec.n_threads, spec.n_ctx, spec.n_ubatch)
+            stage = GgmlStage(spec.path, spec.artifact.layers, spec.n_threads, spec.n_ctx, spec.n_ubatch,
+                              spec.use_mmap)
         except (GGUFError, FileNotFoundError) as e:
             raise EngineError(Status.INVALID_ARGUMENT, str(e)) from None
         if self.stage is not None:

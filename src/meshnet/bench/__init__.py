@@ -1,0 +1,1 @@
+"""Benchmarks: each writes its figures as JSON (speed and memory are measured here, never asserted in tests)."""

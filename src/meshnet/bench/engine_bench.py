@@ -1,0 +1,174 @@
+"""``meshnet bench engine``: prefill and decode speed of the ggml engine for 1 and N in-process stages,
+resident memory per stage, and llama.cpp's figures on the same file in the same run.
+
+Method (mirrors the golden README's reference speed): a ``--prompt-tokens`` prompt as one batch, then
+``--decode-tokens`` single-token greedy decode steps; the median of ``--repeats`` runs after one
+warm-up. llama.cpp (llama-cpp-python, an optional extra) runs in its own process because its ggml
+libraries and ggml-python's must never share one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from meshnet.contract import GREEDY, StepRequest
+from meshnet.model.bundled import resolve_model
+from meshnet.model.gguf_file import sha256_file
+
+# Public-domain-style filler text; repeated until the prompt has enough tokens.
+FILLER = ("On a quiet morning in early spring, the old lighthouse keeper climbed the spiral stairs one last "
+          "time. For forty years he had polished the great lens, trimmed the wicks, and written the weather "
+          "into a leather notebook that smelled of salt and lamp oil. ")
+
+
+def bench_prompt_ids(model_path: str, n_tokens: int) -> list[int]:
+    """``n_tokens`` token ids of English text for ``model_path``'s vocabulary."""
+    from meshnet.tokenizer import GGUFTokenizer
+
+    tok = GGUFTokenizer.from_gguf(model_path)
+    text = FILLER
+    while len(ids := tok.encode(text)) < n_tokens:
+        text += FILLER
+    return ids[:n_tokens]
+
+
+def time_chain(chain, prompt_ids: list[int], n_decode: int, repeats: int) -> dict:
+    """Median prefill and decode tokens/s of greedy runs on a LocalChain (after one warm-up run)."""
+    prefill, decode = [], []
+    for i in range(repeats + 1):
+        sid = uuid.uuid4().hex
+        t0 = time.perf_counter()
+        res = chain.step(StepRequest(sid, 0, 0, tuple(prompt_ids), sampling=GREEDY), decode=False)
+        t1 = time.perf_counter()
+        if not res.ok:
+            raise RuntimeError(f"prefill failed: {res.status.value} {res.message}")
+        pos, tok = len(prompt_ids), res.token.token_id
+        t2 = time.perf_counter()
+        for _ in range(n_decode):
+            res = chain.step(StepRequest(sid, 0, pos, (tok,), sampling=GREEDY), decode=True)
+            if not res.ok:
+                raise RuntimeError(f"decode failed: {res.status.value} {res.message}")
+            pos, tok = pos + 1, res.token.token_id
+        t3 = time.perf_counter()
+        chain.release(sid)
+        if i:  # the first run warms caches and builds graphs
+            prefill.append(len(prompt_ids) / (t1 - t0))
+            decode.append(n_decode / (t3 - t2))
+    return {"prefill_tokens_per_s": round(statistics.median(prefill), 2),
+            "decode_tokens_per_s": round(statistics.median(decode), 2),
+            "prefill_runs": [round(x, 2) for x in prefill], "decode_runs": [round(x, 2) for x in decode]}
+
+
+def _rss_child(model: str, layers: str, threads: int, n_tokens: int) -> None:
+    """Child process: load one range, run a 128-token prefill through it (so every weight page it
+    reads is resident, plus a KV cache and compute buffers), print RSS before and after as JSON."""
+    import numpy as np
+
+    from meshnet.contract import LayerRange
+    from meshnet.engine.ggml_engine import GgmlStage
+
+    def rss() -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    before = rss()
+    st = GgmlStage(model, LayerRange.parse(layers), n_threads=threads, n_ctx=512)
+    kv = st.new_session()
+    loaded = rss()
+    ids = list(range(100, 100 + n_tokens))  # the ids do not matter for memory; no tokenizer in this process
+    if st.is_head:
+        st.forward(kv, 0, token_ids=np.asarray(ids, dtype=np.int32))
+    else:
+        st.forward(kv, 0, hidden=np.zeros((len(ids), st.cfg.n_embd), dtype=np.float32))
+    print(json.dumps({"layers": layers, "rss_before_load_bytes": before, "rss_after_load_bytes": loaded,
+                      "rss_bytes": rss(),
+                      "weight_bytes": st.weights.nbytes, "kv_bytes": kv.cache.nbytes}))
+
+
+def measure_rss(model: str, layers: str, threads: int, n_tokens: int = 128) -> dict:
+    """Resident memory of a fresh process holding only ``layers`` after an ``n_tokens`` prefill
+    (bytes, from /proc on Linux). ``rss_for_range_bytes`` excludes the interpreter and imports."""
+    out = subprocess.run([sys.executable, "-c", "import sys; from meshnet.bench.engine_bench import _rss_child; "
+                          "_rss_child(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))",
+                          model, layers, str(threads), str(n_tokens)],
+                         capture_output=True, text=True, check=True)
+    d = json.loads(out.stdout.strip().splitlines()[-1])
+    d["rss_for_range_bytes"] = d["rss_bytes"] - d["rss_before_load_bytes"]
+    return d
+
+
+def llama_cpp_reference(model: str, prompt_ids: list[int], n_decode: int, threads: int, repeats: int) -> dict:
+    """llama.cpp's prefill/decode tokens/s on the same ids, in a separate process."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return {"skipped": "llama-cpp-python is not installed (pip install 'meshnet[llamacpp]')"}
+    cmd = [sys.executable, "-m", "meshnet.bench.llamacpp_ref", model, json.dumps(prompt_ids), str(n_decode),
+           str(threads), str(repeats)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"skipped": f"llama.cpp reference failed: {out.stderr.strip()[-500:]}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_engine_bench(args: argparse.Namespace) -> int:
+    from meshnet.local_mesh import load_local_chain, plan_ranges
+
+    model = str(resolve_model(args.model))
+    prompt_ids = bench_prompt_ids(model, args.prompt_tokens)
+    n_ctx = 512 if args.prompt_tokens + args.decode_tokens <= 512 else 0
+    result: dict = {
+        "benchmark": "engine", "model": args.model, "path": model, "sha256": sha256_file(model),
+        "threads": args.threads, "prompt_tokens": len(prompt_ids), "decode_tokens": args.decode_tokens,
+        "repeats": args.repeats, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "meshnet": {},
+    }
+    for n_stages in (1, args.stages):
+        ranges = plan_ranges(model, n_stages)
+        chain = load_local_chain(model, ranges, n_threads=args.threads, n_ctx=n_ctx, progress=False)
+        key = f"{n_stages}_stage" + ("s" if n_stages > 1 else "")
+        result["meshnet"][key] = {"layers": [str(r) for r in ranges],
+                                  **time_chain(chain, prompt_ids, args.decode_tokens, args.repeats)}
+        print(f"[bench] {key}: {result['meshnet'][key]}", file=sys.stderr)
+        del chain
+    whole = plan_ranges(model, 1)[0]
+    n = len(prompt_ids)
+    result["rss"] = {"whole_model": measure_rss(model, str(whole), args.threads, n),
+                     "stages": [measure_rss(model, str(r), args.threads, n) for r in plan_ranges(model, args.stages)]}
+    whole = result["rss"]["whole_model"]
+    for s in result["rss"]["stages"]:
+        s["fraction_of_whole_model_rss"] = round(s["rss_bytes"] / whole["rss_bytes"], 3)
+        s["fraction_of_whole_model_rss_for_range"] = round(s["rss_for_range_bytes"] / whole["rss_for_range_bytes"], 3)
+    one = result["meshnet"]["1_stage"]
+    multi = result["meshnet"][f"{args.stages}_stages"] if args.stages > 1 else one
+    result["ratios"] = {f"{args.stages}_stages_vs_1_decode": round(multi["decode_tokens_per_s"] /
+                                                                   one["decode_tokens_per_s"], 3),
+                        f"{args.stages}_stages_vs_1_prefill": round(multi["prefill_tokens_per_s"] /
+                                                                    one["prefill_tokens_per_s"], 3)}
+    if args.no_llama_cpp:
+        result["llama_cpp"] = {"skipped": "--no-llama-cpp"}
+    else:
+        result["llama_cpp"] = llama_cpp_reference(model, prompt_ids, args.decode_tokens, args.threads,
+                                                  args.repeats)
+    ref = result["llama_cpp"]
+    if "decode_tokens_per_s" in ref:
+        result["ratios"]["1_stage_vs_llama_cpp_decode"] = round(one["decode_tokens_per_s"] /
+                                                                ref["decode_tokens_per_s"], 3)
+        result["ratios"]["1_stage_vs_llama_cpp_prefill"] = round(one["prefill_tokens_per_s"] /
+                                                                 ref["prefill_tokens_per_s"], 3)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["ratios"]), file=sys.stderr)
+    print(f"[bench] wrote {out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,140 @@
+"""The ``meshnet`` command line: where a user's request enters.
+
+Subcommands: ``generate`` (complete a prompt on an in-process chain of layer ranges) and ``bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from meshnet.contract import SamplingParams
+from meshnet.model.bundled import DEFAULT_MODEL, ModelNotFound, resolve_model
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (llama.cpp's defaults; --temperature 0 is greedy)")
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=40, help="0 = off")
+    g.add_argument("--top-p", type=float, default=0.95, help="1 = off")
+    g.add_argument("--min-p", type=float, default=0.05, help="0 = off")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="1 = off")
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None, help="makes sampled runs reproducible")
+
+
+def _sampling_from(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, seed=args.seed)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="a GGUF path or a bundled name (smollm2, gemma3-270m); default %(default)s")
+    split = p.add_mutually_exclusive_group()
+    split.add_argument("--stages", type=int, default=None, help="split the layers evenly into N ranges")
+    split.add_argument("--layers", default=None, help='explicit half-open ranges, e.g. "0:10,10:20,20:30"')
+    p.add_argument("--threads", type=int, default=2, help="CPU threads per stage")
+    p.add_argument("--n-ctx", type=int, default=0, help="context length (0 = model's, capped at 4096)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshnet", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete a prompt, streaming the text to stdout")
+    gen.add_argument("prompt")
+    _add_model_args(gen)
+    _add_sampling_args(gen)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the GGUF's chat template")
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
+    gen.add_argument("--json", action="store_true",
+                     help="after the text, print one JSON object with token ids, text and timings")
+
+    bench = sub.add_parser("bench", help="benchmarks that write JSON")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    be = bsub.add_parser("engine", help="prefill/decode tokens/s for 1 and 3 stages, RSS per stage, llama.cpp")
+    be.add_argument("--model", default=DEFAULT_MODEL)
+    be.add_argument("--threads", type=int, default=2)
+    be.add_argument("--stages", type=int, default=3, help="the multi-stage configuration to compare")
+    be.add_argument("--prompt-tokens", type=int, default=128)
+    be.add_argument("--decode-tokens", type=int, default=64)
+    be.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
+    be.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
+    be.add_argument("--out", default="bench-results/engine.json")
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from meshnet.generation import Generation, GenerationError
+    from meshnet.local_mesh import load_local_chain, plan_ranges
+    from meshnet.tokenizer import GGUFTokenizer
+
+    if args.max_tokens < 1:
+        print(f"error: --max-tokens must be >= 1, got {args.max_tokens}", file=sys.stderr)
+        return 2
+    sampling = _sampling_from(args)
+    problem = sampling.validate()
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    path = str(resolve_model(args.model))
+    ranges = plan_ranges(path, args.stages, args.layers)
+    tok = GGUFTokenizer.from_gguf(path)
+    if args.chat:
+        from meshnet.chat_template import chat_prompt_ids
+        prompt_ids = chat_prompt_ids(tok, [{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = tok.encode(args.prompt)
+    chain = load_local_chain(path, ranges, n_threads=args.threads, n_ctx=args.n_ctx,
+                             progress=sys.stderr.isatty())
+    n_ctx = chain.stages[0].capabilities().n_ctx
+    if len(prompt_ids) >= n_ctx:
+        print(f"error: the prompt has {len(prompt_ids)} tokens but the context holds {n_ctx}; "
+              "shorten it or raise --n-ctx", file=sys.stderr)
+        return 2
+    print(f"[meshnet] {args.model}: {len(ranges)} stage(s) {', '.join(str(r) for r in ranges)}, "
+          f"{len(prompt_ids)} prompt tokens", file=sys.stderr)
+    gen = Generation(chain, tok, prompt_ids, min(args.max_tokens, n_ctx - len(prompt_ids)), sampling,
+                     stop_at_eog=not args.ignore_eos)
+    try:
+        for ev in gen:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+    except GenerationError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
+    r = gen.result
+    sys.stdout.write("\n")
+    print(f"[meshnet] {len(r.generated_token_ids)} tokens, finish_reason={r.finish_reason}, "
+          f"prefill {r.prefill_tokens_per_s:.1f} tok/s, decode {r.decode_tokens_per_s:.1f} tok/s",
+          file=sys.stderr)
+    if args.json:
+        print(json.dumps({"prompt_token_ids": r.prompt_token_ids, "generated_token_ids": r.generated_token_ids,
+                          "text": r.text, "finish_reason": r.finish_reason,
+                          "layers": [str(x) for x in ranges], "timings": r.timings()}, ensure_ascii=False))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "bench" and args.bench == "engine":
+            from meshnet.bench.engine_bench import run_engine_bench
+            return run_engine_bench(args)
+    except (ModelNotFound, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

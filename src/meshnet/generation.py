@@ -1,0 +1,146 @@
+"""The generation loop: prefill the prompt, decode token by token, stop, detokenize as a stream.
+
+It drives any *mesh client* — an object with ``step(req, decode) -> StepResult``, ``cancel(session_id)``
+and ``release(session_id)`` — so the same loop runs over an in-process :class:`~meshnet.chain.LocalChain`
+or a remote mesh. Every exit path (finish, error, the caller closing the stream) releases the session.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Iterator, Protocol, Sequence
+
+from meshnet.contract import SampledToken, SamplingParams, StepRequest, StepResult, Status
+from meshnet.tokenizer import GGUFTokenizer
+
+
+class MeshClient(Protocol):
+    def step(self, req: StepRequest, decode: bool) -> StepResult: ...
+
+    def cancel(self, session_id: str) -> None: ...
+
+    def release(self, session_id: str) -> None: ...
+
+
+class GenerationError(RuntimeError):
+    """A step failed with a non-OK status; ``status`` and the stage's message are kept."""
+
+    def __init__(self, status: Status, message: str):
+        super().__init__(f"{status.value}: {message}")
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token and the text it completes (may be "" while a UTF-8 character is split)."""
+
+    token: SampledToken
+    text: str
+
+
+@dataclass
+class GenerationResult:
+    """Outcome of one generation. Times in seconds; ``finish_reason`` is "stop" (end-of-generation
+    token) or "length" (max_tokens reached)."""
+
+    prompt_token_ids: list[int]
+    generated_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    tokens: list[SampledToken] = field(default_factory=list)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return len(self.prompt_token_ids) / self.ttft_s if self.ttft_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = len(self.generated_token_ids) - 1  # the first token comes from the prefill
+        return n / self.decode_s if n > 0 and self.decode_s else 0.0
+
+    def timings(self) -> dict:
+        return {"ttft_s": round(self.ttft_s, 6), "decode_s": round(self.decode_s, 6),
+                "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
+                "decode_tokens_per_s": round(self.decode_tokens_per_s, 2)}
+
+
+class Generation:
+    """Iterate over :class:`TokenEvent` for one prompt; ``result`` is complete once iteration ends.
+
+    Args:
+        client: the mesh client.
+        tokenizer: for stop tokens and streaming text.
+        prompt_ids: token ids ``[n_prompt]`` (BOS already applied).
+        max_tokens: upper bound on generated tokens (>= 1).
+        stop_at_eog: stop after any end-of-generation token (not included in the text).
+    Raises (during iteration):
+        GenerationError: a stage answered with a non-OK status.
+    """
+
+    def __init__(self, client: MeshClient, tokenizer: GGUFTokenizer, prompt_ids: Sequence[int],
+                 max_tokens: int, sampling: SamplingParams = SamplingParams(), stop_at_eog: bool = True,
+                 session_id: str | None = None) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not prompt_ids:
+            raise ValueError("the prompt has no tokens")
+        self.client, self.tokenizer = client, tokenizer
+        self.sampling, self.max_tokens, self.stop_at_eog = sampling, max_tokens, stop_at_eog
+        self.session_id = session_id or uuid.uuid4().hex
+        self.result = GenerationResult(prompt_token_ids=[int(t) for t in prompt_ids])
+
+    def _step(self, position: int, tokens: list[int], decode: bool, step_id: int) -> SampledToken:
+        req = StepRequest(self.session_id, epoch=0, position=position, token_ids=tuple(tokens),
+                          sampling=self.sampling, step_id=step_id)
+        res = self.client.step(req, decode)
+        if not res.ok:
+            raise GenerationError(res.status, res.message)
+        assert res.token is not None
+        return res.token
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        r = self.result
+        stream = self.tokenizer.stream_decoder()
+        parts: list[str] = []
+        t0 = time.perf_counter()
+        try:
+            tok = self._step(0, r.prompt_token_ids, decode=False, step_id=0)
+            r.ttft_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            position = len(r.prompt_token_ids)
+            while True:
+                if self.stop_at_eog and self.tokenizer.is_eog(tok.token_id):
+                    r.finish_reason = "stop"
+                    break
+                r.generated_token_ids.append(tok.token_id)
+                r.tokens.append(tok)
+                piece = stream.feed(tok.token_id)
+                parts.append(piece)
+                yield TokenEvent(tok, piece)
+                if len(r.generated_token_ids) >= self.max_tokens:
+                    r.finish_reason = "length"
+                    break
+                tok = self._step(position, [tok.token_id], decode=True, step_id=len(r.generated_token_ids))
+                position += 1
+            r.decode_s = time.perf_counter() - t1
+            tail = stream.flush()
+            if tail:
+                parts.append(tail)
+                yield TokenEvent(r.tokens[-1], tail)
+            r.text = "".join(parts)
+        finally:
+            self.client.release(self.session_id)
+
+
+def generate(client: MeshClient, tokenizer: GGUFTokenizer, prompt_ids: Sequence[int], max_tokens: int,
+             sampling: SamplingParams = SamplingParams(), stop_at_eog: bool = True) -> GenerationResult:
+    """Run a whole generation and return its result (see :class:`Generation`)."""
+    gen = Generation(client, tokenizer, prompt_ids, max_tokens, sampling, stop_at_eog)
+    for _ in gen:
+        pass
+    return gen.result

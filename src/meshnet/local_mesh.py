@@ -1,0 +1,57 @@
+"""Build an in-process mesh: load each layer range of a GGUF as its own ggml engine and chain them."""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from tqdm import tqdm
+
+from meshnet.chain import LocalChain
+from meshnet.contract import ArtifactId, LayerRange, LoadSpec, split_layers
+from meshnet.engine.ggml_engine import GgmlEngine
+from meshnet.model.gguf_file import open_gguf
+from meshnet.model.hparams import ModelConfig
+
+
+def plan_ranges(model_path: str, stages: int | None = None, layers: str | None = None) -> list[LayerRange]:
+    """Layer ranges from ``--layers "0:10,10:20,20:30"`` or an even split into ``--stages N``.
+
+    Raises:
+        ValueError: ranges that do not tile ``[0, n_layer)`` contiguously, or a bad stage count; the
+            message names the problem.
+    """
+    n_layer = ModelConfig.from_reader(open_gguf(model_path)).n_layer
+    if layers:
+        ranges = [LayerRange.parse(part.strip()) for part in layers.split(",") if part.strip()]
+        expect = 0
+        for r in ranges:
+            if r.start != expect:
+                raise ValueError(f"layer ranges must tile [0, {n_layer}) in order: {r} starts at "
+                                 f"{r.start}, expected {expect}")
+            expect = r.end
+        if expect != n_layer:
+            raise ValueError(f"layer ranges end at {expect} but the model has {n_layer} layers")
+        return ranges
+    return split_layers(n_layer, stages or 1)
+
+
+def load_local_chain(model_path: str, ranges: Sequence[LayerRange], n_threads: int = 2, n_ctx: int = 0,
+                     progress: bool = True, **spec_kw) -> LocalChain:
+    """Load one :class:`GgmlEngine` per range (progress on stderr) and chain them.
+
+    Raises:
+        ValueError: a stage failed to load; the message is the engine's (bad file, range, type).
+    """
+    engines = []
+    bar = tqdm(ranges, desc="loading layer ranges", unit="stage", file=sys.stderr, disable=not progress,
+               leave=False)
+    for r in bar:
+        bar.set_postfix_str(f"layers {r}")
+        eng = GgmlEngine()
+        out = eng.load(LoadSpec(path=str(model_path), artifact=ArtifactId("", r), n_threads=n_threads,
+                                n_ctx=n_ctx, **spec_kw))
+        if not out.ok:
+            raise ValueError(out.message)
+        engines.append(eng)
+    return LocalChain(engines)
