@@ -132,7 +132,7 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
                 reader = _CheckedReader(str(p), "r")
             except GGUFError:
                 raise
-            except (ValueError, IndexError, OverflowError) as e:
+            except (ValueError, IndexError, OverflowError, struct.error) as e:
                 raise GGUFError(f"{p}: truncated or corrupt GGUF header ({e})") from None
             _READERS[key] = reader
         return reader
@@ -160,7 +160,8 @@ def string_array(reader: gguf.GGUFReader, key: str) -> list[str] | None:
 def array_length(reader: gguf.GGUFReader, key: str) -> int | None:
     """Element count of an array metadata value, without reading the elements."""
     field = reader.get_field(key)
-    return None if field is None else int(field.parts[1][0])
+    # parts: key length, key bytes, value type, item type, item count, items...
+    return None if field is None else int(field.parts[4][0])
 
 
 def drop_pages(reader: gguf.GGUFReader) -> None:

@@ -1,0 +1,110 @@
+"""Broken model files and bad requests get clear errors naming what is wrong, never a crash."""
+
+from __future__ import annotations
+
+import shutil
+
+import gguf
+import pytest
+
+from conftest import GOLDEN_DIR
+from meshnet.contract import ArtifactId, LayerRange, LoadSpec, Status
+from meshnet.engine.ggml_engine import GgmlEngine, GgmlStage
+from meshnet.model.gguf_file import GGUFError
+
+TINY = GOLDEN_DIR / "models" / "tiny-llama-q8_0.gguf"
+pytestmark = pytest.mark.skipif(not TINY.is_file(), reason=f"{TINY} not found")
+
+
+def _load(path, layers=LayerRange(0, 4)):
+    eng = GgmlEngine()
+    return eng, eng.load(LoadSpec(path=str(path), artifact=ArtifactId("", layers)))
+
+
+def _first_tensor_past(path, size: int) -> str:
+    r = gguf.GGUFReader(str(path))
+    return next(t.name for t in r.tensors if t.data_offset + t.n_bytes > size)
+
+
+def test_truncated_gguf_names_the_first_tensor_past_the_end(tmp_path):
+    data = TINY.read_bytes()
+    cut = len(data) // 2
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(data[:cut])
+    _, out = _load(bad)
+    assert out.status is Status.INVALID_ARGUMENT
+    assert "truncated" in out.message
+    assert repr(_first_tensor_past(TINY, cut)) in out.message
+
+
+def test_file_that_is_not_gguf(tmp_path):
+    bad = tmp_path / "notes.gguf"
+    bad.write_bytes(b"hello, this is text\n" * 10)
+    _, out = _load(bad)
+    assert out.status is Status.INVALID_ARGUMENT
+    assert "is not a GGUF file" in out.message and "b'hell'" in out.message
+
+
+def test_missing_file():
+    _, out = _load("/nonexistent/model.gguf")
+    assert out.status is Status.INVALID_ARGUMENT and "/nonexistent/model.gguf" in out.message
+
+
+def _patched(tmp_path, old: bytes, new: bytes, name: str):
+    data = TINY.read_bytes()
+    assert data.count(old) >= 1 and len(old) == len(new)
+    path = tmp_path / name
+    path.write_bytes(data.replace(old, new, 1))
+    return path
+
+
+def test_unsupported_architecture_is_named_with_the_supported_list(tmp_path):
+    # general.architecture's value is the first length-prefixed "llama" string in the header.
+    path = _patched(tmp_path, b"\x05\x00\x00\x00\x00\x00\x00\x00llama", b"\x05\x00\x00\x00\x00\x00\x00\x00mamba",
+                    "mamba.gguf")
+    _, out = _load(path)
+    assert out.status is Status.INVALID_ARGUMENT
+    assert "unsupported architecture 'mamba'" in out.message
+    for arch in ("gemma3", "llama", "phi3", "qwen2", "qwen3"):
+        assert arch in out.message
+
+
+def test_unsupported_tensor_type_is_named_with_the_supported_list(tmp_path):
+    # Retype blk.0.attn_q.weight (64x256 Q8_0) as IQ4_NL: same block size, smaller, so the file still
+    # parses; the engine must refuse the type by name.
+    name = b"blk.0.attn_q.weight"
+    data = bytearray(TINY.read_bytes())
+    i = data.index(name) + len(name)
+    n_dims = int.from_bytes(data[i:i + 4], "little")
+    t = i + 4 + 8 * n_dims
+    assert int.from_bytes(data[t:t + 4], "little") == gguf.GGMLQuantizationType.Q8_0
+    data[t:t + 4] = int(gguf.GGMLQuantizationType.IQ4_NL).to_bytes(4, "little")
+    path = tmp_path / "iq4nl.gguf"
+    path.write_bytes(bytes(data))
+    _, out = _load(path)
+    assert out.status is Status.INVALID_ARGUMENT
+    assert "'blk.0.attn_q.weight' has type IQ4_NL" in out.message and "Q4_K" in out.message
+
+
+def test_layer_range_outside_the_model():
+    _, out = _load(TINY, LayerRange(2, 9))
+    assert out.status is Status.INVALID_ARGUMENT
+    assert "[2, 9)" in out.message and "4 layers" in out.message
+    with pytest.raises(GGUFError, match="outside the model"):
+        GgmlStage(str(TINY), LayerRange(0, 5))
+
+
+def test_wrong_sha256_is_refused():
+    eng = GgmlEngine()
+    out = eng.load(LoadSpec(path=str(TINY), artifact=ArtifactId("0" * 64, LayerRange(0, 4))))
+    assert out.status is Status.INVALID_ARGUMENT and "expected " + "0" * 64 in out.message
+
+
+def test_engine_keeps_serving_after_a_bad_load(tmp_path):
+    bad = tmp_path / "copy.gguf"
+    shutil.copy(TINY, bad)
+    bad.write_bytes(bad.read_bytes()[:1000])
+    eng, out = _load(bad)
+    assert out.status is Status.INVALID_ARGUMENT
+    assert eng.load(LoadSpec(path=str(TINY), artifact=ArtifactId("", LayerRange(0, 4)))).ok
+    assert eng.health().healthy

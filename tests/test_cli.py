@@ -1,0 +1,68 @@
+"""The ``meshnet`` command as a user runs it (a subprocess), on a tiny model and on SmolLM2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import GOLDEN_DIR, load_golden
+
+TINY = GOLDEN_DIR / "models" / "tiny-qwen2-q4_0.gguf"
+
+
+def meshnet(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshnet.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _json_line(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not TINY.is_file(), reason="tiny models not found")
+def test_generate_json_on_tiny_model_matches_llama_cpp():
+    golden = load_golden("tiny-qwen2-q4_0")["prompts"][3]
+    out = _json_line(meshnet("generate", "--model", str(TINY), "--layers", "0:1,1:3,3:4", "--temperature", "0",
+                             "--max-tokens", "64", "--ignore-eos", "--json", golden["prompt"]))
+    assert out["prompt_token_ids"] == golden["prompt_ids"]
+    assert out["generated_token_ids"] == golden["greedy_ids"]
+    assert out["layers"] == ["0:1", "1:3", "3:4"]
+    assert out["finish_reason"] == "length"
+
+
+def test_generate_bundled_model_three_stages(smollm2_path):
+    golden = load_golden("SmolLM2-135M-Instruct.Q4_1")["prompts"][0]
+    proc = meshnet("generate", "--stages", "3", "--temperature", "0", "--max-tokens", "12", "--json",
+                   golden["prompt"])
+    out = _json_line(proc)
+    assert out["generated_token_ids"] == golden["greedy_ids"][:12]
+    assert out["text"].startswith(" Paris.")
+    assert proc.stdout.startswith(" Paris.")  # streamed before the JSON line
+    assert out["timings"]["decode_tokens_per_s"] > 0
+
+
+def test_chat_stops_at_end_of_turn(smollm2_path):
+    out = _json_line(meshnet("generate", "--chat", "--temperature", "0", "--max-tokens", "200", "--json",
+                             "Say hello."))
+    assert out["finish_reason"] == "stop"
+    assert 2 not in out["generated_token_ids"]  # <|im_end|> ends the reply and is not part of it
+    assert "<|im" not in out["text"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/no/such/model.gguf"], "neither a file nor a bundled model"),
+    (["--layers", "0:10,12:30"], "must tile [0, 30)"),
+    (["--stages", "31"], "cannot split 30 layers into 31 stages"),
+    (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--n-ctx", "8"], "the prompt has"),
+])
+def test_bad_arguments_are_named(smollm2_path, args, message):
+    proc = meshnet("generate", *args, "The capital of France is, as everyone knows,")
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
