@@ -1,12 +1,14 @@
 """The ``meshnet`` command line: where a user's request enters.
 
-Subcommands: ``generate`` (complete a prompt on an in-process chain of layer ranges) and ``bench``.
+Subcommands: ``generate`` (complete a prompt, in process or through a running mesh), ``up`` (a whole
+local mesh), ``tracker``, ``node`` and ``bench``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from meshnet.contract import SamplingParams
@@ -54,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
     gen.add_argument("--json", action="store_true",
                      help="after the text, print one JSON object with token ids, text and timings")
+    gen.add_argument("--tracker", default=None,
+                     help="HOST:PORT of a running mesh's tracker (default: run the stages in this process)")
+    gen.add_argument("--wait", type=float, default=0.0,
+                     help="with --tracker: seconds to wait for a complete route before giving up")
+    gen.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
+    gen.add_argument("--tls-ca", default=None, help="CA/cert to verify TLS tracker and nodes")
+    gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -66,7 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     be.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
     be.add_argument("--out", default="bench-results/engine.json")
+    be.set_defaults(func=_run_engine_bench)
+
+    from meshnet.node.runner import add_node_parser
+    from meshnet.tracker.service import add_tracker_parser
+    from meshnet.up import add_up_parser
+
+    add_up_parser(sub)
+    add_tracker_parser(sub)
+    add_node_parser(sub)
     return parser
+
+
+def _run_engine_bench(args: argparse.Namespace) -> int:
+    from meshnet.bench.engine_bench import run_engine_bench
+
+    return run_engine_bench(args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -90,9 +114,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = chat_prompt_ids(tok, [{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tok.encode(args.prompt)
-    chain = load_local_chain(path, ranges, n_threads=args.threads, n_ctx=args.n_ctx,
-                             progress=sys.stderr.isatty())
-    n_ctx = chain.stages[0].capabilities().n_ctx
+    if args.tracker:
+        from meshnet.client.mesh_client import MeshClient
+        from meshnet.model.gguf_file import sha256_file
+        from meshnet.up import wait_for_route
+
+        if args.wait:
+            wait_for_route(args.tracker, args.wait, args.join_token, progress=sys.stderr.isatty())
+        chain = MeshClient(args.tracker, model_sha256=sha256_file(path), join_token=args.join_token,
+                           tls_ca=args.tls_ca)
+        _, hops = chain.route()
+        ranges = [f"{h.node_id}@{h.address}" for h in hops]
+        n_ctx = _remote_n_ctx(hops)
+    else:
+        chain = load_local_chain(path, ranges, n_threads=args.threads, n_ctx=args.n_ctx,
+                                 progress=sys.stderr.isatty())
+        n_ctx = chain.stages[0].capabilities().n_ctx
     if len(prompt_ids) >= n_ctx:
         print(f"error: the prompt has {len(prompt_ids)} tokens but the context holds {n_ctx}; "
               "shorten it or raise --n-ctx", file=sys.stderr)
@@ -105,7 +142,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for ev in gen:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
-    except GenerationError as e:
+    except (GenerationError, RuntimeError) as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
     r = gen.result
@@ -120,20 +157,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _remote_n_ctx(hops) -> int:
+    """The smallest context length along a route (every stage must hold the whole session)."""
+    from meshnet.proto import meshnet_pb2 as pb
+
+    return min(h.stub.GetCapabilities(pb.Empty(), timeout=5).n_ctx for h in hops)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "generate":
-            return cmd_generate(args)
-        if args.command == "bench" and args.bench == "engine":
-            from meshnet.bench.engine_bench import run_engine_bench
-            return run_engine_bench(args)
-    except (ModelNotFound, ValueError, FileNotFoundError) as e:
+        return args.func(args)
+    except (ModelNotFound, ValueError, FileNotFoundError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# Regenerate src/meshnet/proto/meshnet_pb2*.py from meshnet.proto (needs grpcio-tools).
+set -euo pipefail
+cd "$(dirname "$0")/../src"
+python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. meshnet/proto/meshnet.proto

@@ -1,0 +1,207 @@
+"""The mesh client: route sessions through remote nodes and survive a node dying mid-generation.
+
+Data path (client-orchestrated): for each step the client sends the request to hop 0, takes the
+hidden states it returns and sends them to hop 1, and so on; the tail returns a sampled token. The
+client therefore sees every stage's input and records it per session. When a node fails, the client
+asks the tracker for a new route (epoch + 1, excluding the dead node), keeps the hops before the first
+changed one (their KV caches are intact), and replays the recorded steps from that boundary on: the
+prompt as the same prefill batch, then each generated token as its own decode step. Same inputs, same
+kernels, same batch shapes: the rebuilt KV cache is bit-identical, so greedy output equals an
+uninterrupted run token for token.
+
+Implements the generation loop's client interface (``step`` / ``cancel`` / ``release``), like the
+in-process :class:`~meshnet.chain.LocalChain`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+import grpc
+
+from meshnet.client.remote import RemoteStage, StageFailure
+from meshnet.contract import NamedTensor, Status, StepRequest, StepResult
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.wire.security import open_channel
+
+log = logging.getLogger("meshnet.client")
+
+
+class MeshUnavailable(RuntimeError):
+    """No complete route could be had (the message names the missing layers) within the deadline."""
+
+
+@dataclass
+class RecordedStep:
+    """One successful step of a session: the request (without hidden) and each hop's input."""
+
+    req: StepRequest
+    decode: bool
+    inputs: list[NamedTensor | None]  # inputs[i] = what hop i received (None on the head)
+
+
+@dataclass
+class SessionLog:
+    session_id: str
+    epoch: int
+    hops: list[RemoteStage]
+    steps: list[RecordedStep] = field(default_factory=list)
+
+
+class MeshClient:
+    """Client for a gRPC mesh found through a tracker.
+
+    Args:
+        tracker: ``HOST:PORT`` of the tracker.
+        model_sha256: which model to route for ("" = the only one served).
+        step_timeout_s: a hop that takes longer counts as failed.
+        failover_deadline_s: how long to keep looking for a replacement route before giving up with
+            :class:`MeshUnavailable`.
+    """
+
+    def __init__(self, tracker: str, model_sha256: str = "", join_token: str | None = None,
+                 tls_ca: str | None = None, step_timeout_s: float = 60.0, failover_deadline_s: float = 8.0) -> None:
+        self.tracker_address = tracker
+        self.model_sha256 = model_sha256
+        self.join_token, self.tls_ca = join_token, tls_ca
+        self.step_timeout_s = step_timeout_s
+        self.failover_deadline_s = failover_deadline_s
+        self._tracker = pb_grpc.TrackerStub(open_channel(tracker, join_token, tls_ca))
+        self._channels: dict[str, grpc.Channel] = {}
+        self._sessions: dict[str, SessionLog] = {}
+        self._lock = threading.Lock()
+        self.failovers = 0
+
+    # ---- routing -----------------------------------------------------------------------------
+    def _stage(self, hop: pb.Hop) -> RemoteStage:
+        with self._lock:
+            ch = self._channels.get(hop.address)
+            if ch is None:
+                ch = self._channels[hop.address] = open_channel(hop.address, self.join_token, self.tls_ca)
+        return RemoteStage(hop.node_id, hop.address, ch, self.step_timeout_s)
+
+    def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0) -> tuple[int, list[RemoteStage]]:
+        """A route from the tracker. Raises MeshUnavailable with the tracker's reason."""
+        try:
+            r = self._tracker.GetRoute(pb.RouteRequest(model_sha256=self.model_sha256,
+                                                       exclude_node_ids=sorted(exclude),
+                                                       previous_epoch=previous_epoch), timeout=5)
+        except grpc.RpcError as e:
+            raise MeshUnavailable(f"no route: {e.details() or e.code().name}") from None
+        return int(r.epoch), [self._stage(h) for h in r.hops]
+
+    # ---- the client interface ----------------------------------------------------------------
+    def step(self, req: StepRequest, decode: bool) -> StepResult:
+        """Run one step through the session's route, failing over as needed.
+
+        Raises:
+            MeshUnavailable: a node died and no replacement route appeared before the deadline (the
+                session is released on the surviving nodes first).
+        """
+        log_ = self._sessions.get(req.session_id)
+        if log_ is None:
+            if decode or req.position != 0:
+                return StepResult(Status.NOT_FOUND, f"session {req.session_id!r} is not open on this client")
+            epoch, hops = self.route()
+            log_ = self._sessions[req.session_id] = SessionLog(req.session_id, epoch, hops)
+        deadline: float | None = None
+        exclude: set[str] = set()
+        # What each hop received for this step, kept across attempts: after a failover the step resumes
+        # at the first changed hop, because the hops before it already ran this step.
+        step_inputs: list[NamedTensor | None] = [None] * len(log_.hops)
+        start = 0
+        while True:
+            try:
+                if deadline is not None:
+                    start = self._failover(log_, exclude, deadline)
+                    step_inputs = (step_inputs + [None] * len(log_.hops))[:len(log_.hops)]
+                result = self._run(log_, req, decode, start, step_inputs)
+                if result.ok:
+                    log_.steps.append(RecordedStep(replace(req, hidden=None), decode, list(step_inputs)))
+                else:
+                    self._abandon(log_)
+                return result
+            except StageFailure as f:
+                log.warning("session %s: %s; failing over", req.session_id, f)
+                deadline = deadline or time.monotonic() + self.failover_deadline_s
+                exclude.add(f.node_id)
+
+    def cancel(self, session_id: str) -> None:
+        log_ = self._sessions.get(session_id)
+        if log_ is not None:
+            for hop in log_.hops:
+                hop.cancel(session_id)
+
+    def release(self, session_id: str) -> None:
+        log_ = self._sessions.pop(session_id, None)
+        if log_ is not None:
+            for hop in log_.hops:
+                hop.release(session_id)
+
+    def close(self) -> None:
+        for sid in list(self._sessions):
+            self.release(sid)
+        for ch in self._channels.values():
+            ch.close()
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _run(self, log_: SessionLog, req: StepRequest, decode: bool, start: int,
+             inputs: list[NamedTensor | None]) -> StepResult:
+        """Run ``req`` through hops ``start..`` feeding hop ``start`` with ``inputs[start]``; fills in
+        ``inputs[i]`` for the later hops as their inputs are produced. Raises StageFailure."""
+        result = StepResult(Status.OK)
+        x = inputs[start]
+        for i in range(start, len(log_.hops)):
+            inputs[i] = x
+            r = replace(req, epoch=log_.epoch, hidden=x)
+            hop = log_.hops[i]
+            result = hop.decode(r) if decode else hop.prefill(r)
+            if not result.ok:
+                return result
+            x = result.hidden
+        return result
+
+    def _abandon(self, log_: SessionLog) -> None:
+        """A refused step may have advanced earlier hops: the session cannot continue consistently."""
+        self.release(log_.session_id)
+
+    def _failover(self, log_: SessionLog, exclude: set[str], deadline: float) -> int:
+        """Re-route (epoch + 1) and rebuild the session's KV on the changed hops by replaying the
+        recorded steps; returns the index of the first changed hop. Raises StageFailure when a node
+        fails during the replay (the caller fails over again) and MeshUnavailable past the deadline."""
+        while True:
+            try:
+                epoch, hops = self.route(exclude, log_.epoch)
+                break
+            except MeshUnavailable as e:
+                if time.monotonic() >= deadline:
+                    self._abandon(log_)
+                    raise MeshUnavailable(f"session {log_.session_id}: a node failed and no replacement "
+                                          f"route exists ({e})") from None
+                time.sleep(0.25)
+        old = log_.hops
+        first = 0
+        while (first < min(len(old), len(hops)) and old[first].node_id == hops[first].node_id
+               and old[first].node_id not in exclude):
+            first += 1
+        # Hops before `first` keep their caches; the replay starts at hop `first`'s input boundary.
+        # Tiling guarantees the new hop `first` starts where the old one did, whose inputs we recorded.
+        for hop in old[first:]:
+            if hop.node_id not in exclude:
+                hop.release(log_.session_id)
+        self.failovers += 1
+        log_.epoch, log_.hops = epoch, hops
+        log.info("session %s: epoch %d, replaying %d steps on hops %d..%d", log_.session_id, epoch,
+                 len(log_.steps), first, len(hops) - 1)
+        for rec in log_.steps:
+            inputs = (rec.inputs + [None] * len(hops))[:len(hops)]
+            res = self._run(log_, rec.req, rec.decode, first, inputs)
+            if not res.ok:
+                self._abandon(log_)
+                raise MeshUnavailable(f"session {log_.session_id}: replay refused: {res.status.value} {res.message}")
+            rec.inputs = inputs
+        return first

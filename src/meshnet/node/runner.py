@@ -1,0 +1,253 @@
+"""``meshnet node``: load a layer range, serve it over gRPC, register with the tracker and keep
+heart-beating; free idle sessions; on SIGTERM drain and deregister.
+
+Prints ``MESHNET_NODE_READY node_id=... address=HOST:PORT`` on stdout once serving, so a parent process
+(``meshnet up``, tests) can learn a port chosen by the OS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from meshnet.contract import ArtifactId, LayerRange, LoadSpec, StepRequest, split_layers
+from meshnet.engine.base import ShardEngine
+from meshnet.node.service import NodeService
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
+from meshnet.wire.security import JoinTokenInterceptor, TlsConfig, add_port, open_channel
+
+log = logging.getLogger("meshnet.node")
+
+
+@dataclass
+class NodeConfig:
+    """Everything a node needs to start (see ``meshnet node --help`` for each field)."""
+
+    model: str
+    layers: LayerRange | None
+    tracker: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise: str | None = None  # address other processes dial; default host:port
+    node_id: str | None = None
+    engine: str = "ggml"  # "ggml" or "fake" (protocol tests)
+    threads: int = 2
+    n_ctx: int = 0
+    max_sessions: int = 16
+    idle_timeout_s: float = 300.0
+    drain_timeout_s: float = 30.0
+    join_token: str | None = None
+    tls: TlsConfig | None = None
+    tls_ca: str | None = None
+    stages_hint: int = 0  # with layers None: split into this many stages and take the index below
+    stage_index: int = 0
+
+
+def build_engine(cfg: NodeConfig) -> tuple[ShardEngine, pb.ModelIdentity]:
+    """Load the engine for ``cfg``. Raises ValueError with the engine's message on a bad model/range."""
+    if cfg.engine == "fake":
+        from meshnet.engine.fake import FakeEngine, FakeModel
+
+        model = FakeModel()
+        layers = cfg.layers or LayerRange(0, model.n_layer)
+        eng = FakeEngine(model)
+        out = eng.load(LoadSpec(path="", artifact=ArtifactId(model.sha256, layers), max_sessions=cfg.max_sessions))
+        if not out.ok:
+            raise ValueError(out.message)
+        return eng, pb.ModelIdentity(sha256=model.sha256, architecture="fake", n_layer=model.n_layer)
+    from meshnet.engine.ggml_engine import GgmlEngine
+    from meshnet.model.bundled import resolve_model
+    from meshnet.model.gguf_file import open_gguf, sha256_file
+    from meshnet.model.hparams import ModelConfig
+
+    path = str(resolve_model(cfg.model))
+    mcfg = ModelConfig.from_reader(open_gguf(path))
+    layers = cfg.layers or split_layers(mcfg.n_layer, max(1, cfg.stages_hint))[cfg.stage_index]
+    sha = sha256_file(path)
+    eng = GgmlEngine()
+    out = eng.load(LoadSpec(path=path, artifact=ArtifactId(sha, layers), n_threads=cfg.threads, n_ctx=cfg.n_ctx,
+                            max_sessions=cfg.max_sessions))
+    if not out.ok:
+        raise ValueError(out.message)
+    return eng, pb.ModelIdentity(sha256=sha, architecture=mcfg.architecture, n_layer=mcfg.n_layer)
+
+
+def measure_decode_speed(engine: ShardEngine, steps: int = 8) -> float:
+    """Tokens/s of single-token steps on a scratch session (what routing compares nodes by)."""
+    import numpy as np
+
+    from meshnet.contract import NamedTensor
+
+    caps = engine.capabilities()
+    sid = f"speed-probe-{uuid.uuid4().hex}"
+    hidden = None if caps.is_head else NamedTensor.from_numpy("hidden", np.zeros((1, caps.n_embd), np.float32))
+    t0 = time.perf_counter()
+    n = 0
+    for i in range(steps):
+        req = StepRequest(sid, 0, i, (1,), hidden=hidden)
+        res = engine.prefill(req) if i == 0 else engine.decode(req)
+        if not res.ok:
+            break
+        n += 1
+    dt = time.perf_counter() - t0
+    engine.release(sid)
+    return n / dt if dt > 0 and n else 0.0
+
+
+class Node:
+    """A running node: server, tracker membership, idle sweeper. ``start()`` then ``stop()``."""
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.node_id = cfg.node_id or f"node-{uuid.uuid4().hex[:12]}"
+        self.engine, self.model = build_engine(cfg)
+        self.decode_tokens_per_s = measure_decode_speed(self.engine)
+        self.service = NodeService(self.engine, self.node_id, self.model)
+        interceptors = [JoinTokenInterceptor(cfg.join_token)] if cfg.join_token else []
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_sessions + 8),
+                                  interceptors=interceptors,
+                                  options=[("grpc.max_receive_message_length", 16 << 20),
+                                           ("grpc.max_send_message_length", 16 << 20)])
+        pb_grpc.add_NodeServicer_to_server(self.service, self.server)
+        self.port = add_port(self.server, f"{cfg.host}:{cfg.port}", cfg.tls)
+        self.address = cfg.advertise or f"{cfg.host}:{self.port}"
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._tracker = None
+
+    def info(self) -> pb.NodeInfo:
+        c = self.engine.capabilities()
+        return pb.NodeInfo(node_id=self.node_id, address=self.address, model=self.model,
+                           layers=pb.LayerRange(start=c.artifact.layers.start, end=c.artifact.layers.end),
+                           engine=c.engine, backend=c.backend, protocol_major=PROTOCOL_MAJOR,
+                           protocol_minor=PROTOCOL_MINOR, free_memory_bytes=_free_memory_bytes(),
+                           decode_tokens_per_s=self.decode_tokens_per_s, max_sessions=c.max_sessions)
+
+    def start(self) -> None:
+        self.server.start()
+        if self.cfg.tracker:
+            channel = open_channel(self.cfg.tracker, self.cfg.join_token, self.cfg.tls_ca)
+            self._tracker = pb_grpc.TrackerStub(channel)
+            self._spawn(self._membership_loop)
+        self._spawn(self._idle_loop)
+
+    def _spawn(self, fn) -> None:
+        t = threading.Thread(target=fn, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _membership_loop(self) -> None:
+        """Register, then heartbeat; re-register whenever the tracker forgot us (e.g. it restarted)."""
+        interval, registered = 1.0, False
+        while not self._stop.is_set():
+            try:
+                if not registered:
+                    reply = self._tracker.Register(self.info(), timeout=5)
+                    interval, registered = max(0.05, reply.heartbeat_interval_s), True
+                    log.info("registered with tracker %s (heartbeat %.2fs)", self.cfg.tracker, interval)
+                else:
+                    hb = self._tracker.Heartbeat(pb.HeartbeatRequest(
+                        node_id=self.node_id, active_sessions=self.engine.health().active_sessions,
+                        decode_tokens_per_s=self.decode_tokens_per_s), timeout=5)
+                    registered = hb.known
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION or e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    log.error("tracker refused this node: %s", e.details())
+                    print(f"error: tracker refused this node: {e.details()}", file=sys.stderr, flush=True)
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
+                registered = False  # tracker down or restarting: keep trying
+            self._stop.wait(interval)
+
+    def _idle_loop(self) -> None:
+        period = max(0.05, min(5.0, self.cfg.idle_timeout_s / 2))
+        while not self._stop.wait(period):
+            for sid in self.engine.release_idle(self.cfg.idle_timeout_s):
+                log.info("released idle session %s", sid)
+
+    def stop(self, drain: bool = True) -> None:
+        """Drain (refuse new sessions, let running ones finish up to drain_timeout_s), deregister, stop."""
+        self.service.draining = True
+        if self._tracker is not None:
+            try:
+                self._tracker.Deregister(pb.NodeRef(node_id=self.node_id), timeout=2)
+            except grpc.RpcError:
+                pass
+        if drain:
+            deadline = time.monotonic() + self.cfg.drain_timeout_s
+            while self.engine.health().active_sessions and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.service.wait_idle(max(0.0, deadline - time.monotonic()))
+        self._stop.set()
+        self.server.stop(grace=1.0).wait()
+
+
+def _free_memory_bytes() -> int:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def add_node_parser(sub) -> None:
+    p = sub.add_parser("node", help="serve a layer range of a model and join a tracker")
+    p.add_argument("--tracker", default=None, help="HOST:PORT of the tracker")
+    p.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
+    p.add_argument("--layers", default=None, help="half-open range START:END, e.g. 0:15")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 = any free port")
+    p.add_argument("--advertise", default=None, help="address others dial (default HOST:PORT)")
+    p.add_argument("--node-id", default=None)
+    p.add_argument("--engine", choices=["ggml", "fake"], default="ggml")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--n-ctx", type=int, default=0)
+    p.add_argument("--max-sessions", type=int, default=16)
+    p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an unused session is freed")
+    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
+    p.add_argument("--tls-cert", default=None)
+    p.add_argument("--tls-key", default=None)
+    p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker")
+    p.set_defaults(func=run_node)
+
+
+def run_node(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    tls = TlsConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
+    cfg = NodeConfig(model=args.model, layers=LayerRange.parse(args.layers) if args.layers else None,
+                     tracker=args.tracker, host=args.host, port=args.port, advertise=args.advertise,
+                     node_id=args.node_id, engine=args.engine, threads=args.threads, n_ctx=args.n_ctx,
+                     max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout,
+                     drain_timeout_s=args.drain_timeout, join_token=args.join_token, tls=tls, tls_ca=args.tls_ca)
+    node = Node(cfg)
+    done = threading.Event()
+
+    def on_signal(signum, frame):
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    node.start()
+    layers = node.engine.capabilities().artifact.layers
+    print(f"MESHNET_NODE_READY node_id={node.node_id} address={node.address} layers={layers}", flush=True)
+    log.info("node %s serving layers %s on %s (%.1f tok/s decode probe)", node.node_id, layers, node.address,
+             node.decode_tokens_per_s)
+    done.wait()
+    log.info("draining node %s", node.node_id)
+    node.stop(drain=True)
+    return 0

@@ -1,0 +1,113 @@
+"""The node's gRPC service: where bytes from the wire meet a shard engine.
+
+Each call is decoded and validated as envelope frames first (:mod:`meshnet.wire.envelope`); only a
+well-formed request reaches the engine, so a malformed frame never changes a session. Engine statuses
+become gRPC status codes of the same name, with the engine's message; RESOURCE_EXHAUSTED carries a
+``retry-after-s`` trailing metadata entry.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import grpc
+
+from meshnet.contract import Status, StepResult
+from meshnet.engine.base import ShardEngine
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.wire.envelope import (
+    PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
+    WireError,
+    frames_to_request,
+    result_to_replies,
+)
+
+log = logging.getLogger("meshnet.node")
+
+
+def grpc_code(status: Status) -> grpc.StatusCode:
+    """Our statuses are named after gRPC's codes."""
+    return grpc.StatusCode[status.value]
+
+
+class NodeService(pb_grpc.NodeServicer):
+    """Serves one loaded engine. ``draining`` refuses new sessions (UNAVAILABLE) while existing ones
+    finish; ``node_id`` and ``model`` fill in capabilities."""
+
+    def __init__(self, engine: ShardEngine, node_id: str, model: pb.ModelIdentity) -> None:
+        self.engine = engine
+        self.node_id = node_id
+        self.model = model
+        self.draining = False
+        self._in_flight = 0
+        self._cv = threading.Condition()
+
+    # ---- steps -------------------------------------------------------------------------------
+    def _run(self, frames, context) -> list[pb.StepReply]:
+        try:
+            req, decode = frames_to_request(frames)
+        except WireError as e:
+            context.abort(grpc_code(e.status), e.message)
+        if self.draining and req.session_id not in self.engine.session_ids():
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self.node_id} is draining; use another route")
+        with self._cv:
+            self._in_flight += 1
+        try:
+            res: StepResult = self.engine.decode(req) if decode else self.engine.prefill(req)
+        except Exception as e:  # an engine bug or crash must not take the server down
+            log.exception("engine failed on session %s", req.session_id)
+            context.abort(grpc.StatusCode.INTERNAL, f"engine error: {e}")
+        finally:
+            with self._cv:
+                self._in_flight -= 1
+                self._cv.notify_all()
+        if not res.ok:
+            if res.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after-s", f"{res.retry_after_s:.3f}"),))
+            context.abort(grpc_code(res.status), res.message)
+        return result_to_replies(req, res)
+
+    def Step(self, request, context):
+        return self._run([request], context)[0]
+
+    def StepStream(self, request_iterator, context):
+        yield from self._run(request_iterator, context)
+
+    # ---- session control ---------------------------------------------------------------------
+    def Cancel(self, request, context):
+        self.engine.cancel(request.session_id)
+        return pb.Empty()
+
+    def Release(self, request, context):
+        self.engine.release(request.session_id)
+        return pb.Empty()
+
+    # ---- introspection -----------------------------------------------------------------------
+    def GetCapabilities(self, request, context):
+        c = self.engine.capabilities()
+        return pb.Capabilities(node_id=self.node_id, model=self.model,
+                               layers=pb.LayerRange(start=c.artifact.layers.start, end=c.artifact.layers.end),
+                               engine=c.engine, backend=c.backend, n_embd=c.n_embd, n_vocab=c.n_vocab,
+                               n_ctx=c.n_ctx, is_head=c.is_head, is_tail=c.is_tail, fixture=c.fixture,
+                               max_sessions=c.max_sessions, protocol_major=PROTOCOL_MAJOR,
+                               protocol_minor=PROTOCOL_MINOR)
+
+    def Health(self, request, context):
+        h = self.engine.health()
+        return pb.HealthReply(healthy=h.healthy, active_sessions=h.active_sessions, draining=self.draining,
+                              message=h.message)
+
+    def Metrics(self, request, context):
+        m = self.engine.metrics()
+        return pb.MetricsReply(prefill_tokens=m.prefill_tokens, decode_tokens=m.decode_tokens,
+                               prefill_seconds=m.prefill_seconds, decode_seconds=m.decode_seconds,
+                               active_sessions=m.active_sessions, kv_bytes=m.kv_bytes,
+                               weight_bytes=m.weight_bytes, errors=m.errors)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no step is running (for draining); True if idle before the timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._in_flight == 0, timeout=timeout_s)

@@ -1,0 +1,177 @@
+"""The tracker's membership table: registered nodes, their heartbeats, and route epochs.
+
+A node registers once, then heartbeats every ``heartbeat_interval_s``; a node silent for
+``ttl_s = 3 * heartbeat_interval_s`` leaves routing (two lost heartbeats are tolerated, the third is not).
+Expired entries are dropped lazily, whenever the table is read. All methods are thread-safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from meshnet.tracker.routing import NodeRecord
+from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
+
+# Missed heartbeats after which a node is presumed gone.
+TTL_HEARTBEATS = 3
+
+
+class ProtocolMismatch(ValueError):
+    """A node speaks a protocol major version other than the tracker's; the message names both."""
+
+
+@dataclass(frozen=True)
+class RegisteredNode:
+    """One row of :meth:`Registry.statuses`.
+
+    Attributes:
+        record: what routing knows about the node (sessions and speed from its last heartbeat).
+        last_heartbeat_age_s: seconds since the node registered or last heartbeated.
+        protocol_major, protocol_minor: the version the node registered with.
+        free_memory_bytes: what the node reported at registration (0 = not reported).
+    """
+
+    record: NodeRecord
+    last_heartbeat_age_s: float
+    protocol_major: int
+    protocol_minor: int
+    free_memory_bytes: int = 0
+
+
+@dataclass
+class _Entry:
+    record: NodeRecord
+    last_seen: float
+    protocol_major: int
+    protocol_minor: int
+    free_memory_bytes: int
+
+
+class Registry:
+    """Registered nodes with heartbeat expiry, and the route-epoch counter.
+
+    Args:
+        heartbeat_interval_s: how often nodes are asked to heartbeat, in seconds (> 0).
+        clock: monotonic seconds; tests pass a fake one.
+
+    Raises:
+        ValueError: ``heartbeat_interval_s`` is not a positive finite number.
+    """
+
+    def __init__(self, heartbeat_interval_s: float = 2.0, clock: Callable[[], float] = time.monotonic):
+        if not (heartbeat_interval_s > 0 and math.isfinite(heartbeat_interval_s)):
+            raise ValueError(f"heartbeat interval must be a positive number of seconds, got {heartbeat_interval_s}")
+        self.heartbeat_interval_s = float(heartbeat_interval_s)
+        self.ttl_s = TTL_HEARTBEATS * self.heartbeat_interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._epoch = 0
+
+    # ---- membership ----------------------------------------------------------------------------------
+
+    def register(self, record: NodeRecord, protocol_major: int, protocol_minor: int,
+                 free_memory_bytes: int = 0) -> None:
+        """Add ``record``, replacing any entry with the same node id (a restarted node leaves no ghost).
+
+        Raises:
+            ProtocolMismatch: ``protocol_major`` differs from this tracker's ``PROTOCOL_MAJOR``
+                (minor versions may differ: they only add fields older readers ignore).
+            ValueError: empty node id, address or model sha256, or a layer range outside ``[0, n_layer)``.
+        """
+        if protocol_major != PROTOCOL_MAJOR:
+            newer = "newer" if protocol_major > PROTOCOL_MAJOR else "older"
+            raise ProtocolMismatch(
+                f"node {record.node_id!r} speaks protocol {protocol_major}.{protocol_minor}, {newer} than "
+                f"the tracker's {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}; run the same major version on both")
+        problem = validate_record(record)
+        if problem:
+            raise ValueError(problem)
+        with self._lock:
+            self._entries[record.node_id] = _Entry(record, self._clock(), protocol_major, protocol_minor,
+                                                   max(int(free_memory_bytes), 0))
+
+    def heartbeat(self, node_id: str, active_sessions: int, decode_tokens_per_s: float) -> bool:
+        """Record that ``node_id`` is alive, with its current load and (if > 0) a fresh speed.
+
+        Returns:
+            False when the node is unknown or has already expired: it must register again.
+        """
+        with self._lock:
+            now = self._clock()
+            entry = self._entries.get(node_id)
+            if entry is None:
+                return False
+            if now - entry.last_seen >= self.ttl_s:
+                # Expired but not yet swept: it already left routing, so it must register again.
+                del self._entries[node_id]
+                return False
+            changes: dict = {"active_sessions": max(int(active_sessions), 0)}
+            # 0 means "no new measurement": keep the last known speed.
+            if decode_tokens_per_s > 0 and math.isfinite(decode_tokens_per_s):
+                changes["decode_tokens_per_s"] = float(decode_tokens_per_s)
+            entry.record = dataclasses.replace(entry.record, **changes)
+            entry.last_seen = now
+            return True
+
+    def deregister(self, node_id: str) -> bool:
+        """Remove ``node_id``. Returns False when it was not registered (deregistering is idempotent)."""
+        with self._lock:
+            return self._entries.pop(node_id, None) is not None
+
+    def alive(self) -> list[NodeRecord]:
+        """Records of the nodes heard from within ``ttl_s``, sorted by node id; expired ones are dropped."""
+        with self._lock:
+            self._sweep()
+            return [self._entries[k].record for k in sorted(self._entries)]
+
+    def statuses(self) -> list[RegisteredNode]:
+        """Every live node with the age of its last heartbeat (seconds), sorted by node id."""
+        with self._lock:
+            now = self._sweep()
+            return [RegisteredNode(e.record, max(now - e.last_seen, 0.0), e.protocol_major, e.protocol_minor,
+                                   e.free_memory_bytes)
+                    for e in (self._entries[k] for k in sorted(self._entries))]
+
+    def _sweep(self) -> float:
+        """Drop expired entries (lock held); returns the time used."""
+        now = self._clock()
+        for node_id in [k for k, e in self._entries.items() if now - e.last_seen >= self.ttl_s]:
+            del self._entries[node_id]
+        return now
+
+    # ---- route epochs --------------------------------------------------------------------------------
+
+    def next_epoch(self, previous: int = 0) -> int:
+        """A route epoch greater than ``previous`` and than every epoch this registry handed out before.
+
+        Taking ``previous`` into account keeps epochs increasing for a client even across a tracker
+        restart (the counter starts again at 0, the client remembers its last epoch).
+        """
+        with self._lock:
+            self._epoch = max(self._epoch, int(previous)) + 1
+            return self._epoch
+
+
+def validate_record(record: NodeRecord) -> str | None:
+    """None when ``record`` can be registered, else a message naming the bad field."""
+    if not record.node_id.strip():
+        return "node id is empty"
+    if not record.address.strip():
+        return f"node {record.node_id!r}: address is empty (expected host:port)"
+    if not record.model_sha256.strip():
+        return f"node {record.node_id!r}: model sha256 is empty"
+    if record.n_layer <= 0:
+        return f"node {record.node_id!r}: model has n_layer={record.n_layer}; expected at least 1"
+    if record.layers.end > record.n_layer:
+        return (f"node {record.node_id!r}: layer range [{record.layers.start}, {record.layers.end}) "
+                f"exceeds the model's {record.n_layer} layers")
+    if not (record.decode_tokens_per_s >= 0 and math.isfinite(record.decode_tokens_per_s)):
+        return f"node {record.node_id!r}: decode_tokens_per_s must be a finite number >= 0, " \
+               f"got {record.decode_tokens_per_s}"
+    return None

@@ -1,0 +1,263 @@
+"""The tracker's gRPC service: nodes register and heartbeat, clients ask for routes.
+
+Every refusal is a gRPC status with a message naming the problem (INVALID_ARGUMENT for a bad request,
+FAILED_PRECONDITION for a protocol mismatch or an incomplete model); an unexpected error becomes
+INTERNAL with its message, and the tracker keeps serving.
+
+CLI: ``meshnet tracker [--host H] [--port 7700] [--heartbeat S] [--join-token T] [--tls-cert C --tls-key K]``
+(see :func:`add_tracker_parser`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import signal
+import sys
+import threading
+
+import grpc
+
+from meshnet.contract import LayerRange
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.tracker.registry import ProtocolMismatch, Registry, RegisteredNode
+from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
+from meshnet.wire.security import JOIN_TOKEN_ENV, TlsConfig, add_port, format_address, make_server
+
+DEFAULT_PORT = 7700
+_UINT64_MAX = (1 << 64) - 1
+_DEFAULT_MAX_SESSIONS = NodeRecord.__dataclass_fields__["max_sessions"].default
+
+
+class _Refusal(Exception):
+    """Raised inside a handler to answer with a gRPC status instead of a result."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _rpc(method):
+    """Turn _Refusal into its status and any other exception into INTERNAL, never a bare trace."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except _Refusal as r:
+            code, message = r.code, r.message
+        except Exception as e:  # noqa: BLE001 - a bug must not take the tracker down or leak a trace
+            code, message = grpc.StatusCode.INTERNAL, f"tracker error in {method.__name__}: {type(e).__name__}: {e}"
+        context.abort(code, message)
+
+    return wrapper
+
+
+def record_from_info(info: pb.NodeInfo) -> NodeRecord:
+    """The NodeRecord a NodeInfo describes.
+
+    Raises:
+        _Refusal: INVALID_ARGUMENT naming the bad field (empty id/address/model, bad layer range).
+    """
+    who = f"node {info.node_id!r}" if info.node_id else "node"
+    if not info.node_id.strip():
+        raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "Register: node_id is empty")
+    if not info.address.strip():
+        raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {who} has an empty address (expected host:port)")
+    if not info.model.sha256.strip():
+        raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {who} has an empty model sha256")
+    n_layer, start, end = info.model.n_layer, info.layers.start, info.layers.end
+    if n_layer == 0 or start >= end or end > n_layer:
+        raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"Register: {who} has bad layer range [{start}, {end}) for a model of {n_layer} layers; "
+                       "expected 0 <= start < end <= n_layer")
+    speed = info.decode_tokens_per_s
+    if not (speed >= 0 and math.isfinite(speed)):
+        raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"Register: {who} has decode_tokens_per_s={speed}; expected a finite number >= 0")
+    return NodeRecord(node_id=info.node_id, address=info.address, model_sha256=info.model.sha256,
+                      architecture=info.model.architecture, n_layer=n_layer, layers=LayerRange(start, end),
+                      engine=info.engine or "ggml", backend=info.backend or "cpu", decode_tokens_per_s=speed,
+                      # 0 = the node did not say: assume the engines' default limit
+                      max_sessions=info.max_sessions or _DEFAULT_MAX_SESSIONS)
+
+
+def info_from_status(s: RegisteredNode) -> pb.NodeInfo:
+    r = s.record
+    return pb.NodeInfo(node_id=r.node_id, address=r.address,
+                       model=pb.ModelIdentity(sha256=r.model_sha256, architecture=r.architecture, n_layer=r.n_layer),
+                       layers=pb.LayerRange(start=r.layers.start, end=r.layers.end), engine=r.engine,
+                       backend=r.backend, protocol_major=s.protocol_major, protocol_minor=s.protocol_minor,
+                       free_memory_bytes=s.free_memory_bytes, decode_tokens_per_s=r.decode_tokens_per_s,
+                       max_sessions=max(r.max_sessions, 0))
+
+
+class TrackerService(pb_grpc.TrackerServicer):
+    """The Tracker gRPC service over a :class:`Registry` (thread-safe; one instance serves all calls)."""
+
+    def __init__(self, registry: Registry):
+        self.registry = registry
+
+    @_rpc
+    def Register(self, request: pb.NodeInfo, context) -> pb.RegisterReply:
+        record = record_from_info(request)
+        try:
+            self.registry.register(record, request.protocol_major, request.protocol_minor,
+                                   free_memory_bytes=request.free_memory_bytes)
+        except ProtocolMismatch as e:
+            raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"Register: {e}") from None
+        except ValueError as e:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {e}") from None
+        return pb.RegisterReply(heartbeat_interval_s=self.registry.heartbeat_interval_s, ttl_s=self.registry.ttl_s)
+
+    @_rpc
+    def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
+        if not request.node_id:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "Heartbeat: node_id is empty")
+        speed = request.decode_tokens_per_s
+        if not (speed >= 0 and math.isfinite(speed)):
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"Heartbeat: decode_tokens_per_s={speed}; expected a finite number >= 0 (0 = unchanged)")
+        known = self.registry.heartbeat(request.node_id, request.active_sessions, speed)
+        return pb.HeartbeatReply(known=known)
+
+    @_rpc
+    def Deregister(self, request: pb.NodeRef, context) -> pb.Empty:
+        if not request.node_id:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "Deregister: node_id is empty")
+        self.registry.deregister(request.node_id)
+        return pb.Empty()
+
+    @_rpc
+    def GetRoute(self, request: pb.RouteRequest, context) -> pb.Route:
+        if request.previous_epoch >= _UINT64_MAX:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"GetRoute: previous_epoch {request.previous_epoch} leaves no larger epoch")
+        nodes = self.registry.alive()
+        models = sorted({n.model_sha256 for n in nodes})
+        model = request.model_sha256
+        if not model:
+            if not models:
+                raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                               "GetRoute: no node is registered, so no model is served yet")
+            if len(models) > 1:
+                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"GetRoute: {len(models)} models are served ({', '.join(models)}); "
+                               "name one in model_sha256")
+            model = models[0]
+        try:
+            hops = plan_route(nodes, model, exclude=frozenset(request.exclude_node_ids))
+        except NoRoute as e:
+            message = e.message
+            if not any(n.model_sha256 == model for n in nodes):
+                message += f"; models served: {', '.join(models) or 'none'}"
+            raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"GetRoute: {message}") from None
+        head = hops[0]
+        return pb.Route(
+            epoch=self.registry.next_epoch(request.previous_epoch),
+            model=pb.ModelIdentity(sha256=head.model_sha256, architecture=head.architecture, n_layer=head.n_layer),
+            hops=[pb.Hop(node_id=h.node_id, address=h.address,
+                         layers=pb.LayerRange(start=h.layers.start, end=h.layers.end)) for h in hops])
+
+    @_rpc
+    def ListNodes(self, request: pb.Empty, context) -> pb.NodeList:
+        return pb.NodeList(nodes=[
+            pb.NodeStatus(info=info_from_status(s), active_sessions=s.record.active_sessions,
+                          last_heartbeat_age_s=s.last_heartbeat_age_s)
+            for s in self.registry.statuses()])
+
+
+def serve_tracker(host: str = "127.0.0.1", port: int = 0, heartbeat_interval_s: float = 2.0,
+                  join_token: str | None = None, tls: TlsConfig | None = None,
+                  registry: Registry | None = None) -> tuple[grpc.Server, int]:
+    """Start a tracker server in background threads.
+
+    Args:
+        host, port: where to listen; port 0 picks a free port.
+        heartbeat_interval_s: told to nodes at registration; nodes silent for 3 intervals leave routing.
+        join_token: when set, calls without it are refused UNAUTHENTICATED.
+        tls: serve TLS with this certificate and key instead of plaintext.
+        registry: use this registry (e.g. one with a fake clock) instead of a new one; its own heartbeat
+            interval then applies.
+
+    Returns:
+        ``(server, bound_port)``; stop it with ``server.stop(grace)``.
+
+    Raises:
+        RuntimeError: the address cannot be bound; ValueError: bad interval or unreadable TLS files.
+    """
+    registry = registry if registry is not None else Registry(heartbeat_interval_s)
+    server = make_server(join_token)
+    pb_grpc.add_TrackerServicer_to_server(TrackerService(registry), server)
+    try:
+        bound = add_port(server, format_address(host, port), tls)
+    except BaseException:
+        server.stop(None)
+        raise
+    server.start()
+    return server, bound
+
+
+def add_tracker_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``tracker`` subcommand to ``subparsers`` (``set_defaults(func=run_tracker)``)."""
+    p = subparsers.add_parser("tracker", help="run the tracker: node registry and route planner",
+                              description="Run the tracker: nodes register and heartbeat here, clients ask it "
+                                          "for a route (a chain of nodes covering every layer).")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s; "
+                                                       "0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s; 0 = any free port)")
+    p.add_argument("--heartbeat", type=float, default=2.0, metavar="SECONDS",
+                   help="heartbeat interval nodes are told to use; a node silent for 3 intervals leaves "
+                        "routing (default %(default)s)")
+    p.add_argument("--join-token", default=None,
+                   help=f"refuse callers without this shared secret (default: ${JOIN_TOKEN_ENV}, if set)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS (needs --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    p.set_defaults(func=run_tracker)
+    return p
+
+
+def run_tracker(args: argparse.Namespace) -> int:
+    """CLI entry: serve until SIGINT/SIGTERM, then stop cleanly. Returns the exit code (0, or 2 for bad
+    arguments / an address that cannot be bound)."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    if not (args.heartbeat > 0 and math.isfinite(args.heartbeat)):
+        print(f"error: --heartbeat must be a positive number of seconds, got {args.heartbeat}", file=sys.stderr)
+        return 2
+    if not 0 <= args.port <= 65535:
+        print(f"error: --port must be in 0..65535, got {args.port}", file=sys.stderr)
+        return 2
+    token = args.join_token or os.environ.get(JOIN_TOKEN_ENV) or None
+    tls = TlsConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
+    try:
+        server, port = serve_tracker(args.host, args.port, args.heartbeat, join_token=token, tls=tls)
+    except (RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    stop = threading.Event()
+    previous: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    print(f"tracker listening on {format_address(args.host, port)}", file=sys.stderr, flush=True)
+    extras = [x for x in ("TLS" if tls else "", "join token required" if token else "") if x]
+    if extras:
+        print(f"tracker: {', '.join(extras)}", file=sys.stderr, flush=True)
+    try:
+        while not stop.wait(0.5):  # a timed wait lets signal handlers run promptly
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.stop(grace=1.0).wait()
+    print("tracker stopped", file=sys.stderr, flush=True)
+    return 0

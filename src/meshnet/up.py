@@ -1,0 +1,128 @@
+"""``meshnet up``: a whole mesh on this machine in one command — a tracker in this process and one
+``meshnet node`` process per layer range on loopback — kept serving until Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+from tqdm import tqdm
+
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.wire.security import open_channel
+
+
+def add_up_parser(sub) -> None:
+    p = sub.add_parser("up", help="start a tracker and N local nodes for a model; serve until Ctrl-C")
+    p.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
+    p.add_argument("--stages", type=int, default=3, help="node processes, one layer range each")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=7700, help="tracker port")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per node")
+    p.add_argument("--heartbeat", type=float, default=1.0, help="node heartbeat interval, seconds")
+    p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a complete route")
+    p.set_defaults(func=run_up)
+
+
+def wait_for_route(tracker: str, timeout_s: float, join_token: str | None = None, expected_hops: int = 0,
+                   progress: bool = True) -> pb.Route:
+    """Poll the tracker until it has a complete route (of ``expected_hops`` hops if > 0).
+
+    Raises:
+        TimeoutError: naming the tracker's last reason (e.g. the missing layers).
+    """
+    stub = pb_grpc.TrackerStub(open_channel(tracker, join_token))
+    deadline = time.monotonic() + timeout_s
+    reason = "tracker not reachable"
+    bar = tqdm(total=expected_hops or None, desc="waiting for a complete route", unit="node",
+               file=sys.stderr, disable=not progress, leave=False)
+    try:
+        while time.monotonic() < deadline:
+            try:
+                nodes = stub.ListNodes(pb.Empty(), timeout=2).nodes
+                bar.n = len(nodes)
+                bar.refresh()
+                route = stub.GetRoute(pb.RouteRequest(), timeout=2)
+                if not expected_hops or len(route.hops) >= expected_hops:
+                    return route
+            except grpc.RpcError as e:
+                reason = e.details() or e.code().name
+            time.sleep(0.2)
+    finally:
+        bar.close()
+    raise TimeoutError(f"no complete route after {timeout_s:.0f}s: {reason}")
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from meshnet.local_mesh import plan_ranges
+    from meshnet.model.bundled import resolve_model
+    from meshnet.tracker.service import serve_tracker
+
+    path = str(resolve_model(args.model))
+    ranges = plan_ranges(path, args.stages)
+    server, port = serve_tracker(args.host, args.port, heartbeat_interval_s=args.heartbeat,
+                                 join_token=args.join_token)
+    tracker = f"{args.host}:{port}"
+    print(f"[meshnet up] tracker on {tracker}; starting {len(ranges)} nodes: "
+          f"{', '.join(str(r) for r in ranges)}", file=sys.stderr, flush=True)
+    env = dict(os.environ)
+    if args.join_token:
+        env["MESHNET_JOIN_TOKEN"] = args.join_token
+    procs = [subprocess.Popen([sys.executable, "-m", "meshnet.cli", "node", "--tracker", tracker, "--model", path,
+                               "--layers", str(r), "--host", args.host, "--threads", str(args.threads),
+                               "--node-id", f"node-{i}-{r.start}-{r.end}"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for i, r in enumerate(ranges)]
+    logs: list[list[str]] = [[] for _ in procs]
+
+    def pump(i: int, proc: subprocess.Popen) -> None:
+        for line in proc.stderr:
+            logs[i].append(line.rstrip())
+            del logs[i][:-50]
+
+    for i, proc in enumerate(procs):
+        threading.Thread(target=pump, args=(i, proc), daemon=True).start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    code = 0
+    try:
+        route = wait_for_route(tracker, args.timeout, args.join_token, len(ranges), sys.stderr.isatty())
+        print(f"[meshnet up] route ready (epoch {route.epoch}): "
+              + " -> ".join(f"{h.node_id}@{h.address}" for h in route.hops), file=sys.stderr)
+        print(f"MESHNET_UP_READY tracker={tracker}", flush=True)
+        print(f"[meshnet up] try: meshnet generate --tracker {tracker} \"Hello\"   (Ctrl-C stops the mesh)",
+              file=sys.stderr, flush=True)
+        while not stop.is_set():
+            dead = [i for i, p in enumerate(procs) if p.poll() is not None]
+            if dead:
+                for i in dead:
+                    print(f"[meshnet up] node {i} exited ({procs[i].returncode}): "
+                          + " | ".join(logs[i][-3:]), file=sys.stderr)
+                code = 1
+                break
+            stop.wait(0.5)
+    except KeyboardInterrupt:
+        pass
+    except TimeoutError as e:
+        print(f"[meshnet up] {e}", file=sys.stderr)
+        code = 1
+    finally:
+        print("[meshnet up] stopping nodes", file=sys.stderr)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        server.stop(grace=1).wait()
+    return code

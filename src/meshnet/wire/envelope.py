@@ -1,0 +1,194 @@
+"""The activation envelope: a step's request or hidden states as versioned, checksummed wire frames.
+
+A :class:`~meshnet.contract.StepRequest` becomes one or more ``Envelope`` frames (payload split at
+``MAX_FRAME_BYTES``, well under gRPC's 4 MiB default message limit); frames are reassembled and
+validated before anything reaches an engine, so a malformed frame changes no session state.
+
+Validation outcomes (a :class:`WireError` carries the status):
+  * newer major version -> FAILED_PRECONDITION naming both versions;
+  * unknown dtype, a zero or negative dimension, shape disagreeing with the byte count, bad CRC-32,
+    unknown byte order, frames out of order -> INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from meshnet.contract import (
+    TENSOR_DTYPES,
+    NamedTensor,
+    SampledToken,
+    SamplingParams,
+    Status,
+    StepRequest,
+    StepResult,
+    TokenLogprob,
+)
+from meshnet.proto import meshnet_pb2 as pb
+
+PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 0
+# Payload bytes per frame: large prompts stream in frames of 1 MiB (gRPC's default limit is 4 MiB).
+MAX_FRAME_BYTES = 1 << 20
+
+
+class WireError(Exception):
+    """A frame that must be refused; ``status`` says how (INVALID_ARGUMENT / FAILED_PRECONDITION)."""
+
+    def __init__(self, status: Status, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def sampling_to_pb(s: SamplingParams) -> pb.Sampling:
+    return pb.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                       repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+                       frequency_penalty=s.frequency_penalty, penalty_last_n=s.penalty_last_n,
+                       has_seed=s.seed is not None, seed=(s.seed or 0) % (1 << 64),
+                       n_top_logprobs=s.n_top_logprobs)
+
+
+def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
+    return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=m.top_p, min_p=m.min_p,
+                          repetition_penalty=m.repetition_penalty, presence_penalty=m.presence_penalty,
+                          frequency_penalty=m.frequency_penalty, penalty_last_n=m.penalty_last_n,
+                          seed=int(m.seed) if m.has_seed else None, n_top_logprobs=m.n_top_logprobs)
+
+
+def _split(payload: bytes, max_frame: int) -> list[bytes]:
+    if not payload:
+        return [b""]
+    return [payload[i:i + max_frame] for i in range(0, len(payload), max_frame)]
+
+
+def tensor_frames(header: pb.Envelope, tensor: NamedTensor | None,
+                  max_frame: int = MAX_FRAME_BYTES) -> list[pb.Envelope]:
+    """Frames carrying ``header``'s fields plus ``tensor`` (or none) split into payload chunks."""
+    payload = tensor.data if tensor is not None else b""
+    chunks = _split(payload, max_frame)
+    frames = []
+    for i, chunk in enumerate(chunks):
+        f = pb.Envelope()
+        f.CopyFrom(header)
+        f.major, f.minor = PROTOCOL_MAJOR, PROTOCOL_MINOR
+        f.byte_order = "little"
+        if tensor is not None:
+            f.dtype = tensor.dtype
+            f.shape[:] = list(tensor.shape)
+            f.crc32 = zlib.crc32(payload)
+            f.total_bytes = len(payload)
+        f.chunk_index, f.n_chunks = i, len(chunks)
+        f.payload = chunk
+        frames.append(f)
+    return frames
+
+
+def request_to_frames(req: StepRequest, decode: bool, max_frame: int = MAX_FRAME_BYTES) -> list[pb.Envelope]:
+    """Encode a step request as envelope frames (one frame unless the hidden states are large)."""
+    header = pb.Envelope(session_id=req.session_id, epoch=req.epoch, position=req.position, step_id=req.step_id,
+                         decode=decode, token_ids=list(req.token_ids), sampling=sampling_to_pb(req.sampling))
+    return tensor_frames(header, req.hidden, max_frame)
+
+
+def _check_header(f: pb.Envelope) -> None:
+    if f.major > PROTOCOL_MAJOR:
+        raise WireError(Status.FAILED_PRECONDITION,
+                        f"envelope version {f.major}.{f.minor} is newer than this node's "
+                        f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}; upgrade the node")
+    if f.major < PROTOCOL_MAJOR:
+        raise WireError(Status.FAILED_PRECONDITION,
+                        f"envelope version {f.major}.{f.minor} is older than this node's "
+                        f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}; upgrade the sender")
+    if f.byte_order not in ("little", ""):
+        raise WireError(Status.INVALID_ARGUMENT, f"unsupported byte order {f.byte_order!r} (only 'little')")
+
+
+def assemble(frames: Iterable[pb.Envelope]) -> tuple[pb.Envelope, bytes]:
+    """Join an envelope's frames; returns the first frame (the header) and the whole payload.
+
+    Raises:
+        WireError: version skew, frames out of order or from different steps, a bad checksum, an
+            unknown dtype, a zero dimension or a shape that disagrees with the byte count.
+    """
+    header: pb.Envelope | None = None
+    parts: list[bytes] = []
+    for f in frames:
+        _check_header(f)
+        if header is None:
+            header = f
+            if f.n_chunks < 1:
+                raise WireError(Status.INVALID_ARGUMENT, "envelope declares 0 frames")
+        elif (f.session_id, f.step_id) != (header.session_id, header.step_id):
+            raise WireError(Status.INVALID_ARGUMENT, "frames of different steps were interleaved")
+        if f.chunk_index != len(parts) or f.n_chunks != header.n_chunks:
+            raise WireError(Status.INVALID_ARGUMENT,
+                            f"frame {f.chunk_index} of {f.n_chunks} arrived where frame {len(parts)} of "
+                            f"{header.n_chunks} was expected")
+        parts.append(f.payload)
+        if len(parts) == header.n_chunks:
+            break
+    if header is None:
+        raise WireError(Status.INVALID_ARGUMENT, "empty envelope stream")
+    if len(parts) != header.n_chunks:
+        raise WireError(Status.INVALID_ARGUMENT, f"envelope ended after {len(parts)} of {header.n_chunks} frames")
+    payload = b"".join(parts)
+    if header.dtype or header.shape or payload:
+        if header.dtype not in TENSOR_DTYPES:
+            raise WireError(Status.INVALID_ARGUMENT,
+                            f"unknown dtype {header.dtype!r} (supported: {', '.join(sorted(TENSOR_DTYPES))})")
+        shape = list(header.shape)
+        if not shape or any(d <= 0 for d in shape):
+            raise WireError(Status.INVALID_ARGUMENT, f"shape {shape} has a zero or negative dimension")
+        want = int(np.prod(shape)) * TENSOR_DTYPES[header.dtype].itemsize
+        if want != len(payload) or header.total_bytes != len(payload):
+            raise WireError(Status.INVALID_ARGUMENT,
+                            f"shape {shape} of {header.dtype} needs {want} bytes, the envelope carries "
+                            f"{len(payload)} (declared {header.total_bytes})")
+        if zlib.crc32(payload) != header.crc32:
+            raise WireError(Status.INVALID_ARGUMENT,
+                            f"checksum mismatch: payload CRC-32 is {zlib.crc32(payload):#010x}, the envelope "
+                            f"says {header.crc32:#010x}")
+    return header, payload
+
+
+def frames_to_request(frames: Iterable[pb.Envelope]) -> tuple[StepRequest, bool]:
+    """Validate and decode frames into ``(StepRequest, decode)``. Raises WireError."""
+    h, payload = assemble(frames)
+    hidden = NamedTensor("hidden", tuple(int(d) for d in h.shape), h.dtype, payload) if h.dtype else None
+    req = StepRequest(session_id=h.session_id, epoch=int(h.epoch), position=int(h.position),
+                      token_ids=tuple(int(t) for t in h.token_ids), hidden=hidden,
+                      sampling=sampling_from_pb(h.sampling), step_id=int(h.step_id))
+    return req, bool(h.decode)
+
+
+def result_to_replies(req: StepRequest, res: StepResult, max_frame: int = MAX_FRAME_BYTES) -> list[pb.StepReply]:
+    """An OK step result as reply messages: one per hidden-state frame, or one with the token."""
+    if res.token is not None:
+        t = res.token
+        return [pb.StepReply(n_past=res.n_past, has_token=True, token_id=t.token_id, logprob=t.logprob,
+                             top=[pb.TokenLogprob(token_id=x.token_id, logprob=x.logprob) for x in t.top])]
+    header = pb.Envelope(session_id=req.session_id, epoch=req.epoch, position=req.position, step_id=req.step_id)
+    return [pb.StepReply(n_past=res.n_past, hidden=f) for f in tensor_frames(header, res.hidden, max_frame)]
+
+
+def replies_to_result(replies: Iterable[pb.StepReply]) -> StepResult:
+    """Decode reply messages into an OK StepResult. Raises WireError for malformed hidden frames."""
+    it: Iterator[pb.StepReply] = iter(replies)
+    first = next(it)
+    if first.has_token:
+        token = SampledToken(first.token_id, first.logprob,
+                             tuple(TokenLogprob(x.token_id, x.logprob) for x in first.top))
+        return StepResult(Status.OK, token=token, n_past=int(first.n_past))
+
+    def frames() -> Iterator[pb.Envelope]:
+        yield first.hidden
+        for r in it:
+            yield r.hidden
+
+    h, payload = assemble(frames())
+    hidden = NamedTensor("hidden", tuple(int(d) for d in h.shape), h.dtype, payload)
+    return StepResult(Status.OK, hidden=hidden, n_past=int(first.n_past))

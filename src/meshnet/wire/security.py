@@ -1,0 +1,228 @@
+"""Who may talk to a mesh service: a shared join token, optional TLS, and the channel options both use.
+
+Server side: :class:`JoinTokenInterceptor` refuses calls without the right ``x-meshnet-join-token``
+metadata (UNAUTHENTICATED); :func:`add_port` binds plaintext or TLS (:class:`TlsConfig`);
+:func:`make_server` builds a ``grpc.Server`` with both and :data:`SERVER_OPTIONS`.
+Client side: :func:`open_channel` attaches the token to every call and verifies the server's certificate
+against a CA file when one is given.
+
+The join token keeps strangers out of a mesh; it is a bearer secret, so send it over TLS on any network
+you do not trust.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import grpc
+
+JOIN_TOKEN_METADATA = "x-meshnet-join-token"
+# Env variable the CLI reads the join token from when no flag gives it.
+JOIN_TOKEN_ENV = "MESHNET_JOIN_TOKEN"
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # envelopes are framed at 1 MiB; 16 MiB leaves room for everything else
+
+# Client keepalive: ping after 20 s without traffic and give the peer 10 s to answer, so a vanished
+# peer is noticed in about half a minute even while a channel sits idle between sessions. Cheap on
+# loopback and LANs; the servers below are told to accept pings this frequent.
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+# gRPC servers by default answer a client pinging more often than every 5 minutes with GOAWAY
+# ("too_many_pings"); accept the client keepalive above (with margin) instead.
+SERVER_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """A server's TLS certificate chain and private key, both PEM file paths."""
+
+    cert: str
+    key: str
+
+
+# ---- server side ---------------------------------------------------------------------------------------
+
+class JoinTokenInterceptor(grpc.ServerInterceptor):
+    """Refuse every call whose ``x-meshnet-join-token`` metadata is not ``token``.
+
+    Refusals are UNAUTHENTICATED with "missing join token" or "wrong join token"; the comparison is
+    constant-time (``hmac.compare_digest``) so the token cannot be guessed byte by byte from timings.
+
+    Raises:
+        ValueError: ``token`` is empty.
+    """
+
+    def __init__(self, token: str):
+        if not token:
+            raise ValueError("join token is empty; pass None to serve without one")
+        self._token = token.encode()
+
+    def intercept_service(self, continuation, handler_call_details):
+        supplied = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == JOIN_TOKEN_METADATA:
+                supplied = value.encode() if isinstance(value, str) else bytes(value)
+                break
+        if supplied is not None and hmac.compare_digest(supplied, self._token):
+            return continuation(handler_call_details)
+        message = "missing join token" if supplied is None else "wrong join token"
+        message += (f": this service requires the mesh's join token in metadata {JOIN_TOKEN_METADATA!r} "
+                    f"(--join-token or {JOIN_TOKEN_ENV})")
+        handler = continuation(handler_call_details)
+        if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED as usual
+            return None
+        return _refusing_handler(handler, grpc.StatusCode.UNAUTHENTICATED, message)
+
+
+def _refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode,
+                      message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that aborts every call with ``code``."""
+
+    def refuse(request_or_iterator, context):
+        context.abort(code, message)
+
+    # Requests stay raw bytes: a refused call's payload is never parsed.
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+def _read_pem(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"cannot read TLS {what} {path!r}: {e.strerror or e}") from None
+
+
+def server_credentials(cert_path: str, key_path: str) -> grpc.ServerCredentials:
+    """TLS credentials from PEM files: the certificate (chain) and its private key.
+
+    Raises:
+        ValueError: a file cannot be read (the message names it).
+    """
+    cert = _read_pem(cert_path, "certificate")
+    key = _read_pem(key_path, "private key")
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, bracketing IPv6 literals (``[::1]:7700``)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def add_port(server: grpc.Server, address: str, tls: TlsConfig | None) -> int:
+    """Bind ``server`` to ``address`` (``host:port``; port 0 picks a free one), over TLS when ``tls`` is set.
+
+    Returns:
+        The bound port.
+
+    Raises:
+        RuntimeError: the address cannot be bound (in use, bad host); ValueError: unreadable TLS files.
+    """
+    try:
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, server_credentials(tls.cert, tls.key))
+    except RuntimeError as e:
+        raise RuntimeError(f"cannot listen on {address}: {e}") from None
+    if not port:
+        raise RuntimeError(f"cannot listen on {address}")
+    return port
+
+
+def make_server(join_token: str | None = None, max_workers: int = 16,
+                interceptors: Sequence[grpc.ServerInterceptor] = ()) -> grpc.Server:
+    """A thread-pool ``grpc.Server`` with :data:`SERVER_OPTIONS`, refusing calls without ``join_token``
+    when one is given. Bind it with :func:`add_port`, then ``start()``."""
+    chain = [JoinTokenInterceptor(join_token)] if join_token else []
+    chain.extend(interceptors)
+    return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=chain,
+                       options=SERVER_OPTIONS)
+
+
+# ---- client side ---------------------------------------------------------------------------------------
+
+class _CallDetails(collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
+        grpc.ClientCallDetails):
+    pass
+
+
+class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                           grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds fixed metadata to every call, whatever its kind."""
+
+    def __init__(self, extra: Sequence[tuple[str, str]]):
+        self._extra = tuple(extra)
+
+    def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
+        metadata = list(d.metadata or ()) + list(self._extra)
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials,
+                            getattr(d, "wait_for_ready", None), getattr(d, "compression", None))
+
+    def _call(self, continuation: Callable, details, request):
+        return continuation(self._details(details), request)
+
+    intercept_unary_unary = _call
+    intercept_unary_stream = _call
+    intercept_stream_unary = _call
+    intercept_stream_stream = _call
+
+
+def open_channel(address: str, join_token: str | None = None, tls_ca: str | None = None,
+                 tls_server_name: str | None = None) -> grpc.Channel:
+    """A channel to a mesh service (tracker or node) at ``host:port``.
+
+    Args:
+        address: ``host:port`` of the service.
+        join_token: sent as ``x-meshnet-join-token`` metadata on every call when given.
+        tls_ca: PEM file of the CA (or the self-signed certificate itself) to verify the server with;
+            None = plaintext. gRPC checks the certificate's subject alternative names against the host
+            in ``address``, and matches IP SANs too, so a self-signed certificate with
+            ``DNS:localhost, IP:127.0.0.1`` serves both ``localhost:PORT`` and ``127.0.0.1:PORT``.
+        tls_server_name: the name to verify instead of the address's host (gRPC's
+            ``grpc.ssl_target_name_override``), for a certificate issued to a name other than the one
+            dialled, e.g. dialling a LAN IP with a certificate for ``localhost``.
+
+    Returns:
+        A channel with :data:`CHANNEL_OPTIONS`; close it with ``close()`` (or use it in ``with``).
+
+    Raises:
+        ValueError: ``tls_ca`` cannot be read.
+    """
+    options = list(CHANNEL_OPTIONS)
+    if tls_ca is None:
+        channel = grpc.insecure_channel(address, options=options)
+    else:
+        creds = grpc.ssl_channel_credentials(root_certificates=_read_pem(tls_ca, "CA certificate"))
+        if tls_server_name:
+            options.append(("grpc.ssl_target_name_override", tls_server_name))
+        channel = grpc.secure_channel(address, creds, options=options)
+    if join_token:
+        channel = grpc.intercept_channel(channel, _MetadataInterceptor([(JOIN_TOKEN_METADATA, join_token)]))
+    return channel

@@ -1,0 +1,95 @@
+"""Start real tracker and node processes on loopback for mesh tests, and clean them up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.tracker.service import serve_tracker
+from meshnet.wire.security import open_channel
+
+HEARTBEAT_S = 0.3
+
+
+@dataclass
+class NodeProc:
+    proc: subprocess.Popen
+    node_id: str
+    address: str
+
+    def stub(self, token: str | None = None) -> pb_grpc.NodeStub:
+        return pb_grpc.NodeStub(open_channel(self.address, token))
+
+    def active_sessions(self) -> int:
+        return self.stub().Health(pb.Empty(), timeout=5).active_sessions
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+
+class Mesh:
+    """A tracker in this process plus node subprocesses; ``close()`` stops everything."""
+
+    def __init__(self, join_token: str | None = None) -> None:
+        self.join_token = join_token
+        self.server, port = serve_tracker("127.0.0.1", 0, heartbeat_interval_s=HEARTBEAT_S, join_token=join_token)
+        self.tracker = f"127.0.0.1:{port}"
+        self.nodes: list[NodeProc] = []
+
+    def start_nodes(self, specs: list[tuple[str, str]], model: str = "smollm2", *extra: str) -> list[NodeProc]:
+        """Start one node per (node_id, layers) in parallel and wait until each is serving."""
+        env = dict(os.environ)
+        if self.join_token:
+            env["MESHNET_JOIN_TOKEN"] = self.join_token
+        procs = [(nid, subprocess.Popen(
+            [sys.executable, "-m", "meshnet.cli", "node", "--tracker", self.tracker, "--model", model,
+             "--layers", layers, "--node-id", nid, "--threads", "1", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)) for nid, layers in specs]
+        started = []
+        for nid, proc in procs:
+            line = proc.stdout.readline()
+            if not line.startswith("MESHNET_NODE_READY"):
+                proc.kill()
+                raise RuntimeError(f"node {nid} did not start: {line!r}")
+            fields = dict(kv.split("=", 1) for kv in line.split()[1:])
+            started.append(NodeProc(proc, fields["node_id"], fields["address"]))
+        self.nodes += started
+        self.wait_registered({n.node_id for n in started})
+        return started
+
+    def tracker_stub(self) -> pb_grpc.TrackerStub:
+        return pb_grpc.TrackerStub(open_channel(self.tracker, self.join_token))
+
+    def registered(self) -> set[str]:
+        return {n.info.node_id for n in self.tracker_stub().ListNodes(pb.Empty(), timeout=5).nodes}
+
+    def wait_registered(self, ids: set[str], timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while not ids <= self.registered():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nodes {ids - self.registered()} never registered")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        for n in self.nodes:
+            if n.proc.poll() is None:
+                n.proc.kill()
+                n.proc.wait(timeout=10)
+        self.server.stop(grace=0).wait()
+
+
+def rpc_code(fn, *args, **kw) -> grpc.StatusCode:
+    try:
+        fn(*args, **kw)
+    except grpc.RpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK

@@ -1,0 +1,140 @@
+"""Real processes on loopback: a tracker, SmolLM2 nodes, and a node killed in the middle of a generation."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from conftest import load_golden
+from mesh_util import Mesh
+from meshnet.client.mesh_client import MeshClient, MeshUnavailable
+from meshnet.contract import GREEDY, LayerRange, Status, StepRequest
+from meshnet.generation import Generation
+from meshnet.local_mesh import load_local_chain
+from meshnet.tokenizer import GGUFTokenizer
+
+GOLDEN = "SmolLM2-135M-Instruct.Q4_1"
+
+
+@pytest.fixture
+def mesh():
+    m = Mesh()
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_path):
+    return GGUFTokenizer.from_gguf(str(smollm2_path))
+
+
+def _run_killing(client, tok, prompt_ids, kill, after: int = 10, n: int = 64) -> list[int]:
+    gen = Generation(client, tok, prompt_ids, n, GREEDY, stop_at_eog=False)
+    for i, _ in enumerate(gen):
+        if i + 1 == after:
+            kill()
+    return gen.result.generated_token_ids
+
+
+def test_kill_middle_node_with_spare_equals_uninterrupted_run(mesh, tok, smollm2_path):
+    head, mid, spare, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-spare", "10:20"),
+                                               ("d-tail", "20:30")])
+    golden = load_golden(GOLDEN)["prompts"][0]
+    client = MeshClient(mesh.tracker)
+    _, route = client.route()
+    in_route = {h.node_id for h in route}
+    victim = mid if mid.node_id in in_route else spare
+    out = _run_killing(client, tok, golden["prompt_ids"], victim.kill)
+    assert out == golden["greedy_ids"]
+    assert client.failovers == 1
+    # Every node released the session when the generation ended.
+    survivors = [n for n in (head, mid, spare, tail) if n is not victim]
+    assert [n.active_sessions() for n in survivors] == [0, 0, 0]
+
+
+def test_kill_without_spare_fails_fast_and_survivors_release(mesh, tok):
+    head, mid, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
+    golden = load_golden(GOLDEN)["prompts"][0]
+    client = MeshClient(mesh.tracker)
+    killed_at = []
+
+    def kill():
+        mid.kill()
+        killed_at.append(time.monotonic())
+
+    with pytest.raises(MeshUnavailable, match=r"layers \[10, 20\)"):
+        _run_killing(client, tok, golden["prompt_ids"], kill)
+    assert time.monotonic() - killed_at[0] < 10
+    assert head.active_sessions() == 0 and tail.active_sessions() == 0
+
+
+def test_prompts_sessions_and_release_on_one_chain(mesh, smollm2_path):
+    mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
+    golden = load_golden(GOLDEN)["prompts"][1]
+    client = MeshClient(mesh.tracker)
+
+    def greedy(prompt, n, sid):
+        res = client.step(StepRequest(sid, 0, 0, tuple(prompt)), decode=False)
+        assert res.ok, res.message
+        out, pos = [res.token.token_id], len(prompt)
+        for _ in range(n - 1):
+            res = client.step(StepRequest(sid, 0, pos, (out[-1],)), decode=True)
+            assert res.ok, res.message
+            out.append(res.token.token_id)
+            pos += 1
+        return out
+
+    ids = golden["prompt_ids"]
+    # Prompts of 38 and then 39 tokens on the same chain each equal a fresh single-process run.
+    local = load_local_chain(str(smollm2_path), [LayerRange(0, 30)], n_threads=1, progress=False)
+    for n in (38, 39):
+        want = [local.step(StepRequest(f"ref{n}", 0, 0, tuple(ids[:n])), decode=False).token.token_id]
+        for k in range(3):
+            want.append(local.step(StepRequest(f"ref{n}", 0, n + k, (want[-1],)), decode=True).token.token_id)
+        assert greedy(ids[:n], 4, f"p{n}") == want
+        client.release(f"p{n}")
+    # Two interleaved sessions equal their solo runs.
+    solo_a, solo_b = greedy(ids, 8, "solo-a"), greedy(ids[:40], 8, "solo-b")
+    client.release("solo-a")
+    client.release("solo-b")
+    ra = client.step(StepRequest("ia", 0, 0, tuple(ids)), decode=False)
+    rb = client.step(StepRequest("ib", 0, 0, tuple(ids[:40])), decode=False)
+    a, b = [ra.token.token_id], [rb.token.token_id]
+    for k in range(7):
+        a.append(client.step(StepRequest("ia", 0, len(ids) + k, (a[-1],)), decode=True).token.token_id)
+        b.append(client.step(StepRequest("ib", 0, 40 + k, (b[-1],)), decode=True).token.token_id)
+    assert (a, b) == (solo_a, solo_b)
+    assert solo_a == golden["greedy_ids"][:8]
+    # A released session id cannot be decoded.
+    client.release("ia")
+    res = client.step(StepRequest("ia", 0, len(ids) + 7, (a[-1],)), decode=True)
+    assert res.status is Status.NOT_FOUND
+
+
+def test_eight_concurrent_sessions_each_equal_alone(mesh, smollm2_path):
+    mesh.start_nodes([("a-head", "0:15"), ("d-tail", "15:30")])
+    golden = load_golden(GOLDEN)
+    prompts = [p["prompt_ids"] for p in golden["prompts"]] * 2
+    client = MeshClient(mesh.tracker)
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        sid = f"c{i}"
+        res = client.step(StepRequest(sid, 0, 0, tuple(prompts[i])), decode=False)
+        out, pos = [res.token.token_id], len(prompts[i])
+        for _ in range(11):
+            res = client.step(StepRequest(sid, 0, pos, (out[-1],)), decode=True)
+            out.append(res.token.token_id)
+            pos += 1
+        client.release(sid)
+        results[i] = out
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i in range(8):
+        assert results[i] == golden["prompts"][i % 4]["greedy_ids"][:12], f"session {i}"

@@ -1,0 +1,147 @@
+"""The node's gRPC service and the activation envelope: malformed frames are refused before any state
+changes, large envelopes stream in frames, and the node keeps serving."""
+
+from __future__ import annotations
+
+import zlib
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pytest
+
+from meshnet.client.remote import RemoteStage
+from meshnet.contract import ArtifactId, LayerRange, LoadSpec, NamedTensor, Status, StepRequest
+from meshnet.engine.fake import FakeEngine, FakeModel
+from meshnet.node.service import NodeService
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.wire.envelope import PROTOCOL_MAJOR, WireError, frames_to_request, request_to_frames
+from meshnet.wire.security import open_channel
+
+MODEL = FakeModel()
+N_EMBD = MODEL.n_embd
+
+
+@pytest.fixture
+def node():
+    """A middle stage (layers 10:20) of the fake model behind a real gRPC server on loopback."""
+    eng = FakeEngine(MODEL)
+    assert eng.load(LoadSpec(path="", artifact=ArtifactId(MODEL.sha256, LayerRange(10, 20)), max_sessions=2)).ok
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    pb_grpc.add_NodeServicer_to_server(NodeService(eng, "mid", pb.ModelIdentity(sha256=MODEL.sha256)), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = open_channel(f"127.0.0.1:{port}")
+    yield eng, pb_grpc.NodeStub(channel), RemoteStage("mid", f"127.0.0.1:{port}", channel)
+    server.stop(0).wait()
+
+
+def hidden(n: int, seed: int = 0) -> NamedTensor:
+    return NamedTensor.from_numpy("hidden", np.random.default_rng(seed).standard_normal((n, N_EMBD), np.float32))
+
+
+def good_frame(position=0, n=3, session="s1", epoch=0, decode=False) -> pb.Envelope:
+    req = StepRequest(session, epoch, position, tuple(range(1, n + 1)), hidden=hidden(n, position))
+    return request_to_frames(req, decode)[0]
+
+
+def code_of(stub, frame) -> tuple[grpc.StatusCode, str]:
+    try:
+        stub.Step(frame, timeout=5)
+    except grpc.RpcError as e:
+        return e.code(), e.details()
+    return grpc.StatusCode.OK, ""
+
+
+def _mutations():
+    def unknown_dtype(f):
+        f.dtype = "f64"
+
+    def zero_dim(f):
+        f.shape[:] = [0, N_EMBD]
+
+    def shape_bytes(f):
+        f.shape[:] = [4, N_EMBD]
+
+    def bad_crc(f):
+        f.crc32 ^= 1
+
+    def flipped_byte(f):
+        b = bytearray(f.payload)
+        b[0] ^= 0xFF
+        f.payload = bytes(b)
+
+    def newer_major(f):
+        f.major = PROTOCOL_MAJOR + 1
+
+    def byte_order(f):
+        f.byte_order = "big"
+
+    return [
+        ("unknown dtype", unknown_dtype, grpc.StatusCode.INVALID_ARGUMENT, "unknown dtype 'f64'"),
+        ("zero dimension", zero_dim, grpc.StatusCode.INVALID_ARGUMENT, "zero or negative dimension"),
+        ("shape vs bytes", shape_bytes, grpc.StatusCode.INVALID_ARGUMENT, "needs 128 bytes"),
+        ("bad checksum", bad_crc, grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
+        ("corrupted payload", flipped_byte, grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
+        ("newer major", newer_major, grpc.StatusCode.FAILED_PRECONDITION,
+         f"version {PROTOCOL_MAJOR + 1}.0 is newer than this node's {PROTOCOL_MAJOR}.0"),
+        ("byte order", byte_order, grpc.StatusCode.INVALID_ARGUMENT, "byte order 'big'"),
+    ]
+
+
+@pytest.mark.parametrize("name, mutate, code, message", _mutations(), ids=[m[0] for m in _mutations()])
+def test_malformed_envelope_refused_and_session_unchanged(node, name, mutate, code, message):
+    eng, stub, _ = node
+    assert code_of(stub, good_frame(0, 3))[0] == grpc.StatusCode.OK
+    bad = good_frame(3, 1, decode=True)
+    mutate(bad)
+    got, details = code_of(stub, bad)
+    assert got == code and message in details
+    # The session did not move: the same step, well-formed, still fits at position 3.
+    assert code_of(stub, good_frame(3, 1, decode=True))[0] == grpc.StatusCode.OK
+    assert eng.health().healthy
+
+
+def test_stale_epoch_frame_is_refused(node):
+    _, stub, _ = node
+    assert code_of(stub, good_frame(0, 3, epoch=5))[0] == grpc.StatusCode.OK
+    got, details = code_of(stub, good_frame(3, 1, epoch=4, decode=True))
+    assert got == grpc.StatusCode.FAILED_PRECONDITION and "stale route epoch 4" in details
+    assert code_of(stub, good_frame(3, 1, epoch=5, decode=True))[0] == grpc.StatusCode.OK
+
+
+def test_large_envelope_streams_in_frames_and_matches_unary(node):
+    eng, _, remote = node
+    n = 3000
+    x = hidden(n, 7)
+    small = RemoteStage(remote.node_id, remote.address, open_channel(remote.address), max_frame_bytes=4096)
+    req = StepRequest("big", 0, 0, tuple(i % 1000 for i in range(n)), hidden=x)
+    assert len(request_to_frames(req, False, 4096)) == -(-n * N_EMBD * 4 // 4096)
+    streamed = small.prefill(req)
+    unary = remote.prefill(StepRequest("big-unary", 0, 0, tuple(i % 1000 for i in range(n)), hidden=x))
+    assert streamed.ok and unary.ok
+    assert streamed.hidden.shape == (n, N_EMBD)
+    assert streamed.hidden.data == unary.hidden.data
+    assert streamed.n_past == n
+
+
+def test_session_limit_is_resource_exhausted_with_retry_hint(node):
+    _, _, remote = node
+    for sid in ("a", "b"):
+        assert remote.prefill(StepRequest(sid, 0, 0, (1, 2), hidden=hidden(2))).ok
+    res = remote.prefill(StepRequest("c", 0, 0, (1, 2), hidden=hidden(2)))
+    assert res.status is Status.RESOURCE_EXHAUSTED and res.retry_after_s is not None and res.retry_after_s > 0
+    remote.release("a")
+    assert remote.prefill(StepRequest("c", 0, 0, (1, 2), hidden=hidden(2))).ok
+
+
+def test_frames_out_of_order_are_refused():
+    req = StepRequest("s", 0, 0, tuple(range(100)), hidden=hidden(100))
+    frames = request_to_frames(req, False, 512)
+    with pytest.raises(WireError, match="arrived where frame 1"):
+        frames_to_request([frames[0], frames[2]] + frames[3:])
+    with pytest.raises(WireError, match="ended after"):
+        frames_to_request(frames[:-1])
+    assert frames_to_request(frames)[0] == req
+    assert frames[0].crc32 == zlib.crc32(req.hidden.data)

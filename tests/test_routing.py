@@ -1,0 +1,143 @@
+"""Route planning over plain NodeRecords: chains, replicas, load, exclusion and the NoRoute messages."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from meshnet.contract import LayerRange
+from meshnet.tracker.routing import (
+    DEFAULT_LAYERS_PER_S,
+    HOP_OVERHEAD_S,
+    RELAY_OVERHEAD_S,
+    NodeRecord,
+    NoRoute,
+    hop_cost,
+    missing_layers,
+    plan_route,
+)
+
+SHA = "a" * 64
+OTHER = "b" * 64
+
+
+def node(node_id: str, start: int, end: int, n_layer: int = 30, sha: str = SHA, **kw) -> NodeRecord:
+    return NodeRecord(node_id=node_id, address=f"10.0.0.1:{7000 + len(node_id)}", model_sha256=sha,
+                      architecture="llama", n_layer=n_layer, layers=LayerRange(start, end), **kw)
+
+
+def ids(route) -> list[str]:
+    return [n.node_id for n in route]
+
+
+def test_single_node_covering_all_layers():
+    n = node("solo", 0, 30)
+    assert plan_route([n], SHA) == (n,)
+
+
+def test_three_stage_chain_in_layer_order():
+    nodes = [node("c", 20, 30), node("a", 0, 10), node("b", 10, 20)]
+    route = plan_route(nodes, SHA)
+    assert ids(route) == ["a", "b", "c"]
+    assert [(h.layers.start, h.layers.end) for h in route] == [(0, 10), (10, 20), (20, 30)]
+
+
+def test_replica_chosen_by_speed():
+    nodes = [node("a", 0, 10), node("slow", 10, 20, decode_tokens_per_s=20.0),
+             node("fast", 10, 20, decode_tokens_per_s=80.0), node("c", 20, 30)]
+    assert ids(plan_route(nodes, SHA)) == ["a", "fast", "c"]
+
+
+def test_replica_chosen_by_load():
+    nodes = [node("a", 0, 10), node("busy", 10, 20, active_sessions=12, max_sessions=16),
+             node("idle", 10, 20, active_sessions=1, max_sessions=16), node("c", 20, 30)]
+    assert ids(plan_route(nodes, SHA)) == ["a", "idle", "c"]
+
+
+def test_excluded_node_forces_the_replica():
+    nodes = [node("a", 0, 10), node("b1", 10, 20, decode_tokens_per_s=90.0),
+             node("b2", 10, 20, decode_tokens_per_s=10.0), node("c", 20, 30)]
+    assert ids(plan_route(nodes, SHA)) == ["a", "b1", "c"]
+    assert ids(plan_route(nodes, SHA, exclude={"b1"})) == ["a", "b2", "c"]
+
+
+def test_node_at_its_session_limit_is_avoided_while_an_alternative_exists():
+    # "full" is ten times faster, but at its limit it would refuse the session.
+    full = node("full", 0, 30, decode_tokens_per_s=100.0, active_sessions=4, max_sessions=4)
+    chain = [node("a", 0, 15, decode_tokens_per_s=10.0), node("b", 15, 30, decode_tokens_per_s=10.0)]
+    assert ids(plan_route([full, *chain], SHA)) == ["a", "b"]
+    # With no alternative the saturated node is still used (it may free a slot before the call lands).
+    assert ids(plan_route([full], SHA)) == ["full"]
+    assert ids(plan_route([full, *chain], SHA, exclude={"b"})) == ["full"]
+
+
+def test_fewer_hops_win_when_speeds_are_unknown():
+    # Same compute either way, so the per-hop overhead decides.
+    one = node("one", 0, 30)
+    two = [node("x", 0, 15), node("y", 15, 30)]
+    assert ids(plan_route([*two, one], SHA)) == ["one"]
+
+
+def test_missing_layers_are_named_exactly():
+    nodes = [node("a", 0, 10), node("c", 20, 30)]
+    with pytest.raises(NoRoute) as ei:
+        plan_route(nodes, SHA)
+    assert ei.value.missing == (LayerRange(10, 20),)
+    assert "no node serves layers [10, 20)" in ei.value.message
+    assert ei.value.message.startswith("no complete route for model aaaaaaaaaaaa…")
+    assert missing_layers(nodes, SHA, 30) == (LayerRange(10, 20),)
+
+
+def test_several_missing_spans_and_exclusion_named():
+    nodes = [node("a", 0, 5), node("b", 5, 10), node("d", 12, 28)]
+    with pytest.raises(NoRoute) as ei:
+        plan_route(nodes, SHA, exclude={"b"})
+    assert ei.value.missing == (LayerRange(5, 12), LayerRange(28, 30))
+    assert "no node serves layers [5, 12), [28, 30) (excluded: b)" in ei.value.message
+    assert missing_layers(nodes, SHA, 30, exclude={"b"}) == (LayerRange(5, 12), LayerRange(28, 30))
+    assert missing_layers(nodes, SHA, 30) == (LayerRange(10, 12), LayerRange(28, 30))
+
+
+def test_all_layers_covered_but_ranges_do_not_chain():
+    nodes = [node("a", 0, 15), node("b", 10, 30)]
+    assert missing_layers(nodes, SHA, 30) == ()
+    with pytest.raises(NoRoute) as ei:
+        plan_route(nodes, SHA)
+    assert ei.value.missing == ()
+    msg = ei.value.message
+    assert "every layer of [0, 30) is served but the node ranges do not chain" in msg
+    assert "stop at layer(s) 15" in msg
+    assert "[0, 15) a" in msg and "[10, 30) b" in msg
+
+
+def test_other_models_nodes_are_ignored():
+    nodes = [node("mine-a", 0, 10), node("theirs", 10, 30, sha=OTHER), node("mine-b", 10, 30)]
+    assert ids(plan_route(nodes, SHA)) == ["mine-a", "mine-b"]
+    with pytest.raises(NoRoute) as ei:
+        plan_route([node("theirs", 0, 30, sha=OTHER)], SHA)
+    assert "no registered node serves this model" in ei.value.message
+    assert missing_layers([node("theirs", 0, 30, sha=OTHER)], SHA, 30) == (LayerRange(0, 30),)
+
+
+def test_tie_break_by_node_id_is_independent_of_input_order():
+    nodes = [node("a", 0, 10), node("r2", 10, 20), node("r1", 10, 20), node("r3", 10, 20), node("c", 20, 30)]
+    for perm in itertools.permutations(nodes):
+        assert ids(plan_route(list(perm), SHA)) == ["a", "r1", "c"]
+
+
+def test_hop_cost_model_values():
+    # Known speed: 1 / tokens-per-second for the node's whole range, plus the per-hop overhead.
+    assert hop_cost(node("k", 0, 10, decode_tokens_per_s=50.0)) == pytest.approx(HOP_OVERHEAD_S + 0.02)
+    # Unknown speed: the neutral per-layer default.
+    assert hop_cost(node("u", 0, 30)) == pytest.approx(HOP_OVERHEAD_S + 30 / DEFAULT_LAYERS_PER_S)
+    # Half the session slots taken: compute estimate x1.5.
+    assert hop_cost(node("h", 0, 10, decode_tokens_per_s=50.0, active_sessions=8, max_sessions=16)) == \
+        pytest.approx(HOP_OVERHEAD_S + 0.03)
+    assert hop_cost(node("r", 0, 10, decode_tokens_per_s=50.0, relayed=True)) == \
+        pytest.approx(HOP_OVERHEAD_S + RELAY_OVERHEAD_S + 0.02)
+
+
+def test_relayed_hop_loses_to_an_equal_direct_replica():
+    nodes = [node("a-relayed", 0, 30, relayed=True), node("z-direct", 0, 30)]
+    assert ids(plan_route(nodes, SHA)) == ["z-direct"]

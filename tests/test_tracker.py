@@ -1,0 +1,275 @@
+"""The tracker: registry expiry and epochs on a fake clock, then the real gRPC service on 127.0.0.1."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import grpc
+import pytest
+
+from meshnet.contract import LayerRange
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.tracker.registry import ProtocolMismatch, Registry
+from meshnet.tracker.routing import NodeRecord
+from meshnet.tracker.service import add_tracker_parser, serve_tracker
+from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
+from meshnet.wire.security import open_channel
+
+SHA = "c0ffee" * 10 + "beef"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def record(node_id: str, start: int, end: int, n_layer: int = 30, address: str = "127.0.0.1:9") -> NodeRecord:
+    return NodeRecord(node_id=node_id, address=address, model_sha256=SHA, architecture="llama",
+                      n_layer=n_layer, layers=LayerRange(start, end))
+
+
+# ---- registry ------------------------------------------------------------------------------------------
+
+def test_node_expires_after_three_intervals_and_not_before():
+    clock = FakeClock()
+    reg = Registry(heartbeat_interval_s=2.0, clock=clock)
+    assert reg.ttl_s == 6.0
+    reg.register(record("n1", 0, 30), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+    clock.now += 5.999
+    assert [r.node_id for r in reg.alive()] == ["n1"]
+    assert reg.statuses()[0].last_heartbeat_age_s == pytest.approx(5.999)
+    clock.now += 0.001  # exactly three intervals of silence
+    assert reg.alive() == []
+    assert reg.heartbeat("n1", 0, 0.0) is False  # it must register again
+
+
+def test_heartbeat_keeps_a_node_alive_and_updates_load():
+    clock = FakeClock()
+    reg = Registry(heartbeat_interval_s=1.0, clock=clock)
+    reg.register(record("n1", 0, 30), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+    for _ in range(10):
+        clock.now += 2.5
+        assert reg.heartbeat("n1", active_sessions=3, decode_tokens_per_s=42.0) is True
+    clock.now += 2.0
+    [r] = reg.alive()
+    assert (r.active_sessions, r.decode_tokens_per_s) == (3, 42.0)
+    reg.heartbeat("n1", active_sessions=1, decode_tokens_per_s=0.0)  # 0 = no new measurement
+    [r] = reg.alive()
+    assert (r.active_sessions, r.decode_tokens_per_s) == (1, 42.0)
+    assert reg.heartbeat("stranger", 0, 0.0) is False
+
+
+def test_reregister_replaces_the_entry():
+    reg = Registry(clock=FakeClock())
+    reg.register(record("n1", 0, 10, address="10.0.0.1:1"), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+    reg.register(record("n1", 10, 30, address="10.0.0.1:2"), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+    [r] = reg.alive()
+    assert (r.address, r.layers) == ("10.0.0.1:2", LayerRange(10, 30))
+    assert len(reg.statuses()) == 1
+    assert reg.deregister("n1") is True and reg.deregister("n1") is False
+    assert reg.alive() == []
+
+
+def test_protocol_mismatch_names_both_versions():
+    reg = Registry(clock=FakeClock())
+    with pytest.raises(ProtocolMismatch) as ei:
+        reg.register(record("n1", 0, 30), PROTOCOL_MAJOR + 1, 3)
+    msg = str(ei.value)
+    assert f"{PROTOCOL_MAJOR + 1}.3" in msg and f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}" in msg
+    assert isinstance(ei.value, ValueError)
+    reg.register(record("n1", 0, 30), PROTOCOL_MAJOR, PROTOCOL_MINOR + 7)  # a newer minor is fine
+    assert len(reg.alive()) == 1
+
+
+def test_epochs_strictly_increase():
+    reg = Registry(clock=FakeClock())
+    a = reg.next_epoch(0)
+    b = reg.next_epoch(0)
+    c = reg.next_epoch(100)
+    d = reg.next_epoch(5)
+    assert a < b < c < d
+    assert (a, b, c, d) == (1, 2, 101, 102)
+
+
+def test_registry_rejects_bad_records():
+    reg = Registry(clock=FakeClock())
+    with pytest.raises(ValueError, match="exceeds the model's 30 layers"):
+        reg.register(record("n1", 0, 31), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+    with pytest.raises(ValueError, match="address is empty"):
+        reg.register(record("n1", 0, 30, address=""), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+    with pytest.raises(ValueError, match="heartbeat interval"):
+        Registry(heartbeat_interval_s=0)
+
+
+# ---- the gRPC service ----------------------------------------------------------------------------------
+
+def info(node_id: str, start: int, end: int, n_layer: int = 30, port: int = 9000, sha: str = SHA,
+         major: int = PROTOCOL_MAJOR) -> pb.NodeInfo:
+    return pb.NodeInfo(node_id=node_id, address=f"127.0.0.1:{port}",
+                       model=pb.ModelIdentity(sha256=sha, architecture="llama", n_layer=n_layer),
+                       layers=pb.LayerRange(start=start, end=end), engine="fake", backend="cpu",
+                       protocol_major=major, protocol_minor=PROTOCOL_MINOR, max_sessions=4)
+
+
+@pytest.fixture
+def tracker():
+    server, port = serve_tracker("127.0.0.1", 0, heartbeat_interval_s=0.5)
+    channel = open_channel(f"127.0.0.1:{port}")
+    try:
+        yield pb_grpc.TrackerStub(channel)
+    finally:
+        channel.close()
+        server.stop(None)
+
+
+def test_route_deregister_and_bad_calls(tracker):
+    for i, (s, e) in enumerate([(20, 30), (0, 10), (10, 20)]):
+        reply = tracker.Register(info(f"n{s}", s, e, port=9000 + i), timeout=5)
+        assert (reply.heartbeat_interval_s, reply.ttl_s) == (0.5, 1.5)
+
+    route = tracker.GetRoute(pb.RouteRequest(model_sha256=SHA, previous_epoch=41), timeout=5)
+    assert route.epoch > 41
+    assert [h.node_id for h in route.hops] == ["n0", "n10", "n20"]
+    assert [(h.layers.start, h.layers.end) for h in route.hops] == [(0, 10), (10, 20), (20, 30)]
+    assert [h.address for h in route.hops] == ["127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9000"]
+    assert (route.model.sha256, route.model.architecture, route.model.n_layer) == (SHA, "llama", 30)
+    # Empty model = the only model served; epochs keep increasing.
+    again = tracker.GetRoute(pb.RouteRequest(), timeout=5)
+    assert again.epoch > route.epoch and [h.node_id for h in again.hops] == ["n0", "n10", "n20"]
+
+    listed = tracker.ListNodes(pb.Empty(), timeout=5)
+    assert [n.info.node_id for n in listed.nodes] == ["n0", "n10", "n20"]
+    assert listed.nodes[0].info.protocol_major == PROTOCOL_MAJOR and listed.nodes[0].info.max_sessions == 4
+    assert all(0 <= n.last_heartbeat_age_s < 1.5 for n in listed.nodes)
+
+    tracker.Deregister(pb.NodeRef(node_id="n10"), timeout=5)
+    with pytest.raises(grpc.RpcError) as ei:
+        tracker.GetRoute(pb.RouteRequest(model_sha256=SHA), timeout=5)
+    assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "no node serves layers [10, 20)" in ei.value.details()
+
+    bad = [
+        (info("", 0, 10), "node_id is empty"),
+        (pb.NodeInfo(node_id="x", model=pb.ModelIdentity(sha256=SHA, n_layer=30),
+                     layers=pb.LayerRange(start=0, end=10), protocol_major=PROTOCOL_MAJOR), "empty address"),
+        (info("x", 10, 10), "bad layer range [10, 10)"),
+        (info("x", 20, 31), "bad layer range [20, 31) for a model of 30 layers"),
+        (info("x", 0, 10, sha=""), "empty model sha256"),
+    ]
+    for request, fragment in bad:
+        with pytest.raises(grpc.RpcError) as ei:
+            tracker.Register(request, timeout=5)
+        assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT, fragment
+        assert fragment in ei.value.details()
+
+    with pytest.raises(grpc.RpcError) as ei:
+        tracker.Register(info("x", 0, 10, major=PROTOCOL_MAJOR + 1), timeout=5)
+    assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert f"{PROTOCOL_MAJOR + 1}.{PROTOCOL_MINOR}" in ei.value.details()
+    assert f"{PROTOCOL_MAJOR}.{PROTOCOL_MINOR}" in ei.value.details()
+
+    assert tracker.Heartbeat(pb.HeartbeatRequest(node_id="ghost"), timeout=5).known is False
+    assert tracker.Heartbeat(pb.HeartbeatRequest(node_id="n0", active_sessions=2), timeout=5).known is True
+    with pytest.raises(grpc.RpcError) as ei:
+        tracker.Heartbeat(pb.HeartbeatRequest(node_id="n0", decode_tokens_per_s=math.nan), timeout=5)
+    assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+    # Still serving after every bad call: put the middle back and the route is whole again.
+    tracker.Register(info("n10b", 10, 20, port=9003), timeout=5)
+    route2 = tracker.GetRoute(pb.RouteRequest(model_sha256=SHA, previous_epoch=route.epoch), timeout=5)
+    assert [h.node_id for h in route2.hops] == ["n0", "n10b", "n20"]
+    assert route2.epoch > again.epoch
+
+
+def test_get_route_model_selection(tracker):
+    with pytest.raises(grpc.RpcError) as ei:
+        tracker.GetRoute(pb.RouteRequest(), timeout=5)
+    assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "no node is registered" in ei.value.details()
+
+    other = "d" * 64
+    tracker.Register(info("a", 0, 30), timeout=5)
+    tracker.Register(info("b", 0, 8, n_layer=8, sha=other), timeout=5)
+    with pytest.raises(grpc.RpcError) as ei:
+        tracker.GetRoute(pb.RouteRequest(), timeout=5)
+    assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert SHA in ei.value.details() and other in ei.value.details()
+    assert [h.node_id for h in tracker.GetRoute(pb.RouteRequest(model_sha256=other), timeout=5).hops] == ["b"]
+
+    with pytest.raises(grpc.RpcError) as ei:
+        tracker.GetRoute(pb.RouteRequest(model_sha256="e" * 64), timeout=5)
+    assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "no registered node serves this model" in ei.value.details()
+
+    # Excluding the only node of a model names the layers it leaves uncovered.
+    with pytest.raises(grpc.RpcError) as ei:
+        tracker.GetRoute(pb.RouteRequest(model_sha256=SHA, exclude_node_ids=["a"]), timeout=5)
+    assert "no node serves layers [0, 30) (excluded: a)" in ei.value.details()
+
+
+def test_silent_node_leaves_routing_over_grpc():
+    clock = FakeClock()
+    server, port = serve_tracker(registry=Registry(heartbeat_interval_s=2.0, clock=clock))
+    try:
+        with open_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.TrackerStub(channel)
+            stub.Register(info("solo", 0, 30), timeout=5)
+            clock.now += 5.9
+            assert [h.node_id for h in stub.GetRoute(pb.RouteRequest(), timeout=5).hops] == ["solo"]
+            clock.now += 0.1
+            with pytest.raises(grpc.RpcError) as ei:
+                stub.GetRoute(pb.RouteRequest(model_sha256=SHA), timeout=5)
+            assert ei.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert stub.Heartbeat(pb.HeartbeatRequest(node_id="solo"), timeout=5).known is False
+    finally:
+        server.stop(None)
+
+
+def test_tracker_subcommand_parser():
+    parser = argparse.ArgumentParser(prog="meshnet")
+    add_tracker_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["tracker"])
+    assert (args.host, args.port, args.heartbeat, args.join_token, args.tls_cert, args.tls_key) == \
+        ("127.0.0.1", 7700, 2.0, None, None, None)
+    args = parser.parse_args(["tracker", "--port", "0", "--heartbeat", "0.5", "--join-token", "s3cret"])
+    assert (args.port, args.heartbeat, args.join_token) == (0, 0.5, "s3cret")
+    assert args.func.__name__ == "run_tracker"
+    bad = parser.parse_args(["tracker", "--tls-cert", "only-cert.pem"])
+    assert args.func(bad) == 2
+
+
+def test_run_tracker_serves_until_sigterm(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    code = ("import argparse, sys\n"
+            "from meshnet.tracker.service import add_tracker_parser\n"
+            "p = argparse.ArgumentParser(); add_tracker_parser(p.add_subparsers(dest='command'))\n"
+            "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n")
+    env = {**os.environ, "PYTHONPATH": src, "MESHNET_JOIN_TOKEN": ""}
+    proc = subprocess.Popen([sys.executable, "-c", code, "tracker", "--port", "0"], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith("tracker listening on 127.0.0.1:"), line
+        port = int(line.strip().rsplit(":", 1)[1])
+        with open_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.TrackerStub(channel)
+            assert stub.Heartbeat(pb.HeartbeatRequest(node_id="x"), timeout=5).known is False
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert "tracker stopped" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
