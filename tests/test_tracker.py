@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import grpc
 import pytest
@@ -94,6 +100,26 @@ def test_epochs_strictly_increase():
     d = reg.next_epoch(5)
     assert a < b < c < d
     assert (a, b, c, d) == (1, 2, 101, 102)
+
+
+def test_registry_is_thread_safe():
+    reg = Registry(clock=FakeClock())
+    epochs: list[int] = []
+
+    def worker(w: int) -> None:
+        for i in range(50):
+            reg.register(record(f"w{w}-{i}", 0, 30), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+            reg.heartbeat(f"w{w}-{i}", i, 1.0)
+            reg.alive()
+            epochs.append(reg.next_epoch(0))
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(reg.alive()) == 400
+    assert sorted(epochs) == list(range(1, 401))  # no epoch handed out twice
 
 
 def test_registry_rejects_bad_records():
@@ -243,14 +269,8 @@ def test_tracker_subcommand_parser():
     assert args.func(bad) == 2
 
 
-def test_run_tracker_serves_until_sigterm(tmp_path):
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
+def test_run_tracker_serves_until_sigterm():
+    """The CLI entry prints where it listens, serves, and exits 0 on SIGTERM."""
     src = str(Path(__file__).resolve().parents[1] / "src")
     code = ("import argparse, sys\n"
             "from meshnet.tracker.service import add_tracker_parser\n"

@@ -51,7 +51,9 @@ class RemoteStage:
     def _step(self, req: StepRequest, decode: bool) -> StepResult:
         frames = request_to_frames(req, decode, self.max_frame_bytes)
         try:
-            if len(frames) == 1:
+            # Decode steps (one token in, one row out) fit one frame each way: unary, the cheapest call.
+            # A prefill's output can exceed a frame even when its input (token ids) does not: stream.
+            if decode and len(frames) == 1:
                 replies = [self.stub.Step(frames[0], timeout=self.timeout_s)]
             else:
                 replies = self.stub.StepStream(iter(frames), timeout=self.timeout_s)

@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 import uuid
-from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
@@ -26,7 +25,7 @@ from meshnet.node.service import NodeService
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
-from meshnet.wire.security import JoinTokenInterceptor, TlsConfig, add_port, open_channel
+from meshnet.wire.security import TlsConfig, add_port, make_server, open_channel
 
 log = logging.getLogger("meshnet.node")
 
@@ -115,11 +114,8 @@ class Node:
         self.engine, self.model = build_engine(cfg)
         self.decode_tokens_per_s = measure_decode_speed(self.engine)
         self.service = NodeService(self.engine, self.node_id, self.model)
-        interceptors = [JoinTokenInterceptor(cfg.join_token)] if cfg.join_token else []
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_sessions + 8),
-                                  interceptors=interceptors,
-                                  options=[("grpc.max_receive_message_length", 16 << 20),
-                                           ("grpc.max_send_message_length", 16 << 20)])
+        # Workers beyond the session limit answer refusals and control calls while steps run.
+        self.server = make_server(cfg.join_token, max_workers=cfg.max_sessions + 8)
         pb_grpc.add_NodeServicer_to_server(self.service, self.server)
         self.port = add_port(self.server, f"{cfg.host}:{cfg.port}", cfg.tls)
         self.address = cfg.advertise or f"{cfg.host}:{self.port}"

@@ -71,7 +71,12 @@ class NodeService(pb_grpc.NodeServicer):
         return result_to_replies(req, res)
 
     def Step(self, request, context):
-        return self._run([request], context)[0]
+        replies = self._run([request], context)
+        if len(replies) > 1:
+            # The step already ran; the caller must use StepStream for outputs this large.
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"the step's output needs {len(replies)} frames; send it with StepStream")
+        return replies[0]
 
     def StepStream(self, request_iterator, context):
         yield from self._run(request_iterator, context)

@@ -1,0 +1,141 @@
+"""Node lifecycle and the one-command mesh as real processes: long prompts, SIGTERM drain, idle expiry,
+version skew, join tokens, ``meshnet up`` + ``meshnet generate --tracker``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import load_golden
+from mesh_util import HEARTBEAT_S, Mesh, rpc_code
+from meshnet.client.mesh_client import MeshClient
+from meshnet.contract import LayerRange, StepRequest
+from meshnet.local_mesh import load_local_chain
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.tokenizer import GGUFTokenizer
+from meshnet.wire.envelope import PROTOCOL_MAJOR
+from meshnet.wire.security import open_channel
+
+
+@pytest.fixture
+def mesh():
+    m = Mesh()
+    yield m
+    m.close()
+
+
+def test_3000_token_prompt_equals_single_process(mesh, smollm2_path):
+    mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
+    tok = GGUFTokenizer.from_gguf(str(smollm2_path))
+    text = load_golden("SmolLM2-135M-Instruct.Q4_1")["prompts"][1]["prompt"]
+    ids = (tok.encode(text) * 20)[:3000]
+    client = MeshClient(mesh.tracker)
+    local = load_local_chain(str(smollm2_path), [LayerRange(0, 30)], n_threads=2, progress=False)
+
+    def run(chain):
+        res = chain.step(StepRequest("long", 0, 0, tuple(ids)), decode=False)
+        assert res.ok, res.message
+        out = [res.token.token_id]
+        for k in range(3):
+            out.append(chain.step(StepRequest("long", 0, 3000 + k, (out[-1],)), decode=True).token.token_id)
+        chain.release("long")
+        return out
+
+    # 3000 x 576 f32 hidden states are 6.9 MB per hop, over gRPC's 4 MB default: they stream in frames.
+    assert run(client) == run(local)
+
+
+def test_sigterm_drains_and_deregisters(mesh):
+    (node,) = mesh.start_nodes([("only", "0:30")], "smollm2")
+    assert "only" in mesh.registered()
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.proc.wait(timeout=30) == 0
+    assert "only" not in mesh.registered()
+
+
+def test_idle_session_is_freed(mesh):
+    (node,) = mesh.start_nodes([("only", "0:30")], "smollm2", "--idle-timeout", "0.5")
+    client = MeshClient(mesh.tracker)
+    assert client.step(StepRequest("idle", 0, 0, (504, 3575)), decode=False).ok
+    assert node.active_sessions() == 1
+    deadline = time.monotonic() + 10
+    while node.active_sessions() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert node.active_sessions() == 0
+
+
+def test_killed_node_leaves_routing_within_three_heartbeats(mesh):
+    (a, b) = mesh.start_nodes([("x-head", "0:15"), ("y-tail", "15:30")])
+    b.kill()
+    t0 = time.monotonic()
+    while "y-tail" in mesh.registered():
+        time.sleep(0.05)
+    assert time.monotonic() - t0 <= 3 * HEARTBEAT_S + 0.5
+    code = rpc_code(mesh.tracker_stub().GetRoute, pb.RouteRequest(), timeout=5)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_version_skewed_node_is_refused_while_traffic_flows(mesh):
+    mesh.start_nodes([("a-head", "0:15"), ("d-tail", "15:30")])
+    stub = mesh.tracker_stub()
+    skewed = pb.NodeInfo(node_id="future", address="127.0.0.1:1", layers=pb.LayerRange(start=0, end=30),
+                         model=pb.ModelIdentity(sha256="x", architecture="llama", n_layer=30),
+                         protocol_major=PROTOCOL_MAJOR + 1)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Register(skewed, timeout=5)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert str(PROTOCOL_MAJOR + 1) in e.value.details() and str(PROTOCOL_MAJOR) in e.value.details()
+    client = MeshClient(mesh.tracker)
+    res = client.step(StepRequest("ok", 0, 0, (504, 3575, 282, 4649, 314)), decode=False)
+    assert res.ok and res.token.token_id == 7042
+
+
+def test_join_token_required_by_tracker_and_nodes(smollm2_path):
+    m = Mesh(join_token="s3cret")
+    try:
+        (node,) = m.start_nodes([("only", "0:30")])
+        bare = pb_grpc.NodeStub(open_channel(node.address))
+        assert rpc_code(bare.Health, pb.Empty(), timeout=5) == grpc.StatusCode.UNAUTHENTICATED
+        assert rpc_code(pb_grpc.TrackerStub(open_channel(m.tracker)).ListNodes, pb.Empty(), timeout=5) \
+            == grpc.StatusCode.UNAUTHENTICATED
+        client = MeshClient(m.tracker, join_token="s3cret")
+        assert client.step(StepRequest("t", 0, 0, (504, 3575, 282, 4649, 314)), decode=False).token.token_id == 7042
+    finally:
+        m.close()
+
+
+def test_meshnet_up_then_generate_through_the_mesh(smollm2_path, tmp_path):
+    port = _free_port()
+    up = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "up", "--stages", "3", "--port", str(port)],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = up.stdout.readline()
+        assert line.startswith("MESHNET_UP_READY"), line
+        golden = load_golden("SmolLM2-135M-Instruct.Q4_1")["prompts"][0]
+        proc = subprocess.run([sys.executable, "-m", "meshnet.cli", "generate", "--tracker", f"127.0.0.1:{port}",
+                               "--temperature", "0", "--max-tokens", "16", "--json", golden["prompt"]],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert out["generated_token_ids"] == golden["greedy_ids"][:16]
+        assert len(out["layers"]) == 3
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

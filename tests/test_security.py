@@ -1,0 +1,172 @@
+"""Join token and TLS on a real tracker: refusals are UNAUTHENTICATED / UNAVAILABLE, the right client gets in."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.tracker.service import serve_tracker
+from meshnet.wire.security import (
+    JOIN_TOKEN_METADATA,
+    JoinTokenInterceptor,
+    TlsConfig,
+    add_port,
+    make_server,
+    open_channel,
+)
+
+TOKEN = "correct horse battery staple"
+
+
+def _ping(channel: grpc.Channel, **kw) -> pb.HeartbeatReply:
+    return pb_grpc.TrackerStub(channel).Heartbeat(pb.HeartbeatRequest(node_id="nobody"), timeout=5, **kw)
+
+
+@pytest.fixture
+def token_tracker():
+    server, port = serve_tracker(join_token=TOKEN)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
+def test_call_without_token_is_unauthenticated(token_tracker):
+    with open_channel(token_tracker) as channel, pytest.raises(grpc.RpcError) as ei:
+        _ping(channel)
+    assert ei.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    assert ei.value.details().startswith("missing join token")
+
+
+def test_call_with_wrong_token_is_unauthenticated(token_tracker):
+    with open_channel(token_tracker, join_token="guess") as channel, pytest.raises(grpc.RpcError) as ei:
+        _ping(channel)
+    assert ei.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    assert ei.value.details().startswith("wrong join token")
+
+
+def test_call_with_right_token_succeeds_on_every_method(token_tracker):
+    with open_channel(token_tracker, join_token=TOKEN) as channel:
+        stub = pb_grpc.TrackerStub(channel)
+        assert _ping(channel).known is False
+        assert list(stub.ListNodes(pb.Empty(), timeout=5).nodes) == []
+        # Caller metadata is kept alongside the token.
+        assert _ping(channel, metadata=[("x-trace", "1")]).known is False
+
+
+def test_token_checked_on_streaming_calls_too():
+    """The interceptor refuses every RPC kind, not only unary ones (nodes stream envelopes)."""
+    echo = grpc.method_handlers_generic_handler("test.Echo", {
+        "Stream": grpc.stream_stream_rpc_method_handler(lambda it, ctx: (x for x in it)),
+        "Server": grpc.unary_stream_rpc_method_handler(lambda req, ctx: iter([req, req])),
+    })
+    server = make_server(TOKEN)
+    server.add_generic_rpc_handlers((echo,))
+    port = add_port(server, "127.0.0.1:0", None)
+    server.start()
+    try:
+        for token, ok in ((None, False), ("nope", False), (TOKEN, True)):
+            with open_channel(f"127.0.0.1:{port}", join_token=token) as channel:
+                stream = channel.stream_stream("/test.Echo/Stream")
+                server_stream = channel.unary_stream("/test.Echo/Server")
+                if ok:
+                    assert list(stream(iter([b"a", b"b"]), timeout=5)) == [b"a", b"b"]
+                    assert list(server_stream(b"x", timeout=5)) == [b"x", b"x"]
+                else:
+                    for call in (lambda: list(stream(iter([b"a"]), timeout=5)),
+                                 lambda: list(server_stream(b"x", timeout=5))):
+                        with pytest.raises(grpc.RpcError) as ei:
+                            call()
+                        assert ei.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        server.stop(None)
+
+
+def test_interceptor_refuses_an_empty_token():
+    with pytest.raises(ValueError, match="join token is empty"):
+        JoinTokenInterceptor("")
+    assert JOIN_TOKEN_METADATA == "x-meshnet-join-token"
+
+
+# ---- TLS -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def self_signed(tmp_path_factory) -> TlsConfig:
+    """A self-signed P-256 certificate for DNS:localhost and IP:127.0.0.1, valid for a day."""
+    d = tmp_path_factory.mktemp("tls")
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = d / "cert.pem", d / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return TlsConfig(cert=str(cert_path), key=str(key_path))
+
+
+@pytest.fixture
+def tls_tracker(self_signed):
+    server, port = serve_tracker(tls=self_signed, join_token=TOKEN)
+    try:
+        yield port
+    finally:
+        server.stop(None)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_tls_client_with_ca_succeeds(tls_tracker, self_signed, host):
+    with open_channel(f"{host}:{tls_tracker}", join_token=TOKEN, tls_ca=self_signed.cert) as channel:
+        assert _ping(channel).known is False
+
+
+def test_tls_still_requires_the_token(tls_tracker, self_signed):
+    with open_channel(f"127.0.0.1:{tls_tracker}", tls_ca=self_signed.cert) as channel, \
+            pytest.raises(grpc.RpcError) as ei:
+        _ping(channel)
+    assert ei.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_plaintext_client_cannot_talk_to_a_tls_tracker(tls_tracker):
+    with open_channel(f"127.0.0.1:{tls_tracker}", join_token=TOKEN) as channel, \
+            pytest.raises(grpc.RpcError) as ei:
+        _ping(channel)
+    assert ei.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+def test_tls_client_rejects_an_untrusted_certificate(tls_tracker, tmp_path):
+    other = tmp_path / "other-ca.pem"
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "someone else")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .sign(key, hashes.SHA256()))
+    other.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    with open_channel(f"127.0.0.1:{tls_tracker}", join_token=TOKEN, tls_ca=str(other)) as channel, \
+            pytest.raises(grpc.RpcError) as ei:
+        _ping(channel)
+    assert ei.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+def test_missing_tls_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match="cannot read TLS certificate .*nope.pem"):
+        serve_tracker(tls=TlsConfig(cert=str(tmp_path / "nope.pem"), key=str(tmp_path / "nope.key")))
+    with pytest.raises(ValueError, match="cannot read TLS CA certificate"):
+        open_channel("127.0.0.1:1", tls_ca=str(tmp_path / "nope.pem"))
