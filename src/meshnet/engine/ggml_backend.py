@@ -19,20 +19,43 @@ from meshnet.contract import LayerRange
 
 _init_lock = threading.Lock()
 _cpu_ready = False
+_backends: dict[int, object] = {}
+_compute_locks: dict[int, threading.Lock] = {}
 
 
 def cpu_backend(n_threads: int):
-    """A new ggml CPU backend using ``n_threads`` threads (``ggml_cpu_init`` runs once per process)."""
+    """The process's ggml CPU backend for ``n_threads`` threads, shared by every stage in the process.
+
+    Stages run one after another, so one backend (one thread pool) serves them all; a backend per
+    stage would keep several pools of spinning threads competing for the same cores. Lives until exit.
+    """
     global _cpu_ready
     with _init_lock:
         if not _cpu_ready:
             ggml.ggml_cpu_init()
             _cpu_ready = True
-    backend = ggml.ggml_backend_cpu_init()
-    if not backend:
-        raise RuntimeError("ggml_backend_cpu_init failed")
-    ggml.ggml_backend_cpu_set_n_threads(backend, int(n_threads))
-    return backend
+        backend = _backends.get(n_threads)
+        if backend is None:
+            backend = ggml.ggml_backend_cpu_init()
+            if not backend:
+                raise RuntimeError("ggml_backend_cpu_init failed")
+            ggml.ggml_backend_cpu_set_n_threads(backend, int(n_threads))
+            _backends[n_threads] = backend
+            _compute_locks[id(backend)] = threading.Lock()
+        return backend
+
+
+def compute(backend, graph) -> None:
+    """Run a graph on a shared backend. The CPU backend keeps one work buffer, so two stages of one
+    process must not compute on it at the same time.
+
+    Raises:
+        RuntimeError: ggml reported a failure status.
+    """
+    with _compute_locks[id(backend)]:
+        status = ggml.ggml_backend_graph_compute(backend, graph)
+    if status != ggml.GGML_STATUS_SUCCESS:
+        raise RuntimeError(f"ggml graph compute failed with status {status}")
 
 
 def new_meta_context(n_tensors: int, graph_size: int = 0) -> ggml.ggml_context_p:

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-import ggml
 import numpy as np
 
 from meshnet.contract import (
@@ -132,10 +131,8 @@ class GgmlStage:
         return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)
 
     def close(self) -> None:
+        """Free the weights' ggml handles (the shared backend stays for other stages)."""
         self.weights.free()
-        if self.backend:
-            ggml.ggml_backend_free(self.backend)
-            self.backend = None
 
 
 class GgmlEngine(ShardEngine):

@@ -19,7 +19,15 @@ import gguf
 import numpy as np
 
 from meshnet.contract import LayerRange
-from meshnet.engine.ggml_backend import KVCache, StageWeights, get_tensor, new_meta_context, new_tensor, set_tensor
+from meshnet.engine.ggml_backend import (
+    KVCache,
+    StageWeights,
+    compute,
+    get_tensor,
+    new_meta_context,
+    new_tensor,
+    set_tensor,
+)
 from meshnet.model.gguf_file import tensor_name as _tn
 from meshnet.model.hparams import ModelConfig
 
@@ -271,9 +279,7 @@ class StepGraph:
             set_tensor(inp.mask_swa, build_mask(positions, self.n_kv, self.cfg.n_swa))
         if inp.out_ids is not None:
             set_tensor(inp.out_ids, np.arange(n - self.n_out, n, dtype=np.int32))
-        status = ggml.ggml_backend_graph_compute(backend, self.gf)
-        if status != ggml.GGML_STATUS_SUCCESS:
-            raise RuntimeError(f"ggml graph compute failed with status {status}")
+        compute(backend, self.gf)
         return get_tensor(self.out)
 
     def free(self) -> None:

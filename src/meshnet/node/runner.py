@@ -52,6 +52,23 @@ class NodeConfig:
     tls_ca: str | None = None
     stages_hint: int = 0  # with layers None: split into this many stages and take the index below
     stage_index: int = 0
+    cpu: int | None = None  # pin the process to this CPU (benchmarks: one core per node)
+
+
+def pin_to_cpu(cpu: int) -> None:
+    """Run this process on CPU ``cpu`` only; threads started later (ggml's workers, gRPC's) inherit it.
+
+    Raises:
+        ValueError: ``cpu`` is not one this process may run on (the message lists those), or the
+            platform cannot pin processes.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError(f"--cpu {cpu}: pinning to a CPU is not supported on this platform")
+    allowed = sorted(os.sched_getaffinity(0))
+    if cpu not in allowed:
+        raise ValueError(f"--cpu {cpu}: no such CPU available to this process (available: "
+                         f"{', '.join(map(str, allowed))})")
+    os.sched_setaffinity(0, {cpu})
 
 
 def build_engine(cfg: NodeConfig) -> tuple[ShardEngine, pb.ModelIdentity]:
@@ -211,6 +228,7 @@ def add_node_parser(sub) -> None:
     p.add_argument("--node-id", default=None)
     p.add_argument("--engine", choices=["ggml", "fake"], default="ggml")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cpu", type=int, default=None, help="pin the node to this CPU (e.g. 0)")
     p.add_argument("--n-ctx", type=int, default=0)
     p.add_argument("--max-sessions", type=int, default=16)
     p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an unused session is freed")
@@ -223,13 +241,17 @@ def add_node_parser(sub) -> None:
 
 
 def run_node(args: argparse.Namespace) -> int:
+    cpu = getattr(args, "cpu", None)
+    if cpu is not None:
+        pin_to_cpu(cpu)  # before loading, so the engine's threads start pinned
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     tls = TlsConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
     cfg = NodeConfig(model=args.model, layers=LayerRange.parse(args.layers) if args.layers else None,
                      tracker=args.tracker, host=args.host, port=args.port, advertise=args.advertise,
                      node_id=args.node_id, engine=args.engine, threads=args.threads, n_ctx=args.n_ctx,
                      max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout,
-                     drain_timeout_s=args.drain_timeout, join_token=args.join_token, tls=tls, tls_ca=args.tls_ca)
+                     drain_timeout_s=args.drain_timeout, join_token=args.join_token, tls=tls, tls_ca=args.tls_ca,
+                     cpu=cpu)
     node = Node(cfg)
     done = threading.Event()
 
