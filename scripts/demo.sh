@@ -1,6 +1,20 @@
 #!/usr/bin/env bash
-# Quickstart 1: set up, then complete a prompt with SmolLM2's 30 layers split into 3 layer ranges.
+# Quickstart 1: set up, start a local mesh (a tracker and 3 node processes serving SmolLM2's 30 layers
+# as 0:10, 10:20, 20:30), complete a prompt through it, then stop the mesh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-exec .venv/bin/meshnet generate --stages 3 --temperature 0 --max-tokens 48 "${@:-The capital of France is}"
+PORT="${MESHNET_PORT:-7700}"
+PROMPT="${*:-The capital of France is}"
+log="$(mktemp)"
+.venv/bin/meshnet up --stages 3 --port "$PORT" >"$log" 2>&1 &
+up_pid=$!
+trap 'kill -TERM "$up_pid" 2>/dev/null; wait "$up_pid" 2>/dev/null; rm -f "$log"' EXIT
+for _ in $(seq 1 600); do
+  grep -q MESHNET_UP_READY "$log" && break
+  kill -0 "$up_pid" 2>/dev/null || { cat "$log" >&2; exit 1; }
+  sleep 0.2
+done
+grep -q MESHNET_UP_READY "$log" || { echo "the mesh did not come up:" >&2; cat "$log" >&2; exit 1; }
+grep -v MESHNET_UP_READY "$log" | grep "route ready" >&2 || true
+.venv/bin/meshnet generate --tracker "127.0.0.1:$PORT" --temperature 0 --max-tokens 48 "$PROMPT"

@@ -33,7 +33,7 @@ def add_up_parser(sub) -> None:
 
 
 def wait_for_route(tracker: str, timeout_s: float, join_token: str | None = None, expected_hops: int = 0,
-                   progress: bool = True) -> pb.Route:
+                   progress: bool = True, stop: threading.Event | None = None) -> pb.Route:
     """Poll the tracker until it has a complete route (of ``expected_hops`` hops if > 0).
 
     Raises:
@@ -46,6 +46,8 @@ def wait_for_route(tracker: str, timeout_s: float, join_token: str | None = None
                file=sys.stderr, disable=not progress, leave=False)
     try:
         while time.monotonic() < deadline:
+            if stop is not None and stop.is_set():
+                raise KeyboardInterrupt
             try:
                 nodes = stub.ListNodes(pb.Empty(), timeout=2).nodes
                 bar.n = len(nodes)
@@ -91,10 +93,12 @@ def run_up(args: argparse.Namespace) -> int:
     for i, proc in enumerate(procs):
         threading.Thread(target=pump, args=(i, proc), daemon=True).start()
     stop = threading.Event()
+    # Handle SIGINT explicitly too: a shell starts background jobs with SIGINT ignored.
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    signal.signal(signal.SIGINT, lambda *a: stop.set())
     code = 0
     try:
-        route = wait_for_route(tracker, args.timeout, args.join_token, len(ranges), sys.stderr.isatty())
+        route = wait_for_route(tracker, args.timeout, args.join_token, len(ranges), sys.stderr.isatty(), stop)
         print(f"[meshnet up] route ready (epoch {route.epoch}): "
               + " -> ".join(f"{h.node_id}@{h.address}" for h in route.hops), file=sys.stderr)
         print(f"MESHNET_UP_READY tracker={tracker}", flush=True)

@@ -1,0 +1,217 @@
+"""What the HTTP API needs from the mesh: a client per request, the tokenizer, the context length and a
+route check.
+
+:class:`ApiBackend` is a small concrete class built either over an in-process
+:class:`~meshnet.chain.LocalChain` (:func:`local_backend`) or over a running mesh found through its tracker
+(:func:`mesh_backend`); tests build one directly with their own client factory and route check.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Protocol
+
+from meshnet.contract import Status, StepRequest, StepResult
+from meshnet.tokenizer import GGUFTokenizer
+
+log = logging.getLogger("meshnet.api")
+
+# How long a request waits, in total, for a stage that is at its session or memory limit before the
+# API gives up with 503. The engines suggest a back-off with each refusal.
+ADMISSION_WAIT_S = 30.0
+
+
+class StepClient(Protocol):
+    """The generation loop's client interface (MeshClient and LocalChain both provide it)."""
+
+    def step(self, req: StepRequest, decode: bool) -> StepResult: ...
+
+    def cancel(self, session_id: str) -> None: ...
+
+    def release(self, session_id: str) -> None: ...
+
+
+class ApiBackend:
+    """Everything :func:`meshnet.api.app.create_app` needs.
+
+    Args:
+        new_client: returns the client one generation uses (``step``/``cancel``/``release``); it may return
+            the same thread-safe object every time, since sessions have distinct ids.
+        tokenizer: the served model's tokenizer.
+        model_name: the id ``/v1/models`` lists and requests must name (when they name one).
+        n_ctx: context length in tokens per session, or a zero-argument callable returning it (a mesh's
+            context is only known once a route exists).
+        check_route: raises :class:`~meshnet.client.mesh_client.MeshUnavailable` when no complete route
+            exists; otherwise returns a description of the route (a list of hop strings). ``None`` means
+            always available (in-process chains).
+        max_concurrency: generations running at once; further requests wait their turn. Keep it at or
+            under the stages' session limit.
+        retry_after_s: the ``Retry-After`` value (seconds) sent with 503 answers.
+    """
+
+    def __init__(self, new_client: Callable[[], StepClient], tokenizer: GGUFTokenizer, model_name: str,
+                 n_ctx: int | Callable[[], int], check_route: Callable[[], list[str]] | None = None,
+                 max_concurrency: int = 8, retry_after_s: int = 2) -> None:
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self._new_client = new_client
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self._n_ctx = n_ctx
+        self._check_route = check_route
+        self.max_concurrency = max_concurrency
+        self.retry_after_s = retry_after_s
+        self.closers: list[Callable[[], None]] = []
+
+    def new_client(self) -> StepClient:
+        """The client for one generation, wrapped so a busy stage is waited for instead of failing."""
+        return AdmissionRetry(self._new_client())
+
+    @property
+    def n_ctx(self) -> int:
+        """Context length in tokens per session."""
+        return self._n_ctx() if callable(self._n_ctx) else self._n_ctx
+
+    def check_route(self) -> list[str]:
+        """Describe the current complete route. Raises MeshUnavailable when there is none. Blocking
+        (a tracker round trip for a mesh): call it off the event loop."""
+        if self._check_route is None:
+            return ["in-process"]
+        return self._check_route()
+
+    def close(self) -> None:
+        """Release what the backend holds (mesh channels)."""
+        for fn in self.closers:
+            fn()
+
+
+class AdmissionRetry:
+    """Wraps a client so that a first prefill refused with RESOURCE_EXHAUSTED (a stage at its session or
+    memory limit, e.g. nodes shared with other users) is retried after the stage's suggested back-off,
+    for up to ``wait_s`` seconds in total. Any other result passes through unchanged."""
+
+    def __init__(self, client: StepClient, wait_s: float = ADMISSION_WAIT_S) -> None:
+        self.client, self.wait_s = client, wait_s
+        self._cancelled: set[str] = set()
+        self._lock = threading.Lock()
+
+    def step(self, req: StepRequest, decode: bool) -> StepResult:
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            res = self.client.step(req, decode)
+            if (res.status is not Status.RESOURCE_EXHAUSTED or decode or req.position != 0
+                    or time.monotonic() >= deadline):
+                return res
+            with self._lock:
+                if req.session_id in self._cancelled:
+                    return res
+            # Stages before the refusing one may hold the session already: start clean.
+            self.client.release(req.session_id)
+            time.sleep(min(res.retry_after_s or 0.5, max(0.0, deadline - time.monotonic())))
+
+    def cancel(self, session_id: str) -> None:
+        with self._lock:
+            self._cancelled.add(session_id)
+        self.client.cancel(session_id)
+
+    def release(self, session_id: str) -> None:
+        with self._lock:
+            self._cancelled.discard(session_id)
+        self.client.release(session_id)
+
+
+def local_backend(model: str = "smollm2", stages: int | None = None, layers: str | None = None,
+                  n_threads: int = 2, n_ctx: int = 0, max_sessions: int = 16, name: str | None = None,
+                  progress: bool = False) -> ApiBackend:
+    """An :class:`ApiBackend` over an in-process chain of ggml engines (one per layer range).
+
+    Args:
+        model: a GGUF path or bundled name (``smollm2``).
+        stages / layers: how to split the layers (see :func:`meshnet.local_mesh.plan_ranges`).
+        n_threads: CPU threads per stage.
+        n_ctx: context length per session (0 = the model's, capped at 4096).
+        max_sessions: sessions each stage holds; also the API's concurrency limit.
+        name: the served model id (default: ``model`` when it is a bundled name, else the file stem).
+
+    Raises:
+        ModelNotFound: unknown model name or missing package; ValueError: bad ranges or a failed load.
+    """
+    from meshnet.local_mesh import load_local_chain, plan_ranges
+    from meshnet.model.bundled import resolve_model
+
+    path = str(resolve_model(model))
+    ranges = plan_ranges(path, stages, layers)
+    chain = load_local_chain(path, ranges, n_threads=n_threads, n_ctx=n_ctx, progress=progress,
+                             max_sessions=max_sessions)
+    tok = GGUFTokenizer.from_gguf(path)
+    caps = [s.capabilities() for s in chain.stages]
+    desc = [f"in-process {c.artifact.layers}" for c in caps]
+    backend = ApiBackend(lambda: chain, tok, name or _model_name(model), min(c.n_ctx for c in caps),
+                         check_route=lambda: desc, max_concurrency=min(c.max_sessions for c in caps))
+    backend.chain = chain  # type: ignore[attr-defined]  # tests read the engines' health through it
+    return backend
+
+
+def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = None,
+                 tls_ca: str | None = None, name: str | None = None, max_concurrency: int = 8,
+                 step_timeout_s: float = 60.0) -> ApiBackend:
+    """An :class:`ApiBackend` over a running mesh: one shared MeshClient (sessions have distinct ids).
+
+    The GGUF must be readable here too: the API tokenizes and renders chat templates itself, and routes
+    only to nodes serving a file with the same sha256.
+
+    Raises:
+        ModelNotFound: unknown model name or missing package.
+    """
+    from meshnet.client.mesh_client import MeshClient
+    from meshnet.model.bundled import resolve_model
+    from meshnet.model.gguf_file import open_gguf, sha256_file
+    from meshnet.model.hparams import ModelConfig
+    from meshnet.proto import meshnet_pb2 as pb
+
+    path = str(resolve_model(model))
+    tok = GGUFTokenizer.from_gguf(path)
+    client = MeshClient(tracker, model_sha256=sha256_file(path), join_token=join_token, tls_ca=tls_ca,
+                        step_timeout_s=step_timeout_s)
+    # Until a route has been seen, assume the engines' default context (the model's, capped at 4096).
+    from meshnet.engine.ggml_engine import DEFAULT_MAX_CTX
+
+    state = {"n_ctx": min(ModelConfig.from_reader(open_gguf(path)).n_ctx_train, DEFAULT_MAX_CTX), "hops": ()}
+    lock = threading.Lock()
+
+    def check_route() -> list[str]:
+        _, hops = client.route()
+        key = tuple((h.node_id, h.address) for h in hops)
+        with lock:
+            known = state["hops"] == key
+        if not known:
+            # Every stage must hold the whole session: the route's context is its smallest.
+            try:
+                n_ctx = min(h.stub.GetCapabilities(pb.Empty(), timeout=5).n_ctx for h in hops)
+                with lock:
+                    state["n_ctx"], state["hops"] = n_ctx, key
+            except Exception as e:  # a node vanished between the route and the query: keep the old value
+                log.warning("could not read the route's context length: %s", e)
+        return [f"{h.node_id}@{h.address}" for h in hops]
+
+    def n_ctx() -> int:
+        with lock:
+            return int(state["n_ctx"])
+
+    try:
+        check_route()
+    except Exception as e:  # the mesh may come up after the API; /health reports it meanwhile
+        log.info("no route yet: %s", e)
+    backend = ApiBackend(lambda: client, tok, name or _model_name(model), n_ctx, check_route=check_route,
+                         max_concurrency=max_concurrency)
+    backend.closers.append(client.close)
+    return backend
+
+
+def _model_name(model: str) -> str:
+    from meshnet.model.bundled import BUNDLED
+
+    return model if model in BUNDLED else Path(model).stem

@@ -1,0 +1,220 @@
+"""OpenAI request and response shapes (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``).
+
+Requests are validated strictly: JSON types must match exactly (``"max_tokens": "5"`` or ``true`` is an
+error, an integer is accepted where a number is expected) and unknown top-level fields are refused, as
+OpenAI's own API does. Fields OpenAI defines that have no meaning here (``user``, ``store``, ...) are
+accepted and ignored; fields whose behaviour we do not implement (``tools``, ``logit_bias``, ``echo``, ...)
+are accepted by the schema only so the application can refuse them with a message naming them.
+
+Ranges follow OpenAI: ``temperature`` 0..2, ``top_p`` (0, 1], penalties -2..2, completions ``logprobs``
+0..5, chat ``top_logprobs`` 0..20, at most 4 stop sequences. ``top_k``, ``min_p`` and
+``repetition_penalty`` are llama.cpp-style extensions (OpenAI clients send them through ``extra_body``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Largest ``n`` (choices per prompt) one request may ask for; each choice is a full generation.
+MAX_N = 16
+MAX_STOP = 4
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by both generation endpoints."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None  # refused unless empty
+    user: str | None = None  # accepted, ignored
+    metadata: dict[str, Any] | None = None  # accepted, ignored
+    store: bool | None = None  # accepted, ignored
+    service_tier: str | None = None  # accepted, ignored
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``. ``prompt`` is a string, a list of strings, a list of token ids or a list
+    of token-id lists; every prompt gets ``n`` choices, numbered prompt-major."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False  # refused when true
+    best_of: int | None = None  # refused unless 1 or equal to n
+    suffix: str | None = None  # refused unless empty
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (``refusal``, ``annotations``, ...) appear when clients send back an earlier reply; they
+    # carry nothing the prompt needs, so they are ignored rather than refused.
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
+    tools: list[Any] | None = None  # refused unless empty
+    tool_choice: Any = None  # refused unless "none"
+    functions: list[Any] | None = None  # refused unless empty
+    function_call: Any = None  # refused unless "none"
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}
+    parallel_tool_calls: bool | None = None  # accepted, ignored
+    modalities: list[str] | None = None  # only ["text"]
+    reasoning_effort: str | None = None  # accepted, ignored
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions log-probs, one entry per generated token; offsets index the returned text."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "meshnet"
+    context_length: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,60 @@
+"""``meshnet bench mesh`` end to end with tiny settings: real node processes, a JSON with real figures.
+
+Speed is machine- and load-dependent, so only the structure and the sanity of the values are checked,
+never the ratios against their goals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from meshnet.bench.mesh_bench import add_mesh_bench_parser, run_mesh_bench
+from meshnet.model.bundled import ModelNotFound, resolve_model
+
+
+def test_bench_mesh_writes_figures(tmp_path):
+    try:
+        resolve_model("smollm2")
+    except ModelNotFound as e:
+        pytest.skip(str(e))
+    parser = argparse.ArgumentParser()
+    add_mesh_bench_parser(parser.add_subparsers())
+    out = tmp_path / "mesh.json"
+    args = parser.parse_args(["mesh", "--stages", "2", "--prompt-tokens", "16", "--decode-tokens", "4",
+                              "--repeats", "1", "--out", str(out)])
+    assert args.func is run_mesh_bench
+    assert run_mesh_bench(args) == 0
+
+    d = json.loads(out.read_text())
+    assert d["benchmark"] == "mesh" and d["stages"] == 2 and d["prompt_tokens"] == 16
+    assert d["machine"]["cpus"] >= 1 and d["machine"]["platform"]
+
+    single, mesh, pipe = d["single_process"], d["mesh"], d["pipeline"]
+    for fig in (single, mesh):
+        assert fig["ttft_s"] > 0 and fig["decode_tokens_per_s"] > 0
+    assert mesh["layers"] == ["0:15", "15:30"]
+    # Same prompt, greedy, same kernels and batch shapes: the mesh must generate what one process does.
+    assert mesh["outputs_match_single_process"] is True
+
+    hops = mesh["per_hop"]
+    assert len(hops) == 2
+    for i, h in enumerate(hops):
+        assert h["hop"] == i and h["layers"] == mesh["layers"][i]
+        assert h["decode_steps"] == 4  # one decode per measured step reached every node
+        assert h["rpc_mean_ms"] > 0 and h["rpc_p50_ms"] > 0 and h["compute_mean_ms"] > 0
+        assert h["overhead_mean_ms"] == pytest.approx(h["rpc_mean_ms"] - h["compute_mean_ms"], abs=0.002)
+    rtt = mesh["loopback_rtt"]
+    assert rtt["echo_payload_bytes"] == d["n_embd"] * 4
+    assert rtt["echo"]["mean_ms"] > 0 and rtt["health"]["p50_ms"] > 0
+
+    assert pipe["sessions"] == 2 and len(pipe["layers"]) == 2
+    assert pipe["aggregate_tokens_per_s"] > 0
+    assert pipe["single"]["decode_tokens_per_s"] > 0 and pipe["single"]["layers"] == ["0:30"]
+
+    ratios = d["ratios"]
+    assert set(ratios) == {"mesh_vs_single_decode", "mesh_vs_single_ttft", "pipeline_speedup"}
+    assert all(v > 0 for v in ratios.values())
+    assert any("while session A is on node 2, session B runs on node 1" in n for n in d["notes"])
