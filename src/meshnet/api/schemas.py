@@ -33,19 +33,20 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     """Fields shared by both generation endpoints."""
 
+    # ``null`` means "the default" for every optional field, as in OpenAI's API.
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # default 1.0
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)  # default 1.0 (off)
+    top_k: int | None = Field(default=None, ge=0)  # default 0 (off)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # default 0.0 (off)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # default 1.0 (off)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # default 0.0
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # default 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    stream: bool = False
+    n: int | None = Field(default=None, ge=1, le=MAX_N)  # default 1
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None  # refused unless empty
     user: str | None = None  # accepted, ignored
@@ -60,7 +61,7 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
-    echo: bool = False  # refused when true
+    echo: bool | None = None  # refused when true
     best_of: int | None = None  # refused unless 1 or equal to n
     suffix: str | None = None  # refused unless empty
 
@@ -88,7 +89,7 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage]
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
     tools: list[Any] | None = None  # refused unless empty

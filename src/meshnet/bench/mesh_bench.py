@@ -94,11 +94,9 @@ class RunTiming:
         return len(self.step_s) / self.decode_s
 
 
-def greedy_run(client, prompt_ids: list[int], n_decode: int,
-               before_decode: Callable[[], None] | None = None) -> RunTiming:
+def greedy_run(client, prompt_ids: list[int], n_decode: int) -> RunTiming:
     """Prefill ``prompt_ids`` then ``n_decode`` single-token greedy steps on ``client`` (a LocalChain or
-    MeshClient), releasing the session at the end. ``before_decode`` runs between prefill and decode,
-    outside both timings."""
+    MeshClient), releasing the session at the end."""
     sid = f"bench-{uuid.uuid4().hex}"
     try:
         t0 = time.perf_counter()
@@ -106,8 +104,6 @@ def greedy_run(client, prompt_ids: list[int], n_decode: int,
         ttft = time.perf_counter() - t0
         if not res.ok:
             raise RuntimeError(f"prefill failed: {res.status.value} {res.message}")
-        if before_decode is not None:
-            before_decode()
         pos, tok = len(prompt_ids), res.token.token_id
         tokens, steps = [tok], []
         c1 = time.process_time()

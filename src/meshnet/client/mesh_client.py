@@ -26,6 +26,7 @@ from meshnet.client.remote import RemoteStage, StageFailure
 from meshnet.contract import NamedTensor, Status, StepRequest, StepResult
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.wire.data_plane import ConnectionPool
 from meshnet.wire.security import open_channel
 
 log = logging.getLogger("meshnet.client")
@@ -72,6 +73,7 @@ class MeshClient:
         self.failover_deadline_s = failover_deadline_s
         self._tracker = pb_grpc.TrackerStub(open_channel(tracker, join_token, tls_ca))
         self._channels: dict[str, grpc.Channel] = {}
+        self._pools: dict[str, ConnectionPool] = {}
         self._sessions: dict[str, SessionLog] = {}
         self._lock = threading.Lock()
         self.failovers = 0
@@ -82,7 +84,14 @@ class MeshClient:
             ch = self._channels.get(hop.address)
             if ch is None:
                 ch = self._channels[hop.address] = open_channel(hop.address, self.join_token, self.tls_ca)
-        return RemoteStage(hop.node_id, hop.address, ch, self.step_timeout_s)
+            pool = None
+            # The plain-TCP data plane carries no TLS: with a CA configured, steps stay on gRPC.
+            if hop.data_address and not self.tls_ca:
+                pool = self._pools.get(hop.data_address)
+                if pool is None:
+                    pool = self._pools[hop.data_address] = ConnectionPool(hop.data_address, self.join_token,
+                                                                          self.step_timeout_s)
+        return RemoteStage(hop.node_id, hop.address, ch, self.step_timeout_s, data_pool=pool)
 
     def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0) -> tuple[int, list[RemoteStage]]:
         """A route from the tracker. Raises MeshUnavailable with the tracker's reason."""
@@ -147,6 +156,8 @@ class MeshClient:
             self.release(sid)
         for ch in self._channels.values():
             ch.close()
+        for pool in self._pools.values():
+            pool.close()
 
     # ---- internals ---------------------------------------------------------------------------
     def _run(self, log_: SessionLog, req: StepRequest, decode: bool, start: int,

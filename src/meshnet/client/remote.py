@@ -13,6 +13,7 @@ import grpc
 from meshnet.contract import Outcome, Status, StepRequest, StepResult
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.wire.data_plane import ConnectionPool, DataPlaneError
 from meshnet.wire.envelope import MAX_FRAME_BYTES, WireError, replies_to_result, request_to_frames
 
 # gRPC codes that are one of our contract statuses; everything else means the node is unusable.
@@ -31,11 +32,12 @@ class RemoteStage:
     """One node of a route. ``timeout_s`` bounds each step (a hung node counts as failed)."""
 
     def __init__(self, node_id: str, address: str, channel: grpc.Channel, timeout_s: float = 60.0,
-                 max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+                 max_frame_bytes: int = MAX_FRAME_BYTES, data_pool: ConnectionPool | None = None) -> None:
         self.node_id, self.address = node_id, address
         self.stub = pb_grpc.NodeStub(channel)
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
+        self.data_pool = data_pool  # steps go over the TCP data plane when the node offers one
 
     def _fail(self, e: grpc.RpcError) -> StepResult:
         code = e.code()
@@ -48,8 +50,32 @@ class RemoteStage:
                 retry = float(value)
         return StepResult(status, message=f"{self.node_id}: {e.details()}", retry_after_s=retry)
 
+    def _step_tcp(self, frames) -> StepResult:
+        try:
+            conn = self.data_pool.acquire()
+        except (OSError, DataPlaneError) as e:
+            raise StageFailure(self.node_id, self.data_pool.address, "UNAVAILABLE", str(e)) from None
+        try:
+            replies, error = conn.call(frames)
+        except (OSError, DataPlaneError) as e:
+            conn.close()
+            raise StageFailure(self.node_id, self.data_pool.address, "UNAVAILABLE", str(e)) from None
+        self.data_pool.release(conn)
+        if error is not None:
+            code, retry, message = error
+            status = _CONTRACT_CODES.get(grpc.StatusCode[code]) if code in grpc.StatusCode.__members__ else None
+            if status is None:
+                raise StageFailure(self.node_id, self.data_pool.address, code, message)
+            return StepResult(status, message=f"{self.node_id}: {message}", retry_after_s=retry)
+        try:
+            return replies_to_result(replies)
+        except WireError as e:
+            raise StageFailure(self.node_id, self.address, "DATA_LOSS", e.message) from None
+
     def _step(self, req: StepRequest, decode: bool) -> StepResult:
         frames = request_to_frames(req, decode, self.max_frame_bytes)
+        if self.data_pool is not None:
+            return self._step_tcp(frames)
         try:
             # Decode steps (one token in, one row out) fit one frame each way: unary, the cheapest call.
             # A prefill's output can exceed a frame even when its input (token ids) does not: stream.

@@ -24,6 +24,7 @@ from meshnet.engine.base import ShardEngine
 from meshnet.node.service import NodeService
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.wire.data_plane import DataPlaneServer
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from meshnet.wire.security import TlsConfig, add_port, make_server, open_channel
 
@@ -50,6 +51,8 @@ class NodeConfig:
     join_token: str | None = None
     tls: TlsConfig | None = None
     tls_ca: str | None = None
+    data_plane: bool = True  # serve steps over raw TCP as well as gRPC
+    data_port: int = 0
     stages_hint: int = 0  # with layers None: split into this many stages and take the index below
     stage_index: int = 0
     cpu: int | None = None  # pin the process to this CPU (benchmarks: one core per node)
@@ -131,11 +134,21 @@ class Node:
         self.engine, self.model = build_engine(cfg)
         self.decode_tokens_per_s = measure_decode_speed(self.engine)
         self.service = NodeService(self.engine, self.node_id, self.model)
-        # Workers beyond the session limit answer refusals and control calls while steps run.
-        self.server = make_server(cfg.join_token, max_workers=cfg.max_sessions + 8)
+        # Workers beyond the session limit answer refusals and control calls while steps run; calls
+        # beyond twice that are refused (RESOURCE_EXHAUSTED) rather than queued without bound.
+        self.server = make_server(cfg.join_token, max_workers=cfg.max_sessions + 8,
+                                  maximum_concurrent_rpcs=2 * (cfg.max_sessions + 8))
         pb_grpc.add_NodeServicer_to_server(self.service, self.server)
         self.port = add_port(self.server, f"{cfg.host}:{cfg.port}", cfg.tls)
         self.address = cfg.advertise or f"{cfg.host}:{self.port}"
+        # Steps also get a raw-TCP data plane (far cheaper per hop than gRPC); it has no TLS, so a node
+        # serving TLS keeps steps on gRPC.
+        self.data_plane = None
+        self.data_address = ""
+        if cfg.tls is None and cfg.data_plane:
+            self.data_plane = DataPlaneServer(cfg.host, cfg.data_port, self.service.run_step, cfg.join_token)
+            adv_host = (cfg.advertise or cfg.host).rsplit(":", 1)[0] if cfg.advertise else cfg.host
+            self.data_address = f"{adv_host}:{self.data_plane.port}"
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._tracker = None
@@ -146,10 +159,13 @@ class Node:
                            layers=pb.LayerRange(start=c.artifact.layers.start, end=c.artifact.layers.end),
                            engine=c.engine, backend=c.backend, protocol_major=PROTOCOL_MAJOR,
                            protocol_minor=PROTOCOL_MINOR, free_memory_bytes=_free_memory_bytes(),
-                           decode_tokens_per_s=self.decode_tokens_per_s, max_sessions=c.max_sessions)
+                           decode_tokens_per_s=self.decode_tokens_per_s, max_sessions=c.max_sessions,
+                           data_address=self.data_address)
 
     def start(self) -> None:
         self.server.start()
+        if self.data_plane is not None:
+            self.data_plane.start()
         if self.cfg.tracker:
             channel = open_channel(self.cfg.tracker, self.cfg.join_token, self.cfg.tls_ca)
             self._tracker = pb_grpc.TrackerStub(channel)
@@ -204,6 +220,8 @@ class Node:
                 time.sleep(0.05)
             self.service.wait_idle(max(0.0, deadline - time.monotonic()))
         self._stop.set()
+        if self.data_plane is not None:
+            self.data_plane.stop()
         self.server.stop(grace=1.0).wait()
 
 
@@ -233,6 +251,8 @@ def add_node_parser(sub) -> None:
     p.add_argument("--max-sessions", type=int, default=16)
     p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an unused session is freed")
     p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--data-port", type=int, default=0, help="TCP port of the step data plane (0 = any)")
+    p.add_argument("--no-data-plane", action="store_true", help="serve steps over gRPC only")
     p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
     p.add_argument("--tls-cert", default=None)
     p.add_argument("--tls-key", default=None)
@@ -251,6 +271,7 @@ def run_node(args: argparse.Namespace) -> int:
                      node_id=args.node_id, engine=args.engine, threads=args.threads, n_ctx=args.n_ctx,
                      max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout,
                      drain_timeout_s=args.drain_timeout, join_token=args.join_token, tls=tls, tls_ca=args.tls_ca,
+                     data_plane=not args.no_data_plane, data_port=args.data_port,
                      cpu=cpu)
     node = Node(cfg)
     done = threading.Event()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -33,6 +34,17 @@ def grpc_code(status: Status) -> grpc.StatusCode:
     return grpc.StatusCode[status.value]
 
 
+@dataclass
+class StepOutcome:
+    """What a node answers to one step: ``code`` is a gRPC status code name ("OK", "INVALID_ARGUMENT",
+    "UNAVAILABLE", ...), ``replies`` the reply frames when OK."""
+
+    code: str
+    message: str = ""
+    retry_after_s: float | None = None
+    replies: list[pb.StepReply] = field(default_factory=list)
+
+
 class NodeService(pb_grpc.NodeServicer):
     """Serves one loaded engine. ``draining`` refuses new sessions (UNAVAILABLE) while existing ones
     finish; ``node_id`` and ``model`` fill in capabilities."""
@@ -46,29 +58,36 @@ class NodeService(pb_grpc.NodeServicer):
         self._cv = threading.Condition()
 
     # ---- steps -------------------------------------------------------------------------------
-    def _run(self, frames, context) -> list[pb.StepReply]:
+    def run_step(self, frames) -> StepOutcome:
+        """Validate frames, run the step, and say what to answer; shared by gRPC and the TCP data plane."""
         try:
             req, decode = frames_to_request(frames)
         except WireError as e:
-            context.abort(grpc_code(e.status), e.message)
+            return StepOutcome(e.status.value, e.message)
         if self.draining and req.session_id not in self.engine.session_ids():
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self.node_id} is draining; use another route")
+            return StepOutcome("UNAVAILABLE", f"node {self.node_id} is draining; use another route")
         with self._cv:
             self._in_flight += 1
         try:
             res: StepResult = self.engine.decode(req) if decode else self.engine.prefill(req)
         except Exception as e:  # an engine bug or crash must not take the server down
             log.exception("engine failed on session %s", req.session_id)
-            context.abort(grpc.StatusCode.INTERNAL, f"engine error: {e}")
+            return StepOutcome("INTERNAL", f"engine error: {e}")
         finally:
             with self._cv:
                 self._in_flight -= 1
                 self._cv.notify_all()
         if not res.ok:
-            if res.retry_after_s is not None:
-                context.set_trailing_metadata((("retry-after-s", f"{res.retry_after_s:.3f}"),))
-            context.abort(grpc_code(res.status), res.message)
-        return result_to_replies(req, res)
+            return StepOutcome(res.status.value, res.message, res.retry_after_s)
+        return StepOutcome("OK", replies=result_to_replies(req, res))
+
+    def _run(self, frames, context) -> list[pb.StepReply]:
+        out = self.run_step(frames)
+        if out.code != "OK":
+            if out.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after-s", f"{out.retry_after_s:.3f}"),))
+            context.abort(grpc.StatusCode[out.code], out.message)
+        return out.replies
 
     def Step(self, request, context):
         replies = self._run([request], context)

@@ -194,7 +194,7 @@ class MetricsReply(_message.Message):
     def __init__(self, prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., errors: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "address", "model", "layers", "engine", "backend", "protocol_major", "protocol_minor", "free_memory_bytes", "decode_tokens_per_s", "max_sessions")
+    __slots__ = ("node_id", "address", "model", "layers", "engine", "backend", "protocol_major", "protocol_minor", "free_memory_bytes", "decode_tokens_per_s", "max_sessions", "data_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,7 @@ class NodeInfo(_message.Message):
     FREE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     model: ModelIdentity
@@ -217,7 +218,8 @@ class NodeInfo(_message.Message):
     free_memory_bytes: int
     decode_tokens_per_s: float
     max_sessions: int
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ..., max_sessions: _Optional[int] = ...) -> None: ...
+    data_address: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ..., max_sessions: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("heartbeat_interval_s", "ttl_s")
@@ -260,14 +262,16 @@ class RouteRequest(_message.Message):
     def __init__(self, model_sha256: _Optional[str] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ..., previous_epoch: _Optional[int] = ...) -> None: ...
 
 class Hop(_message.Message):
-    __slots__ = ("node_id", "address", "layers")
+    __slots__ = ("node_id", "address", "layers", "data_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     layers: LayerRange
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ...) -> None: ...
+    data_address: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class Route(_message.Message):
     __slots__ = ("epoch", "model", "hops")

@@ -81,6 +81,7 @@ class NodeRecord:
     active_sessions: int = 0
     max_sessions: int = 16
     relayed: bool = False
+    data_address: str = ""          # raw-TCP step data plane ("" = steps over gRPC)
 
     @property
     def saturated(self) -> bool:

@@ -83,7 +83,7 @@ def record_from_info(info: pb.NodeInfo) -> NodeRecord:
                       architecture=info.model.architecture, n_layer=n_layer, layers=LayerRange(start, end),
                       engine=info.engine or "ggml", backend=info.backend or "cpu", decode_tokens_per_s=speed,
                       # 0 = the node did not say: assume the engines' default limit
-                      max_sessions=info.max_sessions or _DEFAULT_MAX_SESSIONS)
+                      max_sessions=info.max_sessions or _DEFAULT_MAX_SESSIONS, data_address=info.data_address)
 
 
 def info_from_status(s: RegisteredNode) -> pb.NodeInfo:
@@ -93,7 +93,7 @@ def info_from_status(s: RegisteredNode) -> pb.NodeInfo:
                        layers=pb.LayerRange(start=r.layers.start, end=r.layers.end), engine=r.engine,
                        backend=r.backend, protocol_major=s.protocol_major, protocol_minor=s.protocol_minor,
                        free_memory_bytes=s.free_memory_bytes, decode_tokens_per_s=r.decode_tokens_per_s,
-                       max_sessions=max(r.max_sessions, 0))
+                       max_sessions=max(r.max_sessions, 0), data_address=r.data_address)
 
 
 class TrackerService(pb_grpc.TrackerServicer):
@@ -160,7 +160,7 @@ class TrackerService(pb_grpc.TrackerServicer):
         return pb.Route(
             epoch=self.registry.next_epoch(request.previous_epoch),
             model=pb.ModelIdentity(sha256=head.model_sha256, architecture=head.architecture, n_layer=head.n_layer),
-            hops=[pb.Hop(node_id=h.node_id, address=h.address,
+            hops=[pb.Hop(node_id=h.node_id, address=h.address, data_address=h.data_address,
                          layers=pb.LayerRange(start=h.layers.start, end=h.layers.end)) for h in hops])
 
     @_rpc

@@ -156,13 +156,15 @@ def add_port(server: grpc.Server, address: str, tls: TlsConfig | None) -> int:
 
 
 def make_server(join_token: str | None = None, max_workers: int = 16,
-                interceptors: Sequence[grpc.ServerInterceptor] = ()) -> grpc.Server:
+                interceptors: Sequence[grpc.ServerInterceptor] = (),
+                maximum_concurrent_rpcs: int | None = None) -> grpc.Server:
     """A thread-pool ``grpc.Server`` with :data:`SERVER_OPTIONS`, refusing calls without ``join_token``
-    when one is given. Bind it with :func:`add_port`, then ``start()``."""
+    when one is given. With ``maximum_concurrent_rpcs`` set, calls beyond it are refused at once with
+    RESOURCE_EXHAUSTED instead of queueing without bound. Bind it with :func:`add_port`, then ``start()``."""
     chain = [JoinTokenInterceptor(join_token)] if join_token else []
     chain.extend(interceptors)
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=chain,
-                       options=SERVER_OPTIONS)
+                       options=SERVER_OPTIONS, maximum_concurrent_rpcs=maximum_concurrent_rpcs)
 
 
 # ---- client side ---------------------------------------------------------------------------------------

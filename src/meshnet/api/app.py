@@ -1,0 +1,646 @@
+"""The OpenAI-compatible HTTP API in front of a mesh: ``create_app(backend)`` returns a FastAPI app.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (each streaming
+as server-sent events ``data: {...}`` ... ``data: [DONE]``, or not), ``GET /health`` and ``GET /metrics``.
+
+Every request is checked completely (JSON, types, ranges, prompt length against the context) before
+any step runs, so a refused request never allocates a session on a node. Client errors answer 400 (413 for
+a body over the limit) in OpenAI's error shape, a missing or failing mesh 503 with ``Retry-After``.
+
+Generations run in worker threads one token per call, so the event loop keeps serving; at most
+``backend.max_concurrency`` hold a mesh session at once and the rest wait. A client that goes away
+mid-answer has its session cancelled and released on every node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import anyio.to_thread
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from meshnet.api.backend import ApiBackend
+from meshnet.api.errors import ApiError, bad_request
+from meshnet.api.metrics import ApiMetrics
+from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece
+from meshnet.api.schemas import (
+    MAX_STOP,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    TopLogprob,
+    Usage,
+)
+from meshnet.contract import SampledToken, SamplingParams
+
+log = logging.getLogger("meshnet.api")
+
+# Largest request body accepted, bytes (2 MiB: far more than any context this runtime serves).
+MAX_BODY_BYTES = 2 * 1024 * 1024
+# Generations that may wait for a slot before new requests are turned away with 503.
+MAX_QUEUED = 256
+
+
+def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_queued: int = MAX_QUEUED) -> FastAPI:
+    """Build the API app over ``backend``.
+
+    Args:
+        backend: the mesh access (clients, tokenizer, model name, context length, route check).
+        max_body_bytes: larger request bodies are answered 413 (checked on Content-Length and on the
+            bytes actually received).
+        max_queued: generations allowed to wait for a free slot; beyond that requests get 503.
+    """
+    app = FastAPI(title="meshnet", description="OpenAI-compatible API over a meshnet mesh",
+                  version="1", docs_url=None, redoc_url=None)
+    metrics = ApiMetrics()
+    api = _Api(backend, metrics, max_queued)
+    app.state.api = api
+    app.state.metrics = metrics
+    app.add_middleware(_BodyLimitAndMetrics, metrics=metrics, max_body_bytes=max_body_bytes)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        metrics.errors.labels(kind=exc.code or str(exc.status)).inc()
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        # FastAPI answers 422 by default; OpenAI answers 400 for every malformed request.
+        err = _validation_api_error(exc.errors())
+        metrics.errors.labels(kind=err.code or "400").inc()
+        return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        return ApiError(exc.status_code, message).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("internal error on %s", request.url.path)
+        metrics.errors.labels(kind="internal_error").inc()
+        return ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return JSONResponse(ModelList(data=[api.model_card()]).model_dump())
+
+    @app.get("/v1/models/{model_id}")
+    async def get_model(model_id: str) -> Response:
+        if model_id != backend.model_name:
+            raise ApiError(404, f"model {model_id!r} is not served here; this server serves "
+                                f"{backend.model_name!r}", param="model", code="model_not_found")
+        return JSONResponse(api.model_card().model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await api.completions(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await api.chat_completions(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        from meshnet.client.mesh_client import MeshUnavailable
+
+        body: dict[str, Any] = {"model": backend.model_name, "active_sessions": metrics.n_active,
+                                "max_concurrency": backend.max_concurrency}
+        try:
+            hops = await anyio.to_thread.run_sync(backend.check_route)
+        except MeshUnavailable as e:
+            body.update(status="unavailable", route=None, error=str(e))
+            return JSONResponse(body, status_code=503,
+                                headers={"Retry-After": str(backend.retry_after_s)})
+        body.update(status="ok", route=hops, n_ctx=backend.n_ctx)
+        return JSONResponse(body)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    return app
+
+
+# ---- request handling ----------------------------------------------------------------------------
+
+
+class _Api:
+    def __init__(self, backend: ApiBackend, metrics: ApiMetrics, max_queued: int) -> None:
+        self.backend, self.metrics, self.max_queued = backend, metrics, max_queued
+        self.limiter = asyncio.Semaphore(backend.max_concurrency)
+        self.created = int(time.time())
+
+    def model_card(self) -> ModelCard:
+        try:
+            n_ctx = self.backend.n_ctx
+        except Exception:  # the context of a mesh without a route is unknown
+            n_ctx = None
+        return ModelCard(id=self.backend.model_name, created=self.created, context_length=n_ctx)
+
+    # ---- shared checks ----
+    def _common_checks(self, req) -> None:
+        if req.model is not None and req.model != self.backend.model_name:
+            raise bad_request(f"model {req.model!r} is not served here; this server serves "
+                              f"{self.backend.model_name!r}", "model", "model_not_found")
+        if req.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias", "unsupported_parameter")
+        _stops(req.stop)  # refuses too many
+
+    def _sampling(self, req, n_top: int, index: int) -> SamplingParams:
+        """SamplingParams for choice ``index`` (seeded choices use ``seed + index``); OpenAI's defaults
+        for absent fields (temperature 1, no filters, no penalties)."""
+        def pick(value, default):
+            return default if value is None else value
+
+        sp = SamplingParams(temperature=pick(req.temperature, 1.0), top_k=pick(req.top_k, 0),
+                            top_p=pick(req.top_p, 1.0), min_p=pick(req.min_p, 0.0),
+                            repetition_penalty=pick(req.repetition_penalty, 1.0),
+                            presence_penalty=pick(req.presence_penalty, 0.0),
+                            frequency_penalty=pick(req.frequency_penalty, 0.0),
+                            seed=None if req.seed is None else req.seed + index, n_top_logprobs=n_top)
+        problem = sp.validate()
+        if problem:
+            raise bad_request(problem)
+        return sp
+
+    def _budget(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
+        """Generated-token budget: ``max_tokens`` capped by what the context still holds. A prompt that
+        does not fit is refused here, before any node is asked for anything."""
+        n_ctx = self.backend.n_ctx
+        if not prompt_ids:
+            raise bad_request("the prompt is empty", param, "empty_prompt")
+        if len(prompt_ids) > n_ctx:
+            raise bad_request(f"This model's maximum context length is {n_ctx} tokens, but the prompt has "
+                              f"{len(prompt_ids)} tokens. Shorten the prompt.", param, "context_length_exceeded")
+        # The last generated token is never fed back, so positions 0 .. n_ctx - 1 allow one extra token.
+        room = n_ctx - len(prompt_ids) + 1
+        return room if max_tokens is None else min(max_tokens, room)
+
+    async def _check_route(self) -> None:
+        from meshnet.client.mesh_client import MeshUnavailable
+
+        try:
+            await anyio.to_thread.run_sync(self.backend.check_route)
+        except MeshUnavailable as e:
+            raise ApiError(503, f"no complete route through the mesh: {e}", code="mesh_unavailable",
+                           retry_after_s=self.backend.retry_after_s) from None
+        if self.metrics.n_queued >= self.max_queued:
+            raise ApiError(503, f"the server is busy ({self.max_queued} requests waiting); retry later",
+                           code="server_busy", retry_after_s=self.backend.retry_after_s)
+
+    # ---- completions ----
+    async def completions(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        req = _parse(CompletionRequest, await request.body())
+        self._common_checks(req)
+        if req.echo:
+            raise bad_request("echo is not supported", "echo", "unsupported_parameter")
+        if req.best_of not in (None, 1, req.n or 1):
+            raise bad_request("best_of is not supported (only best_of == n)", "best_of", "unsupported_parameter")
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
+        prompts = await anyio.to_thread.run_sync(self._completion_prompts, req.prompt)
+        n_top = req.logprobs or 0
+        jobs = []
+        for p_ids in prompts:
+            budget = self._budget(p_ids, req.max_tokens, "prompt")
+            for _ in range(req.n or 1):
+                jobs.append(GenJob(p_ids, budget, self._sampling(req, n_top, len(jobs)), tuple(_stops(req.stop))))
+        await self._check_route()
+        prompt_tokens = sum(len(p) for p in prompts)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        want_logprobs = req.logprobs is not None
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _sse(self._stream_completion(jobs, rid, created, prompt_tokens, want_logprobs,
+                                                include_usage, t0))
+        choices, completion_tokens = [], 0
+        for i, job in enumerate(jobs):
+            pieces, run = await self._run_whole(job, request, t0, i == 0)
+            completion_tokens += run.completion_tokens
+            text = "".join(p.text for p in pieces)
+            choices.append(CompletionChoice(index=i, text=text, finish_reason=run.finish_reason,
+                                            logprobs=self._completion_logprobs(pieces) if want_logprobs else None))
+        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                      total_tokens=prompt_tokens + completion_tokens)
+        body = CompletionResponse(id=rid, created=created, model=self.backend.model_name, choices=choices,
+                                  usage=usage)
+        return JSONResponse(body.model_dump())
+
+    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
+        tok = self.backend.tokenizer
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise bad_request("prompt is empty", "prompt", "empty_prompt")
+        if isinstance(prompt[0], int):
+            prompt = [prompt]
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                if not p:
+                    raise bad_request("prompt is empty", "prompt", "empty_prompt")
+                # Control-token text in a raw prompt ("<|im_start|>") becomes those tokens, as llama.cpp's
+                # server does, so hand-rendered chat prompts work.
+                out.append(self.backend.tokenizer.encode(p, parse_special=True))
+            else:
+                bad = [t for t in p if not 0 <= t < tok.n_vocab]
+                if bad:
+                    raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {tok.n_vocab})",
+                                      "prompt", "invalid_token")
+                out.append(list(p))
+        return out
+
+    def _completion_logprobs(self, pieces: list[Piece]) -> CompletionLogprobs:
+        lp = CompletionLogprobs()
+        tok = self.backend.tokenizer
+        for piece in pieces:
+            for t, offset in piece.tokens:
+                lp.tokens.append(_token_str(tok, t.token_id))
+                lp.token_logprobs.append(t.logprob)
+                top: dict[str, float] = {}
+                for alt in t.top:
+                    top.setdefault(_token_str(tok, alt.token_id), alt.logprob)
+                lp.top_logprobs.append(top)
+                lp.text_offset.append(offset)
+        return lp
+
+    async def _stream_completion(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
+                                 want_logprobs: bool, include_usage: bool, t0: float) -> AsyncIterator[str]:
+        model = self.backend.model_name
+        completion_tokens = 0
+        for i, job in enumerate(jobs):
+            run = ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, observe_ttft=i == 0)
+            try:
+                await run.start()
+                while (piece := await run.next_piece()) is not None:
+                    lp = self._completion_logprobs([piece]) if want_logprobs and piece.tokens else None
+                    chunk = CompletionResponse(id=rid, created=created, model=model, choices=[
+                        CompletionChoice(index=i, text=piece.text, logprobs=lp,
+                                         finish_reason=piece.finish_reason)])
+                    yield _event(chunk.model_dump(exclude={"usage"}))
+            except ApiError as e:
+                self.metrics.errors.labels(kind=e.code or str(e.status)).inc()
+                yield _event(e.body())
+                return
+            finally:
+                await run.aclose()
+            completion_tokens += run.completion_tokens
+        if include_usage:
+            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens)
+            yield _event(CompletionResponse(id=rid, created=created, model=model, choices=[],
+                                            usage=usage).model_dump())
+        yield "data: [DONE]\n\n"
+
+    # ---- chat ----
+    async def chat_completions(self, request: Request) -> Response:
+        t0 = time.perf_counter()
+        req = _parse(ChatCompletionRequest, await request.body())
+        if req.max_tokens is not None and req.max_completion_tokens is not None \
+                and req.max_tokens != req.max_completion_tokens:
+            raise bad_request("max_tokens and max_completion_tokens differ; give one", "max_tokens")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        self._common_checks(req)
+        if req.tools or req.functions:
+            raise bad_request("tools and function calling are not supported", "tools", "unsupported_parameter")
+        if req.tool_choice not in (None, "none") or req.function_call not in (None, "none"):
+            raise bad_request("tool_choice is not supported", "tool_choice", "unsupported_parameter")
+        if req.response_format and req.response_format.get("type") != "text":
+            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
+                              "unsupported_parameter")
+        if req.modalities and req.modalities != ["text"]:
+            raise bad_request("only the text modality is supported", "modalities", "unsupported_parameter")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if not req.messages:
+            raise bad_request("messages is empty: a chat needs at least one message", "messages", "empty_messages")
+        prompt_ids = await anyio.to_thread.run_sync(self._chat_prompt, req)
+        budget = self._budget(prompt_ids, max_tokens, "messages")
+        n_top = req.top_logprobs or 0
+        stops = tuple(_stops(req.stop))
+        jobs = [GenJob(prompt_ids, budget, self._sampling(req, n_top, i), stops, stop_at_control=True)
+                for i in range(req.n or 1)]
+        await self._check_route()
+        prompt_tokens = len(prompt_ids)  # counted once, however many choices, as OpenAI does
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _sse(self._stream_chat(jobs, rid, created, prompt_tokens, bool(req.logprobs), include_usage,
+                                          t0))
+        choices, completion_tokens = [], 0
+        for i, job in enumerate(jobs):
+            pieces, run = await self._run_whole(job, request, t0, i == 0)
+            completion_tokens += run.completion_tokens
+            text = "".join(p.text for p in pieces)
+            choices.append(ChatChoice(index=i, message=ChatResponseMessage(content=text),
+                                      finish_reason=run.finish_reason,
+                                      logprobs=self._chat_logprobs(pieces) if req.logprobs else None))
+        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                      total_tokens=prompt_tokens + completion_tokens)
+        body = ChatCompletionResponse(id=rid, created=created, model=self.backend.model_name, choices=choices,
+                                      usage=usage)
+        return JSONResponse(body.model_dump())
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        from meshnet.chat_template import chat_prompt_ids
+
+        messages = []
+        for m in req.messages:
+            d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+            if isinstance(m.content, list):
+                d["content"] = [p.model_dump(exclude_none=True) for p in m.content]
+            else:
+                d["content"] = m.content
+            for key in ("name", "tool_calls", "tool_call_id"):
+                if getattr(m, key) is not None:
+                    d[key] = getattr(m, key)
+            messages.append(d)
+        try:
+            return chat_prompt_ids(self.backend.tokenizer, messages)
+        except ValueError as e:  # invalid messages or a template error (ChatTemplateError)
+            raise bad_request(str(e), "messages", "invalid_messages") from None
+
+    def _chat_logprobs(self, pieces: list[Piece]) -> ChatLogprobs:
+        tok = self.backend.tokenizer
+        content = []
+        for piece in pieces:
+            for t, _ in piece.tokens:
+                content.append(ChatTokenLogprob(
+                    **_top_entry(tok, t.token_id, t.logprob),
+                    top_logprobs=[TopLogprob(**_top_entry(tok, a.token_id, a.logprob)) for a in t.top]))
+        return ChatLogprobs(content=content)
+
+    async def _stream_chat(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
+                           want_logprobs: bool, include_usage: bool, t0: float) -> AsyncIterator[str]:
+        model = self.backend.model_name
+
+        def chunk(index: int, delta: ChatDelta, logprobs: ChatLogprobs | None = None,
+                  finish_reason: str | None = None) -> str:
+            c = ChatCompletionChunk(id=rid, created=created, model=model, choices=[
+                ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)])
+            d = c.model_dump(exclude={"usage"})
+            # OpenAI's deltas carry only what changed: {"role": ...} first, then {"content": ...}, then {}.
+            d["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+            return _event(d)
+
+        completion_tokens = 0
+        for i, job in enumerate(jobs):
+            run = ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, observe_ttft=i == 0)
+            try:
+                await run.start()
+                yield chunk(i, ChatDelta(role="assistant", content=""))
+                while (piece := await run.next_piece()) is not None:
+                    if piece.text or piece.tokens:
+                        lp = self._chat_logprobs([piece]) if want_logprobs else None
+                        yield chunk(i, ChatDelta(content=piece.text), lp)
+                    if piece.finish_reason is not None:
+                        yield chunk(i, ChatDelta(), None, piece.finish_reason)
+            except ApiError as e:
+                self.metrics.errors.labels(kind=e.code or str(e.status)).inc()
+                yield _event(e.body())
+                return
+            finally:
+                await run.aclose()
+            completion_tokens += run.completion_tokens
+        if include_usage:
+            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                          total_tokens=prompt_tokens + completion_tokens)
+            yield _event(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                             usage=usage).model_dump())
+        yield "data: [DONE]\n\n"
+
+    # ---- non-streaming driver ----
+    async def _run_whole(self, job: GenJob, request: Request, t0: float,
+                         observe_ttft: bool) -> tuple[list[Piece], ChoiceRun]:
+        run = ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, request.is_disconnected,
+                        observe_ttft=observe_ttft)
+        try:
+            await run.start()
+            return await run.collect(), run
+        except ClientGone:
+            # Nobody will read the answer; 499 is what proxies log for it.
+            raise ApiError(499, "the client closed the connection", code="client_closed") from None
+        finally:
+            await run.aclose()
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+
+def _parse(model: type[BaseModel], body: bytes) -> Any:
+    if not body.strip():
+        raise bad_request("the request body is empty; send a JSON object", None, "invalid_json")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise _validation_api_error(e.errors()) from None
+
+
+def _validation_api_error(errors: list[dict]) -> ApiError:
+    """One 400 naming the first problem's parameter (``messages.0.content``) and what is wrong with it."""
+    if not errors:
+        return bad_request("invalid request")
+    err = errors[0]
+    kind = err.get("type", "")
+    loc = [x for x in err.get("loc", ()) if x != "body"]
+    if kind == "json_invalid":
+        return bad_request(f"the request body is not valid JSON: {err.get('msg', '')}", None, "invalid_json")
+    if kind == "model_type" and not loc:
+        return bad_request("the request body must be a JSON object", None, "invalid_json")
+    param = ".".join(str(x) for x in loc if not _is_type_tag(x)) or None
+    if kind == "extra_forbidden":
+        return bad_request(f"unrecognized request argument: {param}", param, "unknown_parameter")
+    if kind == "missing":
+        return bad_request(f"missing required parameter: {param}", param, "missing_required_parameter")
+    # A union (``prompt``: string or list ...) reports one error per alternative, each tagged with the
+    # alternative's type: name the accepted forms once instead.
+    tag_at = next((i for i, x in enumerate(loc) if _is_type_tag(x)), None)
+    if tag_at is not None:
+        prefix = tuple(loc[:tag_at])
+        same = [e for e in errors if tuple(x for x in e.get("loc", ()) if x != "body")[:tag_at] == prefix]
+        tags = [str(e["loc"][tag_at + ("body" in e["loc"])]) for e in same]
+        param = ".".join(str(x) for x in prefix) or None
+    if tag_at is not None and len(same) > 1:
+        forms = " or ".join(dict.fromkeys(tags))
+        return bad_request(f"invalid value for {param}: expected {forms}, got {_json_type(err.get('input'))}",
+                           param, "invalid_type")
+    code = "invalid_type" if kind.endswith("_type") else "invalid_value"
+    return bad_request(f"invalid value for {param}: {err.get('msg', 'invalid')}", param, code)
+
+
+def _is_type_tag(part: Any) -> bool:
+    """Pydantic names union alternatives in error locations (``str``, ``list[int]``, ``TextPart``)."""
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "none", "TextPart", "StreamOptions"}
+                                      or "[" in part or part.startswith("function-"))
+
+
+def _json_type(value: Any) -> str:
+    return {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > MAX_STOP:
+        raise bad_request(f"at most {MAX_STOP} stop sequences are allowed, got {len(stops)}", "stop")
+    return [s for s in stops if s]
+
+
+def _token_str(tok, token_id: int) -> str:
+    return tok.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def _top_entry(tok, token_id: int, logprob: float) -> dict:
+    raw = tok.token_bytes(token_id)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _SSEResponse(StreamingResponse):
+    """A server-sent-event stream whose body iterator is always closed when the response ends, so a
+    client that goes away (however the server notices) releases its session promptly."""
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def _sse(gen: AsyncIterator[str]) -> Response:
+    return _SSEResponse(gen, media_type="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+# ---- ASGI middleware: body limit and request metrics ---------------------------------------------
+
+
+class _BodyLimitAndMetrics:
+    """Reads a request's whole body up front, refusing more than ``max_body_bytes`` with 413 (on the
+    Content-Length header and on the bytes actually received), then replays it to the app; counts every
+    answer by endpoint and status."""
+
+    def __init__(self, app, metrics: ApiMetrics, max_body_bytes: int) -> None:
+        self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        endpoint = self.metrics.endpoint_label(scope.get("path", ""))
+        status = {"code": 0}
+
+        async def send_wrapper(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                self.metrics.requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
+            await send(message)
+
+        body = await self._read_body(scope, receive, send_wrapper)
+        if body is None:
+            return
+        delivered = False
+
+        async def replay() -> dict:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        try:
+            await self.app(scope, replay, send_wrapper)
+        except Exception:
+            if not status["code"]:
+                self.metrics.requests.labels(endpoint=endpoint, status="500").inc()
+            raise
+        finally:
+            self.metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
+
+    async def _read_body(self, scope, receive, send) -> bytes | None:
+        """The whole body, or None when an answer (413/400) was sent or the client left."""
+        limit = self.max_body_bytes
+        declared = None
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    await self._reply(send, ApiError(400, "invalid Content-Length header", code="invalid_header"))
+                    return None
+        too_big = declared is not None and declared > limit
+        chunks, total = [], 0
+        # Drain a moderately oversized body before answering, so the client gets its 413 instead of a
+        # reset connection while it is still sending; a huge one is answered at once.
+        drain = declared is None or declared <= 8 * limit
+        if too_big and not drain:
+            await self._reply(send, _too_large(limit, declared))
+            return None
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            data = message.get("body", b"")
+            total += len(data)
+            if total > limit:
+                too_big = True
+                if total > 8 * limit:
+                    break
+            elif data:
+                chunks.append(data)
+            if not message.get("more_body", False):
+                break
+        if too_big:
+            await self._reply(send, _too_large(limit, max(total, declared or 0)))
+            return None
+        return b"".join(chunks)
+
+    async def _reply(self, send, err: ApiError) -> None:
+        self.metrics.errors.labels(kind=err.code or str(err.status)).inc()
+        resp = err.response()
+        resp.headers["Connection"] = "close"
+        await resp({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> dict:
+    return {"type": "http.disconnect"}
+
+
+def _too_large(limit: int, size: int) -> ApiError:
+    return ApiError(413, f"the request body has {size} bytes, more than the {limit}-byte limit",
+                    code="request_too_large")

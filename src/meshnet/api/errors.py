@@ -1,0 +1,35 @@
+"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+# OpenAI's error ``type`` for each status the API answers with.
+_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable",
+          500: "server_error"}
+
+
+class ApiError(Exception):
+    """An error answer. ``status`` is the HTTP status; ``param`` names the offending request field;
+    ``retry_after_s`` adds a ``Retry-After`` header (seconds, rounded up to an integer)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, int(-(-self.retry_after_s // 1))))
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)

@@ -1,0 +1,59 @@
+"""Prometheus metrics of one API instance (its own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+# Endpoints with their own label value; anything else is counted as "other" so that arbitrary request
+# paths cannot grow the label set without bound.
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+
+
+class ApiMetrics:
+    """Counters, gauges and histograms exported at ``GET /metrics``.
+
+    * ``meshnet_api_requests_total{endpoint,status}``: answered requests (streams count when they start).
+    * ``meshnet_api_prompt_tokens_total`` / ``meshnet_api_generated_tokens_total``: tokens in and out.
+    * ``meshnet_api_ttft_seconds``: request arrival to first generated token, seconds.
+    * ``meshnet_api_request_seconds{endpoint}``: request arrival to last byte, seconds.
+    * ``meshnet_api_active_sessions``: generations holding a mesh session now.
+    * ``meshnet_api_queued_requests``: generations waiting for a free slot.
+    * ``meshnet_api_errors_total{kind}``: error answers and failed streams by kind.
+    """
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("meshnet_api_requests", "HTTP requests answered",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("meshnet_api_prompt_tokens", "prompt tokens processed", registry=r)
+        self.generated_tokens = Counter("meshnet_api_generated_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("meshnet_api_ttft_seconds", "request arrival to first generated token",
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.latency = Histogram("meshnet_api_request_seconds", "request arrival to last byte",
+                                 ["endpoint"], buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 120),
+                                 registry=r)
+        self.active_sessions = Gauge("meshnet_api_active_sessions", "generations holding a mesh session",
+                                     registry=r)
+        self.queued = Gauge("meshnet_api_queued_requests", "generations waiting for a slot", registry=r)
+        self.errors = Counter("meshnet_api_errors", "error answers and failed streams", ["kind"], registry=r)
+        self.n_active = 0  # mirrors of the two gauges, for /health and admission (event-loop only)
+        self.n_queued = 0
+
+    def add_active(self, delta: int) -> None:
+        self.n_active += delta
+        self.active_sessions.set(self.n_active)
+
+    def add_queued(self, delta: int) -> None:
+        self.n_queued += delta
+        self.queued.set(self.n_queued)
+
+    @staticmethod
+    def endpoint_label(path: str) -> str:
+        return path if path in ENDPOINTS else "other"
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

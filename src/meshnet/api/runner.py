@@ -1,0 +1,306 @@
+"""One choice of a completion, driven token by token off the event loop.
+
+:class:`ChoiceText` is the pure text logic: stop sequences (hold back any text that could still turn
+into a stop match, cut the match out), and which tokens' log-probs belong to the text released so far.
+:class:`ChoiceRun` runs a :class:`~meshnet.generation.Generation` in worker threads, one step per call,
+and turns its token events into :class:`Piece` objects the endpoints format. Streaming and non-streaming
+answers are built from the same pieces, so their texts are equal by construction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import anyio.to_thread
+
+from meshnet.api.errors import ApiError
+from meshnet.api.metrics import ApiMetrics
+from meshnet.contract import SampledToken, SamplingParams, Status
+from meshnet.generation import Generation, GenerationError, TokenEvent
+from meshnet.tokenizer import GGUFTokenizer
+
+
+@dataclass
+class Piece:
+    """Text released to the client at once, the tokens whose log-probs go with it (each with its
+    character offset in the choice's text), and the finish reason on the last piece."""
+
+    text: str
+    tokens: list[tuple[SampledToken, int]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.text or self.tokens or self.finish_reason)
+
+
+class ChoiceText:
+    """Accumulates a generation's text and decides what may be released.
+
+    Text that ends in a proper prefix of a stop sequence is held back until it either completes the stop
+    (then the text is cut at the match's start, finish reason "stop") or stops being a prefix. A token's
+    log-prob is released with the text it produced: once its text has been released in full while
+    streaming; at the end, every token whose text starts before the cut.
+
+    Args:
+        stops: stop sequences (empty strings are ignored).
+    """
+
+    def __init__(self, stops: list[str] | tuple[str, ...] = ()) -> None:
+        self.stops = [s for s in stops if s]
+        self._max = max((len(s) for s in self.stops), default=0)
+        self.raw = ""  # everything generated
+        self.emitted = 0  # characters of raw released
+        self._scanned = 0  # raw[:_scanned] is known to hold no stop match
+        self._toks: list[list] = []  # [token, start, end] offsets in raw
+        self._released = 0
+        self.finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The text released so far."""
+        return self.raw[:self.emitted]
+
+    def add_token(self, token: SampledToken, text: str) -> Piece:
+        """A new token that produced ``text`` (possibly "" while a UTF-8 character is incomplete)."""
+        start = len(self.raw)
+        self.raw += text
+        self._toks.append([token, start, len(self.raw)])
+        return self._advance()
+
+    def add_tail(self, text: str) -> Piece:
+        """Text the detokenizer released at the end for the last token (a held-back partial character)."""
+        self.raw += text
+        if self._toks:
+            self._toks[-1][2] = len(self.raw)
+        return self._advance()
+
+    def finish(self, reason: str) -> Piece:
+        """The generation ended (``"stop"`` or ``"length"``): release everything held back."""
+        return self._release(len(self.raw), "all", reason)
+
+    def _advance(self) -> Piece:
+        if self.finish_reason is not None:
+            return Piece("")
+        if self.stops:
+            # A new match must end after the part already scanned, so it starts at most _max - 1 earlier.
+            frm = max(0, self._scanned - self._max + 1)
+            hits = [i for i in (self.raw.find(s, frm) for s in self.stops) if i >= 0]
+            self._scanned = len(self.raw)
+            if hits:
+                return self._release(min(hits), "cut", "stop")
+            return self._release(len(self.raw) - self._holdback(), "partial", None)
+        return self._release(len(self.raw), "partial", None)
+
+    def _holdback(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of some stop sequence."""
+        raw = self.raw
+        for k in range(min(self._max - 1, len(raw) - self.emitted), 0, -1):
+            tail = raw[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0
+
+    def _release(self, upto: int, mode: str, reason: str | None) -> Piece:
+        upto = max(upto, self.emitted)
+        text = self.raw[self.emitted:upto]
+        self.emitted = upto
+        out: list[tuple[SampledToken, int]] = []
+        while self._released < len(self._toks):
+            tok, start, end = self._toks[self._released]
+            if mode == "partial" and not (start < upto and end <= upto):
+                break
+            if mode == "cut" and start >= upto:
+                break
+            out.append((tok, min(start, upto)))
+            self._released += 1
+        if mode != "partial":
+            self.finish_reason = reason
+            self._released = len(self._toks)  # what was not released belongs to the cut-off text
+        return Piece(text, out, reason if mode != "partial" else None)
+
+
+@dataclass(frozen=True)
+class GenJob:
+    """One generation: prompt ids, token budget (>= 1), sampling, stop sequences, and whether any control
+    token (a chat turn marker such as ``<|im_start|>``) ends it, as end-of-generation tokens always do."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stops: tuple[str, ...] = ()
+    stop_at_control: bool = False
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its answer was being generated."""
+
+
+class _Driver:
+    """Steps a Generation iterator in worker threads; closing it (cancel, then release through the
+    generator's ``finally``) waits for a step in flight, and happens once."""
+
+    def __init__(self, gen: Generation, client) -> None:
+        self.gen, self.client = gen, client
+        self._it = iter(gen)
+        self._lock = threading.Lock()
+        self.finished = False
+
+    def next_event(self) -> TokenEvent | None:
+        with self._lock:
+            if self.finished:
+                return None
+            try:
+                return next(self._it)
+            except StopIteration:
+                self.finished = True
+                return None
+            except BaseException:
+                self.finished = True  # the generator is done and has released the session
+                raise
+
+    def close(self) -> None:
+        if self.finished:
+            return
+        # Cancel first: a step still running on a stage stops at its next micro-batch.
+        self.client.cancel(self.gen.session_id)
+        with self._lock:
+            if not self.finished:
+                self.finished = True
+                self._it.close()  # GeneratorExit -> Generation's finally releases the session
+
+
+def map_generation_error(e: BaseException, retry_after_s: float) -> ApiError:
+    """An ApiError for a failure of the mesh during a generation."""
+    from meshnet.client.mesh_client import MeshUnavailable
+
+    if isinstance(e, MeshUnavailable):
+        return ApiError(503, f"the mesh is unavailable: {e}", code="mesh_unavailable",
+                        retry_after_s=retry_after_s)
+    if isinstance(e, GenerationError):
+        if e.status is Status.INVALID_ARGUMENT:
+            return ApiError(400, f"the mesh refused the request: {e.message}", code="invalid_request")
+        return ApiError(503, f"the mesh failed the request ({e.status.value}): {e.message}",
+                        code="mesh_error", retry_after_s=retry_after_s)
+    return ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
+
+
+class ChoiceRun:
+    """Runs one :class:`GenJob` and hands out :class:`Piece` objects; always :meth:`aclose` it.
+
+    Args:
+        backend: an :class:`~meshnet.api.backend.ApiBackend`.
+        job: what to generate.
+        limiter: admission: the run holds one slot of it while it holds a mesh session.
+        metrics: updated with active sessions, TTFT (from ``t_request``, a ``time.perf_counter()``
+            value) and generated tokens.
+        is_disconnected: awaited between tokens; when it returns True the run stops with
+            :class:`ClientGone` (non-streaming answers; streams are cancelled by the server instead).
+    Raises (from :meth:`next_piece`):
+        ApiError: 503 for mesh failures, 400 for a request the mesh refused as invalid.
+        ClientGone: see ``is_disconnected``.
+    """
+
+    def __init__(self, backend, job: GenJob, limiter: asyncio.Semaphore, metrics: ApiMetrics,
+                 t_request: float, is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+                 observe_ttft: bool = True) -> None:
+        self.backend, self.job, self.limiter, self.metrics = backend, job, limiter, metrics
+        self.t_request, self.is_disconnected, self.observe_ttft = t_request, is_disconnected, observe_ttft
+        self.tokenizer: GGUFTokenizer = backend.tokenizer
+        self.text = ChoiceText(job.stops)
+        self.completion_tokens = 0
+        self.finish_reason: str | None = None
+        self._driver: _Driver | None = None
+        self._holding = False
+        self._pending: list[Piece] = []
+        self._seen = 0
+        self._done = False
+
+    async def start(self) -> None:
+        """Wait for a free slot and open the generation (no step runs until :meth:`next_piece`)."""
+        self.metrics.add_queued(1)
+        try:
+            await self.limiter.acquire()
+        finally:
+            self.metrics.add_queued(-1)
+        self._holding = True
+        self.metrics.add_active(1)
+        client = self.backend.new_client()
+        gen = Generation(client, self.tokenizer, self.job.prompt_ids, self.job.max_tokens, self.job.sampling,
+                         stop_at_eog=True)
+        self._driver = _Driver(gen, client)
+
+    async def next_piece(self) -> Piece | None:
+        """The next non-empty piece, or None after the last one (which carries the finish reason)."""
+        assert self._driver is not None, "start() first"
+        while True:
+            if self._pending:
+                return self._pending.pop(0)
+            if self._done:
+                return None
+            if self.is_disconnected is not None and await self.is_disconnected():
+                raise ClientGone()
+            try:
+                ev = await anyio.to_thread.run_sync(self._driver.next_event)
+            except (GenerationError, RuntimeError) as e:
+                raise map_generation_error(e, self.backend.retry_after_s) from e
+            self._on_event(ev)
+
+    def _on_event(self, ev: TokenEvent | None) -> None:
+        assert self._driver is not None
+        result = self._driver.gen.result
+        if ev is None:  # the generation ended by itself: end-of-generation token or max_tokens
+            self._finish(self.text.finish(result.finish_reason))
+            return
+        n = len(result.generated_token_ids)
+        if n > self._seen:
+            self._seen = n
+            if n == 1 and self.observe_ttft:
+                self.metrics.ttft.observe(time.perf_counter() - self.t_request)
+            if self.job.stop_at_control and self.tokenizer.is_control(ev.token.token_id):
+                self._finish(self.text.finish("stop"))
+                return
+            self.completion_tokens += 1
+            self.metrics.generated_tokens.inc()
+            piece = self.text.add_token(ev.token, ev.text)
+        else:  # the detokenizer's flush at the end, for the last token
+            piece = self.text.add_tail(ev.text)
+        if piece.finish_reason is not None:
+            self._finish(piece)
+        elif piece:
+            self._pending.append(piece)
+
+    def _finish(self, piece: Piece) -> None:
+        self._done = True
+        self.finish_reason = piece.finish_reason
+        self._pending.append(piece)
+
+    async def collect(self) -> list[Piece]:
+        """Run to the end; every piece in order."""
+        out = []
+        while (p := await self.next_piece()) is not None:
+            out.append(p)
+        return out
+
+    async def aclose(self) -> None:
+        """Cancel and release the session unless the generation already did, and free the slot.
+
+        Safe under cancellation (a client that went away): the release then finishes in a thread of its
+        own, so the nodes never keep the session.
+        """
+        driver = self._driver
+        try:
+            if driver is not None and not driver.finished:
+                try:
+                    await anyio.to_thread.run_sync(driver.close)
+                except BaseException:
+                    threading.Thread(target=driver.close, name="meshnet-api-release", daemon=True).start()
+                    raise
+        finally:
+            if self._holding:
+                self._holding = False
+                self.metrics.add_active(-1)
+                self.limiter.release()

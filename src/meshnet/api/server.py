@@ -1,0 +1,119 @@
+"""Serving the API: ``meshnet api`` and :func:`start_api_in_thread` (what ``meshnet up --api-port`` uses)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+
+import uvicorn
+
+from meshnet.api.app import MAX_BODY_BYTES, create_app
+from meshnet.api.backend import ApiBackend
+
+log = logging.getLogger("meshnet.api")
+
+
+def add_api_parser(sub) -> None:
+    """Add ``meshnet api`` to the subcommands ``sub`` (an ``argparse`` subparsers object)."""
+    p = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API (/v1/chat/completions, ...) "
+                                   "in front of a mesh")
+    p.add_argument("--tracker", default=None,
+                   help="HOST:PORT of the mesh's tracker (default: run the stages in this process)")
+    p.add_argument("--model", default="smollm2",
+                   help="GGUF path or bundled name; the file must be readable here (tokenizer, chat template)")
+    p.add_argument("--name", default=None, help="the model id clients use (default: the bundled name or "
+                                                "the file's stem)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
+    p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker and nodes")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="generations at once; more wait (default: 8 for a mesh, the stages' session limit "
+                        "in process)")
+    p.add_argument("--max-body-mb", type=float, default=MAX_BODY_BYTES / 2**20, help="request body limit, MiB")
+    local = p.add_argument_group("in-process stages (without --tracker)")
+    split = local.add_mutually_exclusive_group()
+    split.add_argument("--stages", type=int, default=None, help="split the layers evenly into N ranges")
+    split.add_argument("--layers", default=None, help='explicit half-open ranges, e.g. "0:10,10:30"')
+    local.add_argument("--threads", type=int, default=2, help="CPU threads per stage")
+    local.add_argument("--n-ctx", type=int, default=0, help="context length (0 = model's, capped at 4096)")
+    p.set_defaults(func=run_api)
+
+
+def build_backend(args: argparse.Namespace) -> ApiBackend:
+    """The backend ``meshnet api`` serves: a mesh through ``--tracker``, else stages in this process."""
+    from meshnet.api.backend import local_backend, mesh_backend
+
+    if args.tracker:
+        return mesh_backend(args.tracker, args.model, join_token=args.join_token, tls_ca=args.tls_ca,
+                            name=args.name, max_concurrency=args.max_concurrency or 8)
+    backend = local_backend(args.model, stages=args.stages, layers=args.layers, n_threads=args.threads,
+                            n_ctx=args.n_ctx, name=args.name, progress=sys.stderr.isatty())
+    if args.max_concurrency:
+        backend.max_concurrency = min(backend.max_concurrency, args.max_concurrency)
+    return backend
+
+
+def run_api(args: argparse.Namespace) -> int:
+    """``meshnet api``: serve until Ctrl-C / SIGTERM. Returns the process exit code."""
+    logging.basicConfig(level=logging.INFO, format="[meshnet api] %(message)s")
+    backend = build_backend(args)
+    app = create_app(backend, max_body_bytes=int(args.max_body_mb * 2**20))
+    print(f"[meshnet api] serving {backend.model_name!r} on http://{args.host}:{args.port}/v1 "
+          f"(context {backend.n_ctx} tokens)", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    finally:
+        backend.close()
+    return 0
+
+
+def start_api_in_thread(backend: ApiBackend, host: str = "127.0.0.1", port: int = 8000,
+                        max_body_bytes: int = MAX_BODY_BYTES, log_level: str = "warning",
+                        startup_timeout_s: float = 30.0) -> tuple[uvicorn.Server, threading.Thread]:
+    """Serve ``create_app(backend)`` with uvicorn in a daemon thread; returns once it accepts connections.
+
+    Args:
+        port: TCP port; 0 picks a free one. The bound port is in ``server.config.port`` on return.
+    Returns:
+        ``(server, thread)``; stop with :func:`stop_api`.
+    Raises:
+        OSError: the address cannot be bound (e.g. the port is in use).
+        RuntimeError: the server did not start within ``startup_timeout_s`` seconds.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    bound = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(backend, max_body_bytes=max_body_bytes), host=host, port=bound,
+                            log_level=log_level, timeout_graceful_shutdown=5, lifespan="off")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"meshnet-api-{bound}",
+                              daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"the API server on {host}:{bound} exited during startup")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"the API server on {host}:{bound} did not start in {startup_timeout_s:.0f}s")
+        time.sleep(0.02)
+    return server, thread
+
+
+def stop_api(server: uvicorn.Server, thread: threading.Thread, timeout_s: float = 10.0) -> None:
+    """Ask the server to exit (open streams get a few seconds to finish) and wait for its thread."""
+    server.should_exit = True
+    thread.join(timeout_s)

@@ -1,0 +1,385 @@
+"""The OpenAI-compatible API, end to end: a live uvicorn server on loopback over an in-process chain of the
+bundled SmolLM2, driven with the official ``openai`` package and with raw HTTP (httpx)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from meshnet.api.backend import ApiBackend, local_backend  # noqa: E402
+from meshnet.api.server import start_api_in_thread, stop_api  # noqa: E402
+from meshnet.chat_template import chat_prompt_ids  # noqa: E402
+from meshnet.client.mesh_client import MeshUnavailable  # noqa: E402
+from meshnet.contract import GREEDY, SampledToken, SamplingParams, Status, StepResult  # noqa: E402
+from meshnet.generation import generate  # noqa: E402
+
+N_CTX = 512
+PROMPT = "The capital of France is"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_path):
+    backend = local_backend(str(smollm2_path), n_ctx=N_CTX, max_sessions=4, name="smollm2")
+    server, thread = start_api_in_thread(backend, "127.0.0.1", 0)
+    yield backend, f"http://127.0.0.1:{server.config.port}"
+    stop_api(server, thread)
+
+
+@pytest.fixture(scope="module")
+def backend(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[1] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(served):
+    with httpx.Client(base_url=served[1], timeout=120) as c:
+        yield c
+
+
+def _engines(backend):
+    return backend.chain.stages
+
+
+def _active_sessions(backend) -> int:
+    return sum(e.health().active_sessions for e in _engines(backend))
+
+
+def _wait_idle(backend, timeout_s: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while _active_sessions(backend) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _active_sessions(backend)
+
+
+def _greedy_reference(backend, max_tokens: int):
+    tok = backend.tokenizer
+    return generate(backend.chain, tok, tok.encode(PROMPT), max_tokens, GREEDY)
+
+
+def _stream_text(stream) -> tuple[str, list[str | None], list]:
+    """Joined content, finish reasons and chunks of a streamed completion or chat completion."""
+    text, finishes, chunks = [], [], []
+    for chunk in stream:
+        chunks.append(chunk)
+        for ch in chunk.choices:
+            piece = ch.text if hasattr(ch, "text") else (ch.delta.content or "")
+            text.append(piece)
+            finishes.append(ch.finish_reason)
+    return "".join(text), finishes, chunks
+
+
+# ---- happy paths ---------------------------------------------------------------------------------
+
+
+def test_models_and_health(client, http):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["smollm2"]
+    h = http.get("/health")
+    assert h.status_code == 200
+    body = h.json()
+    assert body["status"] == "ok" and body["n_ctx"] == N_CTX and body["route"] == ["in-process 0:30"]
+
+
+def test_greedy_completion_equals_generation(backend, client):
+    ref = _greedy_reference(backend, 8)
+    assert ref.text.startswith(" Paris.")
+    r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3)
+    ch = r.choices[0]
+    assert ch.text == ref.text
+    assert ch.finish_reason == ref.finish_reason == "length"
+    assert r.usage.prompt_tokens == len(backend.tokenizer.encode(PROMPT)) == 5
+    assert r.usage.completion_tokens == len(ref.generated_token_ids) == 8
+    assert r.usage.total_tokens == 13
+    lp = ch.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
+    assert "".join(lp.tokens) == ch.text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    for tok_str, chosen, top, ref_tok in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, ref.tokens):
+        assert chosen == pytest.approx(ref_tok.logprob)
+        values = list(top.values())
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        assert chosen == pytest.approx(values[0]) and top[tok_str] == pytest.approx(chosen)  # greedy = argmax
+    # the same request streamed gives the same text, token by token
+    text, finishes, _ = _stream_text(client.completions.create(
+        model="smollm2", prompt=PROMPT, max_tokens=8, temperature=0, stream=True))
+    assert text == ref.text and finishes[-1] == "length"
+
+
+def test_stop_sequence_spanning_tokens(backend, client):
+    ref = _greedy_reference(backend, 12)
+    tok = backend.tokenizer
+    pieces = [tok.decode([t]) for t in ref.generated_token_ids]
+    # a stop sequence made of the end of one token and the start of the next
+    k = next(i for i in range(1, len(pieces) - 1) if len(pieces[i]) >= 2 and pieces[i + 1])
+    stop = pieces[k][-2:] + pieces[k + 1][:1]
+    expected = ref.text[:ref.text.find(stop)]
+    assert expected and len(expected) < len(ref.text)
+    kw = dict(model="smollm2", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop, "never-seen"])
+    r = client.completions.create(**kw)
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    text, finishes, chunks = _stream_text(client.completions.create(stream=True, **kw))
+    assert text == expected and finishes[-1] == "stop"
+    assert all(stop not in c.choices[0].text for c in chunks if c.choices)
+    assert _wait_idle(backend) == 0  # stopping early released the session
+
+
+def test_chat_stream_and_not_agree(backend, client):
+    tok = backend.tokenizer
+    kw = dict(model="smollm2", messages=QUESTION, max_tokens=12, temperature=0)
+    r = client.chat.completions.create(**kw)
+    msg = r.choices[0].message
+    assert msg.role == "assistant" and msg.content
+    for marker in ("<|im_start|>", "<|im_end|>", "assistant\n", "<|endoftext|>"):
+        assert marker not in msg.content
+    prompt_ids = chat_prompt_ids(tok, QUESTION)
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    assert prompt_ids.count(tok.bos_id) == 3  # the template's own turn markers; no extra BOS (add_bos=False)
+    stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    text, finishes, chunks = _stream_text(stream)
+    assert text == msg.content
+    assert [f for f in finishes if f] == [r.choices[0].finish_reason]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    # list-of-parts content renders the same prompt
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"}]}]
+    r2 = client.chat.completions.create(model="smollm2", messages=parts, max_tokens=12, temperature=0)
+    assert r2.choices[0].message.content == msg.content and r2.usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_chat_stops_at_end_of_turn(backend, client):
+    """A short answer ends with <|im_end|> (an end-of-generation token): finish_reason stop, marker unseen."""
+    r = client.chat.completions.create(model="smollm2", max_tokens=64, temperature=0, messages=[
+        {"role": "user", "content": "Say just the word yes."}])
+    ch = r.choices[0]
+    assert ch.finish_reason == "stop" and r.usage.completion_tokens < 64
+    assert "<|im_end|>" not in ch.message.content and "<|im_start|>" not in ch.message.content
+
+
+def test_n_choices_and_seed(backend, client):
+    kw = dict(model="smollm2", prompt=PROMPT, max_tokens=6, temperature=1.0, seed=1234, logprobs=0)
+    a = client.completions.create(n=2, **kw)
+    b = client.completions.create(n=2, **kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in a.choices)
+    assert a.usage.prompt_tokens == 5
+    # choice i is seeded with seed + i
+    single = client.completions.create(**{**kw, "seed": 1235})
+    assert single.choices[0].text == a.choices[1].text
+
+
+def test_chat_logprobs(backend, client):
+    r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=5, temperature=0,
+                                       logprobs=True, top_logprobs=4)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    assert "".join(c.token for c in content) == r.choices[0].message.content
+    for c in content:
+        assert bytes(c.bytes).decode("utf-8", errors="replace") == c.token
+        tops = [t.logprob for t in c.top_logprobs]
+        assert len(tops) == 4 and tops == sorted(tops, reverse=True) and c.logprob == pytest.approx(tops[0])
+
+
+def test_mixed_script_stream_equals_whole(backend, client):
+    prompt = "Translate to English: 你好，世界！🌍 Café, naïve, Ærøskøbing. Answer: 你好"
+    kw = dict(model="smollm2", prompt=prompt, max_tokens=16, temperature=0)
+    whole = client.completions.create(**kw).choices[0].text
+    text, _, chunks = _stream_text(client.completions.create(stream=True, **kw))
+    assert text == whole and len(chunks) > 2
+    msgs = [{"role": "user", "content": "Répète: 你好 🌍 naïve"}]
+    whole = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=16,
+                                           temperature=0).choices[0].message.content
+    text, _, _ = _stream_text(client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=16,
+                                                             temperature=0, stream=True))
+    assert text == whole
+
+
+# ---- client errors: 400 / 413, and the server keeps serving ------------------------------------------
+
+
+def _ok(http) -> None:
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+
+
+def _error(r, status: int, param: str | None = "any") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param != "any":
+        assert err["param"] == param
+    return err
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", b'{"messages": [', None),  # malformed JSON
+    ("/v1/completions", b'[1, 2]', None),  # not an object
+    ("/v1/completions", b'', None),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": "5"}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": true}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": "hot"}', "temperature"),
+    ("/v1/completions", b'{"prompt": 7}', "prompt"),
+    ("/v1/chat/completions", b'{"messages": "hello"}', "messages"),
+    ("/v1/chat/completions", b'{"messages": []}', "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "x"}]}', "messages.0.role"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "messages"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "max_tokens"),
+    ("/v1/completions", b'{"prompt": ""}', "prompt"),
+    ("/v1/completions", b'{"prompt": "x", "n": 0}', "n"),
+    ("/v1/completions", b'{"prompt": "x", "n": 1000}', "n"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": 2.5}', "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "top_p": 0}', "top_p"),
+    ("/v1/completions", b'{"prompt": "x", "presence_penalty": 3}', "presence_penalty"),
+    ("/v1/completions", b'{"prompt": "x", "logprobs": 6}', "logprobs"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
+    ("/v1/completions", b'{"prompt": "x", "bogus": 1}', "bogus"),
+    ("/v1/completions", b'{"prompt": [999999]}', "prompt"),
+    ("/v1/completions", b'{"prompt": "x", "model": "gpt-4"}', "model"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}', "top_logprobs"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
+     "tools"),
+])
+def test_bad_requests_are_400(backend, http, path, body, param):
+    before = _engines(backend)[0].metrics().prefill_tokens
+    err = _error(http.post(path, content=body, headers={"Content-Type": "application/json"}), 400, param)
+    assert err["type"] == "invalid_request_error"
+    assert _engines(backend)[0].metrics().prefill_tokens == before  # nothing reached the engine
+    _ok(http)
+
+
+def test_over_context_prompt_allocates_nothing(backend, http):
+    tok = backend.tokenizer
+    prompt = "hello " * (N_CTX + 50)
+    assert len(tok.encode(prompt)) > N_CTX
+    before = _engines(backend)[0].metrics()
+    for path, body in [("/v1/completions", {"prompt": prompt, "max_tokens": 4}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], "stream": True})]:
+        err = _error(http.post(path, json=body), 400)
+        assert err["code"] == "context_length_exceeded" and str(N_CTX) in err["message"]
+        assert _active_sessions(backend) == 0
+    after = _engines(backend)[0].metrics()
+    assert (after.prefill_tokens, after.decode_tokens) == (before.prefill_tokens, before.decode_tokens)
+    _ok(http)
+
+
+def test_oversized_body_is_413(http):
+    big = json.dumps({"prompt": "x" * (3 * 1024 * 1024), "max_tokens": 1}).encode()
+    err = _error(http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"}), 413)
+    assert err["code"] == "request_too_large"
+    _ok(http)
+
+
+def test_unknown_endpoint_and_method_use_openai_errors(http):
+    _error(http.get("/v1/nothing"), 404)
+    _error(http.get("/v1/completions"), 405)
+    _ok(http)
+
+
+# ---- disconnects ---------------------------------------------------------------------------------
+
+
+def test_disconnect_mid_stream_releases_sessions(backend, http):
+    eng = _engines(backend)[0]
+    body = {"prompt": PROMPT, "max_tokens": 300, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen += 1
+                if seen == 3:
+                    break
+        assert _active_sessions(backend) == 1
+        decoded_at_close = eng.metrics().decode_tokens
+    # leaving the block closes the connection mid-stream
+    assert _wait_idle(backend, 10.0) == 0
+    # the stream may have run ahead of what the client read, but not on after the close
+    assert eng.metrics().decode_tokens - decoded_at_close <= 2
+    _ok(http)
+
+
+# ---- mesh trouble: 503 with Retry-After --------------------------------------------------------------
+
+
+class _FlakyClient:
+    """A mesh client whose prefill works and whose ``fail_at``-th decode raises MeshUnavailable."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at, self.steps = fail_at, 0
+
+    def step(self, req, decode):
+        self.steps += 1
+        if decode and self.steps > self.fail_at:
+            raise MeshUnavailable("session x: a node failed and no replacement route exists (layers 10:20)")
+        return StepResult(Status.OK, token=SampledToken(token_id=314, logprob=-0.5))
+
+    def cancel(self, session_id):
+        pass
+
+    def release(self, session_id):
+        pass
+
+
+@pytest.fixture(scope="module")
+def broken_servers(backend):
+    """One server whose route check fails, one whose mesh dies after two tokens."""
+    def no_route():
+        raise MeshUnavailable("no route: layers [10, 20) are not served by any node")
+
+    tok = backend.tokenizer
+    servers = []
+    for kw in ({"new_client": lambda: _FlakyClient(10**9), "check_route": no_route},
+               {"new_client": lambda: _FlakyClient(2)}):
+        b = ApiBackend(tokenizer=tok, model_name="smollm2", n_ctx=N_CTX, retry_after_s=3, **kw)
+        servers.append(start_api_in_thread(b, "127.0.0.1", 0))
+    urls = [f"http://127.0.0.1:{s.config.port}" for s, _ in servers]
+    yield urls
+    for s, t in servers:
+        stop_api(s, t)
+
+
+def test_no_route_is_503_with_retry_after(broken_servers):
+    with httpx.Client(base_url=broken_servers[0], timeout=30) as http:
+        for path, body in [("/v1/chat/completions", {"messages": QUESTION}),
+                           ("/v1/completions", {"prompt": PROMPT, "stream": True})]:
+            r = http.post(path, json=body)
+            err = _error(r, 503)
+            assert r.headers["Retry-After"] == "3" and "10, 20" in err["message"]
+        h = http.get("/health")
+        assert h.status_code == 503 and h.headers["Retry-After"] == "3" and h.json()["status"] == "unavailable"
+        # client errors are still 400 when the mesh is down
+        _error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}), 400, "max_tokens")
+        assert "meshnet_api_requests_total" in http.get("/metrics").text
+
+
+def test_mesh_failure_mid_request(broken_servers):
+    with httpx.Client(base_url=broken_servers[1], timeout=30) as http:
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10})
+        err = _error(r, 503)
+        assert err["code"] == "mesh_unavailable" and r.headers["Retry-After"] == "3"
+        with http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "stream": True}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "mesh_unavailable"
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) != ""
+
+
+def test_metrics_exported(backend, http):
+    text = http.get("/metrics").text
+    assert 'meshnet_api_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert 'meshnet_api_requests_total{endpoint="/v1/completions",status="400"}' in text
+    count = [ln for ln in text.splitlines() if ln.startswith("meshnet_api_ttft_seconds_count")]
+    assert count and float(count[0].split()[-1]) > 0
+    gen = [ln for ln in text.splitlines() if ln.startswith("meshnet_api_generated_tokens_total")]
+    assert float(gen[0].split()[-1]) > 0
+    assert "meshnet_api_active_sessions 0.0" in text
