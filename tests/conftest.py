@@ -14,7 +14,11 @@ TINY_MODELS = sorted(p.stem for p in (GOLDEN_DIR / "models").glob("*.gguf"))
 
 
 def load_golden(name: str) -> dict:
-    return json.loads((GOLDEN_DIR / f"{name}.json").read_text())
+    """A golden JSON by model name; skips the calling test when ../shared/golden is absent."""
+    path = GOLDEN_DIR / f"{name}.json"
+    if not path.is_file():
+        pytest.skip(f"golden file {path} not found")
+    return json.loads(path.read_text())
 
 
 @pytest.fixture(scope="session")
