@@ -15,7 +15,7 @@ from meshnet.api.backend import ApiBackend, local_backend  # noqa: E402
 from meshnet.api.server import start_api_in_thread, stop_api  # noqa: E402
 from meshnet.chat_template import chat_prompt_ids  # noqa: E402
 from meshnet.client.mesh_client import MeshUnavailable  # noqa: E402
-from meshnet.contract import GREEDY, SampledToken, SamplingParams, Status, StepResult  # noqa: E402
+from meshnet.contract import GREEDY, SampledToken, Status, StepResult  # noqa: E402
 from meshnet.generation import generate  # noqa: E402
 
 N_CTX = 512
@@ -179,6 +179,23 @@ def test_n_choices_and_seed(backend, client):
     assert single.choices[0].text == a.choices[1].text
 
 
+def test_streamed_chat_with_two_choices(client):
+    stream = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=3, temperature=0.8,
+                                            seed=5, n=2, stream=True, stream_options={"include_usage": True})
+    texts, finishes, usage = {0: "", 1: ""}, {}, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finishes[ch.index] = ch.finish_reason
+    assert set(finishes) == {0, 1} and all(texts.values())
+    whole = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=3, temperature=0.8,
+                                           seed=5, n=2)
+    assert [c.message.content for c in whole.choices] == [texts[0], texts[1]]
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+
 def test_chat_logprobs(backend, client):
     r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=5, temperature=0,
                                        logprobs=True, top_logprobs=4)
@@ -197,6 +214,7 @@ def test_mixed_script_stream_equals_whole(backend, client):
     whole = client.completions.create(**kw).choices[0].text
     text, _, chunks = _stream_text(client.completions.create(stream=True, **kw))
     assert text == whole and len(chunks) > 2
+    assert any(ord(c) > 0x2FFF for c in whole)  # the reply has CJK/emoji, whose bytes span several tokens
     msgs = [{"role": "user", "content": "Répète: 你好 🌍 naïve"}]
     whole = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=16,
                                            temperature=0).choices[0].message.content
@@ -383,3 +401,21 @@ def test_metrics_exported(backend, http):
     gen = [ln for ln in text.splitlines() if ln.startswith("meshnet_api_generated_tokens_total")]
     assert float(gen[0].split()[-1]) > 0
     assert "meshnet_api_active_sessions 0.0" in text
+
+
+def test_bench_api_against_running_server(served, tmp_path):
+    import argparse
+
+    from meshnet.api.bench import add_api_bench_parser
+
+    parser = argparse.ArgumentParser()
+    add_api_bench_parser(parser.add_subparsers(dest="bench"))
+    out = tmp_path / "api.json"
+    args = parser.parse_args(["api", "--url", served[1], "--concurrency", "3", "--requests", "4",
+                              "--max-tokens", "3", "--out", str(out)])
+    assert args.func(args) == 0
+    report = json.loads(out.read_text())
+    assert report["completed"] == 4 and report["errors"] == 0
+    assert report["completion_tokens"] == 12  # three tokens each, unless a reply ends sooner
+    assert 0 < report["ttft_s"]["p50"] <= report["ttft_s"]["p95"] <= report["latency_s"]["p95"]
+    assert report["tokens_per_s"] > 0

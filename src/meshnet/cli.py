@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
     be.add_argument("--out", default="bench-results/engine.json")
     be.set_defaults(func=_run_engine_bench)
+    from meshnet.bench.mesh_bench import add_mesh_bench_parser
+
+    add_mesh_bench_parser(bsub)
 
     from meshnet.node.runner import add_node_parser
     from meshnet.tracker.service import add_tracker_parser

@@ -52,7 +52,7 @@ from meshnet.api.schemas import (
     TopLogprob,
     Usage,
 )
-from meshnet.contract import SampledToken, SamplingParams
+from meshnet.contract import SamplingParams
 
 log = logging.getLogger("meshnet.api")
 

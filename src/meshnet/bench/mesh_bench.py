@@ -586,8 +586,8 @@ def run_mesh_bench(args: argparse.Namespace) -> int:
         "decode tokens/s: single-token greedy steps after the prompt, divided by the decode loop's wall time.",
         "mesh_vs_single_decode = mesh decode tokens/s / single-process decode tokens/s (higher is better); "
         "mesh_vs_single_ttft = mesh TTFT / single-process TTFT (lower is better).",
-        "per_hop: rpc_* is the client-side time of each decode hop (envelope encode, gRPC unary call, reply "
-        "decode); compute_mean_ms is the node's own decode compute per step from its Metrics RPC "
+        "per_hop: rpc_* is the client-side time of each decode hop (envelope encode, the call over the node's "
+        "raw-TCP data plane, reply decode); compute_mean_ms is the node's own decode compute per step from its Metrics RPC "
         "(decode_seconds / decode_tokens over the measured runs); overhead = rpc - compute (the p50 subtracts "
         "the mean compute, as nodes report totals only).",
         "decode_step_breakdown_ms: step_mean = compute_sum (nodes) + hop_overhead_sum + client_loop (the "

@@ -15,6 +15,7 @@ import ggml.utils  # noqa: F401  (ggml-python needs this import for its type hel
 import gguf
 import numpy as np
 
+from meshnet.backends.errors import BackendUnavailable  # noqa: F401  (raised below; importable from here)
 from meshnet.contract import LayerRange
 
 _init_lock = threading.Lock()
@@ -186,3 +187,109 @@ class KVCache:
     def bytes_needed(layers: LayerRange, n_embd_k: int, n_embd_v: int, n_ctx: int) -> int:
         """F16 bytes for K and V of every layer in the range."""
         return layers.n_layers * (n_embd_k + n_embd_v) * n_ctx * 2
+
+
+# ---- accelerator devices (CUDA, ROCm, Vulkan, Metal) ----------------------------------------------
+# Nothing below is used by the CPU path above; it only reads ggml's backend registry, which lists a
+# backend only when the installed ggml-python was built with it (scripts/build_ggml_lane.sh).
+
+# ggml's registry names for each accelerator lane: GGML_CUDA_NAME ("CUDA", or "ROCm" in a HIP build),
+# GGML_VK_NAME ("Vulkan") and GGML_METAL_NAME ("MTL"; some builds spell it "Metal").
+ACCELERATOR_REGISTRY_NAMES: dict[str, tuple[str, ...]] = {
+    "cuda": ("CUDA",),
+    "rocm": ("ROCm",),
+    "vulkan": ("Vulkan",),
+    "metal": ("MTL", "Metal"),
+}
+_DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+_accel_backends: dict[tuple[str, int], object] = {}
+
+
+def registry_backends() -> list[str]:
+    """Names of the backends ggml registered in this process (e.g. ``["CPU"]`` or ``["CUDA", "CPU"]``)."""
+    return [ggml.ggml_backend_reg_name(ggml.ggml_backend_reg_get(i)).decode()
+            for i in range(ggml.ggml_backend_reg_count())]
+
+
+def registry_devices() -> list[dict]:
+    """Every device in ggml's registry: ``{"index", "backend", "name", "description", "type",
+    "memory_free_bytes", "memory_total_bytes"}`` (memory in bytes, as the backend reports it; the CPU
+    backend reports host memory)."""
+    out = []
+    for i in range(ggml.ggml_backend_dev_count()):
+        dev = ggml.ggml_backend_dev_get(i)
+        props = ggml.ggml_backend_dev_props()
+        ggml.ggml_backend_dev_get_props(dev, ctypes.byref(props))
+        reg = ggml.ggml_backend_dev_backend_reg(dev)
+        out.append({
+            "index": i,
+            "backend": ggml.ggml_backend_reg_name(reg).decode() if reg else "",
+            "name": (props.name or b"").decode(errors="replace"),
+            "description": (props.description or b"").decode(errors="replace"),
+            "type": _DEVICE_TYPES.get(int(props.type), str(int(props.type))),
+            "memory_free_bytes": int(props.memory_free),
+            "memory_total_bytes": int(props.memory_total),
+        })
+    return out
+
+
+def accelerator_devices(lane: str) -> list[dict]:
+    """The registry's devices that belong to ``lane``'s backend (see :func:`registry_devices`); empty
+    when ggml-python was not built with it or the backend found no device.
+
+    Raises:
+        ValueError: ``lane`` is not one of cuda, rocm, vulkan, metal.
+    """
+    names = ACCELERATOR_REGISTRY_NAMES.get(lane)
+    if names is None:
+        raise ValueError(f"unknown accelerator lane {lane!r}; expected one of {', '.join(ACCELERATOR_REGISTRY_NAMES)}")
+    return [d for d in registry_devices() if d["backend"] in names]
+
+
+def device_memory(lane: str, device_index: int = 0) -> tuple[int, int]:
+    """(free, total) bytes of the lane's ``device_index``-th device, as ggml reports them now.
+
+    Raises:
+        BackendUnavailable: no such device.
+    """
+    devs = accelerator_devices(lane)
+    if device_index >= len(devs):
+        raise BackendUnavailable(lane, f"ggml lists {len(devs)} {lane} device(s), no device {device_index}")
+    dev = ggml.ggml_backend_dev_get(devs[device_index]["index"])
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    ggml.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+    return int(free.value), int(total.value)
+
+
+def accelerator_backend(lane: str, device_index: int = 0):
+    """The process's ggml backend on the ``device_index``-th device of ``lane`` (cuda, rocm, vulkan or
+    metal), created once and shared like :func:`cpu_backend`; lives until exit.
+
+    Tensors allocated with it (weights copied with ``use_mmap=False``, KV caches, graph buffers) live in
+    that device's memory, and :func:`compute` runs graphs on it.
+
+    Raises:
+        ValueError: unknown lane.
+        BackendUnavailable: the installed ggml-python was not built with the lane's backend, the
+            backend lists no such device, or the device failed to initialise; ``reason`` says which.
+    """
+    names = ACCELERATOR_REGISTRY_NAMES.get(lane)
+    if names is None:
+        raise ValueError(f"unknown accelerator lane {lane!r}; expected one of {', '.join(ACCELERATOR_REGISTRY_NAMES)}")
+    with _init_lock:
+        backend = _accel_backends.get((lane, device_index))
+        if backend is not None:
+            return backend
+        if not any(n in registry_backends() for n in names):
+            raise BackendUnavailable(lane, f"the installed ggml-python has no {names[0]} backend "
+                                           f"(registered: {', '.join(registry_backends()) or 'none'})")
+        devs = accelerator_devices(lane)
+        if device_index >= len(devs):
+            raise BackendUnavailable(lane, f"ggml's {names[0]} backend lists {len(devs)} device(s), "
+                                           f"no device {device_index}")
+        backend = ggml.ggml_backend_dev_init(ggml.ggml_backend_dev_get(devs[device_index]["index"]), None)
+        if not backend:
+            raise BackendUnavailable(lane, f"ggml could not initialise {devs[device_index]['name']}")
+        _accel_backends[(lane, device_index)] = backend
+        _compute_locks[id(backend)] = threading.Lock()
+        return backend
