@@ -115,11 +115,12 @@ def test_join_token_required_by_tracker_and_nodes(smollm2_path):
 
 def test_meshnet_up_then_generate_through_the_mesh(smollm2_path, tmp_path):
     port = _free_port()
-    up = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "up", "--stages", "3", "--port", str(port)],
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    up = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "up", "--stages", "3", "--port", str(port),
+                           "--api-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = up.stdout.readline()
         assert line.startswith("MESHNET_UP_READY"), line
+        api_url = dict(kv.split("=", 1) for kv in line.split()[1:])["api"]
         golden = load_golden("SmolLM2-135M-Instruct.Q4_1")["prompts"][0]
         proc = subprocess.run([sys.executable, "-m", "meshnet.cli", "generate", "--tracker", f"127.0.0.1:{port}",
                                "--temperature", "0", "--max-tokens", "16", "--json", golden["prompt"]],
@@ -128,6 +129,12 @@ def test_meshnet_up_then_generate_through_the_mesh(smollm2_path, tmp_path):
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         assert out["generated_token_ids"] == golden["greedy_ids"][:16]
         assert len(out["layers"]) == 3
+        # The same mesh answers OpenAI-style requests.
+        import openai
+
+        api = openai.OpenAI(base_url=api_url, api_key="unused")
+        c = api.completions.create(model="smollm2", prompt=golden["prompt"], max_tokens=5, temperature=0)
+        assert c.choices[0].text.startswith(" Paris.") and c.usage.completion_tokens == 5
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0

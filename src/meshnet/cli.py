@@ -1,7 +1,7 @@
 """The ``meshnet`` command line: where a user's request enters.
 
 Subcommands: ``generate`` (complete a prompt, in process or through a running mesh), ``up`` (a whole
-local mesh), ``tracker``, ``node`` and ``bench``.
+local mesh), ``api`` (the OpenAI-compatible HTTP API), ``tracker``, ``node`` and ``bench``.
 """
 
 from __future__ import annotations
@@ -76,15 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
     be.add_argument("--out", default="bench-results/engine.json")
     be.set_defaults(func=_run_engine_bench)
+    from meshnet.api.bench import add_api_bench_parser
     from meshnet.bench.mesh_bench import add_mesh_bench_parser
 
     add_mesh_bench_parser(bsub)
+    add_api_bench_parser(bsub)
 
     from meshnet.node.runner import add_node_parser
     from meshnet.tracker.service import add_tracker_parser
     from meshnet.up import add_up_parser
 
+    from meshnet.api.server import add_api_parser
+
     add_up_parser(sub)
+    add_api_parser(sub)
     add_tracker_parser(sub)
     add_node_parser(sub)
     return parser

@@ -29,6 +29,8 @@ def add_up_parser(sub) -> None:
     p.add_argument("--heartbeat", type=float, default=1.0, help="node heartbeat interval, seconds")
     p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a complete route")
+    p.add_argument("--api-port", type=int, default=8000,
+                   help="serve the OpenAI-compatible API on this port (0 = any free port, -1 = no API)")
     p.set_defaults(func=run_up)
 
 
@@ -97,11 +99,21 @@ def run_up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     signal.signal(signal.SIGINT, lambda *a: stop.set())
     code = 0
+    api = None
     try:
         route = wait_for_route(tracker, args.timeout, args.join_token, len(ranges), sys.stderr.isatty(), stop)
         print(f"[meshnet up] route ready (epoch {route.epoch}): "
               + " -> ".join(f"{h.node_id}@{h.address}" for h in route.hops), file=sys.stderr)
-        print(f"MESHNET_UP_READY tracker={tracker}", flush=True)
+        api_url = ""
+        if args.api_port >= 0:
+            from meshnet.api.backend import mesh_backend
+            from meshnet.api.server import start_api_in_thread
+
+            api_backend = mesh_backend(tracker, args.model, join_token=args.join_token)
+            api = (api_backend, *start_api_in_thread(api_backend, args.host, args.api_port))
+            api_url = f"http://{args.host}:{api[1].config.port}/v1"
+            print(f"[meshnet up] OpenAI-compatible API on {api_url}", file=sys.stderr, flush=True)
+        print(f"MESHNET_UP_READY tracker={tracker}" + (f" api={api_url}" if api_url else ""), flush=True)
         print(f"[meshnet up] try: meshnet generate --tracker {tracker} \"Hello\"   (Ctrl-C stops the mesh)",
               file=sys.stderr, flush=True)
         while not stop.is_set():
@@ -119,6 +131,11 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"[meshnet up] {e}", file=sys.stderr)
         code = 1
     finally:
+        if api is not None:
+            from meshnet.api.server import stop_api
+
+            stop_api(api[1], api[2])
+            api[0].close()
         print("[meshnet up] stopping nodes", file=sys.stderr)
         for p in procs:
             if p.poll() is None:

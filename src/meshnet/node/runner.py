@@ -56,6 +56,7 @@ class NodeConfig:
     stages_hint: int = 0  # with layers None: split into this many stages and take the index below
     stage_index: int = 0
     cpu: int | None = None  # pin the process to this CPU (benchmarks: one core per node)
+    backend: str = "cpu"  # ggml engine lane; anything but cpu must be certified on this machine
 
 
 def pin_to_cpu(cpu: int) -> None:
@@ -95,7 +96,14 @@ def build_engine(cfg: NodeConfig) -> tuple[ShardEngine, pb.ModelIdentity]:
     mcfg = ModelConfig.from_reader(open_gguf(path))
     layers = cfg.layers or split_layers(mcfg.n_layer, max(1, cfg.stages_hint))[cfg.stage_index]
     sha = sha256_file(path)
-    eng = GgmlEngine()
+    if cfg.backend != "cpu":
+        from meshnet.backends.lanes import require_certified
+        from meshnet.backends.placement import AcceleratorEngine
+
+        require_certified(cfg.backend)  # BackendUnavailable (a ValueError) with the probe's exact reason
+        eng = AcceleratorEngine(cfg.backend)
+    else:
+        eng = GgmlEngine()
     out = eng.load(LoadSpec(path=path, artifact=ArtifactId(sha, layers), n_threads=cfg.threads, n_ctx=cfg.n_ctx,
                             max_sessions=cfg.max_sessions))
     if not out.ok:
@@ -155,10 +163,12 @@ class Node:
 
     def info(self) -> pb.NodeInfo:
         c = self.engine.capabilities()
+        # An accelerator node registers its device's free memory; a CPU node the host's.
+        free = self.engine.device_free_bytes() if hasattr(self.engine, "device_free_bytes") else _free_memory_bytes()
         return pb.NodeInfo(node_id=self.node_id, address=self.address, model=self.model,
                            layers=pb.LayerRange(start=c.artifact.layers.start, end=c.artifact.layers.end),
                            engine=c.engine, backend=c.backend, protocol_major=PROTOCOL_MAJOR,
-                           protocol_minor=PROTOCOL_MINOR, free_memory_bytes=_free_memory_bytes(),
+                           protocol_minor=PROTOCOL_MINOR, free_memory_bytes=free,
                            decode_tokens_per_s=self.decode_tokens_per_s, max_sessions=c.max_sessions,
                            data_address=self.data_address)
 
@@ -245,6 +255,9 @@ def add_node_parser(sub) -> None:
     p.add_argument("--advertise", default=None, help="address others dial (default HOST:PORT)")
     p.add_argument("--node-id", default=None)
     p.add_argument("--engine", choices=["ggml", "fake"], default="ggml")
+    p.add_argument("--backend", choices=["cpu", "cuda", "rocm", "vulkan", "metal"], default="cpu",
+                   help="where the ggml engine computes; anything but cpu must be certified here first "
+                        "(meshnet backends --certify)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cpu", type=int, default=None, help="pin the node to this CPU (e.g. 0)")
     p.add_argument("--n-ctx", type=int, default=0)
@@ -261,6 +274,17 @@ def add_node_parser(sub) -> None:
 
 
 def run_node(args: argparse.Namespace) -> int:
+    backend = getattr(args, "backend", "cpu")
+    if backend != "cpu":
+        # Refuse before loading anything: an accelerator that has not proved itself here stays dark.
+        from meshnet.backends.errors import BackendUnavailable
+        from meshnet.backends.lanes import require_certified
+
+        try:
+            require_certified(backend)
+        except BackendUnavailable as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     cpu = getattr(args, "cpu", None)
     if cpu is not None:
         pin_to_cpu(cpu)  # before loading, so the engine's threads start pinned
@@ -272,7 +296,7 @@ def run_node(args: argparse.Namespace) -> int:
                      max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout,
                      drain_timeout_s=args.drain_timeout, join_token=args.join_token, tls=tls, tls_ca=args.tls_ca,
                      data_plane=not args.no_data_plane, data_port=args.data_port,
-                     cpu=cpu)
+                     cpu=cpu, backend=backend)
     node = Node(cfg)
     done = threading.Event()
 

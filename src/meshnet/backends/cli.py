@@ -1,0 +1,104 @@
+"""``meshnet backends [--json] [--certify]``: every lane's state on this machine, with exact reasons.
+
+Without ``--certify`` nothing runs but the lane probes (vendor tools such as ``nvidia-smi -L``); with it,
+the CPU lane and every accelerator lane that is built and has a device run their self-test first, and
+lanes that cannot run are reported skipped with the reason, never as passed.
+
+Exit status: 0; 1 when ``--certify`` ran a self-test that failed; 2 for a bad model.
+Also runnable as ``python -m meshnet.backends.cli``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from meshnet.backends import LANE_NAMES
+
+
+def add_backends_parser(sub) -> None:
+    """Add the ``backends`` subcommand to an ``argparse`` subparsers object."""
+    p = sub.add_parser("backends", help="report the CPU/CUDA/ROCm/Vulkan/Metal lanes: available, built, "
+                                        "certified or skipped, with the reason")
+    _add_args(p)
+    p.set_defaults(func=cmd_backends)
+
+
+def _add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--certify", action="store_true",
+                   help="run the self-test of every lane that can run here first, and record the results")
+    p.add_argument("--lane", action="append", choices=LANE_NAMES, default=None,
+                   help="with --certify: only these lanes (repeatable; default all)")
+    p.add_argument("--model", default=None,
+                   help="GGUF path or bundled name for the self-test (default: the golden tiny llama when "
+                        "../shared/golden is present, else smollm2)")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads for the self-test")
+
+
+def backends_report(certify: bool = False, lanes: list[str] | None = None, model: str | None = None,
+                    threads: int = 2) -> dict:
+    """The report ``meshnet backends --json`` prints.
+
+    Returns:
+        ``{"environment": {...}, "lanes": [LaneReport.to_dict(), ...] (all five, table order),
+        "certified": [lane, ...], "advertisable": [lane, ...], "self_tests": [CertResult.to_dict(), ...]}``.
+        ``advertisable`` is what a node may register with a tracker: cpu plus certified accelerators.
+    """
+    from meshnet.backends import lanes as lanes_mod
+
+    tests = []
+    if certify:
+        from meshnet.backends.certify import certify as run_certify
+
+        for name in lanes or LANE_NAMES:
+            tests.append(run_certify(name, model, n_threads=threads).to_dict())
+    reports = [r.to_dict() for r in lanes_mod.probe_all()]
+    certified = [r["lane"] for r in reports if r["state"] == "certified"]
+    return {
+        "environment": lanes_mod.environment(),
+        "lanes": reports,
+        "certified": certified,
+        "advertisable": ["cpu"] + [n for n in certified if n != "cpu"],
+        "self_tests": tests,
+    }
+
+
+def format_table(report: dict) -> str:
+    env = report["environment"]
+    g = env["ggml"]
+    lines = [f"ggml-python {g['ggml_python']} (ggml {g['ggml']}), {env['platform']['system']} "
+             f"{env['platform']['machine']}, registry: {', '.join(g['registry_backends'] or []) or 'not loadable'}"]
+    width = max(len(n) for n in LANE_NAMES)
+    for r in report["lanes"]:
+        lines.append(f"{r['lane']:<{width}}  {r['state']:<9}  {r['reason']}")
+    lines.append(f"advertisable to a tracker: {', '.join(report['advertisable'])}")
+    return "\n".join(lines)
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    from meshnet.model.bundled import ModelNotFound
+
+    try:
+        report = backends_report(args.certify, args.lane, args.model, args.threads)
+    except (ModelNotFound, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(format_table(report))
+        for t in report["self_tests"]:
+            print(f"self-test {t['lane']}: {t['state']}: {t['reason']}", file=sys.stderr)
+    return 1 if any(t["state"] == "failed" for t in report["self_tests"]) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="meshnet backends", description=__doc__.splitlines()[0])
+    _add_args(p)
+    return cmd_backends(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
