@@ -110,9 +110,14 @@ def run_up(args: argparse.Namespace) -> int:
             from meshnet.api.server import start_api_in_thread
 
             api_backend = mesh_backend(tracker, args.model, join_token=args.join_token)
-            api = (api_backend, *start_api_in_thread(api_backend, args.host, args.api_port))
-            api_url = f"http://{args.host}:{api[1].config.port}/v1"
-            print(f"[meshnet up] OpenAI-compatible API on {api_url}", file=sys.stderr, flush=True)
+            try:
+                api = (api_backend, *start_api_in_thread(api_backend, args.host, args.api_port))
+                api_url = f"http://{args.host}:{api[1].config.port}/v1"
+                print(f"[meshnet up] OpenAI-compatible API on {api_url}", file=sys.stderr, flush=True)
+            except OSError as e:
+                api_backend.close()
+                print(f"[meshnet up] no API: cannot listen on {args.host}:{args.api_port} ({e}); "
+                      "pass --api-port 0 for any free port", file=sys.stderr, flush=True)
         print(f"MESHNET_UP_READY tracker={tracker}" + (f" api={api_url}" if api_url else ""), flush=True)
         print(f"[meshnet up] try: meshnet generate --tracker {tracker} \"Hello\"   (Ctrl-C stops the mesh)",
               file=sys.stderr, flush=True)
