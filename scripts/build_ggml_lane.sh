@@ -109,4 +109,4 @@ else
   "$PY" "${PIP_ARGS[@]}"
 fi
 PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m meshnet.backends.lanes record "$LANE" \
-  --cmake-args "$SWITCH" --command "$COMMAND"
+  --cmake-args="$SWITCH" --command="$COMMAND"

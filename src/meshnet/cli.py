@@ -146,13 +146,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"{len(prompt_ids)} prompt tokens", file=sys.stderr)
     gen = Generation(chain, tok, prompt_ids, min(args.max_tokens, n_ctx - len(prompt_ids)), sampling,
                      stop_at_eog=not args.ignore_eos)
+    events = iter(gen)
     try:
-        for ev in gen:
+        for ev in events:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
     except (GenerationError, RuntimeError) as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
+    finally:
+        events.close()  # on Ctrl-C too: the session is released on every stage now, not at exit
     r = gen.result
     sys.stdout.write("\n")
     print(f"[meshnet] {len(r.generated_token_ids)} tokens, finish_reason={r.finish_reason}, "

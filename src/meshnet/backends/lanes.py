@@ -109,6 +109,8 @@ class LaneReport:
             :func:`build_options`).
         devices: the lane's devices in ggml's registry (name, description, memory in bytes).
         certification: the passed or failed self-test on record for these libraries here, or None.
+        problems: for a lane that is not built, everything in the way (toolchain, then device); the
+            reason is the first.
     """
 
     lane: str
@@ -122,10 +124,12 @@ class LaneReport:
     build_options: dict = field(default_factory=dict)
     devices: tuple = ()
     certification: dict | None = None
+    problems: tuple = ()
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["devices"] = list(self.devices)
+        d["problems"] = list(self.problems)
         return d
 
 
@@ -154,34 +158,71 @@ def _vulkan_include_dirs() -> list[str]:
     return dirs
 
 
+def _cuda_include_dirs() -> list[str]:
+    """Where CMake's FindCUDAToolkit would look for the toolkit's headers, in order."""
+    roots = [os.environ[v] for v in ("CUDAToolkit_ROOT", "CUDA_PATH", "CUDA_HOME") if os.environ.get(v)]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        roots.append(str(Path(os.path.realpath(nvcc)).parent.parent))
+    roots.append("/usr/local/cuda")
+    dirs = []
+    for r in roots:
+        for d in [Path(r) / "include", *sorted((Path(r) / "targets").glob("*/include"))]:
+            if str(d) not in dirs:
+                dirs.append(str(d))
+    return dirs + ["/usr/include"]
+
+
 def _cxx_compiler() -> str | None:
     return next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
 
 
-def toolchain_problem(name: str) -> str | None:
-    """Why lane ``name`` cannot be built on this machine, or None when it can.
+def toolchain_problems(name: str) -> list[str]:
+    """Everything that stops lane ``name`` from being built here, in check order; empty when it can be.
 
-    Checks in order: platform, the lane's tools (in table order), the Vulkan headers and loader, a C++
-    compiler. The first problem is returned verbatim, e.g. ``nvcc is not on PATH``.
+    Order: the platform (alone when it is wrong); each of the lane's tools on PATH; the headers and
+    libraries its CMake needs (cuBLAS for cuda, the Vulkan headers and loader for vulkan); a C++
+    compiler. Each entry is exact, e.g. ``nvcc is not on PATH``.
 
     Raises:
         KeyError: unknown lane.
     """
     lane = LANES[name]
     if lane.platform and sys.platform != lane.platform:
-        return f"platform {sys.platform} is not {lane.platform}"
-    for tool in lane.build_tools:
-        if shutil.which(tool) is None:
-            return f"{tool} is not on PATH"
+        return [f"platform {sys.platform} is not {lane.platform}"]
+    problems = [f"{tool} is not on PATH" for tool in lane.build_tools if shutil.which(tool) is None]
+    if name == "cuda" and not problems:
+        # ggml-cuda links cuBLAS; a toolkit without it fails only after configuring.
+        dirs = _cuda_include_dirs()
+        if not any((Path(d) / "cublas_v2.h").is_file() for d in dirs):
+            problems.append(f"cublas_v2.h (cuBLAS) is not under {', '.join(dirs)}")
     if name == "vulkan":
         dirs = _vulkan_include_dirs()
         if not any((Path(d) / "vulkan" / "vulkan.h").is_file() for d in dirs):
-            return f"vulkan/vulkan.h is not under {', '.join(dirs)}"
+            problems.append(f"vulkan/vulkan.h is not under {', '.join(dirs)}")
         if ctypes.util.find_library("vulkan") is None:
-            return "the Vulkan loader libvulkan is not installed"
+            problems.append("the Vulkan loader libvulkan is not installed")
     if _cxx_compiler() is None:
-        return "no C++ compiler (c++, g++ or clang++) is on PATH"
-    return None
+        problems.append("no C++ compiler (c++, g++ or clang++) is on PATH")
+    return problems
+
+
+def toolchain_problem(name: str) -> str | None:
+    """The first of :func:`toolchain_problems`, or None when lane ``name`` can be built here."""
+    problems = toolchain_problems(name)
+    return problems[0] if problems else None
+
+
+def build_problem(name: str) -> str | None:
+    """Why ``scripts/build_ggml_lane.sh NAME`` would fail here, or None.
+
+    The toolchain, and for cuda also a GPU: with only the one switch, ggml builds CUDA kernels for the
+    GPUs it detects (CMAKE_CUDA_ARCHITECTURES=native), and CMake stops when there is none.
+    """
+    problem = toolchain_problem(name)
+    if problem is None and name == "cuda":
+        problem = device_problem(name)
+    return problem
 
 
 def device_problem(name: str) -> str | None:
@@ -459,28 +500,26 @@ def probe_lane(name: str) -> LaneReport:
     """
     lane = LANES[name]
     runtime, load_error = _ggml_runtime()
-    tool_problem = toolchain_problem(name)
-    common = dict(lane=name, cmake_switch=lane.cmake_switch, buildable=tool_problem is None,
+    tool_problems = toolchain_problems(name)
+    common = dict(lane=name, cmake_switch=lane.cmake_switch, buildable=not tool_problems,
                   versions=_lane_versions(lane), ggml_version=runtime["version"] if runtime else None,
                   ggml_python_version=ggml_python_version(), build_options=build_options(name))
 
-    def report(state: str, reason: str, devices=(), cert=None) -> LaneReport:
-        return LaneReport(state=state, reason=reason, devices=tuple(devices), certification=cert, **common)
+    def report(state: str, reason: str, devices=(), cert=None, problems=()) -> LaneReport:
+        return LaneReport(state=state, reason=reason, devices=tuple(devices), certification=cert,
+                          problems=tuple(problems), **common)
 
     if lane.platform and sys.platform != lane.platform:
-        return report("skipped", f"platform {sys.platform} is not {lane.platform}")
-    if runtime is None:
-        if name == "cpu" or _has_library(name):
-            state = "skipped" if name == "cpu" else "built"
-            return report(state, f"ggml-python cannot be loaded: {load_error}")
-        return report("skipped", tool_problem or device_problem(name) or f"ggml-python cannot be loaded: {load_error}")
-
-    in_registry = any(n in runtime["backends"] for n in lane.registry_names)
-    if in_registry or _has_library(name):
-        devices = [d for d in runtime["devices"] if d["backend"] in lane.registry_names]
+        return report("skipped", tool_problems[0], problems=tool_problems)
+    in_registry = runtime is not None and any(n in runtime["backends"] for n in lane.registry_names)
+    if name == "cpu" or in_registry or _has_library(name):
+        if runtime is None:
+            reason = f"ggml-python cannot be loaded: {load_error}"
+            return report("skipped" if name == "cpu" else "built", reason, problems=[reason])
         if not in_registry:
             return report("built", f"{_lib_names(lane.library)[0]} is installed but ggml's registry has no "
                                    f"{lane.registry_names[0]} backend")
+        devices = [d for d in runtime["devices"] if d["backend"] in lane.registry_names]
         if not devices:
             return report("built", f"ggml's {lane.registry_names[0]} backend finds no device")
         cert = recorded_certification(name)
@@ -491,11 +530,10 @@ def probe_lane(name: str) -> LaneReport:
             return report("built", f"self-test failed: {cert.get('reason', 'no reason recorded')}", devices, cert)
         return report("certified", cert.get("reason", "self-test passed"), devices, cert)
 
-    if tool_problem:
-        return report("skipped", tool_problem)
     dev_problem = device_problem(name)
-    if dev_problem:
-        return report("skipped", dev_problem)
+    problems = tool_problems + ([dev_problem] if dev_problem else [])
+    if problems:
+        return report("skipped", problems[0], problems=problems)
     return report("available", f"toolchain and device present; ggml-python is not built with it: run "
                                f"scripts/build_ggml_lane.sh {name}")
 
@@ -571,7 +609,7 @@ def _record_build(name: str, cmake_args: str, command: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``toolchain LANE``: print why LANE cannot be built here and exit 3, or exit 0.
+    """``toolchain LANE``: print why LANE cannot be built here (:func:`build_problem`) and exit 3, or exit 0.
     ``record LANE --cmake-args S --command S``: see :func:`_record_build`."""
     import argparse
 
@@ -585,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--command", default="")
     args = p.parse_args(argv)
     if args.cmd == "toolchain":
-        problem = toolchain_problem(args.lane)
+        problem = build_problem(args.lane)
         if problem:
             print(problem)
             return 3

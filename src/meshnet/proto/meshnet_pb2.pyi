@@ -194,7 +194,7 @@ class MetricsReply(_message.Message):
     def __init__(self, prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., errors: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "address", "model", "layers", "engine", "backend", "protocol_major", "protocol_minor", "free_memory_bytes", "decode_tokens_per_s", "max_sessions", "data_address")
+    __slots__ = ("node_id", "address", "model", "layers", "engine", "backend", "protocol_major", "protocol_minor", "free_memory_bytes", "decode_tokens_per_s", "max_sessions", "data_address", "public_key", "signature", "timestamp")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +207,9 @@ class NodeInfo(_message.Message):
     DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     model: ModelIdentity
@@ -219,7 +222,10 @@ class NodeInfo(_message.Message):
     decode_tokens_per_s: float
     max_sessions: int
     data_address: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ..., max_sessions: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
+    public_key: bytes
+    signature: bytes
+    timestamp: float
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ..., max_sessions: _Optional[int] = ..., data_address: _Optional[str] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("heartbeat_interval_s", "ttl_s")
@@ -230,20 +236,32 @@ class RegisterReply(_message.Message):
     def __init__(self, heartbeat_interval_s: _Optional[float] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class NodeRef(_message.Message):
-    __slots__ = ("node_id",)
+    __slots__ = ("node_id", "public_key", "signature", "timestamp")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     node_id: str
-    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+    public_key: bytes
+    signature: bytes
+    timestamp: float
+    def __init__(self, node_id: _Optional[str] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "active_sessions", "decode_tokens_per_s")
+    __slots__ = ("node_id", "active_sessions", "decode_tokens_per_s", "public_key", "signature", "timestamp")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     active_sessions: int
     decode_tokens_per_s: float
-    def __init__(self, node_id: _Optional[str] = ..., active_sessions: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ...) -> None: ...
+    public_key: bytes
+    signature: bytes
+    timestamp: float
+    def __init__(self, node_id: _Optional[str] = ..., active_sessions: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known",)
@@ -290,11 +308,117 @@ class NodeList(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("info", "active_sessions", "last_heartbeat_age_s")
+    __slots__ = ("info", "active_sessions", "last_heartbeat_age_s", "signed")
     INFO_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    SIGNED_FIELD_NUMBER: _ClassVar[int]
     info: NodeInfo
     active_sessions: int
     last_heartbeat_age_s: float
-    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., active_sessions: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ...) -> None: ...
+    signed: bool
+    def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., active_sessions: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., signed: _Optional[bool] = ...) -> None: ...
+
+class WorkItem(_message.Message):
+    __slots__ = ("session_id", "position", "n_tokens", "decode", "layers", "model_sha256")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    N_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    position: int
+    n_tokens: int
+    decode: bool
+    layers: LayerRange
+    model_sha256: str
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ..., n_tokens: _Optional[int] = ..., decode: _Optional[bool] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., model_sha256: _Optional[str] = ...) -> None: ...
+
+class WorkReport(_message.Message):
+    __slots__ = ("node_id", "items", "public_key", "signature", "timestamp")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    items: _containers.RepeatedCompositeFieldContainer[WorkItem]
+    public_key: bytes
+    signature: bytes
+    timestamp: float
+    def __init__(self, node_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[WorkItem, _Mapping]]] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., timestamp: _Optional[float] = ...) -> None: ...
+
+class WorkReportReply(_message.Message):
+    __slots__ = ("known", "recorded", "duplicates")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    recorded: int
+    duplicates: int
+    def __init__(self, known: _Optional[bool] = ..., recorded: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
+
+class DeliveredToken(_message.Message):
+    __slots__ = ("session_id", "position")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    position: int
+    def __init__(self, session_id: _Optional[str] = ..., position: _Optional[int] = ...) -> None: ...
+
+class DeliveryReport(_message.Message):
+    __slots__ = ("client_id", "tokens", "model_sha256")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    tokens: _containers.RepeatedCompositeFieldContainer[DeliveredToken]
+    model_sha256: str
+    def __init__(self, client_id: _Optional[str] = ..., tokens: _Optional[_Iterable[_Union[DeliveredToken, _Mapping]]] = ..., model_sha256: _Optional[str] = ...) -> None: ...
+
+class DeliveryReportReply(_message.Message):
+    __slots__ = ("recorded", "duplicates")
+    RECORDED_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    recorded: int
+    duplicates: int
+    def __init__(self, recorded: _Optional[int] = ..., duplicates: _Optional[int] = ...) -> None: ...
+
+class NodeBalance(_message.Message):
+    __slots__ = ("node_id", "model_sha256", "n_layer", "prefill_token_layers", "decode_token_layers", "tokens", "steps", "uncredited_steps")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    N_LAYER_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKEN_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    UNCREDITED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    model_sha256: str
+    n_layer: int
+    prefill_token_layers: int
+    decode_token_layers: int
+    tokens: float
+    steps: int
+    uncredited_steps: int
+    def __init__(self, node_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., n_layer: _Optional[int] = ..., prefill_token_layers: _Optional[int] = ..., decode_token_layers: _Optional[int] = ..., tokens: _Optional[float] = ..., steps: _Optional[int] = ..., uncredited_steps: _Optional[int] = ...) -> None: ...
+
+class ClientBalance(_message.Message):
+    __slots__ = ("client_id", "delivered_tokens", "sessions")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    delivered_tokens: int
+    sessions: int
+    def __init__(self, client_id: _Optional[str] = ..., delivered_tokens: _Optional[int] = ..., sessions: _Optional[int] = ...) -> None: ...
+
+class LedgerReply(_message.Message):
+    __slots__ = ("nodes", "clients")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeBalance]
+    clients: _containers.RepeatedCompositeFieldContainer[ClientBalance]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeBalance, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientBalance, _Mapping]]] = ...) -> None: ...

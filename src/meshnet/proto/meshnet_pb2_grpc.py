@@ -391,6 +391,21 @@ class TrackerStub:
                 request_serializer=meshnet_dot_proto_dot_meshnet__pb2.Empty.SerializeToString,
                 response_deserializer=meshnet_dot_proto_dot_meshnet__pb2.NodeList.FromString,
                 _registered_method=True)
+        self.ReportWork = channel.unary_unary(
+                '/meshnet.v1.Tracker/ReportWork',
+                request_serializer=meshnet_dot_proto_dot_meshnet__pb2.WorkReport.SerializeToString,
+                response_deserializer=meshnet_dot_proto_dot_meshnet__pb2.WorkReportReply.FromString,
+                _registered_method=True)
+        self.ReportDelivery = channel.unary_unary(
+                '/meshnet.v1.Tracker/ReportDelivery',
+                request_serializer=meshnet_dot_proto_dot_meshnet__pb2.DeliveryReport.SerializeToString,
+                response_deserializer=meshnet_dot_proto_dot_meshnet__pb2.DeliveryReportReply.FromString,
+                _registered_method=True)
+        self.GetLedger = channel.unary_unary(
+                '/meshnet.v1.Tracker/GetLedger',
+                request_serializer=meshnet_dot_proto_dot_meshnet__pb2.Empty.SerializeToString,
+                response_deserializer=meshnet_dot_proto_dot_meshnet__pb2.LedgerReply.FromString,
+                _registered_method=True)
 
 
 class TrackerServicer:
@@ -428,6 +443,25 @@ class TrackerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportWork(self, request, context):
+        """Ledger: nodes report completed steps (signed), clients report delivered tokens; both idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportDelivery(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetLedger(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrackerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -455,6 +489,21 @@ def add_TrackerServicer_to_server(servicer, server):
                     servicer.ListNodes,
                     request_deserializer=meshnet_dot_proto_dot_meshnet__pb2.Empty.FromString,
                     response_serializer=meshnet_dot_proto_dot_meshnet__pb2.NodeList.SerializeToString,
+            ),
+            'ReportWork': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportWork,
+                    request_deserializer=meshnet_dot_proto_dot_meshnet__pb2.WorkReport.FromString,
+                    response_serializer=meshnet_dot_proto_dot_meshnet__pb2.WorkReportReply.SerializeToString,
+            ),
+            'ReportDelivery': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportDelivery,
+                    request_deserializer=meshnet_dot_proto_dot_meshnet__pb2.DeliveryReport.FromString,
+                    response_serializer=meshnet_dot_proto_dot_meshnet__pb2.DeliveryReportReply.SerializeToString,
+            ),
+            'GetLedger': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLedger,
+                    request_deserializer=meshnet_dot_proto_dot_meshnet__pb2.Empty.FromString,
+                    response_serializer=meshnet_dot_proto_dot_meshnet__pb2.LedgerReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -592,6 +641,87 @@ class Tracker:
             '/meshnet.v1.Tracker/ListNodes',
             meshnet_dot_proto_dot_meshnet__pb2.Empty.SerializeToString,
             meshnet_dot_proto_dot_meshnet__pb2.NodeList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportWork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshnet.v1.Tracker/ReportWork',
+            meshnet_dot_proto_dot_meshnet__pb2.WorkReport.SerializeToString,
+            meshnet_dot_proto_dot_meshnet__pb2.WorkReportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportDelivery(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshnet.v1.Tracker/ReportDelivery',
+            meshnet_dot_proto_dot_meshnet__pb2.DeliveryReport.SerializeToString,
+            meshnet_dot_proto_dot_meshnet__pb2.DeliveryReportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLedger(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshnet.v1.Tracker/GetLedger',
+            meshnet_dot_proto_dot_meshnet__pb2.Empty.SerializeToString,
+            meshnet_dot_proto_dot_meshnet__pb2.LedgerReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,1 @@
+"""Alembic migrations of the ledger database (``upgrade head`` runs at tracker start)."""

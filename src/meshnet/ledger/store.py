@@ -1,0 +1,395 @@
+"""The ledger: who did how much work, who received how many tokens, and which key each node id owns.
+
+Stored with SQLAlchemy, so any database it speaks works: an SQLite file by default
+(:func:`default_ledger_url`), PostgreSQL by URL (``postgresql+psycopg://user:pass@host/db``, with the
+driver installed). The schema is versioned by the Alembic migrations shipped in
+``meshnet/ledger/migrations``; :class:`Ledger` runs ``upgrade head`` when it opens a database, so a
+tracker started on an old file brings it up to date and one restarted on the same file finds every
+balance where it left it.
+
+Units: node work is counted in *token-layers*, one token through one layer; a node's share in whole-model
+tokens is its token-layers divided by the model's layer count. Clients are charged one unit per token
+delivered to them.
+
+One tracker process writes a ledger at a time (writes are serialized by a lock inside :class:`Ledger`);
+several trackers sharing one database are not supported.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from sqlalchemy import and_, case, create_engine, func, select
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
+from sqlalchemy.pool import StaticPool
+
+from meshnet.ledger.credit import Rect, new_area
+from meshnet.ledger.schema import deliveries, node_keys, work
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+MAX_ID_CHARS = 256  # session, client and node ids longer than this are refused (column width)
+
+
+class LedgerError(ValueError):
+    """The ledger database cannot be opened, migrated or written; the message names the URL's database."""
+
+
+def data_dir() -> Path:
+    """``$XDG_DATA_HOME/meshnet``, by default ``~/.local/share/meshnet``."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "meshnet"
+
+
+def default_ledger_url() -> str:
+    """The ledger ``meshnet tracker`` uses without ``--ledger``: ``sqlite:///<data_dir>/ledger.db``."""
+    return f"sqlite:///{data_dir() / 'ledger.db'}"
+
+
+@dataclass(frozen=True)
+class WorkRecord:
+    """One step a node completed: ``n_tokens`` tokens from ``position`` on, through its layers.
+
+    Attributes:
+        node_id: the node that did it.
+        model_sha256, n_layer: the model, and its total layer count (the denominator of a node's share).
+        session_id: the client's session.
+        layer_start, layer_end: the node's half-open layer range.
+        position: index of the step's first token in the session.
+        n_tokens: tokens in the step (>= 1).
+        decode: a decode step (one new token) rather than a prefill.
+    """
+
+    node_id: str
+    model_sha256: str
+    n_layer: int
+    session_id: str
+    layer_start: int
+    layer_end: int
+    position: int
+    n_tokens: int
+    decode: bool
+
+    @property
+    def key(self) -> tuple:
+        """What makes two reports the same step (the node that ran it is not part of it: a replacement
+        replaying a dead node's step repeats that step)."""
+        return (self.model_sha256, self.session_id, self.layer_start, self.layer_end, self.position, self.n_tokens)
+
+    @property
+    def rect(self) -> Rect:
+        return Rect(self.position, self.position + self.n_tokens, self.layer_start, self.layer_end)
+
+    def problem(self) -> str | None:
+        """None when the record can be stored, else what is wrong with it."""
+        if not self.node_id or len(self.node_id) > MAX_ID_CHARS:
+            return f"node id must be 1..{MAX_ID_CHARS} characters"
+        if not self.session_id or len(self.session_id) > MAX_ID_CHARS:
+            return f"session id must be 1..{MAX_ID_CHARS} characters, got {len(self.session_id)}"
+        if not self.model_sha256 or len(self.model_sha256) > 64:
+            return "model sha256 must be 1..64 characters"
+        if not 0 <= self.layer_start < self.layer_end <= self.n_layer:
+            return (f"layer range [{self.layer_start}, {self.layer_end}) is not inside a model of "
+                    f"{self.n_layer} layers")
+        if self.n_tokens < 1 or self.position < 0:
+            return f"step at position {self.position} with {self.n_tokens} tokens: need position >= 0, n_tokens >= 1"
+        if self.position + self.n_tokens > 1 << 62:
+            return f"position {self.position} is out of range"
+        return None
+
+
+@dataclass(frozen=True)
+class WorkOutcome:
+    """What :meth:`Ledger.record_work` did: ``recorded`` new steps (``credited`` token-layers among them)
+    and ``duplicates`` already stored."""
+
+    recorded: int
+    duplicates: int
+    credited: int
+
+
+@dataclass(frozen=True)
+class NodeBalance:
+    """A node's credit for one model.
+
+    Attributes:
+        prefill_token_layers, decode_token_layers: credited token-layers by kind of step.
+        steps: steps stored for the node; ``uncredited_steps`` of them were (at least partly) credited
+            to an earlier report of the same work (replays after a failover, retries).
+    """
+
+    node_id: str
+    model_sha256: str
+    n_layer: int
+    prefill_token_layers: int
+    decode_token_layers: int
+    steps: int
+    uncredited_steps: int
+
+    @property
+    def token_layers(self) -> int:
+        return self.prefill_token_layers + self.decode_token_layers
+
+    @property
+    def tokens(self) -> float:
+        """Credit in whole-model tokens: token-layers / n_layer."""
+        return self.token_layers / self.n_layer if self.n_layer else 0.0
+
+
+@dataclass(frozen=True)
+class ClientBalance:
+    """What a client is charged: ``delivered_tokens`` over ``sessions`` sessions."""
+
+    client_id: str
+    delivered_tokens: int
+    sessions: int
+
+
+def _is_memory(url) -> bool:
+    return url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
+
+
+def make_ledger_engine(url: str) -> Engine:
+    """An engine for ``url``; creates an SQLite file's directory. In-memory SQLite shares one connection
+    between threads (each connection would otherwise see its own empty database).
+
+    Raises:
+        LedgerError: a malformed URL or a database driver that is not installed.
+    """
+    try:
+        u = make_url(url)
+        if u.get_backend_name() == "sqlite":
+            if _is_memory(u):
+                return create_engine(u, poolclass=StaticPool, connect_args={"check_same_thread": False})
+            Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            # timeout: wait for another process's write lock instead of failing at once.
+            return create_engine(u, connect_args={"check_same_thread": False, "timeout": 30})
+        return create_engine(u, pool_pre_ping=True)
+    except (ArgumentError, NoSuchModuleError, ImportError) as e:
+        raise LedgerError(f"ledger URL {url!r}: {e} (SQLite: sqlite:///PATH; PostgreSQL: "
+                          "postgresql+psycopg://USER:PASS@HOST/DB with psycopg installed)") from None
+    except OSError as e:
+        raise LedgerError(f"ledger URL {url!r}: cannot create its directory: {e.strerror or e}") from None
+
+
+def upgrade(engine: Engine) -> None:
+    """Bring the database behind ``engine`` to the newest schema (Alembic ``upgrade head``).
+
+    Raises:
+        LedgerError: the migration failed (the message names the database).
+    """
+    from alembic import command
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%"))
+    for attempt in range(2):
+        try:
+            with engine.begin() as conn:
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, "head")
+            return
+        except OperationalError as e:
+            # Two trackers creating a fresh file at once: the loser's CREATE fails; the second attempt
+            # finds the winner's version row and has nothing left to do.
+            if attempt:
+                raise LedgerError(f"cannot migrate ledger {engine.url.render_as_string()}: {e.orig}") from None
+        except SQLAlchemyError as e:
+            raise LedgerError(f"cannot migrate ledger {engine.url.render_as_string()}: {e}") from None
+
+
+class Ledger:
+    """The tracker's ledger over one database (thread-safe).
+
+    Args:
+        url: SQLAlchemy URL; ``"sqlite://"`` (the default) is an in-memory database that lives as long as
+            this object.
+        clock: Unix seconds for ``recorded_at`` columns.
+
+    Raises:
+        LedgerError: the database cannot be opened or migrated.
+    """
+
+    def __init__(self, url: str = "sqlite://", clock: Callable[[], float] = time.time) -> None:
+        self.url = url
+        self._clock = clock
+        self._engine = make_ledger_engine(url)
+        self._lock = threading.RLock()
+        self._keys: dict[str, bytes] = {}
+        try:
+            upgrade(self._engine)
+        except BaseException:
+            self._engine.dispose()
+            raise
+
+    def close(self) -> None:
+        """Release the database connections (an in-memory ledger is gone afterwards)."""
+        self._engine.dispose()
+
+    # ---- node work ---------------------------------------------------------------------------------
+
+    def record_work(self, records: Iterable[WorkRecord]) -> WorkOutcome:
+        """Store each new step once and credit the part of it no earlier step covered.
+
+        A record whose key (model, session, layer range, position, n_tokens) is stored already is a
+        duplicate and changes nothing; so is its repeat within ``records``. All records are stored in one
+        transaction: either the whole batch is recorded or none of it.
+
+        Raises:
+            ValueError: a record is malformed (:meth:`WorkRecord.problem` names it); nothing is stored.
+            LedgerError: the database failed; nothing is stored.
+        """
+        records = list(records)
+        for r in records:
+            problem = r.problem()
+            if problem:
+                raise ValueError(f"work record for session {r.session_id[:64]!r}: {problem}")
+        groups: dict[tuple[str, str], list[WorkRecord]] = defaultdict(list)
+        for r in records:
+            groups[(r.model_sha256, r.session_id)].append(r)
+        recorded = duplicates = credited = 0
+        now = self._clock()
+        with self._lock:
+            try:
+                with self._engine.begin() as conn:
+                    for (model, session), items in groups.items():
+                        same = and_(work.c.model_sha256 == model, work.c.session_id == session)
+                        max_n = conn.execute(select(func.max(work.c.n_tokens)).where(same)).scalar() or 1
+                        lo = min(r.position for r in items)
+                        hi = max(r.position + r.n_tokens for r in items)
+                        # Every stored step overlapping [lo, hi): it starts before hi and less than the
+                        # session's longest step before lo.
+                        rows = conn.execute(select(work.c.layer_start, work.c.layer_end, work.c.position,
+                                                   work.c.n_tokens)
+                                            .where(same, work.c.position < hi, work.c.position > lo - max_n)).all()
+                        keys = {(model, session, *row) for row in rows}
+                        rects = [Rect(p, p + n, ls, le) for ls, le, p, n in rows]
+                        new_rows = []
+                        for r in items:
+                            if r.key in keys:
+                                duplicates += 1
+                                continue
+                            area = new_area(r.rect, rects)
+                            keys.add(r.key)
+                            rects.append(r.rect)
+                            new_rows.append(dict(model_sha256=model, session_id=session, layer_start=r.layer_start,
+                                                 layer_end=r.layer_end, position=r.position, n_tokens=r.n_tokens,
+                                                 decode=r.decode, node_id=r.node_id, n_layer=r.n_layer,
+                                                 credited_token_layers=area, recorded_at=now))
+                            recorded += 1
+                            credited += area
+                        if new_rows:
+                            conn.execute(work.insert(), new_rows)
+            except SQLAlchemyError as e:
+                raise LedgerError(f"ledger write failed: {e}") from None
+        return WorkOutcome(recorded, duplicates, credited)
+
+    def node_balances(self) -> list[NodeBalance]:
+        """Every node's credit per model, sorted by node id then model."""
+        full = work.c.n_tokens * (work.c.layer_end - work.c.layer_start)
+        q = (select(work.c.node_id, work.c.model_sha256, func.max(work.c.n_layer),
+                    func.sum(case((work.c.decode, 0), else_=work.c.credited_token_layers)),
+                    func.sum(case((work.c.decode, work.c.credited_token_layers), else_=0)),
+                    func.count(),
+                    func.sum(case((work.c.credited_token_layers < full, 1), else_=0)))
+             .group_by(work.c.node_id, work.c.model_sha256).order_by(work.c.node_id, work.c.model_sha256))
+        with self._lock, self._engine.connect() as conn:
+            return [NodeBalance(node, model, int(n_layer), int(pre or 0), int(dec or 0), int(steps), int(unc or 0))
+                    for node, model, n_layer, pre, dec, steps, unc in conn.execute(q)]
+
+    # ---- client deliveries -------------------------------------------------------------------------
+
+    def record_deliveries(self, client_id: str, tokens: Iterable[tuple[str, int]],
+                          model_sha256: str = "") -> tuple[int, int]:
+        """Charge ``client_id`` one unit per ``(session_id, position)`` not charged before.
+
+        Returns:
+            ``(recorded, duplicates)``.
+
+        Raises:
+            ValueError: an empty or over-long id, or a negative position; nothing is stored.
+            LedgerError: the database failed; nothing is stored.
+        """
+        tokens = [(s, int(p)) for s, p in tokens]
+        if not client_id or len(client_id) > MAX_ID_CHARS:
+            raise ValueError(f"client id must be 1..{MAX_ID_CHARS} characters, got {len(client_id)}")
+        if len(model_sha256) > 64:
+            raise ValueError("model sha256 must be at most 64 characters")
+        for s, p in tokens:
+            if not s or len(s) > MAX_ID_CHARS:
+                raise ValueError(f"session id must be 1..{MAX_ID_CHARS} characters, got {len(s)}")
+            if not 0 <= p < 1 << 62:
+                raise ValueError(f"session {s[:64]!r}: position {p} is out of range")
+        recorded = duplicates = 0
+        now = self._clock()
+        with self._lock:
+            try:
+                with self._engine.begin() as conn:
+                    by_session: dict[str, list[int]] = defaultdict(list)
+                    for s, p in tokens:
+                        by_session[s].append(p)
+                    new_rows = []
+                    for s, positions in by_session.items():
+                        seen = set(conn.execute(select(deliveries.c.position).where(
+                            deliveries.c.client_id == client_id, deliveries.c.session_id == s,
+                            deliveries.c.position.between(min(positions), max(positions)))).scalars())
+                        for p in positions:
+                            if p in seen:
+                                duplicates += 1
+                                continue
+                            seen.add(p)
+                            new_rows.append(dict(client_id=client_id, session_id=s, position=p,
+                                                 model_sha256=model_sha256, recorded_at=now))
+                            recorded += 1
+                    if new_rows:
+                        conn.execute(deliveries.insert(), new_rows)
+            except SQLAlchemyError as e:
+                raise LedgerError(f"ledger write failed: {e}") from None
+        return recorded, duplicates
+
+    def client_balances(self) -> list[ClientBalance]:
+        """Every client's delivered tokens, sorted by client id."""
+        q = (select(deliveries.c.client_id, func.count(), func.count(func.distinct(deliveries.c.session_id)))
+             .group_by(deliveries.c.client_id).order_by(deliveries.c.client_id))
+        with self._lock, self._engine.connect() as conn:
+            return [ClientBalance(c, int(n), int(s)) for c, n, s in conn.execute(q)]
+
+    # ---- node keys (meshnet.membership.auth.KeyBindings) -------------------------------------------
+
+    def node_key(self, node_id: str) -> bytes | None:
+        """The public key bound to ``node_id``, or None."""
+        with self._lock:
+            key = self._keys.get(node_id)
+            if key is None:
+                with self._engine.connect() as conn:
+                    key = conn.execute(select(node_keys.c.public_key)
+                                       .where(node_keys.c.node_id == node_id)).scalar()
+                if key is not None:
+                    key = self._keys[node_id] = bytes(key)
+            return key
+
+    def bind_node_key(self, node_id: str, public_key: bytes) -> bytes:
+        """Bind ``node_id`` to ``public_key`` unless bound already; returns the key bound now.
+
+        Raises:
+            LedgerError: the database failed.
+        """
+        with self._lock:
+            existing = self.node_key(node_id)
+            if existing is not None:
+                return existing
+            try:
+                with self._engine.begin() as conn:
+                    conn.execute(node_keys.insert().values(node_id=node_id, public_key=bytes(public_key),
+                                                           bound_at=self._clock()))
+            except SQLAlchemyError as e:
+                raise LedgerError(f"ledger write failed: {e}") from None
+            self._keys[node_id] = bytes(public_key)
+            return self._keys[node_id]
