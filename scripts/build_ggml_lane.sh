@@ -10,8 +10,9 @@
 # Each lane is the default build plus exactly one backend switch, passed to ggml's CMake through
 # scikit-build-core's CMAKE_ARGS:
 #   cpu     (none: ggml's default build; on macOS ggml itself turns Metal on by default)
-#   cuda    -DGGML_CUDA=on     needs nvcc on PATH (a GPU is not needed to build, only to certify)
-#   rocm    -DGGML_HIP=on      needs hipcc and hipconfig on PATH
+#   cuda    -DGGML_CUDA=on     needs nvcc and cuBLAS, and a GPU: with no other switch ggml compiles for
+#                              the GPUs it finds (CMAKE_CUDA_ARCHITECTURES=native), so build where it runs
+#   rocm    -DGGML_HIP=on      needs hipcc and hipconfig on PATH (HIPCXX and HIP_PATH come from hipconfig)
 #   vulkan  -DGGML_VULKAN=on   needs glslc on PATH, the Vulkan headers and the Vulkan loader
 #   metal   -DGGML_METAL=on    needs macOS and xcrun (Xcode command line tools)
 # Inherited CMAKE_ARGS / SKBUILD_CMAKE_ARGS / SKBUILD_CMAKE_DEFINE are cleared first, so nothing else
@@ -67,8 +68,15 @@ esac
 PY="$VENV/bin/python"
 PIP_ARGS=(-m pip install --force-reinstall --no-deps --no-cache-dir --no-binary ggml-python
           "ggml-python==$GGML_PYTHON_VERSION")
+# CMake compiles HIP with ROCm's clang, which it finds through HIPCXX (llama.cpp's documented recipe);
+# these are environment variables, not CMake switches, and a caller's own values are kept.
+HIP_ENV=""
+if [ "$LANE" = rocm ]; then
+  [ -n "${HIPCXX:-}" ] || HIP_ENV+='HIPCXX="$(hipconfig -l)/clang" '
+  [ -n "${HIP_PATH:-}" ] || HIP_ENV+='HIP_PATH="$(hipconfig -R)" '
+fi
 if [ -n "$SWITCH" ]; then
-  COMMAND="CMAKE_ARGS=$SWITCH $PY ${PIP_ARGS[*]}"
+  COMMAND="${HIP_ENV}CMAKE_ARGS=$SWITCH $PY ${PIP_ARGS[*]}"
 else
   COMMAND="$PY ${PIP_ARGS[*]}"
 fi
@@ -102,6 +110,9 @@ if [ ! -x "$PY" ]; then
 fi
 
 unset CMAKE_ARGS SKBUILD_CMAKE_ARGS SKBUILD_CMAKE_DEFINE
+if [ "$LANE" = rocm ]; then
+  export HIPCXX="${HIPCXX:-$(hipconfig -l)/clang}" HIP_PATH="${HIP_PATH:-$(hipconfig -R)}"
+fi
 echo "building the $LANE lane: $COMMAND" >&2
 if [ -n "$SWITCH" ]; then
   CMAKE_ARGS="$SWITCH" "$PY" "${PIP_ARGS[@]}"

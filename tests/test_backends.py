@@ -213,7 +213,7 @@ def test_accelerator_engine_never_falls_back_to_cpu():
     eng = AcceleratorEngine("cuda")
     out = eng.load(LoadSpec(path=str(TINY), artifact=ArtifactId("", LayerRange(0, 4))))
     assert not out.ok and "backend cuda is not usable here" in out.message
-    assert eng.stage is None and not eng.loaded()
+    assert eng.stage is None and not eng.loaded
 
 
 # ---- meshnet backends --json --------------------------------------------------------------------------
@@ -339,12 +339,17 @@ def test_build_script_dry_run_cpu_is_the_default_build(cache_dir):
 @pytest.mark.parametrize("lane", ACCELERATOR_LANES)
 def test_build_script_dry_run_adds_exactly_one_switch(lane, cache_dir):
     # --dry-run skips the toolchain check, so this runs on machines without the SDK.
-    proc = _build("--dry-run", "--venv", "/opt/lane-venv", lane, env=_env(cache_dir))
+    env = _env(cache_dir)
+    for var in ("HIPCXX", "HIP_PATH"):
+        env.pop(var, None)
+    proc = _build("--dry-run", "--venv", "/opt/lane-venv", lane, env=env)
     assert proc.returncode == 0, proc.stderr
     cmd = proc.stdout.strip()
     assert re.findall(r"-D\w+=\w+", cmd) == [SWITCH[lane]]
     assert cmd.count(SWITCH[lane]) == 1
-    assert cmd == (f"CMAKE_ARGS={SWITCH[lane]} /opt/lane-venv/bin/python -m pip install --force-reinstall "
+    # rocm also names ROCm's compiler through the environment (HIPCXX), which is not a CMake switch.
+    env = 'HIPCXX="$(hipconfig -l)/clang" HIP_PATH="$(hipconfig -R)" ' if lane == "rocm" else ""
+    assert cmd == (f"{env}CMAKE_ARGS={SWITCH[lane]} /opt/lane-venv/bin/python -m pip install --force-reinstall "
                    "--no-deps --no-cache-dir --no-binary ggml-python ggml-python==0.0.45")
     problem = lanes.build_problem(lane)
     if problem:

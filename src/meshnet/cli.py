@@ -1,7 +1,8 @@
 """The ``meshnet`` command line: where a user's request enters.
 
 Subcommands: ``generate`` (complete a prompt, in process or through a running mesh), ``up`` (a whole
-local mesh), ``api`` (the OpenAI-compatible HTTP API), ``tracker``, ``node`` and ``bench``.
+local mesh), ``api`` (the OpenAI-compatible HTTP API), ``tracker``, ``node``, ``backends`` (which
+compute backends this machine has built and proved) and ``bench``.
 """
 
 from __future__ import annotations
@@ -87,11 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     from meshnet.up import add_up_parser
 
     from meshnet.api.server import add_api_parser
+    from meshnet.backends.cli import add_backends_parser
 
     add_up_parser(sub)
     add_api_parser(sub)
     add_tracker_parser(sub)
     add_node_parser(sub)
+    add_backends_parser(sub)
     return parser
 
 

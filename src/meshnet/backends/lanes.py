@@ -6,7 +6,7 @@ Each lane is ggml-python built with at most one backend switch on top of the def
 lane    CMake switch            tools needed to build        device check                 platform
 ======  ======================  ==========================  ===========================  ========
 cpu     (none)                  a C++ compiler               --                           any
-cuda    ``-DGGML_CUDA=on``      ``nvcc``                     ``nvidia-smi -L``            any
+cuda    ``-DGGML_CUDA=on``      ``nvcc``, cuBLAS headers     ``nvidia-smi -L``            any
 rocm    ``-DGGML_HIP=on``       ``hipcc``, ``hipconfig``     ``rocminfo``                 any
 vulkan  ``-DGGML_VULKAN=on``    ``glslc``, Vulkan headers,   ``vulkaninfo --summary``     any
                                 the Vulkan loader
@@ -23,6 +23,9 @@ metal   ``-DGGML_METAL=on``     ``xcrun``                    --                 
   ggml-python was not built with it (``scripts/build_ggml_lane.sh LANE``).
 * ``skipped``: the lane cannot be built or run here; the reason is exact, e.g. ``nvcc is not on PATH``
   or ``platform linux is not darwin``.
+
+A lane that is not built lists every obstacle in ``problems`` (toolchain first, then device); its
+``reason`` is the first. Building cuda also needs the GPU (:func:`build_problem`).
 
 Nothing here imports ggml at module import time, so the build script can check a toolchain with a bare
 ``python3`` (``python -m meshnet.backends.lanes toolchain LANE``).

@@ -15,7 +15,7 @@ import ggml.utils  # noqa: F401  (ggml-python needs this import for its type hel
 import gguf
 import numpy as np
 
-from meshnet.backends.errors import BackendUnavailable  # noqa: F401  (raised below; importable from here)
+from meshnet.backends.errors import BackendUnavailable
 from meshnet.contract import LayerRange
 
 _init_lock = threading.Lock()
