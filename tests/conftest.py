@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from meshnet.model.bundled import ModelNotFound, resolve_model
+
+# Node keys, the tracker's default ledger and certification results go to a scratch home for the
+# run (node subprocesses inherit it), never to the user's own config and data directories.
+_SCRATCH = tempfile.mkdtemp(prefix="meshnet-tests-")
+for _var in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "MESHNET_CACHE_DIR"):
+    os.environ[_var] = os.path.join(_SCRATCH, _var.lower())
 
 GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden"
 TINY_MODELS = sorted(p.stem for p in (GOLDEN_DIR / "models").glob("*.gguf"))

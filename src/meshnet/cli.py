@@ -2,7 +2,7 @@
 
 Subcommands: ``generate`` (complete a prompt, in process or through a running mesh), ``up`` (a whole
 local mesh), ``api`` (the OpenAI-compatible HTTP API), ``tracker``, ``node``, ``backends`` (which
-compute backends this machine has built and proved) and ``bench``.
+compute backends this machine has built and proved), ``ledger``, ``nodes`` and ``bench``.
 """
 
 from __future__ import annotations
@@ -89,12 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     from meshnet.api.server import add_api_parser
     from meshnet.backends.cli import add_backends_parser
+    from meshnet.ledger.cli import add_ledger_parser
+    from meshnet.membership.cli import add_nodes_parser
 
     add_up_parser(sub)
     add_api_parser(sub)
     add_tracker_parser(sub)
     add_node_parser(sub)
     add_backends_parser(sub)
+    add_ledger_parser(sub)
+    add_nodes_parser(sub)
     return parser
 
 

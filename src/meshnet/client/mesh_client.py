@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from meshnet.client.remote import RemoteStage, StageFailure
+from meshnet.ledger.reporting import DeliveryReporter, new_client_id
 from meshnet.contract import NamedTensor, Status, StepRequest, StepResult
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
@@ -62,10 +63,14 @@ class MeshClient:
         step_timeout_s: a hop that takes longer counts as failed.
         failover_deadline_s: how long to keep looking for a replacement route before giving up with
             :class:`MeshUnavailable`.
+        client_id: who the tracker's ledger charges for delivered tokens; default a random id per client.
+        report_deliveries: report each delivered token (the token of a step at a new position; a step
+            replayed during failover delivers nothing) to the tracker's ledger, in the background.
     """
 
     def __init__(self, tracker: str, model_sha256: str = "", join_token: str | None = None,
-                 tls_ca: str | None = None, step_timeout_s: float = 60.0, failover_deadline_s: float = 8.0) -> None:
+                 tls_ca: str | None = None, step_timeout_s: float = 60.0, failover_deadline_s: float = 8.0,
+                 client_id: str | None = None, report_deliveries: bool = True) -> None:
         self.tracker_address = tracker
         self.model_sha256 = model_sha256
         self.join_token, self.tls_ca = join_token, tls_ca
@@ -77,6 +82,8 @@ class MeshClient:
         self._sessions: dict[str, SessionLog] = {}
         self._lock = threading.Lock()
         self.failovers = 0
+        self.client_id = client_id or new_client_id()
+        self.deliveries = DeliveryReporter(self._tracker, self.client_id, model_sha256) if report_deliveries else None
 
     # ---- routing -----------------------------------------------------------------------------
     def _stage(self, hop: pb.Hop) -> RemoteStage:
@@ -131,6 +138,9 @@ class MeshClient:
                 result = self._run(log_, req, decode, start, step_inputs)
                 if result.ok:
                     log_.steps.append(RecordedStep(replace(req, hidden=None), decode, list(step_inputs)))
+                    if result.token is not None and self.deliveries is not None:
+                        # The sampled token is the session's next one: position + tokens in this step.
+                        self.deliveries.delivered(req.session_id, req.position + len(req.token_ids))
                 else:
                     self._abandon(log_)
                 return result
@@ -150,10 +160,14 @@ class MeshClient:
         if log_ is not None:
             for hop in log_.hops:
                 hop.release(session_id)
+        if self.deliveries is not None:
+            self.deliveries.session_ended(session_id)
 
     def close(self) -> None:
         for sid in list(self._sessions):
             self.release(sid)
+        if self.deliveries is not None:
+            self.deliveries.close()
         for ch in self._channels.values():
             ch.close()
         for pool in self._pools.values():

@@ -37,7 +37,7 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 MAX_ID_CHARS = 256  # session, client and node ids longer than this are refused (column width)
 
 
-class LedgerError(ValueError):
+class LedgerError(RuntimeError):
     """The ledger database cannot be opened, migrated or written; the message names the URL's database."""
 
 
@@ -120,8 +120,10 @@ class NodeBalance:
 
     Attributes:
         prefill_token_layers, decode_token_layers: credited token-layers by kind of step.
-        steps: steps stored for the node; ``uncredited_steps`` of them were (at least partly) credited
-            to an earlier report of the same work (replays after a failover, retries).
+        steps: distinct steps stored for the node (an exact repeat of a stored step, such as a replay
+            on the same range after a failover or a resend, is not stored again, whoever reports it).
+        uncredited_steps: of ``steps``, those whose work was partly credited before (a replacement with
+            another layer range replaying positions already run).
     """
 
     node_id: str
@@ -202,7 +204,7 @@ def upgrade(engine: Engine) -> None:
             if attempt:
                 raise LedgerError(f"cannot migrate ledger {engine.url.render_as_string()}: {e.orig}") from None
         except SQLAlchemyError as e:
-            raise LedgerError(f"cannot migrate ledger {engine.url.render_as_string()}: {e}") from None
+            raise LedgerError(f"cannot open or migrate ledger {engine.url.render_as_string()}: {e}") from None
 
 
 class Ledger:
@@ -228,6 +230,11 @@ class Ledger:
         except BaseException:
             self._engine.dispose()
             raise
+
+    @property
+    def display_url(self) -> str:
+        """The URL with any password masked, for logs."""
+        return self._engine.url.render_as_string(hide_password=True)
 
     def close(self) -> None:
         """Release the database connections (an in-memory ledger is gone afterwards)."""

@@ -6,7 +6,8 @@ Rules (each refusal is an :class:`AuthError` whose message the tracker returns a
   signature, timestamp within ``max_skew_s`` (60 s) of the tracker's clock.
 * Its public key must match the claimed node id: either the id *is* the key's id
   (:func:`~meshnet.membership.identity.node_id_for`), or the id was bound to this key when it first
-  registered (readable ids chosen with ``--node-id``). Bindings are kept by a :class:`KeyBindings` store
+  registered (readable ids chosen with ``--node-id``). An id shaped like a key's id (32 lowercase hex
+  digits) is never bound to another key, so nobody can squat a node's id before it first registers. Bindings are kept by a :class:`KeyBindings` store
   (the tracker's ledger database), so they survive a tracker restart.
 * The same signature is accepted once: a captured message replayed within the timestamp window is
   refused too.
@@ -22,6 +23,11 @@ import time
 from typing import Callable, Protocol
 
 from meshnet.membership.identity import SignatureError, is_signed, node_id_for, verify_message
+
+
+def _looks_derived(node_id: str) -> bool:
+    """True for ids of the form :func:`node_id_for` produces (32 lowercase hex digits)."""
+    return len(node_id) == 32 and all(c in "0123456789abcdef" for c in node_id)
 
 
 class AuthError(Exception):
@@ -107,6 +113,10 @@ class Authenticator:
             key = verify_message(message, now, self.max_skew_s)
         except SignatureError as e:
             raise AuthError(f"node {node_id!r}: {e.message}") from None
+        if _looks_derived(node_id) and node_id != node_id_for(key):
+            # A key's own id can only ever be claimed by that key, even before it first registers.
+            raise AuthError(f"{kind}: node id {node_id!r} is the id of another key (this message's key has id "
+                            f"{node_id_for(key)}); refused")
         if bound is not None:
             if bound != key:
                 raise AuthError(f"{kind}: node id {node_id!r} belongs to another key (fingerprint "

@@ -21,6 +21,8 @@ import grpc
 
 from meshnet.contract import ArtifactId, LayerRange, LoadSpec, StepRequest, split_layers
 from meshnet.engine.base import ShardEngine
+from meshnet.ledger.reporting import WorkReporter
+from meshnet.membership.identity import default_identity_path, load_or_create_identity
 from meshnet.node.service import NodeService
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
@@ -57,6 +59,7 @@ class NodeConfig:
     stage_index: int = 0
     cpu: int | None = None  # pin the process to this CPU (benchmarks: one core per node)
     backend: str = "cpu"  # ggml engine lane; anything but cpu must be certified on this machine
+    identity: str | None = None  # Ed25519 key file; default <config>/meshnet/node-<node_id or layers>.key
 
 
 def pin_to_cpu(cpu: int) -> None:
@@ -138,10 +141,20 @@ class Node:
 
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
-        self.node_id = cfg.node_id or f"node-{uuid.uuid4().hex[:12]}"
+        # The key signs every tracker message; without --node-id the id is the key's, so it cannot be
+        # claimed by anyone else. Loaded before the model so a bad key file fails fast.
+        # Unnamed nodes keep one key per layer range, so two ranges served from one machine stay distinct.
+        key_name = cfg.node_id or (f"layers-{cfg.layers.start}-{cfg.layers.end}" if cfg.layers else None)
+        self.identity = load_or_create_identity(cfg.identity or default_identity_path(key_name))
+        self.node_id = cfg.node_id or self.identity.node_id
         self.engine, self.model = build_engine(cfg)
         self.decode_tokens_per_s = measure_decode_speed(self.engine)
         self.service = NodeService(self.engine, self.node_id, self.model)
+        # Completed steps wait here until the heartbeat loop reports them to the tracker's ledger.
+        self.work = WorkReporter(self.node_id, self.model.sha256, self.engine.capabilities().artifact.layers,
+                                 sign=self.identity.sign)
+        if cfg.tracker:
+            self.service.on_step = self.work.record
         # Workers beyond the session limit answer refusals and control calls while steps run; calls
         # beyond twice that are refused (RESOURCE_EXHAUSTED) rather than queued without bound.
         self.server = make_server(cfg.join_token, max_workers=cfg.max_sessions + 8,
@@ -190,17 +203,19 @@ class Node:
     def _membership_loop(self) -> None:
         """Register, then heartbeat; re-register whenever the tracker forgot us (e.g. it restarted)."""
         interval, registered = 1.0, False
-        while not self._stop.is_set():
+        # A draining node has deregistered: it must not register again (stop() reports its last work).
+        while not self._stop.is_set() and not self.service.draining:
             try:
                 if not registered:
-                    reply = self._tracker.Register(self.info(), timeout=5)
+                    reply = self._tracker.Register(self.identity.sign(self.info()), timeout=5)
                     interval, registered = max(0.05, reply.heartbeat_interval_s), True
                     log.info("registered with tracker %s (heartbeat %.2fs)", self.cfg.tracker, interval)
                 else:
-                    hb = self._tracker.Heartbeat(pb.HeartbeatRequest(
+                    hb = self._tracker.Heartbeat(self.identity.sign(pb.HeartbeatRequest(
                         node_id=self.node_id, active_sessions=self.engine.health().active_sessions,
-                        decode_tokens_per_s=self.decode_tokens_per_s), timeout=5)
-                    registered = hb.known
+                        decode_tokens_per_s=self.decode_tokens_per_s)), timeout=5)
+                    # Unacknowledged work is kept and resent after an outage (the tracker counts it once).
+                    registered = hb.known and self.work.flush(self._tracker, max_batches=4)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.FAILED_PRECONDITION or e.code() == grpc.StatusCode.UNAUTHENTICATED:
                     log.error("tracker refused this node: %s", e.details())
@@ -221,7 +236,8 @@ class Node:
         self.service.draining = True
         if self._tracker is not None:
             try:
-                self._tracker.Deregister(pb.NodeRef(node_id=self.node_id), timeout=2)
+                self.work.flush(self._tracker, timeout_s=2)
+                self._tracker.Deregister(self.identity.sign(pb.NodeRef(node_id=self.node_id)), timeout=2)
             except grpc.RpcError:
                 pass
         if drain:
@@ -229,6 +245,11 @@ class Node:
             while self.engine.health().active_sessions and time.monotonic() < deadline:
                 time.sleep(0.05)
             self.service.wait_idle(max(0.0, deadline - time.monotonic()))
+        if self._tracker is not None:
+            try:
+                self.work.flush(self._tracker, timeout_s=2)  # steps finished while draining
+            except grpc.RpcError:
+                pass
         self._stop.set()
         if self.data_plane is not None:
             self.data_plane.stop()
@@ -253,7 +274,12 @@ def add_node_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = any free port")
     p.add_argument("--advertise", default=None, help="address others dial (default HOST:PORT)")
-    p.add_argument("--node-id", default=None)
+    p.add_argument("--node-id", default=None,
+                   help="id to register under (default: derived from the identity's public key); the tracker "
+                        "binds it to the first key that registers it")
+    p.add_argument("--identity", default=None, metavar="PATH",
+                   help="Ed25519 key file, created (mode 0600) on first start; default "
+                        "$XDG_CONFIG_HOME/meshnet/node-<node-id or layers-START-END>.key (~/.config/meshnet/...)")
     p.add_argument("--engine", choices=["ggml", "fake"], default="ggml")
     p.add_argument("--backend", choices=["cpu", "cuda", "rocm", "vulkan", "metal"], default="cpu",
                    help="where the ggml engine computes; anything but cpu must be certified here first "
@@ -296,7 +322,7 @@ def run_node(args: argparse.Namespace) -> int:
                      max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout,
                      drain_timeout_s=args.drain_timeout, join_token=args.join_token, tls=tls, tls_ca=args.tls_ca,
                      data_plane=not args.no_data_plane, data_port=args.data_port,
-                     cpu=cpu, backend=backend)
+                     cpu=cpu, backend=backend, identity=getattr(args, "identity", None))
     node = Node(cfg)
     done = threading.Event()
 

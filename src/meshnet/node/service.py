@@ -54,6 +54,8 @@ class NodeService(pb_grpc.NodeServicer):
         self.node_id = node_id
         self.model = model
         self.draining = False
+        # Called as on_step(req, decode) after each step that completed (the node's ledger reporter).
+        self.on_step = None
         self._in_flight = 0
         self._cv = threading.Condition()
 
@@ -79,6 +81,8 @@ class NodeService(pb_grpc.NodeServicer):
                 self._cv.notify_all()
         if not res.ok:
             return StepOutcome(res.status.value, res.message, res.retry_after_s)
+        if self.on_step is not None:
+            self.on_step(req, decode)
         return StepOutcome("OK", replies=result_to_replies(req, res))
 
     def _run(self, frames, context) -> list[pb.StepReply]:

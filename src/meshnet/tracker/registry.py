@@ -124,6 +124,14 @@ class Registry:
         with self._lock:
             return self._entries.pop(node_id, None) is not None
 
+    def get(self, node_id: str) -> NodeRecord | None:
+        """The record of ``node_id`` if it is registered and not expired, else None."""
+        with self._lock:
+            entry = self._entries.get(node_id)
+            if entry is None or self._clock() - entry.last_seen >= self.ttl_s:
+                return None
+            return entry.record
+
     def alive(self) -> list[NodeRecord]:
         """Records of the nodes heard from within ``ttl_s``, sorted by node id; expired ones are dropped."""
         with self._lock:

@@ -4,8 +4,15 @@ Every refusal is a gRPC status with a message naming the problem (INVALID_ARGUME
 FAILED_PRECONDITION for a protocol mismatch or an incomplete model); an unexpected error becomes
 INTERNAL with its message, and the tracker keeps serving.
 
-CLI: ``meshnet tracker [--host H] [--port 7700] [--heartbeat S] [--join-token T] [--tls-cert C --tls-key K]``
-(see :func:`add_tracker_parser`).
+Membership: a node's Register, Heartbeat, Deregister and ReportWork may be signed with its Ed25519 key
+(:mod:`meshnet.membership`); a bad signature, a key that does not own the node id, a stale timestamp or
+an unsigned message for a node that proved a key is refused UNAUTHENTICATED.
+
+Ledger: nodes report completed steps (ReportWork), clients delivered tokens (ReportDelivery); both are
+stored once per key in the tracker's :class:`~meshnet.ledger.store.Ledger`, read back with GetLedger.
+
+CLI: ``meshnet tracker [--host H] [--port 7700] [--heartbeat S] [--join-token T] [--tls-cert C --tls-key K]
+[--ledger URL] [--require-signatures]`` (see :func:`add_tracker_parser`).
 """
 
 from __future__ import annotations
@@ -17,19 +24,27 @@ import os
 import signal
 import sys
 import threading
+import time
+from typing import TYPE_CHECKING
 
 import grpc
 
 from meshnet.contract import LayerRange
+from meshnet.membership.auth import AuthError, Authenticator
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.registry import ProtocolMismatch, Registry, RegisteredNode
 from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
 from meshnet.wire.security import JOIN_TOKEN_ENV, TlsConfig, add_port, format_address, make_server
 
+if TYPE_CHECKING:  # the ledger pulls in SQLAlchemy: imported when a tracker starts, not with the CLI
+    from meshnet.ledger.store import Ledger
+
 DEFAULT_PORT = 7700
 _UINT64_MAX = (1 << 64) - 1
 _DEFAULT_MAX_SESSIONS = NodeRecord.__dataclass_fields__["max_sessions"].default
+# Seconds a deregistered node may still report work: its drain (30 s by default) with margin.
+_DEPARTED_S = 300.0
 
 
 class _Refusal(Exception):
@@ -97,21 +112,52 @@ def info_from_status(s: RegisteredNode) -> pb.NodeInfo:
 
 
 class TrackerService(pb_grpc.TrackerServicer):
-    """The Tracker gRPC service over a :class:`Registry` (thread-safe; one instance serves all calls)."""
+    """The Tracker gRPC service over a :class:`Registry` (thread-safe; one instance serves all calls).
 
-    def __init__(self, registry: Registry):
+    Args:
+        registry: the membership table.
+        ledger: where work, deliveries and node keys are stored; default a new in-memory one.
+        authenticator: judges node signatures; default one over ``ledger``'s key bindings that accepts
+            unsigned messages for ids no key is bound to.
+    """
+
+    def __init__(self, registry: Registry, ledger: "Ledger | None" = None,
+                 authenticator: Authenticator | None = None):
         self.registry = registry
+        if ledger is None:
+            from meshnet.ledger.store import Ledger
+
+            ledger = Ledger()
+        self.ledger = ledger
+        self.auth = authenticator or Authenticator(ledger)
+        self._register_lock = threading.Lock()
+        # Nodes that deregistered, kept a while so the work they finish while draining is still credited.
+        self._departed: dict[str, tuple[NodeRecord, float]] = {}
+
+    def _authenticate(self, method: str, node_id: str, message, bind: bool = False) -> None:
+        try:
+            self.auth.check(node_id, message, bind=bind)
+        except AuthError as e:
+            raise _Refusal(grpc.StatusCode.UNAUTHENTICATED, f"{method}: {e.message}") from None
 
     @_rpc
     def Register(self, request: pb.NodeInfo, context) -> pb.RegisterReply:
         record = record_from_info(request)
-        try:
-            self.registry.register(record, request.protocol_major, request.protocol_minor,
-                                   free_memory_bytes=request.free_memory_bytes)
-        except ProtocolMismatch as e:
-            raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"Register: {e}") from None
-        except ValueError as e:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {e}") from None
+        # Check, bind and register as one step: two keys racing for a new id cannot both win it, and a
+        # refused registration leaves no entry behind.
+        with self._register_lock:
+            self._authenticate("Register", record.node_id, request, bind=True)
+            try:
+                self.auth.bind(record.node_id, request)
+            except AuthError as e:
+                raise _Refusal(grpc.StatusCode.UNAUTHENTICATED, f"Register: {e.message}") from None
+            try:
+                self.registry.register(record, request.protocol_major, request.protocol_minor,
+                                       free_memory_bytes=request.free_memory_bytes)
+            except ProtocolMismatch as e:
+                raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"Register: {e}") from None
+            except ValueError as e:
+                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {e}") from None
         return pb.RegisterReply(heartbeat_interval_s=self.registry.heartbeat_interval_s, ttl_s=self.registry.ttl_s)
 
     @_rpc
@@ -122,6 +168,10 @@ class TrackerService(pb_grpc.TrackerServicer):
         if not (speed >= 0 and math.isfinite(speed)):
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                            f"Heartbeat: decode_tokens_per_s={speed}; expected a finite number >= 0 (0 = unchanged)")
+        if self.registry.get(request.node_id) is None:
+            # Nothing to update and nothing revealed: the node registers (and proves its key) again.
+            return pb.HeartbeatReply(known=False)
+        self._authenticate("Heartbeat", request.node_id, request)
         known = self.registry.heartbeat(request.node_id, request.active_sessions, speed)
         return pb.HeartbeatReply(known=known)
 
@@ -129,7 +179,13 @@ class TrackerService(pb_grpc.TrackerServicer):
     def Deregister(self, request: pb.NodeRef, context) -> pb.Empty:
         if not request.node_id:
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "Deregister: node_id is empty")
-        self.registry.deregister(request.node_id)
+        self._authenticate("Deregister", request.node_id, request)
+        record = self.registry.get(request.node_id)
+        if self.registry.deregister(request.node_id) and record is not None:
+            now = time.monotonic()
+            with self._register_lock:
+                self._departed = {k: v for k, v in self._departed.items() if v[1] > now}
+                self._departed[record.node_id] = (record, now + _DEPARTED_S)
         return pb.Empty()
 
     @_rpc
@@ -167,13 +223,55 @@ class TrackerService(pb_grpc.TrackerServicer):
     def ListNodes(self, request: pb.Empty, context) -> pb.NodeList:
         return pb.NodeList(nodes=[
             pb.NodeStatus(info=info_from_status(s), active_sessions=s.record.active_sessions,
-                          last_heartbeat_age_s=s.last_heartbeat_age_s)
+                          last_heartbeat_age_s=s.last_heartbeat_age_s, signed=self.auth.is_bound(s.record.node_id))
             for s in self.registry.statuses()])
+
+    @_rpc
+    def ReportWork(self, request: pb.WorkReport, context) -> pb.WorkReportReply:
+        from meshnet.ledger.store import LedgerError
+        from meshnet.ledger.wire import work_records
+
+        if not request.node_id:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "ReportWork: node_id is empty")
+        node = self.registry.get(request.node_id)
+        if node is None:
+            with self._register_lock:
+                node, until = self._departed.get(request.node_id, (None, 0.0))
+            if node is None or until < time.monotonic():
+                return pb.WorkReportReply(known=False)  # the node registers, then resends
+        self._authenticate("ReportWork", request.node_id, request)
+        try:
+            outcome = self.ledger.record_work(work_records(request, node))
+        except LedgerError as e:
+            raise _Refusal(grpc.StatusCode.UNAVAILABLE, f"ReportWork: {e}; resend later") from None
+        except ValueError as e:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"ReportWork: {e}") from None
+        return pb.WorkReportReply(known=True, recorded=outcome.recorded, duplicates=outcome.duplicates)
+
+    @_rpc
+    def ReportDelivery(self, request: pb.DeliveryReport, context) -> pb.DeliveryReportReply:
+        from meshnet.ledger.store import LedgerError
+
+        try:
+            recorded, duplicates = self.ledger.record_deliveries(
+                request.client_id, [(t.session_id, t.position) for t in request.tokens], request.model_sha256)
+        except LedgerError as e:
+            raise _Refusal(grpc.StatusCode.UNAVAILABLE, f"ReportDelivery: {e}; resend later") from None
+        except ValueError as e:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"ReportDelivery: {e}") from None
+        return pb.DeliveryReportReply(recorded=recorded, duplicates=duplicates)
+
+    @_rpc
+    def GetLedger(self, request: pb.Empty, context) -> pb.LedgerReply:
+        from meshnet.ledger.wire import ledger_reply
+
+        return ledger_reply(self.ledger)
 
 
 def serve_tracker(host: str = "127.0.0.1", port: int = 0, heartbeat_interval_s: float = 2.0,
                   join_token: str | None = None, tls: TlsConfig | None = None,
-                  registry: Registry | None = None) -> tuple[grpc.Server, int]:
+                  registry: Registry | None = None, ledger: "Ledger | str | None" = None,
+                  require_signatures: bool = False) -> tuple[grpc.Server, int]:
     """Start a tracker server in background threads.
 
     Args:
@@ -183,16 +281,27 @@ def serve_tracker(host: str = "127.0.0.1", port: int = 0, heartbeat_interval_s: 
         tls: serve TLS with this certificate and key instead of plaintext.
         registry: use this registry (e.g. one with a fake clock) instead of a new one; its own heartbeat
             interval then applies.
+        ledger: a :class:`~meshnet.ledger.store.Ledger`, or the SQLAlchemy URL of one to open (migrated to
+            the newest schema); default an in-memory ledger that ends with the server. The caller closes a
+            Ledger it passed; one opened from a URL is closed when the process exits.
+        require_signatures: refuse unsigned node messages even for ids no key is bound to.
 
     Returns:
         ``(server, bound_port)``; stop it with ``server.stop(grace)``.
 
     Raises:
-        RuntimeError: the address cannot be bound; ValueError: bad interval or unreadable TLS files.
+        RuntimeError: the address cannot be bound; ValueError: bad interval or unreadable TLS files;
+        LedgerError (a RuntimeError): the ledger URL cannot be opened or migrated.
     """
     registry = registry if registry is not None else Registry(heartbeat_interval_s)
+    if isinstance(ledger, str):
+        from meshnet.ledger.store import Ledger
+
+        ledger = Ledger(ledger)
+    service = TrackerService(registry, ledger)
+    service.auth.require_signatures = require_signatures
     server = make_server(join_token)
-    pb_grpc.add_TrackerServicer_to_server(TrackerService(registry), server)
+    pb_grpc.add_TrackerServicer_to_server(service, server)
     try:
         bound = add_port(server, format_address(host, port), tls)
     except BaseException:
@@ -217,6 +326,14 @@ def add_tracker_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                    help=f"refuse callers without this shared secret (default: ${JOIN_TOKEN_ENV}, if set)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS (needs --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    p.add_argument("--ledger", default=None, metavar="URL",
+                   help="SQLAlchemy URL of the ledger database (work credited to nodes, tokens charged to "
+                        "clients, node keys): sqlite:///PATH or postgresql+psycopg://USER:PASS@HOST/DB; "
+                        "default sqlite:///$XDG_DATA_HOME/meshnet/ledger.db (~/.local/share/meshnet/ledger.db); "
+                        "sqlite:// keeps it in memory")
+    p.add_argument("--require-signatures", action="store_true",
+                   help="refuse nodes that do not sign their messages (older nodes); by default an unsigned "
+                        "node is accepted unless its id belongs to a key")
     p.set_defaults(func=run_tracker)
     return p
 
@@ -235,9 +352,19 @@ def run_tracker(args: argparse.Namespace) -> int:
         return 2
     token = args.join_token or os.environ.get(JOIN_TOKEN_ENV) or None
     tls = TlsConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
+    from meshnet.ledger.store import Ledger, LedgerError, default_ledger_url
+
+    ledger_url = getattr(args, "ledger", None) or default_ledger_url()
     try:
-        server, port = serve_tracker(args.host, args.port, args.heartbeat, join_token=token, tls=tls)
+        ledger = Ledger(ledger_url)
+    except LedgerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        server, port = serve_tracker(args.host, args.port, args.heartbeat, join_token=token, tls=tls, ledger=ledger,
+                                     require_signatures=getattr(args, "require_signatures", False))
     except (RuntimeError, ValueError) as e:
+        ledger.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -247,7 +374,9 @@ def run_tracker(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             previous[sig] = signal.signal(sig, lambda *_: stop.set())
     print(f"tracker listening on {format_address(args.host, port)}", file=sys.stderr, flush=True)
-    extras = [x for x in ("TLS" if tls else "", "join token required" if token else "") if x]
+    print(f"tracker: ledger {ledger.display_url}", file=sys.stderr, flush=True)
+    extras = [x for x in ("TLS" if tls else "", "join token required" if token else "",
+                          "signatures required" if getattr(args, "require_signatures", False) else "") if x]
     if extras:
         print(f"tracker: {', '.join(extras)}", file=sys.stderr, flush=True)
     try:
@@ -259,5 +388,6 @@ def run_tracker(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         server.stop(grace=1.0).wait()
+        ledger.close()
     print("tracker stopped", file=sys.stderr, flush=True)
     return 0

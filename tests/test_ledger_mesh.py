@@ -1,0 +1,161 @@
+"""The ledger with real node processes: a 64-token generation where the node serving [10, 20) is killed
+after token 10 and a spare takes over, once with the tracker steady and once with it restarted mid-run
+(a new server on the same port and SQLite file). Each node is credited exactly the steps it completed,
+replays are not credited again, and the client is charged exactly 64 tokens."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import load_golden
+from mesh_util import HEARTBEAT_S, Mesh
+from meshnet.client.mesh_client import MeshClient
+from meshnet.contract import GREEDY
+from meshnet.generation import Generation
+from meshnet.ledger.store import Ledger
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.tokenizer import GGUFTokenizer
+from meshnet.tracker.service import serve_tracker
+
+GOLDEN = "SmolLM2-135M-Instruct.Q4_1"
+N_TOKENS = 64
+KILL_AFTER = 10
+
+
+class LedgerMesh(Mesh):
+    """:class:`Mesh` whose in-process tracker keeps its ledger in an SQLite file and can be restarted."""
+
+    def __init__(self, url: str) -> None:  # noqa: D107 - Mesh.__init__ would start an in-memory ledger
+        self.join_token, self.url, self.nodes = None, url, []
+        self.ledger = Ledger(url)
+        self.server, self.port = serve_tracker("127.0.0.1", 0, heartbeat_interval_s=HEARTBEAT_S, ledger=self.ledger)
+        self.tracker = f"127.0.0.1:{self.port}"
+
+    def restart_tracker(self) -> None:
+        """Stop the tracker (in-flight calls fail) and serve a fresh one on the same port and file."""
+        self.server.stop(grace=0).wait()
+        self.ledger.close()
+        self.ledger = Ledger(self.url)
+        self.server, _ = serve_tracker("127.0.0.1", self.port, heartbeat_interval_s=HEARTBEAT_S, ledger=self.ledger)
+
+    def balances(self) -> dict[str, tuple[int, int, int]]:
+        """node id -> (prefill token-layers, decode token-layers, steps)."""
+        reply = self.tracker_stub().GetLedger(pb.Empty(), timeout=5)
+        return {n.node_id: (n.prefill_token_layers, n.decode_token_layers, n.steps) for n in reply.nodes}
+
+    def charges(self) -> dict[str, tuple[int, int]]:
+        """client id -> (delivered tokens, sessions)."""
+        reply = self.tracker_stub().GetLedger(pb.Empty(), timeout=5)
+        return {c.client_id: (c.delivered_tokens, c.sessions) for c in reply.clients}
+
+    def close(self) -> None:
+        super().close()
+        self.ledger.close()
+
+
+def wait_until(fn, what: str, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+            if last:
+                return last
+        except Exception as e:  # noqa: BLE001 - the tracker may be restarting
+            last = e
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_path):
+    return GGUFTokenizer.from_gguf(str(smollm2_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("restart_tracker", [False, True], ids=["steady-tracker", "tracker-restarted"])
+def test_failover_credits_each_node_its_own_steps_and_charges_64_tokens(tmp_path, monkeypatch, tok, smollm2_path,
+                                                                         restart_tracker):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # the nodes' identity files
+    mesh = LedgerMesh(f"sqlite:///{tmp_path / 'ledger.db'}")
+    try:
+        head, mid, spare, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-spare", "10:20"),
+                                                   ("d-tail", "20:30")])
+        golden = load_golden(GOLDEN)["prompts"][0]
+        n = len(golden["prompt_ids"])
+        client = MeshClient(mesh.tracker, client_id="alice")
+        _, route = client.route()
+        victim, replacement = (mid, spare) if mid.node_id in {h.node_id for h in route} else (spare, mid)
+        # Layers per range: 10 of 30. Token 1 comes from the prefill, tokens 2..10 from 9 decode steps.
+        before_kill = (n * 10, (KILL_AFTER - 1) * 10, KILL_AFTER)
+
+        gen = Generation(client, tok, golden["prompt_ids"], N_TOKENS, GREEDY, stop_at_eog=False)
+        for i, _ in enumerate(gen, start=1):
+            if restart_tracker and i == KILL_AFTER // 2:
+                mesh.restart_tracker()
+            if i == KILL_AFTER:
+                # A killed node's unreported steps die with it; let its last heartbeat carry them first,
+                # so the numbers below are exact.
+                wait_until(lambda: mesh.balances().get(victim.node_id) == before_kill, "the victim's reports")
+                victim.kill()
+        assert gen.result.generated_token_ids == golden["greedy_ids"][:N_TOKENS]
+        assert client.failovers == 1
+        client.close()  # reports the last delivered tokens
+        assert client.deliveries.pending == 0
+
+        decodes = N_TOKENS - 1
+        expected = {
+            head.node_id: (n * 10, decodes * 10, 1 + decodes),
+            victim.node_id: before_kill,
+            # The spare replayed the prompt and 9 decode steps (credited to the victim already), then ran
+            # the remaining 54 decode steps itself.
+            replacement.node_id: (0, (decodes - (KILL_AFTER - 1)) * 10, decodes - (KILL_AFTER - 1)),
+            # The tail replayed everything on the new route: none of it counts twice.
+            tail.node_id: (n * 10, decodes * 10, 1 + decodes),
+        }
+        wait_until(lambda: mesh.balances() == expected, "every node's reports")
+        time.sleep(4 * HEARTBEAT_S)  # late resends would only be duplicates: the totals stay put
+        assert mesh.balances() == expected
+        assert mesh.charges() == {"alice": (N_TOKENS, 1)}
+        # In whole-model tokens: the prompt once and 63 decode steps once, across the nodes together.
+        reply = mesh.tracker_stub().GetLedger(pb.Empty(), timeout=5)
+        assert sum(b.tokens for b in reply.nodes) == pytest.approx(n + decodes)
+    finally:
+        mesh.close()
+
+
+def test_cli_generation_is_charged_and_shown_by_meshnet_ledger(tmp_path, monkeypatch, smollm2_path):
+    """``meshnet generate --tracker`` exits right after its last token; its deliveries still arrive, and
+    ``meshnet ledger`` shows the balances."""
+    import json
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    mesh = LedgerMesh(f"sqlite:///{tmp_path / 'ledger.db'}")
+    try:
+        mesh.start_nodes([("a-head", "0:15"), ("d-tail", "15:30")])
+        golden = load_golden(GOLDEN)["prompts"][0]
+        proc = subprocess.run([sys.executable, "-m", "meshnet.cli", "generate", "--tracker", mesh.tracker,
+                               "--temperature", "0", "--max-tokens", "8", "--ignore-eos", golden["prompt"]],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        [(client_id, charge)] = mesh.charges().items()
+        assert client_id.startswith("client-") and charge == (8, 1)
+        n = len(golden["prompt_ids"])
+        wait_until(lambda: mesh.balances() == {"a-head": (n * 15, 7 * 15, 8), "d-tail": (n * 15, 7 * 15, 8)},
+                   "both nodes' reports")
+        code = ("import sys; from meshnet.ledger.cli import add_ledger_parser; import argparse; "
+                "p = argparse.ArgumentParser(); add_ledger_parser(p.add_subparsers()); "
+                "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))")
+        shown = subprocess.run([sys.executable, "-c", code, "ledger", "--tracker", mesh.tracker, "--json"],
+                               capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        data = json.loads(shown.stdout)
+        assert {(c["client_id"], c["delivered_tokens"]) for c in data["clients"]} == {(client_id, 8)}
+        assert {(x["node_id"], x["tokens"]) for x in data["nodes"]} == \
+            {("a-head", (n + 7) * 15 / 30), ("d-tail", (n + 7) * 15 / 30)}
+    finally:
+        mesh.close()

@@ -1,0 +1,261 @@
+"""Membership without processes: node identities on disk, signatures, and the tracker refusing
+impersonation, forged heartbeats, wrong-key deregistration, stale and replayed messages."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import stat
+import time
+
+import grpc
+import pytest
+
+from meshnet.ledger.store import Ledger
+from meshnet.membership.auth import AuthError, Authenticator, MemoryBindings
+from meshnet.membership.cli import add_nodes_parser
+from meshnet.membership.identity import (IdentityError, NodeIdentity, SignatureError, default_identity_path,
+                                         load_or_create_identity, node_id_for, verify_message)
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.tracker.service import serve_tracker
+from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
+from meshnet.wire.security import open_channel
+
+SHA = "ef" * 32
+
+
+def node_info(node_id: str, start: int = 0, end: int = 30, port: int = 9) -> pb.NodeInfo:
+    return pb.NodeInfo(node_id=node_id, address=f"127.0.0.1:{port}", layers=pb.LayerRange(start=start, end=end),
+                       model=pb.ModelIdentity(sha256=SHA, architecture="llama", n_layer=30), backend="cpu",
+                       protocol_major=PROTOCOL_MAJOR, protocol_minor=PROTOCOL_MINOR, max_sessions=4,
+                       decode_tokens_per_s=12.5)
+
+
+# ---- identities ----------------------------------------------------------------------------------------
+
+def test_identity_is_created_once_with_private_permissions(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    path = default_identity_path("a/head")
+    assert path == tmp_path / "cfg" / "meshnet" / "node-a_head.key"
+    assert default_identity_path(None).name == "node-default.key"
+    first = load_or_create_identity(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    again = load_or_create_identity(path)
+    assert again.public_key == first.public_key and len(first.public_key) == 32
+    assert first.node_id == node_id_for(first.public_key) and len(first.node_id) == 32
+    assert int(first.node_id, 16) >= 0  # hex
+
+    os.chmod(path, 0o644)
+    with pytest.raises(IdentityError, match="chmod 600"):
+        load_or_create_identity(path)
+    bad = tmp_path / "bad.key"
+    bad.write_text("not a key")
+    os.chmod(bad, 0o600)
+    with pytest.raises(IdentityError, match="not an unencrypted PEM private key"):
+        load_or_create_identity(bad)
+
+
+def test_signatures_cover_every_field_and_the_time():
+    me = NodeIdentity.generate()
+    hb = me.sign(pb.HeartbeatRequest(node_id=me.node_id, active_sessions=2))
+    assert verify_message(hb) == me.public_key
+    tampered = pb.HeartbeatRequest()
+    tampered.CopyFrom(hb)
+    tampered.active_sessions = 3
+    with pytest.raises(SignatureError, match="bad signature"):
+        verify_message(tampered)
+    old = me.sign(pb.HeartbeatRequest(node_id=me.node_id), timestamp=time.time() - 120)
+    with pytest.raises(SignatureError, match="timestamp is 120 s old"):
+        verify_message(old)
+    future = me.sign(pb.HeartbeatRequest(node_id=me.node_id), timestamp=time.time() + 300)
+    with pytest.raises(SignatureError, match="in the future"):
+        verify_message(future)
+    # A signature for one message type does not verify for another with the same bytes.
+    ref = pb.NodeRef(node_id=me.node_id, public_key=hb.public_key, timestamp=hb.timestamp, signature=hb.signature)
+    with pytest.raises(SignatureError, match="bad signature"):
+        verify_message(ref)
+
+
+def test_authenticator_rules():
+    bindings = MemoryBindings()
+    auth = Authenticator(bindings)
+    alice, mallory = NodeIdentity.generate(), NodeIdentity.generate()
+    # Unsigned messages pass only for ids no key owns.
+    assert auth.check("legacy", pb.HeartbeatRequest(node_id="legacy")) is False
+    # A readable id is bound to the first key that registers it.
+    reg = alice.sign(node_info("alice"))
+    assert auth.check("alice", reg, bind=True) is True
+    auth.bind("alice", reg)
+    with pytest.raises(AuthError, match="belongs to another key"):
+        auth.check("alice", mallory.sign(node_info("alice")), bind=True)
+    with pytest.raises(AuthError, match="unsigned"):
+        auth.check("alice", pb.HeartbeatRequest(node_id="alice"))
+    # A key's own id cannot be claimed by another key, even before that key registered.
+    with pytest.raises(AuthError, match="is the id of another key"):
+        auth.check(alice.node_id, mallory.sign(node_info(alice.node_id)), bind=True)
+    # An unbound readable id must register before it heartbeats.
+    with pytest.raises(AuthError, match="register first"):
+        auth.check("bob", mallory.sign(pb.HeartbeatRequest(node_id="bob")))
+    # Replays are refused.
+    hb = alice.sign(pb.HeartbeatRequest(node_id="alice"))
+    auth.check("alice", hb)
+    with pytest.raises(AuthError, match="replayed"):
+        auth.check("alice", hb)
+    # Partly signed messages are not "unsigned".
+    with pytest.raises(AuthError, match="public_key must be 32 bytes"):
+        auth.check("legacy", pb.HeartbeatRequest(node_id="legacy", timestamp=time.time()))
+    strict = Authenticator(MemoryBindings(), require_signatures=True)
+    with pytest.raises(AuthError, match="accepts only signed"):
+        strict.check("legacy", pb.HeartbeatRequest(node_id="legacy"))
+
+
+# ---- the tracker over gRPC ------------------------------------------------------------------------------
+
+@pytest.fixture
+def tracker(tmp_path):
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    state = {"ledger": Ledger(url)}
+    server, port = serve_tracker("127.0.0.1", 0, heartbeat_interval_s=5.0, ledger=state["ledger"])
+    state.update(server=server, port=port, url=url)
+    channel = open_channel(f"127.0.0.1:{port}")
+    try:
+        yield pb_grpc.TrackerStub(channel), state
+    finally:
+        channel.close()
+        state["server"].stop(None)
+        state["ledger"].close()
+
+
+def refusal(fn, request) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as ei:
+        fn(request, timeout=5)
+    return ei.value.code(), ei.value.details()
+
+
+def route_ids(stub) -> list[str]:
+    return [h.node_id for h in stub.GetRoute(pb.RouteRequest(), timeout=5).hops]
+
+
+def test_forged_heartbeat_and_wrong_key_deregister_are_refused(tracker):
+    stub, _ = tracker
+    victim, attacker = NodeIdentity.generate(), NodeIdentity.generate()
+    stub.Register(victim.sign(node_info(victim.node_id)), timeout=5)
+    assert route_ids(stub) == [victim.node_id]
+    [status] = stub.ListNodes(pb.Empty(), timeout=5).nodes
+    assert status.signed is True
+
+    code, msg = refusal(stub.Heartbeat, attacker.sign(pb.HeartbeatRequest(node_id=victim.node_id,
+                                                                          active_sessions=4)))
+    assert code is grpc.StatusCode.UNAUTHENTICATED and "is the id of another key" in msg
+    code, msg = refusal(stub.Heartbeat, pb.HeartbeatRequest(node_id=victim.node_id, active_sessions=4))
+    assert code is grpc.StatusCode.UNAUTHENTICATED and "unsigned" in msg
+    assert stub.ListNodes(pb.Empty(), timeout=5).nodes[0].active_sessions == 0  # nothing was changed
+
+    code, msg = refusal(stub.Deregister, attacker.sign(pb.NodeRef(node_id=victim.node_id)))
+    assert code is grpc.StatusCode.UNAUTHENTICATED and "Deregister" in msg
+    code, msg = refusal(stub.Deregister, pb.NodeRef(node_id=victim.node_id))
+    assert code is grpc.StatusCode.UNAUTHENTICATED
+    # The attacker cannot take the id over by registering it either.
+    code, msg = refusal(stub.Register, attacker.sign(node_info(victim.node_id, port=6666)))
+    assert code is grpc.StatusCode.UNAUTHENTICATED
+    assert route_ids(stub) == [victim.node_id]
+    assert stub.GetRoute(pb.RouteRequest(), timeout=5).hops[0].address == "127.0.0.1:9"
+
+    # Stale and replayed messages from the real key are refused too.
+    code, msg = refusal(stub.Heartbeat, victim.sign(pb.HeartbeatRequest(node_id=victim.node_id),
+                                                    timestamp=time.time() - 90))
+    assert code is grpc.StatusCode.UNAUTHENTICATED and "90 s old" in msg
+    hb = victim.sign(pb.HeartbeatRequest(node_id=victim.node_id))
+    assert stub.Heartbeat(hb, timeout=5).known is True
+    code, msg = refusal(stub.Heartbeat, hb)
+    assert code is grpc.StatusCode.UNAUTHENTICATED and "replayed" in msg
+
+    stub.Deregister(victim.sign(pb.NodeRef(node_id=victim.node_id)), timeout=5)
+    assert stub.ListNodes(pb.Empty(), timeout=5).nodes == []
+
+
+def test_a_readable_id_stays_bound_to_its_key_across_a_tracker_restart(tracker):
+    stub, state = tracker
+    owner, other = NodeIdentity.generate(), NodeIdentity.generate()
+    stub.Register(owner.sign(node_info("a-head", 0, 15)), timeout=5)
+    code, msg = refusal(stub.Register, other.sign(node_info("a-head", 0, 15, port=7)))
+    assert code is grpc.StatusCode.UNAUTHENTICATED and "belongs to another key" in msg
+    # A refused registration leaves nothing half-registered behind.
+    code, _ = refusal(stub.Register, other.sign(node_info("b-tail", 15, 30), timestamp=time.time() - 600))
+    assert code is grpc.StatusCode.UNAUTHENTICATED
+    assert [n.info.node_id for n in stub.ListNodes(pb.Empty(), timeout=5).nodes] == ["a-head"]
+
+    state["server"].stop(None).wait()
+    state["ledger"].close()
+    state["ledger"] = Ledger(state["url"])
+    state["server"], _ = serve_tracker("127.0.0.1", state["port"], heartbeat_interval_s=5.0, ledger=state["ledger"])
+    # The restarted tracker forgot the registration (heartbeats are told to register again) but not the key.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            assert stub.Heartbeat(owner.sign(pb.HeartbeatRequest(node_id="a-head")), timeout=5).known is False
+            break
+        except grpc.RpcError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    code, _ = refusal(stub.Register, other.sign(node_info("a-head", 0, 15, port=7)))
+    assert code is grpc.StatusCode.UNAUTHENTICATED
+    stub.Register(owner.sign(node_info("a-head", 0, 15)), timeout=5)
+    assert stub.ListNodes(pb.Empty(), timeout=5).nodes[0].signed is True
+
+
+def test_required_signatures_refuse_unsigned_nodes():
+    server, port = serve_tracker("127.0.0.1", 0, require_signatures=True)
+    try:
+        with open_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.TrackerStub(channel)
+            code, msg = refusal(stub.Register, node_info("legacy"))
+            assert code is grpc.StatusCode.UNAUTHENTICATED and "accepts only signed" in msg
+            me = NodeIdentity.generate()
+            stub.Register(me.sign(node_info(me.node_id)), timeout=5)
+            assert route_ids(stub) == [me.node_id]
+    finally:
+        server.stop(None)
+
+
+def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
+    stub, state = tracker
+    me = NodeIdentity.generate()
+    stub.Register(me.sign(node_info(me.node_id, 0, 15)), timeout=5)
+    stub.Heartbeat(me.sign(pb.HeartbeatRequest(node_id=me.node_id, active_sessions=3)), timeout=5)
+    stub.Register(node_info("legacy", 15, 30), timeout=5)
+    parser = argparse.ArgumentParser(prog="meshnet")
+    add_nodes_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["nodes", "--tracker", f"127.0.0.1:{state['port']}"])
+    assert args.func.__name__ == "run_nodes"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert args.func(args) == 0
+    header, *rows = out.getvalue().splitlines()
+    assert header.split() == ["NODE", "LAYERS", "BACKEND", "LOAD", "SPEED", "RELAY", "HEARTBEAT", "SIGNED",
+                              "ADDRESS"]
+    cells = {r.split()[0]: r.split() for r in rows}
+    assert cells[me.node_id][1:5] == ["[0,", "15)/30", "cpu", "3/4"]
+    assert cells[me.node_id][5:8] == ["12.5", "tok/s", "direct"]
+    assert cells[me.node_id][8].endswith("s") and float(cells[me.node_id][8][:-1]) < 5
+    assert cells[me.node_id][10:] == ["yes", "127.0.0.1:9"]
+    assert cells["legacy"][10] == "no"
+
+    args = parser.parse_args(["nodes", "--tracker", f"127.0.0.1:{state['port']}", "--json"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert args.func(args) == 0
+    nodes = {n["node_id"]: n for n in json.loads(out.getvalue())["nodes"]}
+    assert nodes[me.node_id]["layers"] == [0, 15] and nodes[me.node_id]["active_sessions"] == 3
+    assert nodes[me.node_id]["relay"] == "direct" and nodes["legacy"]["signed"] is False
+
+    # An unreachable tracker is an error message, not a trace.
+    args = parser.parse_args(["nodes", "--tracker", "127.0.0.1:1"])
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert args.func(args) == 1
+    assert "error: tracker 127.0.0.1:1: UNAVAILABLE" in err.getvalue()
