@@ -66,3 +66,11 @@ def test_bad_arguments_are_named(smollm2_path, args, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="metal is a real lane on macOS")
+def test_bench_engine_refuses_an_unproved_backend(tmp_path):
+    proc = meshnet("bench", "engine", "--backend", "metal", "--out", str(tmp_path / "x.json"))
+    assert proc.returncode == 2
+    assert f"backend metal is not usable here: platform {sys.platform} is not darwin" in proc.stderr
+    assert not (tmp_path / "x.json").exists()

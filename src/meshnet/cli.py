@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--decode-tokens", type=int, default=64)
     be.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     be.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
+    be.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "rocm", "vulkan", "metal"],
+                    help="also measure this accelerator lane beside the CPU (it must be certified here)")
     be.add_argument("--out", default="bench-results/engine.json")
     be.set_defaults(func=_run_engine_bench)
     from meshnet.api.bench import add_api_bench_parser

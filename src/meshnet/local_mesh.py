@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from tqdm import tqdm
 
@@ -37,8 +37,10 @@ def plan_ranges(model_path: str, stages: int | None = None, layers: str | None =
 
 
 def load_local_chain(model_path: str, ranges: Sequence[LayerRange], n_threads: int = 2, n_ctx: int = 0,
-                     progress: bool = True, **spec_kw) -> LocalChain:
-    """Load one :class:`GgmlEngine` per range (progress on stderr) and chain them.
+                     progress: bool = True, engine_factory: Callable[[], GgmlEngine] = GgmlEngine,
+                     **spec_kw) -> LocalChain:
+    """Load one engine per range (``engine_factory()``, the CPU :class:`GgmlEngine` by default; progress
+    on stderr) and chain them.
 
     Raises:
         ValueError: a stage failed to load; the message is the engine's (bad file, range, type).
@@ -48,7 +50,7 @@ def load_local_chain(model_path: str, ranges: Sequence[LayerRange], n_threads: i
                leave=False)
     for r in bar:
         bar.set_postfix_str(f"layers {r}")
-        eng = GgmlEngine()
+        eng = engine_factory()
         out = eng.load(LoadSpec(path=str(model_path), artifact=ArtifactId("", r), n_threads=n_threads,
                                 n_ctx=n_ctx, **spec_kw))
         if not out.ok:

@@ -124,6 +124,11 @@ def llama_cpp_reference(model: str, prompt_ids: list[int], n_decode: int, thread
 def run_engine_bench(args: argparse.Namespace) -> int:
     from meshnet.local_mesh import load_local_chain, plan_ranges
 
+    backend = getattr(args, "backend", "cpu")
+    if backend != "cpu":
+        from meshnet.backends.lanes import require_certified
+
+        require_certified(backend)  # BackendUnavailable names why, before anything is measured
     model = str(resolve_model(args.model))
     prompt_ids = bench_prompt_ids(model, args.prompt_tokens)
     n_ctx = 512 if args.prompt_tokens + args.decode_tokens <= 512 else 0
@@ -140,6 +145,15 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         result["meshnet"][key] = {"layers": [str(r) for r in ranges],
                                   **time_chain(chain, prompt_ids, args.decode_tokens, args.repeats)}
         print(f"[bench] {key}: {result['meshnet'][key]}", file=sys.stderr)
+        del chain
+    if backend != "cpu":
+        from meshnet.backends.placement import AcceleratorEngine
+
+        ranges = plan_ranges(model, 1)
+        chain = load_local_chain(model, ranges, n_threads=args.threads, n_ctx=n_ctx, progress=False,
+                                 engine_factory=lambda: AcceleratorEngine(backend))
+        result["accelerator"] = {"backend": backend, "layers": [str(r) for r in ranges],
+                                 **time_chain(chain, prompt_ids, args.decode_tokens, args.repeats)}
         del chain
     whole = plan_ranges(model, 1)[0]
     n = len(prompt_ids)
