@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Quickstart 1: set up, start a local mesh (a tracker and 3 node processes serving SmolLM2's 30 layers
-# as 0:10, 10:20, 20:30), complete a prompt through it, then stop the mesh.
+# as three ranges of about equal decode cost), complete a prompt through it, then stop the mesh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh

@@ -8,20 +8,23 @@ from typing import Callable, Sequence
 from tqdm import tqdm
 
 from meshnet.chain import LocalChain
-from meshnet.contract import ArtifactId, LayerRange, LoadSpec, split_layers
+from meshnet.contract import ArtifactId, LayerRange, LoadSpec
+from meshnet.layer_split import balanced_split, layer_costs
 from meshnet.engine.ggml_engine import GgmlEngine
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.hparams import ModelConfig
 
 
 def plan_ranges(model_path: str, stages: int | None = None, layers: str | None = None) -> list[LayerRange]:
-    """Layer ranges from ``--layers "0:10,10:20,20:30"`` or an even split into ``--stages N``.
+    """Layer ranges from ``--layers "0:10,10:20,20:30"``, or ``--stages N`` ranges of about equal decode
+    cost (:func:`meshnet.layer_split.balanced_split`: the tail's output projection counts too).
 
     Raises:
         ValueError: ranges that do not tile ``[0, n_layer)`` contiguously, or a bad stage count; the
             message names the problem.
     """
-    n_layer = ModelConfig.from_reader(open_gguf(model_path)).n_layer
+    reader = open_gguf(model_path)
+    n_layer = ModelConfig.from_reader(reader).n_layer
     if layers:
         ranges = [LayerRange.parse(part.strip()) for part in layers.split(",") if part.strip()]
         expect = 0
@@ -33,7 +36,8 @@ def plan_ranges(model_path: str, stages: int | None = None, layers: str | None =
         if expect != n_layer:
             raise ValueError(f"layer ranges end at {expect} but the model has {n_layer} layers")
         return ranges
-    return split_layers(n_layer, stages or 1)
+    costs, tail = layer_costs(reader, n_layer)
+    return balanced_split(costs, tail, stages or 1)
 
 
 def load_local_chain(model_path: str, ranges: Sequence[LayerRange], n_threads: int = 2, n_ctx: int = 0,

@@ -48,7 +48,8 @@ import grpc
 
 from meshnet.bench.engine_bench import bench_prompt_ids
 from meshnet.client.mesh_client import MeshClient
-from meshnet.contract import GREEDY, LayerRange, StepRequest, split_layers
+from meshnet.contract import GREEDY, LayerRange, StepRequest
+from meshnet.local_mesh import plan_ranges
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.security import SERVER_OPTIONS, open_channel
@@ -387,7 +388,7 @@ def bench_mesh(stack: ExitStack, model_path: str, n_layer: int, n_embd: int, sta
                prompt_ids: list[int], n_decode: int, repeats: int) -> dict:
     """``stages`` node processes on loopback through a MeshClient: median TTFT (s), decode tokens/s, and
     per-hop decode RPC time, compute time and overhead (ms); plus the loopback round-trip reference."""
-    ranges = split_layers(n_layer, stages)
+    ranges = plan_ranges(model_path, stages)  # the split `meshnet up` would use
     specs = [NodeSpec(f"bench-{i}-{r.start}-{r.end}", r, threads) for i, r in enumerate(ranges)]
     tracker, nodes = _mesh(stack, model_path, n_ctx, specs)
     client = TimedMeshClient(tracker)
@@ -477,11 +478,12 @@ def _decode_concurrently(clients: list[MeshClient], prompt_ids: list[int], n_dec
 
 def bench_pipeline(model_path: str, n_layer: int, n_ctx: int, prompt_ids: list[int], n_decode: int,
                    repeats: int) -> dict:
-    """Two sessions on two pinned one-thread nodes (halves of the layers) vs one session on one pinned
-    one-thread node holding all layers: median decode tokens/s of each and their ratio."""
+    """Two sessions on two pinned one-thread nodes (the layers split in two by decode cost, as
+    ``meshnet up --stages 2`` would) vs one session on one pinned one-thread node holding all layers:
+    median decode tokens/s of each and their ratio."""
     usable = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     cpus = (usable + usable)[:2] if usable else [None, None]  # one usable CPU: both nodes share it
-    halves = split_layers(n_layer, 2)
+    halves = plan_ranges(model_path, 2)
     out: dict = {"sessions": 2, "threads_per_node": 1, "cpus": cpus, "layers": [str(r) for r in halves]}
     with ExitStack() as stack:
         specs = [NodeSpec(f"pipe-{i}-{r.start}-{r.end}", r, 1, cpu) for i, (r, cpu) in enumerate(zip(halves, cpus))]
