@@ -35,7 +35,8 @@ def test_bench_mesh_writes_figures(tmp_path):
     single, mesh, pipe = d["single_process"], d["mesh"], d["pipeline"]
     for fig in (single, mesh):
         assert fig["ttft_s"] > 0 and fig["decode_tokens_per_s"] > 0
-    assert mesh["layers"] == ["0:15", "15:30"]
+    # The split `meshnet up --stages 2` uses: by decode cost, the tail's output projection included.
+    assert mesh["layers"] == ["0:19", "19:30"]
     # Same prompt, greedy, same kernels and batch shapes: the mesh must generate what one process does.
     assert mesh["outputs_match_single_process"] is True
 

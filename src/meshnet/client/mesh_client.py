@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
+from meshnet.client.relayed import RelayedStage
 from meshnet.client.remote import RemoteStage, StageFailure
 from meshnet.ledger.reporting import DeliveryReporter, new_client_id
 from meshnet.contract import NamedTensor, Status, StepRequest, StepResult
@@ -76,7 +77,8 @@ class MeshClient:
         self.join_token, self.tls_ca = join_token, tls_ca
         self.step_timeout_s = step_timeout_s
         self.failover_deadline_s = failover_deadline_s
-        self._tracker = pb_grpc.TrackerStub(open_channel(tracker, join_token, tls_ca))
+        self._tracker_channel = open_channel(tracker, join_token, tls_ca)
+        self._tracker = pb_grpc.TrackerStub(self._tracker_channel)
         self._channels: dict[str, grpc.Channel] = {}
         self._pools: dict[str, ConnectionPool] = {}
         self._sessions: dict[str, SessionLog] = {}
@@ -87,6 +89,9 @@ class MeshClient:
 
     # ---- routing -----------------------------------------------------------------------------
     def _stage(self, hop: pb.Hop) -> RemoteStage:
+        if hop.relayed:
+            # The node accepts no connections: its traffic goes through the tracker it is attached to.
+            return RelayedStage(hop.node_id, self._tracker_channel, self.step_timeout_s)
         with self._lock:
             ch = self._channels.get(hop.address)
             if ch is None:

@@ -3,6 +3,10 @@ heart-beating; free idle sessions; on SIGTERM drain and deregister.
 
 Prints ``MESHNET_NODE_READY node_id=... address=HOST:PORT`` on stdout once serving, so a parent process
 (``meshnet up``, tests) can learn a port chosen by the OS.
+
+With ``--relay`` the node opens no port at all: it registers as relayed (address ``relay:<node_id>``)
+and keeps one outbound ``Relay`` stream to the tracker, over which the tracker forwards steps and
+control calls; it prints the ready line once that stream is attached.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
@@ -60,6 +65,7 @@ class NodeConfig:
     cpu: int | None = None  # pin the process to this CPU (benchmarks: one core per node)
     backend: str = "cpu"  # ggml engine lane; anything but cpu must be certified on this machine
     identity: str | None = None  # Ed25519 key file; default <config>/meshnet/node-<node_id or layers>.key
+    relay: bool = False  # accept no connections: serve through a Relay stream to the tracker (needs tracker)
 
 
 def pin_to_cpu(cpu: int) -> None:
@@ -155,18 +161,32 @@ class Node:
                                  sign=self.identity.sign)
         if cfg.tracker:
             self.service.on_step = self.work.record
-        # Workers beyond the session limit answer refusals and control calls while steps run; calls
-        # beyond twice that are refused (RESOURCE_EXHAUSTED) rather than queued without bound.
-        self.server = make_server(cfg.join_token, max_workers=cfg.max_sessions + 8,
-                                  maximum_concurrent_rpcs=2 * (cfg.max_sessions + 8))
-        pb_grpc.add_NodeServicer_to_server(self.service, self.server)
-        self.port = add_port(self.server, f"{cfg.host}:{cfg.port}", cfg.tls)
-        self.address = cfg.advertise or f"{cfg.host}:{self.port}"
-        # Steps also get a raw-TCP data plane (far cheaper per hop than gRPC); it has no TLS, so a node
-        # serving TLS keeps steps on gRPC.
+        self.server = None
+        self.port = 0
         self.data_plane = None
         self.data_address = ""
-        if cfg.tls is None and cfg.data_plane:
+        self._registered = threading.Event()  # set while the tracker knows this node
+        self.relay_attached = threading.Event()  # set while the relay stream is open (relay mode)
+        if cfg.relay:
+            if not cfg.tracker:
+                raise ValueError("--relay needs --tracker: a relayed node is reached only through its tracker")
+            # No listening socket at all: everything arrives over the outbound relay stream.
+            self.address = f"relay:{self.node_id}"
+            # Steps run here so that cancel/release (answered on the stream's reader) never wait behind one.
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._relay_pool = ThreadPoolExecutor(max_workers=cfg.max_sessions + 2, thread_name_prefix="relay-step")
+        else:
+            # Workers beyond the session limit answer refusals and control calls while steps run; calls
+            # beyond twice that are refused (RESOURCE_EXHAUSTED) rather than queued without bound.
+            self.server = make_server(cfg.join_token, max_workers=cfg.max_sessions + 8,
+                                      maximum_concurrent_rpcs=2 * (cfg.max_sessions + 8))
+            pb_grpc.add_NodeServicer_to_server(self.service, self.server)
+            self.port = add_port(self.server, f"{cfg.host}:{cfg.port}", cfg.tls)
+            self.address = cfg.advertise or f"{cfg.host}:{self.port}"
+        # Steps also get a raw-TCP data plane (far cheaper per hop than gRPC); it has no TLS, so a node
+        # serving TLS keeps steps on gRPC.
+        if cfg.tls is None and cfg.data_plane and not cfg.relay:
             self.data_plane = DataPlaneServer(cfg.host, cfg.data_port, self.service.run_step, cfg.join_token)
             adv_host = (cfg.advertise or cfg.host).rsplit(":", 1)[0] if cfg.advertise else cfg.host
             self.data_address = f"{adv_host}:{self.data_plane.port}"
@@ -183,16 +203,19 @@ class Node:
                            engine=c.engine, backend=c.backend, protocol_major=PROTOCOL_MAJOR,
                            protocol_minor=PROTOCOL_MINOR, free_memory_bytes=free,
                            decode_tokens_per_s=self.decode_tokens_per_s, max_sessions=c.max_sessions,
-                           data_address=self.data_address)
+                           data_address=self.data_address, relayed=self.cfg.relay)
 
     def start(self) -> None:
-        self.server.start()
+        if self.server is not None:
+            self.server.start()
         if self.data_plane is not None:
             self.data_plane.start()
         if self.cfg.tracker:
             channel = open_channel(self.cfg.tracker, self.cfg.join_token, self.cfg.tls_ca)
             self._tracker = pb_grpc.TrackerStub(channel)
             self._spawn(self._membership_loop)
+            if self.cfg.relay:
+                self._spawn(self._relay_loop)
         self._spawn(self._idle_loop)
 
     def _spawn(self, fn) -> None:
@@ -209,6 +232,7 @@ class Node:
                 if not registered:
                     reply = self._tracker.Register(self.identity.sign(self.info()), timeout=5)
                     interval, registered = max(0.05, reply.heartbeat_interval_s), True
+                    self._registered.set()
                     log.info("registered with tracker %s (heartbeat %.2fs)", self.cfg.tracker, interval)
                 else:
                     hb = self._tracker.Heartbeat(self.identity.sign(pb.HeartbeatRequest(
@@ -223,7 +247,78 @@ class Node:
                     os.kill(os.getpid(), signal.SIGTERM)
                     return
                 registered = False  # tracker down or restarting: keep trying
+            if not registered:
+                self._registered.clear()
             self._stop.wait(interval)
+
+    # ---- relay mode ------------------------------------------------------------------------------
+    def _relay_loop(self) -> None:
+        """Keep a Relay stream open to the tracker and answer what comes down it; after the stream
+        breaks (tracker restart, network), wait for re-registration and open a new one."""
+        while not self._stop.is_set():
+            if not self._registered.wait(0.2):
+                continue
+            out: queue.Queue[pb.RelayUp | None] = queue.Queue()
+
+            def ups():
+                yield pb.RelayUp(hello=self.identity.sign(pb.NodeRef(node_id=self.node_id)))
+                while True:
+                    up = out.get()
+                    if up is None:
+                        return
+                    yield up
+
+            call = self._tracker.Relay(ups())
+            self._relay_call = call
+            try:
+                for down in call:
+                    self._relay_dispatch(down, out)
+            except grpc.RpcError as e:
+                if not self._stop.is_set():
+                    log.warning("relay stream ended: %s %s", e.code().name, e.details())
+                    if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        self._registered.clear()  # the tracker forgot us: the membership loop re-registers
+            finally:
+                self.relay_attached.clear()
+                out.put(None)
+            self._stop.wait(0.2)
+
+    def _relay_dispatch(self, down: pb.RelayDown, out: queue.Queue) -> None:
+        kind = down.kind
+        if kind == pb.RelayDown.ATTACHED:
+            self.relay_attached.set()
+            log.info("relay stream attached to tracker %s", self.cfg.tracker)
+        elif kind == pb.RelayDown.STEP:
+            self._relay_pool.submit(self._relay_step, down, out)
+        else:
+            out.put(self._relay_control(down))
+
+    def _relay_step(self, down: pb.RelayDown, out: queue.Queue) -> None:
+        try:
+            res = self.service.run_step(list(down.frames))
+        except Exception as e:  # noqa: BLE001 - answer the caller rather than leave it waiting
+            log.exception("relayed step failed")
+            out.put(pb.RelayUp(call_id=down.call_id, code="INTERNAL", message=f"node error: {e}"))
+            return
+        up = pb.RelayUp(call_id=down.call_id, code=res.code, message=res.message, replies=res.replies)
+        if res.retry_after_s is not None:
+            up.has_retry_after, up.retry_after_s = True, res.retry_after_s
+        out.put(up)
+
+    def _relay_control(self, down: pb.RelayDown) -> pb.RelayUp:
+        up = pb.RelayUp(call_id=down.call_id, code="OK")
+        kind = down.kind
+        if kind == pb.RelayDown.CANCEL:
+            self.engine.cancel(down.session_id)
+        elif kind == pb.RelayDown.RELEASE:
+            self.engine.release(down.session_id)
+        elif kind == pb.RelayDown.HEALTH:
+            up.health.CopyFrom(self.service.Health(pb.Empty(), None))
+        elif kind == pb.RelayDown.CAPABILITIES:
+            up.capabilities.CopyFrom(self.service.GetCapabilities(pb.Empty(), None))
+        else:
+            up.code, up.message = "INVALID_ARGUMENT", f"unknown relay call kind {kind}"
+        return up
 
     def _idle_loop(self) -> None:
         period = max(0.05, min(5.0, self.cfg.idle_timeout_s / 2))
@@ -253,7 +348,11 @@ class Node:
         self._stop.set()
         if self.data_plane is not None:
             self.data_plane.stop()
-        self.server.stop(grace=1.0).wait()
+        if self.server is not None:
+            self.server.stop(grace=1.0).wait()
+        call = getattr(self, "_relay_call", None)
+        if call is not None:
+            call.cancel()
 
 
 def _free_memory_bytes() -> int:
@@ -292,6 +391,9 @@ def add_node_parser(sub) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--data-port", type=int, default=0, help="TCP port of the step data plane (0 = any)")
     p.add_argument("--no-data-plane", action="store_true", help="serve steps over gRPC only")
+    p.add_argument("--relay", action="store_true",
+                   help="open no port: keep one outbound connection to the tracker (--tracker) and take all "
+                        "traffic over it (for nodes behind NAT or a firewall; each hop costs more)")
     p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
     p.add_argument("--tls-cert", default=None)
     p.add_argument("--tls-key", default=None)
@@ -322,7 +424,11 @@ def run_node(args: argparse.Namespace) -> int:
                      max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout,
                      drain_timeout_s=args.drain_timeout, join_token=args.join_token, tls=tls, tls_ca=args.tls_ca,
                      data_plane=not args.no_data_plane, data_port=args.data_port,
-                     cpu=cpu, backend=backend, identity=getattr(args, "identity", None))
+                     cpu=cpu, backend=backend, identity=getattr(args, "identity", None),
+                     relay=getattr(args, "relay", False))
+    if cfg.relay and not cfg.tracker:
+        print("error: --relay needs --tracker (a relayed node is reached only through its tracker)", file=sys.stderr)
+        return 2
     node = Node(cfg)
     done = threading.Event()
 
@@ -332,6 +438,10 @@ def run_node(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     node.start()
+    if cfg.relay:
+        # Ready means reachable: wait (bounded) until the tracker has attached the relay stream.
+        if not node.relay_attached.wait(30):
+            log.warning("relay stream not attached yet; the node stays out of routes until it is")
     layers = node.engine.capabilities().artifact.layers
     print(f"MESHNET_NODE_READY node_id={node.node_id} address={node.address} layers={layers}", flush=True)
     log.info("node %s serving layers %s on %s (%.1f tok/s decode probe)", node.node_id, layers, node.address,

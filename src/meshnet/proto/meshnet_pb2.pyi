@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -194,7 +195,7 @@ class MetricsReply(_message.Message):
     def __init__(self, prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., errors: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "address", "model", "layers", "engine", "backend", "protocol_major", "protocol_minor", "free_memory_bytes", "decode_tokens_per_s", "max_sessions", "data_address", "public_key", "signature", "timestamp")
+    __slots__ = ("node_id", "address", "model", "layers", "engine", "backend", "protocol_major", "protocol_minor", "free_memory_bytes", "decode_tokens_per_s", "max_sessions", "data_address", "relayed", "public_key", "signature", "timestamp")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +208,7 @@ class NodeInfo(_message.Message):
     DECODE_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
@@ -222,10 +224,11 @@ class NodeInfo(_message.Message):
     decode_tokens_per_s: float
     max_sessions: int
     data_address: str
+    relayed: bool
     public_key: bytes
     signature: bytes
     timestamp: float
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ..., max_sessions: _Optional[int] = ..., data_address: _Optional[str] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., timestamp: _Optional[float] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ..., max_sessions: _Optional[int] = ..., data_address: _Optional[str] = ..., relayed: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("heartbeat_interval_s", "ttl_s")
@@ -280,16 +283,18 @@ class RouteRequest(_message.Message):
     def __init__(self, model_sha256: _Optional[str] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ..., previous_epoch: _Optional[int] = ...) -> None: ...
 
 class Hop(_message.Message):
-    __slots__ = ("node_id", "address", "layers", "data_address")
+    __slots__ = ("node_id", "address", "layers", "data_address", "relayed")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     layers: LayerRange
     data_address: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., data_address: _Optional[str] = ...) -> None: ...
+    relayed: bool
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., data_address: _Optional[str] = ..., relayed: _Optional[bool] = ...) -> None: ...
 
 class Route(_message.Message):
     __slots__ = ("epoch", "model", "hops")
@@ -422,3 +427,69 @@ class LedgerReply(_message.Message):
     nodes: _containers.RepeatedCompositeFieldContainer[NodeBalance]
     clients: _containers.RepeatedCompositeFieldContainer[ClientBalance]
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeBalance, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientBalance, _Mapping]]] = ...) -> None: ...
+
+class RelayDown(_message.Message):
+    __slots__ = ("call_id", "kind", "frames", "session_id")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ATTACHED: _ClassVar[RelayDown.Kind]
+        STEP: _ClassVar[RelayDown.Kind]
+        CANCEL: _ClassVar[RelayDown.Kind]
+        RELEASE: _ClassVar[RelayDown.Kind]
+        HEALTH: _ClassVar[RelayDown.Kind]
+        CAPABILITIES: _ClassVar[RelayDown.Kind]
+    ATTACHED: RelayDown.Kind
+    STEP: RelayDown.Kind
+    CANCEL: RelayDown.Kind
+    RELEASE: RelayDown.Kind
+    HEALTH: RelayDown.Kind
+    CAPABILITIES: RelayDown.Kind
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    kind: RelayDown.Kind
+    frames: _containers.RepeatedCompositeFieldContainer[Envelope]
+    session_id: str
+    def __init__(self, call_id: _Optional[int] = ..., kind: _Optional[_Union[RelayDown.Kind, str]] = ..., frames: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class RelayUp(_message.Message):
+    __slots__ = ("hello", "call_id", "code", "message", "has_retry_after", "retry_after_s", "replies", "health", "capabilities")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    HAS_RETRY_AFTER_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    hello: NodeRef
+    call_id: int
+    code: str
+    message: str
+    has_retry_after: bool
+    retry_after_s: float
+    replies: _containers.RepeatedCompositeFieldContainer[StepReply]
+    health: HealthReply
+    capabilities: Capabilities
+    def __init__(self, hello: _Optional[_Union[NodeRef, _Mapping]] = ..., call_id: _Optional[int] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., has_retry_after: _Optional[bool] = ..., retry_after_s: _Optional[float] = ..., replies: _Optional[_Iterable[_Union[StepReply, _Mapping]]] = ..., health: _Optional[_Union[HealthReply, _Mapping]] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
+
+class RelayControlRequest(_message.Message):
+    __slots__ = ("node_id", "kind", "session_id")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    kind: RelayDown.Kind
+    session_id: str
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[_Union[RelayDown.Kind, str]] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class RelayControlReply(_message.Message):
+    __slots__ = ("health", "capabilities")
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    health: HealthReply
+    capabilities: Capabilities
+    def __init__(self, health: _Optional[_Union[HealthReply, _Mapping]] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...

@@ -406,6 +406,21 @@ class TrackerStub:
                 request_serializer=meshnet_dot_proto_dot_meshnet__pb2.Empty.SerializeToString,
                 response_deserializer=meshnet_dot_proto_dot_meshnet__pb2.LedgerReply.FromString,
                 _registered_method=True)
+        self.Relay = channel.stream_stream(
+                '/meshnet.v1.Tracker/Relay',
+                request_serializer=meshnet_dot_proto_dot_meshnet__pb2.RelayUp.SerializeToString,
+                response_deserializer=meshnet_dot_proto_dot_meshnet__pb2.RelayDown.FromString,
+                _registered_method=True)
+        self.RelayStep = channel.stream_stream(
+                '/meshnet.v1.Tracker/RelayStep',
+                request_serializer=meshnet_dot_proto_dot_meshnet__pb2.Envelope.SerializeToString,
+                response_deserializer=meshnet_dot_proto_dot_meshnet__pb2.StepReply.FromString,
+                _registered_method=True)
+        self.RelayControl = channel.unary_unary(
+                '/meshnet.v1.Tracker/RelayControl',
+                request_serializer=meshnet_dot_proto_dot_meshnet__pb2.RelayControlRequest.SerializeToString,
+                response_deserializer=meshnet_dot_proto_dot_meshnet__pb2.RelayControlReply.FromString,
+                _registered_method=True)
 
 
 class TrackerServicer:
@@ -462,6 +477,28 @@ class TrackerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Relay(self, request_iterator, context):
+        """Relay: a node that cannot accept connections opens Relay after registering (first RelayUp carries
+        its signed hello) and answers the calls the tracker pushes down. Clients reach such a node with
+        RelayStep (target in the "meshnet-relay-node" request metadata) and RelayControl; the node's status
+        codes come back unchanged, UNAVAILABLE when the node has no Relay stream open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RelayStep(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RelayControl(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrackerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -504,6 +541,21 @@ def add_TrackerServicer_to_server(servicer, server):
                     servicer.GetLedger,
                     request_deserializer=meshnet_dot_proto_dot_meshnet__pb2.Empty.FromString,
                     response_serializer=meshnet_dot_proto_dot_meshnet__pb2.LedgerReply.SerializeToString,
+            ),
+            'Relay': grpc.stream_stream_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=meshnet_dot_proto_dot_meshnet__pb2.RelayUp.FromString,
+                    response_serializer=meshnet_dot_proto_dot_meshnet__pb2.RelayDown.SerializeToString,
+            ),
+            'RelayStep': grpc.stream_stream_rpc_method_handler(
+                    servicer.RelayStep,
+                    request_deserializer=meshnet_dot_proto_dot_meshnet__pb2.Envelope.FromString,
+                    response_serializer=meshnet_dot_proto_dot_meshnet__pb2.StepReply.SerializeToString,
+            ),
+            'RelayControl': grpc.unary_unary_rpc_method_handler(
+                    servicer.RelayControl,
+                    request_deserializer=meshnet_dot_proto_dot_meshnet__pb2.RelayControlRequest.FromString,
+                    response_serializer=meshnet_dot_proto_dot_meshnet__pb2.RelayControlReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -722,6 +774,87 @@ class Tracker:
             '/meshnet.v1.Tracker/GetLedger',
             meshnet_dot_proto_dot_meshnet__pb2.Empty.SerializeToString,
             meshnet_dot_proto_dot_meshnet__pb2.LedgerReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relay(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/meshnet.v1.Tracker/Relay',
+            meshnet_dot_proto_dot_meshnet__pb2.RelayUp.SerializeToString,
+            meshnet_dot_proto_dot_meshnet__pb2.RelayDown.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RelayStep(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/meshnet.v1.Tracker/RelayStep',
+            meshnet_dot_proto_dot_meshnet__pb2.Envelope.SerializeToString,
+            meshnet_dot_proto_dot_meshnet__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RelayControl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshnet.v1.Tracker/RelayControl',
+            meshnet_dot_proto_dot_meshnet__pb2.RelayControlRequest.SerializeToString,
+            meshnet_dot_proto_dot_meshnet__pb2.RelayControlReply.FromString,
             options,
             channel_credentials,
             insecure,

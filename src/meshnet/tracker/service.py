@@ -8,6 +8,10 @@ Membership: a node's Register, Heartbeat, Deregister and ReportWork may be signe
 (:mod:`meshnet.membership`); a bad signature, a key that does not own the node id, a stale timestamp or
 an unsigned message for a node that proved a key is refused UNAUTHENTICATED.
 
+Relay: a node that accepts no inbound connections registers with ``relayed`` set and keeps a ``Relay``
+stream open (its first message a signed hello); clients reach it through ``RelayStep`` / ``RelayControl``
+(:mod:`meshnet.tracker.relay`). Routing skips a relayed node whose stream is not open.
+
 Ledger: nodes report completed steps (ReportWork), clients delivered tokens (ReportDelivery); both are
 stored once per key in the tracker's :class:`~meshnet.ledger.store.Ledger`, read back with GetLedger.
 
@@ -34,6 +38,7 @@ from meshnet.membership.auth import AuthError, Authenticator
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.registry import ProtocolMismatch, Registry, RegisteredNode
+from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayHub
 from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
 from meshnet.wire.security import JOIN_TOKEN_ENV, TlsConfig, add_port, format_address, make_server
 
@@ -98,7 +103,8 @@ def record_from_info(info: pb.NodeInfo) -> NodeRecord:
                       architecture=info.model.architecture, n_layer=n_layer, layers=LayerRange(start, end),
                       engine=info.engine or "ggml", backend=info.backend or "cpu", decode_tokens_per_s=speed,
                       # 0 = the node did not say: assume the engines' default limit
-                      max_sessions=info.max_sessions or _DEFAULT_MAX_SESSIONS, data_address=info.data_address)
+                      max_sessions=info.max_sessions or _DEFAULT_MAX_SESSIONS, data_address=info.data_address,
+                      relayed=info.relayed)
 
 
 def info_from_status(s: RegisteredNode) -> pb.NodeInfo:
@@ -108,7 +114,7 @@ def info_from_status(s: RegisteredNode) -> pb.NodeInfo:
                        layers=pb.LayerRange(start=r.layers.start, end=r.layers.end), engine=r.engine,
                        backend=r.backend, protocol_major=s.protocol_major, protocol_minor=s.protocol_minor,
                        free_memory_bytes=s.free_memory_bytes, decode_tokens_per_s=r.decode_tokens_per_s,
-                       max_sessions=max(r.max_sessions, 0), data_address=r.data_address)
+                       max_sessions=max(r.max_sessions, 0), data_address=r.data_address, relayed=r.relayed)
 
 
 class TrackerService(pb_grpc.TrackerServicer):
@@ -133,6 +139,7 @@ class TrackerService(pb_grpc.TrackerServicer):
         self._register_lock = threading.Lock()
         # Nodes that deregistered, kept a while so the work they finish while draining is still credited.
         self._departed: dict[str, tuple[NodeRecord, float]] = {}
+        self.relays = RelayHub()
 
     def _authenticate(self, method: str, node_id: str, message, bind: bool = False) -> None:
         try:
@@ -193,7 +200,8 @@ class TrackerService(pb_grpc.TrackerServicer):
         if request.previous_epoch >= _UINT64_MAX:
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                            f"GetRoute: previous_epoch {request.previous_epoch} leaves no larger epoch")
-        nodes = self.registry.alive()
+        # A relayed node is reachable only while its relay stream is open.
+        nodes = [n for n in self.registry.alive() if not n.relayed or self.relays.attached(n.node_id)]
         models = sorted({n.model_sha256 for n in nodes})
         model = request.model_sha256
         if not model:
@@ -216,7 +224,7 @@ class TrackerService(pb_grpc.TrackerServicer):
         return pb.Route(
             epoch=self.registry.next_epoch(request.previous_epoch),
             model=pb.ModelIdentity(sha256=head.model_sha256, architecture=head.architecture, n_layer=head.n_layer),
-            hops=[pb.Hop(node_id=h.node_id, address=h.address, data_address=h.data_address,
+            hops=[pb.Hop(node_id=h.node_id, address=h.address, data_address=h.data_address, relayed=h.relayed,
                          layers=pb.LayerRange(start=h.layers.start, end=h.layers.end)) for h in hops])
 
     @_rpc
@@ -268,6 +276,86 @@ class TrackerService(pb_grpc.TrackerServicer):
         return ledger_reply(self.ledger)
 
 
+    # ---- relay -------------------------------------------------------------------------------------
+    def Relay(self, request_iterator, context):
+        """A relayed node's stream: check its signed hello, then push calls down until either side ends.
+
+        Refusals: INVALID_ARGUMENT (no hello), UNAUTHENTICATED (unsigned or bad signature),
+        FAILED_PRECONDITION (the node is not registered as relayed: register first).
+        """
+        try:
+            first = next(request_iterator)
+        except (StopIteration, grpc.RpcError):
+            return
+        node_id = first.hello.node_id
+        if not node_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Relay: the first message must carry the node's hello")
+        try:
+            signed = self.auth.check(node_id, first.hello)
+        except AuthError as e:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"Relay: {e.message}")
+        # Traffic for the node flows here, so only a node that proves its key may attach.
+        if not signed:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"Relay: node {node_id!r} sent an unsigned hello")
+        record = self.registry.get(node_id)
+        if record is None or not record.relayed:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"Relay: node {node_id!r} is not registered as relayed; register with relayed=true first")
+        link = self.relays.attach(node_id)
+
+        def pump() -> None:
+            try:
+                for up in request_iterator:
+                    link.answer(up)
+            except Exception:  # noqa: BLE001 - the stream broke: same as it ending
+                pass
+            finally:
+                self.relays.detach(link, "relay stream closed")
+
+        context.add_callback(lambda: self.relays.detach(link, "relay stream closed"))
+        threading.Thread(target=pump, daemon=True, name=f"relay-{node_id}").start()
+        yield pb.RelayDown(kind=pb.RelayDown.ATTACHED)
+        while True:
+            down = link.outgoing.get()
+            if down is None:
+                return
+            yield down
+
+    @staticmethod
+    def _abort_relayed(context, answer) -> None:
+        if answer.retry_after_s is not None:
+            context.set_trailing_metadata((("retry-after-s", f"{answer.retry_after_s:.3f}"),))
+        code = grpc.StatusCode.__members__.get(answer.code, grpc.StatusCode.UNKNOWN)
+        context.abort(code, answer.message)
+
+    def RelayStep(self, request_iterator, context):
+        """Forward one step's frames to the node named in the ``meshnet-relay-node`` metadata and stream
+        back its reply frames; the node's status code is returned unchanged (UNAVAILABLE: not attached)."""
+        node_id = dict(context.invocation_metadata()).get(RELAY_NODE_METADATA, "")
+        if not node_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"RelayStep: name the node in the {RELAY_NODE_METADATA!r} request metadata")
+        frames = list(request_iterator)
+        answer = self.relays.call(node_id, pb.RelayDown(kind=pb.RelayDown.STEP, frames=frames),
+                                  context.time_remaining())
+        if answer.code != "OK":
+            self._abort_relayed(context, answer)
+        yield from answer.up.replies
+
+    def RelayControl(self, request: pb.RelayControlRequest, context) -> pb.RelayControlReply:
+        """Cancel / release a session on, or ask health / capabilities of, a relayed node."""
+        if not request.node_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "RelayControl: node_id is empty")
+        if request.kind in (pb.RelayDown.ATTACHED, pb.RelayDown.STEP):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "RelayControl: kind must be CANCEL, RELEASE, HEALTH or CAPABILITIES (steps use RelayStep)")
+        answer = self.relays.call(request.node_id, pb.RelayDown(kind=request.kind, session_id=request.session_id),
+                                  context.time_remaining())
+        if answer.code != "OK":
+            self._abort_relayed(context, answer)
+        return pb.RelayControlReply(health=answer.up.health, capabilities=answer.up.capabilities)
+
+
 def serve_tracker(host: str = "127.0.0.1", port: int = 0, heartbeat_interval_s: float = 2.0,
                   join_token: str | None = None, tls: TlsConfig | None = None,
                   registry: Registry | None = None, ledger: "Ledger | str | None" = None,
@@ -300,7 +388,8 @@ def serve_tracker(host: str = "127.0.0.1", port: int = 0, heartbeat_interval_s: 
         ledger = Ledger(ledger)
     service = TrackerService(registry, ledger)
     service.auth.require_signatures = require_signatures
-    server = make_server(join_token)
+    # Each attached relay stream and each relayed step in flight holds a worker thread.
+    server = make_server(join_token, max_workers=64)
     pb_grpc.add_TrackerServicer_to_server(service, server)
     try:
         bound = add_port(server, format_address(host, port), tls)

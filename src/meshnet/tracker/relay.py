@@ -1,0 +1,128 @@
+"""The tracker's relay hub: calls for nodes that accept no inbound connections.
+
+A relayed node keeps one outbound ``Relay`` stream open to the tracker. :class:`RelayHub` holds one
+:class:`RelayLink` per attached node: calls from clients (``RelayStep`` / ``RelayControl``) become
+``RelayDown`` messages pushed down that stream, and the node's ``RelayUp`` answers are matched back by
+``call_id``. When a stream ends every call waiting on it is answered UNAVAILABLE at once, so a client
+fails over as fast as it would for a direct node whose connection dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from dataclasses import dataclass
+
+from meshnet.proto import meshnet_pb2 as pb
+
+# Header of a RelayStep call naming the node to forward to.
+RELAY_NODE_METADATA = "meshnet-relay-node"
+
+
+@dataclass
+class RelayAnswer:
+    """A node's answer to one relayed call; ``code`` is a gRPC status code name."""
+
+    code: str
+    message: str = ""
+    up: pb.RelayUp | None = None
+
+    @property
+    def retry_after_s(self) -> float | None:
+        return self.up.retry_after_s if self.up is not None and self.up.has_retry_after else None
+
+
+class _Pending:
+    __slots__ = ("event", "answer")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.answer: RelayAnswer | None = None
+
+
+class RelayLink:
+    """One node's open Relay stream: an outgoing queue and the calls waiting for answers (thread-safe)."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.outgoing: queue.Queue[pb.RelayDown | None] = queue.Queue()
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def call(self, down: pb.RelayDown, timeout_s: float | None) -> RelayAnswer:
+        """Send ``down`` to the node and wait for its answer.
+
+        Returns UNAVAILABLE when the stream is closed or closes while waiting, DEADLINE_EXCEEDED when
+        the node does not answer within ``timeout_s`` seconds (None: wait as long as the stream lives).
+        """
+        p = _Pending()
+        with self._lock:
+            if self.closed:
+                return RelayAnswer("UNAVAILABLE", f"node {self.node_id} has no relay stream open")
+            call_id = next(self._ids)
+            self._pending[call_id] = p
+        down.call_id = call_id
+        self.outgoing.put(down)
+        if not p.event.wait(timeout_s):
+            with self._lock:
+                self._pending.pop(call_id, None)
+            return RelayAnswer("DEADLINE_EXCEEDED", f"node {self.node_id} did not answer through the relay "
+                                                    f"within {timeout_s:.1f}s")
+        return p.answer
+
+    def answer(self, up: pb.RelayUp) -> None:
+        """Deliver the node's answer ``up`` to the call waiting on ``up.call_id`` (late answers are dropped)."""
+        with self._lock:
+            p = self._pending.pop(up.call_id, None)
+        if p is not None:
+            p.answer = RelayAnswer(up.code or "OK", up.message, up)
+            p.event.set()
+
+    def close(self, reason: str) -> None:
+        """End the stream: every waiting call is answered UNAVAILABLE with ``reason``."""
+        with self._lock:
+            self.closed = True
+            pending, self._pending = self._pending, {}
+        for p in pending.values():
+            p.answer = RelayAnswer("UNAVAILABLE", f"node {self.node_id}: {reason}")
+            p.event.set()
+        self.outgoing.put(None)
+
+
+class RelayHub:
+    """Attached relayed nodes by id; a node that reattaches replaces (and closes) its old link."""
+
+    def __init__(self) -> None:
+        self._links: dict[str, RelayLink] = {}
+        self._lock = threading.Lock()
+
+    def attach(self, node_id: str) -> RelayLink:
+        link = RelayLink(node_id)
+        with self._lock:
+            old, self._links[node_id] = self._links.get(node_id), link
+        if old is not None:
+            old.close("relay stream replaced by a newer one")
+        return link
+
+    def detach(self, link: RelayLink, reason: str) -> None:
+        with self._lock:
+            if self._links.get(link.node_id) is link:
+                del self._links[link.node_id]
+        link.close(reason)
+
+    def get(self, node_id: str) -> RelayLink | None:
+        with self._lock:
+            return self._links.get(node_id)
+
+    def attached(self, node_id: str) -> bool:
+        return self.get(node_id) is not None
+
+    def call(self, node_id: str, down: pb.RelayDown, timeout_s: float | None) -> RelayAnswer:
+        """Forward ``down`` to ``node_id``; UNAVAILABLE when the node has no relay stream open."""
+        link = self.get(node_id)
+        if link is None:
+            return RelayAnswer("UNAVAILABLE", f"node {node_id} has no relay stream open")
+        return link.call(down, timeout_s)
