@@ -29,8 +29,7 @@ def add_nodes_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
 
 
 def _relay(status: pb.NodeStatus) -> str:
-    # Every node is dialled directly until relays exist; a relay field, once added, is shown here.
-    return "relayed" if getattr(status.info, "relayed", False) else "direct"
+    return "relayed" if status.info.relayed else "direct"
 
 
 def nodes_dict(reply: pb.NodeList) -> dict:
