@@ -1,7 +1,7 @@
 """The generation loop: prefill the prompt, decode token by token, stop, detokenize as a stream.
 
-It drives any *mesh client* — an object with ``step(req, decode) -> StepResult``, ``cancel(session_id)``
-and ``release(session_id)`` — so the same loop runs over an in-process :class:`~meshnet.chain.LocalChain`
+It drives any :class:`StepClient` — an object with ``step(req, decode) -> StepResult``,
+``cancel(session_id)`` and ``release(session_id)`` — so the same loop runs over an in-process :class:`~meshnet.chain.LocalChain`
 or a remote mesh. Every exit path (finish, error, the caller closing the stream) releases the session.
 """
 
@@ -16,7 +16,10 @@ from meshnet.contract import SampledToken, SamplingParams, StepRequest, StepResu
 from meshnet.tokenizer import GGUFTokenizer
 
 
-class MeshClient(Protocol):
+class StepClient(Protocol):
+    """The client interface the loop drives: :class:`~meshnet.chain.LocalChain` (in process) and
+    :class:`~meshnet.client.mesh_client.MeshClient` (over a mesh) both provide it."""
+
     def step(self, req: StepRequest, decode: bool) -> StepResult: ...
 
     def cancel(self, session_id: str) -> None: ...
@@ -82,7 +85,7 @@ class Generation:
         GenerationError: a stage answered with a non-OK status.
     """
 
-    def __init__(self, client: MeshClient, tokenizer: GGUFTokenizer, prompt_ids: Sequence[int],
+    def __init__(self, client: StepClient, tokenizer: GGUFTokenizer, prompt_ids: Sequence[int],
                  max_tokens: int, sampling: SamplingParams = SamplingParams(), stop_at_eog: bool = True,
                  session_id: str | None = None) -> None:
         if max_tokens < 1:
@@ -137,7 +140,7 @@ class Generation:
             self.client.release(self.session_id)
 
 
-def generate(client: MeshClient, tokenizer: GGUFTokenizer, prompt_ids: Sequence[int], max_tokens: int,
+def generate(client: StepClient, tokenizer: GGUFTokenizer, prompt_ids: Sequence[int], max_tokens: int,
              sampling: SamplingParams = SamplingParams(), stop_at_eog: bool = True) -> GenerationResult:
     """Run a whole generation and return its result (see :class:`Generation`)."""
     gen = Generation(client, tokenizer, prompt_ids, max_tokens, sampling, stop_at_eog)

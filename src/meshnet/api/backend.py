@@ -12,9 +12,10 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
 from meshnet.contract import Status, StepRequest, StepResult
+from meshnet.generation import StepClient
 from meshnet.tokenizer import GGUFTokenizer
 
 log = logging.getLogger("meshnet.api")
@@ -22,16 +23,6 @@ log = logging.getLogger("meshnet.api")
 # How long a request waits, in total, for a stage that is at its session or memory limit before the
 # API gives up with 503. The engines suggest a back-off with each refusal.
 ADMISSION_WAIT_S = 30.0
-
-
-class StepClient(Protocol):
-    """The generation loop's client interface (MeshClient and LocalChain both provide it)."""
-
-    def step(self, req: StepRequest, decode: bool) -> StepResult: ...
-
-    def cancel(self, session_id: str) -> None: ...
-
-    def release(self, session_id: str) -> None: ...
 
 
 class ApiBackend:
