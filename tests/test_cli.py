@@ -57,6 +57,7 @@ def test_chat_stops_at_end_of_turn(smollm2_path):
     (["--model", "/no/such/model.gguf"], "neither a file nor a bundled model"),
     (["--layers", "0:10,12:30"], "must tile [0, 30)"),
     (["--stages", "31"], "cannot split 30 layers into 31 stages"),
+    (["--stages", "0"], "cannot split 30 layers into 0 stages"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--n-ctx", "8"], "the prompt has"),
@@ -74,3 +75,23 @@ def test_bench_engine_refuses_an_unproved_backend(tmp_path):
     assert proc.returncode == 2
     assert f"backend metal is not usable here: platform {sys.platform} is not darwin" in proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_generate_without_a_running_mesh_is_a_clear_error(smollm2_path):
+    port = 1  # nothing listens on port 1 on loopback
+    proc = meshnet("generate", "--tracker", f"127.0.0.1:{port}", "Hello")
+    assert proc.returncode == 1
+    assert "error: no route:" in proc.stderr and "Traceback" not in proc.stderr
+    proc = meshnet("generate", "--tracker", "127.0.0.1", "Hello")
+    assert proc.returncode == 2 and "expected HOST:PORT" in proc.stderr
+
+
+def test_a_second_server_on_a_busy_port_fails_to_start():
+    from meshnet.tracker.service import serve_tracker
+
+    first, port = serve_tracker("127.0.0.1", 0)
+    try:
+        with pytest.raises(RuntimeError, match="cannot listen"):
+            serve_tracker("127.0.0.1", port)
+    finally:
+        first.stop(0).wait()

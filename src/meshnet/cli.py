@@ -12,6 +12,7 @@ import json
 import os
 import sys
 
+from meshnet.client.mesh_client import MeshUnavailable
 from meshnet.contract import SamplingParams
 from meshnet.model.bundled import DEFAULT_MODEL, ModelNotFound, resolve_model
 
@@ -38,7 +39,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="a GGUF path or a bundled name (smollm2, gemma3-270m); default %(default)s")
     split = p.add_mutually_exclusive_group()
-    split.add_argument("--stages", type=int, default=None, help="split the layers evenly into N ranges")
+    split.add_argument("--stages", type=int, default=None,
+                       help="split the layers into N ranges of about equal decode cost")
     split.add_argument("--layers", default=None, help='explicit half-open ranges, e.g. "0:10,10:20,20:30"')
     p.add_argument("--threads", type=int, default=2, help="CPU threads per stage")
     p.add_argument("--n-ctx", type=int, default=0, help="context length (0 = model's, capped at 4096)")
@@ -191,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelNotFound, ValueError, FileNotFoundError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except MeshUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -37,7 +37,7 @@ def plan_ranges(model_path: str, stages: int | None = None, layers: str | None =
             raise ValueError(f"layer ranges end at {expect} but the model has {n_layer} layers")
         return ranges
     costs, tail = layer_costs(reader, n_layer)
-    return balanced_split(costs, tail, stages or 1)
+    return balanced_split(costs, tail, 1 if stages is None else stages)
 
 
 def load_local_chain(model_path: str, ranges: Sequence[LayerRange], n_threads: int = 2, n_ctx: int = 0,

@@ -225,13 +225,13 @@ class Node:
 
     def _membership_loop(self) -> None:
         """Register, then heartbeat; re-register whenever the tracker forgot us (e.g. it restarted)."""
-        interval, registered = 1.0, False
+        interval, registered, warned = 1.0, False, False
         # A draining node has deregistered: it must not register again (stop() reports its last work).
         while not self._stop.is_set() and not self.service.draining:
             try:
                 if not registered:
                     reply = self._tracker.Register(self.identity.sign(self.info()), timeout=5)
-                    interval, registered = max(0.05, reply.heartbeat_interval_s), True
+                    interval, registered, warned = max(0.05, reply.heartbeat_interval_s), True, False
                     self._registered.set()
                     log.info("registered with tracker %s (heartbeat %.2fs)", self.cfg.tracker, interval)
                 else:
@@ -246,6 +246,10 @@ class Node:
                     print(f"error: tracker refused this node: {e.details()}", file=sys.stderr, flush=True)
                     os.kill(os.getpid(), signal.SIGTERM)
                     return
+                if registered or not warned:
+                    log.warning("tracker %s unreachable (%s); retrying", self.cfg.tracker,
+                                e.details() or e.code().name)
+                    warned = True
                 registered = False  # tracker down or restarting: keep trying
             if not registered:
                 self._registered.clear()

@@ -47,6 +47,9 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),
+    # gRPC sets SO_REUSEPORT on Linux by default, so a second server on a busy port would "start" and
+    # share the port with the first; binding must fail instead.
+    ("grpc.so_reuseport", 0),
 ]
 
 
@@ -196,6 +199,13 @@ class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCli
     intercept_stream_stream = _call
 
 
+def check_address(address: str) -> None:
+    """Raises ValueError unless ``address`` is ``host:port`` with a port in 1..65535."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"bad address {address!r}: expected HOST:PORT with a port in 1..65535")
+
+
 def open_channel(address: str, join_token: str | None = None, tls_ca: str | None = None,
                  tls_server_name: str | None = None) -> grpc.Channel:
     """A channel to a mesh service (tracker or node) at ``host:port``.
@@ -215,8 +225,9 @@ def open_channel(address: str, join_token: str | None = None, tls_ca: str | None
         A channel with :data:`CHANNEL_OPTIONS`; close it with ``close()`` (or use it in ``with``).
 
     Raises:
-        ValueError: ``tls_ca`` cannot be read.
+        ValueError: ``address`` is not ``host:port`` with a port in 1..65535, or ``tls_ca`` cannot be read.
     """
+    check_address(address)
     options = list(CHANNEL_OPTIONS)
     if tls_ca is None:
         channel = grpc.insecure_channel(address, options=options)
