@@ -50,3 +50,21 @@ def gemma_path() -> Path:
         return resolve_model("gemma3-270m")
     except ModelNotFound as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_path):
+    """The bundled model's tokenizer."""
+    from meshnet.tokenizer import GGUFTokenizer
+
+    return GGUFTokenizer.from_gguf(str(smollm2_path))
+
+
+@pytest.fixture
+def mesh():
+    """A tracker in this process, for node subprocesses the test starts (see mesh_util.Mesh)."""
+    from mesh_util import Mesh
+
+    m = Mesh()
+    yield m
+    m.close()

@@ -16,7 +16,6 @@ from meshnet.contract import GREEDY
 from meshnet.generation import Generation
 from meshnet.ledger.store import Ledger
 from meshnet.proto import meshnet_pb2 as pb
-from meshnet.tokenizer import GGUFTokenizer
 from meshnet.tracker.service import serve_tracker
 
 GOLDEN = "SmolLM2-135M-Instruct.Q4_1"
@@ -67,11 +66,6 @@ def wait_until(fn, what: str, timeout: float = 15.0):
             last = e
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
-
-
-@pytest.fixture(scope="module")
-def tok(smollm2_path):
-    return GGUFTokenizer.from_gguf(str(smollm2_path))
 
 
 @pytest.mark.slow

@@ -8,26 +8,12 @@ import time
 import pytest
 
 from conftest import load_golden
-from mesh_util import Mesh
 from meshnet.client.mesh_client import MeshClient, MeshUnavailable
 from meshnet.contract import GREEDY, LayerRange, Status, StepRequest
 from meshnet.generation import Generation
 from meshnet.local_mesh import load_local_chain
-from meshnet.tokenizer import GGUFTokenizer
 
 GOLDEN = "SmolLM2-135M-Instruct.Q4_1"
-
-
-@pytest.fixture
-def mesh():
-    m = Mesh()
-    yield m
-    m.close()
-
-
-@pytest.fixture(scope="module")
-def tok(smollm2_path):
-    return GGUFTokenizer.from_gguf(str(smollm2_path))
 
 
 def _run_killing(client, tok, prompt_ids, kill, after: int = 10, n: int = 64) -> list[int]:

@@ -4,14 +4,12 @@ version skew, join tokens, ``meshnet up`` + ``meshnet generate --tracker``."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 
 import grpc
-import numpy as np
 import pytest
 
 from conftest import load_golden
@@ -24,13 +22,6 @@ from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tokenizer import GGUFTokenizer
 from meshnet.wire.envelope import PROTOCOL_MAJOR
 from meshnet.wire.security import open_channel
-
-
-@pytest.fixture
-def mesh():
-    m = Mesh()
-    yield m
-    m.close()
 
 
 def test_3000_token_prompt_equals_single_process(mesh, smollm2_path):

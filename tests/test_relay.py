@@ -9,10 +9,9 @@ import time
 
 import grpc
 import numpy as np
-import pytest
 
 from conftest import load_golden
-from mesh_util import Mesh, rpc_code
+from mesh_util import rpc_code
 from meshnet.client.mesh_client import MeshClient
 from meshnet.client.relayed import RelayedStage
 from meshnet.client.remote import RemoteStage
@@ -20,7 +19,6 @@ from meshnet.contract import GREEDY, NamedTensor, StepRequest
 from meshnet.generation import Generation
 from meshnet.membership.identity import NodeIdentity
 from meshnet.proto import meshnet_pb2 as pb
-from meshnet.tokenizer import GGUFTokenizer
 from meshnet.tracker.relay import RelayHub
 
 GOLDEN = "SmolLM2-135M-Instruct.Q4_1"
@@ -48,18 +46,6 @@ def listening_ports(pid: int) -> list[int]:
             if f[3] == "0A" and f[9] in inodes:
                 ports.append(int(f[1].rsplit(":", 1)[1], 16))
     return ports
-
-
-@pytest.fixture
-def mesh():
-    m = Mesh()
-    yield m
-    m.close()
-
-
-@pytest.fixture(scope="module")
-def tok(smollm2_path):
-    return GGUFTokenizer.from_gguf(str(smollm2_path))
 
 
 def _route_ids(client, exclude=frozenset()):

@@ -23,7 +23,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
 from sqlalchemy import and_, case, create_engine, func, select
 from sqlalchemy.engine import Engine, make_url
