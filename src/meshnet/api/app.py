@@ -19,7 +19,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import anyio.to_thread
 from fastapi import FastAPI, Request
@@ -292,20 +292,38 @@ class _Api:
                 lp.text_offset.append(offset)
         return lp
 
-    async def _stream_completion(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
+    def _stream_completion(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
                                  want_logprobs: bool, include_usage: bool, t0: float) -> AsyncIterator[str]:
         model = self.backend.model_name
+
+        def on_piece(i: int, piece: Piece) -> list[str]:
+            lp = self._completion_logprobs([piece]) if want_logprobs and piece.tokens else None
+            chunk = CompletionResponse(id=rid, created=created, model=model, choices=[
+                CompletionChoice(index=i, text=piece.text, logprobs=lp, finish_reason=piece.finish_reason)])
+            return [_event(chunk.model_dump(exclude={"usage"}))]
+
+        def usage_event(usage: Usage) -> str:
+            return _event(CompletionResponse(id=rid, created=created, model=model, choices=[],
+                                             usage=usage).model_dump())
+
+        return self._stream_choices(jobs, t0, prompt_tokens, include_usage, lambda i: [], on_piece, usage_event)
+
+    async def _stream_choices(self, jobs: list[GenJob], t0: float, prompt_tokens: int, include_usage: bool,
+                              on_start: Callable[[int], list[str]], on_piece: Callable[[int, Piece], list[str]],
+                              usage_event: Callable[[Usage], str]) -> AsyncIterator[str]:
+        """The server-sent events of a streamed request: each choice's generation in turn (``on_start``
+        when its first step succeeded, ``on_piece`` per piece of text), an error event that ends the
+        stream if a choice fails, the usage event when asked for, then ``[DONE]``."""
         completion_tokens = 0
         for i, job in enumerate(jobs):
             run = ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, observe_ttft=i == 0)
             try:
                 await run.start()
+                for ev in on_start(i):
+                    yield ev
                 while (piece := await run.next_piece()) is not None:
-                    lp = self._completion_logprobs([piece]) if want_logprobs and piece.tokens else None
-                    chunk = CompletionResponse(id=rid, created=created, model=model, choices=[
-                        CompletionChoice(index=i, text=piece.text, logprobs=lp,
-                                         finish_reason=piece.finish_reason)])
-                    yield _event(chunk.model_dump(exclude={"usage"}))
+                    for ev in on_piece(i, piece):
+                        yield ev
             except ApiError as e:
                 self.metrics.errors.labels(kind=e.code or str(e.status)).inc()
                 yield _event(e.body())
@@ -314,10 +332,8 @@ class _Api:
                 await run.aclose()
             completion_tokens += run.completion_tokens
         if include_usage:
-            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens)
-            yield _event(CompletionResponse(id=rid, created=created, model=model, choices=[],
-                                            usage=usage).model_dump())
+            yield usage_event(Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                    total_tokens=prompt_tokens + completion_tokens))
         yield "data: [DONE]\n\n"
 
     # ---- chat ----
@@ -399,7 +415,7 @@ class _Api:
                     top_logprobs=[TopLogprob(**_top_entry(tok, a.token_id, a.logprob)) for a in t.top]))
         return ChatLogprobs(content=content)
 
-    async def _stream_chat(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
+    def _stream_chat(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
                            want_logprobs: bool, include_usage: bool, t0: float) -> AsyncIterator[str]:
         model = self.backend.model_name
 
@@ -412,31 +428,23 @@ class _Api:
             d["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
             return _event(d)
 
-        completion_tokens = 0
-        for i, job in enumerate(jobs):
-            run = ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, observe_ttft=i == 0)
-            try:
-                await run.start()
-                yield chunk(i, ChatDelta(role="assistant", content=""))
-                while (piece := await run.next_piece()) is not None:
-                    if piece.text or piece.tokens:
-                        lp = self._chat_logprobs([piece]) if want_logprobs else None
-                        yield chunk(i, ChatDelta(content=piece.text), lp)
-                    if piece.finish_reason is not None:
-                        yield chunk(i, ChatDelta(), None, piece.finish_reason)
-            except ApiError as e:
-                self.metrics.errors.labels(kind=e.code or str(e.status)).inc()
-                yield _event(e.body())
-                return
-            finally:
-                await run.aclose()
-            completion_tokens += run.completion_tokens
-        if include_usage:
-            usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                          total_tokens=prompt_tokens + completion_tokens)
-            yield _event(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                             usage=usage).model_dump())
-        yield "data: [DONE]\n\n"
+        def on_piece(i: int, piece: Piece) -> list[str]:
+            events = []
+            if piece.text or piece.tokens:
+                lp = self._chat_logprobs([piece]) if want_logprobs else None
+                events.append(chunk(i, ChatDelta(content=piece.text), lp))
+            if piece.finish_reason is not None:
+                events.append(chunk(i, ChatDelta(), None, piece.finish_reason))
+            return events
+
+        def usage_event(usage: Usage) -> str:
+            return _event(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                              usage=usage).model_dump())
+
+        # Returned, not re-yielded: closing the response closes this generator (and its session) at once.
+        return self._stream_choices(jobs, t0, prompt_tokens, include_usage,
+                                    lambda i: [chunk(i, ChatDelta(role="assistant", content=""))],
+                                    on_piece, usage_event)
 
     # ---- non-streaming driver ----
     async def _run_whole(self, job: GenJob, request: Request, t0: float,
