@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from meshnet.contract import GREEDY, StepRequest
@@ -42,28 +43,57 @@ def bench_prompt_ids(model_path: str, n_tokens: int) -> list[int]:
     return ids[:n_tokens]
 
 
-def time_chain(chain, prompt_ids: list[int], n_decode: int, repeats: int) -> dict:
-    """Median prefill and decode tokens/s of greedy runs on a LocalChain (after one warm-up run)."""
-    prefill, decode = [], []
-    for i in range(repeats + 1):
-        sid = uuid.uuid4().hex
+@dataclass
+class RunTiming:
+    """One greedy run: ``ttft_s`` (prefill of the prompt, seconds), ``decode_s`` (the decode loop,
+    seconds), ``step_s`` (each decode step, seconds), the generated token ids and ``decode_cpu_s``
+    (CPU seconds this process, all its threads, spent during the decode loop)."""
+
+    ttft_s: float
+    decode_s: float
+    step_s: list[float]
+    tokens: list[int]
+    decode_cpu_s: float = 0.0
+
+    def decode_tokens_per_s(self) -> float:
+        return len(self.step_s) / self.decode_s
+
+
+def greedy_run(client, prompt_ids: list[int], n_decode: int) -> RunTiming:
+    """Prefill ``prompt_ids`` then ``n_decode`` single-token greedy steps on ``client`` (a LocalChain or
+    MeshClient), releasing the session at the end."""
+    sid = f"bench-{uuid.uuid4().hex}"
+    try:
         t0 = time.perf_counter()
-        res = chain.step(StepRequest(sid, 0, 0, tuple(prompt_ids), sampling=GREEDY), decode=False)
-        t1 = time.perf_counter()
+        res = client.step(StepRequest(sid, 0, 0, tuple(prompt_ids), sampling=GREEDY), decode=False)
+        ttft = time.perf_counter() - t0
         if not res.ok:
             raise RuntimeError(f"prefill failed: {res.status.value} {res.message}")
         pos, tok = len(prompt_ids), res.token.token_id
-        t2 = time.perf_counter()
+        tokens, steps = [tok], []
+        c1 = time.process_time()
+        t1 = time.perf_counter()
         for _ in range(n_decode):
-            res = chain.step(StepRequest(sid, 0, pos, (tok,), sampling=GREEDY), decode=True)
+            s0 = time.perf_counter()
+            res = client.step(StepRequest(sid, 0, pos, (tok,), sampling=GREEDY), decode=True)
+            steps.append(time.perf_counter() - s0)
             if not res.ok:
-                raise RuntimeError(f"decode failed: {res.status.value} {res.message}")
+                raise RuntimeError(f"decode failed at position {pos}: {res.status.value} {res.message}")
             pos, tok = pos + 1, res.token.token_id
-        t3 = time.perf_counter()
-        chain.release(sid)
-        if i:  # the first run warms caches and builds graphs
-            prefill.append(len(prompt_ids) / (t1 - t0))
-            decode.append(n_decode / (t3 - t2))
+            tokens.append(tok)
+        decode_s = time.perf_counter() - t1
+        decode_cpu_s = time.process_time() - c1
+    finally:
+        client.release(sid)
+    return RunTiming(ttft, decode_s, steps, tokens, decode_cpu_s)
+
+
+def time_chain(chain, prompt_ids: list[int], n_decode: int, repeats: int) -> dict:
+    """Median prefill and decode tokens/s of greedy runs on a LocalChain (after one warm-up run)."""
+    greedy_run(chain, prompt_ids, n_decode)  # warms caches and builds graphs
+    runs = [greedy_run(chain, prompt_ids, n_decode) for _ in range(repeats)]
+    prefill = [len(prompt_ids) / r.ttft_s for r in runs]
+    decode = [r.decode_tokens_per_s() for r in runs]
     return {"prefill_tokens_per_s": round(statistics.median(prefill), 2),
             "decode_tokens_per_s": round(statistics.median(decode), 2),
             "prefill_runs": [round(x, 2) for x in prefill], "decode_runs": [round(x, 2) for x in decode]}

@@ -46,7 +46,7 @@ from typing import Callable
 
 import grpc
 
-from meshnet.bench.engine_bench import bench_prompt_ids
+from meshnet.bench.engine_bench import RunTiming, bench_prompt_ids, greedy_run
 from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import GREEDY, LayerRange, StepRequest
 from meshnet.local_mesh import plan_ranges
@@ -78,51 +78,6 @@ def add_mesh_bench_parser(bench_subparsers) -> None:
 
 
 # ---- timing one greedy session ----------------------------------------------------------------------
-
-@dataclass
-class RunTiming:
-    """One greedy run: ``ttft_s`` (prefill of the prompt, seconds), ``decode_s`` (the decode loop,
-    seconds), ``step_s`` (each decode step, seconds), the generated token ids and ``decode_cpu_s``
-    (CPU seconds this process, all its threads, spent during the decode loop)."""
-
-    ttft_s: float
-    decode_s: float
-    step_s: list[float]
-    tokens: list[int]
-    decode_cpu_s: float = 0.0
-
-    def decode_tokens_per_s(self) -> float:
-        return len(self.step_s) / self.decode_s
-
-
-def greedy_run(client, prompt_ids: list[int], n_decode: int) -> RunTiming:
-    """Prefill ``prompt_ids`` then ``n_decode`` single-token greedy steps on ``client`` (a LocalChain or
-    MeshClient), releasing the session at the end."""
-    sid = f"bench-{uuid.uuid4().hex}"
-    try:
-        t0 = time.perf_counter()
-        res = client.step(StepRequest(sid, 0, 0, tuple(prompt_ids), sampling=GREEDY), decode=False)
-        ttft = time.perf_counter() - t0
-        if not res.ok:
-            raise RuntimeError(f"prefill failed: {res.status.value} {res.message}")
-        pos, tok = len(prompt_ids), res.token.token_id
-        tokens, steps = [tok], []
-        c1 = time.process_time()
-        t1 = time.perf_counter()
-        for _ in range(n_decode):
-            s0 = time.perf_counter()
-            res = client.step(StepRequest(sid, 0, pos, (tok,), sampling=GREEDY), decode=True)
-            steps.append(time.perf_counter() - s0)
-            if not res.ok:
-                raise RuntimeError(f"decode failed at position {pos}: {res.status.value} {res.message}")
-            pos, tok = pos + 1, res.token.token_id
-            tokens.append(tok)
-        decode_s = time.perf_counter() - t1
-        decode_cpu_s = time.process_time() - c1
-    finally:
-        client.release(sid)
-    return RunTiming(ttft, decode_s, steps, tokens, decode_cpu_s)
-
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 3)
