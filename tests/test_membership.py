@@ -225,7 +225,12 @@ def test_required_signatures_refuse_unsigned_nodes():
 def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
     stub, state = tracker
     me = NodeIdentity.generate()
-    stub.Register(me.sign(node_info(me.node_id, 0, 15)), timeout=5)
+    info = node_info(me.node_id, 0, 15)
+    info.backend = "vulkan"
+    info.free_memory_bytes = 3 << 30
+    info.device.CopyFrom(pb.DeviceInfo(name="Vulkan0", description="Radeon", type="gpu",
+                                       memory_total_bytes=8 << 30, index=0))
+    stub.Register(me.sign(info), timeout=5)
     stub.Heartbeat(me.sign(pb.HeartbeatRequest(node_id=me.node_id, active_sessions=3)), timeout=5)
     stub.Register(node_info("legacy", 15, 30), timeout=5)
     parser = argparse.ArgumentParser(prog="meshnet")
@@ -237,13 +242,13 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
         assert args.func(args) == 0
     header, *rows = out.getvalue().splitlines()
     assert header.split() == ["NODE", "LAYERS", "BACKEND", "LOAD", "SPEED", "RELAY", "HEARTBEAT", "SIGNED",
-                              "ADDRESS"]
+                              "ADDRESS", "DEVICE"]
     cells = {r.split()[0]: r.split() for r in rows}
-    assert cells[me.node_id][1:5] == ["[0,", "15)/30", "cpu", "3/4"]
+    assert cells[me.node_id][1:5] == ["[0,", "15)/30", "vulkan", "3/4"]
     assert cells[me.node_id][5:8] == ["12.5", "tok/s", "direct"]
     assert cells[me.node_id][8].endswith("s") and float(cells[me.node_id][8][:-1]) < 5
-    assert cells[me.node_id][10:] == ["yes", "127.0.0.1:9"]
-    assert cells["legacy"][10] == "no"
+    assert cells[me.node_id][10:] == ["yes", "127.0.0.1:9", "Radeon", "(3.0/8.0", "GiB", "free)"]
+    assert cells["legacy"][10:] == ["no", "127.0.0.1:9", "-"]
 
     args = parser.parse_args(["nodes", "--tracker", f"127.0.0.1:{state['port']}", "--json"])
     out = io.StringIO()
@@ -252,6 +257,9 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
     nodes = {n["node_id"]: n for n in json.loads(out.getvalue())["nodes"]}
     assert nodes[me.node_id]["layers"] == [0, 15] and nodes[me.node_id]["active_sessions"] == 3
     assert nodes[me.node_id]["relay"] == "direct" and nodes["legacy"]["signed"] is False
+    assert nodes[me.node_id]["device"] == {"name": "Vulkan0", "description": "Radeon", "type": "gpu",
+                                           "memory_total_bytes": 8 << 30, "index": 0}
+    assert nodes[me.node_id]["free_memory_bytes"] == 3 << 30 and nodes["legacy"]["device"] is None
 
     # An unreachable tracker is an error message, not a trace.
     args = parser.parse_args(["nodes", "--tracker", "127.0.0.1:1"])

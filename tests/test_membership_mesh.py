@@ -48,6 +48,11 @@ def test_nodes_sign_and_cannot_be_impersonated_or_deregistered(mesh, tmp_path, s
         listed = {s.info.node_id: s for s in stub.ListNodes(pb.Empty(), timeout=5).nodes}
         assert set(listed) == {"x-head", "y-tail", derived}
         assert all(s.signed for s in listed.values())
+        # Each node registers the device it computes on: ggml's CPU device, with the host's memory.
+        host_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        assert {(s.info.device.name, s.info.device.type, s.info.device.memory_total_bytes)
+                for s in listed.values()} == {("CPU", "cpu", host_bytes)}
+        assert all(0 < s.info.free_memory_bytes <= host_bytes for s in listed.values())
 
         attacker = NodeIdentity.generate()
         for victim in ("y-tail", derived):

@@ -23,7 +23,7 @@ from meshnet.contract import (
     Status,
 )
 from meshnet.engine.base import EngineError, Session, ShardEngine
-from meshnet.engine.ggml_backend import KVCache, StageWeights, cpu_backend
+from meshnet.engine.ggml_backend import KVCache, StageWeights, cpu_backend, registry_devices
 from meshnet.engine.ggml_graph import StepGraph, kv_length
 from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, sha256_file, stage_tensor_names
 from meshnet.model.hparams import ModelConfig
@@ -165,6 +165,15 @@ class GgmlEngine(ShardEngine):
                             n_embd=cfg.n_embd, n_vocab=cfg.n_vocab, n_ctx=stage.n_ctx,
                             is_head=stage.is_head, is_tail=stage.is_tail, fixture=False,
                             max_sessions=spec.max_sessions)
+
+    @property
+    def device(self) -> dict | None:
+        """The device the stage computes on: ggml's CPU device (``{"index", "backend", "name",
+        "description", "type", "memory_free_bytes", "memory_total_bytes"}``, memory in bytes); None
+        before load."""
+        if self.stage is None:
+            return None
+        return next((d for d in registry_devices() if d["backend"] == "CPU"), None)
 
     def _new_state(self, session_id: str) -> SessionKV:
         assert self.stage is not None and self._spec is not None

@@ -11,6 +11,7 @@ import grpc
 
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.tracker.service import device_dict
 from meshnet.wire.security import JOIN_TOKEN_ENV, open_channel
 
 
@@ -19,7 +20,8 @@ def add_nodes_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p = sub.add_parser("nodes", help="list the nodes registered with a tracker",
                        description="List the live nodes of a tracker: layer range, backend, load (active/max "
                                    "sessions), decode speed, relay status, last heartbeat age, and whether "
-                                   "the node signs its messages with a registered key.")
+                                   "the node signs its messages with a registered key, and the device it "
+                                   "computes on (free/total memory).")
     p.add_argument("--tracker", required=True, help="HOST:PORT of the tracker")
     p.add_argument("--join-token", default=os.environ.get(JOIN_TOKEN_ENV), help=f"default ${JOIN_TOKEN_ENV}")
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker")
@@ -32,6 +34,16 @@ def _relay(status: pb.NodeStatus) -> str:
     return "relayed" if status.info.relayed else "direct"
 
 
+def _device_cell(info: pb.NodeInfo) -> str:
+    """``description (free/total GiB)``; ``-`` for a node that registered no device (e.g. the fake)."""
+    if not info.HasField("device"):
+        return "-"
+    d = info.device
+    gib = 1 << 30
+    return (f"{d.description or d.name} "
+            f"({info.free_memory_bytes / gib:.1f}/{d.memory_total_bytes / gib:.1f} GiB free)")
+
+
 def nodes_dict(reply: pb.NodeList) -> dict:
     """The reply as plain data: ``{"nodes": [...]}`` (what ``--json`` prints); speed in tokens/s,
     heartbeat age in seconds."""
@@ -40,6 +52,8 @@ def nodes_dict(reply: pb.NodeList) -> dict:
                        "model_sha256": s.info.model.sha256, "backend": s.info.backend,
                        "active_sessions": s.active_sessions, "max_sessions": s.info.max_sessions,
                        "decode_tokens_per_s": s.info.decode_tokens_per_s, "relay": _relay(s),
+                       "device": device_dict(s.info) if s.info.HasField("device") else None,
+                       "free_memory_bytes": s.info.free_memory_bytes,
                        "last_heartbeat_age_s": s.last_heartbeat_age_s, "signed": s.signed}
                       for s in reply.nodes]}
 
@@ -48,12 +62,13 @@ def format_nodes(reply: pb.NodeList) -> str:
     """An aligned table, one row per node, or a line saying none is registered."""
     if not reply.nodes:
         return "no nodes registered"
-    rows = [("NODE", "LAYERS", "BACKEND", "LOAD", "SPEED", "RELAY", "HEARTBEAT", "SIGNED", "ADDRESS")]
+    rows = [("NODE", "LAYERS", "BACKEND", "LOAD", "SPEED", "RELAY", "HEARTBEAT", "SIGNED", "ADDRESS", "DEVICE")]
     for s in reply.nodes:
         i = s.info
         rows.append((i.node_id, f"[{i.layers.start}, {i.layers.end})/{i.model.n_layer}", i.backend or "cpu",
                      f"{s.active_sessions}/{i.max_sessions}", f"{i.decode_tokens_per_s:.1f} tok/s", _relay(s),
-                     f"{s.last_heartbeat_age_s:.1f}s ago", "yes" if s.signed else "no", i.address))
+                     f"{s.last_heartbeat_age_s:.1f}s ago", "yes" if s.signed else "no", i.address,
+                     _device_cell(i)))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 

@@ -64,6 +64,7 @@ class NodeConfig:
     stage_index: int = 0
     cpu: int | None = None  # pin the process to this CPU (benchmarks: one core per node)
     backend: str = "cpu"  # ggml engine lane; anything but cpu must be certified on this machine
+    device_index: int = 0  # which of the lane's devices (accelerator lanes only)
     identity: str | None = None  # Ed25519 key file; default <config>/meshnet/node-<node_id or layers>.key
     relay: bool = False  # accept no connections: serve through a Relay stream to the tracker (needs tracker)
 
@@ -109,8 +110,9 @@ def build_engine(cfg: NodeConfig) -> tuple[ShardEngine, pb.ModelIdentity]:
         from meshnet.backends.lanes import require_certified
         from meshnet.backends.placement import AcceleratorEngine
 
-        require_certified(cfg.backend)  # BackendUnavailable (a ValueError) with the probe's exact reason
-        eng = AcceleratorEngine(cfg.backend)
+        # BackendUnavailable (a ValueError) with the probe's exact reason
+        require_certified(cfg.backend, cfg.device_index)
+        eng = AcceleratorEngine(cfg.backend, cfg.device_index)
     else:
         eng = GgmlEngine()
     out = eng.load(LoadSpec(path=path, artifact=ArtifactId(sha, layers), n_threads=cfg.threads, n_ctx=cfg.n_ctx,
@@ -121,7 +123,10 @@ def build_engine(cfg: NodeConfig) -> tuple[ShardEngine, pb.ModelIdentity]:
 
 
 def measure_decode_speed(engine: ShardEngine, steps: int = 8) -> float:
-    """Tokens/s of single-token steps on a scratch session (what routing compares nodes by)."""
+    """Tokens/s of single-token decode steps on a scratch session (what routing compares nodes by).
+
+    The first step (a one-token prefill) is not timed: it builds graphs and, on an accelerator, loads
+    kernels, which a serving node pays once."""
     import numpy as np
 
     from meshnet.contract import NamedTensor
@@ -129,12 +134,13 @@ def measure_decode_speed(engine: ShardEngine, steps: int = 8) -> float:
     caps = engine.capabilities()
     sid = f"speed-probe-{uuid.uuid4().hex}"
     hidden = None if caps.is_head else NamedTensor.from_numpy("hidden", np.zeros((1, caps.n_embd), np.float32))
+    if not engine.prefill(StepRequest(sid, 0, 0, (1,), hidden=hidden)).ok:
+        engine.release(sid)
+        return 0.0
     t0 = time.perf_counter()
     n = 0
-    for i in range(steps):
-        req = StepRequest(sid, 0, i, (1,), hidden=hidden)
-        res = engine.prefill(req) if i == 0 else engine.decode(req)
-        if not res.ok:
+    for i in range(1, steps + 1):
+        if not engine.decode(StepRequest(sid, 0, i, (1,), hidden=hidden)).ok:
             break
         n += 1
     dt = time.perf_counter() - t0
@@ -203,7 +209,16 @@ class Node:
                            engine=c.engine, backend=c.backend, protocol_major=PROTOCOL_MAJOR,
                            protocol_minor=PROTOCOL_MINOR, free_memory_bytes=free,
                            decode_tokens_per_s=self.decode_tokens_per_s, max_sessions=c.max_sessions,
-                           data_address=self.data_address, relayed=self.cfg.relay)
+                           data_address=self.data_address, relayed=self.cfg.relay, device=self._device_info())
+
+    def _device_info(self) -> pb.DeviceInfo | None:
+        """The engine's device as registered (None for an engine without one, e.g. the fake)."""
+        dev = getattr(self.engine, "device", None)
+        if not dev:
+            return None
+        return pb.DeviceInfo(name=dev["name"], description=dev["description"], type=dev["type"],
+                             memory_total_bytes=dev["memory_total_bytes"],
+                             index=getattr(self.engine, "device_index", 0))
 
     def start(self) -> None:
         if self.server is not None:
@@ -387,6 +402,8 @@ def add_node_parser(sub) -> None:
     p.add_argument("--backend", choices=["cpu", "cuda", "rocm", "vulkan", "metal"], default="cpu",
                    help="where the ggml engine computes; anything but cpu must be certified here first "
                         "(meshnet backends --certify)")
+    p.add_argument("--device", type=int, default=0, metavar="N",
+                   help="with an accelerator --backend: which of its devices, in ggml's order (default 0)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cpu", type=int, default=None, help="pin the node to this CPU (e.g. 0)")
     p.add_argument("--n-ctx", type=int, default=0)
@@ -407,13 +424,17 @@ def add_node_parser(sub) -> None:
 
 def run_node(args: argparse.Namespace) -> int:
     backend = getattr(args, "backend", "cpu")
+    device = getattr(args, "device", 0)
+    if device < 0:
+        print(f"error: --device must be 0 or more, got {device}", file=sys.stderr)
+        return 2
     if backend != "cpu":
         # Refuse before loading anything: an accelerator that has not proved itself here stays dark.
         from meshnet.backends.errors import BackendUnavailable
         from meshnet.backends.lanes import require_certified
 
         try:
-            require_certified(backend)
+            require_certified(backend, device)
         except BackendUnavailable as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -428,7 +449,7 @@ def run_node(args: argparse.Namespace) -> int:
                      max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout,
                      drain_timeout_s=args.drain_timeout, join_token=args.join_token, tls=tls, tls_ca=args.tls_ca,
                      data_plane=not args.no_data_plane, data_port=args.data_port,
-                     cpu=cpu, backend=backend, identity=getattr(args, "identity", None),
+                     cpu=cpu, backend=backend, device_index=device, identity=getattr(args, "identity", None),
                      relay=getattr(args, "relay", False))
     if cfg.relay and not cfg.tracker:
         print("error: --relay needs --tracker (a relayed node is reached only through its tracker)", file=sys.stderr)

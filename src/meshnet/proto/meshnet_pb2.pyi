@@ -194,8 +194,22 @@ class MetricsReply(_message.Message):
     errors: _containers.ScalarMap[str, int]
     def __init__(self, prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., errors: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
+class DeviceInfo(_message.Message):
+    __slots__ = ("name", "description", "type", "memory_total_bytes", "index")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    type: str
+    memory_total_bytes: int
+    index: int
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., type: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "address", "model", "layers", "engine", "backend", "protocol_major", "protocol_minor", "free_memory_bytes", "decode_tokens_per_s", "max_sessions", "data_address", "relayed", "public_key", "signature", "timestamp")
+    __slots__ = ("node_id", "address", "model", "layers", "engine", "backend", "protocol_major", "protocol_minor", "free_memory_bytes", "decode_tokens_per_s", "max_sessions", "data_address", "relayed", "device", "public_key", "signature", "timestamp")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +223,7 @@ class NodeInfo(_message.Message):
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
@@ -225,10 +240,11 @@ class NodeInfo(_message.Message):
     max_sessions: int
     data_address: str
     relayed: bool
+    device: DeviceInfo
     public_key: bytes
     signature: bytes
     timestamp: float
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ..., max_sessions: _Optional[int] = ..., data_address: _Optional[str] = ..., relayed: _Optional[bool] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., timestamp: _Optional[float] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ..., max_sessions: _Optional[int] = ..., data_address: _Optional[str] = ..., relayed: _Optional[bool] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("heartbeat_interval_s", "ttl_s")

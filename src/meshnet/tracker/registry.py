@@ -34,6 +34,8 @@ class RegisteredNode:
         last_heartbeat_age_s: seconds since the node registered or last heartbeated.
         protocol_major, protocol_minor: the version the node registered with.
         free_memory_bytes: what the node reported at registration (0 = not reported).
+        device: the device the node computes on as it registered it (``{"name", "description",
+            "type", "memory_total_bytes", "index"}``, memory in bytes); None when it registered none.
     """
 
     record: NodeRecord
@@ -41,6 +43,7 @@ class RegisteredNode:
     protocol_major: int
     protocol_minor: int
     free_memory_bytes: int = 0
+    device: dict | None = None
 
 
 @dataclass
@@ -50,6 +53,7 @@ class _Entry:
     protocol_major: int
     protocol_minor: int
     free_memory_bytes: int
+    device: dict | None = None
 
 
 class Registry:
@@ -76,7 +80,7 @@ class Registry:
     # ---- membership ----------------------------------------------------------------------------------
 
     def register(self, record: NodeRecord, protocol_major: int, protocol_minor: int,
-                 free_memory_bytes: int = 0) -> None:
+                 free_memory_bytes: int = 0, device: dict | None = None) -> None:
         """Add ``record``, replacing any entry with the same node id (a restarted node leaves no ghost).
 
         Raises:
@@ -94,7 +98,7 @@ class Registry:
             raise ValueError(problem)
         with self._lock:
             self._entries[record.node_id] = _Entry(record, self._clock(), protocol_major, protocol_minor,
-                                                   max(int(free_memory_bytes), 0))
+                                                   max(int(free_memory_bytes), 0), device)
 
     def heartbeat(self, node_id: str, active_sessions: int, decode_tokens_per_s: float) -> bool:
         """Record that ``node_id`` is alive, with its current load and (if > 0) a fresh speed.
@@ -143,7 +147,7 @@ class Registry:
         with self._lock:
             now = self._sweep()
             return [RegisteredNode(e.record, max(now - e.last_seen, 0.0), e.protocol_major, e.protocol_minor,
-                                   e.free_memory_bytes)
+                                   e.free_memory_bytes, e.device)
                     for e in (self._entries[k] for k in sorted(self._entries))]
 
     def _sweep(self) -> float:

@@ -114,7 +114,15 @@ def info_from_status(s: RegisteredNode) -> pb.NodeInfo:
                        layers=pb.LayerRange(start=r.layers.start, end=r.layers.end), engine=r.engine,
                        backend=r.backend, protocol_major=s.protocol_major, protocol_minor=s.protocol_minor,
                        free_memory_bytes=s.free_memory_bytes, decode_tokens_per_s=r.decode_tokens_per_s,
-                       max_sessions=max(r.max_sessions, 0), data_address=r.data_address, relayed=r.relayed)
+                       max_sessions=max(r.max_sessions, 0), data_address=r.data_address, relayed=r.relayed,
+                       device=pb.DeviceInfo(**s.device) if s.device else None)
+
+
+def device_dict(info: pb.NodeInfo) -> dict:
+    """``info.device`` as plain data: ``{"name", "description", "type", "memory_total_bytes", "index"}``."""
+    d = info.device
+    return {"name": d.name, "description": d.description, "type": d.type,
+            "memory_total_bytes": d.memory_total_bytes, "index": d.index}
 
 
 class TrackerService(pb_grpc.TrackerServicer):
@@ -160,7 +168,8 @@ class TrackerService(pb_grpc.TrackerServicer):
                 raise _Refusal(grpc.StatusCode.UNAUTHENTICATED, f"Register: {e.message}") from None
             try:
                 self.registry.register(record, request.protocol_major, request.protocol_minor,
-                                       free_memory_bytes=request.free_memory_bytes)
+                                       free_memory_bytes=request.free_memory_bytes,
+                                       device=device_dict(request) if request.HasField("device") else None)
             except ProtocolMismatch as e:
                 raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"Register: {e}") from None
             except ValueError as e:
