@@ -116,6 +116,31 @@ def test_accelerator_lane_is_skipped_with_the_exact_reason(lane):
             assert (rep.versions[tool] is None) == (shutil.which(tool) is None)
 
 
+def _fake_vulkan_headers(root: Path, minor: int, patch: int, layer_settings: bool) -> Path:
+    inc = root / "include" / "vulkan"
+    inc.mkdir(parents=True)
+    (inc / "vulkan.h").write_text('#include "vulkan_core.h"\n')
+    (inc / "vulkan_core.h").write_text(
+        f"#define VK_HEADER_VERSION {patch}\n"
+        f"#define VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION(0, 1, {minor}, VK_HEADER_VERSION)\n"
+        + ("#define VK_EXT_layer_settings 1\n" if layer_settings else ""))
+    return root
+
+
+def test_vulkan_headers_too_old_for_ggml_are_named_with_their_version(tmp_path, monkeypatch):
+    old = _fake_vulkan_headers(tmp_path / "old", 3, 239, layer_settings=False)
+    monkeypatch.setenv("VULKAN_SDK", str(old))
+    expected = (f"the Vulkan headers under {old / 'include'} (1.3.239) lack VK_EXT_layer_settings, which "
+                "ggml-vulkan needs: set VULKAN_SDK to a Vulkan SDK with headers 1.3.272 or newer")
+    assert expected in lanes.toolchain_problems("vulkan")
+    assert lanes.probe_lane("vulkan").versions["vulkan-headers"] == "1.3.239"
+
+    new = _fake_vulkan_headers(tmp_path / "new", 4, 309, layer_settings=True)
+    monkeypatch.setenv("VULKAN_SDK", str(new))
+    assert not any("Vulkan headers" in p for p in lanes.toolchain_problems("vulkan"))
+    assert lanes.vulkan_headers_version(new / "include") == "1.4.309"
+
+
 def test_nvcc_version_is_recorded_when_present():
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH")

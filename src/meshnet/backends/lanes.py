@@ -57,6 +57,8 @@ CERT_FILE = "certifications.json"
 # Where scripts/build_ggml_lane.sh records how it built the environment's ggml-python.
 BUILD_RECORD = Path("share") / "meshnet" / "ggml-lane.json"
 _TOOL_TIMEOUT_S = 15
+# ggml-vulkan's own device filter (like CUDA_VISIBLE_DEVICES): indices into vkEnumeratePhysicalDevices.
+VK_VISIBLE_DEVICES_ENV = "GGML_VK_VISIBLE_DEVICES"
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,45 @@ def _vulkan_include_dirs() -> list[str]:
     return dirs
 
 
+# ggml-vulkan (ggml 0.15.3, as vendored by ggml-python 0.0.45) uses VK_EXT_layer_settings, which the
+# Vulkan headers carry from 1.3.272 on; Debian 12 ships 1.3.239.
+VULKAN_HEADERS_NEED = ("VK_EXT_layer_settings", "1.3.272")
+
+
+def vulkan_headers_version(include_dir: Path) -> str | None:
+    """``1.MINOR.PATCH`` of the Vulkan headers under ``include_dir`` (from VK_HEADER_VERSION_COMPLETE and
+    VK_HEADER_VERSION in vulkan/vulkan_core.h), None when they cannot be read."""
+    try:
+        text = (include_dir / "vulkan" / "vulkan_core.h").read_text(errors="replace")
+    except OSError:
+        return None
+    complete = re.search(r"#define VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION\(\d+,\s*(\d+),\s*(\d+),", text)
+    patch = re.search(r"#define VK_HEADER_VERSION (\d+)", text)
+    if not (complete and patch):
+        return None
+    return f"{complete.group(1)}.{complete.group(2)}.{patch.group(1)}"
+
+
+def vulkan_headers_problem(include_dir: Path) -> str | None:
+    """Why the Vulkan headers CMake will use (the first of :func:`_vulkan_include_dirs` that has them)
+    cannot build ggml-vulkan, or None."""
+    ext, first = VULKAN_HEADERS_NEED
+    try:
+        text = (include_dir / "vulkan" / "vulkan_core.h").read_text(errors="replace")
+    except OSError as e:
+        return f"cannot read {include_dir / 'vulkan' / 'vulkan_core.h'}: {e.strerror}"
+    if f"#define {ext} 1" in text:
+        return None
+    version = vulkan_headers_version(include_dir) or "of unknown version"
+    return (f"the Vulkan headers under {include_dir} ({version}) lack {ext}, which ggml-vulkan needs: "
+            f"set VULKAN_SDK to a Vulkan SDK with headers {first} or newer")
+
+
+def _vulkan_headers_dir() -> Path | None:
+    """The include directory CMake's FindVulkan will take the headers from (VULKAN_SDK first)."""
+    return next((Path(d) for d in _vulkan_include_dirs() if (Path(d) / "vulkan" / "vulkan.h").is_file()), None)
+
+
 def _cuda_include_dirs() -> list[str]:
     """Where CMake's FindCUDAToolkit would look for the toolkit's headers, in order."""
     roots = [os.environ[v] for v in ("CUDAToolkit_ROOT", "CUDA_PATH", "CUDA_HOME") if os.environ.get(v)]
@@ -200,9 +241,13 @@ def toolchain_problems(name: str) -> list[str]:
         if not any((Path(d) / "cublas_v2.h").is_file() for d in dirs):
             problems.append(f"cublas_v2.h (cuBLAS) is not under {', '.join(dirs)}")
     if name == "vulkan":
-        dirs = _vulkan_include_dirs()
-        if not any((Path(d) / "vulkan" / "vulkan.h").is_file() for d in dirs):
-            problems.append(f"vulkan/vulkan.h is not under {', '.join(dirs)}")
+        found = _vulkan_headers_dir()
+        if found is None:
+            problems.append(f"vulkan/vulkan.h is not under {', '.join(_vulkan_include_dirs())}")
+        else:
+            problem = vulkan_headers_problem(found)
+            if problem:
+                problems.append(problem)
         if ctypes.util.find_library("vulkan") is None:
             problems.append("the Vulkan loader libvulkan is not installed")
     if _cxx_compiler() is None:
@@ -253,9 +298,11 @@ def device_problem(name: str) -> str | None:
         types = re.findall(r"deviceType\s*=\s*(\w+)", out)
         if rc != 0 or not types:
             return "vulkaninfo lists no device"
-        # A software rasteriser (llvmpipe) is a Vulkan device too, but not an accelerator worth a lane.
-        if all(t.endswith("TYPE_CPU") for t in types):
-            return "vulkaninfo lists only CPU (software) devices"
+        # A software rasteriser (llvmpipe) is a Vulkan device too, but not an accelerator worth a lane;
+        # ggml-vulkan skips such devices unless GGML_VK_VISIBLE_DEVICES names them, and so do we.
+        if all(t.endswith("TYPE_CPU") for t in types) and not os.environ.get(VK_VISIBLE_DEVICES_ENV):
+            return (f"vulkaninfo lists only CPU (software) devices; set {VK_VISIBLE_DEVICES_ENV}=0 "
+                    "to use one anyway")
     return None
 
 
@@ -314,6 +361,9 @@ def _lane_versions(lane: Lane) -> dict[str, str | None]:
     for t in (*lane.build_tools, lane.device_tool):
         if t:
             out[t] = tool_version(t)
+    if lane.name == "vulkan":
+        found = _vulkan_headers_dir()
+        out["vulkan-headers"] = vulkan_headers_version(found) if found else None
     return out
 
 
@@ -473,18 +523,21 @@ def save_certification(key: str, record: dict) -> Path:
     return path
 
 
-def _device_description(name: str, runtime: dict) -> str | None:
+def _device_description(name: str, runtime: dict, device_index: int = 0) -> str | None:
     names = LANES[name].registry_names
     devs = [d for d in runtime["devices"] if d["backend"] in names]
-    return devs[0]["description"] or devs[0]["name"] if devs else None
+    if device_index >= len(devs):
+        return None
+    return devs[device_index]["description"] or devs[device_index]["name"]
 
 
-def recorded_certification(name: str) -> dict | None:
-    """The self-test on record for lane ``name`` with the libraries, host and device here now."""
+def recorded_certification(name: str, device_index: int = 0) -> dict | None:
+    """The self-test on record for lane ``name`` with the libraries, host and ``device_index``-th device
+    of the lane here now."""
     runtime, _ = _ggml_runtime()
     if runtime is None:
         return None
-    desc = _device_description(name, runtime)
+    desc = _device_description(name, runtime, device_index)
     if desc is None:
         return None
     return load_certifications().get(certification_key(name, desc))
@@ -492,8 +545,9 @@ def recorded_certification(name: str) -> dict | None:
 
 # ---- the probe ---------------------------------------------------------------------------------------
 
-def probe_lane(name: str) -> LaneReport:
-    """Report lane ``name`` on this machine (see the module docstring for the states).
+def probe_lane(name: str, device_index: int = 0) -> LaneReport:
+    """Report lane ``name`` on this machine (see the module docstring for the states); certification is
+    looked up for the lane's ``device_index``-th device (0 = the first ggml lists).
 
     Cheap apart from the vendor tools it runs (each at most a few seconds) and hashing ggml's libraries
     once per process. Never builds or certifies anything.
@@ -525,7 +579,10 @@ def probe_lane(name: str) -> LaneReport:
         devices = [d for d in runtime["devices"] if d["backend"] in lane.registry_names]
         if not devices:
             return report("built", f"ggml's {lane.registry_names[0]} backend finds no device")
-        cert = recorded_certification(name)
+        if device_index >= len(devices):
+            return report("built", f"ggml's {lane.registry_names[0]} backend lists {len(devices)} device(s), "
+                                   f"no device {device_index}", devices)
+        cert = recorded_certification(name, device_index)
         if cert is None:
             return report("built", "not certified on this machine: run `meshnet backends --certify`",
                           devices)
@@ -546,9 +603,9 @@ def probe_all() -> list[LaneReport]:
     return [probe_lane(n) for n in LANE_NAMES]
 
 
-def require_certified(name: str) -> LaneReport:
-    """The lane's report when a node may compute on it and advertise it; cpu is always allowed (it is
-    the engine's default path, proved by the golden tests).
+def require_certified(name: str, device_index: int = 0) -> LaneReport:
+    """The lane's report when a node may compute on it (its ``device_index``-th device) and advertise
+    it; cpu is always allowed (it is the engine's default path, proved by the golden tests).
 
     Raises:
         ValueError: unknown lane.
@@ -556,7 +613,7 @@ def require_certified(name: str) -> LaneReport:
     """
     if name not in LANES:
         raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(LANE_NAMES)}")
-    rep = probe_lane(name)
+    rep = probe_lane(name, device_index)
     if name != "cpu" and rep.state != "certified":
         raise BackendUnavailable(name, rep.reason)
     return rep
