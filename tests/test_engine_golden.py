@@ -11,82 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import TINY_MODELS, load_golden
+from golden_check import N_GEN, check_against_golden, cpu_stage, forward
 from meshnet.contract import LayerRange, split_layers
 from meshnet.engine.ggml_engine import GgmlStage
-from meshnet.tokenizer import GGUFTokenizer
-
-N_GEN = 64
-
-
-def _stages(path, n_layer: int, n_stages: int) -> list[GgmlStage]:
-    return [GgmlStage(str(path), r, n_threads=2, n_ctx=512) for r in split_layers(n_layer, n_stages)]
-
-
-def _forward(stages, sessions, position, ids, all_logits=False):
-    x = None
-    for st, kv in zip(stages, sessions):
-        if st.is_head:
-            x = st.forward(kv, position, token_ids=np.asarray(ids, dtype=np.int32), all_logits=all_logits)
-        else:
-            x = st.forward(kv, position, hidden=x, all_logits=all_logits)
-    return x
-
-
-def check_against_golden(path, golden: dict, n_stages: int = 1) -> dict:
-    tol = golden["tolerance"]
-    stages = _stages(path, golden["gguf"]["n_layer"], n_stages)
-    tok = GGUFTokenizer.from_gguf(str(path))
-    report = {"greedy_equal": [], "max_dev": 0.0}
-    devs = []
-    for pi, p in enumerate(golden["prompts"]):
-        assert tok.encode(p["prompt"]) == p["prompt_ids"], f"prompt {pi}: token ids differ"
-        ids, n = p["prompt_ids"], len(p["prompt_ids"])
-
-        # Teacher-forced along llama.cpp's own path: prompt batch, then one decode per golden token.
-        sessions = [st.new_session() for st in stages]
-        rows = dict(enumerate(_forward(stages, sessions, 0, ids, all_logits=True)))
-        for k in range(8):
-            rows[n + k] = _forward(stages, sessions, n + k, [p["greedy_ids"][k]])[-1]
-        for s in sessions:
-            s.free()
-        for rec in p["top10"]:
-            got = rows[rec["position"]]
-            for tid, logit in rec["top10"]:
-                d = abs(float(got[tid]) - logit)
-                devs.append(d)
-                assert d <= tol["logit_atol"], (
-                    f"prompt {pi} pos {rec['position']} id {tid}: {got[tid]} vs golden {logit}")
-            margin = rec["top10"][0][1] - rec["top10"][1][1]
-            if margin >= tol["margin_threshold"]:
-                assert int(np.argmax(got)) == rec["top10"][0][0]
-        for pos in range(n):
-            if p["prompt_top1_margins"][pos] >= tol["margin_threshold"]:
-                assert int(np.argmax(rows[pos])) == p["prompt_top1_ids"][pos], f"prompt {pi} pos {pos}"
-
-        # Free-running greedy: equal until the first golden near-tie at least; a divergence may only
-        # start at a step whose golden margin is below the threshold.
-        sessions = [st.new_session() for st in stages]
-        logits = _forward(stages, sessions, 0, ids)[-1]
-        out = []
-        for k in range(N_GEN):
-            t = int(np.argmax(logits))
-            out.append(t)
-            if k + 1 < N_GEN:
-                logits = _forward(stages, sessions, n + k, [t])[-1]
-        for s in sessions:
-            s.free()
-        k = next((i for i, (a, b) in enumerate(zip(out, p["greedy_ids"])) if a != b), N_GEN)
-        report["greedy_equal"].append(k)
-        assert k >= p["greedy_steps_before_first_near_tie"], f"prompt {pi}: diverged at step {k}"
-        if k < N_GEN:
-            assert p["greedy_margins"][k] < tol["margin_threshold"], (
-                f"prompt {pi}: diverged at step {k} where the golden margin is {p['greedy_margins'][k]}")
-    assert np.mean(devs) <= tol["logit_mean_atol"]
-    report["max_dev"] = max(devs)
-    for st in stages:
-        st.close()
-    return report
-
 
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_tiny_model_matches_llama_cpp(golden_dir, name):
@@ -120,14 +47,14 @@ def test_one_two_three_stages_bit_identical(smollm2_path):
     ids = golden["prompts"][1]["prompt_ids"]
     results = []
     for n_stages in (1, 2, 3):
-        stages = _stages(smollm2_path, 30, n_stages)
+        stages = [cpu_stage(smollm2_path, r) for r in split_layers(30, n_stages)]
         sessions = [st.new_session() for st in stages]
-        logits = [_forward(stages, sessions, 0, ids, all_logits=True)]
+        logits = [forward(stages, sessions, 0, ids, all_logits=True)]
         toks = []
         for k in range(16):
             t = int(np.argmax(logits[-1][-1]))
             toks.append(t)
-            logits.append(_forward(stages, sessions, len(ids) + k, [t]))
+            logits.append(forward(stages, sessions, len(ids) + k, [t]))
         results.append((np.concatenate(logits), toks))
         for st in stages:
             st.close()
