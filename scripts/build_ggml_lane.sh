@@ -13,7 +13,8 @@
 #   cuda    -DGGML_CUDA=on     needs nvcc and cuBLAS, and a GPU: with no other switch ggml compiles for
 #                              the GPUs it finds (CMAKE_CUDA_ARCHITECTURES=native), so build where it runs
 #   rocm    -DGGML_HIP=on      needs hipcc and hipconfig on PATH (HIPCXX and HIP_PATH come from hipconfig)
-#   vulkan  -DGGML_VULKAN=on   needs glslc on PATH, the Vulkan headers and the Vulkan loader
+#   vulkan  -DGGML_VULKAN=on   needs glslc on PATH, the Vulkan headers (1.3.272 or newer; $VULKAN_SDK/include
+#                              first) and the Vulkan loader
 #   metal   -DGGML_METAL=on    needs macOS and xcrun (Xcode command line tools)
 # Inherited CMAKE_ARGS / SKBUILD_CMAKE_ARGS / SKBUILD_CMAKE_DEFINE are cleared first, so nothing else
 # leaks into a lane and the cpu lane really is the default.
@@ -70,13 +71,18 @@ PIP_ARGS=(-m pip install --force-reinstall --no-deps --no-cache-dir --no-binary 
           "ggml-python==$GGML_PYTHON_VERSION")
 # CMake compiles HIP with ROCm's clang, which it finds through HIPCXX (llama.cpp's documented recipe);
 # these are environment variables, not CMake switches, and a caller's own values are kept.
-HIP_ENV=""
+LANE_ENV=""
 if [ "$LANE" = rocm ]; then
-  [ -n "${HIPCXX:-}" ] || HIP_ENV+='HIPCXX="$(hipconfig -l)/clang" '
-  [ -n "${HIP_PATH:-}" ] || HIP_ENV+='HIP_PATH="$(hipconfig -R)" '
+  [ -n "${HIPCXX:-}" ] || LANE_ENV+='HIPCXX="$(hipconfig -l)/clang" '
+  [ -n "${HIP_PATH:-}" ] || LANE_ENV+='HIP_PATH="$(hipconfig -R)" '
+fi
+# CMake's FindVulkan takes headers, loader and glslc from $VULKAN_SDK first (the LunarG SDK's variable);
+# it is recorded in the command because it decides which headers the lane was built with.
+if [ "$LANE" = vulkan ] && [ -n "${VULKAN_SDK:-}" ]; then
+  LANE_ENV+="VULKAN_SDK=$VULKAN_SDK "
 fi
 if [ -n "$SWITCH" ]; then
-  COMMAND="${HIP_ENV}CMAKE_ARGS=$SWITCH $PY ${PIP_ARGS[*]}"
+  COMMAND="${LANE_ENV}CMAKE_ARGS=$SWITCH $PY ${PIP_ARGS[*]}"
 else
   COMMAND="$PY ${PIP_ARGS[*]}"
 fi

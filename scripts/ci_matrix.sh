@@ -4,8 +4,12 @@
 # usage: scripts/ci_matrix.sh [--out FILE] [--build]
 #   --out    where the JSON report goes (default bench-results/backends.json)
 #   --build  also build every lane whose toolchain and device are here ("available") into its own
-#            environment .ci-venvs/LANE (scripts/build_ggml_lane.sh; needs network and minutes to hours)
-#            and run that lane's self-test there; its report goes to bench-results/backends-LANE.json
+#            environment .ci-venvs/LANE (scripts/build_ggml_lane.sh; needs network and minutes to hours),
+#            run that lane's self-test there (report: bench-results/backends-LANE.json) and then its
+#            end-to-end tests, tests/test_accelerator_lane.py (log: bench-results/tests-LANE.log), and
+#            `meshnet bench engine --backend LANE` (bench-results/engine-LANE.json).
+#            On a Debian 12 machine without a GPU, scripts/vulkan_sw_setup.sh makes the vulkan lane
+#            available on a software device first.
 #
 # Always: the CPU lane runs in full (its self-test against the llama.cpp golden, then
 # `meshnet backends --json --certify`), every lane's build command is printed (--dry-run), and each
@@ -26,7 +30,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --out) [ $# -ge 2 ] || { echo "error: --out needs a file" >&2; exit 2; }; OUT="$2"; shift 2 ;;
     --build) BUILD=1; shift ;;
-    -h|--help) sed -n '4,9p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '4,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -58,19 +62,30 @@ if [ "$BUILD" = 1 ]; then
   for lane in $(PYTHONPATH="$PYTHONPATH" "$PY" -c 'import json,sys; print(" ".join(r["lane"] for r in json.load(open(sys.argv[1]))["lanes"] if r["state"] == "available"))' "$OUT"); do
     venv=".ci-venvs/$lane"
     echo "== building the $lane lane into $venv"
-    [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
-    "$venv/bin/python" -m pip install --quiet -e .
+    VENV="$venv" scripts/setup.sh --test
     PYTHON="$PY" scripts/build_ggml_lane.sh --venv "$venv" "$lane"
     "$venv/bin/python" -m meshnet.backends.cli --json --certify --lane cpu --lane "$lane" \
       > "bench-results/backends-$lane.json" || true
+    echo "== end-to-end tests of the $lane lane (bench-results/tests-$lane.log)"
+    if ! "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_accelerator_lane.py \
+        > "bench-results/tests-$lane.log" 2>&1; then
+      tail -5 "bench-results/tests-$lane.log" >&2
+      LANE_TEST_FAILURES="${LANE_TEST_FAILURES:-} $lane"
+    fi
+    tail -1 "bench-results/tests-$lane.log"
+    echo "== the $lane lane's speed beside the CPU's (bench-results/engine-$lane.json)"
+    "$venv/bin/python" -m meshnet.cli bench engine --backend "$lane" --no-llama-cpp --repeats 1 \
+      --out "bench-results/engine-$lane.json" >/dev/null 2>"bench-results/engine-$lane.log" \
+      || tail -3 "bench-results/engine-$lane.log" >&2
   done
 fi
 
 # The verdict: read the report back and check every claim in it.
-"$PY" - "$OUT" "$BUILD" <<'EOF'
+LANE_TEST_FAILURES="${LANE_TEST_FAILURES:-}" "$PY" - "$OUT" "$BUILD" <<'EOF'
 import glob
 import json
 import math
+import os
 import sys
 
 path = sys.argv[1]
@@ -106,6 +121,9 @@ for src, rep in reports:
     for t in rep["self_tests"]:
         if t["state"] == "certified" and t["lane"] not in certified:
             problems.append(f"{src}: self-test of {t['lane']} passed but the lane is not reported certified")
+
+for lane in os.environ.get("LANE_TEST_FAILURES", "").split():
+    problems.append(f"{lane}: tests/test_accelerator_lane.py failed (bench-results/tests-{lane}.log)")
 
 cpu = next(r for r in report["lanes"] if r["lane"] == "cpu")
 if cpu["state"] != "certified":

@@ -182,8 +182,13 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         ranges = plan_ranges(model, 1)
         chain = load_local_chain(model, ranges, n_threads=args.threads, n_ctx=n_ctx, progress=False,
                                  engine_factory=lambda: AcceleratorEngine(backend))
-        result["accelerator"] = {"backend": backend, "layers": [str(r) for r in ranges],
+        result["accelerator"] = {"backend": backend, "device": chain.stages[0].device,
+                                 "layers": [str(r) for r in ranges],
                                  **time_chain(chain, prompt_ids, args.decode_tokens, args.repeats)}
+        one_cpu = result["meshnet"]["1_stage"]
+        result["accelerator"]["vs_cpu_1_stage"] = {
+            k: round(result["accelerator"][k] / one_cpu[k], 3)
+            for k in ("prefill_tokens_per_s", "decode_tokens_per_s") if one_cpu[k] > 0}
         del chain
     whole = plan_ranges(model, 1)[0]
     n = len(prompt_ids)
