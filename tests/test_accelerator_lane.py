@@ -82,9 +82,13 @@ def test_lane_is_dark_until_its_self_test_passes_then_advertisable(tmp_path, mon
 
     after = lanes.require_certified(LANE)
     assert after.state == "certified" and after.certification["passed"] is True
-    # Another device index has no certificate of its own.
-    with pytest.raises(BackendUnavailable):
-        lanes.require_certified(LANE, device_index=len(accelerator_devices(LANE)))
+    # A device that is not there is neither certified nor usable.
+    missing = len(accelerator_devices(LANE))
+    with pytest.raises(BackendUnavailable) as e:
+        lanes.require_certified(LANE, device_index=missing)
+    assert e.value.reason.endswith(f"lists {missing} device(s), no device {missing}")
+    res = certify(LANE, str(TINY), device_index=missing)
+    assert res.state == "skipped" and not res.passed and res.max_dev is None
 
 
 def test_weights_and_kv_cache_live_in_device_memory(smollm2_path):

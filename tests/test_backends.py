@@ -297,6 +297,13 @@ def test_node_backend_cuda_exits_2_before_loading_anything(cache_dir):
     assert "MESHNET_NODE_READY" not in proc.stdout
 
 
+def test_backends_refuses_a_negative_device_index(cache_dir):
+    proc = subprocess.run([sys.executable, "-m", "meshnet.cli", "backends", "--device", "-1"],
+                          capture_output=True, text=True, timeout=60, env=_env(cache_dir))
+    assert proc.returncode == 2
+    assert proc.stderr == "error: --device must be 0 or more, got -1\n"
+
+
 def test_node_refuses_a_negative_device_index(cache_dir):
     proc = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--backend", "vulkan", "--device", "-1",
                            "--model", "/no/such/model.gguf"], capture_output=True, text=True, timeout=60,

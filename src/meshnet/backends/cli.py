@@ -35,10 +35,12 @@ def _add_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF path or bundled name for the self-test (default: the golden tiny llama when "
                         "../shared/golden is present, else smollm2)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads for the self-test")
+    p.add_argument("--device", type=int, default=0, metavar="N",
+                   help="which device of each accelerator lane to test and report (ggml's order; default 0)")
 
 
 def backends_report(certify: bool = False, lanes: list[str] | None = None, model: str | None = None,
-                    threads: int = 2) -> dict:
+                    threads: int = 2, device_index: int = 0) -> dict:
     """The report ``meshnet backends --json`` prints.
 
     Returns:
@@ -53,8 +55,9 @@ def backends_report(certify: bool = False, lanes: list[str] | None = None, model
         from meshnet.backends.certify import certify as run_certify
 
         for name in lanes or LANE_NAMES:
-            tests.append(run_certify(name, model, n_threads=threads).to_dict())
-    reports = [r.to_dict() for r in lanes_mod.probe_all()]
+            index = 0 if name == "cpu" else device_index
+            tests.append(run_certify(name, model, n_threads=threads, device_index=index).to_dict())
+    reports = [r.to_dict() for r in lanes_mod.probe_all(device_index)]
     certified = [r["lane"] for r in reports if r["state"] == "certified"]
     return {
         "environment": lanes_mod.environment(),
@@ -80,8 +83,11 @@ def format_table(report: dict) -> str:
 def cmd_backends(args: argparse.Namespace) -> int:
     from meshnet.model.bundled import ModelNotFound
 
+    if args.device < 0:
+        print(f"error: --device must be 0 or more, got {args.device}", file=sys.stderr)
+        return 2
     try:
-        report = backends_report(args.certify, args.lane, args.model, args.threads)
+        report = backends_report(args.certify, args.lane, args.model, args.threads, args.device)
     except (ModelNotFound, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

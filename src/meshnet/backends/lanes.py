@@ -598,9 +598,10 @@ def probe_lane(name: str, device_index: int = 0) -> LaneReport:
                                f"scripts/build_ggml_lane.sh {name}")
 
 
-def probe_all() -> list[LaneReport]:
-    """:func:`probe_lane` for every lane, in table order."""
-    return [probe_lane(n) for n in LANE_NAMES]
+def probe_all(device_index: int = 0) -> list[LaneReport]:
+    """:func:`probe_lane` for every lane, in table order (accelerators for their ``device_index``-th
+    device)."""
+    return [probe_lane(n, 0 if n == "cpu" else device_index) for n in LANE_NAMES]
 
 
 def require_certified(name: str, device_index: int = 0) -> LaneReport:
