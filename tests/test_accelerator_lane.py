@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 
+import ggml
 import pytest
 
 from conftest import GOLDEN_DIR, TINY_MODELS, load_golden
@@ -20,8 +21,6 @@ from golden_check import check_against_golden, cpu_stage
 from meshnet.backends import ACCELERATOR_LANES
 from meshnet.contract import GREEDY, LayerRange
 from meshnet.engine.ggml_backend import accelerator_devices, registry_backends
-
-import ggml
 
 
 def _lane_with_device() -> str | None:
