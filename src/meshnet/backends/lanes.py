@@ -578,7 +578,10 @@ def probe_lane(name: str, device_index: int = 0) -> LaneReport:
                                    f"{lane.registry_names[0]} backend")
         devices = [d for d in runtime["devices"] if d["backend"] in lane.registry_names]
         if not devices:
-            return report("built", f"ggml's {lane.registry_names[0]} backend finds no device")
+            # The vendor tool may see a device ggml skips (llvmpipe without GGML_VK_VISIBLE_DEVICES).
+            hint = device_problem(name)
+            return report("built", f"ggml's {lane.registry_names[0]} backend finds no device"
+                                   + (f" ({hint})" if hint else ""))
         if device_index >= len(devices):
             return report("built", f"ggml's {lane.registry_names[0]} backend lists {len(devices)} device(s), "
                                    f"no device {device_index}", devices)

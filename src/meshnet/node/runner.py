@@ -469,7 +469,9 @@ def run_node(args: argparse.Namespace) -> int:
             log.warning("relay stream not attached yet; the node stays out of routes until it is")
     layers = node.engine.capabilities().artifact.layers
     print(f"MESHNET_NODE_READY node_id={node.node_id} address={node.address} layers={layers}", flush=True)
-    log.info("node %s serving layers %s on %s (%.1f tok/s decode probe)", node.node_id, layers, node.address,
+    dev = getattr(node.engine, "device", None) or {}
+    log.info("node %s serving layers %s on %s with %s on %s (%.1f tok/s decode probe)", node.node_id, layers,
+             node.address, node.engine.capabilities().backend, dev.get("description") or dev.get("name", "?"),
              node.decode_tokens_per_s)
     done.wait()
     log.info("draining node %s", node.node_id)
