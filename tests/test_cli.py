@@ -95,3 +95,13 @@ def test_a_second_server_on_a_busy_port_fails_to_start():
             serve_tracker("127.0.0.1", port)
     finally:
         first.stop(0).wait()
+
+
+def test_a_reader_that_goes_away_is_not_a_traceback():
+    """`meshnet backends --json | head -1`: the reader closes the pipe before the output is written."""
+    proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "backends", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0
+    assert "Traceback" not in err and "BrokenPipeError" not in err
