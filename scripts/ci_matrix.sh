@@ -137,6 +137,10 @@ if cpu["state"] == "certified":
     print(f"cpu self-test: {c['model']} against {c['reference']}: max deviation {c['max_dev']:.3g} "
           f"(tolerance {c['logit_atol']}), {c['n_values']} logits")
 print(f"advertisable to a tracker: {', '.join(report['advertisable'])}")
+for src, rep in reports[1:]:  # --build: each built lane as its own environment reports it
+    for r in rep["lanes"]:
+        if r["lane"] != "cpu" and r["state"] in ("built", "certified"):
+            print(f"{r['lane']} ({src}): {r['state']}: {r['reason']}")
 
 report["ci"] = {"verdict": "fail" if problems else "pass", "problems": problems}
 with open(path, "w") as f:
