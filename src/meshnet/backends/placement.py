@@ -29,7 +29,7 @@ from meshnet.engine.ggml_backend import (
     device_memory,
 )
 from meshnet.engine.ggml_engine import DEFAULT_MAX_CTX, GgmlEngine, GgmlStage
-from meshnet.model.gguf_file import GGUFError, open_gguf, stage_tensor_names
+from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, stage_tensor_names
 from meshnet.model.hparams import ModelConfig
 
 
@@ -66,6 +66,7 @@ class AcceleratorStage(GgmlStage):
         self.backend = backend
         selection = stage_tensor_names(reader, layers, self.cfg.n_layer)
         self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=False)
+        drop_pages(reader)  # the device holds the weights now; the file pages read to copy them can go
         # new_session() (inherited) allocates each KVCache with self.backend: in device memory too.
 
     def device_memory(self) -> tuple[int, int]:
