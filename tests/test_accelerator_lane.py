@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(
 TINY = GOLDEN_DIR / "models" / "tiny-llama-q8_0.gguf"
 N_DECODE_MESH = 16
 # Greedy ids checked per golden prompt on the device: llvmpipe takes about 70 ms a step even for the
-# tiny models (and about 1.7 s for the F16 one), so not all 64.
+# tiny models, so not all 64.
 N_GEN_DEVICE = 16
 
 
