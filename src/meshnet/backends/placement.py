@@ -12,7 +12,8 @@ as its backend, the device and its free memory.
 
 This path needs a built accelerator lane and its device: on a machine without one it is never
 entered (``accelerator_backend`` raises ``BackendUnavailable`` first), so CPU-only test runs cannot
-exercise it; the certification self-test exercises it where a device exists.
+exercise it; the certification self-test and ``tests/test_accelerator_lane.py`` exercise it where a device
+exists (a GPU, or Mesa's llvmpipe through the vulkan lane).
 """
 
 from __future__ import annotations
@@ -21,16 +22,9 @@ import dataclasses
 
 from meshnet.contract import Capabilities, LayerRange, LoadSpec, Status
 from meshnet.engine.base import EngineError
-from meshnet.engine.ggml_backend import (
-    BackendUnavailable,
-    StageWeights,
-    accelerator_backend,
-    accelerator_devices,
-    device_memory,
-)
-from meshnet.engine.ggml_engine import DEFAULT_MAX_CTX, GgmlEngine, GgmlStage
-from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, stage_tensor_names
-from meshnet.model.hparams import ModelConfig
+from meshnet.engine.ggml_backend import BackendUnavailable, accelerator_backend, accelerator_devices, device_memory
+from meshnet.engine.ggml_engine import GgmlEngine, GgmlStage
+from meshnet.model.gguf_file import GGUFError
 
 
 class AcceleratorStage(GgmlStage):
@@ -47,27 +41,14 @@ class AcceleratorStage(GgmlStage):
 
     def __init__(self, path: str, layers: LayerRange, lane: str, device_index: int = 0, n_ctx: int = 0,
                  n_ubatch: int = 512) -> None:
-        # The same steps as GgmlStage.__init__ except the backend and the copy of the weights; the CPU
-        # constructor is left untouched so the CPU path cannot change through this class.
+        # The backend first: a lane or device that is not here fails before the file is read.
         backend = accelerator_backend(lane, device_index)
-        reader = open_gguf(path)
-        self.cfg = ModelConfig.from_reader(reader)
-        if layers.end > self.cfg.n_layer:
-            raise GGUFError(f"layer range [{layers.start}, {layers.end}) is outside the model, which has "
-                            f"{self.cfg.n_layer} layers [0, {self.cfg.n_layer})")
         self.lane = lane
         self.device_index = device_index
         self.device = accelerator_devices(lane)[device_index]
-        self.layers = layers
-        self.is_head = layers.is_head()
-        self.is_tail = layers.is_tail(self.cfg.n_layer)
-        self.n_ctx = n_ctx or min(self.cfg.n_ctx_train, DEFAULT_MAX_CTX)
-        self.n_ubatch = max(1, n_ubatch)
-        self.backend = backend
-        selection = stage_tensor_names(reader, layers, self.cfg.n_layer)
-        self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=False)
-        drop_pages(reader)  # the device holds the weights now; the file pages read to copy them can go
-        # new_session() (inherited) allocates each KVCache with self.backend: in device memory too.
+        # Weights copied into device memory, then the file pages read to copy them dropped;
+        # new_session() (inherited) allocates each KVCache with this backend: in device memory too.
+        super().__init__(path, layers, n_ctx=n_ctx, n_ubatch=n_ubatch, use_mmap=False, backend=backend)
 
     def device_memory(self) -> tuple[int, int]:
         """(free, total) bytes of this stage's device now."""

@@ -51,6 +51,9 @@ class SessionKV:
 class GgmlStage:
     """Layers ``[start, end)`` of a GGUF model, loaded as stored into a ggml CPU backend.
 
+    ``backend`` replaces the CPU backend (an accelerator's, from ``accelerator_backend``); a device
+    cannot compute on the host's memory map, so it goes with ``use_mmap=False``.
+
     Raises (constructor):
         FileNotFoundError: no such file.
         GGUFError: not GGUF, truncated, unsupported architecture or tensor type, or a layer range
@@ -58,7 +61,7 @@ class GgmlStage:
     """
 
     def __init__(self, path: str, layers: LayerRange, n_threads: int = 2, n_ctx: int = 0,
-                 n_ubatch: int = 512, use_mmap: bool = True) -> None:
+                 n_ubatch: int = 512, use_mmap: bool = True, backend=None) -> None:
         reader = open_gguf(path)
         self.cfg = ModelConfig.from_reader(reader)
         if layers.end > self.cfg.n_layer:
@@ -69,7 +72,7 @@ class GgmlStage:
         self.is_tail = layers.is_tail(self.cfg.n_layer)
         self.n_ctx = n_ctx or min(self.cfg.n_ctx_train, DEFAULT_MAX_CTX)
         self.n_ubatch = max(1, n_ubatch)
-        self.backend = cpu_backend(n_threads)
+        self.backend = backend if backend is not None else cpu_backend(n_threads)
         selection = stage_tensor_names(reader, layers, self.cfg.n_layer)
         self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=use_mmap)
         if not use_mmap:
