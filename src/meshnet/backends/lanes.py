@@ -168,18 +168,26 @@ def _vulkan_include_dirs() -> list[str]:
 VULKAN_HEADERS_NEED = ("VK_EXT_layer_settings", "1.3.272")
 
 
+def _vulkan_core_h(include_dir: Path) -> str:
+    """The text of ``include_dir/vulkan/vulkan_core.h``. Raises OSError when it cannot be read."""
+    return (include_dir / "vulkan" / "vulkan_core.h").read_text(errors="replace")
+
+
+def _headers_version(core_h: str) -> str | None:
+    complete = re.search(r"#define VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION\(\d+,\s*(\d+),\s*(\d+),", core_h)
+    patch = re.search(r"#define VK_HEADER_VERSION (\d+)", core_h)
+    if not (complete and patch):
+        return None
+    return f"{complete.group(1)}.{complete.group(2)}.{patch.group(1)}"
+
+
 def vulkan_headers_version(include_dir: Path) -> str | None:
     """``1.MINOR.PATCH`` of the Vulkan headers under ``include_dir`` (from VK_HEADER_VERSION_COMPLETE and
     VK_HEADER_VERSION in vulkan/vulkan_core.h), None when they cannot be read."""
     try:
-        text = (include_dir / "vulkan" / "vulkan_core.h").read_text(errors="replace")
+        return _headers_version(_vulkan_core_h(include_dir))
     except OSError:
         return None
-    complete = re.search(r"#define VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION\(\d+,\s*(\d+),\s*(\d+),", text)
-    patch = re.search(r"#define VK_HEADER_VERSION (\d+)", text)
-    if not (complete and patch):
-        return None
-    return f"{complete.group(1)}.{complete.group(2)}.{patch.group(1)}"
 
 
 def vulkan_headers_problem(include_dir: Path) -> str | None:
@@ -187,12 +195,12 @@ def vulkan_headers_problem(include_dir: Path) -> str | None:
     cannot build ggml-vulkan, or None."""
     ext, first = VULKAN_HEADERS_NEED
     try:
-        text = (include_dir / "vulkan" / "vulkan_core.h").read_text(errors="replace")
+        text = _vulkan_core_h(include_dir)
     except OSError as e:
         return f"cannot read {include_dir / 'vulkan' / 'vulkan_core.h'}: {e.strerror}"
     if f"#define {ext} 1" in text:
         return None
-    version = vulkan_headers_version(include_dir) or "of unknown version"
+    version = _headers_version(text) or "of unknown version"
     return (f"the Vulkan headers under {include_dir} ({version}) lack {ext}, which ggml-vulkan needs: "
             f"set VULKAN_SDK to a Vulkan SDK with headers {first} or newer")
 
