@@ -39,13 +39,12 @@ N_DECODE_MESH = 16
 N_GEN_DEVICE = 16
 
 
-def _certify_here() -> dict:
+def _certify_here() -> None:
     """Certify LANE into this run's MESHNET_CACHE_DIR (node subprocesses read the same one)."""
     from meshnet.backends.certify import certify
 
     res = certify(LANE, str(TINY))
     assert res.passed, res.reason
-    return res.to_dict()
 
 
 def _device_stage(path, layers: LayerRange):
