@@ -2,7 +2,7 @@
 # Build ggml-python (the ggml engine's C library) for one lane, into a virtual environment.
 #
 # usage: scripts/build_ggml_lane.sh [--venv DIR] [--dry-run] LANE
-#   LANE       cpu | cuda | rocm | vulkan | metal
+#   LANE       cpu | cpu-avx2 | cuda | rocm | vulkan | metal
 #   --venv     the environment to install into (default .venv; it must exist, e.g. from scripts/setup.sh)
 #   --dry-run  print the exact install command and exit 0; the toolchain check is skipped (a note on
 #              stderr says what it would find)
@@ -16,6 +16,10 @@
 #   vulkan  -DGGML_VULKAN=on   needs glslc on PATH, the Vulkan headers (1.3.272 or newer; $VULKAN_SDK/include
 #                              first) and the Vulkan loader
 #   metal   -DGGML_METAL=on    needs macOS and xcrun (Xcode command line tools)
+# and one CPU variant, the cpu lane with its kernels fixed instead of tuned to this machine:
+#   cpu-avx2  -DGGML_NATIVE=OFF with AVX, AVX2, FMA, F16C and BMI2 on and AVX512 off: on an AVX-512
+#             machine it runs the kernels of an AVX2 machine, so the AVX2 goldens hold exactly there too
+#             (scripts/test_cpu_variants.sh runs the suite under both builds)
 # Inherited CMAKE_ARGS / SKBUILD_CMAKE_ARGS / SKBUILD_CMAKE_DEFINE are cleared first, so nothing else
 # leaks into a lane and the cpu lane really is the default.
 #
@@ -62,9 +66,12 @@ case "$LANE" in
   rocm) SWITCH="-DGGML_HIP=on" ;;
   vulkan) SWITCH="-DGGML_VULKAN=on" ;;
   metal) SWITCH="-DGGML_METAL=on" ;;
-  "") echo "error: which lane? cpu, cuda, rocm, vulkan or metal" >&2; usage ;;
-  *) echo "error: unknown lane '$LANE'; expected cpu, cuda, rocm, vulkan or metal" >&2; exit 2 ;;
+  cpu-avx2) SWITCH="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF" ;;
+  "") echo "error: which lane? cpu, cpu-avx2, cuda, rocm, vulkan or metal" >&2; usage ;;
+  *) echo "error: unknown lane '$LANE'; expected cpu, cpu-avx2, cuda, rocm, vulkan or metal" >&2; exit 2 ;;
 esac
+# A CPU variant is the cpu lane to meshnet (same backend, same checks); only its switches differ.
+BASE_LANE="${LANE%%-*}"
 
 PY="$VENV/bin/python"
 PIP_ARGS=(-m pip install --force-reinstall --no-deps --no-cache-dir --no-binary ggml-python
@@ -82,7 +89,8 @@ if [ "$LANE" = vulkan ] && [ -n "${VULKAN_SDK:-}" ]; then
   LANE_ENV+="VULKAN_SDK=$VULKAN_SDK "
 fi
 if [ -n "$SWITCH" ]; then
-  COMMAND="${LANE_ENV}CMAKE_ARGS=$SWITCH $PY ${PIP_ARGS[*]}"
+  if [[ "$SWITCH" == *" "* ]]; then QUOTED="\"$SWITCH\""; else QUOTED="$SWITCH"; fi
+  COMMAND="${LANE_ENV}CMAKE_ARGS=$QUOTED $PY ${PIP_ARGS[*]}"
 else
   COMMAND="$PY ${PIP_ARGS[*]}"
 fi
@@ -92,7 +100,7 @@ fi
 HOST_PY="${PYTHON:-python3}"
 toolchain_problem() {
   local out rc=0
-  out="$(PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "$HOST_PY" -m meshnet.backends.lanes toolchain "$LANE")" || rc=$?
+  out="$(PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "$HOST_PY" -m meshnet.backends.lanes toolchain "$BASE_LANE")" || rc=$?
   if [ "$rc" -eq 3 ]; then echo "$out"; return 0; fi
   if [ "$rc" -ne 0 ]; then echo "the toolchain check itself failed (status $rc) with $HOST_PY"; return 0; fi
   return 1
@@ -125,5 +133,5 @@ if [ -n "$SWITCH" ]; then
 else
   "$PY" "${PIP_ARGS[@]}"
 fi
-PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m meshnet.backends.lanes record "$LANE" \
+PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m meshnet.backends.lanes record "$BASE_LANE" \
   --cmake-args="$SWITCH" --command="$COMMAND"

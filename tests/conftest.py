@@ -1,14 +1,16 @@
-"""Shared fixtures: where the golden files and the real models are."""
+"""Shared fixtures: where the golden files and the real models are, which golden set holds for the CPU
+kernels of the ggml that runs here, and the single-process reference mesh tests compare with."""
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from meshnet.backends.cpu_features import describe, ggml_cpu_features
+from meshnet.backends.golden_sets import select_golden_set
 from meshnet.model.bundled import ModelNotFound, resolve_model
 
 # Node keys, the tracker's default ledger and certification results go to a scratch home for the
@@ -17,16 +19,43 @@ _SCRATCH = tempfile.mkdtemp(prefix="meshnet-tests-")
 for _var in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "MESHNET_CACHE_DIR"):
     os.environ[_var] = os.path.join(_SCRATCH, _var.lower())
 
-GOLDEN_DIR = Path(__file__).resolve().parents[2] / "shared" / "golden"
+# $MESHNET_GOLDEN_DIR points the tests (and meshnet itself) at another golden folder, e.g. one holding
+# only another CPU's set, to exercise rule 3 on real numbers.
+GOLDEN_DIR = Path(os.environ.get("MESHNET_GOLDEN_DIR") or Path(__file__).resolve().parents[2] / "shared" / "golden")
 TINY_MODELS = sorted(p.stem for p in (GOLDEN_DIR / "models").glob("*.gguf"))
+# The goldens made with the SIMD features of the ggml running here, or the closest set, to be checked
+# by the golden README's rule 3 (GOLDEN_SET.exact is False); None without ../shared/golden.
+GOLDEN_SET = select_golden_set(GOLDEN_DIR, ggml_cpu_features()) if GOLDEN_DIR.is_dir() else None
+
+
+def golden_exact() -> bool:
+    """True when the goldens were made with exactly this ggml's CPU features (every id holds)."""
+    return GOLDEN_SET is not None and GOLDEN_SET.exact
 
 
 def load_golden(name: str) -> dict:
-    """A golden JSON by model name; skips the calling test when ../shared/golden is absent."""
-    path = GOLDEN_DIR / f"{name}.json"
-    if not path.is_file():
-        pytest.skip(f"golden file {path} not found")
-    return json.loads(path.read_text())
+    """A golden JSON by model name from :data:`GOLDEN_SET`; skips the calling test when
+    ../shared/golden (or that model's golden) is absent."""
+    if GOLDEN_SET is None:
+        pytest.skip(f"golden files not found at {GOLDEN_DIR}")
+    golden = GOLDEN_SET.load(name)
+    if golden is None:
+        pytest.skip(f"golden file {GOLDEN_SET.path(name)} not found")
+    return golden
+
+
+def _golden_line() -> str:
+    rule = GOLDEN_SET.rule if GOLDEN_SET is not None else f"none: {GOLDEN_DIR} not found, golden tests skip"
+    return f"ggml CPU kernels: {describe(ggml_cpu_features())}; llama.cpp goldens: {rule}"
+
+
+def pytest_report_header(config):
+    return _golden_line()
+
+
+def pytest_terminal_summary(terminalreporter):
+    # Also under -q (which hides the header): a red run on a new machine says which goldens it used.
+    terminalreporter.write_line(_golden_line())
 
 
 @pytest.fixture(scope="session")
@@ -58,6 +87,16 @@ def tok(smollm2_path):
     from meshnet.tokenizer import GGUFTokenizer
 
     return GGUFTokenizer.from_gguf(str(smollm2_path))
+
+
+@pytest.fixture(scope="session")
+def solo(smollm2_path):
+    """Greedy ids of the bundled model in one process on this machine (see solo_reference), computed
+    once per test session: what every split, failover and concurrency test must reproduce."""
+    from meshnet.tokenizer import GGUFTokenizer
+    from solo_reference import SoloReference
+
+    return SoloReference(smollm2_path, GGUFTokenizer.from_gguf(str(smollm2_path)))
 
 
 @pytest.fixture

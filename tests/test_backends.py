@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GOLDEN_DIR
+from conftest import GOLDEN_DIR, golden_exact, load_golden
 from meshnet.backends import ACCELERATOR_LANES, LANE_NAMES, lanes
 from meshnet.backends.certify import certify
 from meshnet.backends.errors import BackendUnavailable
@@ -153,13 +153,14 @@ def test_cpu_lane_certified_by_a_real_logit_comparison_with_llama_cpp(cache_dir)
     assert before.state == "built" and "not certified" in before.reason
 
     res = certify("cpu", str(TINY))
-    golden = json.loads((GOLDEN_DIR / "tiny-llama-q8_0.json").read_text())
+    golden = load_golden("tiny-llama-q8_0")  # the set for this ggml's CPU features, as certify picks it
     assert res.passed and res.state == "certified", res.reason
     assert res.reference == "llama.cpp golden tiny-llama-q8_0"
     assert res.logit_atol == golden["tolerance"]["logit_atol"]
     assert res.n_values == 360 and res.n_positions == 36  # 4 prompts x 9 positions x top-10
     assert 0 <= res.max_dev < res.logit_atol and res.mean_dev <= res.logit_mean_atol
-    assert res.max_dev < 1e-3  # ggml's own kernels: llama.cpp's logits to their printed precision
+    if golden_exact():  # ggml's own kernels on llama.cpp's features: its logits to their printed precision
+        assert res.max_dev < 1e-3
     assert res.top1_checked > 0 and res.top1_mismatches == 0
 
     rec = json.loads((cache_dir / "certifications.json").read_text())["entries"][res.key]

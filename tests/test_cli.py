@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from conftest import GOLDEN_DIR, load_golden
+from conftest import GOLDEN_DIR, golden_exact, load_golden
+from golden_check import assert_greedy_matches
+from solo_reference import PROMPTS
 
 TINY = GOLDEN_DIR / "models" / "tiny-qwen2-q4_0.gguf"
 
@@ -25,21 +27,20 @@ def _json_line(proc: subprocess.CompletedProcess) -> dict:
 
 @pytest.mark.skipif(not TINY.is_file(), reason="tiny models not found")
 def test_generate_json_on_tiny_model_matches_llama_cpp():
-    golden = load_golden("tiny-qwen2-q4_0")["prompts"][3]
+    golden = load_golden("tiny-qwen2-q4_0")
     out = _json_line(meshnet("generate", "--model", str(TINY), "--layers", "0:1,1:3,3:4", "--temperature", "0",
-                             "--max-tokens", "64", "--ignore-eos", "--json", golden["prompt"]))
-    assert out["prompt_token_ids"] == golden["prompt_ids"]
-    assert out["generated_token_ids"] == golden["greedy_ids"]
+                             "--max-tokens", "64", "--ignore-eos", "--json", golden["prompts"][3]["prompt"]))
+    assert out["prompt_token_ids"] == golden["prompts"][3]["prompt_ids"]
+    assert len(out["generated_token_ids"]) == 64
+    assert_greedy_matches(golden, 3, out["generated_token_ids"], golden_exact())
     assert out["layers"] == ["0:1", "1:3", "3:4"]
     assert out["finish_reason"] == "length"
 
 
-def test_generate_bundled_model_three_stages(smollm2_path):
-    golden = load_golden("SmolLM2-135M-Instruct.Q4_1")["prompts"][0]
-    proc = meshnet("generate", "--stages", "3", "--temperature", "0", "--max-tokens", "12", "--json",
-                   golden["prompt"])
+def test_generate_bundled_model_three_stages(solo):
+    proc = meshnet("generate", "--stages", "3", "--temperature", "0", "--max-tokens", "12", "--json", PROMPTS[0])
     out = _json_line(proc)
-    assert out["generated_token_ids"] == golden["greedy_ids"][:12]
+    assert out["generated_token_ids"] == solo.greedy(0, 12)
     assert out["text"].startswith(" Paris.")
     assert proc.stdout.startswith(" Paris.")  # streamed before the JSON line
     assert out["timings"]["decode_tokens_per_s"] > 0

@@ -3,6 +3,9 @@
 Checks per model and prompt: tokenizer ids, logits at the recorded positions (prompt batch then one
 decode per generated token, the way llama.cpp produced them) within the stated tolerance, top-1 at every
 prompt position with a clear margin, and 64 free-running greedy ids.
+
+The goldens come from the set made with this ggml's CPU features (``conftest.GOLDEN_SET``). With such a
+set the tests demand every greedy id (and SmolLM2's logits to 1e-4); with none, the README's rule 3.
 """
 
 from __future__ import annotations
@@ -10,10 +13,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import TINY_MODELS, load_golden
-from golden_check import N_GEN, check_against_golden, cpu_stage, forward
+from conftest import GOLDEN_SET, TINY_MODELS, golden_exact, load_golden
+from golden_check import N_GEN, assert_greedy_matches, check_against_golden, cpu_stage, forward
 from meshnet.contract import LayerRange, split_layers
 from meshnet.engine.ggml_engine import GgmlStage
+
+# Gemma 3 270M prompts whose 64 greedy ids equal llama.cpp's, per golden set (see the test).
+GEMMA_FULL_MATCH = {"top": (0, 3), "avx512": (1, 3)}
+
 
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_tiny_model_matches_llama_cpp(golden_dir, name):
@@ -26,25 +33,37 @@ def test_tiny_model_matches_llama_cpp(golden_dir, name):
 
 def test_smollm2_matches_llama_cpp_bit_for_bit(smollm2_path, golden_dir):
     report = check_against_golden(smollm2_path, load_golden("SmolLM2-135M-Instruct.Q4_1"), n_stages=3)
+    if not golden_exact():
+        return  # rule 3, asserted above: no golden was made with this ggml's CPU features
     # Q4_1 runs the same ggml kernels as llama.cpp: all 64 greedy ids of all prompts, logits to the
     # golden's printed precision.
     assert report["greedy_equal"] == [N_GEN] * 4
     assert report["max_dev"] < 1e-4
 
 
+def test_solo_reference_matches_llama_cpp(solo, golden_dir):
+    """The single-process run every mesh test compares with (the generation loop over one in-process
+    stage) is llama.cpp's greedy output for the running CPU features: so mesh == solo == llama.cpp."""
+    golden = load_golden("SmolLM2-135M-Instruct.Q4_1")
+    for i, p in enumerate(golden["prompts"]):
+        assert solo.prompt_ids(i) == p["prompt_ids"]
+        assert_greedy_matches(golden, i, solo.greedy(i), golden_exact())
+
+
 @pytest.mark.gemma
 def test_gemma3_270m_matches_llama_cpp(gemma_path, golden_dir):
     report = check_against_golden(gemma_path, load_golden("gemma-3-270m-q4_k_m"), n_stages=2)
-    # llama.cpp repacks Q4_K weights for AVX2 and so runs a differently ordered kernel than the plain
-    # ggml CPU kernels here; prompts 1 and 2 part ways at golden near-ties (checked above), which the
-    # golden README's rule 4 allows. Prompts 0 and 3 match all the way.
-    assert report["greedy_equal"][0] == N_GEN and report["greedy_equal"][3] == N_GEN
+    # llama.cpp repacks Q4_K weights and so runs a differently ordered kernel than the plain ggml CPU
+    # kernels here: some prompts part ways at golden near-ties (rule 3, checked above), which the golden
+    # README's rule 4 allows. Which prompts still match all the way was measured per golden set: on AVX2
+    # prompts 0 and 3; on AVX-512 prompts 1 and 3 (0 and 2 part at steps 4 and 60, margins 0.015, 0.042).
+    full = GEMMA_FULL_MATCH.get(GOLDEN_SET.name, ()) if golden_exact() else ()
+    assert [report["greedy_equal"][i] for i in full] == [N_GEN] * len(full)
 
 
-def test_one_two_three_stages_bit_identical(smollm2_path):
+def test_one_two_three_stages_bit_identical(smollm2_path, solo):
     """Splitting the 30 layers into 1, 2 or 3 ranges changes no bit of the logits or tokens."""
-    golden = load_golden("SmolLM2-135M-Instruct.Q4_1")
-    ids = golden["prompts"][1]["prompt_ids"]
+    ids = solo.prompt_ids(1)
     results = []
     for n_stages in (1, 2, 3):
         stages = [cpu_stage(smollm2_path, r) for r in split_layers(30, n_stages)]
@@ -61,7 +80,7 @@ def test_one_two_three_stages_bit_identical(smollm2_path):
     for logits, toks in results[1:]:
         assert toks == results[0][1]
         assert np.array_equal(logits, results[0][0])
-    assert results[0][1] == golden["prompts"][1]["greedy_ids"][:16]
+    assert results[0][1] == solo.greedy(1, 16)
 
 
 def test_layer_range_selects_only_its_tensors(smollm2_path):

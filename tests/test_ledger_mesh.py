@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from conftest import load_golden
 from mesh_util import HEARTBEAT_S, Mesh
+from solo_reference import PROMPTS
 from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import GREEDY
 from meshnet.generation import Generation
@@ -18,7 +18,6 @@ from meshnet.ledger.store import Ledger
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.tracker.service import serve_tracker
 
-GOLDEN = "SmolLM2-135M-Instruct.Q4_1"
 N_TOKENS = 64
 KILL_AFTER = 10
 
@@ -70,22 +69,22 @@ def wait_until(fn, what: str, timeout: float = 15.0):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("restart_tracker", [False, True], ids=["steady-tracker", "tracker-restarted"])
-def test_failover_credits_each_node_its_own_steps_and_charges_64_tokens(tmp_path, monkeypatch, tok, smollm2_path,
+def test_failover_credits_each_node_its_own_steps_and_charges_64_tokens(tmp_path, monkeypatch, tok, solo,
                                                                          restart_tracker):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))  # the nodes' identity files
     mesh = LedgerMesh(f"sqlite:///{tmp_path / 'ledger.db'}")
     try:
         head, mid, spare, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-spare", "10:20"),
                                                    ("d-tail", "20:30")])
-        golden = load_golden(GOLDEN)["prompts"][0]
-        n = len(golden["prompt_ids"])
+        prompt_ids = solo.prompt_ids(0)
+        n = len(prompt_ids)
         client = MeshClient(mesh.tracker, client_id="alice")
         _, route = client.route()
         victim, replacement = (mid, spare) if mid.node_id in {h.node_id for h in route} else (spare, mid)
         # Layers per range: 10 of 30. Token 1 comes from the prefill, tokens 2..10 from 9 decode steps.
         before_kill = (n * 10, (KILL_AFTER - 1) * 10, KILL_AFTER)
 
-        gen = Generation(client, tok, golden["prompt_ids"], N_TOKENS, GREEDY, stop_at_eog=False)
+        gen = Generation(client, tok, prompt_ids, N_TOKENS, GREEDY, stop_at_eog=False)
         for i, _ in enumerate(gen, start=1):
             if restart_tracker and i == KILL_AFTER // 2:
                 mesh.restart_tracker()
@@ -94,7 +93,7 @@ def test_failover_credits_each_node_its_own_steps_and_charges_64_tokens(tmp_path
                 # so the numbers below are exact.
                 wait_until(lambda: mesh.balances().get(victim.node_id) == before_kill, "the victim's reports")
                 victim.kill()
-        assert gen.result.generated_token_ids == golden["greedy_ids"][:N_TOKENS]
+        assert gen.result.generated_token_ids == solo.greedy(0, N_TOKENS)
         assert client.failovers == 1
         client.close()  # reports the last delivered tokens
         assert client.deliveries.pending == 0
@@ -120,7 +119,7 @@ def test_failover_credits_each_node_its_own_steps_and_charges_64_tokens(tmp_path
         mesh.close()
 
 
-def test_cli_generation_is_charged_and_shown_by_meshnet_ledger(tmp_path, monkeypatch, smollm2_path):
+def test_cli_generation_is_charged_and_shown_by_meshnet_ledger(tmp_path, monkeypatch, solo):
     """``meshnet generate --tracker`` exits right after its last token; its deliveries still arrive, and
     ``meshnet ledger`` shows the balances."""
     import json
@@ -131,14 +130,13 @@ def test_cli_generation_is_charged_and_shown_by_meshnet_ledger(tmp_path, monkeyp
     mesh = LedgerMesh(f"sqlite:///{tmp_path / 'ledger.db'}")
     try:
         mesh.start_nodes([("a-head", "0:15"), ("d-tail", "15:30")])
-        golden = load_golden(GOLDEN)["prompts"][0]
         proc = subprocess.run([sys.executable, "-m", "meshnet.cli", "generate", "--tracker", mesh.tracker,
-                               "--temperature", "0", "--max-tokens", "8", "--ignore-eos", golden["prompt"]],
+                               "--temperature", "0", "--max-tokens", "8", "--ignore-eos", PROMPTS[0]],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         [(client_id, charge)] = mesh.charges().items()
         assert client_id.startswith("client-") and charge == (8, 1)
-        n = len(golden["prompt_ids"])
+        n = len(solo.prompt_ids(0))
         wait_until(lambda: mesh.balances() == {"a-head": (n * 15, 7 * 15, 8), "d-tail": (n * 15, 7 * 15, 8)},
                    "both nodes' reports")
         code = ("import sys; from meshnet.ledger.cli import add_ledger_parser; import argparse; "

@@ -233,6 +233,10 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
     stub.Register(me.sign(info), timeout=5)
     stub.Heartbeat(me.sign(pb.HeartbeatRequest(node_id=me.node_id, active_sessions=3)), timeout=5)
     stub.Register(node_info("legacy", 15, 30), timeout=5)
+    cpu_node = node_info("cpu-node", 15, 30)
+    cpu_node.device.CopyFrom(pb.DeviceInfo(name="CPU", description="AMD EPYC", type="cpu", memory_total_bytes=8 << 30,
+                                           cpu_features=["SSE3", "AVX", "AVX2", "FMA", "AVX512", "AVX512_VNNI"]))
+    stub.Register(cpu_node, timeout=5)
     parser = argparse.ArgumentParser(prog="meshnet")
     add_nodes_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["nodes", "--tracker", f"127.0.0.1:{state['port']}"])
@@ -249,6 +253,8 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
     assert cells[me.node_id][8].endswith("s") and float(cells[me.node_id][8][:-1]) < 5
     assert cells[me.node_id][10:] == ["yes", "127.0.0.1:9", "Radeon", "(3.0/8.0", "GiB", "free)"]
     assert cells["legacy"][10:] == ["no", "127.0.0.1:9", "-"]
+    # A CPU node shows which SIMD kernels it runs (beyond what AVX2 implies): exact ids need the same.
+    assert cells["cpu-node"][12:17] == ["AMD", "EPYC", "[AVX2", "AVX512", "AVX512_VNNI]"]
 
     args = parser.parse_args(["nodes", "--tracker", f"127.0.0.1:{state['port']}", "--json"])
     out = io.StringIO()
@@ -258,7 +264,8 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
     assert nodes[me.node_id]["layers"] == [0, 15] and nodes[me.node_id]["active_sessions"] == 3
     assert nodes[me.node_id]["relay"] == "direct" and nodes["legacy"]["signed"] is False
     assert nodes[me.node_id]["device"] == {"name": "Vulkan0", "description": "Radeon", "type": "gpu",
-                                           "memory_total_bytes": 8 << 30, "index": 0}
+                                           "memory_total_bytes": 8 << 30, "index": 0, "cpu_features": []}
+    assert nodes["cpu-node"]["device"]["cpu_features"] == ["SSE3", "AVX", "AVX2", "FMA", "AVX512", "AVX512_VNNI"]
     assert nodes[me.node_id]["free_memory_bytes"] == 3 << 30 and nodes["legacy"]["device"] is None
 
     # An unreachable tracker is an error message, not a trace.

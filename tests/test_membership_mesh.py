@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from mesh_util import HEARTBEAT_S, Mesh, rpc_code
+from meshnet.backends.cpu_features import ggml_cpu_features
 from meshnet.membership.identity import NodeIdentity, load_identity
 from meshnet.proto import meshnet_pb2 as pb
 
@@ -52,6 +53,8 @@ def test_nodes_sign_and_cannot_be_impersonated_or_deregistered(mesh, tmp_path, s
         host_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         assert {(s.info.device.name, s.info.device.type, s.info.device.memory_total_bytes)
                 for s in listed.values()} == {("CPU", "cpu", host_bytes)}
+        # ...and the SIMD features its ggml's CPU kernels were compiled with, as ggml itself reports them.
+        assert {tuple(s.info.device.cpu_features) for s in listed.values()} == {ggml_cpu_features()}
         assert all(0 < s.info.free_memory_bytes <= host_bytes for s in listed.values())
 
         attacker = NodeIdentity.generate()

@@ -7,13 +7,10 @@ import time
 
 import pytest
 
-from conftest import load_golden
 from meshnet.client.mesh_client import MeshClient, MeshUnavailable
 from meshnet.contract import GREEDY, LayerRange, Status, StepRequest
 from meshnet.generation import Generation
 from meshnet.local_mesh import load_local_chain
-
-GOLDEN = "SmolLM2-135M-Instruct.Q4_1"
 
 
 def _run_killing(client, tok, prompt_ids, kill, after: int = 10, n: int = 64) -> list[int]:
@@ -24,25 +21,23 @@ def _run_killing(client, tok, prompt_ids, kill, after: int = 10, n: int = 64) ->
     return gen.result.generated_token_ids
 
 
-def test_kill_middle_node_with_spare_equals_uninterrupted_run(mesh, tok, smollm2_path):
+def test_kill_middle_node_with_spare_equals_uninterrupted_run(mesh, tok, solo):
     head, mid, spare, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-spare", "10:20"),
                                                ("d-tail", "20:30")])
-    golden = load_golden(GOLDEN)["prompts"][0]
     client = MeshClient(mesh.tracker)
     _, route = client.route()
     in_route = {h.node_id for h in route}
     victim = mid if mid.node_id in in_route else spare
-    out = _run_killing(client, tok, golden["prompt_ids"], victim.kill)
-    assert out == golden["greedy_ids"]
+    out = _run_killing(client, tok, solo.prompt_ids(0), victim.kill)
+    assert out == solo.greedy(0)
     assert client.failovers == 1
     # Every node released the session when the generation ended.
     survivors = [n for n in (head, mid, spare, tail) if n is not victim]
     assert [n.active_sessions() for n in survivors] == [0, 0, 0]
 
 
-def test_kill_without_spare_fails_fast_and_survivors_release(mesh, tok):
+def test_kill_without_spare_fails_fast_and_survivors_release(mesh, tok, solo):
     head, mid, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
-    golden = load_golden(GOLDEN)["prompts"][0]
     client = MeshClient(mesh.tracker)
     killed_at = []
 
@@ -51,14 +46,13 @@ def test_kill_without_spare_fails_fast_and_survivors_release(mesh, tok):
         killed_at.append(time.monotonic())
 
     with pytest.raises(MeshUnavailable, match=r"layers \[10, 20\)"):
-        _run_killing(client, tok, golden["prompt_ids"], kill)
+        _run_killing(client, tok, solo.prompt_ids(0), kill)
     assert time.monotonic() - killed_at[0] < 10
     assert head.active_sessions() == 0 and tail.active_sessions() == 0
 
 
-def test_prompts_sessions_and_release_on_one_chain(mesh, smollm2_path):
+def test_prompts_sessions_and_release_on_one_chain(mesh, smollm2_path, solo):
     mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
-    golden = load_golden(GOLDEN)["prompts"][1]
     client = MeshClient(mesh.tracker)
 
     def greedy(prompt, n, sid):
@@ -72,7 +66,7 @@ def test_prompts_sessions_and_release_on_one_chain(mesh, smollm2_path):
             pos += 1
         return out
 
-    ids = golden["prompt_ids"]
+    ids = solo.prompt_ids(1)
     # Prompts of 38 and then 39 tokens on the same chain each equal a fresh single-process run.
     local = load_local_chain(str(smollm2_path), [LayerRange(0, 30)], n_threads=1, progress=False)
     for n in (38, 39):
@@ -92,17 +86,16 @@ def test_prompts_sessions_and_release_on_one_chain(mesh, smollm2_path):
         a.append(client.step(StepRequest("ia", 0, len(ids) + k, (a[-1],)), decode=True).token.token_id)
         b.append(client.step(StepRequest("ib", 0, 40 + k, (b[-1],)), decode=True).token.token_id)
     assert (a, b) == (solo_a, solo_b)
-    assert solo_a == golden["greedy_ids"][:8]
+    assert solo_a == solo.greedy(1, 8)
     # A released session id cannot be decoded.
     client.release("ia")
     res = client.step(StepRequest("ia", 0, len(ids) + 7, (a[-1],)), decode=True)
     assert res.status is Status.NOT_FOUND
 
 
-def test_eight_concurrent_sessions_each_equal_alone(mesh, smollm2_path):
+def test_eight_concurrent_sessions_each_equal_alone(mesh, solo):
     mesh.start_nodes([("a-head", "0:15"), ("d-tail", "15:30")])
-    golden = load_golden(GOLDEN)
-    prompts = [p["prompt_ids"] for p in golden["prompts"]] * 2
+    prompts = [solo.prompt_ids(i) for i in range(4)] * 2
     client = MeshClient(mesh.tracker)
     results: dict[int, list[int]] = {}
 
@@ -123,4 +116,4 @@ def test_eight_concurrent_sessions_each_equal_alone(mesh, smollm2_path):
     for t in threads:
         t.join(120)
     for i in range(8):
-        assert results[i] == golden["prompts"][i % 4]["greedy_ids"][:12], f"session {i}"
+        assert results[i] == solo.greedy(i % 4, 12), f"session {i}"

@@ -12,8 +12,8 @@ import time
 import grpc
 import pytest
 
-from conftest import load_golden
 from mesh_util import HEARTBEAT_S, Mesh, rpc_code
+from solo_reference import PROMPTS
 from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import LayerRange, StepRequest
 from meshnet.local_mesh import load_local_chain
@@ -27,8 +27,7 @@ from meshnet.wire.security import open_channel
 def test_3000_token_prompt_equals_single_process(mesh, smollm2_path):
     mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
     tok = GGUFTokenizer.from_gguf(str(smollm2_path))
-    text = load_golden("SmolLM2-135M-Instruct.Q4_1")["prompts"][1]["prompt"]
-    ids = (tok.encode(text) * 20)[:3000]
+    ids = (tok.encode(PROMPTS[1]) * 20)[:3000]
     client = MeshClient(mesh.tracker)
     local = load_local_chain(str(smollm2_path), [LayerRange(0, 30)], n_threads=2, progress=False)
 
@@ -104,7 +103,7 @@ def test_join_token_required_by_tracker_and_nodes(smollm2_path):
         m.close()
 
 
-def test_meshnet_up_then_generate_through_the_mesh(smollm2_path, tmp_path):
+def test_meshnet_up_then_generate_through_the_mesh(solo, tmp_path):
     port = _free_port()
     up = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "up", "--stages", "3", "--port", str(port),
                            "--api-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -112,19 +111,18 @@ def test_meshnet_up_then_generate_through_the_mesh(smollm2_path, tmp_path):
         line = up.stdout.readline()
         assert line.startswith("MESHNET_UP_READY"), line
         api_url = dict(kv.split("=", 1) for kv in line.split()[1:])["api"]
-        golden = load_golden("SmolLM2-135M-Instruct.Q4_1")["prompts"][0]
         proc = subprocess.run([sys.executable, "-m", "meshnet.cli", "generate", "--tracker", f"127.0.0.1:{port}",
-                               "--temperature", "0", "--max-tokens", "16", "--json", golden["prompt"]],
+                               "--temperature", "0", "--max-tokens", "16", "--json", PROMPTS[0]],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert out["generated_token_ids"] == golden["greedy_ids"][:16]
+        assert out["generated_token_ids"] == solo.greedy(0, 16)
         assert len(out["layers"]) == 3
         # The same mesh answers OpenAI-style requests.
         import openai
 
         api = openai.OpenAI(base_url=api_url, api_key="unused")
-        c = api.completions.create(model="smollm2", prompt=golden["prompt"], max_tokens=5, temperature=0)
+        c = api.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=5, temperature=0)
         assert c.choices[0].text.startswith(" Paris.") and c.usage.completion_tokens == 5
     finally:
         up.send_signal(signal.SIGINT)

@@ -10,7 +10,6 @@ import time
 import grpc
 import numpy as np
 
-from conftest import load_golden
 from mesh_util import rpc_code
 from meshnet.client.mesh_client import MeshClient
 from meshnet.client.relayed import RelayedStage
@@ -21,7 +20,6 @@ from meshnet.membership.identity import NodeIdentity
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.tracker.relay import RelayHub
 
-GOLDEN = "SmolLM2-135M-Instruct.Q4_1"
 
 
 def listening_ports(pid: int) -> list[int]:
@@ -53,7 +51,7 @@ def _route_ids(client, exclude=frozenset()):
     return [(h.node_id, h.relayed) for h in r.hops]
 
 
-def test_relayed_middle_node_opens_no_port_and_matches_golden(mesh, tok, smollm2_path):
+def test_relayed_middle_node_opens_no_port_and_matches_solo_run(mesh, tok, solo):
     head, = mesh.start_nodes([("a-head", "0:10")])
     tail, = mesh.start_nodes([("d-tail", "20:30")])
     mid, = mesh.start_nodes([("b-relay", "10:20")], "smollm2", "--relay")
@@ -65,13 +63,12 @@ def test_relayed_middle_node_opens_no_port_and_matches_golden(mesh, tok, smollm2
     assert listed["b-relay"].relayed and listed["b-relay"].address == "relay:b-relay"
     assert not listed["a-head"].relayed
 
-    golden = load_golden(GOLDEN)["prompts"][0]
     client = MeshClient(mesh.tracker)
     assert _route_ids(client) == [("a-head", False), ("b-relay", True), ("d-tail", False)]
-    gen = Generation(client, tok, golden["prompt_ids"], len(golden["greedy_ids"]), GREEDY, stop_at_eog=False)
+    gen = Generation(client, tok, solo.prompt_ids(0), 64, GREEDY, stop_at_eog=False)
     for _ in gen:
         pass
-    assert gen.result.generated_token_ids == golden["greedy_ids"]
+    assert gen.result.generated_token_ids == solo.greedy(0)
     assert client.failovers == 0
     stage = RelayedStage("b-relay", client._tracker_channel)
     assert stage.health().active_sessions == 0  # released through the relay
@@ -122,19 +119,18 @@ def test_direct_replica_preferred_and_relay_overhead_measured(mesh, smollm2_path
     assert relayed.proc.poll() is None
 
 
-def test_killing_relayed_node_fails_over_to_direct_spare(mesh, tok, smollm2_path):
+def test_killing_relayed_node_fails_over_to_direct_spare(mesh, tok, solo):
     mesh.start_nodes([("a-head", "0:10"), ("d-tail", "20:30")])
     mid, = mesh.start_nodes([("b-relay", "10:20")], "smollm2", "--relay")
-    golden = load_golden(GOLDEN)["prompts"][0]
     client = MeshClient(mesh.tracker)
-    gen = Generation(client, tok, golden["prompt_ids"], 64, GREEDY, stop_at_eog=False)
+    gen = Generation(client, tok, solo.prompt_ids(0), 64, GREEDY, stop_at_eog=False)
     for i, _ in enumerate(gen):
         if i == 0:
             assert [h.node_id for h in client._sessions[gen.session_id].hops] == ["a-head", "b-relay", "d-tail"]
             mesh.start_nodes([("c-spare", "10:20")])  # direct spare joins; the session keeps its route
         if i + 1 == 10:
             mid.kill()
-    assert gen.result.generated_token_ids == golden["greedy_ids"]
+    assert gen.result.generated_token_ids == solo.greedy(0)
     assert client.failovers == 1
     # The dead node's stream is gone: it is out of routes and calls to it are UNAVAILABLE at once.
     assert ("b-relay", True) not in _route_ids(client)
@@ -183,7 +179,7 @@ def test_hub_answers_unavailable_when_a_stream_closes_mid_call():
     assert link2.closed and hub.get("n") is link3
 
 
-def test_relayed_node_reattaches_after_tracker_restart(mesh, tok, smollm2_path):
+def test_relayed_node_reattaches_after_tracker_restart(mesh, tok, solo):
     from meshnet.tracker.service import serve_tracker
 
     mesh.start_nodes([("a-head", "0:10"), ("d-tail", "20:30")])
@@ -201,9 +197,8 @@ def test_relayed_node_reattaches_after_tracker_restart(mesh, tok, smollm2_path):
             pass
         assert time.monotonic() < deadline, "relayed node never reattached"
         time.sleep(0.1)
-    golden = load_golden(GOLDEN)["prompts"][0]
-    gen = Generation(client, tok, golden["prompt_ids"], 8, GREEDY, stop_at_eog=False)
+    gen = Generation(client, tok, solo.prompt_ids(0), 8, GREEDY, stop_at_eog=False)
     for _ in gen:
         pass
-    assert gen.result.generated_token_ids == golden["greedy_ids"][:8]
+    assert gen.result.generated_token_ids == solo.greedy(0, 8)
     client.close()

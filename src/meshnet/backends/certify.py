@@ -2,7 +2,8 @@
 
 ``certify(lane)`` runs a short forward pass on a golden model and compares logits:
 
-* **cpu**: the CPU backend against llama.cpp's golden logits (``../shared/golden/<model>.json``, the
+* **cpu**: the CPU backend against llama.cpp's golden logits (``../shared/golden/<model>.json``, from the
+  set made with this ggml's CPU features when there is one: :mod:`meshnet.backends.golden_sets`; the
   tolerance is the golden's own ``logit_atol`` / ``logit_mean_atol``; top-1 must agree wherever the
   golden margin is at least ``margin_threshold``). Without a golden for the model, against a second
   CPU run, which must be bit-identical (determinism is all that can be proved without a reference).
@@ -20,7 +21,6 @@ libraries, the host and the device, so a rebuild or another device needs a new s
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +29,7 @@ import numpy as np
 
 from meshnet.backends import ACCELERATOR_LANES, LANE_NAMES
 from meshnet.backends import lanes as lanes_mod
+from meshnet.backends.golden_sets import golden_root, running_golden_set
 
 TINY_GOLDEN_MODEL = "tiny-llama-q8_0"
 N_DECODE = 8
@@ -90,19 +91,6 @@ class CertResult:
 
 # ---- model and golden --------------------------------------------------------------------------------
 
-def golden_dir() -> Path | None:
-    """``$MESHNET_GOLDEN_DIR``, else the first ``shared/golden`` above this source file (the project's
-    checkout layout), else None."""
-    env = os.environ.get("MESHNET_GOLDEN_DIR")
-    if env:
-        return Path(env) if Path(env).is_dir() else None
-    for anc in Path(__file__).resolve().parents:
-        cand = anc / "shared" / "golden"
-        if cand.is_dir():
-            return cand
-    return None
-
-
 def default_model() -> str:
     """The golden tiny llama (7 MB, 4 layers: a self-test in well under a second) when the goldens are
     here, else the bundled SmolLM2.
@@ -110,7 +98,7 @@ def default_model() -> str:
     Raises:
         meshnet.model.bundled.ModelNotFound: neither is available.
     """
-    gd = golden_dir()
+    gd = golden_root()
     if gd is not None:
         tiny = gd / "models" / f"{TINY_GOLDEN_MODEL}.gguf"
         if tiny.is_file():
@@ -121,11 +109,13 @@ def default_model() -> str:
 
 
 def golden_for(model_path: str, model_sha256: str) -> dict | None:
-    """The llama.cpp golden JSON recorded for exactly this file (matched by sha256), or None."""
-    gd = golden_dir()
-    if gd is None:
+    """The llama.cpp golden JSON recorded for exactly this file (matched by sha256), from the golden
+    set made with this ggml's CPU features when there is one, else from the closest set (its tolerance
+    covers other kernels' rounding), or None."""
+    gs = running_golden_set()
+    if gs is None:
         return None
-    for cand in (gd / f"{Path(model_path).stem}.json", *sorted(gd.glob("*.json"))):
+    for cand in (gs.path(Path(model_path).stem), *sorted(gs.directory.glob("*.json"))):
         try:
             data = json.loads(cand.read_text())
         except (OSError, ValueError):

@@ -44,9 +44,11 @@ def backends_report(certify: bool = False, lanes: list[str] | None = None, model
     """The report ``meshnet backends --json`` prints.
 
     Returns:
-        ``{"environment": {...}, "lanes": [LaneReport.to_dict(), ...] (all five, table order),
+        ``{"environment": {...}, "goldens": {...} or None, "lanes": [LaneReport.to_dict(), ...] (all five, table order),
         "certified": [lane, ...], "advertisable": [lane, ...], "self_tests": [CertResult.to_dict(), ...]}``.
         ``advertisable`` is what a node may register with a tracker: cpu plus certified accelerators.
+        ``goldens`` says which llama.cpp golden set holds for the CPU kernels here (``{"set", "directory",
+        "exact", "rule"}``; ``set`` None without a golden folder); None when ggml does not load.
     """
     from meshnet.backends import lanes as lanes_mod
 
@@ -59,8 +61,10 @@ def backends_report(certify: bool = False, lanes: list[str] | None = None, model
             tests.append(run_certify(name, model, n_threads=threads, device_index=index).to_dict())
     reports = [r.to_dict() for r in lanes_mod.probe_all(device_index)]
     certified = [r["lane"] for r in reports if r["state"] == "certified"]
+    env = lanes_mod.environment()
     return {
-        "environment": lanes_mod.environment(),
+        "environment": env,
+        "goldens": _golden_report() if env["ggml"]["cpu_features"] is not None else None,
         "lanes": reports,
         "certified": certified,
         "advertisable": ["cpu"] + [n for n in certified if n != "cpu"],
@@ -68,11 +72,24 @@ def backends_report(certify: bool = False, lanes: list[str] | None = None, model
     }
 
 
+def _golden_report() -> dict:
+    from meshnet.backends.golden_sets import running_golden_set
+
+    gs = running_golden_set()
+    if gs is None:
+        return {"set": None, "directory": None, "exact": False, "rule": "no golden folder here"}
+    return {"set": gs.name, "directory": str(gs.directory), "exact": gs.exact, "rule": gs.rule}
+
+
 def format_table(report: dict) -> str:
     env = report["environment"]
     g = env["ggml"]
     lines = [f"ggml-python {g['ggml_python']} (ggml {g['ggml']}), {env['platform']['system']} "
              f"{env['platform']['machine']}, registry: {', '.join(g['registry_backends'] or []) or 'not loadable'}"]
+    if g.get("cpu_features") is not None:
+        lines.append(f"CPU kernels compiled for: {' '.join(g['cpu_features']) or 'no SIMD features'}")
+    if report.get("goldens"):
+        lines.append(f"llama.cpp goldens: {report['goldens']['rule']}")
     width = max(len(n) for n in LANE_NAMES)
     for r in report["lanes"]:
         lines.append(f"{r['lane']:<{width}}  {r['state']:<9}  {r['reason']}")

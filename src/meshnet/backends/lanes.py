@@ -429,26 +429,21 @@ def ggml_python_version() -> str | None:
 @functools.lru_cache(maxsize=1)
 def _ggml_runtime() -> tuple[dict | None, str | None]:
     """Load ggml once: ({"version", "commit", "backends", "devices", "cpu_features"}, None) or
-    (None, the error). Loading fails e.g. when a GPU build's driver library is missing."""
+    (None, the error); ``cpu_features`` are the SIMD features the CPU backend was compiled with, named as
+    llama.cpp's system_info names them. Loading fails e.g. when a GPU build's driver library is missing."""
     try:
         import ggml
 
+        from meshnet.backends.cpu_features import ggml_cpu_features
         from meshnet.engine import ggml_backend as gb
     except Exception as e:  # noqa: BLE001 - any failure to load the C library is reported, not raised
         return None, f"{type(e).__name__}: {e}"
-    features = {}
-    for n in dir(ggml):
-        if n.startswith("ggml_cpu_has_"):
-            try:
-                features[n[len("ggml_cpu_has_"):]] = bool(getattr(ggml, n)())
-            except RuntimeError:  # declared by the bindings, absent from this build
-                pass
     return {
         "version": ggml.ggml_version().decode(),
         "commit": ggml.ggml_commit().decode(),
         "backends": gb.registry_backends(),
         "devices": gb.registry_devices(),
-        "cpu_features": {k: v for k, v in sorted(features.items()) if v},
+        "cpu_features": list(ggml_cpu_features()),
     }, None
 
 
@@ -646,6 +641,7 @@ def environment() -> dict:
             "libraries": installed_libraries(),
             "registry_backends": runtime["backends"] if runtime else None,
             "devices": runtime["devices"] if runtime else [],
+            "cpu_features": runtime["cpu_features"] if runtime else None,
             "load_error": load_error,
         },
         "toolchain": toolchain_versions(),

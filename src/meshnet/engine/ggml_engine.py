@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from meshnet.backends.cpu_features import ggml_cpu_features
 from meshnet.contract import (
     ArtifactId,
     Capabilities,
@@ -172,11 +173,12 @@ class GgmlEngine(ShardEngine):
     @property
     def device(self) -> dict | None:
         """The device the stage computes on: ggml's CPU device (``{"index", "backend", "name",
-        "description", "type", "memory_free_bytes", "memory_total_bytes"}``, memory in bytes); None
-        before load."""
+        "description", "type", "memory_free_bytes", "memory_total_bytes", "cpu_features"}``, memory in
+        bytes, ``cpu_features`` the SIMD features its kernels were compiled with); None before load."""
         if self.stage is None:
             return None
-        return next((d for d in registry_devices() if d["backend"] == "CPU"), None)
+        dev = next((d for d in registry_devices() if d["backend"] == "CPU"), None)
+        return None if dev is None else {**dev, "cpu_features": list(ggml_cpu_features())}
 
     def _new_state(self, session_id: str) -> SessionKV:
         assert self.stage is not None and self._spec is not None

@@ -40,8 +40,15 @@ def _device_cell(info: pb.NodeInfo) -> str:
         return "-"
     d = info.device
     gib = 1 << 30
-    return (f"{d.description or d.name} "
+    kernels = f" [{_kernels(d.cpu_features)}]" if d.cpu_features else ""
+    return (f"{d.description or d.name}{kernels} "
             f"({info.free_memory_bytes / gib:.1f}/{d.memory_total_bytes / gib:.1f} GiB free)")
+
+
+def _kernels(features) -> str:
+    """The CPU kernels' features without those AVX2 implies (``AVX2``, ``AVX2 AVX512 AVX512_VNNI ...``)."""
+    implied = {"SSE3", "SSSE3", "AVX", "F16C", "FMA", "BMI2"} if "AVX2" in features else set()
+    return " ".join(f for f in features if f not in implied)
 
 
 def nodes_dict(reply: pb.NodeList) -> dict:

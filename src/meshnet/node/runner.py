@@ -218,7 +218,8 @@ class Node:
             return None
         return pb.DeviceInfo(name=dev["name"], description=dev["description"], type=dev["type"],
                              memory_total_bytes=dev["memory_total_bytes"],
-                             index=getattr(self.engine, "device_index", 0))
+                             index=getattr(self.engine, "device_index", 0),
+                             cpu_features=dev.get("cpu_features", ()))
 
     def start(self) -> None:
         if self.server is not None:

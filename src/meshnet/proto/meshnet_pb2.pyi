@@ -195,18 +195,20 @@ class MetricsReply(_message.Message):
     def __init__(self, prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., errors: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
-    __slots__ = ("name", "description", "type", "memory_total_bytes", "index")
+    __slots__ = ("name", "description", "type", "memory_total_bytes", "index", "cpu_features")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    CPU_FEATURES_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     type: str
     memory_total_bytes: int
     index: int
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., type: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+    cpu_features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., type: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., index: _Optional[int] = ..., cpu_features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "address", "model", "layers", "engine", "backend", "protocol_major", "protocol_minor", "free_memory_bytes", "decode_tokens_per_s", "max_sessions", "data_address", "relayed", "device", "public_key", "signature", "timestamp")

@@ -35,7 +35,7 @@ class RegisteredNode:
         protocol_major, protocol_minor: the version the node registered with.
         free_memory_bytes: what the node reported at registration (0 = not reported).
         device: the device the node computes on as it registered it (``{"name", "description",
-            "type", "memory_total_bytes", "index"}``, memory in bytes); None when it registered none.
+            "type", "memory_total_bytes", "index", "cpu_features"}``, memory in bytes); None when it registered none.
     """
 
     record: NodeRecord

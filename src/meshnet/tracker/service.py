@@ -119,10 +119,11 @@ def info_from_status(s: RegisteredNode) -> pb.NodeInfo:
 
 
 def device_dict(info: pb.NodeInfo) -> dict:
-    """``info.device`` as plain data: ``{"name", "description", "type", "memory_total_bytes", "index"}``."""
+    """``info.device`` as plain data: ``{"name", "description", "type", "memory_total_bytes", "index",
+    "cpu_features"}``."""
     d = info.device
     return {"name": d.name, "description": d.description, "type": d.type,
-            "memory_total_bytes": d.memory_total_bytes, "index": d.index}
+            "memory_total_bytes": d.memory_total_bytes, "index": d.index, "cpu_features": list(d.cpu_features)}
 
 
 class TrackerService(pb_grpc.TrackerServicer):
