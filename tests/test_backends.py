@@ -444,3 +444,38 @@ def test_ci_matrix_certifies_cpu_and_skips_the_rest(cache_dir, tmp_path):
         if not _lib_installed(lane):
             assert by[lane]["state"] in ("skipped", "available")
     assert rep["advertisable"] == ["cpu"] + [n for n in rep["certified"] if n != "cpu"]
+
+
+# ---- a foreign ggml in the process -----------------------------------------------------------------
+
+def test_foreign_ggml_libraries_are_those_outside_the_bindings_folder():
+    from meshnet.engine.ggml_backend import _mapped_files, foreign_ggml_libraries
+
+    maps = ("7f00-7f10 r-xp 00000000 08:01 11 /venv/ggml/lib/libggml.so\n"
+            "7f10-7f20 r-xp 00000000 08:01 12 /opt/llama.cpp/build/bin/libggml-cpu.so\n"
+            "7f20-7f30 r--p 00000000 08:01 12 /opt/llama.cpp/build/bin/libggml-cpu.so\n"
+            "7f30-7f40 r-xp 00000000 08:01 13 /opt/llama.cpp/build/bin/libggml-base.so.0\n"
+            "7f40-7f50 r-xp 00000000 08:01 14 /usr/lib/libz.so.1\n"
+            "7f50-7f60 rw-p 00000000 00:00 0 \n"
+            "7ffd-7ffe rw-p 00000000 00:00 0                          [stack]\n")
+    mapped = _mapped_files(maps)
+    assert mapped[0] == "/venv/ggml/lib/libggml.so" and len(mapped) == 5
+    own = ["/venv/ggml/lib/libggml.so", "/venv/ggml/lib/libggml-cpu.so", "/venv/ggml/lib/libggml-base.so"]
+    assert foreign_ggml_libraries(mapped, own) == ["/opt/llama.cpp/build/bin/libggml-base.so.0",
+                                                  "/opt/llama.cpp/build/bin/libggml-cpu.so"]
+    assert foreign_ggml_libraries(mapped[:1] + mapped[4:], own) == []
+
+
+def test_a_foreign_libggml_cpu_on_ld_library_path_stops_generate_with_its_path(tmp_path, smollm2_path):
+    """Any other shared object named libggml-cpu.so on LD_LIBRARY_PATH gets mapped next to the bindings'."""
+    import _ctypes
+
+    fake = tmp_path / "llama.cpp-build"
+    fake.mkdir()
+    shutil.copy(_ctypes.__file__, fake / "libggml-cpu.so")
+    env = dict(os.environ, LD_LIBRARY_PATH=str(fake))
+    p = subprocess.run([sys.executable, "-c", "import sys; from meshnet.cli import main; sys.exit(main())",
+                        "generate", "--max-tokens", "1", "Hi"], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert f"{fake / 'libggml-cpu.so'}" in p.stderr and "outside ggml-python's" in p.stderr
+    assert "backend cpu is not usable here" in p.stderr and f"LD_LIBRARY_PATH='{fake}'" in p.stderr

@@ -145,3 +145,30 @@ def test_frames_out_of_order_are_refused():
         frames_to_request(frames[:-1])
     assert frames_to_request(frames)[0] == req
     assert frames[0].crc32 == zlib.crc32(req.hidden.data)
+
+
+def test_tensor_frames_checksums_the_payload_once(monkeypatch):
+    """A 5 MiB payload in 1 MiB frames: one CRC-32 pass over 5 MiB (not one per frame), and it round-trips."""
+    import types
+
+    from meshnet.wire import envelope
+
+    calls: list[int] = []
+
+    def counting_crc32(data, value=0):
+        calls.append(memoryview(data).nbytes)
+        return zlib.crc32(data, value)
+
+    monkeypatch.setattr(envelope, "zlib", types.SimpleNamespace(crc32=counting_crc32))
+    n_bytes = 5 << 20
+    x = NamedTensor("hidden", (n_bytes // 4,), "f32", np.arange(n_bytes // 4, dtype=np.float32).tobytes())
+    req = StepRequest("crc", 0, 0, (1,), hidden=x)
+    frames = request_to_frames(req, False, 1 << 20)
+    assert len(frames) == 5 and [len(f.payload) for f in frames] == [1 << 20] * 5
+    assert calls == [n_bytes]  # the sender: once, over the whole payload
+    assert {f.crc32 for f in frames} == {zlib.crc32(x.data)}
+    calls.clear()
+    assert frames_to_request(frames)[0] == req
+    assert calls == [n_bytes]  # the receiver: once, over the joined payload
+    with pytest.raises(ValueError, match="max_frame must be >= 1"):
+        request_to_frames(req, False, 0)

@@ -38,7 +38,10 @@ class GenerationError(RuntimeError):
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One generated token and the text it completes (may be "" while a UTF-8 character is split)."""
+    """One generated token and the text it completes (may be "" while a UTF-8 character is split).
+
+    Every event carries a token of its own; a character left incomplete by the last token is never
+    emitted (there is no closing event with a replacement character)."""
 
     token: SampledToken
     text: str
@@ -47,7 +50,8 @@ class TokenEvent:
 @dataclass
 class GenerationResult:
     """Outcome of one generation. Times in seconds; ``finish_reason`` is "stop" (end-of-generation
-    token) or "length" (max_tokens reached)."""
+    token) or "length" (max_tokens reached). ``text`` is the generated ids' UTF-8 text without an
+    incomplete trailing character (bytes of one the generation stopped inside are left out)."""
 
     prompt_token_ids: list[int]
     generated_token_ids: list[int] = field(default_factory=list)
@@ -131,10 +135,8 @@ class Generation:
                 tok = self._step(position, [tok.token_id], decode=True, step_id=len(r.generated_token_ids))
                 position += 1
             r.decode_s = time.perf_counter() - t1
-            tail = stream.flush()
-            if tail:
-                parts.append(tail)
-                yield TokenEvent(r.tokens[-1], tail)
+            # What the decoder still holds is the start of a character the model did not finish (the
+            # budget ran out mid-character): it stays out of the text rather than becoming U+FFFD.
             r.text = "".join(parts)
         finally:
             self.client.release(self.session_id)

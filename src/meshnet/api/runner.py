@@ -71,13 +71,6 @@ class ChoiceText:
         self._toks.append([token, start, len(self.raw)])
         return self._advance()
 
-    def add_tail(self, text: str) -> Piece:
-        """Text the detokenizer released at the end for the last token (a held-back partial character)."""
-        self.raw += text
-        if self._toks:
-            self._toks[-1][2] = len(self.raw)
-        return self._advance()
-
     def finish(self, reason: str) -> Piece:
         """The generation ended (``"stop"`` or ``"length"``): release everything held back."""
         return self._release(len(self.raw), "all", reason)
@@ -216,7 +209,6 @@ class ChoiceRun:
         self._driver: _Driver | None = None
         self._holding = False
         self._pending: list[Piece] = []
-        self._seen = 0
         self._done = False
 
     async def start(self) -> None:
@@ -255,19 +247,15 @@ class ChoiceRun:
         if ev is None:  # the generation ended by itself: end-of-generation token or max_tokens
             self._finish(self.text.finish(result.finish_reason))
             return
-        n = len(result.generated_token_ids)
-        if n > self._seen:
-            self._seen = n
-            if n == 1 and self.observe_ttft:
-                self.metrics.ttft.observe(time.perf_counter() - self.t_request)
-            if self.job.stop_at_control and self.tokenizer.is_control(ev.token.token_id):
-                self._finish(self.text.finish("stop"))
-                return
-            self.completion_tokens += 1
-            self.metrics.generated_tokens.inc()
-            piece = self.text.add_token(ev.token, ev.text)
-        else:  # the detokenizer's flush at the end, for the last token
-            piece = self.text.add_tail(ev.text)
+        n = len(result.generated_token_ids)  # every event is a new token
+        if n == 1 and self.observe_ttft:
+            self.metrics.ttft.observe(time.perf_counter() - self.t_request)
+        if self.job.stop_at_control and self.tokenizer.is_control(ev.token.token_id):
+            self._finish(self.text.finish("stop"))
+            return
+        self.completion_tokens += 1
+        self.metrics.generated_tokens.inc()
+        piece = self.text.add_token(ev.token, ev.text)
         if piece.finish_reason is not None:
             self._finish(piece)
         elif piece:

@@ -8,7 +8,10 @@ Weights are copied once from the memory-mapped GGUF into one backend buffer in t
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
+from pathlib import Path
+from typing import Iterable
 
 import ggml
 import ggml.utils  # noqa: F401  (ggml-python needs this import for its type helpers)
@@ -24,15 +27,73 @@ _backends: dict[int, object] = {}
 _compute_locks: dict[int, threading.Lock] = {}
 
 
+def foreign_ggml_libraries(mapped: Iterable[str], own: Iterable[str]) -> list[str]:
+    """The ggml shared libraries among ``mapped`` that are not ggml-python's own.
+
+    Args:
+        mapped: paths of the files mapped into the process (as ``/proc/self/maps`` lists them: real paths).
+        own: real paths of the files in ggml-python's ``lib`` folder.
+    Returns:
+        Sorted, distinct paths whose file name starts with ``libggml`` and contains ``.so`` (so
+        ``libggml-cpu.so`` and ``libggml-base.so.0`` count) but that are not in ``own``.
+    """
+    own_set = set(own)
+    return sorted({p for p in mapped
+                   if os.path.basename(p).startswith("libggml") and ".so" in os.path.basename(p)
+                   and p not in own_set})
+
+
+def _mapped_files(maps_text: str) -> list[str]:
+    """File paths in the text of ``/proc/PID/maps`` (the sixth field of a line, when it is a path)."""
+    out = []
+    for line in maps_text.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            out.append(fields[5])
+    return out
+
+
+def check_ggml_libraries() -> None:
+    """Refuse to run on a ggml other than ggml-python's own.
+
+    The bindings load their libraries from their own folder, but the dynamic linker still honours
+    ``LD_LIBRARY_PATH``/``LD_PRELOAD`` for the libraries' dependencies: a llama.cpp build's folder there
+    brings in its own ``libggml-cpu.so``, whose symbols then mix with the bindings' build and abort the
+    process on the first graph (``ggml_get_n_tasks: op not implemented``). Checking what is mapped turns
+    that abort into an error at start-up. Does nothing where ``/proc/self/maps`` does not exist.
+
+    Raises:
+        BackendUnavailable: a ggml library from another folder is loaded; the message names it, the
+            bindings' folder and ``LD_LIBRARY_PATH``.
+    """
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return
+    lib_dir = Path(ggml.__file__).resolve().parent / "lib"
+    own = [str(f.resolve()) for f in lib_dir.iterdir()] if lib_dir.is_dir() else []
+    foreign = foreign_ggml_libraries(_mapped_files(maps), own)
+    if foreign:
+        raise BackendUnavailable(
+            "cpu", f"this process loaded ggml libraries from outside ggml-python's {lib_dir}: "
+                   f"{', '.join(foreign)} (LD_LIBRARY_PATH={os.environ.get('LD_LIBRARY_PATH', '')!r}, "
+                   f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')!r}); a different ggml build aborts on the "
+                   f"first step. Remove that folder from LD_LIBRARY_PATH / LD_PRELOAD")
+
+
 def cpu_backend(n_threads: int):
     """The process's ggml CPU backend for ``n_threads`` threads, shared by every stage in the process.
 
     Stages run one after another, so one backend (one thread pool) serves them all; a backend per
     stage would keep several pools of spinning threads competing for the same cores. Lives until exit.
+
+    Raises:
+        BackendUnavailable: another ggml build is loaded (see :func:`check_ggml_libraries`).
     """
     global _cpu_ready
     with _init_lock:
         if not _cpu_ready:
+            check_ggml_libraries()
             ggml.ggml_cpu_init()
             _cpu_ready = True
         backend = _backends.get(n_threads)
@@ -271,7 +332,8 @@ def accelerator_backend(lane: str, device_index: int = 0):
     Raises:
         ValueError: unknown lane.
         BackendUnavailable: the installed ggml-python was not built with the lane's backend, the
-            backend lists no such device, or the device failed to initialise; ``reason`` says which.
+            backend lists no such device, the device failed to initialise, or another ggml build is
+            loaded (:func:`check_ggml_libraries`); ``reason`` says which.
     """
     names = ACCELERATOR_REGISTRY_NAMES.get(lane)
     if names is None:
@@ -280,6 +342,7 @@ def accelerator_backend(lane: str, device_index: int = 0):
         backend = _accel_backends.get((lane, device_index))
         if backend is not None:
             return backend
+        check_ggml_libraries()
         if not any(n in registry_backends() for n in names):
             raise BackendUnavailable(lane, f"the installed ggml-python has no {names[0]} backend "
                                            f"(registered: {', '.join(registry_backends()) or 'none'})")

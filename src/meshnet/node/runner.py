@@ -31,7 +31,7 @@ from meshnet.membership.identity import default_identity_path, load_or_create_id
 from meshnet.node.service import NodeService
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.wire.data_plane import DataPlaneServer
+from meshnet.wire.data_plane_server import DataPlaneServer
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from meshnet.wire.security import TlsConfig, add_port, make_server, open_channel
 
@@ -193,7 +193,8 @@ class Node:
         # Steps also get a raw-TCP data plane (far cheaper per hop than gRPC); it has no TLS, so a node
         # serving TLS keeps steps on gRPC.
         if cfg.tls is None and cfg.data_plane and not cfg.relay:
-            self.data_plane = DataPlaneServer(cfg.host, cfg.data_port, self.service.run_step, cfg.join_token)
+            self.data_plane = DataPlaneServer(cfg.host, cfg.data_port, self.service.run_step, cfg.join_token,
+                                              workers=cfg.max_sessions + 2)
             adv_host = (cfg.advertise or cfg.host).rsplit(":", 1)[0] if cfg.advertise else cfg.host
             self.data_address = f"{adv_host}:{self.data_plane.port}"
         self._stop = threading.Event()

@@ -10,26 +10,27 @@ Message: ``<u32 length><u8 kind><payload>``; kinds below. A connection starts wi
 carrying the join token (empty when none). A request is one or more ENVELOPE frames (``n_chunks``
 says how many); the answer is REPLY messages (as many as the reply's own ``n_chunks``, one with a
 token) or one ERROR message ``"<CODE>\\n<retry-after-s or empty>\\n<message>"``.
+
+This module is the protocol and the client; the node's server is :mod:`meshnet.wire.data_plane_server`.
 """
 
 from __future__ import annotations
 
-import hmac
-import logging
 import socket
-import socketserver
 import struct
 import threading
-from typing import Callable, Iterator
+import time
 
 from meshnet.proto import meshnet_pb2 as pb
 
-log = logging.getLogger("meshnet.data_plane")
-
 AUTH, ENVELOPE, REPLY, ERROR = 1, 2, 3, 4
-_HEADER = struct.Struct("<IB")
+HEADER = struct.Struct("<IB")
 # Larger than any frame (1 MiB payload plus headers): anything bigger is a protocol error.
 MAX_MESSAGE_BYTES = 8 << 20
+_RECV_CHUNK = 256 << 10
+# A pooled connection idle this long is dropped rather than reused: the node closes connections idle
+# for its idle_timeout_s (300 s by default), and a step sent into a closed one would look like a dead node.
+POOL_MAX_IDLE_S = 60.0
 
 
 class DataPlaneError(Exception):
@@ -37,25 +38,31 @@ class DataPlaneError(Exception):
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
+    """Exactly ``n`` bytes. Memory grows in ``_RECV_CHUNK`` steps as bytes arrive, so a length that is
+    announced and never sent does not become an allocation of that size."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(_RECV_CHUNK, n - len(buf)))
+        if not chunk:
             raise DataPlaneError("connection closed")
-        got += k
+        buf += chunk
     return bytes(buf)
 
 
 def send_message(sock: socket.socket, kind: int, payload: bytes) -> None:
-    sock.sendall(_HEADER.pack(len(payload), kind) + payload)
+    sock.sendall(HEADER.pack(len(payload), kind) + payload)
 
 
-def recv_message(sock: socket.socket) -> tuple[int, bytes]:
-    n, kind = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if n > MAX_MESSAGE_BYTES:
-        raise DataPlaneError(f"message of {n} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")
+def recv_message(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[int, bytes]:
+    """One message: ``(kind, payload)``.
+
+    Raises:
+        DataPlaneError: the connection closed, or the header announces more than ``max_bytes``.
+        OSError: the socket failed or timed out.
+    """
+    n, kind = HEADER.unpack(_recv_exact(sock, HEADER.size))
+    if n > max_bytes:
+        raise DataPlaneError(f"message of {n} bytes exceeds the {max_bytes}-byte limit")
     return kind, _recv_exact(sock, n)
 
 
@@ -67,71 +74,6 @@ def encode_error(code: str, message: str, retry_after_s: float | None = None) ->
 def decode_error(payload: bytes) -> tuple[str, float | None, str]:
     code, retry, message = payload.decode("utf-8", "replace").split("\n", 2)
     return code, (float(retry) if retry else None), message
-
-
-# ---- node side ---------------------------------------------------------------------------------------
-
-class DataPlaneServer:
-    """Serves steps on a TCP port with ``run_step(frames) -> StepOutcome`` (see NodeService.run_step).
-
-    One thread per connection; a client keeps its connections open across steps.
-    """
-
-    def __init__(self, host: str, port: int, run_step: Callable, join_token: str | None = None) -> None:
-        token = (join_token or "").encode()
-
-        class Handler(socketserver.BaseRequestHandler):
-            def handle(self) -> None:
-                sock: socket.socket = self.request
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                try:
-                    kind, payload = recv_message(sock)
-                    if kind != AUTH or not hmac.compare_digest(payload, token):
-                        send_message(sock, ERROR, encode_error("UNAUTHENTICATED", "missing or wrong join token"))
-                        return
-                    send_message(sock, AUTH, b"")
-                    while True:
-                        frames = list(_read_frames(sock))
-                        out = run_step(frames)
-                        if out.code != "OK":
-                            send_message(sock, ERROR, encode_error(out.code, out.message, out.retry_after_s))
-                            continue
-                        sock.sendall(b"".join(_HEADER.pack(len(b), REPLY) + b
-                                              for b in (r.SerializeToString() for r in out.replies)))
-                except (DataPlaneError, ConnectionError, OSError):
-                    return  # the client went away; nothing to clean up per connection
-                except Exception:  # a malformed message must not kill the server
-                    log.exception("data plane connection failed")
-
-        class Server(socketserver.ThreadingTCPServer):
-            daemon_threads = True
-            allow_reuse_address = True
-
-        self._server = Server((host, port), Handler)
-        self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-
-
-def _read_frames(sock: socket.socket) -> Iterator[pb.Envelope]:
-    """The frames of one request: reads until the first frame's ``n_chunks`` have arrived."""
-    n = 1
-    i = 0
-    while i < n:
-        kind, payload = recv_message(sock)
-        if kind != ENVELOPE:
-            raise DataPlaneError(f"expected an envelope frame, got message kind {kind}")
-        f = pb.Envelope.FromString(payload)
-        if i == 0:
-            n = max(1, f.n_chunks)
-        yield f
-        i += 1
 
 
 # ---- client side -------------------------------------------------------------------------------------
@@ -148,10 +90,31 @@ class DataPlaneConnection:
         if kind == ERROR:
             code, _, message = decode_error(payload)
             raise DataPlaneError(f"{code}: {message}")
+        self.last_used = time.monotonic()
+
+    def reusable(self, max_idle_s: float = POOL_MAX_IDLE_S) -> bool:
+        """Whether the connection can carry another step: used within ``max_idle_s`` seconds, and the
+        node has neither closed it nor sent anything unasked (which would put replies out of step)."""
+        if time.monotonic() - self.last_used > max_idle_s:
+            return False
+        timeout = self.sock.gettimeout()
+        try:
+            self.sock.setblocking(False)
+            self.sock.recv(1, socket.MSG_PEEK)
+            return False  # b"" (closed) or unexpected bytes
+        except (BlockingIOError, InterruptedError):
+            return True  # nothing to read: open and quiet
+        except OSError:
+            return False
+        finally:
+            try:
+                self.sock.settimeout(timeout)
+            except OSError:
+                pass
 
     def call(self, frames: list[pb.Envelope]) -> tuple[list[pb.StepReply] | None, tuple[str, float | None, str] | None]:
         """Send one request; returns (replies, None) or (None, (code, retry_after_s, message))."""
-        self.sock.sendall(b"".join(_HEADER.pack(len(b), ENVELOPE) + b
+        self.sock.sendall(b"".join(HEADER.pack(len(b), ENVELOPE) + b
                                    for b in (f.SerializeToString() for f in frames)))
         replies: list[pb.StepReply] = []
         n = 1
@@ -165,6 +128,7 @@ class DataPlaneConnection:
             if not replies and not r.has_token:
                 n = max(1, r.hidden.n_chunks)
             replies.append(r)
+        self.last_used = time.monotonic()
         return replies, None
 
     def close(self) -> None:
@@ -183,10 +147,15 @@ class ConnectionPool:
         self._lock = threading.Lock()
 
     def acquire(self) -> DataPlaneConnection:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return DataPlaneConnection(self.address, self.join_token, self.timeout_s)
+        """An idle connection that is still usable, else a new one (closing the stale ones found)."""
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                return DataPlaneConnection(self.address, self.join_token, self.timeout_s)
+            if conn.reusable():
+                return conn
+            conn.close()
 
     def release(self, conn: DataPlaneConnection) -> None:
         with self._lock:

@@ -59,30 +59,41 @@ def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
                           seed=int(m.seed) if m.has_seed else None, n_top_logprobs=m.n_top_logprobs)
 
 
-def _split(payload: bytes, max_frame: int) -> list[bytes]:
-    if not payload:
-        return [b""]
-    return [payload[i:i + max_frame] for i in range(0, len(payload), max_frame)]
-
-
 def tensor_frames(header: pb.Envelope, tensor: NamedTensor | None,
                   max_frame: int = MAX_FRAME_BYTES) -> list[pb.Envelope]:
-    """Frames carrying ``header``'s fields plus ``tensor`` (or none) split into payload chunks."""
+    """Frames carrying ``header``'s fields plus ``tensor`` (or none) split into payload chunks.
+
+    Args:
+        header: the step's fields (session, epoch, position, ...); copied into every frame.
+        tensor: the payload (raw little-endian bytes of ``tensor.shape`` x ``tensor.dtype``) or None.
+        max_frame: payload bytes per frame (>= 1); a payload of ``n`` bytes takes ``ceil(n / max_frame)``
+            frames (one, with an empty payload, when there is nothing to carry).
+    Raises:
+        ValueError: ``max_frame`` < 1.
+    """
+    if max_frame < 1:
+        raise ValueError(f"max_frame must be >= 1 byte, got {max_frame}")
     payload = tensor.data if tensor is not None else b""
-    chunks = _split(payload, max_frame)
+    # One checksum and one memoryview for the whole payload: every frame carries the same CRC-32, and
+    # slicing a view copies each chunk once (into its frame), not once more into an intermediate bytes.
+    view = memoryview(payload).cast("B")
+    n_chunks = max(1, -(-len(view) // max_frame))
+    template = pb.Envelope()
+    template.CopyFrom(header)
+    template.major, template.minor = PROTOCOL_MAJOR, PROTOCOL_MINOR
+    template.byte_order = "little"
+    template.n_chunks = n_chunks
+    if tensor is not None:
+        template.dtype = tensor.dtype
+        template.shape[:] = list(tensor.shape)
+        template.crc32 = zlib.crc32(view)
+        template.total_bytes = len(view)
     frames = []
-    for i, chunk in enumerate(chunks):
+    for i in range(n_chunks):
         f = pb.Envelope()
-        f.CopyFrom(header)
-        f.major, f.minor = PROTOCOL_MAJOR, PROTOCOL_MINOR
-        f.byte_order = "little"
-        if tensor is not None:
-            f.dtype = tensor.dtype
-            f.shape[:] = list(tensor.shape)
-            f.crc32 = zlib.crc32(payload)
-            f.total_bytes = len(payload)
-        f.chunk_index, f.n_chunks = i, len(chunks)
-        f.payload = chunk
+        f.CopyFrom(template)
+        f.chunk_index = i
+        f.payload = bytes(view[i * max_frame:(i + 1) * max_frame])
         frames.append(f)
     return frames
 

@@ -1,0 +1,329 @@
+"""The node side of the step data plane: one selector thread for every connection, a bounded step pool.
+
+The port is open to whoever can reach it, so nothing a peer announces is trusted before it has shown
+the join token: before authentication a connection holds a 5-byte header buffer and at most
+``MAX_AUTH_BYTES`` of token; after it, a message's bytes are buffered only as they arrive (so a length
+announced and never sent costs nothing), up to ``max_message_bytes`` per frame and
+``max_request_bytes`` per request. Silent connections are closed (``auth_timeout_s`` to authenticate,
+``read_timeout_s`` of silence inside a request, ``idle_timeout_s`` between requests), and at most
+``max_connections`` are open at once: a new one beyond that replaces the oldest connection that has not
+authenticated yet, or is refused when every connection has. Steps run on ``workers`` threads; reading
+and writing never block the selector thread, whose loop costs no thread per connection.
+
+Counters (``DataPlaneServer.stats``): ``accepted``, ``refused`` (over the cap, all authenticated),
+``evicted`` (an unauthenticated connection replaced by a newer one), ``timed_out``, ``unauthenticated``
+(wrong token or not an AUTH message first), ``too_large`` and ``malformed`` (protocol violations after
+authentication), ``steps`` (requests handed to a worker).
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+import selectors
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from google.protobuf.message import DecodeError
+
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.wire.data_plane import HEADER, AUTH, ENVELOPE, ERROR, MAX_MESSAGE_BYTES, REPLY, encode_error
+
+log = logging.getLogger("meshnet.data_plane")
+
+MAX_AUTH_BYTES = 4096  # a join token is a short secret; nothing longer is read before it is checked
+# All frames of one request: a later stage's prefill input is n_tokens x n_embd f32 hidden states,
+# e.g. 16k tokens x 4096 = 256 MiB.
+MAX_REQUEST_BYTES = 256 << 20
+_RECV_CHUNK = 256 << 10  # bytes read per call: memory grows with what has arrived, in these steps
+_TICK_S = 0.25  # how often deadlines are checked
+
+
+class _Conn:
+    """One connection's state; touched only by the selector thread, or by the one worker running its step."""
+
+    __slots__ = ("sock", "authed", "header", "body", "need", "frames", "n_frames", "request_bytes",
+                 "deadline", "busy")
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.authed = False
+        self.header = bytearray()
+        self.body: bytearray | None = None  # the message being read, once its header is known
+        self.need = 0
+        self.frames: list[pb.Envelope] = []
+        self.n_frames = 1
+        self.request_bytes = 0
+        self.deadline = deadline
+        self.busy = False  # a worker owns the socket (its step runs, or its reply is being sent)
+
+
+class _Refuse(Exception):
+    """Close the connection after sending ``code``/``message`` as an ERROR; ``stat`` names the counter."""
+
+    def __init__(self, stat: str, code: str, message: str) -> None:
+        super().__init__(message)
+        self.stat, self.code, self.message = stat, code, message
+
+
+class DataPlaneServer:
+    """Serves steps on a TCP port with ``run_step(frames) -> StepOutcome`` (see NodeService.run_step).
+
+    Args:
+        host, port: where to listen (port 0 picks one; the bound port is ``self.port``).
+        run_step: runs one request's frames (``list[pb.Envelope]``); called on a worker thread.
+        join_token: the secret every connection's AUTH message must carry (None: an empty one).
+        max_message_bytes: largest frame message accepted, bytes (header excluded).
+        max_request_bytes: largest request (all its frames' messages together), bytes.
+        max_connections: open connections at most (>= 1).
+        workers: steps running at once (>= 1); further complete requests wait for a worker.
+        auth_timeout_s, read_timeout_s, idle_timeout_s: seconds a connection may take to authenticate,
+            stay silent inside a request, and stay silent between requests.
+    Raises:
+        ValueError: a limit below 1 (or a timeout <= 0).
+        OSError: the address cannot be bound.
+    """
+
+    def __init__(self, host: str, port: int, run_step: Callable, join_token: str | None = None, *,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, max_request_bytes: int = MAX_REQUEST_BYTES,
+                 max_connections: int = 256, workers: int = 8, auth_timeout_s: float = 10.0,
+                 read_timeout_s: float = 30.0, idle_timeout_s: float = 300.0) -> None:
+        for name, value in (("max_message_bytes", max_message_bytes), ("max_request_bytes", max_request_bytes),
+                            ("max_connections", max_connections), ("workers", workers),
+                            ("auth_timeout_s", auth_timeout_s), ("read_timeout_s", read_timeout_s),
+                            ("idle_timeout_s", idle_timeout_s)):
+            if value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        self._token = (join_token or "").encode()
+        self._run_step = run_step
+        self.max_message_bytes, self.max_request_bytes = max_message_bytes, max_request_bytes
+        self.max_connections = max_connections
+        self.auth_timeout_s, self.read_timeout_s, self.idle_timeout_s = auth_timeout_s, read_timeout_s, idle_timeout_s
+        self.stats: collections.Counter[str] = collections.Counter()
+        self._listener = socket.create_server((host, port), backlog=1024, reuse_port=False)
+        self._listener.setblocking(False)
+        self.port = self._listener.getsockname()[1]
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ, "accept")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._conns: dict[int, _Conn] = {}  # by id(); insertion order = age, for eviction
+        self._done: collections.deque[tuple[_Conn, bool]] = collections.deque()  # (conn, keep) from workers
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="data-plane-step")
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="data-plane", daemon=True)
+
+    @property
+    def open_connections(self) -> int:
+        """Connections open now (authenticated or not, a step running or not)."""
+        return len(self._conns)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for c in list(self._conns.values()):
+            c.sock.close()
+        self._conns.clear()
+        for s in (self._listener, self._wake_r, self._wake_w):
+            s.close()
+        self._sel.close()
+
+    # ---- the selector thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        next_sweep = time.monotonic() + _TICK_S
+        while not self._stopping:
+            for key, _ in self._sel.select(timeout=_TICK_S):
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "wake":
+                    self._drain_wake()
+                else:
+                    self._read(key.data)
+            now = time.monotonic()
+            if now >= next_sweep:
+                self._sweep(now)
+                next_sweep = now + _TICK_S
+
+    def _accept(self) -> None:
+        # Bounded per wake-up so that a flood of connections does not starve reads on those already open.
+        for _ in range(64):
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # e.g. out of file descriptors: try again on the next event
+                log.warning("data plane accept failed", exc_info=True)
+                return
+            self.stats["accepted"] += 1
+            if len(self._conns) >= self.max_connections:
+                oldest = next((c for c in self._conns.values() if not c.authed), None)
+                if oldest is None:
+                    self.stats["refused"] += 1
+                    _send_now(sock, ERROR, encode_error(
+                        "RESOURCE_EXHAUSTED", f"the data plane is at its limit of {self.max_connections} "
+                                              f"connections (max_connections)"))
+                    sock.close()
+                    continue
+                self.stats["evicted"] += 1
+                self._close(oldest)
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            c = _Conn(sock, time.monotonic() + self.auth_timeout_s)
+            self._conns[id(c)] = c
+            self._sel.register(sock, selectors.EVENT_READ, c)
+
+    def _read(self, c: _Conn) -> None:
+        try:
+            for _ in range(8):  # at most 8 chunks per event: other connections get their turn
+                if c.body is None:
+                    data = c.sock.recv(HEADER.size - len(c.header))
+                else:
+                    data = c.sock.recv(min(_RECV_CHUNK, c.need - len(c.body)))
+                if not data:
+                    self._close(c)
+                    return
+                if c.authed:  # silence is measured from the last byte; authentication has a fixed deadline
+                    c.deadline = time.monotonic() + self.read_timeout_s
+                if c.body is None:
+                    c.header += data
+                    if len(c.header) == HEADER.size:
+                        self._start_message(c)
+                else:
+                    c.body += data
+                if c.body is not None and len(c.body) == c.need and self._finish_message(c):
+                    return  # handed to a worker
+        except (BlockingIOError, InterruptedError):
+            pass
+        except _Refuse as e:
+            self.stats[e.stat] += 1
+            _send_now(c.sock, ERROR, encode_error(e.code, e.message))
+            self._close(c)
+        except OSError:
+            self._close(c)
+
+    def _start_message(self, c: _Conn) -> None:
+        n, kind = HEADER.unpack(c.header)
+        c.header = bytearray()
+        if not c.authed:
+            if kind != AUTH or n > MAX_AUTH_BYTES:
+                raise _Refuse("unauthenticated", "UNAUTHENTICATED", "missing or wrong join token")
+        elif kind != ENVELOPE:
+            raise _Refuse("malformed", "INVALID_ARGUMENT", f"expected an envelope frame, got message kind {kind}")
+        elif n > self.max_message_bytes:
+            raise _Refuse("too_large", "INVALID_ARGUMENT",
+                          f"a frame of {n} bytes exceeds the data plane's limit of {self.max_message_bytes} "
+                          f"bytes per frame (max_message_bytes); send smaller frames")
+        elif c.request_bytes + n > self.max_request_bytes:
+            raise _Refuse("too_large", "INVALID_ARGUMENT",
+                          f"the request reaches {c.request_bytes + n} bytes, over the data plane's limit of "
+                          f"{self.max_request_bytes} bytes per request (max_request_bytes)")
+        c.body, c.need = bytearray(), n
+
+    def _finish_message(self, c: _Conn) -> bool:
+        """A whole message is in ``c.body``; returns True when a complete request went to a worker."""
+        body, c.body = bytes(c.body), None
+        if not c.authed:
+            if not hmac.compare_digest(body, self._token):
+                raise _Refuse("unauthenticated", "UNAUTHENTICATED", "missing or wrong join token")
+            c.authed = True
+            c.deadline = time.monotonic() + self.idle_timeout_s
+            if not _send_now(c.sock, AUTH, b""):
+                raise OSError("could not answer the authentication")
+            return False
+        try:
+            f = pb.Envelope.FromString(body)
+        except DecodeError as e:
+            raise _Refuse("malformed", "INVALID_ARGUMENT", f"undecodable envelope frame: {e}") from None
+        if not c.frames:
+            c.n_frames = max(1, f.n_chunks)
+        c.frames.append(f)
+        c.request_bytes += len(body)
+        if len(c.frames) < c.n_frames:
+            return False
+        frames, c.frames, c.request_bytes = c.frames, [], 0
+        c.busy = True
+        self.stats["steps"] += 1
+        self._sel.unregister(c.sock)
+        self._pool.submit(self._serve, c, frames)
+        return True
+
+    def _sweep(self, now: float) -> None:
+        for c in [c for c in self._conns.values() if not c.busy and c.deadline <= now]:
+            self.stats["timed_out"] += 1
+            self._close(c)
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        while self._done:
+            c, keep = self._done.popleft()
+            c.busy = False
+            if not keep:
+                self._close(c)
+                continue
+            c.deadline = time.monotonic() + self.idle_timeout_s
+            self._sel.register(c.sock, selectors.EVENT_READ, c)
+
+    def _close(self, c: _Conn) -> None:
+        self._conns.pop(id(c), None)
+        if not c.busy:
+            try:
+                self._sel.unregister(c.sock)
+            except (KeyError, ValueError):
+                pass
+        c.sock.close()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is already pending (or the server is closing)
+
+    # ---- a worker thread -------------------------------------------------------------------------
+
+    def _serve(self, c: _Conn, frames: list[pb.Envelope]) -> None:
+        keep = False
+        try:
+            out = self._run_step(frames)
+            if out.code != "OK":
+                payload = encode_error(out.code, out.message, out.retry_after_s)
+                data = HEADER.pack(len(payload), ERROR) + payload
+            else:
+                data = b"".join(HEADER.pack(len(b), REPLY) + b
+                                for b in (r.SerializeToString() for r in out.replies))
+            # The worker owns the socket until it hands it back: a blocking send, bounded like a read.
+            c.sock.settimeout(self.read_timeout_s)
+            c.sock.sendall(data)
+            c.sock.setblocking(False)
+            keep = True
+        except OSError:
+            pass  # the client went away or stopped reading
+        except Exception:  # a failing step must not kill the server
+            log.exception("data plane step failed")
+        self._done.append((c, keep))
+        self._wake()
+
+
+def _send_now(sock: socket.socket, kind: int, payload: bytes) -> bool:
+    """Send one small message without blocking; False when it did not fit the socket's buffer at once."""
+    data = HEADER.pack(len(payload), kind) + payload
+    try:
+        return sock.send(data) == len(data)
+    except OSError:
+        return False

@@ -1,0 +1,236 @@
+"""The raw-TCP step data plane under hostile peers: nothing is allocated or trusted before the join token,
+frames and requests have named limits, silent connections are closed, connections are capped, and a
+legitimate step still goes through while 1000 hostile connections are open."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from meshnet.contract import ArtifactId, LayerRange, LoadSpec, NamedTensor, StepRequest
+from meshnet.engine.fake import FakeEngine, FakeModel
+from meshnet.node.service import NodeService
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.wire.data_plane import (AUTH, ENVELOPE, ERROR, HEADER, ConnectionPool, DataPlaneConnection,
+                                     DataPlaneError, decode_error, recv_message, send_message)
+from meshnet.wire.data_plane_server import DataPlaneServer
+from meshnet.wire.envelope import replies_to_result, request_to_frames
+
+MODEL = FakeModel()
+TOKEN = "secret"
+
+
+def _service() -> NodeService:
+    eng = FakeEngine(MODEL)
+    assert eng.load(LoadSpec(path="", artifact=ArtifactId(MODEL.sha256, LayerRange(10, 20)), max_sessions=4)).ok
+    return NodeService(eng, "mid", pb.ModelIdentity(sha256=MODEL.sha256))
+
+
+@pytest.fixture
+def serve():
+    """``serve(**limits) -> (server, "127.0.0.1:PORT")``: a data plane over a fake middle stage."""
+    servers = []
+
+    def start(**limits):
+        s = DataPlaneServer("127.0.0.1", 0, _service().run_step, TOKEN, **limits)
+        s.start()
+        servers.append(s)
+        return s, f"127.0.0.1:{s.port}"
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+def _raw(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def _authed(address: str) -> socket.socket:
+    sock = _raw(address)
+    send_message(sock, AUTH, TOKEN.encode())
+    assert recv_message(sock) == (AUTH, b"")
+    return sock
+
+
+def _error(sock: socket.socket) -> tuple[str, float | None, str]:
+    kind, payload = recv_message(sock)
+    assert kind == ERROR
+    return decode_error(payload)
+
+
+def _closed(sock: socket.socket) -> bool:
+    """True once the server has closed the connection (waits up to the socket's 5 s timeout)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _prefill(n_tokens: int, session: str = "s") -> list[pb.Envelope]:
+    """A middle stage's prefill request: ``[n_tokens, n_embd]`` f32 hidden states in 4 KiB frames."""
+    x = np.random.default_rng(0).standard_normal((n_tokens, MODEL.n_embd), np.float32)
+    ids = tuple(i % 1000 for i in range(n_tokens))
+    req = StepRequest(session, 0, 0, ids, hidden=NamedTensor.from_numpy("hidden", x))
+    return request_to_frames(req, False, 4096)
+
+
+def test_a_multi_frame_prefill_round_trips(serve):
+    _, address = serve()
+    frames = _prefill(1200)
+    assert len(frames) == 10
+    conn = DataPlaneConnection(address, TOKEN, 5)
+    replies, error = conn.call(frames)
+    assert error is None
+    res = replies_to_result(replies)
+    assert res.ok and res.hidden.shape == (1200, MODEL.n_embd) and res.n_past == 1200
+    conn.close()
+
+
+def test_a_huge_announced_token_is_refused_without_waiting_for_it(serve):
+    server, address = serve()
+    sock = _raw(address)
+    sock.sendall(HEADER.pack(8 << 20, AUTH))  # 8 MiB announced, none of it sent
+    assert _error(sock) == ("UNAUTHENTICATED", None, "missing or wrong join token")
+    assert _closed(sock) and server.stats["unauthenticated"] == 1
+
+
+@pytest.mark.parametrize("first", [HEADER.pack(6, AUTH) + b"wrong!", HEADER.pack(3, ENVELOPE) + b"abc",
+                                   bytes(range(7, 71))])
+def test_a_wrong_token_or_garbage_is_unauthenticated(serve, first):
+    server, address = serve()
+    sock = _raw(address)
+    sock.sendall(first)
+    assert _error(sock)[0] == "UNAUTHENTICATED"
+    assert _closed(sock) and server.stats["unauthenticated"] == 1 and server.open_connections == 0
+
+
+def test_an_oversized_frame_is_refused_naming_the_limit(serve):
+    server, address = serve(max_message_bytes=2 << 20)
+    sock = _authed(address)
+    sock.sendall(HEADER.pack((2 << 20) + 1, ENVELOPE))
+    code, _, message = _error(sock)
+    assert code == "INVALID_ARGUMENT" and "a frame of 2097153 bytes" in message
+    assert "limit of 2097152 bytes per frame (max_message_bytes)" in message
+    assert _closed(sock) and server.stats["too_large"] == 1
+
+
+def test_an_oversized_request_is_refused_naming_the_limit(serve):
+    server, address = serve(max_request_bytes=64 << 10)
+    conn = DataPlaneConnection(address, TOKEN, 5)
+    replies, (code, _, message) = conn.call(_prefill(3000))  # 96000 bytes of hidden states alone
+    assert replies is None and code == "INVALID_ARGUMENT"
+    assert "limit of 65536 bytes per request (max_request_bytes)" in message
+    assert server.stats["too_large"] == 1 and server.stats["steps"] == 0
+
+
+def test_silent_connections_are_closed(serve):
+    server, address = serve(auth_timeout_s=0.3, read_timeout_s=0.3, idle_timeout_s=0.6)
+    never_authenticates = _raw(address)
+    stops_mid_message = _authed(address)
+    stops_mid_message.sendall(HEADER.pack(1000, ENVELOPE) + b"x" * 10)
+    idle = _authed(address)
+    assert _closed(never_authenticates) and _closed(stops_mid_message) and _closed(idle)
+    assert server.stats["timed_out"] == 3 and server.open_connections == 0
+
+
+def test_connections_beyond_the_cap_are_refused_or_replace_unauthenticated_ones(serve):
+    server, address = serve(max_connections=3)
+    silent = [_raw(address) for _ in range(3)]
+    conns = [DataPlaneConnection(address, TOKEN, 5) for _ in range(3)]  # each replaces the oldest silent one
+    assert all(_closed(s) for s in silent) and server.stats["evicted"] == 3
+    with pytest.raises(DataPlaneError, match="RESOURCE_EXHAUSTED: .*limit of 3 connections"):
+        DataPlaneConnection(address, TOKEN, 5)
+    assert server.stats["refused"] == 1 and server.open_connections == 3
+    replies, error = conns[0].call(_prefill(2))  # the authenticated ones still work
+    assert error is None and replies_to_result(replies).hidden.shape == (2, MODEL.n_embd)
+
+
+def test_the_pool_replaces_a_connection_the_node_closed(serve):
+    server, address = serve(idle_timeout_s=0.3)
+    pool = ConnectionPool(address, TOKEN, 5)
+    first = pool.acquire()
+    assert first.call(_prefill(2, "a"))[1] is None
+    pool.release(first)
+    deadline = time.monotonic() + 5
+    while server.open_connections and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.open_connections == 0  # the node closed the idle connection
+    second = pool.acquire()
+    assert second is not first
+    replies, error = second.call(_prefill(2, "b"))
+    assert error is None and replies_to_result(replies).n_past == 2
+    pool.release(second)
+    pool.close()
+
+
+# ---- 1000 hostile connections against a node process -----------------------------------------------
+
+_CHILD = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from test_data_plane import TOKEN, _service
+    from meshnet.wire.data_plane_server import DataPlaneServer
+
+    server = DataPlaneServer("127.0.0.1", 0, _service().run_step, TOKEN)
+    server.start()
+    print(server.port, flush=True)
+    for line in sys.stdin:
+        rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+        print(json.dumps({"rss_kb": rss, "open": server.open_connections, "stats": dict(server.stats)}), flush=True)
+""")
+
+
+def _hostile(address: str, i: int) -> socket.socket | None:
+    """Connection ``i``: garbage bytes, a huge announced token with a little of it, or silence."""
+    try:
+        s = _raw(address)
+        if i % 3 == 0:
+            s.sendall(os.urandom(64))
+        elif i % 3 == 1:
+            s.sendall(HEADER.pack(8 << 20, AUTH) + b"\0" * 65536)
+        return s
+    except OSError:  # refused or reset by the node: that is its right
+        return None
+
+
+def test_1000_hostile_connections_cost_little_memory_and_a_step_still_succeeds():
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, os.path.dirname(__file__)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        address = f"127.0.0.1:{int(child.stdout.readline())}"
+
+        def probe() -> dict:
+            child.stdin.write("\n")
+            child.stdin.flush()
+            return json.loads(child.stdout.readline())
+
+        conn = DataPlaneConnection(address, TOKEN, 30)
+        assert conn.call(_prefill(8, "warm"))[1] is None  # the step path's own memory, before measuring
+        before = probe()
+        hostile = [_hostile(address, i) for i in range(1000)]
+        replies, error = conn.call(_prefill(8, "legit"))  # while the hostile ones are open
+        during = probe()
+        assert error is None and replies_to_result(replies).hidden.shape == (8, MODEL.n_embd)
+        grown_mb = (during["rss_kb"] - before["rss_kb"]) / 1024
+        print(f"\nhostile connections: {sum(s is not None for s in hostile)} opened; node RSS "
+              f"{before['rss_kb'] / 1024:.1f} -> {during['rss_kb'] / 1024:.1f} MB (+{grown_mb:.1f} MB); "
+              f"open {during['open']}; {during['stats']}")
+        assert during["stats"]["accepted"] >= 1000 and during["open"] <= 256
+        assert grown_mb < 100  # loose: measured about 1-3 MB
+        for s in hostile:
+            if s is not None:
+                s.close()
+        conn.close()
+    finally:
+        child.stdin.close()
+        child.wait(timeout=10)
