@@ -18,7 +18,7 @@ from meshnet.ledger.store import Ledger
 from meshnet.membership.auth import AuthError, Authenticator, MemoryBindings
 from meshnet.membership.cli import add_nodes_parser
 from meshnet.membership.identity import (IdentityError, NodeIdentity, SignatureError, default_identity_path,
-                                         load_or_create_identity, node_id_for, verify_message)
+                                         load_or_create_identity, node_id_for, node_identity, verify_message)
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.service import serve_tracker
@@ -41,7 +41,8 @@ def test_identity_is_created_once_with_private_permissions(tmp_path, monkeypatch
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
     path = default_identity_path("a/head")
     assert path == tmp_path / "cfg" / "meshnet" / "node-a_head.key"
-    assert default_identity_path(None).name == "node-default.key"
+    with pytest.raises(ValueError, match="unnamed node"):
+        default_identity_path(None)
     first = load_or_create_identity(path)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     again = load_or_create_identity(path)
@@ -57,6 +58,21 @@ def test_identity_is_created_once_with_private_permissions(tmp_path, monkeypatch
     os.chmod(bad, 0o600)
     with pytest.raises(IdentityError, match="not an unencrypted PEM private key"):
         load_or_create_identity(bad)
+
+
+def test_unnamed_nodes_get_a_fresh_key_each_named_ones_keep_theirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    # Two unnamed processes (two spares for one range): two ids, and no key file written.
+    a, b = node_identity(None, None), node_identity(None, None)
+    assert a.node_id != b.node_id and a.path is None and b.path is None
+    assert not (tmp_path / "cfg").exists()
+    # A named node restarts with the same key, kept in its own file.
+    first, again = node_identity("mid", None), node_identity("mid", None)
+    assert first.public_key == again.public_key
+    assert first.path == tmp_path / "cfg" / "meshnet" / "node-mid.key"
+    # --identity wins over the name's default file.
+    explicit = node_identity("mid", tmp_path / "own.key")
+    assert explicit.path == tmp_path / "own.key" and explicit.public_key != first.public_key
 
 
 def test_signatures_cover_every_field_and_the_time():
