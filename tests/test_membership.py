@@ -243,6 +243,7 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
     me = NodeIdentity.generate()
     info = node_info(me.node_id, 0, 15)
     info.backend = "vulkan"
+    info.data_address = "127.0.0.1:10"
     info.free_memory_bytes = 3 << 30
     info.device.CopyFrom(pb.DeviceInfo(name="Vulkan0", description="Radeon", type="gpu",
                                        memory_total_bytes=8 << 30, index=0))
@@ -258,13 +259,13 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
         assert args.func(args) == 0
     header, *rows = out.getvalue().splitlines()
     assert header.split() == ["NODE", "LAYERS", "BACKEND", "LOAD", "SPEED", "RELAY", "HEARTBEAT", "SIGNED",
-                              "ADDRESS", "DEVICE"]
+                              "ADDRESS", "DATA", "DEVICE"]
     cells = {r.split()[0]: r.split() for r in rows}
     assert cells[me.node_id][1:5] == ["[0,", "15)/30", "vulkan", "3/4"]
     assert cells[me.node_id][5:8] == ["12.5", "tok/s", "direct"]
     assert cells[me.node_id][8].endswith("s") and float(cells[me.node_id][8][:-1]) < 5
-    assert cells[me.node_id][10:] == ["yes", "127.0.0.1:9", "Radeon", "(3.0/8.0", "GiB", "free)"]
-    assert cells["legacy"][10:] == ["no", "127.0.0.1:9", "-"]
+    assert cells[me.node_id][10:] == ["yes", "127.0.0.1:9", "127.0.0.1:10", "Radeon", "(3.0/8.0", "GiB", "free)"]
+    assert cells["legacy"][10:] == ["no", "127.0.0.1:9", "-", "-"]
 
     args = parser.parse_args(["nodes", "--tracker", f"127.0.0.1:{state['port']}", "--json"])
     out = io.StringIO()
@@ -273,6 +274,8 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
     nodes = {n["node_id"]: n for n in json.loads(out.getvalue())["nodes"]}
     assert nodes[me.node_id]["layers"] == [0, 15] and nodes[me.node_id]["active_sessions"] == 3
     assert nodes[me.node_id]["relay"] == "direct" and nodes["legacy"]["signed"] is False
+    assert (nodes[me.node_id]["address"], nodes[me.node_id]["data_address"]) == ("127.0.0.1:9", "127.0.0.1:10")
+    assert nodes["legacy"]["data_address"] == ""
     assert nodes[me.node_id]["device"] == {"name": "Vulkan0", "description": "Radeon", "type": "gpu",
                                            "memory_total_bytes": 8 << 30, "index": 0}
     assert nodes[me.node_id]["free_memory_bytes"] == 3 << 30 and nodes["legacy"]["device"] is None

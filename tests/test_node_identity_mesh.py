@@ -1,17 +1,23 @@
 """Node identity with real node processes: unnamed spares for one range get ids of their own and fail
 over like named ones; a second process claiming a live node's id is refused and exits without harming
-the first."""
+the first; a node names its gRPC and data-plane addresses in its log and in ``meshnet nodes``."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
+import json
+import re
 import subprocess
 import time
 
 from conftest import load_golden
-from mesh_util import HEARTBEAT_S
+from mesh_util import HEARTBEAT_S, NodeProc
 from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import GREEDY
 from meshnet.generation import Generation
+from meshnet.membership.cli import run_nodes
 from meshnet.proto import meshnet_pb2 as pb
 
 GOLDEN = "SmolLM2-135M-Instruct.Q4_1"
@@ -20,6 +26,13 @@ GOLDEN = "SmolLM2-135M-Instruct.Q4_1"
 def _listed(mesh) -> list[tuple[str, str, tuple[int, int]]]:
     return [(s.info.node_id, s.info.address, (s.info.layers.start, s.info.layers.end))
             for s in mesh.tracker_stub().ListNodes(pb.Empty(), timeout=5).nodes]
+
+
+def _ready(proc) -> NodeProc:
+    line = proc.stdout.readline()
+    assert line.startswith("MESHNET_NODE_READY"), line
+    fields = dict(kv.split("=", 1) for kv in line.split()[1:])
+    return NodeProc(proc, fields["node_id"], fields["address"])
 
 
 def test_unnamed_spares_have_own_ids_and_a_killed_one_fails_over(mesh, tok, smollm2_path):
@@ -41,6 +54,30 @@ def test_unnamed_spares_have_own_ids_and_a_killed_one_fails_over(mesh, tok, smol
     assert client.failovers == 1
     survivor = spare2 if victim is spare1 else spare1
     assert [n.active_sessions() for n in (head, survivor, tail)] == [0, 0, 0]
+
+
+def test_node_logs_and_lists_its_grpc_and_data_plane_addresses(mesh, tmp_path):
+    log_path = tmp_path / "node.log"
+    with open(log_path, "w") as log:
+        node = _ready(mesh.spawn_node("0:30", "solo", "smollm2", "--engine", "fake", stderr=log))
+    mesh.nodes.append(node)
+    mesh.wait_registered({"solo"})
+    deadline = time.monotonic() + 10
+    while "serving layers" not in log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    m = re.search(r"serving layers \S+: gRPC (\S+), data plane (\S+);", log_path.read_text())
+    assert m, log_path.read_text()
+    assert m.group(1) == node.address
+    data_address = m.group(2)
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", data_address) and data_address != node.address
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert run_nodes(argparse.Namespace(tracker=mesh.tracker, join_token=None, tls_ca=None, json=True)) == 0
+    [row] = json.loads(out.getvalue())["nodes"]
+    assert (row["node_id"], row["address"], row["data_address"]) == ("solo", node.address, data_address)
+    # The route hands clients the same data plane.
+    [hop] = mesh.tracker_stub().GetRoute(pb.RouteRequest(), timeout=5).hops
+    assert hop.data_address == data_address
 
 
 def test_second_process_with_a_live_id_is_refused_and_the_first_keeps_it(mesh):

@@ -2,9 +2,9 @@
 heart-beating; free idle sessions; on SIGTERM drain and deregister.
 
 Prints ``MESHNET_NODE_READY node_id=... address=HOST:PORT`` on stdout once serving, so a parent process
-(``meshnet up``, tests) can learn a port chosen by the OS. A node the tracker refuses for good (wrong key
-or protocol, or an id that a live node at another address holds) exits with status 1 and the tracker's
-message on stderr.
+(``meshnet up``, tests) can learn a port chosen by the OS; the log (stderr) names its gRPC and data-plane
+addresses. A node the tracker refuses for good (wrong key or protocol, or an id that a live node at
+another address holds) exits with status 1 and the tracker's message on stderr.
 
 With ``--relay`` the node opens no port at all: it registers as relayed (address ``relay:<node_id>``)
 and keeps one outbound ``Relay`` stream to the tracker, over which the tracker forwards steps and
@@ -480,8 +480,10 @@ def run_node(args: argparse.Namespace) -> int:
     layers = node.engine.capabilities().artifact.layers
     print(f"MESHNET_NODE_READY node_id={node.node_id} address={node.address} layers={layers}", flush=True)
     dev = getattr(node.engine, "device", None) or {}
-    log.info("node %s serving layers %s on %s with %s on %s (%.1f tok/s decode probe)", node.node_id, layers,
-             node.address, node.engine.capabilities().backend, dev.get("description") or dev.get("name", "?"),
+    # Both addresses: clients dial the data plane for steps, so a firewall must pass it too.
+    log.info("node %s serving layers %s: gRPC %s, data plane %s; %s on %s (%.1f tok/s decode probe)",
+             node.node_id, layers, node.address, node.data_address or "off (steps over gRPC)",
+             node.engine.capabilities().backend, dev.get("description") or dev.get("name", "?"),
              node.decode_tokens_per_s)
     done.wait()
     log.info("draining node %s", node.node_id)
