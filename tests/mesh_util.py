@@ -45,15 +45,22 @@ class Mesh:
         self.tracker = f"127.0.0.1:{port}"
         self.nodes: list[NodeProc] = []
 
-    def start_nodes(self, specs: list[tuple[str, str]], model: str = "smollm2", *extra: str) -> list[NodeProc]:
-        """Start one node per (node_id, layers) in parallel and wait until each is serving."""
+    def spawn_node(self, layers: str, node_id: str | None, model: str = "smollm2", *extra: str,
+                   stderr=subprocess.DEVNULL) -> subprocess.Popen:
+        """Start ``meshnet node`` for this tracker (stdout piped, text); node_id None: no ``--node-id``."""
         env = dict(os.environ)
         if self.join_token:
             env["MESHNET_JOIN_TOKEN"] = self.join_token
-        procs = [(nid, subprocess.Popen(
+        named = ["--node-id", node_id] if node_id is not None else []
+        return subprocess.Popen(
             [sys.executable, "-m", "meshnet.cli", "node", "--tracker", self.tracker, "--model", model,
-             "--layers", layers, "--node-id", nid, "--threads", "1", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)) for nid, layers in specs]
+             "--layers", layers, *named, "--threads", "1", *extra],
+            stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+
+    def start_nodes(self, specs: list[tuple[str | None, str]], model: str = "smollm2", *extra: str) -> list[NodeProc]:
+        """Start one node per (node_id, layers) in parallel and wait until each is serving (node_id None:
+        the node picks its own id)."""
+        procs = [(nid, self.spawn_node(layers, nid, model, *extra)) for nid, layers in specs]
         started = []
         for nid, proc in procs:
             line = proc.stdout.readline()

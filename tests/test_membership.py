@@ -18,7 +18,7 @@ from meshnet.ledger.store import Ledger
 from meshnet.membership.auth import AuthError, Authenticator, MemoryBindings
 from meshnet.membership.cli import add_nodes_parser
 from meshnet.membership.identity import (IdentityError, NodeIdentity, SignatureError, default_identity_path,
-                                         load_or_create_identity, node_id_for, verify_message)
+                                         load_or_create_identity, node_id_for, node_identity, verify_message)
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.service import serve_tracker
@@ -41,7 +41,8 @@ def test_identity_is_created_once_with_private_permissions(tmp_path, monkeypatch
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
     path = default_identity_path("a/head")
     assert path == tmp_path / "cfg" / "meshnet" / "node-a_head.key"
-    assert default_identity_path(None).name == "node-default.key"
+    with pytest.raises(ValueError, match="unnamed node"):
+        default_identity_path(None)
     first = load_or_create_identity(path)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     again = load_or_create_identity(path)
@@ -57,6 +58,21 @@ def test_identity_is_created_once_with_private_permissions(tmp_path, monkeypatch
     os.chmod(bad, 0o600)
     with pytest.raises(IdentityError, match="not an unencrypted PEM private key"):
         load_or_create_identity(bad)
+
+
+def test_unnamed_nodes_get_a_fresh_key_each_named_ones_keep_theirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "cfg"))
+    # Two unnamed processes (two spares for one range): two ids, and no key file written.
+    a, b = node_identity(None, None), node_identity(None, None)
+    assert a.node_id != b.node_id and a.path is None and b.path is None
+    assert not (tmp_path / "cfg").exists()
+    # A named node restarts with the same key, kept in its own file.
+    first, again = node_identity("mid", None), node_identity("mid", None)
+    assert first.public_key == again.public_key
+    assert first.path == tmp_path / "cfg" / "meshnet" / "node-mid.key"
+    # --identity wins over the name's default file.
+    explicit = node_identity("mid", tmp_path / "own.key")
+    assert explicit.path == tmp_path / "own.key" and explicit.public_key != first.public_key
 
 
 def test_signatures_cover_every_field_and_the_time():
@@ -227,6 +243,7 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
     me = NodeIdentity.generate()
     info = node_info(me.node_id, 0, 15)
     info.backend = "vulkan"
+    info.data_address = "127.0.0.1:10"
     info.free_memory_bytes = 3 << 30
     info.device.CopyFrom(pb.DeviceInfo(name="Vulkan0", description="Radeon", type="gpu",
                                        memory_total_bytes=8 << 30, index=0))
@@ -246,15 +263,15 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
         assert args.func(args) == 0
     header, *rows = out.getvalue().splitlines()
     assert header.split() == ["NODE", "LAYERS", "BACKEND", "LOAD", "SPEED", "RELAY", "HEARTBEAT", "SIGNED",
-                              "ADDRESS", "DEVICE"]
+                              "ADDRESS", "DATA", "DEVICE"]
     cells = {r.split()[0]: r.split() for r in rows}
     assert cells[me.node_id][1:5] == ["[0,", "15)/30", "vulkan", "3/4"]
     assert cells[me.node_id][5:8] == ["12.5", "tok/s", "direct"]
     assert cells[me.node_id][8].endswith("s") and float(cells[me.node_id][8][:-1]) < 5
-    assert cells[me.node_id][10:] == ["yes", "127.0.0.1:9", "Radeon", "(3.0/8.0", "GiB", "free)"]
-    assert cells["legacy"][10:] == ["no", "127.0.0.1:9", "-"]
+    assert cells[me.node_id][10:] == ["yes", "127.0.0.1:9", "127.0.0.1:10", "Radeon", "(3.0/8.0", "GiB", "free)"]
+    assert cells["legacy"][10:] == ["no", "127.0.0.1:9", "-", "-"]
     # A CPU node shows which SIMD kernels it runs (beyond what AVX2 implies): exact ids need the same.
-    assert cells["cpu-node"][12:17] == ["AMD", "EPYC", "[AVX2", "AVX512", "AVX512_VNNI]"]
+    assert cells["cpu-node"][13:18] == ["AMD", "EPYC", "[AVX2", "AVX512", "AVX512_VNNI]"]
 
     args = parser.parse_args(["nodes", "--tracker", f"127.0.0.1:{state['port']}", "--json"])
     out = io.StringIO()
@@ -263,6 +280,8 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
     nodes = {n["node_id"]: n for n in json.loads(out.getvalue())["nodes"]}
     assert nodes[me.node_id]["layers"] == [0, 15] and nodes[me.node_id]["active_sessions"] == 3
     assert nodes[me.node_id]["relay"] == "direct" and nodes["legacy"]["signed"] is False
+    assert (nodes[me.node_id]["address"], nodes[me.node_id]["data_address"]) == ("127.0.0.1:9", "127.0.0.1:10")
+    assert nodes["legacy"]["data_address"] == ""
     assert nodes[me.node_id]["device"] == {"name": "Vulkan0", "description": "Radeon", "type": "gpu",
                                            "memory_total_bytes": 8 << 30, "index": 0, "cpu_features": []}
     assert nodes["cpu-node"]["device"]["cpu_features"] == ["SSE3", "AVX", "AVX2", "FMA", "AVX512", "AVX512_VNNI"]

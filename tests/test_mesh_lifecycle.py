@@ -1,13 +1,17 @@
 """Node lifecycle and the one-command mesh as real processes: long prompts, SIGTERM drain, idle expiry,
-version skew, join tokens, ``meshnet up`` + ``meshnet generate --tracker``."""
+version skew, join tokens, ``meshnet up`` + ``meshnet generate --tracker``, and ``meshnet up`` restarting
+a node killed under it."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -127,6 +131,77 @@ def test_meshnet_up_then_generate_through_the_mesh(solo, tmp_path):
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
+
+
+def test_meshnet_up_restarts_a_killed_node_while_the_api_keeps_serving(solo, tmp_path):
+    port = _free_port()
+    err_path = tmp_path / "up.stderr"
+    with open(err_path, "w") as err:
+        up = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "up", "--stages", "2", "--port", str(port),
+                               "--api-port", "0", "--heartbeat", "0.3"], stdout=subprocess.PIPE, stderr=err,
+                              text=True)
+    try:
+        line = up.stdout.readline()
+        assert line.startswith("MESHNET_UP_READY"), err_path.read_text()
+        health_url = dict(kv.split("=", 1) for kv in line.split()[1:])["api"].removesuffix("/v1") + "/health"
+        tracker = pb_grpc.TrackerStub(open_channel(f"127.0.0.1:{port}"))
+        before = {s.info.node_id: s.info.address for s in tracker.ListNodes(pb.Empty(), timeout=5).nodes}
+        nodes = _node_children(up.pid)
+        assert set(nodes) == set(before) and len(nodes) == 2
+        victim = max(nodes)  # the tail, node-1-...
+        os.kill(nodes[victim], signal.SIGKILL)
+
+        # The API answers throughout: first that the route is broken, then that it is whole again.
+        statuses, deadline = [], time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(health_url, timeout=5) as r:
+                    statuses.append((r.status, json.loads(r.read())))
+            except urllib.error.HTTPError as e:
+                statuses.append((e.code, json.loads(e.read())))
+            if statuses[-1][0] == 200 and 503 in {c for c, _ in statuses}:
+                break
+            time.sleep(0.05)
+        down = [body for code, body in statuses if code == 503]
+        assert down and down[0]["status"] == "unavailable", statuses[-1]
+        assert up.poll() is None
+        after = {s.info.node_id: s.info.address for s in tracker.ListNodes(pb.Empty(), timeout=5).nodes}
+        assert set(after) == set(before) and after[victim] != before[victim]  # the same id on a new port
+        assert statuses[-1][0] == 200 and f"{victim}@{after[victim]}" in statuses[-1][1]["route"]
+        restarted = _node_children(up.pid)
+        assert restarted[victim] != nodes[victim] and restarted[min(nodes)] == nodes[min(nodes)]
+
+        client = MeshClient(f"127.0.0.1:{port}")
+        res = client.step(StepRequest("after-restart", 0, 0, tuple(solo.prompt_ids(0))), decode=False)
+        assert res.ok and res.token.token_id == solo.greedy(0, 1)[0]
+        client.release("after-restart")  # else the nodes' drain waits for it on the way out
+        log = err_path.read_text()
+        assert f"[meshnet up] node {victim} exited with code -9 after " in log
+        assert f"[meshnet up] node {victim} restarted (pid {restarted[victim]})" in log
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+    # Ctrl-C stopped everything, and nothing was restarted on the way out.
+    assert _node_children(up.pid) == {}
+    assert err_path.read_text().count("restarted (pid") == 1
+
+
+def _node_children(pid: int) -> dict[str, int]:
+    """``--node-id`` -> pid of the ``meshnet node`` processes whose parent is ``pid``."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")
+        except OSError:
+            continue  # gone meanwhile
+        if int(fields[1]) == pid and fields[0] != "Z" and "--node-id" in argv:
+            found[argv[argv.index("--node-id") + 1]] = int(entry)
+    return found
 
 
 def _free_port() -> int:

@@ -17,7 +17,7 @@ import pytest
 from meshnet.contract import LayerRange
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.tracker.registry import ProtocolMismatch, Registry
+from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry
 from meshnet.tracker.routing import NodeRecord
 from meshnet.tracker.service import add_tracker_parser, serve_tracker
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
@@ -70,15 +70,37 @@ def test_heartbeat_keeps_a_node_alive_and_updates_load():
     assert reg.heartbeat("stranger", 0, 0.0) is False
 
 
-def test_reregister_replaces_the_entry():
-    reg = Registry(clock=FakeClock())
+def test_reregister_replaces_the_entry_at_the_same_address_or_after_expiry():
+    clock = FakeClock()
+    reg = Registry(heartbeat_interval_s=1.0, clock=clock)
     reg.register(record("n1", 0, 10, address="10.0.0.1:1"), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+    # The same node re-registering (or restarted on its port) replaces its entry.
+    reg.register(record("n1", 0, 30, address="10.0.0.1:1"), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+    [r] = reg.alive()
+    assert (r.address, r.layers) == ("10.0.0.1:1", LayerRange(0, 30))
+    # Once the old entry expired, any address may take the id.
+    clock.now += 3.0
     reg.register(record("n1", 10, 30, address="10.0.0.1:2"), PROTOCOL_MAJOR, PROTOCOL_MINOR)
     [r] = reg.alive()
     assert (r.address, r.layers) == ("10.0.0.1:2", LayerRange(10, 30))
     assert len(reg.statuses()) == 1
     assert reg.deregister("n1") is True and reg.deregister("n1") is False
     assert reg.alive() == []
+
+
+def test_live_id_claimed_from_another_address_is_refused_naming_both():
+    clock = FakeClock()
+    reg = Registry(heartbeat_interval_s=1.0, clock=clock)
+    reg.register(record("mid", 10, 20, address="10.0.0.1:1"), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+    clock.now += 2.5
+    assert reg.heartbeat("mid", 0, 0.0) is True
+    clock.now += 2.9  # still live: 2.9 s of silence against a 3 s ttl
+    with pytest.raises(NodeIdInUse) as ei:
+        reg.register(record("mid", 10, 20, address="10.0.0.2:7"), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+    assert (ei.value.node_id, ei.value.live_address) == ("mid", "10.0.0.1:1")
+    assert "'mid'" in str(ei.value) and "10.0.0.1:1" in str(ei.value) and "expires in 0.1 s" in str(ei.value)
+    # The live entry is untouched.
+    assert [(r.node_id, r.address) for r in reg.alive()] == [("mid", "10.0.0.1:1")]
 
 
 def test_protocol_mismatch_names_both_versions():
@@ -151,6 +173,22 @@ def tracker():
     finally:
         channel.close()
         server.stop(None)
+
+
+def test_register_of_a_live_id_from_another_address_is_already_exists(tracker):
+    tracker.Register(info("mid", 10, 20, port=9100), timeout=5)
+    tracker.Register(info("mid", 10, 20, port=9100), timeout=5)  # the node itself again: fine
+    with pytest.raises(grpc.RpcError) as ei:
+        tracker.Register(info("mid", 10, 20, port=9101), timeout=5)
+    assert ei.value.code() is grpc.StatusCode.ALREADY_EXISTS
+    assert "node id 'mid'" in ei.value.details() and "127.0.0.1:9100" in ei.value.details()
+    listed = tracker.ListNodes(pb.Empty(), timeout=5).nodes
+    assert [(n.info.node_id, n.info.address) for n in listed] == [("mid", "127.0.0.1:9100")]
+    # After the holder leaves, the id is free for the new address.
+    tracker.Deregister(pb.NodeRef(node_id="mid"), timeout=5)
+    tracker.Register(info("mid", 10, 20, port=9101), timeout=5)
+    listed = tracker.ListNodes(pb.Empty(), timeout=5).nodes
+    assert [(n.info.node_id, n.info.address) for n in listed] == [("mid", "127.0.0.1:9101")]
 
 
 def test_route_deregister_and_bad_calls(tracker):

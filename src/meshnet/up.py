@@ -1,12 +1,16 @@
 """``meshnet up``: a whole mesh on this machine in one command — a tracker in this process and one
-``meshnet node`` process per layer range on loopback — kept serving until Ctrl-C."""
+``meshnet node`` process per layer range on loopback — kept serving until Ctrl-C or SIGTERM.
+
+A node process that exits is restarted with exponential backoff (:mod:`meshnet.restart_policy`:
+0.5 s doubling to 10 s, reset after 30 s of running), each exit and restart logged on stderr; the
+tracker and the API keep serving meanwhile (a route through a spare attached from elsewhere, if any).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -16,6 +20,7 @@ from tqdm import tqdm
 
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.supervisor import Supervisor
 from meshnet.wire.security import open_channel
 
 
@@ -68,36 +73,36 @@ def wait_for_route(tracker: str, timeout_s: float, join_token: str | None = None
 def run_up(args: argparse.Namespace) -> int:
     from meshnet.local_mesh import plan_ranges
     from meshnet.model.bundled import resolve_model
+    from meshnet.tracker.registry import Registry
     from meshnet.tracker.service import serve_tracker
 
     path = str(resolve_model(args.model))
     ranges = plan_ranges(path, args.stages)
-    server, port = serve_tracker(args.host, args.port, heartbeat_interval_s=args.heartbeat,
-                                 join_token=args.join_token)
+    registry = Registry(args.heartbeat)
+    server, port = serve_tracker(args.host, args.port, join_token=args.join_token, registry=registry)
     tracker = f"{args.host}:{port}"
     print(f"[meshnet up] tracker on {tracker}; starting {len(ranges)} nodes: "
           f"{', '.join(str(r) for r in ranges)}", file=sys.stderr, flush=True)
     env = dict(os.environ)
     if args.join_token:
         env["MESHNET_JOIN_TOKEN"] = args.join_token
-    procs = [subprocess.Popen([sys.executable, "-m", "meshnet.cli", "node", "--tracker", tracker, "--model", path,
-                               "--layers", str(r), "--host", args.host, "--threads", str(args.threads),
-                               "--node-id", f"node-{i}-{r.start}-{r.end}"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for i, r in enumerate(ranges)]
-    logs: list[list[str]] = [[] for _ in procs]
-
-    def pump(i: int, proc: subprocess.Popen) -> None:
-        for line in proc.stderr:
-            logs[i].append(line.rstrip())
-            del logs[i][:-50]
-
-    for i, proc in enumerate(procs):
-        threading.Thread(target=pump, args=(i, proc), daemon=True).start()
+    # Named nodes keep their ids (and keys) across the supervisor's restarts.
+    names = [f"node-{i}-{r.start}-{r.end}" for i, r in enumerate(ranges)]
+    children = [(name, [sys.executable, "-m", "meshnet.cli", "node", "--tracker", tracker, "--model", path,
+                        "--layers", str(r), "--host", args.host, "--threads", str(args.threads), "--node-id", name])
+                for name, r in zip(names, ranges)]
+    # A node that died leaves routing at once (not after three silent heartbeats), and its restart can
+    # take its id back without being refused as a second claimant.
+    supervisor = Supervisor(children, env=env, on_exit=registry.deregister)
+    supervisor.start()
     stop = threading.Event()
     # Handle SIGINT explicitly too: a shell starts background jobs with SIGINT ignored.
-    signal.signal(signal.SIGTERM, lambda *a: stop.set())
-    signal.signal(signal.SIGINT, lambda *a: stop.set())
+    def on_signal(signum, frame) -> None:
+        supervisor.halt()
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     code = 0
     api = None
     try:
@@ -121,15 +126,9 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"MESHNET_UP_READY tracker={tracker}" + (f" api={api_url}" if api_url else ""), flush=True)
         print(f"[meshnet up] try: meshnet generate --tracker {tracker} \"Hello\"   (Ctrl-C stops the mesh)",
               file=sys.stderr, flush=True)
-        while not stop.is_set():
-            dead = [i for i, p in enumerate(procs) if p.poll() is not None]
-            if dead:
-                for i in dead:
-                    print(f"[meshnet up] node {i} exited ({procs[i].returncode}): "
-                          + " | ".join(logs[i][-3:]), file=sys.stderr)
-                code = 1
-                break
-            stop.wait(0.5)
+        # The supervisor restarts nodes that exit; only a signal ends the mesh.
+        while not stop.wait(0.5):
+            pass
     except KeyboardInterrupt:
         pass
     except TimeoutError as e:
@@ -142,13 +141,6 @@ def run_up(args: argparse.Namespace) -> int:
             stop_api(api[1], api[2])
             api[0].close()
         print("[meshnet up] stopping nodes", file=sys.stderr)
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        supervisor.stop(timeout_s=15)
         server.stop(grace=1).wait()
     return code

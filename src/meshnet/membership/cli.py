@@ -19,9 +19,9 @@ def add_nodes_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     """Add the ``nodes`` subcommand to ``sub`` (``set_defaults(func=run_nodes)``)."""
     p = sub.add_parser("nodes", help="list the nodes registered with a tracker",
                        description="List the live nodes of a tracker: layer range, backend, load (active/max "
-                                   "sessions), decode speed, relay status, last heartbeat age, and whether "
-                                   "the node signs its messages with a registered key, and the device it "
-                                   "computes on (free/total memory).")
+                                   "sessions), decode speed, relay status, last heartbeat age, whether "
+                                   "the node signs its messages with a registered key, its gRPC and "
+                                   "data-plane addresses, and the device it computes on (free/total memory).")
     p.add_argument("--tracker", required=True, help="HOST:PORT of the tracker")
     p.add_argument("--join-token", default=os.environ.get(JOIN_TOKEN_ENV), help=f"default ${JOIN_TOKEN_ENV}")
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker")
@@ -53,8 +53,9 @@ def _kernels(features) -> str:
 
 def nodes_dict(reply: pb.NodeList) -> dict:
     """The reply as plain data: ``{"nodes": [...]}`` (what ``--json`` prints); speed in tokens/s,
-    heartbeat age in seconds."""
-    return {"nodes": [{"node_id": s.info.node_id, "address": s.info.address,
+    heartbeat age in seconds; ``address`` is the node's gRPC HOST:PORT, ``data_address`` its step data
+    plane's ("" when it has none: relayed, TLS or ``--no-data-plane``)."""
+    return {"nodes": [{"node_id": s.info.node_id, "address": s.info.address, "data_address": s.info.data_address,
                        "layers": [s.info.layers.start, s.info.layers.end], "n_layer": s.info.model.n_layer,
                        "model_sha256": s.info.model.sha256, "backend": s.info.backend,
                        "active_sessions": s.active_sessions, "max_sessions": s.info.max_sessions,
@@ -69,13 +70,13 @@ def format_nodes(reply: pb.NodeList) -> str:
     """An aligned table, one row per node, or a line saying none is registered."""
     if not reply.nodes:
         return "no nodes registered"
-    rows = [("NODE", "LAYERS", "BACKEND", "LOAD", "SPEED", "RELAY", "HEARTBEAT", "SIGNED", "ADDRESS", "DEVICE")]
+    rows = [("NODE", "LAYERS", "BACKEND", "LOAD", "SPEED", "RELAY", "HEARTBEAT", "SIGNED", "ADDRESS", "DATA", "DEVICE")]
     for s in reply.nodes:
         i = s.info
         rows.append((i.node_id, f"[{i.layers.start}, {i.layers.end})/{i.model.n_layer}", i.backend or "cpu",
                      f"{s.active_sessions}/{i.max_sessions}", f"{i.decode_tokens_per_s:.1f} tok/s", _relay(s),
                      f"{s.last_heartbeat_age_s:.1f}s ago", "yes" if s.signed else "no", i.address,
-                     _device_cell(i)))
+                     i.data_address or "-", _device_cell(i)))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 

@@ -1,7 +1,8 @@
 """A node's identity: an Ed25519 key pair kept in a file, and the signatures it puts on tracker messages.
 
-The key is generated on a node's first start and stored as unencrypted PKCS#8 PEM with mode 0600 (like an
-SSH host key: whoever can read it can act as the node). The node id derives from the public key
+A named node's key (``--node-id``, or an explicit ``--identity`` file) is generated on its first start and
+stored as unencrypted PKCS#8 PEM with mode 0600 (like an SSH host key: whoever can read it can act as the
+node); an unnamed node takes a fresh key per process (:func:`node_identity`). The node id derives from the public key
 (:func:`node_id_for`), so an id cannot be claimed without the key; tests and ``meshnet up`` may still pick
 readable ids, which the tracker then binds to the first key that registers them.
 
@@ -55,16 +56,42 @@ def config_dir() -> Path:
     return Path(base) / "meshnet"
 
 
-def default_identity_path(name: str | None) -> Path:
-    """Where a node keeps its key when ``--identity`` is not given: ``<config_dir>/node-<name>.key``.
+def default_identity_path(name: str) -> Path:
+    """Where a node named ``name`` (its ``--node-id``) keeps its key when ``--identity`` is not given:
+    ``<config_dir>/node-<name>.key``, so a named node keeps its id and key across restarts.
 
-    ``name`` is the node's ``--node-id`` when it has one (so several named nodes on one machine keep
-    separate keys), else ``"default"``: a second unnamed node on the same machine needs its own
-    ``--identity``, or it would claim the first one's id. Characters other than letters, digits, ``.``,
-    ``_`` and ``-`` become ``_``.
+    Characters other than letters, digits, ``.``, ``_`` and ``-`` become ``_``.
+
+    Raises:
+        ValueError: ``name`` is empty (an unnamed node takes a fresh key instead, see :func:`node_identity`).
     """
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name or "default")
+    if not name:
+        raise ValueError("a key file is named after a node id; an unnamed node has no default key file")
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
     return config_dir() / f"node-{safe}.key"
+
+
+def node_identity(node_id: str | None, identity_path: str | os.PathLike | None) -> "NodeIdentity":
+    """The identity a node process starts with.
+
+    Args:
+        node_id: the node's ``--node-id``, or None.
+        identity_path: the node's ``--identity`` key file, or None.
+
+    Returns:
+        The key in ``identity_path`` when given (created on first use); else, for a named node, the key in
+        :func:`default_identity_path` (stable across restarts); else a fresh in-memory key, so every
+        unnamed node process has an id of its own: two spares for one range never share one, and a
+        restarted unnamed node registers as a new node.
+
+    Raises:
+        IdentityError: the key file cannot be used or created (see :func:`load_or_create_identity`).
+    """
+    if identity_path:
+        return load_or_create_identity(identity_path)
+    if node_id:
+        return load_or_create_identity(default_identity_path(node_id))
+    return NodeIdentity.generate()
 
 
 def canonical_bytes(message) -> bytes:

@@ -2,7 +2,9 @@
 heart-beating; free idle sessions; on SIGTERM drain and deregister.
 
 Prints ``MESHNET_NODE_READY node_id=... address=HOST:PORT`` on stdout once serving, so a parent process
-(``meshnet up``, tests) can learn a port chosen by the OS.
+(``meshnet up``, tests) can learn a port chosen by the OS; the log (stderr) names its gRPC and data-plane
+addresses. A node the tracker refuses for good (wrong key or protocol, or an id that a live node at
+another address holds) exits with status 1 and the tracker's message on stderr.
 
 With ``--relay`` the node opens no port at all: it registers as relayed (address ``relay:<node_id>``)
 and keeps one outbound ``Relay`` stream to the tracker, over which the tracker forwards steps and
@@ -27,7 +29,7 @@ import grpc
 from meshnet.contract import ArtifactId, LayerRange, LoadSpec, StepRequest, split_layers
 from meshnet.engine.base import ShardEngine
 from meshnet.ledger.reporting import WorkReporter
-from meshnet.membership.identity import default_identity_path, load_or_create_identity
+from meshnet.membership.identity import node_identity
 from meshnet.node.service import NodeService
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
@@ -36,6 +38,10 @@ from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from meshnet.wire.security import TlsConfig, add_port, make_server, open_channel
 
 log = logging.getLogger("meshnet.node")
+
+# Tracker answers after which a node stops instead of retrying its registration.
+_FATAL_REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
+                   grpc.StatusCode.ALREADY_EXISTS)
 
 
 @dataclass
@@ -65,7 +71,7 @@ class NodeConfig:
     cpu: int | None = None  # pin the process to this CPU (benchmarks: one core per node)
     backend: str = "cpu"  # ggml engine lane; anything but cpu must be certified on this machine
     device_index: int = 0  # which of the lane's devices (accelerator lanes only)
-    identity: str | None = None  # Ed25519 key file; default <config>/meshnet/node-<node_id or layers>.key
+    identity: str | None = None  # Ed25519 key file; default <config>/meshnet/node-<node_id>.key, or a fresh key
     relay: bool = False  # accept no connections: serve through a Relay stream to the tracker (needs tracker)
 
 
@@ -155,9 +161,7 @@ class Node:
         self.cfg = cfg
         # The key signs every tracker message; without --node-id the id is the key's, so it cannot be
         # claimed by anyone else. Loaded before the model so a bad key file fails fast.
-        # Unnamed nodes keep one key per layer range, so two ranges served from one machine stay distinct.
-        key_name = cfg.node_id or (f"layers-{cfg.layers.start}-{cfg.layers.end}" if cfg.layers else None)
-        self.identity = load_or_create_identity(cfg.identity or default_identity_path(key_name))
+        self.identity = node_identity(cfg.node_id, cfg.identity)
         self.node_id = cfg.node_id or self.identity.node_id
         self.engine, self.model = build_engine(cfg)
         self.decode_tokens_per_s = measure_decode_speed(self.engine)
@@ -200,6 +204,8 @@ class Node:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._tracker = None
+        # Why the tracker refused this node for good ("CODE: details"), or None.
+        self.refusal: str | None = None
 
     def info(self) -> pb.NodeInfo:
         c = self.engine.capabilities()
@@ -258,9 +264,11 @@ class Node:
                     # Unacknowledged work is kept and resent after an outage (the tracker counts it once).
                     registered = hb.known and self.work.flush(self._tracker, max_batches=4)
             except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.FAILED_PRECONDITION or e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                    log.error("tracker refused this node: %s", e.details())
-                    print(f"error: tracker refused this node: {e.details()}", file=sys.stderr, flush=True)
+                if e.code() in _FATAL_REFUSALS:
+                    # Retrying cannot help (wrong key, wrong protocol, an id another live node holds):
+                    # stop, and let run_node exit non-zero with the tracker's words.
+                    self.refusal = f"{e.code().name}: {e.details()}"
+                    print(f"error: tracker refused this node: {self.refusal}", file=sys.stderr, flush=True)
                     os.kill(os.getpid(), signal.SIGTERM)
                     return
                 if registered or not warned:
@@ -350,7 +358,8 @@ class Node:
     def stop(self, drain: bool = True) -> None:
         """Drain (refuse new sessions, let running ones finish up to drain_timeout_s), deregister, stop."""
         self.service.draining = True
-        if self._tracker is not None:
+        # A refused node never held its id: deregistering would remove the live node that does.
+        if self._tracker is not None and self.refusal is None:
             try:
                 self.work.flush(self._tracker, timeout_s=2)
                 self._tracker.Deregister(self.identity.sign(pb.NodeRef(node_id=self.node_id)), timeout=2)
@@ -398,8 +407,9 @@ def add_node_parser(sub) -> None:
                    help="id to register under (default: derived from the identity's public key); the tracker "
                         "binds it to the first key that registers it")
     p.add_argument("--identity", default=None, metavar="PATH",
-                   help="Ed25519 key file, created (mode 0600) on first start; default "
-                        "$XDG_CONFIG_HOME/meshnet/node-<node-id or layers-START-END>.key (~/.config/meshnet/...)")
+                   help="Ed25519 key file, created (mode 0600) on first start; default with --node-id "
+                        "$XDG_CONFIG_HOME/meshnet/node-<node-id>.key (~/.config/meshnet/...), without it a fresh "
+                        "key for this process (a new id each start)")
     p.add_argument("--engine", choices=["ggml", "fake"], default="ggml")
     p.add_argument("--backend", choices=["cpu", "cuda", "rocm", "vulkan", "metal"], default="cpu",
                    help="where the ggml engine computes; anything but cpu must be certified here first "
@@ -472,10 +482,12 @@ def run_node(args: argparse.Namespace) -> int:
     layers = node.engine.capabilities().artifact.layers
     print(f"MESHNET_NODE_READY node_id={node.node_id} address={node.address} layers={layers}", flush=True)
     dev = getattr(node.engine, "device", None) or {}
-    log.info("node %s serving layers %s on %s with %s on %s (%.1f tok/s decode probe)", node.node_id, layers,
-             node.address, node.engine.capabilities().backend, dev.get("description") or dev.get("name", "?"),
+    # Both addresses: clients dial the data plane for steps, so a firewall must pass it too.
+    log.info("node %s serving layers %s: gRPC %s, data plane %s; %s on %s (%.1f tok/s decode probe)",
+             node.node_id, layers, node.address, node.data_address or "off (steps over gRPC)",
+             node.engine.capabilities().backend, dev.get("description") or dev.get("name", "?"),
              node.decode_tokens_per_s)
     done.wait()
     log.info("draining node %s", node.node_id)
     node.stop(drain=True)
-    return 0
+    return 1 if node.refusal else 0

@@ -25,6 +25,21 @@ class ProtocolMismatch(ValueError):
     """A node speaks a protocol major version other than the tracker's; the message names both."""
 
 
+class NodeIdInUse(ValueError):
+    """A registration claims the id of a live node at another address; the message names the id, the live
+    address and when that entry expires if its node is gone.
+
+    Attributes:
+        node_id: the id claimed.
+        live_address: the address the live entry was registered with.
+    """
+
+    def __init__(self, message: str, node_id: str, live_address: str):
+        super().__init__(message)
+        self.node_id = node_id
+        self.live_address = live_address
+
+
 @dataclass(frozen=True)
 class RegisteredNode:
     """One row of :meth:`Registry.statuses`.
@@ -81,9 +96,13 @@ class Registry:
 
     def register(self, record: NodeRecord, protocol_major: int, protocol_minor: int,
                  free_memory_bytes: int = 0, device: dict | None = None) -> None:
-        """Add ``record``, replacing any entry with the same node id (a restarted node leaves no ghost).
+        """Add ``record``, replacing an entry with the same node id that has expired or has the same address
+        (the node re-registering, or restarted on its port: it leaves no ghost).
 
         Raises:
+            NodeIdInUse: a live entry (heard from within ``ttl_s``) has this node id and another address:
+                a second process claiming a running node's id would otherwise take over its routes while
+                the first keeps heartbeating for it.
             ProtocolMismatch: ``protocol_major`` differs from this tracker's ``PROTOCOL_MAJOR``
                 (minor versions may differ: they only add fields older readers ignore).
             ValueError: empty node id, address or model sha256, or a layer range outside ``[0, n_layer)``.
@@ -97,7 +116,16 @@ class Registry:
         if problem:
             raise ValueError(problem)
         with self._lock:
-            self._entries[record.node_id] = _Entry(record, self._clock(), protocol_major, protocol_minor,
+            now = self._clock()
+            live = self._entries.get(record.node_id)
+            if live is not None and now - live.last_seen < self.ttl_s and live.record.address != record.address:
+                age = now - live.last_seen
+                raise NodeIdInUse(
+                    f"node id {record.node_id!r} is in use by a live node at {live.record.address} (last heard "
+                    f"{age:.1f} s ago); start this one with another --node-id, or without one for a fresh id "
+                    f"(if that node has just died, its entry expires in {self.ttl_s - age:.1f} s)",
+                    record.node_id, live.record.address)
+            self._entries[record.node_id] = _Entry(record, now, protocol_major, protocol_minor,
                                                    max(int(free_memory_bytes), 0), device)
 
     def heartbeat(self, node_id: str, active_sessions: int, decode_tokens_per_s: float) -> bool:

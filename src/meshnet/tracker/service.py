@@ -1,7 +1,8 @@
 """The tracker's gRPC service: nodes register and heartbeat, clients ask for routes.
 
 Every refusal is a gRPC status with a message naming the problem (INVALID_ARGUMENT for a bad request,
-FAILED_PRECONDITION for a protocol mismatch or an incomplete model); an unexpected error becomes
+FAILED_PRECONDITION for a protocol mismatch or an incomplete model, ALREADY_EXISTS for a registration
+claiming the id of a live node at another address); an unexpected error becomes
 INTERNAL with its message, and the tracker keeps serving.
 
 Membership: a node's Register, Heartbeat, Deregister and ReportWork may be signed with its Ed25519 key
@@ -37,7 +38,7 @@ from meshnet.contract import LayerRange
 from meshnet.membership.auth import AuthError, Authenticator
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.tracker.registry import ProtocolMismatch, Registry, RegisteredNode
+from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry, RegisteredNode
 from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayHub
 from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
 from meshnet.wire.security import JOIN_TOKEN_ENV, TlsConfig, add_port, format_address, make_server
@@ -173,6 +174,8 @@ class TrackerService(pb_grpc.TrackerServicer):
                                        device=device_dict(request) if request.HasField("device") else None)
             except ProtocolMismatch as e:
                 raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"Register: {e}") from None
+            except NodeIdInUse as e:
+                raise _Refusal(grpc.StatusCode.ALREADY_EXISTS, f"Register: {e}") from None
             except ValueError as e:
                 raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {e}") from None
         return pb.RegisterReply(heartbeat_interval_s=self.registry.heartbeat_interval_s, ttl_s=self.registry.ttl_s)

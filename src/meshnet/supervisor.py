@@ -1,0 +1,150 @@
+"""Keep a set of child processes running: restart each one that exits, with the backoff of
+:mod:`meshnet.restart_policy`, and say so on stderr. ``meshnet up`` supervises its node processes with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, TextIO
+
+from meshnet.restart_policy import RestartPolicy, next_restart
+
+# How often the watcher looks for exits and due restarts (seconds).
+_POLL_S = 0.1
+# Lines of each child's stderr kept to explain its exit.
+_LOG_LINES = 50
+# How long to wait for an exited child's remaining stderr before reporting the exit (seconds).
+_LAST_WORDS_S = 0.5
+
+
+@dataclass
+class _Child:
+    name: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    quick_exits: int = 0
+    restart_at: float | None = None  # monotonic seconds; None while running
+    pump: threading.Thread | None = None  # copies the child's stderr into ``log``
+    log: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LOG_LINES))
+
+
+class Supervisor:
+    """Start processes, restart those that exit, stop them all on :meth:`stop` (thread-safe).
+
+    Args:
+        children: ``(name, argv)`` per process; ``name`` (e.g. a node id) is what the messages call it.
+        env: environment for the processes (default this one's).
+        policy: restart backoff.
+        on_exit: called with a child's name right after it exited (before its restart is scheduled),
+            from the watcher thread; an exception it raises is reported and otherwise ignored.
+        out: where restart messages go (default stderr), one line each, prefixed ``[meshnet up]``.
+
+    Children get stdout discarded and stderr captured; the last lines of stderr are quoted when a child
+    exits.
+    """
+
+    def __init__(self, children: list[tuple[str, list[str]]], env: dict | None = None,
+                 policy: RestartPolicy = RestartPolicy(), on_exit: Callable[[str], None] | None = None,
+                 out: TextIO | None = None) -> None:
+        self.policy = policy
+        self._children = [_Child(name, list(argv)) for name, argv in children]
+        self._env = env
+        self._on_exit = on_exit
+        self._out = out
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.restarts = 0  # how many restarts so far, all children together
+
+    def start(self) -> None:
+        """Start every child and the watcher thread."""
+        with self._lock:
+            for child in self._children:
+                self._spawn(child)
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="supervisor")
+        self._thread.start()
+
+    def pids(self) -> dict[str, int | None]:
+        """Each child's current pid (None while it waits to be restarted)."""
+        with self._lock:
+            return {c.name: (c.proc.pid if c.proc and c.restart_at is None else None) for c in self._children}
+
+    def halt(self) -> None:
+        """Restart nothing from now on (safe to call from a signal handler: it only sets a flag).
+
+        Ctrl-C in a terminal reaches the children too; without this they would be restarted while the
+        parent is still on its way to :meth:`stop`."""
+        self._stop.set()
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Stop restarting, SIGTERM every running child, and SIGKILL those still running after
+        ``timeout_s`` seconds."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            running = [c.proc for c in self._children if c.proc is not None and c.proc.poll() is None]
+        for proc in running:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in running:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _say(self, message: str) -> None:
+        print(f"[meshnet up] {message}", file=self._out or sys.stderr, flush=True)
+
+    def _spawn(self, child: _Child) -> None:
+        """Start ``child`` (lock held)."""
+        child.proc = subprocess.Popen(child.argv, env=self._env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True)
+        child.started, child.restart_at = time.monotonic(), None
+        child.pump = threading.Thread(target=self._pump, args=(child, child.proc), daemon=True)
+        child.pump.start()
+
+    def _pump(self, child: _Child, proc: subprocess.Popen) -> None:
+        for line in proc.stderr:
+            with self._lock:  # _schedule reads the log under the lock
+                child.log.append(line.rstrip())
+
+    def _watch(self) -> None:
+        while not self._stop.wait(_POLL_S):
+            now = time.monotonic()
+            with self._lock:
+                exited = [c for c in self._children if c.restart_at is None and c.proc.poll() is not None]
+            for child in exited:
+                # Its last lines (often the reason it exited) may still be in the pipe.
+                child.pump.join(timeout=_LAST_WORDS_S)
+            with self._lock:
+                for child in exited:
+                    self._schedule(child, now)
+                for child in self._children:
+                    if child.restart_at is not None and child.restart_at <= now and not self._stop.is_set():
+                        self._spawn(child)
+                        self.restarts += 1
+                        self._say(f"node {child.name} restarted (pid {child.proc.pid})")
+
+    def _schedule(self, child: _Child, now: float) -> None:
+        """``child`` exited: report it and pick when to start it again (lock held)."""
+        ran = max(0.0, now - child.started)
+        decision = next_restart(self.policy, ran, child.quick_exits)
+        child.quick_exits, child.restart_at = decision.quick_exits, now + decision.delay_s
+        last = " | ".join(list(child.log)[-3:]) or "no output"
+        self._say(f"node {child.name} exited with code {child.proc.returncode} after {ran:.1f} s ({last}); "
+                  f"restarting in {decision.delay_s:g} s")
+        if self._on_exit is not None:
+            try:
+                self._on_exit(child.name)
+            except Exception as e:  # noqa: BLE001 - a failing hook must not stop the restarts
+                self._say(f"after node {child.name} exited: {type(e).__name__}: {e}")

@@ -1,0 +1,97 @@
+"""Node identity with real node processes: unnamed spares for one range get ids of their own and fail
+over like named ones; a second process claiming a live node's id is refused and exits without harming
+the first; a node names its gRPC and data-plane addresses in its log and in ``meshnet nodes``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import re
+import subprocess
+import time
+
+from mesh_util import HEARTBEAT_S, NodeProc
+from meshnet.client.mesh_client import MeshClient
+from meshnet.contract import GREEDY
+from meshnet.generation import Generation
+from meshnet.membership.cli import run_nodes
+from meshnet.proto import meshnet_pb2 as pb
+
+
+def _listed(mesh) -> list[tuple[str, str, tuple[int, int]]]:
+    return [(s.info.node_id, s.info.address, (s.info.layers.start, s.info.layers.end))
+            for s in mesh.tracker_stub().ListNodes(pb.Empty(), timeout=5).nodes]
+
+
+def _ready(proc) -> NodeProc:
+    line = proc.stdout.readline()
+    assert line.startswith("MESHNET_NODE_READY"), line
+    fields = dict(kv.split("=", 1) for kv in line.split()[1:])
+    return NodeProc(proc, fields["node_id"], fields["address"])
+
+
+def test_unnamed_spares_have_own_ids_and_a_killed_one_fails_over(mesh, tok, solo):
+    head, spare1, spare2, tail = mesh.start_nodes([("a-head", "0:10"), (None, "10:20"), (None, "10:20"),
+                                                   ("d-tail", "20:30")])
+    assert spare1.node_id != spare2.node_id and spare1.address != spare2.address
+    middles = sorted((nid, addr) for nid, addr, layers in _listed(mesh) if layers == (10, 20))
+    assert middles == sorted([(spare1.node_id, spare1.address), (spare2.node_id, spare2.address)])
+
+    client = MeshClient(mesh.tracker)
+    _, route = client.route()
+    victim = spare1 if spare1.node_id in {h.node_id for h in route} else spare2
+    gen = Generation(client, tok, solo.prompt_ids(0), 64, GREEDY, stop_at_eog=False)
+    for i, _ in enumerate(gen):
+        if i + 1 == 10:
+            victim.kill()
+    assert gen.result.generated_token_ids == solo.greedy(0)
+    assert client.failovers == 1
+    survivor = spare2 if victim is spare1 else spare1
+    assert [n.active_sessions() for n in (head, survivor, tail)] == [0, 0, 0]
+
+
+def test_node_logs_and_lists_its_grpc_and_data_plane_addresses(mesh, tmp_path):
+    log_path = tmp_path / "node.log"
+    with open(log_path, "w") as log:
+        node = _ready(mesh.spawn_node("0:30", "solo", "smollm2", "--engine", "fake", stderr=log))
+    mesh.nodes.append(node)
+    mesh.wait_registered({"solo"})
+    deadline = time.monotonic() + 10
+    while "serving layers" not in log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    m = re.search(r"serving layers \S+: gRPC (\S+), data plane (\S+);", log_path.read_text())
+    assert m, log_path.read_text()
+    assert m.group(1) == node.address
+    data_address = m.group(2)
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", data_address) and data_address != node.address
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert run_nodes(argparse.Namespace(tracker=mesh.tracker, join_token=None, tls_ca=None, json=True)) == 0
+    [row] = json.loads(out.getvalue())["nodes"]
+    assert (row["node_id"], row["address"], row["data_address"]) == ("solo", node.address, data_address)
+    # The route hands clients the same data plane.
+    [hop] = mesh.tracker_stub().GetRoute(pb.RouteRequest(), timeout=5).hops
+    assert hop.data_address == data_address
+
+
+def test_second_process_with_a_live_id_is_refused_and_the_first_keeps_it(mesh):
+    (first,) = mesh.start_nodes([("b-mid", "10:20")], "smollm2", "--engine", "fake")
+
+    # Same id (and so the same key file), another port: refused, and it exits with the tracker's words.
+    second = mesh.spawn_node("10:20", "b-mid", "smollm2", "--engine", "fake", stderr=subprocess.PIPE)
+    try:
+        stdout, stderr = second.communicate(timeout=30)
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()
+    assert second.returncode == 1, stderr
+    assert "error: tracker refused this node: ALREADY_EXISTS" in stderr
+    assert "node id 'b-mid' is in use by a live node at " + first.address in stderr
+    assert "Traceback" not in stderr
+    # The refused process did not deregister the id it never held: the first keeps serving under it.
+    time.sleep(4 * HEARTBEAT_S)
+    assert _listed(mesh) == [("b-mid", first.address, (10, 20))]
+    assert first.proc.poll() is None

@@ -1,0 +1,84 @@
+"""The process supervisor of ``meshnet up`` with cheap child processes: a killed child is restarted and
+reported, a crash-looping one backs off, and stop() ends them all for good."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import sys
+import time
+
+from meshnet.restart_policy import RestartPolicy
+from meshnet.supervisor import Supervisor
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+CRASHER = [sys.executable, "-c", "import sys; print('boom: bad model', file=sys.stderr); sys.exit(3)"]
+
+
+def _wait(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_killed_child_is_restarted_reported_and_the_others_keep_running():
+    out, exits = io.StringIO(), []
+    sup = Supervisor([("a", SLEEPER), ("b", SLEEPER)], policy=RestartPolicy(0.2, 1.0, 30.0),
+                     on_exit=exits.append, out=out)
+    sup.start()
+    try:
+        first = sup.pids()
+        assert all(first.values())
+        os.kill(first["a"], signal.SIGKILL)
+        _wait(lambda: sup.pids()["a"] not in (None, first["a"]))
+        again = sup.pids()
+        assert again["b"] == first["b"]  # untouched
+        assert exits == ["a"] and sup.restarts == 1
+        lines = out.getvalue().splitlines()
+        assert re.fullmatch(r"\[meshnet up\] node a exited with code -9 after \d+\.\d s \(no output\); "
+                            r"restarting in 0\.2 s", lines[0]), lines
+        assert lines[1] == f"[meshnet up] node a restarted (pid {again['a']})"
+    finally:
+        sup.stop(timeout_s=5)
+    # stop() ended (and reaped) every child and restarts none of them.
+    assert [_alive(pid) for pid in again.values()] == [False, False]
+    time.sleep(0.5)
+    assert sup.restarts == 1
+
+
+def test_a_crash_looping_child_backs_off_and_its_last_words_are_quoted():
+    out = io.StringIO()
+    sup = Supervisor([("c", CRASHER)], policy=RestartPolicy(0.1, 0.4, 30.0), out=out)
+    sup.start()
+    try:
+        _wait(lambda: out.getvalue().count("exited with code 3") >= 4)
+    finally:
+        sup.stop(timeout_s=5)
+    exits = [line for line in out.getvalue().splitlines() if "exited" in line]
+    assert [re.search(r"restarting in (\S+) s", line).group(1) for line in exits[:4]] == ["0.1", "0.2", "0.4", "0.4"]
+    assert "(boom: bad model)" in exits[0]
+
+
+def test_halt_stops_restarts_at_once():
+    out = io.StringIO()
+    sup = Supervisor([("d", SLEEPER)], policy=RestartPolicy(0.05, 0.05, 30.0), out=out)
+    sup.start()
+    try:
+        pid = sup.pids()["d"]
+        sup.halt()
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        assert sup.restarts == 0 and "restarted" not in out.getvalue()
+    finally:
+        sup.stop(timeout_s=5)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
