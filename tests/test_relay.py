@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import threading
@@ -11,7 +12,7 @@ import grpc
 import numpy as np
 
 from conftest import load_golden
-from mesh_util import rpc_code
+from mesh_util import rpc_code, run_generate
 from meshnet.client.mesh_client import MeshClient
 from meshnet.client.relayed import RelayedStage
 from meshnet.client.remote import RemoteStage
@@ -77,7 +78,13 @@ def test_relayed_middle_node_opens_no_port_and_matches_golden(mesh, tok, smollm2
     assert stage.health().active_sessions == 0  # released through the relay
     caps = stage.capabilities()
     assert (caps.node_id, caps.layers.start, caps.layers.end) == ("b-relay", 10, 20)
+    # The command line reads every hop's context length, the relayed one's through the tracker.
+    _, hops, n_ctx = client.route_with_context()
+    assert [h.node_id for h in hops] == ["a-head", "b-relay", "d-tail"] and n_ctx == caps.n_ctx == 4096
     client.close()
+    proc = run_generate(mesh.tracker, golden["prompt"], "--max-tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["generated_token_ids"] == golden["greedy_ids"][:8]
 
 
 def test_direct_replica_preferred_and_relay_overhead_measured(mesh, smollm2_path):

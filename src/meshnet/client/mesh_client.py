@@ -40,6 +40,12 @@ class MeshUnavailable(RuntimeError):
     """No complete route could be had (the message names the missing layers) within the deadline."""
 
 
+def context_length(hops: list[RemoteStage]) -> int:
+    """The smallest ``n_ctx`` (tokens) along a route: every stage must hold the whole session.
+    Raises StageFailure when a hop does not answer."""
+    return min(h.capabilities().n_ctx for h in hops)
+
+
 @dataclass
 class RecordedStep:
     """One successful step of a session: the request (without hidden) and each hop's input."""
@@ -125,6 +131,35 @@ class MeshClient:
         except grpc.RpcError as e:
             raise MeshUnavailable(f"no route: {e.details() or e.code().name}") from None
         return int(r.epoch), [self._stage(h) for h in r.hops]
+
+    def route_with_context(self) -> tuple[int, list[RemoteStage], int]:
+        """A route and its context length in tokens (the smallest ``n_ctx`` along it: every stage must
+        hold the whole session), read from each hop (through the tracker for a relayed one).
+
+        A hop that does not answer (dead, though the tracker has not noticed yet) is excluded and the
+        route asked for again, until ``failover_deadline_s`` has passed.
+
+        Raises:
+            MeshUnavailable: no route whose every hop answers; the message names the last failure.
+        """
+        deadline = time.monotonic() + self.failover_deadline_s
+        exclude: set[str] = set()
+        while True:
+            try:
+                epoch, hops = self.route(exclude)
+            except MeshUnavailable as e:
+                if not exclude or time.monotonic() >= deadline:
+                    raise
+                log.info("%s; asking again", e)
+                time.sleep(0.25)
+                continue
+            try:
+                return epoch, hops, context_length(hops)
+            except StageFailure as f:
+                if time.monotonic() >= deadline:
+                    raise MeshUnavailable(f"no route whose nodes all answer: {f}") from None
+                log.warning("%s; routing around it", f)
+                exclude.add(f.node_id)
 
     # ---- the client interface ----------------------------------------------------------------
     def step(self, req: StepRequest, decode: bool) -> StepResult:

@@ -32,6 +32,9 @@ class RelayedStage(RemoteStage):
     def __init__(self, node_id: str, tracker_channel: grpc.Channel, timeout_s: float = 60.0,
                  max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         super().__init__(node_id, f"relay:{node_id}", tracker_channel, timeout_s, max_frame_bytes)
+        # The tracker serves no Node service: every call must go through RelayStep / RelayControl, so a
+        # direct stub would only answer UNIMPLEMENTED.
+        self.stub = None
         self.tracker = pb_grpc.TrackerStub(tracker_channel)
         self._metadata = ((RELAY_NODE_METADATA, node_id),)
 
@@ -70,6 +73,9 @@ class RelayedStage(RemoteStage):
         """The node's health. Raises grpc.RpcError (UNAVAILABLE when the node has no relay stream)."""
         return self._relay_control(pb.RelayDown.HEALTH).health
 
-    def capabilities(self) -> pb.Capabilities:
-        """The node's capabilities. Raises grpc.RpcError like :meth:`health`."""
-        return self._relay_control(pb.RelayDown.CAPABILITIES).capabilities
+    def capabilities(self, timeout_s: float = 5.0) -> pb.Capabilities:
+        """The node's capabilities, through the relay. Raises StageFailure when it does not answer."""
+        try:
+            return self._relay_control(pb.RelayDown.CAPABILITIES, timeout_s=timeout_s).capabilities
+        except grpc.RpcError as e:
+            raise StageFailure(self.node_id, self.address, e.code().name, e.details() or "") from None

@@ -127,6 +127,13 @@ class RemoteStage:
     def health(self) -> pb.HealthReply:
         return self.stub.Health(pb.Empty(), timeout=5)
 
+    def capabilities(self, timeout_s: float = 5.0) -> pb.Capabilities:
+        """The node's capabilities (layers, n_ctx, ...). Raises StageFailure when it does not answer."""
+        try:
+            return self.stub.GetCapabilities(pb.Empty(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise StageFailure(self.node_id, self.address, e.code().name, e.details() or "") from None
+
 
 def _control_failure(e: grpc.RpcError) -> Outcome:
     """A control call that got no OK: the node's answer when it is a contract status, else
