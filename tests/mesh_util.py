@@ -37,11 +37,14 @@ class NodeProc:
 
 
 class Mesh:
-    """A tracker in this process plus node subprocesses; ``close()`` stops everything."""
+    """A tracker in this process plus node subprocesses; ``close()`` stops everything.
 
-    def __init__(self, join_token: str | None = None) -> None:
+    ``heartbeat_s``: the nodes' heartbeat interval; the tracker drops a node silent for three of them
+    (a long one keeps a dead node listed, as on a real mesh in the seconds after it died)."""
+
+    def __init__(self, join_token: str | None = None, heartbeat_s: float = HEARTBEAT_S) -> None:
         self.join_token = join_token
-        self.server, port = serve_tracker("127.0.0.1", 0, heartbeat_interval_s=HEARTBEAT_S, join_token=join_token)
+        self.server, port = serve_tracker("127.0.0.1", 0, heartbeat_interval_s=heartbeat_s, join_token=join_token)
         self.tracker = f"127.0.0.1:{port}"
         self.nodes: list[NodeProc] = []
 
@@ -92,6 +95,13 @@ class Mesh:
                 n.proc.kill()
                 n.proc.wait(timeout=10)
         self.server.stop(grace=0).wait()
+
+
+def run_generate(tracker: str, prompt: str, *args: str) -> subprocess.CompletedProcess:
+    """``meshnet generate --tracker TRACKER --temperature 0 --json ARGS PROMPT`` in a subprocess."""
+    return subprocess.run([sys.executable, "-m", "meshnet.cli", "generate", "--tracker", tracker,
+                           "--temperature", "0", "--json", *args, prompt],
+                          capture_output=True, text=True, timeout=120)
 
 
 def rpc_code(fn, *args, **kw) -> grpc.StatusCode:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import threading
@@ -10,7 +11,8 @@ import time
 import grpc
 import numpy as np
 
-from mesh_util import rpc_code
+from mesh_util import rpc_code, run_generate
+from solo_reference import PROMPTS
 from meshnet.client.mesh_client import MeshClient
 from meshnet.client.relayed import RelayedStage
 from meshnet.client.remote import RemoteStage
@@ -74,7 +76,13 @@ def test_relayed_middle_node_opens_no_port_and_matches_solo_run(mesh, tok, solo)
     assert stage.health().active_sessions == 0  # released through the relay
     caps = stage.capabilities()
     assert (caps.node_id, caps.layers.start, caps.layers.end) == ("b-relay", 10, 20)
+    # The command line reads every hop's context length, the relayed one's through the tracker.
+    _, hops, n_ctx = client.route_with_context()
+    assert [h.node_id for h in hops] == ["a-head", "b-relay", "d-tail"] and n_ctx == caps.n_ctx == 4096
     client.close()
+    proc = run_generate(mesh.tracker, PROMPTS[0], "--max-tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["generated_token_ids"] == solo.greedy(0, 8)
 
 
 def test_direct_replica_preferred_and_relay_overhead_measured(mesh, smollm2_path):

@@ -142,9 +142,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             wait_for_route(args.tracker, args.wait, args.join_token, progress=sys.stderr.isatty())
         chain = MeshClient(args.tracker, model_sha256=sha256_file(path), join_token=args.join_token,
                            tls_ca=args.tls_ca)
-        _, hops = chain.route()
+        _, hops, n_ctx = chain.route_with_context()
         ranges = [f"{h.node_id}@{h.address}" for h in hops]
-        n_ctx = _remote_n_ctx(hops)
     else:
         chain = load_local_chain(path, ranges, n_threads=args.threads, n_ctx=args.n_ctx,
                                  progress=sys.stderr.isatty())
@@ -177,13 +176,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           "text": r.text, "finish_reason": r.finish_reason,
                           "layers": [str(x) for x in ranges], "timings": r.timings()}, ensure_ascii=False))
     return 0
-
-
-def _remote_n_ctx(hops) -> int:
-    """The smallest context length along a route (every stage must hold the whole session)."""
-    from meshnet.proto import meshnet_pb2 as pb
-
-    return min(h.stub.GetCapabilities(pb.Empty(), timeout=5).n_ctx for h in hops)
 
 
 def main(argv: list[str] | None = None) -> int:

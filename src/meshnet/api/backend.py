@@ -157,11 +157,10 @@ def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = 
     Raises:
         ModelNotFound: unknown model name or missing package.
     """
-    from meshnet.client.mesh_client import MeshClient
+    from meshnet.client.mesh_client import MeshClient, context_length
     from meshnet.model.bundled import resolve_model
     from meshnet.model.gguf_file import open_gguf, sha256_file
     from meshnet.model.hparams import ModelConfig
-    from meshnet.proto import meshnet_pb2 as pb
 
     path = str(resolve_model(model))
     tok = GGUFTokenizer.from_gguf(path)
@@ -179,9 +178,8 @@ def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = 
         with lock:
             known = state["hops"] == key
         if not known:
-            # Every stage must hold the whole session: the route's context is its smallest.
             try:
-                n_ctx = min(h.stub.GetCapabilities(pb.Empty(), timeout=5).n_ctx for h in hops)
+                n_ctx = context_length(hops)
                 with lock:
                     state["n_ctx"], state["hops"] = n_ctx, key
             except Exception as e:  # a node vanished between the route and the query: keep the old value

@@ -98,8 +98,8 @@ def _summary(runs: list[RunTiming]) -> dict:
 class TimedMeshClient(MeshClient):
     """A MeshClient that records each hop's decode RPC time, seconds, per node id in ``hop_decode_s``.
 
-    The timing wraps ``RemoteStage.decode`` (envelope encode, the gRPC unary call, reply decode) on the
-    stage objects this client creates; the client's step loop itself is unchanged.
+    The timing wraps the decode steps of ``RemoteStage.step`` (envelope encode, the call, reply decode)
+    on the stage objects this client creates; the client's step loop itself is unchanged.
     """
 
     def __init__(self, *args, **kw) -> None:
@@ -109,16 +109,17 @@ class TimedMeshClient(MeshClient):
     def _stage(self, hop: pb.Hop):
         stage = super()._stage(hop)
         times = self.hop_decode_s.setdefault(stage.node_id, [])
-        inner = stage.decode
+        inner = stage.step
 
-        def decode(req: StepRequest):
+        def step(req: StepRequest, decode: bool, timeout_s: float | None = None):
             t0 = time.perf_counter()
             try:
-                return inner(req)
+                return inner(req, decode, timeout_s)
             finally:
-                times.append(time.perf_counter() - t0)
+                if decode:
+                    times.append(time.perf_counter() - t0)
 
-        stage.decode = decode  # an instance attribute shadows the method for this stage only
+        stage.step = step  # an instance attribute shadows the method for this stage only
         return stage
 
 

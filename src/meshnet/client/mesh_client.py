@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
+from meshnet.client.deadline import DeadlinePolicy, HopClocks
+from meshnet.client.orphans import OrphanReleaser
 from meshnet.client.relayed import RelayedStage
 from meshnet.client.remote import RemoteStage, StageFailure
 from meshnet.ledger.reporting import DeliveryReporter, new_client_id
@@ -36,6 +38,12 @@ log = logging.getLogger("meshnet.client")
 
 class MeshUnavailable(RuntimeError):
     """No complete route could be had (the message names the missing layers) within the deadline."""
+
+
+def context_length(hops: list[RemoteStage]) -> int:
+    """The smallest ``n_ctx`` (tokens) along a route: every stage must hold the whole session.
+    Raises StageFailure when a hop does not answer."""
+    return min(h.capabilities().n_ctx for h in hops)
 
 
 @dataclass
@@ -61,7 +69,11 @@ class MeshClient:
     Args:
         tracker: ``HOST:PORT`` of the tracker.
         model_sha256: which model to route for ("" = the only one served).
-        step_timeout_s: a hop that takes longer counts as failed.
+        step_timeout_s: the longest any one hop's step may take, seconds; a hop not yet measured gets
+            this much. Once measured, a hop's deadline follows its own step times (see
+            :mod:`meshnet.client.deadline`), so a hung node is failed over in seconds.
+        step_deadline: how measured step times become deadlines (default: 1.5 s floor, 10x the expected
+            time, ``step_timeout_s`` ceiling).
         failover_deadline_s: how long to keep looking for a replacement route before giving up with
             :class:`MeshUnavailable`.
         client_id: who the tracker's ledger charges for delivered tokens; default a random id per client.
@@ -71,7 +83,8 @@ class MeshClient:
 
     def __init__(self, tracker: str, model_sha256: str = "", join_token: str | None = None,
                  tls_ca: str | None = None, step_timeout_s: float = 60.0, failover_deadline_s: float = 8.0,
-                 client_id: str | None = None, report_deliveries: bool = True) -> None:
+                 client_id: str | None = None, report_deliveries: bool = True,
+                 step_deadline: DeadlinePolicy | None = None) -> None:
         self.tracker_address = tracker
         self.model_sha256 = model_sha256
         self.join_token, self.tls_ca = join_token, tls_ca
@@ -84,6 +97,10 @@ class MeshClient:
         self._sessions: dict[str, SessionLog] = {}
         self._lock = threading.Lock()
         self.failovers = 0
+        self.clocks = HopClocks(step_deadline or DeadlinePolicy(floor_s=min(1.5, step_timeout_s),
+                                                                 ceiling_s=step_timeout_s))
+        # Sessions left on nodes this client failed over away from, freed once those nodes answer.
+        self.orphans = OrphanReleaser()
         self.client_id = client_id or new_client_id()
         self.deliveries = DeliveryReporter(self._tracker, self.client_id, model_sha256) if report_deliveries else None
 
@@ -114,6 +131,35 @@ class MeshClient:
         except grpc.RpcError as e:
             raise MeshUnavailable(f"no route: {e.details() or e.code().name}") from None
         return int(r.epoch), [self._stage(h) for h in r.hops]
+
+    def route_with_context(self) -> tuple[int, list[RemoteStage], int]:
+        """A route and its context length in tokens (the smallest ``n_ctx`` along it: every stage must
+        hold the whole session), read from each hop (through the tracker for a relayed one).
+
+        A hop that does not answer (dead, though the tracker has not noticed yet) is excluded and the
+        route asked for again, until ``failover_deadline_s`` has passed.
+
+        Raises:
+            MeshUnavailable: no route whose every hop answers; the message names the last failure.
+        """
+        deadline = time.monotonic() + self.failover_deadline_s
+        exclude: set[str] = set()
+        while True:
+            try:
+                epoch, hops = self.route(exclude)
+            except MeshUnavailable as e:
+                if not exclude or time.monotonic() >= deadline:
+                    raise
+                log.info("%s; asking again", e)
+                time.sleep(0.25)
+                continue
+            try:
+                return epoch, hops, context_length(hops)
+            except StageFailure as f:
+                if time.monotonic() >= deadline:
+                    raise MeshUnavailable(f"no route whose nodes all answer: {f}") from None
+                log.warning("%s; routing around it", f)
+                exclude.add(f.node_id)
 
     # ---- the client interface ----------------------------------------------------------------
     def step(self, req: StepRequest, decode: bool) -> StepResult:
@@ -171,6 +217,7 @@ class MeshClient:
     def close(self) -> None:
         for sid in list(self._sessions):
             self.release(sid)
+        self.orphans.close()
         if self.deliveries is not None:
             self.deliveries.close()
         for ch in self._channels.values():
@@ -189,14 +236,27 @@ class MeshClient:
             inputs[i] = x
             r = replace(req, epoch=log_.epoch, hidden=x)
             hop = log_.hops[i]
-            result = hop.decode(r) if decode else hop.prefill(r)
+            clock = self.clocks[hop.node_id]
+            ticket, timeout_s = clock.begin(decode, len(req.token_ids))
+            t0, elapsed = time.monotonic(), None
+            try:
+                result = hop.step(r, decode, timeout_s)
+                if result.ok:
+                    elapsed = time.monotonic() - t0
+            finally:
+                clock.end(ticket, elapsed)
             if not result.ok:
                 return result
             x = result.hidden
         return result
 
-    def _abandon(self, log_: SessionLog) -> None:
-        """A refused step may have advanced earlier hops: the session cannot continue consistently."""
+    def _abandon(self, log_: SessionLog, failed: set[str] = frozenset()) -> None:
+        """A refused step may have advanced earlier hops: the session cannot continue consistently.
+        Hops in ``failed`` did not answer: they are released in the background, not waited for."""
+        for hop in log_.hops:
+            if hop.node_id in failed:
+                self.orphans.add(hop, log_.session_id, 0)  # 0: whatever its epoch, the session is over
+        log_.hops = [h for h in log_.hops if h.node_id not in failed]
         self.release(log_.session_id)
 
     def _failover(self, log_: SessionLog, exclude: set[str], deadline: float) -> int:
@@ -209,7 +269,7 @@ class MeshClient:
                 break
             except MeshUnavailable as e:
                 if time.monotonic() >= deadline:
-                    self._abandon(log_)
+                    self._abandon(log_, exclude)
                     raise MeshUnavailable(f"session {log_.session_id}: a node failed and no replacement "
                                           f"route exists ({e})") from None
                 time.sleep(0.25)
@@ -223,6 +283,9 @@ class MeshClient:
         for hop in old[first:]:
             if hop.node_id not in exclude:
                 hop.release(log_.session_id)
+            else:
+                # It failed, but may only be stalled and come back holding the session's KV cache.
+                self.orphans.add(hop, log_.session_id, epoch)
         self.failovers += 1
         log_.epoch, log_.hops = epoch, hops
         log.info("session %s: epoch %d, replaying %d steps on hops %d..%d", log_.session_id, epoch,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import grpc
 
-from meshnet.client.remote import _CONTRACT_CODES, RemoteStage, StageFailure
+from meshnet.client.remote import RemoteStage, StageFailure, _control_failure
 from meshnet.contract import Outcome, Status, StepRequest, StepResult
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
@@ -32,41 +32,50 @@ class RelayedStage(RemoteStage):
     def __init__(self, node_id: str, tracker_channel: grpc.Channel, timeout_s: float = 60.0,
                  max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         super().__init__(node_id, f"relay:{node_id}", tracker_channel, timeout_s, max_frame_bytes)
+        # The tracker serves no Node service: every call must go through RelayStep / RelayControl, so a
+        # direct stub would only answer UNIMPLEMENTED.
+        self.stub = None
         self.tracker = pb_grpc.TrackerStub(tracker_channel)
         self._metadata = ((RELAY_NODE_METADATA, node_id),)
 
-    def _step(self, req: StepRequest, decode: bool) -> StepResult:
+    def _step(self, req: StepRequest, decode: bool, timeout_s: float) -> StepResult:
         frames = request_to_frames(req, decode, self.max_frame_bytes)
         try:
-            replies = self.tracker.RelayStep(iter(frames), timeout=self.timeout_s, metadata=self._metadata)
+            # The tracker waits for the node only as long as this call's deadline leaves it.
+            replies = self.tracker.RelayStep(iter(frames), timeout=timeout_s, metadata=self._metadata)
             return replies_to_result(replies)
         except grpc.RpcError as e:
             return self._fail(e)  # StageFailure unless the code is a contract status
         except WireError as e:
             raise StageFailure(self.node_id, self.address, "DATA_LOSS", e.message) from None
 
-    def _relay_control(self, kind: int, session_id: str = "") -> pb.RelayControlReply:
+    def _relay_control(self, kind: int, session_id: str = "", epoch: int = 0,
+                       timeout_s: float = 5.0) -> pb.RelayControlReply:
         return self.tracker.RelayControl(pb.RelayControlRequest(node_id=self.node_id, kind=kind,
-                                                                session_id=session_id), timeout=5)
+                                                                session_id=session_id, epoch=epoch),
+                                         timeout=timeout_s)
 
-    def _control_kind(self, kind: int, session_id: str) -> Outcome:
+    def _control_kind(self, kind: int, session_id: str, epoch: int = 0, timeout_s: float = 5.0) -> Outcome:
         try:
-            self._relay_control(kind, session_id)
+            self._relay_control(kind, session_id, epoch, timeout_s)
             return Outcome(Status.OK)
         except grpc.RpcError as e:
-            # A node gone from the relay holds no session any more; releasing there has nothing to do.
-            return Outcome(_CONTRACT_CODES.get(e.code(), Status.FAILED_PRECONDITION), e.details() or "")
+            return _control_failure(e)
 
     def cancel(self, session_id: str) -> Outcome:
         return self._control_kind(pb.RelayDown.CANCEL, session_id)
 
-    def release(self, session_id: str) -> Outcome:
-        return self._control_kind(pb.RelayDown.RELEASE, session_id)
+    def release(self, session_id: str, superseded_by: int = 0, timeout_s: float = 5.0) -> Outcome:
+        """As :meth:`RemoteStage.release`, through the relay."""
+        return self._control_kind(pb.RelayDown.RELEASE, session_id, superseded_by, timeout_s)
 
     def health(self) -> pb.HealthReply:
         """The node's health. Raises grpc.RpcError (UNAVAILABLE when the node has no relay stream)."""
         return self._relay_control(pb.RelayDown.HEALTH).health
 
-    def capabilities(self) -> pb.Capabilities:
-        """The node's capabilities. Raises grpc.RpcError like :meth:`health`."""
-        return self._relay_control(pb.RelayDown.CAPABILITIES).capabilities
+    def capabilities(self, timeout_s: float = 5.0) -> pb.Capabilities:
+        """The node's capabilities, through the relay. Raises StageFailure when it does not answer."""
+        try:
+            return self._relay_control(pb.RelayDown.CAPABILITIES, timeout_s=timeout_s).capabilities
+        except grpc.RpcError as e:
+            raise StageFailure(self.node_id, self.address, e.code().name, e.details() or "") from None

@@ -29,7 +29,8 @@ class StageFailure(Exception):
 
 
 class RemoteStage:
-    """One node of a route. ``timeout_s`` bounds each step (a hung node counts as failed)."""
+    """One node of a route. ``timeout_s`` bounds each step, seconds, unless the caller passes its own
+    to :meth:`step` (a node silent that long counts as failed)."""
 
     def __init__(self, node_id: str, address: str, channel: grpc.Channel, timeout_s: float = 60.0,
                  max_frame_bytes: int = MAX_FRAME_BYTES, data_pool: ConnectionPool | None = None) -> None:
@@ -50,16 +51,16 @@ class RemoteStage:
                 retry = float(value)
         return StepResult(status, message=f"{self.node_id}: {e.details()}", retry_after_s=retry)
 
-    def _step_tcp(self, frames) -> StepResult:
+    def _step_tcp(self, frames, timeout_s: float) -> StepResult:
         try:
-            conn = self.data_pool.acquire()
+            conn = self.data_pool.acquire(timeout_s)
         except (OSError, DataPlaneError) as e:
-            raise StageFailure(self.node_id, self.data_pool.address, "UNAVAILABLE", str(e)) from None
+            raise StageFailure(self.node_id, self.data_pool.address, *_socket_failure(e, timeout_s)) from None
         try:
-            replies, error = conn.call(frames)
+            replies, error = conn.call(frames, timeout_s)
         except (OSError, DataPlaneError) as e:
-            conn.close()
-            raise StageFailure(self.node_id, self.data_pool.address, "UNAVAILABLE", str(e)) from None
+            conn.close()  # a late reply would otherwise answer the next step on this connection
+            raise StageFailure(self.node_id, self.data_pool.address, *_socket_failure(e, timeout_s)) from None
         self.data_pool.release(conn)
         if error is not None:
             code, retry, message = error
@@ -72,17 +73,25 @@ class RemoteStage:
         except WireError as e:
             raise StageFailure(self.node_id, self.address, "DATA_LOSS", e.message) from None
 
-    def _step(self, req: StepRequest, decode: bool) -> StepResult:
+    def step(self, req: StepRequest, decode: bool, timeout_s: float | None = None) -> StepResult:
+        """Run one prefill (``decode`` False) or decode step, waiting at most ``timeout_s`` seconds
+        (default the stage's ``timeout_s``) for the node's answer.
+
+        Returns the node's result (contract statuses included). Raises StageFailure when the node
+        cannot be reached or does not answer in time (code DEADLINE_EXCEEDED)."""
+        return self._step(req, decode, self.timeout_s if timeout_s is None else timeout_s)
+
+    def _step(self, req: StepRequest, decode: bool, timeout_s: float) -> StepResult:
         frames = request_to_frames(req, decode, self.max_frame_bytes)
         if self.data_pool is not None:
-            return self._step_tcp(frames)
+            return self._step_tcp(frames, timeout_s)
         try:
             # Decode steps (one token in, one row out) fit one frame each way: unary, the cheapest call.
             # A prefill's output can exceed a frame even when its input (token ids) does not: stream.
             if decode and len(frames) == 1:
-                replies = [self.stub.Step(frames[0], timeout=self.timeout_s)]
+                replies = [self.stub.Step(frames[0], timeout=timeout_s)]
             else:
-                replies = self.stub.StepStream(iter(frames), timeout=self.timeout_s)
+                replies = self.stub.StepStream(iter(frames), timeout=timeout_s)
             return replies_to_result(replies)
         except grpc.RpcError as e:
             return self._fail(e)
@@ -90,24 +99,53 @@ class RemoteStage:
             raise StageFailure(self.node_id, self.address, "DATA_LOSS", e.message) from None
 
     def prefill(self, req: StepRequest) -> StepResult:
-        return self._step(req, decode=False)
+        return self.step(req, decode=False)
 
     def decode(self, req: StepRequest) -> StepResult:
-        return self._step(req, decode=True)
+        return self.step(req, decode=True)
 
     def cancel(self, session_id: str) -> Outcome:
-        return self._control(self.stub.Cancel, session_id)
+        return self._control(self.stub.Cancel, pb.SessionRequest(session_id=session_id), 5.0)
 
-    def release(self, session_id: str) -> Outcome:
-        return self._control(self.stub.Release, session_id)
+    def release(self, session_id: str, superseded_by: int = 0, timeout_s: float = 5.0) -> Outcome:
+        """Free the session's KV cache on the node, waiting at most ``timeout_s`` seconds.
 
-    def _control(self, rpc, session_id: str) -> Outcome:
+        ``superseded_by``: 0 releases unconditionally; a route epoch releases only a session older than
+        it and fences off its older steps (the client moved the session to that epoch elsewhere).
+        Returns OK, or the failure (UNAVAILABLE, DEADLINE_EXCEEDED, ...) when the node did not answer."""
+        return self._control(self.stub.Release, pb.SessionRequest(session_id=session_id, epoch=superseded_by),
+                             timeout_s)
+
+    @staticmethod
+    def _control(rpc, request: pb.SessionRequest, timeout_s: float) -> Outcome:
         try:
-            rpc(pb.SessionRequest(session_id=session_id), timeout=5)
+            rpc(request, timeout=timeout_s)
             return Outcome(Status.OK)
         except grpc.RpcError as e:
-            # A dead node holds no session any more; releasing there has nothing left to do.
-            return Outcome(_CONTRACT_CODES.get(e.code(), Status.FAILED_PRECONDITION), e.details() or "")
+            return _control_failure(e)
 
     def health(self) -> pb.HealthReply:
         return self.stub.Health(pb.Empty(), timeout=5)
+
+    def capabilities(self, timeout_s: float = 5.0) -> pb.Capabilities:
+        """The node's capabilities (layers, n_ctx, ...). Raises StageFailure when it does not answer."""
+        try:
+            return self.stub.GetCapabilities(pb.Empty(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise StageFailure(self.node_id, self.address, e.code().name, e.details() or "") from None
+
+
+def _control_failure(e: grpc.RpcError) -> Outcome:
+    """A control call that got no OK: the node's answer when it is a contract status, else
+    FAILED_PRECONDITION naming the transport code (a dead node holds no session any more)."""
+    status = _CONTRACT_CODES.get(e.code())
+    if status is not None:
+        return Outcome(status, e.details() or "")
+    return Outcome(Status.FAILED_PRECONDITION, f"{e.code().name}: {e.details() or ''}")
+
+
+def _socket_failure(e: Exception, timeout_s: float) -> tuple[str, str]:
+    """(code, message) of a data-plane failure: DEADLINE_EXCEEDED when the node stayed silent."""
+    if isinstance(e, TimeoutError):
+        return "DEADLINE_EXCEEDED", f"no answer within {timeout_s:.2f}s"
+    return "UNAVAILABLE", str(e)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,6 +28,9 @@ from meshnet.contract import (
 
 # Suggested client back-off when the stage is at its session or memory limit.
 RETRY_AFTER_S = 0.5
+# Epoch fences kept for sessions released as superseded (oldest dropped first): they only need to
+# outlive the few steps a client sent before it moved the session, so a small bound is plenty.
+MAX_FENCES = 4096
 
 
 class EngineError(Exception):
@@ -66,6 +70,8 @@ class ShardEngine(ABC):
         self._caps: Capabilities | None = None
         self._metrics = Metrics()
         self._errors: dict[str, int] = {}
+        # session id -> route epoch it moved to: steps of older epochs may no longer (re)create it.
+        self._fences: OrderedDict[str, int] = OrderedDict()
 
     # ---- hooks -------------------------------------------------------------------------------
     @abstractmethod
@@ -140,6 +146,28 @@ class ShardEngine(ABC):
         with self._compute_lock, self._lock:
             s = self._sessions.pop(session_id, None)
             if s is not None:
+                self._free_state(s.state)
+        return Outcome(Status.OK)
+
+    def release_superseded(self, session_id: str, epoch: int) -> Outcome:
+        """The session's client moved it to route ``epoch`` elsewhere: free it here if it is at an older
+        epoch, and from now on refuse its steps of older epochs (FAILED_PRECONDITION), so a step that was
+        in flight to this node before the move cannot recreate it. A session already at ``epoch`` or
+        later was routed back here and is kept. Idempotent; unknown ids are OK (the fence is still set).
+        """
+        with self._lock:
+            if self._fences.get(session_id, 0) < epoch:
+                self._fences[session_id] = epoch
+                self._fences.move_to_end(session_id)
+                while len(self._fences) > MAX_FENCES:
+                    self._fences.popitem(last=False)
+            s = self._sessions.get(session_id)
+            if s is None or s.epoch >= epoch:
+                return Outcome(Status.OK)
+            s.cancelled = True  # a step still running on it stops at the next micro-batch
+        with self._compute_lock, self._lock:
+            if self._sessions.get(session_id) is s:  # not replaced meanwhile by a newer one
+                del self._sessions[session_id]
                 self._free_state(s.state)
         return Outcome(Status.OK)
 
@@ -222,6 +250,11 @@ class ShardEngine(ABC):
         assert self._caps is not None and self._spec is not None
         s = self._sessions.get(req.session_id)
         if s is None:
+            fence = self._fences.get(req.session_id, 0)
+            if req.epoch < fence:
+                return self._fail(Status.FAILED_PRECONDITION,
+                                  f"stale route epoch {req.epoch} for session {req.session_id!r} "
+                                  f"(it moved to epoch {fence})")
             if decode or req.position != 0:
                 return self._fail(Status.NOT_FOUND,
                                   f"session {req.session_id!r} is not cached here (released, expired or "

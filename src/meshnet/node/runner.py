@@ -340,7 +340,7 @@ class Node:
         if kind == pb.RelayDown.CANCEL:
             self.engine.cancel(down.session_id)
         elif kind == pb.RelayDown.RELEASE:
-            self.engine.release(down.session_id)
+            self.service.release(down.session_id, down.epoch)
         elif kind == pb.RelayDown.HEALTH:
             up.health.CopyFrom(self.service.Health(pb.Empty(), None))
         elif kind == pb.RelayDown.CAPABILITIES:

@@ -110,8 +110,16 @@ class NodeService(pb_grpc.NodeServicer):
         return pb.Empty()
 
     def Release(self, request, context):
-        self.engine.release(request.session_id)
+        self.release(request.session_id, request.epoch)
         return pb.Empty()
+
+    def release(self, session_id: str, epoch: int = 0) -> None:
+        """Free ``session_id``: unconditionally when ``epoch`` is 0, else only if its route epoch is
+        older than ``epoch`` (its client moved it there; see ShardEngine.release_superseded)."""
+        if epoch:
+            self.engine.release_superseded(session_id, epoch)
+        else:
+            self.engine.release(session_id)
 
     # ---- introspection -----------------------------------------------------------------------
     def GetCapabilities(self, request, context):

@@ -114,10 +114,12 @@ class StepReply(_message.Message):
     def __init__(self, n_past: _Optional[int] = ..., has_token: _Optional[bool] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., hidden: _Optional[_Union[Envelope, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "epoch")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Empty(_message.Message):
     __slots__ = ()
@@ -447,7 +449,7 @@ class LedgerReply(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeBalance, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientBalance, _Mapping]]] = ...) -> None: ...
 
 class RelayDown(_message.Message):
-    __slots__ = ("call_id", "kind", "frames", "session_id")
+    __slots__ = ("call_id", "kind", "frames", "session_id", "epoch")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ATTACHED: _ClassVar[RelayDown.Kind]
@@ -466,11 +468,13 @@ class RelayDown(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     kind: RelayDown.Kind
     frames: _containers.RepeatedCompositeFieldContainer[Envelope]
     session_id: str
-    def __init__(self, call_id: _Optional[int] = ..., kind: _Optional[_Union[RelayDown.Kind, str]] = ..., frames: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, call_id: _Optional[int] = ..., kind: _Optional[_Union[RelayDown.Kind, str]] = ..., frames: _Optional[_Iterable[_Union[Envelope, _Mapping]]] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class RelayUp(_message.Message):
     __slots__ = ("hello", "call_id", "code", "message", "has_retry_after", "retry_after_s", "replies", "health", "capabilities")
@@ -495,14 +499,16 @@ class RelayUp(_message.Message):
     def __init__(self, hello: _Optional[_Union[NodeRef, _Mapping]] = ..., call_id: _Optional[int] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., has_retry_after: _Optional[bool] = ..., retry_after_s: _Optional[float] = ..., replies: _Optional[_Iterable[_Union[StepReply, _Mapping]]] = ..., health: _Optional[_Union[HealthReply, _Mapping]] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
 
 class RelayControlRequest(_message.Message):
-    __slots__ = ("node_id", "kind", "session_id")
+    __slots__ = ("node_id", "kind", "session_id", "epoch")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     kind: RelayDown.Kind
     session_id: str
-    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[_Union[RelayDown.Kind, str]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[_Union[RelayDown.Kind, str]] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class RelayControlReply(_message.Message):
     __slots__ = ("health", "capabilities")

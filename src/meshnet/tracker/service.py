@@ -362,8 +362,8 @@ class TrackerService(pb_grpc.TrackerServicer):
         if request.kind in (pb.RelayDown.ATTACHED, pb.RelayDown.STEP):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "RelayControl: kind must be CANCEL, RELEASE, HEALTH or CAPABILITIES (steps use RelayStep)")
-        answer = self.relays.call(request.node_id, pb.RelayDown(kind=request.kind, session_id=request.session_id),
-                                  context.time_remaining())
+        down = pb.RelayDown(kind=request.kind, session_id=request.session_id, epoch=request.epoch)
+        answer = self.relays.call(request.node_id, down, context.time_remaining())
         if answer.code != "OK":
             self._abort_relayed(context, answer)
         return pb.RelayControlReply(health=answer.up.health, capabilities=answer.up.capabilities)

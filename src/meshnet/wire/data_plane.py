@@ -112,8 +112,15 @@ class DataPlaneConnection:
             except OSError:
                 pass
 
-    def call(self, frames: list[pb.Envelope]) -> tuple[list[pb.StepReply] | None, tuple[str, float | None, str] | None]:
-        """Send one request; returns (replies, None) or (None, (code, retry_after_s, message))."""
+    def call(self, frames: list[pb.Envelope], timeout_s: float | None = None
+             ) -> tuple[list[pb.StepReply] | None, tuple[str, float | None, str] | None]:
+        """Send one request; returns (replies, None) or (None, (code, retry_after_s, message)).
+
+        ``timeout_s`` bounds each send and receive on the socket this call (default: the connection's
+        timeout). Raises OSError (``socket.timeout`` when the node stays silent that long; the
+        connection is then out of step with the node and must be closed) or DataPlaneError."""
+        if timeout_s is not None:
+            self.sock.settimeout(timeout_s)
         self.sock.sendall(b"".join(HEADER.pack(len(b), ENVELOPE) + b
                                    for b in (f.SerializeToString() for f in frames)))
         replies: list[pb.StepReply] = []
@@ -146,13 +153,15 @@ class ConnectionPool:
         self._idle: list[DataPlaneConnection] = []
         self._lock = threading.Lock()
 
-    def acquire(self) -> DataPlaneConnection:
-        """An idle connection that is still usable, else a new one (closing the stale ones found)."""
+    def acquire(self, timeout_s: float | None = None) -> DataPlaneConnection:
+        """An idle connection that is still usable (closing the stale ones found), else a new one whose
+        connect and handshake take at most ``timeout_s`` seconds (default the pool's). Raises OSError or
+        DataPlaneError."""
         while True:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
-                return DataPlaneConnection(self.address, self.join_token, self.timeout_s)
+                return DataPlaneConnection(self.address, self.join_token, timeout_s or self.timeout_s)
             if conn.reusable():
                 return conn
             conn.close()

@@ -1,0 +1,128 @@
+"""Step deadlines that tell a hung node from a slow one.
+
+A fixed step timeout has to allow for the slowest legitimate step (a long prefill on a loaded CPU), so
+a node that stops answering (SIGSTOP, a frozen VM, a dead link that still holds the TCP connection)
+costs that whole timeout before failover. Instead each hop gets a deadline from what the client has
+measured there: ``max(floor, factor x expected)``, where ``expected`` is the hop's recent time for this
+kind of step scaled to the work in it (a prefill of N tokens costs N times the per-token prefill time)
+plus the work this client already has in flight on the same hop (a node runs one step at a time, so a
+step queued behind another session's waits for it). A node ``factor / 2`` times slower than measured
+still finishes well inside its deadline: it is slow, not hung. Before a hop has been measured at all
+(its first steps may include one-off setup) the deadline is the configured ceiling.
+
+Pure bookkeeping: no clocks or I/O here; callers pass the measured durations in.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeadlinePolicy:
+    """How step deadlines are derived; all times in seconds.
+
+    Attributes:
+        floor_s: no deadline is shorter (covers jitter, GC pauses and scheduling on a shared CPU).
+        factor: deadline = factor x the expected duration; 10 leaves a node 5x slower than measured a
+            2x margin.
+        ceiling_s: no deadline is longer, and an unmeasured hop gets exactly this.
+        smoothing: weight of the newest measurement in the running average (0 < smoothing <= 1).
+    """
+
+    floor_s: float = 1.5
+    factor: float = 10.0
+    ceiling_s: float = 60.0
+    smoothing: float = 0.3
+
+    def __post_init__(self) -> None:
+        if not 0 < self.floor_s <= self.ceiling_s:
+            raise ValueError(f"need 0 < floor_s <= ceiling_s, got {self.floor_s} and {self.ceiling_s}")
+        if self.factor < 1:
+            raise ValueError(f"factor must be >= 1, got {self.factor}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+
+
+class HopClock:
+    """One hop's measured step times and the steps this client has in flight there (thread-safe).
+
+    Use: ``ticket, deadline_s = clock.begin(decode, n_tokens)``, run the step with that timeout, then
+    ``clock.end(ticket, elapsed_s)`` when it answered or ``clock.end(ticket)`` when it did not.
+    """
+
+    def __init__(self, policy: DeadlinePolicy) -> None:
+        self.policy = policy
+        self.decode_s: float | None = None  # running average of a decode step, seconds
+        self.prefill_token_s: float | None = None  # running average of prefill seconds per token
+        self.prefill_step_s: float | None = None  # running average of a whole prefill step, seconds
+        self._in_flight: dict[int, tuple[bool, int]] = {}
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def expected_s(self, decode: bool, n_tokens: int) -> float | None:
+        """Expected duration in seconds of one step of ``n_tokens`` tokens; None before any measurement.
+
+        A decode step not yet measured is bounded by a whole prefill (one token is less work than
+        several); a prefill not yet measured by ``n_tokens`` decode steps (batching only helps)."""
+        if decode:
+            return self.decode_s if self.decode_s is not None else self.prefill_step_s
+        if self.prefill_token_s is not None:
+            return self.prefill_token_s * n_tokens
+        return None if self.decode_s is None else self.decode_s * n_tokens
+
+    def deadline_s(self, decode: bool, n_tokens: int) -> float:
+        """The timeout in seconds for a step of ``n_tokens`` tokens started now, counting the work
+        already in flight on this hop."""
+        p = self.policy
+        with self._lock:
+            queued = list(self._in_flight.values())
+            mine = self.expected_s(decode, n_tokens)
+            ahead = [self.expected_s(d, n) for d, n in queued]
+        if mine is None or any(e is None for e in ahead):
+            return p.ceiling_s
+        return min(p.ceiling_s, max(p.floor_s, p.factor * (mine + sum(ahead))))
+
+    def begin(self, decode: bool, n_tokens: int) -> tuple[int, float]:
+        """Register a step about to be sent; returns (ticket for :meth:`end`, deadline in seconds)."""
+        deadline = self.deadline_s(decode, n_tokens)
+        with self._lock:
+            ticket = self._next
+            self._next += 1
+            self._in_flight[ticket] = (decode, max(1, n_tokens))
+        return ticket, deadline
+
+    def end(self, ticket: int, elapsed_s: float | None = None) -> None:
+        """The step of ``ticket`` finished; ``elapsed_s`` is its duration when the hop answered (None
+        when it failed: a failed step says nothing about the hop's speed)."""
+        with self._lock:
+            decode, n = self._in_flight.pop(ticket, (True, 1))
+            if elapsed_s is None:
+                return
+            a = self.policy.smoothing
+            if decode:
+                self.decode_s = _blend(self.decode_s, elapsed_s, a)
+            else:
+                self.prefill_token_s = _blend(self.prefill_token_s, elapsed_s / n, a)
+                self.prefill_step_s = _blend(self.prefill_step_s, elapsed_s, a)
+
+
+def _blend(old: float | None, new: float, weight: float) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
+
+
+class HopClocks:
+    """A :class:`HopClock` per node id, shared by every route and session of one client."""
+
+    def __init__(self, policy: DeadlinePolicy) -> None:
+        self.policy = policy
+        self._clocks: dict[str, HopClock] = {}
+        self._lock = threading.Lock()
+
+    def __getitem__(self, node_id: str) -> HopClock:
+        with self._lock:
+            clock = self._clocks.get(node_id)
+            if clock is None:
+                clock = self._clocks[node_id] = HopClock(self.policy)
+            return clock

@@ -1,0 +1,50 @@
+"""`meshnet generate --tracker` in the seconds after a node died, while the tracker still lists it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from solo_reference import PROMPTS
+from mesh_util import Mesh, run_generate
+from meshnet.client.mesh_client import MeshClient
+
+
+
+@pytest.fixture
+def slow_mesh():
+    """A mesh whose tracker keeps a dead node listed for 90 s (30 s heartbeats, three missed)."""
+    m = Mesh(heartbeat_s=30.0)
+    yield m
+    m.close()
+
+
+def test_generate_routes_around_a_dead_hop_the_tracker_still_lists(slow_mesh, solo):
+    nodes = slow_mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-spare", "10:20"),
+                                   ("d-tail", "20:30")])
+    client = MeshClient(slow_mesh.tracker)
+    _, route = client.route()
+    victim = next(n for n in nodes if n.node_id == route[1].node_id)
+    victim.kill()
+    assert victim.node_id in slow_mesh.registered()
+    # The client reads the context length around the dead hop...
+    _, hops, n_ctx = client.route_with_context()
+    assert [h.node_id for h in hops] == ["a-head", ({"b-mid", "c-spare"} - {victim.node_id}).pop(), "d-tail"]
+    assert n_ctx == hops[0].capabilities().n_ctx == 4096
+    client.close()
+    # ...and so does the command line, which then completes the prompt.
+    proc = run_generate(slow_mesh.tracker, PROMPTS[0], "--max-tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["generated_token_ids"] == solo.greedy(0, 8)
+
+
+def test_generate_without_a_replacement_reports_one_line(slow_mesh, smollm2_path):
+    head, mid, tail = slow_mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
+    mid.kill()
+    proc = run_generate(slow_mesh.tracker, "Hello", "--max-tokens", "4")
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "layers [10, 20)" in errors[0], proc.stderr

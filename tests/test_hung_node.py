@@ -1,0 +1,118 @@
+"""A node that stops answering without dying (SIGSTOP): failed over in seconds, and the session it
+held is freed once it comes back."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from meshnet.client.mesh_client import MeshClient
+from meshnet.client.orphans import OrphanReleaser
+from meshnet.contract import GREEDY, ArtifactId, LayerRange, LoadSpec, Outcome, Status, StepRequest
+from meshnet.engine.fake import FakeEngine, FakeModel
+from meshnet.generation import Generation
+
+
+
+def _wait_for(predicate, timeout_s: float) -> float | None:
+    """Seconds until ``predicate()`` held, polling every 50 ms; None if it never did."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if predicate():
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    return None
+
+
+def test_stopped_middle_node_fails_over_in_seconds_and_frees_its_session_on_resume(mesh, tok, solo):
+    head, mid, spare, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-spare", "10:20"),
+                                               ("d-tail", "20:30")])
+    client = MeshClient(mesh.tracker)
+    _, route = client.route()
+    victim = mid if mid.node_id in {h.node_id for h in route} else spare
+    gen = Generation(client, tok, solo.prompt_ids(0), 64, GREEDY, stop_at_eog=False)
+    stopped_at, stall_s = None, None
+    try:
+        for i, _ in enumerate(gen):
+            if stopped_at is not None and stall_s is None:
+                stall_s = time.monotonic() - stopped_at  # the token that waited out the failover
+            if i + 1 == 10:
+                victim.proc.send_signal(signal.SIGSTOP)
+                stopped_at = time.monotonic()
+        assert gen.result.generated_token_ids == solo.greedy(0)
+        assert client.failovers == 1
+        print(f"\nSIGSTOP to the next token: {stall_s:.2f} s")
+        assert stall_s < 10  # the old fixed step timeout alone was 60 s
+        # The generation ended: the route's nodes hold nothing; the stopped one still holds its copy.
+        assert [n.active_sessions() for n in (head, tail)] == [0, 0]
+        assert client.orphans.pending() == 1
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    resumed_at = time.monotonic()
+    freed_s = _wait_for(lambda: victim.active_sessions() == 0, 5.0)
+    print(f"SIGCONT to 0 sessions on the resumed node: {time.monotonic() - resumed_at:.2f} s")
+    assert freed_s is not None, f"resumed node still holds {victim.active_sessions()} session(s)"
+    assert _wait_for(lambda: client.orphans.pending() == 0, 5.0) is not None
+    assert client.orphans.released == 1
+    client.close()
+
+
+# ---- the pieces, without processes ---------------------------------------------------------------
+
+def _fake(layers=LayerRange(0, 30)) -> FakeEngine:
+    engine = FakeEngine(FakeModel())
+    assert engine.load(LoadSpec(path="", artifact=ArtifactId("", layers))).ok
+    return engine
+
+
+def test_superseded_release_frees_older_sessions_only_and_fences_their_old_steps():
+    engine = _fake()
+    for sid, epoch in (("moved", 3), ("back", 5)):
+        assert engine.prefill(StepRequest(sid, epoch, 0, (1, 2, 3))).ok
+    assert engine.release_superseded("moved", 4).ok
+    assert engine.release_superseded("back", 5).ok  # routed back here at that epoch: kept
+    assert engine.session_ids() == ["back"]
+    # A step sent before the move, arriving late, cannot recreate the session...
+    late = engine.prefill(StepRequest("moved", 3, 0, (1, 2, 3)))
+    assert late.status is Status.FAILED_PRECONDITION and "moved to epoch 4" in late.message
+    assert engine.session_ids() == ["back"]
+    # ...but the session's own client may bring it back at the new epoch.
+    assert engine.prefill(StepRequest("moved", 4, 0, (1, 2, 3))).ok
+    assert sorted(engine.session_ids()) == ["back", "moved"]
+
+
+class _FlakyStage:
+    """Answers release only from the ``answers_from``-th call on (a stopped node resuming)."""
+
+    node_id = "stalled"
+
+    def __init__(self, answers_from: int, engine: FakeEngine) -> None:
+        self.calls: list[tuple[str, int, float]] = []
+        self.answers_from, self.engine = answers_from, engine
+
+    def release(self, session_id: str, superseded_by: int = 0, timeout_s: float = 5.0) -> Outcome:
+        self.calls.append((session_id, superseded_by, timeout_s))
+        if len(self.calls) < self.answers_from:
+            return Outcome(Status.FAILED_PRECONDITION, "DEADLINE_EXCEEDED: no answer")
+        return self.engine.release_superseded(session_id, superseded_by)
+
+
+def test_orphan_releaser_retries_until_the_node_answers():
+    engine = _fake()
+    assert engine.prefill(StepRequest("s", 1, 0, (1, 2))).ok
+    stage = _FlakyStage(answers_from=3, engine=engine)
+    releaser = OrphanReleaser(attempt_timeout_s=0.5, retry_s=0.05)
+    releaser.add(stage, "s", 2)
+    assert _wait_for(lambda: releaser.pending() == 0, 5.0) is not None
+    assert stage.calls == [("s", 2, 0.5)] * 3
+    assert (releaser.released, engine.session_ids()) == (1, [])
+    releaser.close()
+
+
+def test_orphan_releaser_gives_up_after_its_horizon():
+    stage = _FlakyStage(answers_from=10**9, engine=_fake())
+    releaser = OrphanReleaser(horizon_s=0.3, retry_s=0.05)
+    releaser.add(stage, "s", 2)
+    assert _wait_for(lambda: releaser.pending() == 0, 5.0) is not None
+    assert releaser.released == 0 and 3 <= len(stage.calls) <= 10
+    releaser.close()
