@@ -239,3 +239,43 @@ def test_1000_hostile_connections_cost_little_memory_and_a_step_still_succeeds()
     finally:
         child.stdin.close()
         child.wait(timeout=10)
+
+
+def test_an_overdue_reply_is_waited_for_while_the_node_answers_and_not_when_it_is_silent():
+    """A step past its deadline on a node that is busy (its Health still answers) is not a hung node:
+    the client waits on and gets the reply; on a node that answers nothing it gives up at the deadline."""
+    service = _service()
+
+    def slow_step(frames):
+        time.sleep(1.5)  # e.g. queued behind another client's long prefill
+        return service.run_step(frames)
+
+    server = DataPlaneServer("127.0.0.1", 0, slow_step, TOKEN)
+    server.start()
+    try:
+        address = f"127.0.0.1:{server.port}"
+        probes = []
+
+        def alive() -> bool:
+            probes.append(time.monotonic())
+            return True
+
+        conn = DataPlaneConnection(address, TOKEN, 5)
+        replies, error = conn.call(_prefill(8, "busy"), 0.4, alive, patience_s=10)
+        assert error is None and replies_to_result(replies).hidden.shape == (8, MODEL.n_embd)
+        assert 2 <= len(probes) <= 4  # one probe per 0.4 s window of the 1.5 s wait
+        conn.close()
+
+        conn = DataPlaneConnection(address, TOKEN, 5)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="no answer within 0.4"):
+            conn.call(_prefill(8, "hung"), 0.4, lambda: False, patience_s=10)
+        assert time.monotonic() - t0 < 1.4  # gave up at the deadline, did not wait out the step
+        conn.close()
+
+        conn = DataPlaneConnection(address, TOKEN, 5)
+        with pytest.raises(TimeoutError):  # patience is bounded even for a node that answers
+            conn.call(_prefill(8, "patience"), 0.3, lambda: True, patience_s=0.5)
+        conn.close()
+    finally:
+        server.stop()

@@ -8,7 +8,10 @@ kind of step scaled to the work in it (a prefill of N tokens costs N times the p
 plus the work this client already has in flight on the same hop (a node runs one step at a time, so a
 step queued behind another session's waits for it). A node ``factor / 2`` times slower than measured
 still finishes well inside its deadline: it is slow, not hung. Before a hop has been measured at all
-(its first steps may include one-off setup) the deadline is the configured ceiling.
+(its first steps may include one-off setup) the deadline is the configured ceiling. A step past its
+deadline is not given up at once: the stage probes the node's Health (``RemoteStage.answers``), and a
+node that answers is busy (another client's long prefill ahead of this step), so the step is waited for
+on, up to the ceiling; only a node that answers nothing is failed over.
 
 Pure bookkeeping: no clocks or I/O here; callers pass the measured durations in.
 """

@@ -8,6 +8,8 @@ which is what triggers failover.
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from meshnet.contract import Outcome, Status, StepRequest, StepResult
@@ -16,6 +18,9 @@ from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane import ConnectionPool, DataPlaneError
 from meshnet.wire.envelope import MAX_FRAME_BYTES, WireError, replies_to_result, request_to_frames
 
+# How long a node gets to answer Health when its step is overdue: one that answers is busy, not hung,
+# and its step is waited for up to the stage's timeout_s; one that does not is failed over.
+LIVENESS_PROBE_S = 0.5
 # gRPC codes that are one of our contract statuses; everything else means the node is unusable.
 _CONTRACT_CODES = {grpc.StatusCode[s.value]: s for s in Status if s is not Status.OK}
 
@@ -57,7 +62,7 @@ class RemoteStage:
         except (OSError, DataPlaneError) as e:
             raise StageFailure(self.node_id, self.data_pool.address, *_socket_failure(e, timeout_s)) from None
         try:
-            replies, error = conn.call(frames, timeout_s)
+            replies, error = conn.call(frames, timeout_s, self.answers, self.timeout_s)
         except (OSError, DataPlaneError) as e:
             conn.close()  # a late reply would otherwise answer the next step on this connection
             raise StageFailure(self.node_id, self.data_pool.address, *_socket_failure(e, timeout_s)) from None
@@ -77,6 +82,8 @@ class RemoteStage:
         """Run one prefill (``decode`` False) or decode step, waiting at most ``timeout_s`` seconds
         (default the stage's ``timeout_s``) for the node's answer.
 
+        A step still unanswered after ``timeout_s`` is waited for on (up to the stage's ``timeout_s``)
+        while the node answers a Health probe: it is busy with other sessions' work, not hung.
         Returns the node's result (contract statuses included). Raises StageFailure when the node
         cannot be reached or does not answer in time (code DEADLINE_EXCEEDED)."""
         return self._step(req, decode, self.timeout_s if timeout_s is None else timeout_s)
@@ -89,7 +96,7 @@ class RemoteStage:
             # Decode steps (one token in, one row out) fit one frame each way: unary, the cheapest call.
             # A prefill's output can exceed a frame even when its input (token ids) does not: stream.
             if decode and len(frames) == 1:
-                replies = [self.stub.Step(frames[0], timeout=timeout_s)]
+                replies = [self._unary(frames[0], timeout_s)]
             else:
                 replies = self.stub.StepStream(iter(frames), timeout=timeout_s)
             return replies_to_result(replies)
@@ -97,6 +104,29 @@ class RemoteStage:
             return self._fail(e)
         except WireError as e:  # the node answered with malformed hidden states
             raise StageFailure(self.node_id, self.address, "DATA_LOSS", e.message) from None
+
+    def _unary(self, frame: pb.Envelope, timeout_s: float) -> pb.StepReply:
+        """One unary Step that is waited for past ``timeout_s`` (up to the stage's ``timeout_s``) while
+        the node still answers Health. Raises grpc.RpcError, or StageFailure DEADLINE_EXCEEDED."""
+        call = self.stub.Step.future(frame, timeout=max(timeout_s, self.timeout_s))
+        start = time.monotonic()
+        while True:
+            try:
+                return call.result(timeout=timeout_s)
+            except grpc.FutureTimeoutError:
+                waited = time.monotonic() - start
+                if waited >= self.timeout_s or not self.answers():
+                    call.cancel()
+                    raise StageFailure(self.node_id, self.address, "DEADLINE_EXCEEDED",
+                                       f"no answer within {waited:.2f}s") from None
+
+    def answers(self) -> bool:
+        """Whether the node answers Health within :data:`LIVENESS_PROBE_S` (alive, if perhaps busy)."""
+        try:
+            self.stub.Health(pb.Empty(), timeout=LIVENESS_PROBE_S)
+            return True
+        except grpc.RpcError:
+            return False
 
     def prefill(self, req: StepRequest) -> StepResult:
         return self.step(req, decode=False)

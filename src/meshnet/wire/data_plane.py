@@ -16,10 +16,12 @@ This module is the protocol and the client; the node's server is :mod:`meshnet.w
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import threading
 import time
+from typing import Callable
 
 from meshnet.proto import meshnet_pb2 as pb
 
@@ -112,17 +114,23 @@ class DataPlaneConnection:
             except OSError:
                 pass
 
-    def call(self, frames: list[pb.Envelope], timeout_s: float | None = None
+    def call(self, frames: list[pb.Envelope], timeout_s: float | None = None,
+             still_alive: Callable[[], bool] | None = None, patience_s: float = 0.0
              ) -> tuple[list[pb.StepReply] | None, tuple[str, float | None, str] | None]:
         """Send one request; returns (replies, None) or (None, (code, retry_after_s, message)).
 
         ``timeout_s`` bounds each send and receive on the socket this call (default: the connection's
-        timeout). Raises OSError (``socket.timeout`` when the node stays silent that long; the
-        connection is then out of step with the node and must be closed) or DataPlaneError."""
+        timeout). With ``still_alive``, a reply that has not begun after ``timeout_s`` is waited for
+        again, ``timeout_s`` at a time and ``patience_s`` seconds in all, as long as ``still_alive()``
+        says the node answers otherwise (busy with other work, not hung). Raises OSError
+        (``TimeoutError`` when the node stays silent; the connection is then out of step with the
+        node and must be closed) or DataPlaneError."""
         if timeout_s is not None:
             self.sock.settimeout(timeout_s)
         self.sock.sendall(b"".join(HEADER.pack(len(b), ENVELOPE) + b
                                    for b in (f.SerializeToString() for f in frames)))
+        if still_alive is not None and timeout_s is not None:
+            self._await_reply(timeout_s, still_alive, patience_s)
         replies: list[pb.StepReply] = []
         n = 1
         while len(replies) < n:
@@ -137,6 +145,14 @@ class DataPlaneConnection:
             replies.append(r)
         self.last_used = time.monotonic()
         return replies, None
+
+    def _await_reply(self, timeout_s: float, still_alive: Callable[[], bool], patience_s: float) -> None:
+        """Block until the reply's first byte is readable; see :meth:`call`. Raises TimeoutError."""
+        start = time.monotonic()
+        while not select.select([self.sock], [], [], timeout_s)[0]:
+            waited = time.monotonic() - start
+            if waited >= patience_s or not still_alive():
+                raise TimeoutError(f"no answer within {waited:.2f}s")
 
     def close(self) -> None:
         try:
