@@ -117,3 +117,32 @@ def test_eight_concurrent_sessions_each_equal_alone(mesh, solo):
         t.join(120)
     for i in range(8):
         assert results[i] == solo.greedy(i % 4, 12), f"session {i}"
+
+
+def test_node_restarted_under_its_id_takes_back_its_range_mid_generation(mesh, tok, solo):
+    """No spare: the middle node dies after token 10 and is started again under the same id (as
+    ``meshnet up`` or an operator restarts it), at a new address; the client routes through the new
+    process, replays the session onto it, and the 64 ids equal the solo run."""
+    head, mid, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
+    client = MeshClient(mesh.tracker, failover_deadline_s=90)
+    restarted: list = []
+
+    def restart() -> None:
+        deadline = time.monotonic() + 30
+        while "b-mid" in mesh.registered() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the tracker refuses a live id from another address until it expires
+        restarted.extend(mesh.start_nodes([("b-mid", "10:20")]))
+
+    thread = threading.Thread(target=restart)
+
+    def kill():
+        mid.kill()
+        thread.start()
+
+    out = _run_killing(client, tok, solo.prompt_ids(0), kill)
+    thread.join(60)
+    assert out == solo.greedy(0)
+    assert client.failovers == 1
+    assert restarted[0].node_id == "b-mid" and restarted[0].address != mid.address
+    client.close()
+    assert [n.active_sessions() for n in (head, restarted[0], tail)] == [0, 0, 0]

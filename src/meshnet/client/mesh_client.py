@@ -177,6 +177,7 @@ class MeshClient:
             log_ = self._sessions[req.session_id] = SessionLog(req.session_id, epoch, hops)
         deadline: float | None = None
         exclude: set[str] = set()
+        failed_at: dict[str, str] = {}  # node id -> the address it failed at
         # What each hop received for this step, kept across attempts: after a failover the step resumes
         # at the first changed hop, because the hops before it already ran this step.
         step_inputs: list[NamedTensor | None] = [None] * len(log_.hops)
@@ -184,7 +185,7 @@ class MeshClient:
         while True:
             try:
                 if deadline is not None:
-                    start = self._failover(log_, exclude, deadline)
+                    start = self._failover(log_, exclude, deadline, failed_at)
                     step_inputs = (step_inputs + [None] * len(log_.hops))[:len(log_.hops)]
                 result = self._run(log_, req, decode, start, step_inputs)
                 if result.ok:
@@ -199,6 +200,7 @@ class MeshClient:
                 log.warning("session %s: %s; failing over", req.session_id, f)
                 deadline = deadline or time.monotonic() + self.failover_deadline_s
                 exclude.add(f.node_id)
+                failed_at.update((h.node_id, h.address) for h in log_.hops if h.node_id == f.node_id)
 
     def cancel(self, session_id: str) -> None:
         log_ = self._sessions.get(session_id)
@@ -226,6 +228,21 @@ class MeshClient:
             pool.close()
 
     # ---- internals ---------------------------------------------------------------------------
+    def _route_through_restarted(self, failed_at: dict[str, str], previous_epoch: int
+                                 ) -> tuple[int, list[RemoteStage]] | None:
+        """A route in which every node that failed for this session is a new process (its address
+        changed since it failed), or None (no such route, or the tracker has none at all)."""
+        if not failed_at:
+            return None
+        try:
+            epoch, hops = self.route(frozenset(), previous_epoch)
+        except MeshUnavailable:
+            return None
+        for h in hops:
+            if failed_at.get(h.node_id) == h.address:
+                return None  # the same process that failed: still dead, or stalled
+        return epoch, hops
+
     def _run(self, log_: SessionLog, req: StepRequest, decode: bool, start: int,
              inputs: list[NamedTensor | None]) -> StepResult:
         """Run ``req`` through hops ``start..`` feeding hop ``start`` with ``inputs[start]``; fills in
@@ -259,22 +276,31 @@ class MeshClient:
         log_.hops = [h for h in log_.hops if h.node_id not in failed]
         self.release(log_.session_id)
 
-    def _failover(self, log_: SessionLog, exclude: set[str], deadline: float) -> int:
+    def _failover(self, log_: SessionLog, exclude: set[str], deadline: float,
+                  failed_at: dict[str, str] | None = None) -> int:
         """Re-route (epoch + 1) and rebuild the session's KV on the changed hops by replaying the
         recorded steps; returns the index of the first changed hop. Raises StageFailure when a node
-        fails during the replay (the caller fails over again) and MeshUnavailable past the deadline."""
+        fails during the replay (the caller fails over again) and MeshUnavailable past the deadline.
+
+        ``failed_at`` (node id -> address) lets a failed node back in once it has registered again at
+        another address: a new process under the same id (``meshnet up`` restarts its nodes, an operator
+        restarts one with ``--node-id``), so a mesh without a spare recovers once the node is back."""
         while True:
             try:
                 epoch, hops = self.route(exclude, log_.epoch)
                 break
             except MeshUnavailable as e:
+                restarted = self._route_through_restarted(failed_at or {}, log_.epoch)
+                if restarted is not None:
+                    epoch, hops = restarted
+                    break
                 if time.monotonic() >= deadline:
                     self._abandon(log_, exclude)
                     raise MeshUnavailable(f"session {log_.session_id}: a node failed and no replacement "
                                           f"route exists ({e})") from None
                 time.sleep(0.25)
         old = log_.hops
-        first = 0
+        first = 0  # the replay starts at the first hop that changed (a restarted node counts as changed)
         while (first < min(len(old), len(hops)) and old[first].node_id == hops[first].node_id
                and old[first].node_id not in exclude):
             first += 1
