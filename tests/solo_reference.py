@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshnet.contract import GREEDY, LayerRange
+from meshnet.contract import GREEDY
 from meshnet.generation import generate
-from meshnet.local_mesh import load_local_chain
+from meshnet.local_mesh import load_local_chain, plan_ranges
 from meshnet.tokenizer import GGUFTokenizer
 
 PROMPTS = (
@@ -51,16 +51,9 @@ class SoloReference:
         if n > N_GREEDY:
             raise ValueError(f"the reference holds {N_GREEDY} greedy ids, not {n}")
         if i not in self._greedy:
-            if self._chain is None:
-                n_layer = self._n_layer()
-                self._chain = load_local_chain(str(self.model_path), [LayerRange(0, n_layer)], n_threads=2,
-                                               progress=False)
+            if self._chain is None:  # one range over every layer
+                self._chain = load_local_chain(str(self.model_path), plan_ranges(str(self.model_path)),
+                                               n_threads=2, progress=False)
             res = generate(self._chain, self.tokenizer, self.prompt_ids(i), N_GREEDY, GREEDY, stop_at_eog=False)
             self._greedy[i] = res.generated_token_ids
         return self._greedy[i][:n]
-
-    def _n_layer(self) -> int:
-        from meshnet.model.gguf_file import open_gguf
-        from meshnet.model.hparams import ModelConfig
-
-        return ModelConfig.from_reader(open_gguf(str(self.model_path))).n_layer

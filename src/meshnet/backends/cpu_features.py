@@ -4,8 +4,8 @@ ggml compiles its CPU kernels for the features of the build (``-march=native`` b
 ``GGML_AVX512=OFF``-style switches of a portable build), and kernels for different features sum in
 different orders, so exact token ids hold only between builds with the same SIMD features. The
 answer comes from ggml's own ``ggml_cpu_has_*`` queries, which report what the build compiled in,
-not what the processor could do (``/proc/cpuinfo``): an AVX-512 machine running a build with
-AVX-512 off reports no AVX512.
+not what the processor could do (``/proc/cpuinfo``): an AVX512 machine running a build with
+``GGML_AVX512=OFF`` reports no AVX512.
 
 Build options that llama.cpp prints beside the features (``LLAMAFILE``, ``OPENMP``, ``REPACK``, ...)
 are not CPU features and are left out of every comparison here.

@@ -176,8 +176,7 @@ class MeshClient:
             epoch, hops = self.route()
             log_ = self._sessions[req.session_id] = SessionLog(req.session_id, epoch, hops)
         deadline: float | None = None
-        exclude: set[str] = set()
-        failed_at: dict[str, str] = {}  # node id -> the address it failed at
+        failed_at: dict[str, str] = {}  # node id -> the address it failed at: routes exclude these
         # What each hop received for this step, kept across attempts: after a failover the step resumes
         # at the first changed hop, because the hops before it already ran this step.
         step_inputs: list[NamedTensor | None] = [None] * len(log_.hops)
@@ -185,7 +184,7 @@ class MeshClient:
         while True:
             try:
                 if deadline is not None:
-                    start = self._failover(log_, exclude, deadline, failed_at)
+                    start = self._failover(log_, failed_at, deadline)
                     step_inputs = (step_inputs + [None] * len(log_.hops))[:len(log_.hops)]
                 result = self._run(log_, req, decode, start, step_inputs)
                 if result.ok:
@@ -199,8 +198,7 @@ class MeshClient:
             except StageFailure as f:
                 log.warning("session %s: %s; failing over", req.session_id, f)
                 deadline = deadline or time.monotonic() + self.failover_deadline_s
-                exclude.add(f.node_id)
-                failed_at.update((h.node_id, h.address) for h in log_.hops if h.node_id == f.node_id)
+                failed_at[f.node_id] = next((h.address for h in log_.hops if h.node_id == f.node_id), f.address)
 
     def cancel(self, session_id: str) -> None:
         log_ = self._sessions.get(session_id)
@@ -232,8 +230,6 @@ class MeshClient:
                                  ) -> tuple[int, list[RemoteStage]] | None:
         """A route in which every node that failed for this session is a new process (its address
         changed since it failed), or None (no such route, or the tracker has none at all)."""
-        if not failed_at:
-            return None
         try:
             epoch, hops = self.route(frozenset(), previous_epoch)
         except MeshUnavailable:
@@ -276,21 +272,22 @@ class MeshClient:
         log_.hops = [h for h in log_.hops if h.node_id not in failed]
         self.release(log_.session_id)
 
-    def _failover(self, log_: SessionLog, exclude: set[str], deadline: float,
-                  failed_at: dict[str, str] | None = None) -> int:
-        """Re-route (epoch + 1) and rebuild the session's KV on the changed hops by replaying the
-        recorded steps; returns the index of the first changed hop. Raises StageFailure when a node
-        fails during the replay (the caller fails over again) and MeshUnavailable past the deadline.
+    def _failover(self, log_: SessionLog, failed_at: dict[str, str], deadline: float) -> int:
+        """Re-route (epoch + 1) around the nodes in ``failed_at`` (node id -> the address it failed at)
+        and rebuild the session's KV on the changed hops by replaying the recorded steps; returns the
+        index of the first changed hop. Raises StageFailure when a node fails during the replay (the
+        caller fails over again) and MeshUnavailable past the deadline.
 
-        ``failed_at`` (node id -> address) lets a failed node back in once it has registered again at
-        another address: a new process under the same id (``meshnet up`` restarts its nodes, an operator
-        restarts one with ``--node-id``), so a mesh without a spare recovers once the node is back."""
+        A failed node is let back in once it has registered again at another address: a new process
+        under the same id (``meshnet up`` restarts its nodes, an operator restarts one with
+        ``--node-id``), so a mesh without a spare recovers once the node is back."""
+        exclude = set(failed_at)
         while True:
             try:
                 epoch, hops = self.route(exclude, log_.epoch)
                 break
             except MeshUnavailable as e:
-                restarted = self._route_through_restarted(failed_at or {}, log_.epoch)
+                restarted = self._route_through_restarted(failed_at, log_.epoch)
                 if restarted is not None:
                     epoch, hops = restarted
                     break

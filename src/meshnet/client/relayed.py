@@ -69,13 +69,13 @@ class RelayedStage(RemoteStage):
         """As :meth:`RemoteStage.release`, through the relay."""
         return self._control_kind(pb.RelayDown.RELEASE, session_id, superseded_by, timeout_s)
 
-    def health(self) -> pb.HealthReply:
+    def health(self, timeout_s: float = 5.0) -> pb.HealthReply:
         """The node's health. Raises grpc.RpcError (UNAVAILABLE when the node has no relay stream)."""
-        return self._relay_control(pb.RelayDown.HEALTH).health
+        return self._relay_control(pb.RelayDown.HEALTH, timeout_s=timeout_s).health
 
     def capabilities(self, timeout_s: float = 5.0) -> pb.Capabilities:
         """The node's capabilities, through the relay. Raises StageFailure when it does not answer."""
         try:
             return self._relay_control(pb.RelayDown.CAPABILITIES, timeout_s=timeout_s).capabilities
         except grpc.RpcError as e:
-            raise StageFailure(self.node_id, self.address, e.code().name, e.details() or "") from None
+            raise self._unanswered(e) from None

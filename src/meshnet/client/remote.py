@@ -49,7 +49,7 @@ class RemoteStage:
         code = e.code()
         status = _CONTRACT_CODES.get(code)
         if status is None:
-            raise StageFailure(self.node_id, self.address, code.name, e.details() or "") from None
+            raise self._unanswered(e) from None
         retry = None
         for key, value in e.trailing_metadata() or ():
             if key == "retry-after-s":
@@ -121,9 +121,10 @@ class RemoteStage:
                                        f"no answer within {waited:.2f}s") from None
 
     def answers(self) -> bool:
-        """Whether the node answers Health within :data:`LIVENESS_PROBE_S` (alive, if perhaps busy)."""
+        """Whether the node answers :meth:`health` within :data:`LIVENESS_PROBE_S` (alive, if perhaps
+        busy)."""
         try:
-            self.stub.Health(pb.Empty(), timeout=LIVENESS_PROBE_S)
+            self.health(LIVENESS_PROBE_S)
             return True
         except grpc.RpcError:
             return False
@@ -154,15 +155,20 @@ class RemoteStage:
         except grpc.RpcError as e:
             return _control_failure(e)
 
-    def health(self) -> pb.HealthReply:
-        return self.stub.Health(pb.Empty(), timeout=5)
+    def health(self, timeout_s: float = 5.0) -> pb.HealthReply:
+        """The node's health. Raises grpc.RpcError when it does not answer within ``timeout_s``."""
+        return self.stub.Health(pb.Empty(), timeout=timeout_s)
 
     def capabilities(self, timeout_s: float = 5.0) -> pb.Capabilities:
         """The node's capabilities (layers, n_ctx, ...). Raises StageFailure when it does not answer."""
         try:
             return self.stub.GetCapabilities(pb.Empty(), timeout=timeout_s)
         except grpc.RpcError as e:
-            raise StageFailure(self.node_id, self.address, e.code().name, e.details() or "") from None
+            raise self._unanswered(e) from None
+
+    def _unanswered(self, e: grpc.RpcError) -> StageFailure:
+        """The StageFailure for a call the node did not answer (its gRPC code and details)."""
+        return StageFailure(self.node_id, self.address, e.code().name, e.details() or "")
 
 
 def _control_failure(e: grpc.RpcError) -> Outcome:

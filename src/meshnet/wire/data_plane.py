@@ -51,8 +51,13 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def encode_messages(kind: int, payloads) -> bytes:
+    """The wire bytes of one message of ``kind`` per payload: ``<u32 length><u8 kind><payload>`` each."""
+    return b"".join(HEADER.pack(len(p), kind) + p for p in payloads)
+
+
 def send_message(sock: socket.socket, kind: int, payload: bytes) -> None:
-    sock.sendall(HEADER.pack(len(payload), kind) + payload)
+    sock.sendall(encode_messages(kind, (payload,)))
 
 
 def recv_message(sock: socket.socket, max_bytes: int = MAX_MESSAGE_BYTES) -> tuple[int, bytes]:
@@ -127,8 +132,7 @@ class DataPlaneConnection:
         node and must be closed) or DataPlaneError."""
         if timeout_s is not None:
             self.sock.settimeout(timeout_s)
-        self.sock.sendall(b"".join(HEADER.pack(len(b), ENVELOPE) + b
-                                   for b in (f.SerializeToString() for f in frames)))
+        self.sock.sendall(encode_messages(ENVELOPE, (f.SerializeToString() for f in frames)))
         if still_alive is not None and timeout_s is not None:
             self._await_reply(timeout_s, still_alive, patience_s)
         replies: list[pb.StepReply] = []

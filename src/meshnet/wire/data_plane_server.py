@@ -31,7 +31,8 @@ from typing import Callable
 from google.protobuf.message import DecodeError
 
 from meshnet.proto import meshnet_pb2 as pb
-from meshnet.wire.data_plane import HEADER, AUTH, ENVELOPE, ERROR, MAX_MESSAGE_BYTES, REPLY, encode_error
+from meshnet.wire.data_plane import (AUTH, ENVELOPE, ERROR, HEADER, MAX_MESSAGE_BYTES, REPLY, encode_error,
+                                     encode_messages)
 
 log = logging.getLogger("meshnet.data_plane")
 
@@ -302,11 +303,9 @@ class DataPlaneServer:
         try:
             out = self._run_step(frames)
             if out.code != "OK":
-                payload = encode_error(out.code, out.message, out.retry_after_s)
-                data = HEADER.pack(len(payload), ERROR) + payload
+                data = encode_messages(ERROR, (encode_error(out.code, out.message, out.retry_after_s),))
             else:
-                data = b"".join(HEADER.pack(len(b), REPLY) + b
-                                for b in (r.SerializeToString() for r in out.replies))
+                data = encode_messages(REPLY, (r.SerializeToString() for r in out.replies))
             # The worker owns the socket until it hands it back: a blocking send, bounded like a read.
             c.sock.settimeout(self.read_timeout_s)
             c.sock.sendall(data)
@@ -322,7 +321,7 @@ class DataPlaneServer:
 
 def _send_now(sock: socket.socket, kind: int, payload: bytes) -> bool:
     """Send one small message without blocking; False when it did not fit the socket's buffer at once."""
-    data = HEADER.pack(len(payload), kind) + payload
+    data = encode_messages(kind, (payload,))
     try:
         return sock.send(data) == len(data)
     except OSError:
