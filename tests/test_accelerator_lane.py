@@ -98,11 +98,10 @@ def test_weights_and_kv_cache_live_in_device_memory(smollm2_path):
         # Weights keep their stored types: Q4_1 blocks, not a dequantized copy.
         assert stage.weights.nbytes < 30_000_000
         assert ggml.ggml_backend_buffer_get_size(stage.weights.buffer) >= stage.weights.nbytes
-        kv = stage.new_session()
-        assert _buffer_name(kv.cache.buffer) == device_name
-        assert not ggml.ggml_backend_buffer_is_host(kv.cache.buffer)
-        assert kv.cache.nbytes >= 13 * 2 * stage.cfg.n_embd_k_gqa * 512 * 2
-        kv.free()
+        pool = stage.pool
+        assert _buffer_name(pool.buffer) == device_name
+        assert not ggml.ggml_backend_buffer_is_host(pool.buffer)
+        assert ggml.ggml_backend_buffer_get_size(pool.buffer) >= pool.n_slots * 13 * 2 * stage.cfg.n_embd_k_gqa * 512 * 2
     finally:
         stage.close()
 

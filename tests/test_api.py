@@ -403,19 +403,20 @@ def test_metrics_exported(backend, http):
     assert "meshnet_api_active_sessions 0.0" in text
 
 
-def test_bench_api_against_running_server(served, tmp_path):
+def test_bench_serve_against_running_server(served, tmp_path):
     import argparse
 
-    from meshnet.api.bench import add_api_bench_parser
+    from meshnet.bench.serve_bench import add_serve_bench_parser
 
     parser = argparse.ArgumentParser()
-    add_api_bench_parser(parser.add_subparsers(dest="bench"))
-    out = tmp_path / "api.json"
-    args = parser.parse_args(["api", "--url", served[1], "--concurrency", "3", "--requests", "4",
+    add_serve_bench_parser(parser.add_subparsers(dest="bench"))
+    out = tmp_path / "serve.json"
+    args = parser.parse_args(["serve", "--url", served[1], "--concurrency", "3", "--requests-per-stream", "2",
                               "--max-tokens", "3", "--out", str(out)])
     assert args.func(args) == 0
     report = json.loads(out.read_text())
-    assert report["completed"] == 4 and report["errors"] == 0
-    assert report["completion_tokens"] == 12  # three tokens each, unless a reply ends sooner
-    assert 0 < report["ttft_s"]["p50"] <= report["ttft_s"]["p95"] <= report["latency_s"]["p95"]
-    assert report["tokens_per_s"] > 0
+    row = report["results"]["url"]["3"]
+    assert row["completed"] == 6 and row["errors"] == 0
+    assert row["completion_tokens"] == 18  # three tokens each, unless a reply ends sooner
+    assert 0 < row["ttft_s"]["p50"] <= row["ttft_s"]["p95"] <= row["latency_s"]["p95"]
+    assert row["tokens_per_s"] > 0

@@ -81,11 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also measure this accelerator lane beside the CPU (it must be certified here)")
     be.add_argument("--out", default="bench-results/engine.json")
     be.set_defaults(func=_run_engine_bench)
-    from meshnet.api.bench import add_api_bench_parser
     from meshnet.bench.mesh_bench import add_mesh_bench_parser
+    from meshnet.bench.serve_bench import add_serve_bench_parser
 
     add_mesh_bench_parser(bsub)
-    add_api_bench_parser(bsub)
+    add_serve_bench_parser(bsub)
 
     from meshnet.node.runner import add_node_parser
     from meshnet.tracker.service import add_tracker_parser

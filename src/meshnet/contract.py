@@ -276,6 +276,8 @@ class LoadSpec:
         n_ubatch: prefill micro-batch size in tokens.
         max_sessions: concurrent sessions before RESOURCE_EXHAUSTED.
         memory_budget_bytes: KV bytes across sessions before RESOURCE_EXHAUSTED (0 = unlimited).
+        kv_tokens: KV cells the stage's pool lets sessions reserve at once (0 = derived from
+            ``memory_budget_bytes``, else from half the memory available; at most ``max_sessions * n_ctx``).
         use_mmap: map the weights from the file instead of copying them (llama.cpp's default).
     """
 
@@ -286,6 +288,7 @@ class LoadSpec:
     n_ubatch: int = 512
     max_sessions: int = 16
     memory_budget_bytes: int = 0
+    kv_tokens: int = 0
     use_mmap: bool = True
     mtp: MultiTokenPrediction = MultiTokenPrediction()
     aux_state: AuxiliaryState = AuxiliaryState()
@@ -319,7 +322,10 @@ class Health:
 
 @dataclass(frozen=True)
 class Metrics:
-    """Counters since load. Times in seconds, memory in bytes."""
+    """Counters since load. Times in seconds, memory in bytes (``kv_bytes``: the KV pool's resident
+    bytes). KV figures in tokens: held by open sessions, reserved for them, reservable at all. Batching:
+    iterations run, rows they held (in all, at most), steps waiting now, and seconds steps waited
+    before their first iteration (summed over ``queued_steps``)."""
 
     prefill_tokens: int = 0
     decode_tokens: int = 0
@@ -329,6 +335,15 @@ class Metrics:
     kv_bytes: int = 0
     weight_bytes: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    kv_tokens_held: int = 0
+    kv_tokens_reserved: int = 0
+    kv_tokens_capacity: int = 0
+    iterations: int = 0
+    batch_rows: int = 0
+    max_batch_rows: int = 0
+    waiting_steps: int = 0
+    queue_seconds: float = 0.0
+    queued_steps: int = 0
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,11 @@ def add_up_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=7700, help="tracker port")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per node")
+    p.add_argument("--n-ctx", type=int, default=0, help="context length per session (0 = model's, capped at 4096)")
+    p.add_argument("--max-sessions", type=int, default=16,
+                   help="sessions each node holds; also the API's concurrency")
+    p.add_argument("--kv-tokens", type=int, default=0,
+                   help="KV cells each node's sessions may reserve at once (0 = half the memory available)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="node heartbeat interval, seconds")
     p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a complete route")
@@ -89,7 +94,9 @@ def run_up(args: argparse.Namespace) -> int:
     # Named nodes keep their ids (and keys) across the supervisor's restarts.
     names = [f"node-{i}-{r.start}-{r.end}" for i, r in enumerate(ranges)]
     children = [(name, [sys.executable, "-m", "meshnet.cli", "node", "--tracker", tracker, "--model", path,
-                        "--layers", str(r), "--host", args.host, "--threads", str(args.threads), "--node-id", name])
+                        "--layers", str(r), "--host", args.host, "--threads", str(args.threads), "--node-id", name,
+                        "--n-ctx", str(args.n_ctx), "--max-sessions", str(args.max_sessions),
+                        "--kv-tokens", str(args.kv_tokens)])
                 for name, r in zip(names, ranges)]
     # A node that died leaves routing at once (not after three silent heartbeats), and its restart can
     # take its id back without being refused as a second claimant.
@@ -114,7 +121,8 @@ def run_up(args: argparse.Namespace) -> int:
             from meshnet.api.backend import mesh_backend
             from meshnet.api.server import start_api_in_thread
 
-            api_backend = mesh_backend(tracker, args.model, join_token=args.join_token)
+            api_backend = mesh_backend(tracker, args.model, join_token=args.join_token,
+                                       max_concurrency=args.max_sessions)
             try:
                 api = (api_backend, *start_api_in_thread(api_backend, args.host, args.api_port))
                 api_url = f"http://{args.host}:{api[1].config.port}/v1"

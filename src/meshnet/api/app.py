@@ -73,7 +73,7 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
     """
     app = FastAPI(title="meshnet", description="OpenAI-compatible API over a meshnet mesh",
                   version="1", docs_url=None, redoc_url=None)
-    metrics = ApiMetrics()
+    metrics = ApiMetrics(getattr(backend, "stage_metrics", None))
     api = _Api(backend, metrics, max_queued)
     app.state.api = api
     app.state.metrics = metrics

@@ -56,6 +56,8 @@ class ApiBackend:
         self.max_concurrency = max_concurrency
         self.retry_after_s = retry_after_s
         self.closers: list[Callable[[], None]] = []
+        # In process: (layer range, engine Metrics) of each stage, for /metrics; None over a mesh.
+        self.stage_metrics: Callable[[], list] | None = None
 
     def new_client(self) -> StepClient:
         """The client for one generation, wrapped so a busy stage is waited for instead of failing."""
@@ -116,7 +118,7 @@ class AdmissionRetry:
 
 def local_backend(model: str = "smollm2", stages: int | None = None, layers: str | None = None,
                   n_threads: int = 2, n_ctx: int = 0, max_sessions: int = 16, name: str | None = None,
-                  progress: bool = False) -> ApiBackend:
+                  progress: bool = False, kv_tokens: int = 0) -> ApiBackend:
     """An :class:`ApiBackend` over an in-process chain of ggml engines (one per layer range).
 
     Args:
@@ -125,6 +127,7 @@ def local_backend(model: str = "smollm2", stages: int | None = None, layers: str
         n_threads: CPU threads per stage.
         n_ctx: context length per session (0 = the model's, capped at 4096).
         max_sessions: sessions each stage holds; also the API's concurrency limit.
+        kv_tokens: KV cells each stage's sessions may reserve at once (0 = half the memory available).
         name: the served model id (default: ``model`` when it is a bundled name, else the file stem).
 
     Raises:
@@ -136,13 +139,14 @@ def local_backend(model: str = "smollm2", stages: int | None = None, layers: str
     path = str(resolve_model(model))
     ranges = plan_ranges(path, stages, layers)
     chain = load_local_chain(path, ranges, n_threads=n_threads, n_ctx=n_ctx, progress=progress,
-                             max_sessions=max_sessions)
+                             max_sessions=max_sessions, kv_tokens=kv_tokens)
     tok = GGUFTokenizer.from_gguf(path)
     caps = [s.capabilities() for s in chain.stages]
     desc = [f"in-process {c.artifact.layers}" for c in caps]
     backend = ApiBackend(lambda: chain, tok, name or _model_name(model), min(c.n_ctx for c in caps),
                          check_route=lambda: desc, max_concurrency=min(c.max_sessions for c in caps))
     backend.chain = chain  # type: ignore[attr-defined]  # tests read the engines' health through it
+    backend.stage_metrics = lambda: [(str(c.artifact.layers), s.metrics()) for c, s in zip(caps, chain.stages)]
     return backend
 
 

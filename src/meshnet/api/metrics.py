@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Endpoints with their own label value; anything else is counted as "other" so that arbitrary request
 # paths cannot grow the label set without bound.
@@ -20,13 +23,22 @@ class ApiMetrics:
     * ``meshnet_api_active_sessions``: generations holding a mesh session now.
     * ``meshnet_api_queued_requests``: generations waiting for a free slot.
     * ``meshnet_api_errors_total{kind}``: error answers and failed streams by kind.
+    * in process, per stage (label ``layers``): ``meshnet_stage_kv_bytes`` (KV pool resident bytes),
+      ``meshnet_stage_kv_tokens_{held,reserved,capacity}``, ``meshnet_stage_iterations_total``,
+      ``meshnet_stage_batch_rows_total``, ``meshnet_stage_max_batch_rows``, ``meshnet_stage_waiting_steps``,
+      ``meshnet_stage_queue_seconds_total`` (over ``meshnet_stage_queued_steps_total`` steps).
+
+    Args:
+        stage_metrics: returns ``(layers, Metrics)`` per in-process stage; None over a mesh.
     """
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, stage_metrics: Callable[[], list] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        if stage_metrics is not None:
+            r.register(_StageCollector(stage_metrics))
         self.requests = Counter("meshnet_api_requests", "HTTP requests answered",
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("meshnet_api_prompt_tokens", "prompt tokens processed", registry=r)
@@ -57,3 +69,27 @@ class ApiMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _StageCollector:
+    """The in-process stages' engine figures, read at each scrape."""
+
+    GAUGES = ("kv_bytes", "kv_tokens_held", "kv_tokens_reserved", "kv_tokens_capacity", "max_batch_rows",
+              "waiting_steps")
+    COUNTERS = ("iterations", "batch_rows", "queue_seconds", "queued_steps")
+
+    def __init__(self, source: Callable[[], list]) -> None:
+        self.source = source
+
+    def collect(self):
+        stages = self.source()
+        for name in self.GAUGES:
+            g = GaugeMetricFamily(f"meshnet_stage_{name}", f"stage {name}", labels=["layers"])
+            for layers, m in stages:
+                g.add_metric([layers], float(getattr(m, name)))
+            yield g
+        for name in self.COUNTERS:
+            c = CounterMetricFamily(f"meshnet_stage_{name}", f"stage {name}", labels=["layers"])
+            for layers, m in stages:
+                c.add_metric([layers], float(getattr(m, name)))
+            yield c

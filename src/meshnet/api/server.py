@@ -42,6 +42,9 @@ def add_api_parser(sub) -> None:
     split.add_argument("--layers", default=None, help='explicit half-open ranges, e.g. "0:10,10:30"')
     local.add_argument("--threads", type=int, default=2, help="CPU threads per stage")
     local.add_argument("--n-ctx", type=int, default=0, help="context length (0 = model's, capped at 4096)")
+    local.add_argument("--max-sessions", type=int, default=16, help="sessions each stage holds at once")
+    local.add_argument("--kv-tokens", type=int, default=0,
+                       help="KV cells sessions may reserve at once (0 = half the memory available)")
     p.set_defaults(func=run_api)
 
 
@@ -53,7 +56,8 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
         return mesh_backend(args.tracker, args.model, join_token=args.join_token, tls_ca=args.tls_ca,
                             name=args.name, max_concurrency=args.max_concurrency or 8)
     backend = local_backend(args.model, stages=args.stages, layers=args.layers, n_threads=args.threads,
-                            n_ctx=args.n_ctx, name=args.name, progress=sys.stderr.isatty())
+                            n_ctx=args.n_ctx, name=args.name, progress=sys.stderr.isatty(),
+                            max_sessions=args.max_sessions, kv_tokens=args.kv_tokens)
     if args.max_concurrency:
         backend.max_concurrency = min(backend.max_concurrency, args.max_concurrency)
     return backend

@@ -124,7 +124,7 @@ def _rss_child(model: str, layers: str, threads: int, n_tokens: int) -> None:
         st.forward(kv, 0, hidden=np.zeros((len(ids), st.cfg.n_embd), dtype=np.float32))
     print(json.dumps({"layers": layers, "rss_before_load_bytes": before, "rss_after_load_bytes": loaded,
                       "rss_bytes": rss(),
-                      "weight_bytes": st.weights.nbytes, "kv_bytes": kv.cache.nbytes}))
+                      "weight_bytes": st.weights.nbytes, "kv_bytes": st.pool.resident_bytes()}))
 
 
 def measure_rss(model: str, layers: str, threads: int, n_tokens: int = 128) -> dict:

@@ -15,8 +15,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from meshnet.contract import (
     Capabilities,
+    NamedTensor,
     Health,
     LoadSpec,
     Metrics,
@@ -25,6 +28,7 @@ from meshnet.contract import (
     StepResult,
     Status,
 )
+from meshnet.engine.scheduler import Chunk, Job, StepScheduler
 
 # Suggested client back-off when the stage is at its session or memory limit.
 RETRY_AFTER_S = 0.5
@@ -53,18 +57,22 @@ class Session:
     token_ids: list[int] = field(default_factory=list)
     cancelled: bool = False
     last_used: float = field(default_factory=time.monotonic)
+    busy: bool = False  # a step of it is queued or running; the next one waits, release waits too
 
 
 class ShardEngine(ABC):
     """One layer range ``[start, end)`` of one model, serving many sessions.
 
-    Thread-safe: calls may come from several threads; compute is serialized by one lock, while
-    ``cancel`` takes effect between prefill micro-batches of a step already running.
+    Thread-safe: calls may come from several threads. Validated steps go to one
+    :class:`~meshnet.engine.scheduler.StepScheduler`, which runs the waiting steps of all sessions
+    together (continuous batching); ``cancel`` takes effect between iterations.
     """
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._compute_lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # a session stopped being busy
+        self._scheduler = StepScheduler(self._forward_batch, self._join, self._chunk_tokens(),
+                                        lambda s: s.cancelled)
         self._sessions: dict[str, Session] = {}
         self._spec: LoadSpec | None = None
         self._caps: Capabilities | None = None
@@ -89,6 +97,34 @@ class ShardEngine(ABC):
         The base class advances ``session.n_past`` and ``session.token_ids`` after an OK result, so
         during the call they still describe the tokens cached before this step."""
 
+    def _forward_batch(self, chunks: list[Chunk]) -> list[StepResult]:
+        """Run one iteration: a chunk of each of several sessions' steps (see :class:`Chunk`).
+
+        The default runs each chunk's step through :meth:`_forward` in turn; engines that compute a
+        batch at once override it. An EngineError becomes that chunk's status; any other exception
+        fails the iteration (the scheduler then reruns its chunks one at a time)."""
+        out = []
+        for c in chunks:
+            try:
+                out.append(self._forward(c.session, c.req))
+            except EngineError as e:
+                out.append(self._fail(e.status, e.message, retry_after_s=RETRY_AFTER_S
+                                      if e.status is Status.RESOURCE_EXHAUSTED else None))
+        return out
+
+    def _chunk_tokens(self) -> int:
+        """Prefill micro-batch the scheduler cuts steps into (0: steps run whole, as for the fake)."""
+        return 0
+
+    def _join(self, job: Job) -> StepResult:
+        """A step's result from its chunks' results: the last chunk's, with every chunk's hidden rows."""
+        last = job.parts[-1]
+        hiddens = [p.hidden for p in job.parts if p.hidden is not None]
+        if len(hiddens) > 1:
+            rows = np.concatenate([h.to_numpy() for h in hiddens], axis=0)
+            return replace(last, hidden=NamedTensor.from_numpy(hiddens[0].name, rows))
+        return last
+
     @abstractmethod
     def _free_state(self, state: Any) -> None:
         """Release one session's state (idempotent)."""
@@ -108,6 +144,7 @@ class ShardEngine(ABC):
             except EngineError as e:
                 return Outcome(e.status, e.message)
             self._spec, self._caps = spec, caps
+            self._scheduler.chunk_tokens = self._chunk_tokens()
             return Outcome(Status.OK)
 
     def capabilities(self) -> Capabilities:
@@ -142,10 +179,11 @@ class ShardEngine(ABC):
             s = self._sessions.get(session_id)
             if s is None:
                 return Outcome(Status.OK)
-            s.cancelled = True  # a step still running on it stops at the next micro-batch
-        with self._compute_lock, self._lock:
-            s = self._sessions.pop(session_id, None)
-            if s is not None:
+            s.cancelled = True  # a step still queued on it stops at the next iteration
+            while s.busy:
+                self._idle.wait()
+            if self._sessions.get(session_id) is s:
+                del self._sessions[session_id]
                 self._free_state(s.state)
         return Outcome(Status.OK)
 
@@ -164,8 +202,9 @@ class ShardEngine(ABC):
             s = self._sessions.get(session_id)
             if s is None or s.epoch >= epoch:
                 return Outcome(Status.OK)
-            s.cancelled = True  # a step still running on it stops at the next micro-batch
-        with self._compute_lock, self._lock:
+            s.cancelled = True  # a step still queued on it stops at the next iteration
+            while s.busy:
+                self._idle.wait()
             if self._sessions.get(session_id) is s:  # not replaced meanwhile by a newer one
                 del self._sessions[session_id]
                 self._free_state(s.state)
@@ -195,10 +234,18 @@ class ShardEngine(ABC):
         m = self._metrics
         with self._lock:
             n = len(self._sessions)
-        return Metrics(prefill_tokens=m.prefill_tokens, decode_tokens=m.decode_tokens,
-                       prefill_seconds=m.prefill_seconds, decode_seconds=m.decode_seconds,
-                       active_sessions=n, kv_bytes=self._kv_bytes(), weight_bytes=self._weight_bytes(),
-                       errors=dict(self._errors))
+            held = sum(s.n_past for s in self._sessions.values())
+        st = self._scheduler.stats
+        reserved, capacity = self._kv_tokens()
+        return replace(m, active_sessions=n, kv_bytes=self._kv_bytes(), weight_bytes=self._weight_bytes(),
+                       errors=dict(self._errors), kv_tokens_held=held, kv_tokens_reserved=reserved,
+                       kv_tokens_capacity=capacity, iterations=st.iterations, batch_rows=st.rows,
+                       max_batch_rows=st.max_rows, waiting_steps=self._scheduler.waiting(),
+                       queue_seconds=st.queue_seconds, queued_steps=st.queued_steps)
+
+    def _kv_tokens(self) -> tuple[int, int]:
+        """(reserved, reservable) KV cells; (0, 0) for engines without a pool."""
+        return 0, 0
 
     # ---- shared validation -------------------------------------------------------------------
     def _fail(self, status: Status, message: str, **kw: Any) -> StepResult:
@@ -284,38 +331,43 @@ class ShardEngine(ABC):
         return s
 
     def _step(self, req: StepRequest, decode: bool) -> StepResult:
-        with self._compute_lock:
+        with self._lock:
+            # One step per session at a time: a second one waits for the first, then is checked
+            # against the position it left.
+            while (waiting := self._sessions.get(req.session_id)) is not None and waiting.busy:
+                self._idle.wait()
+            bad = self._check_request(req, decode)
+            if bad is not None:
+                return bad
+            found = self._session_for(req, decode)
+            if isinstance(found, StepResult):
+                return found
+            session = found
+            session.epoch = max(session.epoch, req.epoch)
+            session.busy = True
+        t0 = time.perf_counter()
+        try:
+            result = self._scheduler.submit(session, req)
+        finally:
             with self._lock:
-                bad = self._check_request(req, decode)
-                if bad is not None:
-                    return bad
-                found = self._session_for(req, decode)
-                if isinstance(found, StepResult):
-                    return found
-                session = found
-                session.epoch = max(session.epoch, req.epoch)
-            t0 = time.perf_counter()
-            try:
-                result = self._forward(session, req)
-            except EngineError as e:
-                result = self._fail(e.status, e.message,
-                                    retry_after_s=RETRY_AFTER_S if e.status is Status.RESOURCE_EXHAUSTED else None)
-            dt = time.perf_counter() - t0
-            with self._lock:
-                session.last_used = time.monotonic()
-                if result.ok:
-                    session.n_past += len(req.token_ids)
-                    session.token_ids.extend(int(t) for t in req.token_ids)
-                    result = replace(result, n_past=session.n_past)
-                    m = self._metrics  # frozen: counters advance by replacement
-                    if decode:
-                        self._metrics = replace(m, decode_tokens=m.decode_tokens + 1,
-                                                decode_seconds=m.decode_seconds + dt)
-                    else:
-                        self._metrics = replace(m, prefill_tokens=m.prefill_tokens + len(req.token_ids),
-                                                prefill_seconds=m.prefill_seconds + dt)
-                elif session.n_past == 0 and session.session_id in self._sessions:
-                    # A first prefill that failed leaves nothing worth keeping.
-                    self._sessions.pop(session.session_id)
-                    self._free_state(session.state)
-            return result
+                session.busy = False
+                self._idle.notify_all()
+        dt = time.perf_counter() - t0
+        with self._lock:
+            session.last_used = time.monotonic()
+            if result.ok:
+                session.n_past += len(req.token_ids)
+                session.token_ids.extend(int(t) for t in req.token_ids)
+                result = replace(result, n_past=session.n_past)
+                m = self._metrics  # frozen: counters advance by replacement
+                if decode:
+                    self._metrics = replace(m, decode_tokens=m.decode_tokens + 1,
+                                            decode_seconds=m.decode_seconds + dt)
+                else:
+                    self._metrics = replace(m, prefill_tokens=m.prefill_tokens + len(req.token_ids),
+                                            prefill_seconds=m.prefill_seconds + dt)
+            elif session.n_past == 0 and self._sessions.get(session.session_id) is session:
+                # A first prefill that failed leaves nothing worth keeping.
+                self._sessions.pop(session.session_id)
+                self._free_state(session.state)
+        return result

@@ -1,4 +1,4 @@
-"""ggml memory for one stage: the CPU backend, the range's weights as stored, and per-session KV caches.
+"""ggml memory for one stage: the CPU backend and the range's weights as stored (KV cells: ``kv_pool``).
 
 Everything here talks to ggml through ``ggml-python``'s ctypes bindings; nothing opens a socket.
 Weights are copied once from the memory-mapped GGUF into one backend buffer in their stored type
@@ -161,9 +161,9 @@ def get_tensor(t, dtype=np.float32) -> np.ndarray:
 
 # ggml-python declares this function's result as a plain int, which truncates the pointer; fix the
 # ctypes signature once.
-_cpu_buffer_from_ptr = ggml.lib.ggml_backend_cpu_buffer_from_ptr
-_cpu_buffer_from_ptr.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_cpu_buffer_from_ptr.restype = ctypes.c_void_p
+cpu_buffer_from_ptr = ggml.lib.ggml_backend_cpu_buffer_from_ptr
+cpu_buffer_from_ptr.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+cpu_buffer_from_ptr.restype = ctypes.c_void_p
 
 
 class StageWeights:
@@ -190,7 +190,7 @@ class StageWeights:
         self.nbytes = sum(int(by_name[n].n_bytes) for n in names)
         if use_mmap:
             base = reader.data.ctypes.data
-            self.buffer = _cpu_buffer_from_ptr(base, len(reader.data))
+            self.buffer = cpu_buffer_from_ptr(base, len(reader.data))
             if not self.buffer:
                 raise MemoryError("could not wrap the model's memory map in a ggml buffer")
             for name in names:
@@ -213,41 +213,6 @@ class StageWeights:
         if self.ctx:
             ggml.ggml_free(self.ctx)
             self.ctx = None
-
-
-class KVCache:
-    """One session's F16 K and V cache for each layer of a range: ``[n_embd_k_gqa, n_ctx]`` per layer.
-
-    Cells are indexed by token position (cell i holds position i). The buffer is zeroed on creation
-    because masked padding cells are still read by attention and garbage there can turn into NaN.
-    """
-
-    def __init__(self, layers: LayerRange, n_embd_k: int, n_embd_v: int, n_ctx: int, backend) -> None:
-        self.n_ctx = n_ctx
-        self.ctx = new_meta_context(2 * layers.n_layers + 1)
-        self.k: dict[int, object] = {}
-        self.v: dict[int, object] = {}
-        for il in range(layers.start, layers.end):
-            self.k[il] = new_tensor(self.ctx, ggml.GGML_TYPE_F16, (n_embd_k, n_ctx))
-            self.v[il] = new_tensor(self.ctx, ggml.GGML_TYPE_F16, (n_embd_v, n_ctx))
-        self.buffer = ggml.ggml_backend_alloc_ctx_tensors(self.ctx, backend)
-        if not self.buffer:
-            raise MemoryError("could not allocate a KV cache")
-        ggml.ggml_backend_buffer_clear(self.buffer, 0)
-        self.nbytes = int(ggml.ggml_backend_buffer_get_size(self.buffer))
-
-    def free(self) -> None:
-        if self.buffer:
-            ggml.ggml_backend_buffer_free(self.buffer)
-            self.buffer = None
-        if self.ctx:
-            ggml.ggml_free(self.ctx)
-            self.ctx = None
-
-    @staticmethod
-    def bytes_needed(layers: LayerRange, n_embd_k: int, n_embd_v: int, n_ctx: int) -> int:
-        """F16 bytes for K and V of every layer in the range."""
-        return layers.n_layers * (n_embd_k + n_embd_v) * n_ctx * 2
 
 
 # ---- accelerator devices (CUDA, ROCm, Vulkan, Metal) ----------------------------------------------

@@ -7,9 +7,11 @@ statuses, sampling on the tail.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable
 
+import ggml
 import numpy as np
 
 from meshnet.backends.cpu_features import ggml_cpu_features
@@ -24,8 +26,10 @@ from meshnet.contract import (
     Status,
 )
 from meshnet.engine.base import EngineError, Session, ShardEngine
-from meshnet.engine.ggml_backend import KVCache, StageWeights, cpu_backend, registry_devices
-from meshnet.engine.ggml_graph import StepGraph, kv_length
+from meshnet.engine.scheduler import Chunk
+from meshnet.engine.ggml_backend import StageWeights, cpu_backend, registry_devices
+from meshnet.engine.ggml_graph import BatchShape, Segment, StepGraph, kv_length
+from meshnet.engine.kv_pool import KVPool, PoolFull, available_memory_bytes
 from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, sha256_file, stage_tensor_names
 from meshnet.model.hparams import ModelConfig
 from meshnet.sampling import sample
@@ -36,24 +40,43 @@ DEFAULT_MAX_CTX = 4096
 
 
 @dataclass
-class SessionKV:
-    """One session's KV cache plus the decode graphs built for it, keyed by (n_tokens, n_kv, n_out)."""
+class BatchItem:
+    """One session's part of an iteration: tokens at ``position ..`` of the session in pool ``slot``.
 
-    cache: KVCache
-    graphs: dict[tuple[int, int, int], StepGraph] = field(default_factory=dict)
+    ``token_ids`` int32 ``[n]`` on the head, ``hidden`` float32 ``[n, n_embd]`` elsewhere; on the tail
+    the last ``n_out`` rows give logits."""
+
+    slot: int
+    position: int
+    token_ids: np.ndarray | None = None
+    hidden: np.ndarray | None = None
+    n_out: int = 1
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids) if self.token_ids is not None else len(self.hidden)
+
+
+@dataclass
+class SessionKV:
+    """A session's place in a stage's KV pool: its slot. ``free`` hands the slot back (idempotent)."""
+
+    slot: int
+    pool: KVPool
 
     def free(self) -> None:
-        for g in self.graphs.values():
-            g.free()
-        self.graphs.clear()
-        self.cache.free()
+        self.pool.release(self.slot)
 
 
 class GgmlStage:
-    """Layers ``[start, end)`` of a GGUF model, loaded as stored into a ggml CPU backend.
+    """Layers ``[start, end)`` of a GGUF model, loaded as stored into a ggml CPU backend, with one KV pool
+    for all its sessions.
 
     ``backend`` replaces the CPU backend (an accelerator's, from ``accelerator_backend``); a device
-    cannot compute on the host's memory map, so it goes with ``use_mmap=False``.
+    cannot compute on the host's memory map, so it goes with ``use_mmap=False``. ``n_slots`` sessions of
+    ``n_ctx`` tokens fit in the pool, of which ``kv_tokens`` cells may be reserved at once; 0 derives it
+    from ``kv_budget_bytes``, or when that is 0 too from half the memory available now (never more than
+    ``n_slots * n_ctx``).
 
     Raises (constructor):
         FileNotFoundError: no such file.
@@ -61,8 +84,12 @@ class GgmlStage:
             outside the model.
     """
 
+    # Graphs kept for reuse (least recently used dropped first); decode graphs come back every step.
+    MAX_GRAPHS = 24
+
     def __init__(self, path: str, layers: LayerRange, n_threads: int = 2, n_ctx: int = 0,
-                 n_ubatch: int = 512, use_mmap: bool = True, backend=None) -> None:
+                 n_ubatch: int = 512, use_mmap: bool = True, backend=None, n_slots: int = 16,
+                 kv_tokens: int = 0, kv_budget_bytes: int = 0) -> None:
         reader = open_gguf(path)
         self.cfg = ModelConfig.from_reader(reader)
         if layers.end > self.cfg.n_layer:
@@ -73,37 +100,89 @@ class GgmlStage:
         self.is_tail = layers.is_tail(self.cfg.n_layer)
         self.n_ctx = n_ctx or min(self.cfg.n_ctx_train, DEFAULT_MAX_CTX)
         self.n_ubatch = max(1, n_ubatch)
+        on_host = backend is None
         self.backend = backend if backend is not None else cpu_backend(n_threads)
         selection = stage_tensor_names(reader, layers, self.cfg.n_layer)
         self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=use_mmap)
         if not use_mmap:
             drop_pages(reader)  # the copies are what stays resident, not the file pages read to make them
+        per_token = layers.n_layers * (self.cfg.n_embd_k_gqa + self.cfg.n_embd_v_gqa) * 2
+        if not kv_tokens:
+            kv_tokens = max(1, (kv_budget_bytes or available_memory_bytes() // 2) // per_token)
+        self.pool = KVPool(layers, self.cfg.n_embd_k_gqa, self.cfg.n_embd_v_gqa, self.n_ctx, n_slots,
+                           kv_tokens, self.backend, host=on_host)
+        self._graphs: OrderedDict[BatchShape, StepGraph] = OrderedDict()
+        # ggml-python's binding of ggml_backend_cpu_buffer_type() truncates the pointer; ask the backend.
+        self._galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self.backend))
+        self._placed: StepGraph | None = None  # the graph whose tensors hold the allocator's buffer now
 
-    def kv_bytes_per_session(self) -> int:
-        return KVCache.bytes_needed(self.layers, self.cfg.n_embd_k_gqa, self.cfg.n_embd_v_gqa, self.n_ctx)
+    def new_session(self, reserve_tokens: int = 0) -> SessionKV:
+        """Open a session in the pool. Raises PoolFull when no slot or too few cells are free."""
+        return SessionKV(self.pool.acquire(reserve_tokens), self.pool)
 
-    def new_session(self) -> SessionKV:
-        return SessionKV(KVCache(self.layers, self.cfg.n_embd_k_gqa, self.cfg.n_embd_v_gqa, self.n_ctx,
-                                 self.backend))
+    def shape_of(self, items: list[BatchItem]) -> tuple[BatchShape, list[int], list[int]]:
+        """The graph shape of an iteration; also the indices of its decode items and its segment items
+        (rows go decodes first, then segments, each group in the given order)."""
+        dec = [i for i, it in enumerate(items) if it.n_tokens == 1 and (not self.is_tail or it.n_out == 1)]
+        seg = [i for i in range(len(items)) if i not in set(dec)]
+        streams = n_kv_dec = 0
+        if dec:
+            top = max(items[i].slot for i in dec) + 1
+            streams = min(self.pool.n_slots, 1 << (top - 1).bit_length())
+            n_kv_dec = max(kv_length(items[i].position + 1, self.n_ctx) for i in dec)
+        segments = tuple((items[i].slot, items[i].n_tokens, kv_length(items[i].position + items[i].n_tokens,
+                                                                        self.n_ctx),
+                          items[i].n_out if self.is_tail else items[i].n_tokens) for i in seg)
+        return BatchShape(len(dec), streams, n_kv_dec, segments), dec, seg
 
-    def _graph(self, kv: SessionKV, n_tokens: int, n_kv: int, n_out: int) -> tuple[StepGraph, bool]:
-        key = (n_tokens, n_kv, n_out)
-        g = kv.graphs.get(key)
+    def _graph(self, shape: BatchShape) -> StepGraph:
+        g = self._graphs.get(shape)
         if g is not None:
-            return g, True
-        g = StepGraph(self.cfg, self.weights, kv.cache, self.layers, n_tokens, n_kv, n_out, self.backend)
-        if n_tokens == 1:
-            # Decode graphs are reused every step; those for a shorter KV length never come back.
-            for old in [k for k in kv.graphs if k[0] == 1 and k[1] < n_kv]:
-                kv.graphs.pop(old).free()
-            kv.graphs[key] = g
-            return g, True
-        return g, False
+            self._graphs.move_to_end(shape)
+            return g
+        g = StepGraph(self.cfg, self.weights, self.pool, self.layers, shape)
+        self._graphs[shape] = g
+        while len(self._graphs) > self.MAX_GRAPHS:
+            old = self._graphs.popitem(last=False)[1]
+            if old is self._placed:
+                self._placed = None
+            old.free()
+        return g
+
+    def forward_batch(self, items: list[BatchItem]) -> list[np.ndarray]:
+        """Run one iteration: every item's tokens through the range in one graph.
+
+        Items must belong to distinct sessions. Returns, per item in the given order, float32
+        ``[n, n_embd]`` hidden states or, on the tail, ``[n_out, n_vocab]`` logits.
+        """
+        shape, dec, seg = self.shape_of(items)
+        order = dec + seg
+        g = self._graph(shape)
+        tokens = hidden = None
+        if self.is_head:
+            tokens = np.concatenate([np.asarray(items[i].token_ids, dtype=np.int32) for i in order])
+        else:
+            hidden = np.concatenate([np.asarray(items[i].hidden, dtype=np.float32) for i in order])
+        segments = [Segment(items[i].slot, items[i].position, items[i].n_tokens, shape.segments[k][2],
+                            shape.segments[k][3]) for k, i in enumerate(seg)]
+        if self._placed is not g:
+            g.place(self._galloc)
+            self._placed = g
+        out = g.run(self.backend, [(items[i].slot, items[i].position) for i in dec], segments,
+                    tokens, hidden)
+        results: list[np.ndarray | None] = [None] * len(items)
+        row = 0
+        for i in order:
+            n = (1 if i in dec else items[i].n_out) if self.is_tail else items[i].n_tokens
+            results[i] = out[row:row + n]
+            row += n
+        return results
 
     def forward(self, kv: SessionKV, position: int, token_ids: np.ndarray | None = None,
                 hidden: np.ndarray | None = None, all_logits: bool = False,
                 should_stop: Callable[[], bool] = lambda: False) -> np.ndarray | None:
-        """Run tokens at ``position ..`` through the range in micro-batches of ``n_ubatch`` tokens.
+        """Run one session's tokens at ``position ..`` through the range alone, in micro-batches of
+        ``n_ubatch`` tokens.
 
         Args:
             token_ids: int ``[n]`` on the head; hidden: float32 ``[n, n_embd]`` elsewhere.
@@ -119,23 +198,24 @@ class GgmlStage:
             if should_stop():
                 return None
             end = min(n, start + self.n_ubatch)
-            m = end - start
-            last = end == n
-            n_out = m if (all_logits or not self.is_tail) else 1
-            g, cached = self._graph(kv, m, kv_length(position + end, self.n_ctx), n_out)
-            try:
-                out = g.run(self.backend, position + start,
-                            None if token_ids is None else token_ids[start:end],
-                            None if hidden is None else hidden[start:end])
-            finally:
-                if not cached:
-                    g.free()
-            if not self.is_tail or all_logits or last:
+            item = BatchItem(kv.slot, position + start,
+                             None if token_ids is None else np.asarray(token_ids[start:end], dtype=np.int32),
+                             None if hidden is None else hidden[start:end],
+                             n_out=(end - start) if all_logits else 1)
+            out = self.forward_batch([item])[0]
+            if not self.is_tail or all_logits or end == n:
                 outs.append(out)
         return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)
 
     def close(self) -> None:
-        """Free the weights' ggml handles (the shared backend stays for other stages)."""
+        """Free the weights', graphs' and pool's ggml handles (the shared backend stays for other stages)."""
+        for g in self._graphs.values():
+            g.free()
+        self._graphs.clear()
+        if self._galloc:
+            ggml.ggml_gallocr_free(self._galloc)
+            self._galloc = None
+        self.pool.free()
         self.weights.free()
 
 
@@ -145,7 +225,6 @@ class GgmlEngine(ShardEngine):
     def __init__(self) -> None:
         super().__init__()
         self.stage: GgmlStage | None = None
-        self._kv_total = 0
 
     def _load(self, spec: LoadSpec) -> Capabilities:
         try:
@@ -157,7 +236,8 @@ class GgmlEngine(ShardEngine):
                               f"{spec.path} has sha256 {sha}, expected {spec.artifact.sha256}")
         try:
             stage = GgmlStage(spec.path, spec.artifact.layers, spec.n_threads, spec.n_ctx, spec.n_ubatch,
-                              spec.use_mmap)
+                              spec.use_mmap, n_slots=spec.max_sessions, kv_tokens=spec.kv_tokens,
+                              kv_budget_bytes=spec.memory_budget_bytes)
         except (GGUFError, FileNotFoundError) as e:
             raise EngineError(Status.INVALID_ARGUMENT, str(e)) from None
         if self.stage is not None:
@@ -181,39 +261,53 @@ class GgmlEngine(ShardEngine):
         return None if dev is None else {**dev, "cpu_features": list(ggml_cpu_features())}
 
     def _new_state(self, session_id: str) -> SessionKV:
-        assert self.stage is not None and self._spec is not None
-        need = self.stage.kv_bytes_per_session()
-        budget = self._spec.memory_budget_bytes
-        if budget and self._kv_total + need > budget:
-            raise EngineError(Status.RESOURCE_EXHAUSTED,
-                              f"a new session needs {need} KV bytes; {self._kv_total} of the "
-                              f"{budget}-byte budget are in use")
-        state = self.stage.new_session()
-        self._kv_total += state.cache.nbytes
-        return state
+        assert self.stage is not None
+        try:
+            return self.stage.new_session()
+        except PoolFull as e:
+            raise EngineError(Status.RESOURCE_EXHAUSTED, f"KV pool: {e}") from None
 
     def _free_state(self, state: SessionKV) -> None:
-        if state.cache.buffer:
-            self._kv_total -= state.cache.nbytes
         state.free()
 
+    def _chunk_tokens(self) -> int:
+        stage = getattr(self, "stage", None)  # the base constructor asks before ours has run
+        return stage.n_ubatch if stage is not None else 0
+
     def _kv_bytes(self) -> int:
-        return self._kv_total
+        return self.stage.pool.resident_bytes() if self.stage else 0
+
+    def _kv_tokens(self) -> tuple[int, int]:
+        return (self.stage.pool.tokens_reserved, self.stage.pool.kv_tokens) if self.stage else (0, 0)
 
     def _weight_bytes(self) -> int:
         return self.stage.weights.nbytes if self.stage else 0
 
     def _forward(self, session: Session, req: StepRequest) -> StepResult:
+        return self._forward_batch([Chunk(session, req, 0, len(req.token_ids))])[0]
+
+    def _forward_batch(self, chunks: list[Chunk]) -> list[StepResult]:
+        """One iteration of the scheduler as one graph: each chunk becomes a :class:`BatchItem`; the
+        tail samples each step's token once its last chunk is through."""
         stage = self.stage
         assert stage is not None
-        tokens = np.asarray(req.token_ids, dtype=np.int32) if stage.is_head else None
-        hidden = req.hidden.to_numpy() if req.hidden is not None else None
-        out = stage.forward(session.state, req.position, tokens, hidden,
-                            should_stop=lambda: session.cancelled)
-        if out is None:
-            return StepResult(Status.CANCELLED, f"session {session.session_id!r} was cancelled")
-        if not stage.is_tail:
-            return StepResult(Status.OK, hidden=NamedTensor.from_numpy("hidden", out))
-        history = session.token_ids + [int(t) for t in req.token_ids]
-        token = sample(out[-1], req.sampling, history, req.position + len(req.token_ids))
-        return StepResult(Status.OK, token=token)
+        items = []
+        for c in chunks:
+            tokens = hidden = None
+            if stage.is_head:
+                tokens = np.asarray(c.req.token_ids[c.start:c.end], dtype=np.int32)
+            else:
+                hidden = c.req.hidden.to_numpy()[c.start:c.end]
+            items.append(BatchItem(c.session.state.slot, c.req.position + c.start, tokens, hidden))
+        outs = stage.forward_batch(items)
+        results = []
+        for c, out in zip(chunks, outs):
+            if not stage.is_tail:
+                results.append(StepResult(Status.OK, hidden=NamedTensor.from_numpy("hidden", out)))
+            elif not c.last:
+                results.append(StepResult(Status.OK))
+            else:
+                history = c.session.token_ids + [int(t) for t in c.req.token_ids]
+                token = sample(out[-1], c.req.sampling, history, c.req.position + len(c.req.token_ids))
+                results.append(StepResult(Status.OK, token=token))
+        return results

@@ -20,7 +20,6 @@ import numpy as np
 
 from meshnet.contract import LayerRange
 from meshnet.engine.ggml_backend import (
-    KVCache,
     StageWeights,
     compute,
     get_tensor,
@@ -28,11 +27,11 @@ from meshnet.engine.ggml_backend import (
     new_tensor,
     set_tensor,
 )
+from meshnet.engine.kv_pool import KVPool
 from meshnet.model.gguf_file import tensor_name as _tn
 from meshnet.model.hparams import ModelConfig
 
 T = gguf.MODEL_TENSOR
-GRAPH_SIZE = 8192
 # llama.cpp pads the KV length the attention reads to 256 cells (llama_kv_cache::get_padding) and the
 # mask's rows to GGML_KQ_MASK_PAD; we do the same so the kernels see the same shapes.
 KV_PAD = 256
@@ -48,6 +47,20 @@ def pad_to(n: int, multiple: int) -> int:
 def kv_length(n_past_after: int, n_ctx: int) -> int:
     """Cells attention reads after a step that ends with ``n_past_after`` cached tokens."""
     return min(n_ctx, pad_to(n_past_after, KV_PAD))
+
+
+def decode_mask(decodes: list[tuple[int, int]], n_streams: int, n_kv: int, n_swa: int = 0) -> np.ndarray:
+    """Mask ``[n_streams, 1, MASK_ROW_PAD, n_kv]`` (numpy order) of 0 / -inf in float16 for decode rows
+    attended a stream per slot: stream ``slot``'s first row sees cells ``j <= position`` (within the
+    window if ``n_swa``); every other row, and every stream without a decode row, sees nothing."""
+    mask = np.full((n_streams, 1, MASK_ROW_PAD, n_kv), -np.inf, dtype=np.float16)
+    j = np.arange(n_kv)
+    for slot, p in decodes:
+        visible = j <= p
+        if n_swa:
+            visible &= (p - j) < n_swa
+        mask[slot, 0, 0] = np.where(visible, 0.0, -np.inf)
+    return mask
 
 
 def build_mask(positions: np.ndarray, n_kv: int, n_swa: int = 0) -> np.ndarray:
@@ -68,41 +81,81 @@ def build_mask(positions: np.ndarray, n_kv: int, n_swa: int = 0) -> np.ndarray:
     return mask
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One session's tokens in an iteration, attended on their own: rows ``[row, row + n_tokens)`` of the
+    batch, at positions ``position ..`` of the session in pool slot ``slot``, reading ``n_kv`` cells;
+    on the tail the last ``n_out`` rows give logits."""
+
+    slot: int
+    position: int
+    n_tokens: int
+    n_kv: int
+    n_out: int = 1
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What a graph is built for: ``n_dec`` decode rows first (one token each, of sessions in slots below
+    ``dec_streams``, attended together over ``n_kv_dec`` cells per slot), then the segments' rows.
+
+    Graphs with the same shape are the same graph: only their inputs differ, so decode graphs are reused
+    across iterations whatever sessions fill them (llama.cpp reuses graphs the same way when the ubatch's
+    shape has not changed)."""
+
+    n_dec: int = 0
+    dec_streams: int = 0
+    n_kv_dec: int = 0
+    segments: tuple[tuple[int, int, int, int], ...] = ()  # (slot, n_tokens, n_kv, n_out) per segment
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_dec + sum(seg[1] for seg in self.segments)
+
+    @property
+    def n_out(self) -> int:
+        return self.n_dec + sum(seg[3] for seg in self.segments)
+
+
 @dataclass
 class _Inputs:
     tokens: object | None
     hidden: object | None
     pos: object
     kv_idx: object
-    mask: object | None
-    mask_swa: object | None
+    dec_gather: object | None  # [dec_streams]: the decode row of each slot's stream (0 where none)
+    dec_scatter: object | None  # [n_dec]: the stream (slot) of each decode row
+    dec_mask: object | None
+    dec_mask_swa: object | None
+    seg_masks: list
+    seg_masks_swa: list
     out_ids: object | None
 
 
 class StepGraph:
-    """A built, allocated ggml graph for ``n_tokens`` tokens reading ``n_kv`` KV cells.
+    """A built ggml graph for one iteration's :class:`BatchShape` over a stage's :class:`KVPool`.
 
-    Reusable across steps of the same session with the same (n_tokens, n_kv): only inputs change.
-    ``run`` returns ``[n_tokens, n_embd]`` hidden states (non-tail) or ``[n_out, n_vocab]`` logits (tail).
+    Reusable across iterations of the same shape: only inputs change. ``run`` returns ``[n_tokens,
+    n_embd]`` hidden states (non-tail) or ``[n_out, n_vocab]`` logits (tail), rows in batch order.
+    Compute memory comes from the stage's one graph allocator: ``place`` it before a run whenever
+    another graph ran since.
     """
 
-    def __init__(self, cfg: ModelConfig, weights: StageWeights, kv: KVCache, layers: LayerRange,
-                 n_tokens: int, n_kv: int, n_out: int, backend) -> None:
-        self.cfg, self.layers, self.n_tokens, self.n_kv = cfg, layers, n_tokens, n_kv
+    def __init__(self, cfg: ModelConfig, weights: StageWeights, pool: KVPool, layers: LayerRange,
+                 shape: BatchShape) -> None:
+        self.cfg, self.layers, self.shape = cfg, layers, shape
+        self.n_tokens = shape.n_tokens
         self.is_head = layers.is_head()
         self.is_tail = layers.is_tail(cfg.n_layer)
-        self.n_out = n_out if self.is_tail else n_tokens
-        self.ctx = new_meta_context(GRAPH_SIZE, GRAPH_SIZE)
-        self.gf = ggml.ggml_new_graph_custom(self.ctx, GRAPH_SIZE, False)
+        self.n_out = shape.n_out if self.is_tail else self.n_tokens
+        size = 256 + layers.n_layers * (48 + 16 * (len(shape.segments) + (1 if shape.n_dec else 0)))
+        self.ctx = new_meta_context(size, size)
+        self.gf = ggml.ggml_new_graph_custom(self.ctx, size, False)
         self._w = weights
-        self._kv = kv
+        self._pool = pool
         self.out = self._build()
         ggml.ggml_set_output(self.out)
         ggml.ggml_build_forward_expand(self.gf, self.out)
-        # ggml-python's binding of ggml_backend_cpu_buffer_type() truncates the pointer; ask the backend.
-        self.galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(backend))
-        if not ggml.ggml_gallocr_alloc_graph(self.galloc, self.gf):
-            raise MemoryError("could not allocate the compute buffer")
 
     # ---- graph construction ------------------------------------------------------------------
     def _input(self, gtype: int, shape: tuple[int, ...]):
@@ -132,28 +185,60 @@ class StepGraph:
 
     def _attn(self, il: int, q, k, v, kq_scale: float):
         """KV write then flash attention. q ``[head_dim, n_head, n]``, k/v ``[head_dim, n_head_kv, n]``;
-        returns ``[head_dim_v * n_head, n]`` before the output projection."""
-        cfg, ctx, n = self.cfg, self.ctx, self.n_tokens
-        kc, vc = self._kv.k[il], self._kv.v[il]
+        returns ``[head_dim_v * n_head, n]`` before the output projection.
+
+        Every row's K and V go to its cell in one ``ggml_set_rows``. The decode rows are attended as one
+        call over the lowest ``dec_streams`` slots, a stream per slot (llama.cpp's multi-stream KV cache
+        layout: K viewed ``[head_dim, n_head_kv, n_kv, n_stream]``); each segment gets its own call over
+        its slot's cells, the same call a session alone makes."""
+        cfg, ctx, n, pool, shape = self.cfg, self.ctx, self.n_tokens, self._pool, self.shape
+        kc, vc = pool.k[il], pool.v[il]
         k2 = ggml.ggml_reshape_2d(ctx, ggml.ggml_cont(ctx, k), cfg.n_embd_k_gqa, n)
         v2 = ggml.ggml_reshape_2d(ctx, ggml.ggml_cont(ctx, v), cfg.n_embd_v_gqa, n)
         # The cache writes must be in the graph before the attention that reads the cache views.
         ggml.ggml_build_forward_expand(self.gf, ggml.ggml_set_rows(ctx, kc, k2, self.inp.kv_idx))
         ggml.ggml_build_forward_expand(self.gf, ggml.ggml_set_rows(ctx, vc, v2, self.inp.kv_idx))
         f16 = ggml.GGML_TYPE_F16
-        kview = ggml.ggml_view_4d(ctx, kc, cfg.head_dim, cfg.n_head_kv, self.n_kv, 1,
-                                  ggml.ggml_row_size(f16, cfg.head_dim), ggml.ggml_row_size(f16, cfg.n_embd_k_gqa),
-                                  ggml.ggml_row_size(f16, cfg.n_embd_k_gqa * self.n_kv), 0)
-        vview = ggml.ggml_view_4d(ctx, vc, cfg.head_dim_v, cfg.n_head_kv, self.n_kv, 1,
-                                  ggml.ggml_row_size(f16, cfg.head_dim_v), ggml.ggml_row_size(f16, cfg.n_embd_v_gqa),
-                                  ggml.ggml_row_size(f16, cfg.n_embd_v_gqa * self.n_kv), 0)
-        qp = ggml.ggml_permute(ctx, q, 0, 2, 1, 3)
-        kp = ggml.ggml_permute(ctx, kview, 0, 2, 1, 3)
-        vp = ggml.ggml_permute(ctx, vview, 0, 2, 1, 3)
-        mask = self.inp.mask_swa if cfg.is_swa(il) else self.inp.mask
-        cur = ggml.ggml_flash_attn_ext(ctx, qp, kp, vp, mask, kq_scale, 0.0, 0.0)
-        ggml.ggml_flash_attn_ext_set_prec(cur, ggml.GGML_PREC_F32)
-        return ggml.ggml_reshape_2d(ctx, cur, cfg.head_dim_v * cfg.n_head, n)
+        row_k, row_v = ggml.ggml_row_size(f16, cfg.n_embd_k_gqa), ggml.ggml_row_size(f16, cfg.n_embd_v_gqa)
+        hk, hv = ggml.ggml_row_size(f16, cfg.head_dim), ggml.ggml_row_size(f16, cfg.head_dim_v)
+        swa = cfg.is_swa(il)
+        q2 = ggml.ggml_reshape_2d(ctx, q, cfg.head_dim * cfg.n_head, n)
+        width = cfg.head_dim_v * cfg.n_head
+        parts = []
+        if shape.n_dec:
+            m, n_kv = shape.dec_streams, shape.n_kv_dec
+            qd = ggml.ggml_get_rows(ctx, ggml.ggml_view_2d(ctx, q2, q2.contents.ne[0], shape.n_dec, q2.contents.nb[1], 0),
+                                    self.inp.dec_gather)                          # [hd * n_head, m]
+            qp = ggml.ggml_permute(ctx, ggml.ggml_reshape_4d(ctx, qd, cfg.head_dim, cfg.n_head, 1, m), 0, 2, 1, 3)
+            kv_stride_k, kv_stride_v = row_k * pool.n_ctx, row_v * pool.n_ctx
+            kp = ggml.ggml_permute(ctx, ggml.ggml_view_4d(ctx, kc, cfg.head_dim, cfg.n_head_kv, n_kv, m,
+                                                         hk, row_k, kv_stride_k, 0), 0, 2, 1, 3)
+            vp = ggml.ggml_permute(ctx, ggml.ggml_view_4d(ctx, vc, cfg.head_dim_v, cfg.n_head_kv, n_kv, m,
+                                                         hv, row_v, kv_stride_v, 0), 0, 2, 1, 3)
+            mask = self.inp.dec_mask_swa if swa else self.inp.dec_mask
+            cur = ggml.ggml_flash_attn_ext(ctx, qp, kp, vp, mask, kq_scale, 0.0, 0.0)
+            ggml.ggml_flash_attn_ext_set_prec(cur, ggml.GGML_PREC_F32)
+            parts.append(ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, cur, width, m), self.inp.dec_scatter))
+        row = shape.n_dec
+        for i, (slot, n_seg, n_kv, _) in enumerate(shape.segments):
+            qv = ggml.ggml_view_3d(ctx, q, cfg.head_dim, cfg.n_head, n_seg, q.contents.nb[1], q.contents.nb[2],
+                                   row * q.contents.nb[2])
+            kview = ggml.ggml_view_4d(ctx, kc, cfg.head_dim, cfg.n_head_kv, n_kv, 1, hk, row_k, row_k * n_kv,
+                                      slot * pool.n_ctx * row_k)
+            vview = ggml.ggml_view_4d(ctx, vc, cfg.head_dim_v, cfg.n_head_kv, n_kv, 1, hv, row_v, row_v * n_kv,
+                                      slot * pool.n_ctx * row_v)
+            qp = ggml.ggml_permute(ctx, qv, 0, 2, 1, 3)
+            kp = ggml.ggml_permute(ctx, kview, 0, 2, 1, 3)
+            vp = ggml.ggml_permute(ctx, vview, 0, 2, 1, 3)
+            mask = (self.inp.seg_masks_swa if swa else self.inp.seg_masks)[i]
+            cur = ggml.ggml_flash_attn_ext(ctx, qp, kp, vp, mask, kq_scale, 0.0, 0.0)
+            ggml.ggml_flash_attn_ext_set_prec(cur, ggml.GGML_PREC_F32)
+            parts.append(ggml.ggml_reshape_2d(ctx, cur, width, n_seg))
+            row += n_seg
+        out = parts[0]
+        for p in parts[1:]:
+            out = ggml.ggml_concat(ctx, out, p, 1)
+        return out
 
     def _select_out_rows(self, il: int, *xs):
         """On the model's last layer keep only the rows whose logits are wanted (llama.cpp inp_out_ids)."""
@@ -225,18 +310,24 @@ class StepGraph:
         return ggml.ggml_add(ctx, cur, sa_out)
 
     def _build(self):
-        cfg, ctx, n = self.cfg, self.ctx, self.n_tokens
-        rows = pad_to(n, MASK_ROW_PAD)
+        cfg, ctx, n, shape = self.cfg, self.ctx, self.n_tokens, self.shape
         swa = [cfg.is_swa(il) for il in range(self.layers.start, self.layers.end)]
+        plain, windowed = not all(swa), any(swa)
         want_rows = self.is_tail and self.n_out < n
+        dec_mask_shape = (shape.n_kv_dec, MASK_ROW_PAD, 1, shape.dec_streams)
+        seg_shapes = [(n_kv, pad_to(n_seg, MASK_ROW_PAD)) for _, n_seg, n_kv, _ in shape.segments]
+        # An input no node reads gets no buffer, so each mask exists only if some layer uses it.
         self.inp = _Inputs(
             tokens=self._input(ggml.GGML_TYPE_I32, (n,)) if self.is_head else None,
             hidden=None if self.is_head else self._input(ggml.GGML_TYPE_F32, (cfg.n_embd, n)),
             pos=self._input(ggml.GGML_TYPE_I32, (n,)),
             kv_idx=self._input(ggml.GGML_TYPE_I64, (n,)),
-            # An input no node reads gets no buffer, so each mask exists only if some layer uses it.
-            mask=self._input(ggml.GGML_TYPE_F16, (self.n_kv, rows)) if not all(swa) else None,
-            mask_swa=self._input(ggml.GGML_TYPE_F16, (self.n_kv, rows)) if any(swa) else None,
+            dec_gather=self._input(ggml.GGML_TYPE_I32, (shape.dec_streams,)) if shape.n_dec else None,
+            dec_scatter=self._input(ggml.GGML_TYPE_I32, (shape.n_dec,)) if shape.n_dec else None,
+            dec_mask=self._input(ggml.GGML_TYPE_F16, dec_mask_shape) if shape.n_dec and plain else None,
+            dec_mask_swa=self._input(ggml.GGML_TYPE_F16, dec_mask_shape) if shape.n_dec and windowed else None,
+            seg_masks=[self._input(ggml.GGML_TYPE_F16, s) if plain else None for s in seg_shapes],
+            seg_masks_swa=[self._input(ggml.GGML_TYPE_F16, s) if windowed else None for s in seg_shapes],
             out_ids=self._input(ggml.GGML_TYPE_I32, (self.n_out,)) if want_rows else None,
         )
         if self.is_head:
@@ -255,38 +346,77 @@ class StepGraph:
         return x
 
     # ---- execution ---------------------------------------------------------------------------
-    def run(self, backend, position: int, token_ids: np.ndarray | None, hidden: np.ndarray | None) -> np.ndarray:
-        """Set inputs for tokens at ``position .. position+n-1`` and compute.
+    def place(self, galloc) -> None:
+        """Give the graph's intermediate tensors and inputs their places in ``galloc``'s buffer.
+
+        The allocator leaves a tensor that already has data where it is, so a graph placed before (whose
+        places another graph may have taken since, or that lie in a buffer the allocator has since
+        replaced) is first cleared: every node and input forgets its data, views included, and views are
+        then re-derived from their sources. Weights and pool cells are leaves outside the graph's nodes.
+
+        Raises:
+            MemoryError: the compute buffer could not be allocated.
+        """
+        tensors = [ggml.ggml_graph_node(self.gf, i) for i in range(ggml.ggml_graph_n_nodes(self.gf))]
+        tensors += [t for t in (self.inp.tokens, self.inp.hidden, self.inp.pos, self.inp.kv_idx,
+                                self.inp.dec_gather, self.inp.dec_scatter, self.inp.dec_mask,
+                                self.inp.dec_mask_swa, self.inp.out_ids, *self.inp.seg_masks,
+                                *self.inp.seg_masks_swa) if t is not None]
+        for t in tensors:
+            t.contents.data = None
+            t.contents.buffer = None
+        if not ggml.ggml_gallocr_alloc_graph(galloc, self.gf):
+            raise MemoryError("could not allocate the compute buffer")
+
+    def run(self, backend, decodes: list[tuple[int, int]], segments: list[Segment],
+            token_ids: np.ndarray | None, hidden: np.ndarray | None) -> np.ndarray:
+        """Set the inputs of one iteration and compute.
 
         Args:
-            token_ids: int32 ``[n]`` (head only).
-            hidden: float32 ``[n, n_embd]`` (non-head only).
+            decodes: ``(slot, position)`` of each decode row, in row order.
+            segments: the segments, in row order, matching the shape's.
+            token_ids: int32 ``[n_tokens]`` (head only), rows in batch order.
+            hidden: float32 ``[n_tokens, n_embd]`` (non-head only).
         Returns:
-            float32 ``[n, n_embd]`` hidden states, or ``[n_out, n_vocab]`` logits on the tail (the last
-            ``n_out`` tokens).
+            float32 ``[n_tokens, n_embd]`` hidden states, or ``[n_out, n_vocab]`` logits on the tail
+            (each decode row, then the last ``n_out`` rows of each segment).
         """
-        n, inp = self.n_tokens, self.inp
-        positions = np.arange(position, position + n, dtype=np.int32)
+        cfg, inp, shape, pool = self.cfg, self.inp, self.shape, self._pool
+        positions = np.concatenate([np.asarray([p for _, p in decodes], dtype=np.int32)]
+                                   + [np.arange(s.position, s.position + s.n_tokens, dtype=np.int32)
+                                      for s in segments])
+        slots = np.concatenate([np.asarray([sl for sl, _ in decodes], dtype=np.int64)]
+                               + [np.full(s.n_tokens, s.slot, dtype=np.int64) for s in segments])
         if inp.tokens is not None:
             set_tensor(inp.tokens, np.asarray(token_ids, dtype=np.int32))
         if inp.hidden is not None:
             set_tensor(inp.hidden, np.asarray(hidden, dtype=np.float32))
         set_tensor(inp.pos, positions)
-        set_tensor(inp.kv_idx, positions.astype(np.int64))
-        if inp.mask is not None:
-            set_tensor(inp.mask, build_mask(positions, self.n_kv))
-        if inp.mask_swa is not None:
-            set_tensor(inp.mask_swa, build_mask(positions, self.n_kv, self.cfg.n_swa))
+        set_tensor(inp.kv_idx, slots * pool.n_ctx + positions)
+        if shape.n_dec:
+            gather = np.zeros(shape.dec_streams, dtype=np.int32)
+            for row, (slot, _) in enumerate(decodes):
+                gather[slot] = row
+            set_tensor(inp.dec_gather, gather)
+            set_tensor(inp.dec_scatter, np.asarray([sl for sl, _ in decodes], dtype=np.int32))
+            for t, n_swa in ((inp.dec_mask, 0), (inp.dec_mask_swa, cfg.n_swa)):
+                if t is not None:
+                    set_tensor(t, decode_mask(decodes, shape.dec_streams, shape.n_kv_dec, n_swa))
+        for i, seg in enumerate(segments):
+            seg_pos = np.arange(seg.position, seg.position + seg.n_tokens, dtype=np.int32)
+            for t, n_swa in ((inp.seg_masks[i], 0), (inp.seg_masks_swa[i], cfg.n_swa)):
+                if t is not None:
+                    set_tensor(t, build_mask(seg_pos, seg.n_kv, n_swa))
         if inp.out_ids is not None:
-            set_tensor(inp.out_ids, np.arange(n - self.n_out, n, dtype=np.int32))
+            rows, row = list(range(shape.n_dec)), shape.n_dec
+            for seg in segments:
+                row += seg.n_tokens
+                rows.extend(range(row - seg.n_out, row))
+            set_tensor(inp.out_ids, np.asarray(rows, dtype=np.int32))
         compute(backend, self.gf)
         return get_tensor(self.out)
 
     def free(self) -> None:
-        if self.galloc:
-            ggml.ggml_gallocr_free(self.galloc)
-            self.galloc = None
         if self.ctx:
             ggml.ggml_free(self.ctx)
             self.ctx = None
-

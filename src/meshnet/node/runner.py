@@ -28,6 +28,7 @@ import grpc
 
 from meshnet.contract import ArtifactId, LayerRange, LoadSpec, StepRequest, split_layers
 from meshnet.engine.base import ShardEngine
+from meshnet.engine.kv_pool import available_memory_bytes
 from meshnet.ledger.reporting import WorkReporter
 from meshnet.membership.identity import node_identity
 from meshnet.node.service import NodeService
@@ -59,6 +60,7 @@ class NodeConfig:
     threads: int = 2
     n_ctx: int = 0
     max_sessions: int = 16
+    kv_tokens: int = 0
     idle_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0
     join_token: str | None = None
@@ -122,7 +124,7 @@ def build_engine(cfg: NodeConfig) -> tuple[ShardEngine, pb.ModelIdentity]:
     else:
         eng = GgmlEngine()
     out = eng.load(LoadSpec(path=path, artifact=ArtifactId(sha, layers), n_threads=cfg.threads, n_ctx=cfg.n_ctx,
-                            max_sessions=cfg.max_sessions))
+                            max_sessions=cfg.max_sessions, kv_tokens=cfg.kv_tokens))
     if not out.ok:
         raise ValueError(out.message)
     return eng, pb.ModelIdentity(sha256=sha, architecture=mcfg.architecture, n_layer=mcfg.n_layer)
@@ -210,7 +212,7 @@ class Node:
     def info(self) -> pb.NodeInfo:
         c = self.engine.capabilities()
         # An accelerator node registers its device's free memory; a CPU node the host's.
-        free = self.engine.device_free_bytes() if hasattr(self.engine, "device_free_bytes") else _free_memory_bytes()
+        free = self.engine.device_free_bytes() if hasattr(self.engine, "device_free_bytes") else available_memory_bytes()
         return pb.NodeInfo(node_id=self.node_id, address=self.address, model=self.model,
                            layers=pb.LayerRange(start=c.artifact.layers.start, end=c.artifact.layers.end),
                            engine=c.engine, backend=c.backend, protocol_major=PROTOCOL_MAJOR,
@@ -385,16 +387,6 @@ class Node:
             call.cancel()
 
 
-def _free_memory_bytes() -> int:
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def add_node_parser(sub) -> None:
     p = sub.add_parser("node", help="serve a layer range of a model and join a tracker")
     p.add_argument("--tracker", default=None, help="HOST:PORT of the tracker")
@@ -420,6 +412,8 @@ def add_node_parser(sub) -> None:
     p.add_argument("--cpu", type=int, default=None, help="pin the node to this CPU (e.g. 0)")
     p.add_argument("--n-ctx", type=int, default=0)
     p.add_argument("--max-sessions", type=int, default=16)
+    p.add_argument("--kv-tokens", type=int, default=0,
+                   help="KV cells sessions may reserve at once (0 = half the memory available)")
     p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an unused session is freed")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--data-port", type=int, default=0, help="TCP port of the step data plane (0 = any)")
@@ -458,7 +452,7 @@ def run_node(args: argparse.Namespace) -> int:
     cfg = NodeConfig(model=args.model, layers=LayerRange.parse(args.layers) if args.layers else None,
                      tracker=args.tracker, host=args.host, port=args.port, advertise=args.advertise,
                      node_id=args.node_id, engine=args.engine, threads=args.threads, n_ctx=args.n_ctx,
-                     max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout,
+                     max_sessions=args.max_sessions, kv_tokens=args.kv_tokens, idle_timeout_s=args.idle_timeout,
                      drain_timeout_s=args.drain_timeout, join_token=args.join_token, tls=tls, tls_ca=args.tls_ca,
                      data_plane=not args.no_data_plane, data_port=args.data_port,
                      cpu=cpu, backend=backend, device_index=device, identity=getattr(args, "identity", None),

@@ -8,6 +8,8 @@ become gRPC status codes of the same name, with the engine's message; RESOURCE_E
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -138,10 +140,8 @@ class NodeService(pb_grpc.NodeServicer):
 
     def Metrics(self, request, context):
         m = self.engine.metrics()
-        return pb.MetricsReply(prefill_tokens=m.prefill_tokens, decode_tokens=m.decode_tokens,
-                               prefill_seconds=m.prefill_seconds, decode_seconds=m.decode_seconds,
-                               active_sessions=m.active_sessions, kv_bytes=m.kv_bytes,
-                               weight_bytes=m.weight_bytes, errors=m.errors)
+        fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}
+        return pb.MetricsReply(**fields)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no step is running (for draining); True if idle before the timeout."""

@@ -1,0 +1,324 @@
+"""``meshnet bench serve``: meshnet's OpenAI API against llama.cpp's ``llama-server``, in one run.
+
+Three servers, each its own process, measured alternately with the same load (short chat prompts,
+streaming, greedy, ``max_tokens`` 128) at each concurrency C:
+
+* ``llama-server``: same GGUF, 2 threads, ``-fa on``, ``-np 8`` for C <= 8 and ``-np 32`` above,
+  ``-c`` 1024 per slot (found on PATH or built once into a cache folder: :mod:`meshnet.bench.llama_server`;
+  skipped with the reason when neither works);
+* ``meshnet``: ``meshnet api`` with the model in process, 2 threads;
+* ``mesh``: ``meshnet up --stages 3 --threads 1``: three node processes on loopback, the API beside them.
+
+Per target and C: aggregate tokens/s, per-stream decode tokens/s (p50), TTFT p50/p95; for meshnet in
+process also the KV pool's resident bytes per held token at the fullest moment and the process's peak
+RSS growth; for llama-server the KV bytes it allocates per token held. Ratios to llama-server are in the
+JSON (``ratios``) and the printed table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from meshnet.bench.serve_load import LoadSpec, run_load, summarize
+
+LLAMA_SLOT_CTX = 1024
+
+
+def add_serve_bench_parser(bench_subparsers) -> None:
+    """Add ``serve`` to ``meshnet bench``'s subcommands."""
+    p = bench_subparsers.add_parser("serve", help="meshnet api vs llama-server: C concurrent streams, tokens/s, "
+                                                  "TTFT, KV bytes per token")
+    p.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated C values")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--requests-per-stream", type=int, default=2,
+                   help="requests per concurrent stream at each C (at least 3 requests in all)")
+    p.add_argument("--threads", type=int, default=2, help="threads of llama-server and of meshnet in process")
+    p.add_argument("--targets", default="llama-server,meshnet,mesh",
+                   help="which of llama-server, meshnet, mesh to run")
+    p.add_argument("--url", default=None, help="measure only this running OpenAI-compatible server")
+    p.add_argument("--timeout", type=float, default=900.0, help="per-request timeout, seconds")
+    p.add_argument("--out", default="bench-results/serve.json")
+    p.set_defaults(func=run_serve_bench)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """One server process, started on a free port, ready once ``/v1/models`` answers 200."""
+
+    def __init__(self, name: str, argv_for_port, log_dir: Path) -> None:
+        self.name, self.port = name, _free_port()
+        self.argv = argv_for_port(self.port)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+
+    @classmethod
+    def attach(cls, name: str, url: str) -> "Server":
+        """A server someone else runs at ``url``: ``start`` only asks it for its model id."""
+        srv = cls.__new__(cls)
+        srv.name, srv.url, srv.argv, srv.proc, srv.port = name, url.rstrip("/"), None, None, 0
+        return srv
+
+    def start(self, timeout_s: float = 600.0) -> str:
+        """Start and wait until ready; returns the model id it lists. Raises RuntimeError on failure."""
+        import httpx
+
+        if self.argv is None:
+            return httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD")}
+        log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
+            try:
+                r = httpx.get(self.url + "/v1/models", timeout=5)
+                if r.status_code == 200:
+                    return r.json()["data"][0]["id"]
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} was not ready in {timeout_s:.0f}s; see {self.log_path}")
+
+    def rss_bytes(self) -> tuple[int, int]:
+        """(VmRSS, VmHWM) of the server process in bytes; (0, 0) where /proc is not readable."""
+        try:
+            text = Path(f"/proc/{self.proc.pid}/status").read_text()
+        except (OSError, AttributeError):
+            return 0, 0
+        vals = {k: int(v.split()[0]) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(.*)$", text, re.M)}
+        return vals.get("VmRSS", 0), vals.get("VmHWM", 0)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            import signal
+
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+class KvSampler:
+    """Polls an in-process meshnet API's ``/metrics`` during a load: the KV pool's resident bytes and the
+    tokens its sessions hold, summed over stages; keeps the sample holding the most tokens."""
+
+    def __init__(self, url: str, period_s: float = 0.2) -> None:
+        self.url, self.period_s = url, period_s
+        self.best = (0, 0)  # (held tokens, resident bytes)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "KvSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import httpx
+
+        while not self._stop.wait(self.period_s):
+            try:
+                text = httpx.get(self.url + "/metrics", timeout=5).text
+            except httpx.HTTPError:
+                continue
+            held = sum(float(v) for v in re.findall(r"^meshnet_stage_kv_tokens_held\{[^}]*\} (\S+)$", text, re.M))
+            kv = sum(float(v) for v in re.findall(r"^meshnet_stage_kv_bytes\{[^}]*\} (\S+)$", text, re.M))
+            if held > self.best[0]:
+                self.best = (int(held), int(kv))
+
+
+def _kv_bytes_per_token(model_path: str) -> int:
+    from meshnet.model.gguf_file import open_gguf
+    from meshnet.model.hparams import ModelConfig
+
+    cfg = ModelConfig.from_reader(open_gguf(model_path))
+    return cfg.n_layer * (cfg.n_embd_k_gqa + cfg.n_embd_v_gqa) * 2
+
+
+def _targets(args, log_dir: Path, max_c: int) -> dict:
+    """The meshnet servers to measure (not started): in process and a 3-node loopback mesh."""
+    py = [sys.executable, "-m", "meshnet.cli"]
+    wanted = [t.strip() for t in args.targets.split(",") if t.strip()]
+    out = {}
+    if "meshnet" in wanted:
+        out["meshnet"] = Server("meshnet", lambda port: py + [
+            "api", "--model", args.model, "--threads", str(args.threads), "--n-ctx", str(LLAMA_SLOT_CTX),
+            "--max-sessions", str(max(max_c, 1)), "--port", str(port)], log_dir)
+    if "mesh" in wanted:
+        tracker_port = _free_port()
+        out["mesh"] = Server("mesh", lambda port: py + [
+            "up", "--model", args.model, "--stages", "3", "--threads", "1", "--port", str(tracker_port),
+            "--n-ctx", str(LLAMA_SLOT_CTX), "--max-sessions", str(max(max_c, 1)), "--api-port", str(port)],
+            log_dir)
+    return out
+
+
+def _llama_server(binary: Path, model_path: str, threads: int, n_parallel: int, log_dir: Path) -> Server:
+    return Server(f"llama-server-np{n_parallel}", lambda port: [
+        str(binary), "-m", model_path, "-t", str(threads), "-tb", str(threads), "-fa", "on",
+        "-np", str(n_parallel), "-c", str(LLAMA_SLOT_CTX * n_parallel), "--host", "127.0.0.1",
+        "--port", str(port)], log_dir)
+
+
+def _measure(server: Server, model: str, c: int, args, sample_kv: bool) -> dict:
+    n = max(3, c * args.requests_per_stream)
+    spec = LoadSpec(n_requests=n, concurrency=c, max_tokens=args.max_tokens, timeout_s=args.timeout)
+    rss0 = server.rss_bytes()[0] if server.proc else 0
+    if sample_kv:
+        with KvSampler(server.url) as kv:
+            results, wall = asyncio.run(run_load(server.url, model, spec))
+        best = kv.best
+    else:
+        results, wall = asyncio.run(run_load(server.url, model, spec))
+        best = None
+    row = summarize(results, wall)
+    if best is not None and best[0]:
+        row["kv"] = {"held_tokens": best[0], "resident_bytes": best[1],
+                     "bytes_per_held_token": round(best[1] / best[0], 1)}
+    if server.proc:
+        rss, hwm = server.rss_bytes()
+        row["rss_bytes"] = {"before": rss0, "after": rss, "peak": hwm}
+    return row
+
+
+def run_serve_bench(args: argparse.Namespace) -> int:
+    """Run every target at every C, alternately; write the JSON and print the table. Returns 0, or 1 when
+    a request failed."""
+    from meshnet.bench.llama_server import find_or_build
+    from meshnet.model.bundled import resolve_model
+
+    cs = sorted({int(x) for x in args.concurrency.split(",") if x.strip()})
+    if not cs or cs[0] < 1 or args.max_tokens < 1 or args.requests_per_stream < 1:
+        print("error: --concurrency values, --max-tokens and --requests-per-stream must be >= 1", file=sys.stderr)
+        return 2
+    model_path = str(resolve_model(args.model))
+    out = Path(args.out)
+    log_dir = out.parent / "serve-logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    report: dict = {"bench": "serve", "model": model_path, "max_tokens": args.max_tokens, "temperature": 0.0,
+                    "concurrency": cs, "threads": args.threads, "results": {}, "skipped": {},
+                    "machine": {"python": platform.python_version(), "cpus": len(os.sched_getaffinity(0))}}
+    if args.url:
+        servers = {"url": Server.attach("url", args.url)}
+        groups = [(None, cs)]
+    else:
+        servers = _targets(args, log_dir, max(cs))
+        groups = [(8, [c for c in cs if c <= 8]), (32, [c for c in cs if c > 8])]
+        groups = [(np_, g) for np_, g in groups if g]
+    llama_bin = None
+    if not args.url and "llama-server" in args.targets:
+        llama_bin, why = find_or_build()
+        if llama_bin is None:
+            report["skipped"]["llama-server"] = why
+            print(f"[bench serve] llama-server skipped: {why}", file=sys.stderr)
+    bpt = _kv_bytes_per_token(model_path)
+    failed = False
+    models: dict[str, str] = {}
+    try:
+        for name, srv in servers.items():
+            print(f"[bench serve] starting {name}", file=sys.stderr, flush=True)
+            models[name] = srv.start()
+        for n_parallel, group in groups:
+            running = dict(servers)
+            llama = None
+            if llama_bin is not None:
+                llama = _llama_server(llama_bin, model_path, args.threads, n_parallel, log_dir)
+                print(f"[bench serve] starting llama-server -np {n_parallel}", file=sys.stderr, flush=True)
+                models[llama.name] = llama.start()
+                running = {"llama-server": llama, **running}
+            try:
+                for srv in running.values():  # one warm-up request each (graphs, caches)
+                    asyncio.run(run_load(srv.url, models[srv.name], LoadSpec(1, 1, max_tokens=8)))
+                for c in group:
+                    for name, srv in running.items():
+                        model = models[srv.name]
+                        print(f"[bench serve] {name}: C={c}", file=sys.stderr, flush=True)
+                        row = _measure(srv, model, c, args, sample_kv=name == "meshnet")
+                        if name == "llama-server":
+                            held = min(c, row["requests"]) * (row["prompt_tokens"] + row["completion_tokens"]) \
+                                / max(1, row["completed"])
+                            row["kv"] = {"allocated_bytes": LLAMA_SLOT_CTX * n_parallel * bpt,
+                                         "bytes_per_held_token": round(LLAMA_SLOT_CTX * n_parallel * bpt
+                                                                       / max(1.0, held), 1),
+                                         "n_parallel": n_parallel}
+                        failed |= row["errors"] > 0
+                        report["results"].setdefault(name, {})[str(c)] = row
+            finally:
+                if llama is not None:
+                    llama.stop()
+    finally:
+        for srv in servers.values():
+            if srv.proc is not None:
+                srv.stop()
+    report["ratios"] = _ratios(report["results"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print_table(report)
+    print(f"[bench serve] wrote {out}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _ratios(results: dict) -> dict:
+    """Per C: meshnet and mesh over llama-server (aggregate and per-stream decode tokens/s; TTFT p50, where
+    lower is better), and mesh over meshnet in process."""
+    out: dict = {}
+    ref, ours, mesh = results.get("llama-server", {}), results.get("meshnet", {}), results.get("mesh", {})
+
+    def div(a, b):
+        return round(a / b, 3) if a is not None and b else None
+
+    for c in sorted({*ref, *ours, *mesh}, key=int):
+        r, o, m = ref.get(c, {}), ours.get(c, {}), mesh.get(c, {})
+        out[c] = {
+            "meshnet_aggregate_vs_llama": div(o.get("tokens_per_s"), r.get("tokens_per_s")),
+            "meshnet_decode_vs_llama": div(o.get("decode_tokens_per_s_p50"), r.get("decode_tokens_per_s_p50")),
+            "meshnet_ttft_vs_llama": div((o.get("ttft_s") or {}).get("p50"), (r.get("ttft_s") or {}).get("p50")),
+            "mesh_aggregate_vs_llama": div(m.get("tokens_per_s"), r.get("tokens_per_s")),
+            "mesh_vs_meshnet": div(m.get("tokens_per_s"), o.get("tokens_per_s")),
+        }
+    return out
+
+
+def print_table(report: dict) -> None:
+    res = report["results"]
+    names = [n for n in ("llama-server", "meshnet", "mesh", "url") if n in res]
+    cols = "  ".join(f"{n + ' tok/s agg|stream|TTFT':>36}" for n in names)
+    print(f"{'C':>3}  {cols}  {'ratios (meshnet/llama agg, decode, TTFT; mesh/meshnet)':>40}")
+    for c in report["concurrency"]:
+        cells = []
+        for n in names:
+            r = res[n].get(str(c))
+            if r is None:
+                cells.append(f"{'-':>36}")
+                continue
+            cells.append(f"{r['tokens_per_s'] or 0:>14.1f} {r['decode_tokens_per_s_p50'] or 0:>9.1f} "
+                         f"{(r['ttft_s']['p50'] or 0):>10.3f}s")
+        q = report.get("ratios", {}).get(str(c), {})
+        ratio = " ".join(f"{q.get(k) if q.get(k) is not None else '-'}" for k in (
+            "meshnet_aggregate_vs_llama", "meshnet_decode_vs_llama", "meshnet_ttft_vs_llama", "mesh_vs_meshnet"))
+        print(f"{c:>3}  {'  '.join(cells)}  {ratio:>40}")

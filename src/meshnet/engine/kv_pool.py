@@ -1,0 +1,210 @@
+"""One stage's KV cache pool: the F16 K and V cells of every open session, counted in tokens.
+
+Layout, per layer of the range: K ``[n_embd_k_gqa, n_slots * n_ctx]`` and V ``[n_embd_v_gqa, n_slots *
+n_ctx]`` (ggml order). A session holds one slot and keeps position ``p`` in cell ``slot * n_ctx + p``, so
+its attention reads the same cells in the same order as it would alone: that is what keeps a batched
+session's output equal to its solo output bit for bit (flash attention's online softmax depends on the
+order of the cells it visits).
+
+On the CPU the pool is one anonymous memory map, reserved but not committed: a page becomes resident when
+a step first writes a cell in it, so memory follows the tokens actually held (the idea of vAttention,
+Prabhu et al. 2024: virtually contiguous KV, physical memory on demand, instead of paging the attention
+kernel). Releasing a session hands its pages back (``madvise(MADV_DONTNEED)``) so the next session's
+cells start zeroed: masked cells are skipped by attention, but a NaN in one could still poison a sum.
+On an accelerator the pool is one device buffer allocated (and zeroed) up front.
+
+Admission is counted in tokens (``kv_tokens``): each session reserves the cells it may use (its prompt
+plus its new tokens, at most ``n_ctx``) when it opens; a reservation is never taken back while the
+session lives, so a running session never fails for lack of the cells it was promised.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+
+import ggml
+
+from meshnet.contract import LayerRange
+from meshnet.engine.ggml_backend import cpu_buffer_from_ptr, new_meta_context, new_tensor
+
+PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def available_memory_bytes() -> int:
+    """Memory the system could give a process now, in bytes: ``MemAvailable`` of /proc/meminfo, or the
+    free pages where that file does not exist."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class PoolFull(Exception):
+    """No free slot, or not enough unreserved cells, for a new reservation."""
+
+
+def _align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+class KVPool:
+    """K and V cells of ``n_slots`` sessions of up to ``n_ctx`` tokens each, of which at most ``kv_tokens``
+    cells are reserved at once.
+
+    Args:
+        layers: the stage's layer range; ``k[il]``/``v[il]`` exist for each ``il`` in it.
+        n_embd_k, n_embd_v: K and V row widths (``n_embd_k_gqa``, ``n_embd_v_gqa``).
+        n_ctx: cells per slot (a session's context length).
+        n_slots: sessions the pool can hold at once.
+        kv_tokens: cells that may be reserved at once (0 = ``n_slots * n_ctx``).
+        backend: the ggml backend; ``host=True`` (the CPU) maps the pool lazily, otherwise it is one
+            backend buffer.
+    Raises:
+        MemoryError: the map or buffer could not be made.
+    """
+
+    def __init__(self, layers: LayerRange, n_embd_k: int, n_embd_v: int, n_ctx: int, n_slots: int,
+                 kv_tokens: int, backend, host: bool = True) -> None:
+        if n_slots < 1 or n_ctx < 1:
+            raise ValueError(f"a KV pool needs n_slots >= 1 and n_ctx >= 1, got {n_slots} and {n_ctx}")
+        self.layers, self.n_ctx, self.n_slots = layers, n_ctx, n_slots
+        self.kv_tokens = min(kv_tokens or n_slots * n_ctx, n_slots * n_ctx)
+        self.row_k, self.row_v = 2 * n_embd_k, 2 * n_embd_v  # F16 bytes per cell
+        self.bytes_per_token = layers.n_layers * (self.row_k + self.row_v)
+        self.ctx = new_meta_context(2 * layers.n_layers + 1)
+        self.k: dict[int, object] = {}
+        self.v: dict[int, object] = {}
+        for il in range(layers.start, layers.end):
+            self.k[il] = new_tensor(self.ctx, ggml.GGML_TYPE_F16, (n_embd_k, n_slots * n_ctx))
+            self.v[il] = new_tensor(self.ctx, ggml.GGML_TYPE_F16, (n_embd_v, n_slots * n_ctx))
+        self._lock = threading.Lock()
+        self._free_slots = list(range(n_slots))  # lowest first: the decode group spans the lowest slots
+        self._reserved: dict[int, int] = {}  # slot -> cells reserved
+        self._map: mmap.mmap | None = None
+        self._regions: list[tuple[int, int]] = []  # (offset in the map, bytes per slot) per K/V tensor
+        if host:
+            self._map_pool()
+        else:
+            self.buffer = ggml.ggml_backend_alloc_ctx_tensors(self.ctx, backend)
+            if not self.buffer:
+                raise MemoryError(f"could not allocate a {self.bytes_per_token * n_slots * n_ctx}-byte KV pool")
+            ggml.ggml_backend_buffer_clear(self.buffer, 0)
+        self.nbytes_virtual = self.bytes_per_token * n_slots * n_ctx
+
+    def _map_pool(self) -> None:
+        offsets, size = [], 0
+        for il in range(self.layers.start, self.layers.end):
+            for t, row in ((self.k[il], self.row_k), (self.v[il], self.row_v)):
+                offsets.append((t, size, row * self.n_ctx))
+                size = _align_up(size + row * self.n_ctx * self.n_slots, PAGE)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+        self._map = mmap.mmap(-1, size, flags=flags)
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self._size = size
+        self.buffer = cpu_buffer_from_ptr(self._base, size)
+        if not self.buffer:
+            raise MemoryError("could not wrap the KV pool's memory map in a ggml buffer")
+        for t, off, per_slot in offsets:
+            ggml.ggml_backend_tensor_alloc(self.buffer, t, ctypes.c_void_p(self._base + off))
+            self._regions.append((off, per_slot))
+
+    # ---- reservations ------------------------------------------------------------------------
+    def acquire(self, reserve_tokens: int) -> int:
+        """Open a slot with ``reserve_tokens`` cells reserved (clamped to ``[1, n_ctx]``); returns the slot.
+
+        Raises:
+            PoolFull: every slot is taken, or fewer than ``reserve_tokens`` cells are unreserved; the
+                message gives the figures.
+        """
+        want = max(1, min(self.n_ctx, reserve_tokens or self.n_ctx))
+        with self._lock:
+            if not self._free_slots:
+                raise PoolFull(f"all {self.n_slots} KV slots are in use")
+            free = self.kv_tokens - sum(self._reserved.values())
+            if want > free:
+                raise PoolFull(f"a new session needs {want} KV cells; {free} of {self.kv_tokens} are unreserved")
+            slot = self._free_slots.pop(0)
+            self._reserved[slot] = want
+            return slot
+
+    def ensure(self, slot: int, n_cells: int) -> bool:
+        """Make sure ``slot`` has ``n_cells`` cells reserved, growing its reservation from the unreserved
+        cells if needed; False (nothing changed) when there are not enough."""
+        with self._lock:
+            have = self._reserved[slot]
+            if n_cells <= have:
+                return True
+            free = self.kv_tokens - sum(self._reserved.values())
+            if n_cells - have > free or n_cells > self.n_ctx:
+                return False
+            self._reserved[slot] = n_cells
+            return True
+
+    def release(self, slot: int) -> None:
+        """Close ``slot``: its reservation returns to the pool and its cells to zero (pages handed back to
+        the kernel on the CPU). Idempotent."""
+        with self._lock:
+            if self._reserved.pop(slot, None) is None:
+                return
+        self._zero_slot(slot)
+        with self._lock:
+            self._free_slots.append(slot)
+            self._free_slots.sort()
+
+    def _zero_slot(self, slot: int) -> None:
+        if self._map is None:
+            return  # device pools: cells are overwritten before any unmasked read
+        for off, per_slot in self._regions:
+            start, end = off + slot * per_slot, off + (slot + 1) * per_slot
+            a, b = _align_up(start, PAGE), end // PAGE * PAGE
+            if a >= b:
+                ctypes.memset(self._base + start, 0, end - start)
+                continue
+            # Partial pages at the edges are shared with the neighbouring slots: zero them in place.
+            ctypes.memset(self._base + start, 0, a - start)
+            ctypes.memset(self._base + b, 0, end - b)
+            self._map.madvise(mmap.MADV_DONTNEED, a, b - a)
+
+    # ---- figures -----------------------------------------------------------------------------
+    @property
+    def tokens_reserved(self) -> int:
+        with self._lock:
+            return sum(self._reserved.values())
+
+    @property
+    def slots_in_use(self) -> int:
+        with self._lock:
+            return len(self._reserved)
+
+    def cell_index(self, slot: int, position: int) -> int:
+        """The pool cell that holds ``position`` of the session in ``slot``."""
+        return slot * self.n_ctx + position
+
+    def resident_bytes(self) -> int:
+        """Bytes of the pool backed by memory now (pages touched; the whole buffer on a device)."""
+        if self._map is None:
+            return self.nbytes_virtual
+        n_pages = self._size // PAGE
+        vec = (ctypes.c_ubyte * n_pages)()
+        if _libc.mincore(ctypes.c_void_p(self._base), ctypes.c_size_t(self._size), vec) != 0:
+            return self._size
+        return sum(b & 1 for b in bytes(vec)) * PAGE
+
+    def free(self) -> None:
+        if self.buffer:
+            ggml.ggml_backend_buffer_free(self.buffer)  # a mapped buffer: frees only ggml's handle
+            self.buffer = None
+        if self.ctx:
+            ggml.ggml_free(self.ctx)
+            self.ctx = None
+        if self._map is not None:
+            self._map = None  # the ctypes view keeps the map exported; it goes with the last reference

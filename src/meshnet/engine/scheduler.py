@@ -1,0 +1,195 @@
+"""Continuous batching for one stage: the steps of every session that are waiting go into one iteration.
+
+Callers (gRPC / data-plane worker threads, in-process clients) hand a validated step to
+:meth:`StepScheduler.submit` and block until it is done. One worker thread loops: it takes every waiting
+decode token and chunks of waiting prefills, under a budget of ``chunk_tokens`` prefill tokens per
+iteration, runs them through the engine's batch hook as one iteration, and hands each result back to its
+own caller. Sessions join and leave between iterations; a long prompt holds the decodes of others back by
+at most one chunk (llama.cpp's ``llama-server`` schedules its slots the same way: ``update_slots`` packs
+one token of every generating slot plus prompt chunks into each ``llama_decode``).
+
+Prefill chunks start at multiples of ``chunk_tokens`` from the step's first token, exactly the micro-
+batches the step would get alone, so a session's output does not depend on what it was batched with.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from meshnet.contract import StepRequest, StepResult, Status
+
+log = logging.getLogger("meshnet.engine")
+
+
+@dataclass
+class Chunk:
+    """One session's part of an iteration: the tokens ``[start, end)`` of its step ``req``."""
+
+    session: Any
+    req: StepRequest
+    start: int
+    end: int
+
+    @property
+    def last(self) -> bool:
+        return self.end == len(self.req.token_ids)
+
+
+@dataclass
+class Job:
+    """A submitted step and what its chunks produced so far."""
+
+    session: Any
+    req: StepRequest
+    enqueued: float = field(default_factory=time.perf_counter)
+    done_tokens: int = 0
+    parts: list[StepResult] = field(default_factory=list)
+    result: StepResult | None = None
+    error: BaseException | None = None  # raised in the caller's thread, as if the step ran there
+    counted: bool = False
+    event: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.req.token_ids) - self.done_tokens
+
+
+@dataclass
+class SchedulerStats:
+    """Figures since start: iterations run, rows they held (in all, at most), and seconds steps waited
+    before their first iteration, summed over ``queued_steps``."""
+
+    iterations: int = 0
+    rows: int = 0
+    max_rows: int = 0
+    queue_seconds: float = 0.0
+    queued_steps: int = 0
+
+
+class StepScheduler:
+    """Packs waiting steps into iterations and runs them on one worker thread.
+
+    Args:
+        run_batch: the engine's batch hook: takes the iteration's chunks (distinct sessions), returns a
+            :class:`StepResult` per chunk in order (for a chunk that is not its step's last, an OK result
+            whose ``hidden`` holds that chunk's rows, or None where nothing is passed on). Raising fails
+            the iteration, which is then rerun a chunk at a time so one bad step fails alone.
+        join: merges the results of a step's chunks into the step's result.
+        chunk_tokens: prefill micro-batch size; 0 runs every step whole.
+        cancelled: tells whether a session was cancelled (checked before each of its chunks).
+    """
+
+    def __init__(self, run_batch: Callable[[list[Chunk]], list[StepResult]],
+                 join: Callable[[Job], StepResult], chunk_tokens: int,
+                 cancelled: Callable[[Any], bool]) -> None:
+        self._run_batch, self._join, self._cancelled = run_batch, join, cancelled
+        self.chunk_tokens = chunk_tokens
+        self._cv = threading.Condition()
+        self._queue: list[Job] = []
+        self._thread: threading.Thread | None = None
+        self.stats = SchedulerStats()
+
+    def submit(self, session: Any, req: StepRequest) -> StepResult:
+        """Queue one validated step of ``session`` and wait for its result. At most one step per session
+        may be queued at a time (the engine ensures it)."""
+        job = Job(session, req)
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="stage-scheduler", daemon=True)
+                self._thread.start()
+            self._queue.append(job)
+            self._cv.notify()
+        job.event.wait()
+        if job.error is not None:
+            raise job.error
+        assert job.result is not None
+        return job.result
+
+    def waiting(self) -> int:
+        with self._cv:
+            return len(self._queue)
+
+    # ---- worker ------------------------------------------------------------------------------
+    def _next_iteration(self) -> list[tuple[Job, Chunk]]:
+        """Every waiting step with one token left, then prefill chunks in arrival order while the
+        prefill tokens stay within the budget (always at least one chunk)."""
+        picked, budget = [], self.chunk_tokens or float("inf")
+        used = 0
+        for job in self._queue:
+            if job.remaining == 1 and job.done_tokens == 0:
+                picked.append((job, Chunk(job.session, job.req, 0, 1)))
+        for job in self._queue:
+            if job.remaining == 1 and job.done_tokens == 0:
+                continue
+            start = job.done_tokens
+            size = job.remaining if not self.chunk_tokens else min(job.remaining, self.chunk_tokens)
+            if used and used + size > budget:
+                break
+            picked.append((job, Chunk(job.session, job.req, start, start + size)))
+            used += size
+        return picked
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                now = time.perf_counter()
+                for job in self._queue:
+                    if not job.counted:
+                        job.counted = True
+                        self.stats.queue_seconds += now - job.enqueued
+                        self.stats.queued_steps += 1
+                ready = []
+                for job in list(self._queue):
+                    if self._cancelled(job.session):
+                        self._finish(job, StepResult(Status.CANCELLED,
+                                                     f"session {job.req.session_id!r} was cancelled"))
+                    else:
+                        ready.append(job)
+                if not ready:
+                    continue
+                picked = self._next_iteration()
+            results = self._run(picked)
+            with self._cv:
+                self.stats.iterations += 1
+                self.stats.rows += sum(c.end - c.start for _, c in picked)
+                self.stats.max_rows = max(self.stats.max_rows, sum(c.end - c.start for _, c in picked))
+                for (job, chunk), res in zip(picked, results):
+                    if isinstance(res, BaseException):
+                        job.error = res
+                        self._finish(job, StepResult(Status.CANCELLED, "failed"))
+                        continue
+                    if not res.ok:
+                        self._finish(job, res)
+                        continue
+                    job.parts.append(res)
+                    job.done_tokens = chunk.end
+                    if chunk.last:
+                        self._finish(job, self._join(job))
+
+    def _run(self, picked: list[tuple[Job, Chunk]]) -> list[StepResult | BaseException]:
+        """The iteration's results; when it raises, each chunk is rerun alone so that only the chunk that
+        breaks gets the exception (handed to its caller)."""
+        chunks = [c for _, c in picked]
+        try:
+            return list(self._run_batch(chunks))
+        except Exception as e:  # noqa: BLE001 - isolate the step that broke the iteration
+            if len(chunks) == 1:
+                return [e]
+            log.warning("an iteration of %d steps failed (%s); running them one by one", len(chunks), e)
+            out: list[StepResult | BaseException] = []
+            for pair in picked:
+                out.extend(self._run([pair]))
+            return out
+
+    def _finish(self, job: Job, result: StepResult) -> None:
+        """Called with the lock held."""
+        if job in self._queue:
+            self._queue.remove(job)
+        job.result = result
+        job.event.set()
