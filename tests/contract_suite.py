@@ -163,6 +163,86 @@ class EngineContractSuite:
                 got[sid].append(res.token.token_id)
         assert got == solo
 
+    # ---- batching: concurrent sessions share iterations ------------------------------------------
+    @staticmethod
+    def _variants(prompt_ids, n: int) -> list[list[int]]:
+        """``n`` distinct prompts of different lengths built from the suite's prompt."""
+        base = list(prompt_ids)
+        return [base[i % len(base):] + base[:i % len(base)] + base[:i // len(base) + 1] for i in range(n)]
+
+    @staticmethod
+    def _run_together(chain: Chain, jobs: dict[str, list[int]], n_decode: int, during=None) -> dict:
+        """Generate every job in its own thread, all released at once; returns each job's tokens or the
+        status that stopped it. ``during(sid, i)`` runs in a job's thread before its ``i``-th decode."""
+        import threading
+
+        start = threading.Barrier(len(jobs))
+        out: dict[str, object] = {}
+
+        def run(sid: str, prompt: list[int]) -> None:
+            start.wait()
+            res, _ = step(chain, sid, 0, prompt)
+            if not res.ok:
+                out[sid] = res.status
+                return
+            tokens = [res.token.token_id]
+            for i in range(n_decode):
+                if during is not None:
+                    during(sid, i)
+                res, _ = step(chain, sid, len(prompt) + i, [tokens[-1]], decode=True)
+                if not res.ok:
+                    out[sid] = res.status
+                    return
+                tokens.append(res.token.token_id)
+            out[sid] = tokens
+
+        threads = [threading.Thread(target=run, args=(sid, p)) for sid, p in jobs.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a concurrent generation hung"
+        return out
+
+    def test_concurrent_sessions_are_batched_and_equal_solo_runs(self, chain: Chain, fresh_chain, prompt_ids):
+        jobs = {f"c{i}": p for i, p in enumerate(self._variants(prompt_ids, 6))}
+        solo = {sid: generate(fresh_chain(), "solo", p, N_DECODE) for sid, p in jobs.items()}
+        before = chain[-1].metrics()
+        got = self._run_together(chain, jobs, N_DECODE)
+        assert got == solo
+        after = chain[-1].metrics()
+        steps = len(jobs) * (N_DECODE + 1)
+        # Every step ran, in fewer iterations than steps: sessions shared them.
+        assert after.decode_tokens - before.decode_tokens == len(jobs) * N_DECODE
+        assert after.iterations - before.iterations < steps
+        assert after.max_batch_rows > 1
+
+    def test_a_session_cancelled_inside_a_batch_fails_alone(self, chain: Chain, fresh_chain, prompt_ids):
+        jobs = {f"k{i}": p for i, p in enumerate(self._variants(prompt_ids, 4))}
+        solo = {sid: generate(fresh_chain(), "solo", p, N_DECODE) for sid, p in jobs.items()}
+
+        def cancel_k1(sid: str, i: int) -> None:
+            if sid == "k1" and i == 3:
+                for s in chain:
+                    s.cancel("k1")
+
+        got = self._run_together(chain, jobs, N_DECODE, during=cancel_k1)
+        assert got.pop("k1") is Status.CANCELLED
+        assert got == {sid: solo[sid] for sid in got}
+
+    def test_a_session_released_inside_a_batch_leaves_the_others(self, chain: Chain, fresh_chain, prompt_ids):
+        jobs = {f"r{i}": p for i, p in enumerate(self._variants(prompt_ids, 4))}
+        solo = {sid: generate(fresh_chain(), "solo", p, N_DECODE) for sid, p in jobs.items()}
+
+        def release_r2(sid: str, i: int) -> None:
+            if sid == "r2" and i == 2:
+                release_all(chain, "r2")
+
+        got = self._run_together(chain, jobs, N_DECODE, during=release_r2)
+        assert got.pop("r2") is Status.NOT_FOUND  # its next decode finds no KV cache: replay it
+        assert got == {sid: solo[sid] for sid in got}
+        assert active(chain) == [3, 3, 3]
+
     def test_one_stage_equals_three_stages(self, chain: Chain, make_chain, prompt_ids):
         if make_chain is None:
             pytest.skip("this engine provides no make_chain(n_stages) factory")

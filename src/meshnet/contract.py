@@ -191,6 +191,9 @@ class StepRequest:
         hidden: ``[n_tokens, n_embd]`` f32 hidden states from the previous stage; None on the head.
         sampling: used by the tail only.
         step_id: caller's monotonically increasing step counter (for logs and the ledger).
+        reserve_tokens: on the step that opens a session, the KV cells it will need at most (its prompt
+            plus its new tokens); the stage reserves them or refuses the session (RESOURCE_EXHAUSTED).
+            0 reserves the whole context length.
     """
 
     session_id: str
@@ -200,6 +203,7 @@ class StepRequest:
     hidden: NamedTensor | None = None
     sampling: SamplingParams = GREEDY
     step_id: int = 0
+    reserve_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -102,8 +102,10 @@ class Generation:
         self.result = GenerationResult(prompt_token_ids=[int(t) for t in prompt_ids])
 
     def _step(self, position: int, tokens: list[int], decode: bool, step_id: int) -> SampledToken:
+        # The first step reserves the session's KV cells for its whole run: prompt plus budget.
+        reserve = 0 if position else len(self.result.prompt_token_ids) + self.max_tokens
         req = StepRequest(self.session_id, epoch=0, position=position, token_ids=tuple(tokens),
-                          sampling=self.sampling, step_id=step_id)
+                          sampling=self.sampling, step_id=step_id, reserve_tokens=reserve)
         res = self.client.step(req, decode)
         if not res.ok:
             raise GenerationError(res.status, res.message)

@@ -178,11 +178,29 @@ def _targets(args, log_dir: Path, max_c: int) -> dict:
     return out
 
 
-def _llama_server(binary: Path, model_path: str, threads: int, n_parallel: int, log_dir: Path) -> Server:
+def _llama_server(binary: Path, model_path: str, threads: int, n_parallel: int, log_dir: Path,
+                  repack: bool = True) -> Server:
     return Server(f"llama-server-np{n_parallel}", lambda port: [
         str(binary), "-m", model_path, "-t", str(threads), "-tb", str(threads), "-fa", "on",
         "-np", str(n_parallel), "-c", str(LLAMA_SLOT_CTX * n_parallel), "--host", "127.0.0.1",
-        "--port", str(port)], log_dir)
+        "--port", str(port)] + ([] if repack else ["--no-repack"]), log_dir)
+
+
+def _start_llama_server(binary: Path, model_path: str, threads: int, n_parallel: int, log_dir: Path,
+                        report: dict) -> tuple[Server, str]:
+    """Start llama-server with its defaults; if it dies of SIGILL (on some virtual machines the AMX
+    kernels its weight repacking picks fault on their first tile instruction), once more with
+    ``--no-repack``, which the report then records under ``llama_server_flags``."""
+    srv = _llama_server(binary, model_path, threads, n_parallel, log_dir)
+    try:
+        return srv, srv.start()
+    except RuntimeError:
+        if srv.proc is None or srv.proc.returncode != -4:
+            raise
+    report.setdefault("llama_server_flags", {})[str(n_parallel)] = (
+        "--no-repack: with its default repacking llama-server died of SIGILL here")
+    srv = _llama_server(binary, model_path, threads, n_parallel, log_dir, repack=False)
+    return srv, srv.start()
 
 
 def _measure(server: Server, model: str, c: int, args, sample_kv: bool) -> dict:
@@ -247,9 +265,9 @@ def run_serve_bench(args: argparse.Namespace) -> int:
             running = dict(servers)
             llama = None
             if llama_bin is not None:
-                llama = _llama_server(llama_bin, model_path, args.threads, n_parallel, log_dir)
                 print(f"[bench serve] starting llama-server -np {n_parallel}", file=sys.stderr, flush=True)
-                models[llama.name] = llama.start()
+                llama, models[f"llama-server-np{n_parallel}"] = _start_llama_server(
+                    llama_bin, model_path, args.threads, n_parallel, log_dir, report)
                 running = {"llama-server": llama, **running}
             try:
                 for srv in running.values():  # one warm-up request each (graphs, caches)

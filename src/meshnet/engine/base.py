@@ -1,9 +1,12 @@
-"""The abstract shard engine: session bookkeeping and request validation shared by every engine.
+"""The abstract shard engine: session bookkeeping, request validation and batching shared by every engine.
 
-A concrete engine implements four hooks: ``_load`` (read weights for the range), ``_new_state`` (allocate
-one session's KV cache), ``_forward`` (run the owned layers for one step) and ``_free_state``. Everything
-the contract promises about statuses — cache misses, stale epochs, positions, cancellation, session
-limits, malformed input — is decided here, once, before any state changes, so every engine behaves alike.
+A concrete engine implements four hooks: ``_load`` (read weights for the range), ``_new_state`` (open
+one session's KV cells), ``_forward`` (run the owned layers for one step) and ``_free_state``; an engine
+that computes several sessions at once also overrides ``_forward_batch`` (one iteration of the
+:class:`~meshnet.engine.scheduler.StepScheduler`). Everything the contract promises about statuses —
+cache misses, stale epochs, positions, cancellation, session limits, malformed input — is decided here,
+once, before any state changes and before a step joins a batch, so every engine behaves alike and one
+session's bad step never reaches the others' iteration.
 """
 
 from __future__ import annotations
@@ -87,8 +90,9 @@ class ShardEngine(ABC):
         """Load the range's weights. Raises EngineError (INVALID_ARGUMENT for a bad file or range)."""
 
     @abstractmethod
-    def _new_state(self, session_id: str) -> Any:
-        """Allocate one session's state. Raises EngineError(RESOURCE_EXHAUSTED) over budget."""
+    def _new_state(self, req: StepRequest) -> Any:
+        """Allocate the state of the session ``req`` opens, with ``req.reserve_tokens`` KV cells promised
+        to it (0: its whole context). Raises EngineError(RESOURCE_EXHAUSTED) over budget."""
 
     @abstractmethod
     def _forward(self, session: Session, req: StepRequest) -> StepResult:
@@ -185,6 +189,7 @@ class ShardEngine(ABC):
             if self._sessions.get(session_id) is s:
                 del self._sessions[session_id]
                 self._free_state(s.state)
+        self._scheduler.forget(s)
         return Outcome(Status.OK)
 
     def release_superseded(self, session_id: str, epoch: int) -> Outcome:
@@ -208,6 +213,7 @@ class ShardEngine(ABC):
             if self._sessions.get(session_id) is s:  # not replaced meanwhile by a newer one
                 del self._sessions[session_id]
                 self._free_state(s.state)
+        self._scheduler.forget(s)
         return Outcome(Status.OK)
 
     def release_idle(self, idle_s: float) -> list[str]:
@@ -311,7 +317,7 @@ class ShardEngine(ABC):
                                   f"stage is at its limit of {self._caps.max_sessions} sessions",
                                   retry_after_s=RETRY_AFTER_S)
             try:
-                state = self._new_state(req.session_id)
+                state = self._new_state(req)
             except EngineError as e:
                 return self._fail(e.status, e.message,
                                   retry_after_s=RETRY_AFTER_S if e.status is Status.RESOURCE_EXHAUSTED else None)

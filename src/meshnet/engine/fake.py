@@ -236,7 +236,7 @@ class FakeEngine(ShardEngine):
             is_head=layers.is_head(), is_tail=layers.is_tail(m.n_layer), fixture=True,
             max_sessions=spec.max_sessions)
 
-    def _new_state(self, session_id: str) -> _FakeState:
+    def _new_state(self, req: StepRequest) -> _FakeState:
         # Every step carries at least one token, so a session that cannot cache one is refused up front.
         self._check_budget(self._faults, 1)
         return _FakeState(embed=_blake(self._model_id, b"embed"), layers=list(self._init_layers))

@@ -25,7 +25,7 @@ from meshnet.contract import (
     StepResult,
     Status,
 )
-from meshnet.engine.base import EngineError, Session, ShardEngine
+from meshnet.engine.base import RETRY_AFTER_S, EngineError, Session, ShardEngine
 from meshnet.engine.scheduler import Chunk
 from meshnet.engine.ggml_backend import StageWeights, cpu_backend, registry_devices
 from meshnet.engine.ggml_graph import BatchShape, Segment, StepGraph, kv_length
@@ -103,6 +103,8 @@ class GgmlStage:
         on_host = backend is None
         self.backend = backend if backend is not None else cpu_backend(n_threads)
         selection = stage_tensor_names(reader, layers, self.cfg.n_layer)
+        # Weights stay in plain buffers: the CPU backend's repacked layouts (CPU_REPACK) make a row's result
+        # depend on how many rows share its mat-mul, which would make batched output differ from solo.
         self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=use_mmap)
         if not use_mmap:
             drop_pages(reader)  # the copies are what stays resident, not the file pages read to make them
@@ -117,7 +119,8 @@ class GgmlStage:
         self._placed: StepGraph | None = None  # the graph whose tensors hold the allocator's buffer now
 
     def new_session(self, reserve_tokens: int = 0) -> SessionKV:
-        """Open a session in the pool. Raises PoolFull when no slot or too few cells are free."""
+        """Open a session in the pool with ``reserve_tokens`` cells promised (0: n_ctx). Raises PoolFull
+        when no slot or too few cells are free."""
         return SessionKV(self.pool.acquire(reserve_tokens), self.pool)
 
     def shape_of(self, items: list[BatchItem]) -> tuple[BatchShape, list[int], list[int]]:
@@ -260,10 +263,11 @@ class GgmlEngine(ShardEngine):
         dev = next((d for d in registry_devices() if d["backend"] == "CPU"), None)
         return None if dev is None else {**dev, "cpu_features": list(ggml_cpu_features())}
 
-    def _new_state(self, session_id: str) -> SessionKV:
-        assert self.stage is not None
+    def _new_state(self, req: StepRequest) -> SessionKV:
+        stage = self.stage
+        assert stage is not None
         try:
-            return self.stage.new_session()
+            return stage.new_session(req.reserve_tokens)
         except PoolFull as e:
             raise EngineError(Status.RESOURCE_EXHAUSTED, f"KV pool: {e}") from None
 
@@ -291,23 +295,33 @@ class GgmlEngine(ShardEngine):
         tail samples each step's token once its last chunk is through."""
         stage = self.stage
         assert stage is not None
-        items = []
-        for c in chunks:
+        results: list[StepResult | None] = [None] * len(chunks)
+        items, run = [], []
+        for i, c in enumerate(chunks):
+            kv, start = c.session.state, c.start
+            need = c.req.position + c.end
+            if not stage.pool.ensure(c.session.state.slot, need):
+                # Beyond what the session reserved when it opened, and the pool has no cells to spare.
+                results[i] = self._fail(Status.RESOURCE_EXHAUSTED,
+                                        f"session {c.req.session_id!r} needs {need} KV cells, more than it "
+                                        f"reserved, and the pool has none to spare", retry_after_s=RETRY_AFTER_S)
+                continue
+            run.append(i)
             tokens = hidden = None
             if stage.is_head:
-                tokens = np.asarray(c.req.token_ids[c.start:c.end], dtype=np.int32)
+                tokens = np.asarray(c.req.token_ids[start:c.end], dtype=np.int32)
             else:
-                hidden = c.req.hidden.to_numpy()[c.start:c.end]
-            items.append(BatchItem(c.session.state.slot, c.req.position + c.start, tokens, hidden))
-        outs = stage.forward_batch(items)
-        results = []
-        for c, out in zip(chunks, outs):
+                hidden = c.req.hidden.to_numpy()[start:c.end]
+            items.append(BatchItem(kv.slot, c.req.position + start, tokens, hidden))
+        outs = stage.forward_batch(items) if items else []
+        for i, out in zip(run, outs):
+            c = chunks[i]
             if not stage.is_tail:
-                results.append(StepResult(Status.OK, hidden=NamedTensor.from_numpy("hidden", out)))
+                results[i] = StepResult(Status.OK, hidden=NamedTensor.from_numpy("hidden", out))
             elif not c.last:
-                results.append(StepResult(Status.OK))
+                results[i] = StepResult(Status.OK)
             else:
                 history = c.session.token_ids + [int(t) for t in c.req.token_ids]
                 token = sample(out[-1], c.req.sampling, history, c.req.position + len(c.req.token_ids))
-                results.append(StepResult(Status.OK, token=token))
+                results[i] = StepResult(Status.OK, token=token)
         return results

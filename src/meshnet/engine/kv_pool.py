@@ -48,6 +48,23 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _smaps_rss(start: int) -> int | None:
+    """``Rss`` in bytes of this process's mapping that starts at address ``start``; None when
+    /proc/self/smaps cannot be read or has no such mapping."""
+    head = f"{start:x}-"
+    try:
+        with open("/proc/self/smaps") as f:
+            found = False
+            for line in f:
+                if not found:
+                    found = line.startswith(head)
+                elif line.startswith("Rss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 class PoolFull(Exception):
     """No free slot, or not enough unreserved cells, for a new reservation."""
 
@@ -190,9 +207,14 @@ class KVPool:
         return slot * self.n_ctx + position
 
     def resident_bytes(self) -> int:
-        """Bytes of the pool backed by memory now (pages touched; the whole buffer on a device)."""
+        """Bytes of the pool backed by memory of its own now: the map's ``Rss`` in /proc/self/smaps, which
+        leaves out pages only ever read (they all map the kernel's one zero page); where that file is not
+        readable, pages in core by ``mincore`` (which counts those too). The whole buffer on a device."""
         if self._map is None:
             return self.nbytes_virtual
+        rss = _smaps_rss(self._base)
+        if rss is not None:
+            return rss
         n_pages = self._size // PAGE
         vec = (ctypes.c_ubyte * n_pages)()
         if _libc.mincore(ctypes.c_void_p(self._base), ctypes.c_size_t(self._size), vec) != 0:

@@ -24,6 +24,11 @@ from meshnet.contract import StepRequest, StepResult, Status
 
 log = logging.getLogger("meshnet.engine")
 
+# How long an iteration may wait for the sessions the previous one served: a fraction of that
+# iteration's time, and never more than MAX_GATHER_S.
+GATHER_FRACTION = 0.25
+MAX_GATHER_S = 0.02
+
 
 @dataclass
 class Chunk:
@@ -92,6 +97,8 @@ class StepScheduler:
         self._queue: list[Job] = []
         self._thread: threading.Thread | None = None
         self.stats = SchedulerStats()
+        self._expected: set[int] = set()  # ids of sessions whose step the last iteration finished
+        self._last_iteration_s = 0.0
 
     def submit(self, session: Any, req: StepRequest) -> StepResult:
         """Queue one validated step of ``session`` and wait for its result. At most one step per session
@@ -102,7 +109,8 @@ class StepScheduler:
                 self._thread = threading.Thread(target=self._loop, name="stage-scheduler", daemon=True)
                 self._thread.start()
             self._queue.append(job)
-            self._cv.notify()
+            self._expected.discard(id(session))
+            self._cv.notify_all()
         job.event.wait()
         if job.error is not None:
             raise job.error
@@ -133,32 +141,55 @@ class StepScheduler:
             used += size
         return picked
 
+    def _gather(self) -> None:
+        """Hold the next iteration back briefly for the sessions whose decode the last iteration ran:
+        their callers are turning the result into the next step (sampling the token, streaming it,
+        crossing the other stages), and an iteration that starts without them runs nearly empty while
+        they queue up behind it. Waits at most :data:`GATHER_FRACTION` of the last iteration's time.
+        Called with the lock held."""
+        if not self._expected:
+            return
+        deadline = time.perf_counter() + min(MAX_GATHER_S, GATHER_FRACTION * self._last_iteration_s)
+        while self._expected:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            self._cv.wait(left)
+        self._expected.clear()
+
+    def forget(self, session: Any) -> None:
+        """The session is gone (released): do not wait for its next step."""
+        with self._cv:
+            self._expected.discard(id(session))
+            self._cv.notify_all()
+
     def _loop(self) -> None:
         while True:
             with self._cv:
                 while not self._queue:
                     self._cv.wait()
-                now = time.perf_counter()
-                for job in self._queue:
-                    if not job.counted:
-                        job.counted = True
-                        self.stats.queue_seconds += now - job.enqueued
-                        self.stats.queued_steps += 1
-                ready = []
+                self._gather()
                 for job in list(self._queue):
                     if self._cancelled(job.session):
                         self._finish(job, StepResult(Status.CANCELLED,
                                                      f"session {job.req.session_id!r} was cancelled"))
-                    else:
-                        ready.append(job)
-                if not ready:
+                if not self._queue:
                     continue
                 picked = self._next_iteration()
+                now = time.perf_counter()
+                for job, _ in picked:
+                    if not job.counted:
+                        job.counted = True
+                        self.stats.queue_seconds += now - job.enqueued
+                        self.stats.queued_steps += 1
+            t0 = time.perf_counter()
             results = self._run(picked)
             with self._cv:
+                self._last_iteration_s = time.perf_counter() - t0
+                rows = sum(c.end - c.start for _, c in picked)
                 self.stats.iterations += 1
-                self.stats.rows += sum(c.end - c.start for _, c in picked)
-                self.stats.max_rows = max(self.stats.max_rows, sum(c.end - c.start for _, c in picked))
+                self.stats.rows += rows
+                self.stats.max_rows = max(self.stats.max_rows, rows)
                 for (job, chunk), res in zip(picked, results):
                     if isinstance(res, BaseException):
                         job.error = res
@@ -171,6 +202,7 @@ class StepScheduler:
                     job.done_tokens = chunk.end
                     if chunk.last:
                         self._finish(job, self._join(job))
+                        self._expected.add(id(job.session))
 
     def _run(self, picked: list[tuple[Job, Chunk]]) -> list[StepResult | BaseException]:
         """The iteration's results; when it raises, each chunk is rerun alone so that only the chunk that

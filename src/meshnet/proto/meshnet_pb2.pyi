@@ -52,7 +52,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., n_top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("major", "minor", "session_id", "epoch", "position", "step_id", "decode", "token_ids", "sampling", "dtype", "shape", "byte_order", "crc32", "total_bytes", "chunk_index", "n_chunks", "payload")
+    __slots__ = ("major", "minor", "session_id", "epoch", "position", "step_id", "decode", "token_ids", "sampling", "dtype", "shape", "byte_order", "crc32", "total_bytes", "chunk_index", "n_chunks", "payload", "reserve_tokens")
     MAJOR_FIELD_NUMBER: _ClassVar[int]
     MINOR_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,7 @@ class Envelope(_message.Message):
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     N_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     major: int
     minor: int
     session_id: str
@@ -87,7 +88,8 @@ class Envelope(_message.Message):
     chunk_index: int
     n_chunks: int
     payload: bytes
-    def __init__(self, major: _Optional[int] = ..., minor: _Optional[int] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., position: _Optional[int] = ..., step_id: _Optional[int] = ..., decode: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., byte_order: _Optional[str] = ..., crc32: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_index: _Optional[int] = ..., n_chunks: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    reserve_tokens: int
+    def __init__(self, major: _Optional[int] = ..., minor: _Optional[int] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., position: _Optional[int] = ..., step_id: _Optional[int] = ..., decode: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., byte_order: _Optional[str] = ..., crc32: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_index: _Optional[int] = ..., n_chunks: _Optional[int] = ..., payload: _Optional[bytes] = ..., reserve_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -101,7 +101,8 @@ def tensor_frames(header: pb.Envelope, tensor: NamedTensor | None,
 def request_to_frames(req: StepRequest, decode: bool, max_frame: int = MAX_FRAME_BYTES) -> list[pb.Envelope]:
     """Encode a step request as envelope frames (one frame unless the hidden states are large)."""
     header = pb.Envelope(session_id=req.session_id, epoch=req.epoch, position=req.position, step_id=req.step_id,
-                         decode=decode, token_ids=list(req.token_ids), sampling=sampling_to_pb(req.sampling))
+                         decode=decode, token_ids=list(req.token_ids), sampling=sampling_to_pb(req.sampling),
+                         reserve_tokens=req.reserve_tokens)
     return tensor_frames(header, req.hidden, max_frame)
 
 
@@ -172,7 +173,8 @@ def frames_to_request(frames: Iterable[pb.Envelope]) -> tuple[StepRequest, bool]
     hidden = NamedTensor("hidden", tuple(int(d) for d in h.shape), h.dtype, payload) if h.dtype else None
     req = StepRequest(session_id=h.session_id, epoch=int(h.epoch), position=int(h.position),
                       token_ids=tuple(int(t) for t in h.token_ids), hidden=hidden,
-                      sampling=sampling_from_pb(h.sampling), step_id=int(h.step_id))
+                      sampling=sampling_from_pb(h.sampling), step_id=int(h.step_id),
+                      reserve_tokens=int(h.reserve_tokens))
     return req, bool(h.decode)
 
 

@@ -1,0 +1,108 @@
+"""Batched stages on the real model: sessions that share iterations give what each gives alone, and the
+KV pool holds memory for the tokens sessions hold, not for their context length."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import GOLDEN_SET, golden_exact, load_golden
+from golden_check import assert_greedy_matches
+from meshnet.contract import GREEDY, ArtifactId, LayerRange, LoadSpec, Status, StepRequest
+from meshnet.engine.ggml_engine import GgmlEngine, GgmlStage
+from meshnet.generation import generate
+from meshnet.local_mesh import load_local_chain, plan_ranges
+from solo_reference import PROMPTS
+
+OTHER_PROMPTS = ("Write a haiku about the sea.", "def fibonacci(n):", "Once upon a time, in a small village,",
+                 "The three primary colors are", "Translate to French: good morning", "Q: What is 12 * 7?\nA:",
+                 "Roses are red,", "import numpy as np\n")
+N_TOKENS = 24
+
+
+def _together(chain, tok, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy ids of every prompt, each generated in its own thread, all started at once."""
+    start = threading.Barrier(len(prompts))
+    out: list = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        start.wait()
+        out[i] = generate(chain, tok, prompts[i], n, GREEDY, stop_at_eog=False).generated_token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert all(o is not None for o in out), "a concurrent generation did not finish"
+    return out
+
+
+@pytest.mark.parametrize("n_sessions,n_stages", [(8, 1), (8, 3), (32, 1)])
+def test_concurrent_requests_equal_each_request_alone(smollm2_path, tok, solo, n_sessions, n_stages):
+    path = str(smollm2_path)
+    chain = load_local_chain(path, plan_ranges(path, n_stages), n_threads=2, n_ctx=512, max_sessions=n_sessions)
+    texts = list(PROMPTS) + [OTHER_PROMPTS[i % len(OTHER_PROMPTS)] + " " * (i // len(OTHER_PROMPTS))
+                             for i in range(n_sessions - len(PROMPTS))]
+    prompts = [tok.encode(t) for t in texts]
+    alone = [generate(chain, tok, p, N_TOKENS, GREEDY, stop_at_eog=False).generated_token_ids for p in prompts]
+    iterations_before = chain.stages[-1].metrics().iterations
+    together = _together(chain, tok, prompts, N_TOKENS)
+    assert together == alone
+    # The golden prompts, run beside the others, equal the one-stage solo run on this machine ...
+    for i in range(len(PROMPTS)):
+        assert together[i] == solo.greedy(i, N_TOKENS), f"golden prompt {i}"
+    # ... and llama.cpp's goldens for the running CPU features (rule 3 where no set matches them).
+    if GOLDEN_SET is not None:
+        golden = load_golden("SmolLM2-135M-Instruct.Q4_1")
+        for i in range(len(PROMPTS)):
+            assert_greedy_matches(golden, i, together[i], golden_exact())
+    tail = chain.stages[-1].metrics()
+    steps = n_sessions * N_TOKENS
+    assert tail.iterations - iterations_before < steps / 2, "sessions did not share iterations"
+    assert tail.max_batch_rows >= 4
+    assert [s.health().active_sessions for s in chain.stages] == [0] * n_stages
+
+
+def test_kv_pool_memory_follows_the_tokens_held(smollm2_path):
+    """32 sessions of 200 tokens: the pool's resident bytes stay within 1.25x the bytes of the cells they
+    hold (pages are committed as cells are written, not for 32 x n_ctx up front), and go back on release."""
+    stage = GgmlStage(str(smollm2_path), LayerRange(0, 2), n_threads=2, n_ctx=2048, n_slots=32)
+    pool = stage.pool
+    assert pool.resident_bytes() == 0
+    rng = np.random.default_rng(0)
+    sessions = [stage.new_session(reserve_tokens=200) for _ in range(32)]
+    for kv in sessions:
+        stage.forward(kv, 0, token_ids=rng.integers(0, 49152, 200).astype(np.int32))
+    held = 32 * 200 * pool.bytes_per_token
+    resident = pool.resident_bytes()
+    assert held <= resident <= 1.25 * held, (resident, held)
+    assert pool.nbytes_virtual == 32 * 2048 * pool.bytes_per_token  # what per-session caches would pin
+    for kv in sessions:
+        kv.free()
+    assert pool.resident_bytes() <= 32 * 4 * 2 * 4096  # at most the partial edge pages of each slot
+    stage.close()
+
+
+def test_pool_admits_by_tokens_and_keeps_its_promises(smollm2_path):
+    """A pool of 1000 cells: sessions reserve what their steps say they need; one that does not fit is
+    refused with RESOURCE_EXHAUSTED and a retry hint while the others keep running."""
+    eng = GgmlEngine()
+    assert eng.load(LoadSpec(str(smollm2_path), ArtifactId("", LayerRange(0, 30)), n_ctx=512,
+                             max_sessions=8, kv_tokens=1000)).ok
+    first = eng.prefill(StepRequest("a", 0, 0, (504, 3575, 282), reserve_tokens=500))
+    assert first.ok
+    refused = eng.prefill(StepRequest("b", 0, 0, (504, 3575)))  # no hint: the whole context, 512 cells
+    assert refused.status is Status.RESOURCE_EXHAUSTED and refused.retry_after_s > 0
+    assert "512 KV cells; 500 of 1000" in refused.message
+    fits = eng.prefill(StepRequest("c", 0, 0, (504, 3575), reserve_tokens=400))
+    assert fits.ok
+    nxt = eng.decode(StepRequest("a", 0, 3, (first.token.token_id,)))
+    assert nxt.ok and nxt.n_past == 4
+    m = eng.metrics()
+    assert (m.kv_tokens_reserved, m.kv_tokens_capacity, m.kv_tokens_held) == (900, 1000, 4 + 2)
+    eng.release("a")
+    assert eng.prefill(StepRequest("b", 0, 0, (504, 3575))).ok
+
