@@ -106,3 +106,57 @@ def test_pool_admits_by_tokens_and_keeps_its_promises(smollm2_path):
     eng.release("a")
     assert eng.prefill(StepRequest("b", 0, 0, (504, 3575))).ok
 
+
+
+def test_sixty_four_requests_against_a_pool_sized_for_sixteen(smollm2_path, tok):
+    """64 concurrent completions, a KV pool with cells for 16 of them: each answer is a 200 with its
+    tokens, or a clear 503 with Retry-After; the pool never holds more than its budget."""
+    import asyncio
+
+    import httpx
+
+    from meshnet.api.backend import local_backend
+    from meshnet.api.server import start_api_in_thread, stop_api
+
+    prompt, max_tokens = "The capital of France is", 4
+    per_request = len(tok.encode(prompt)) + max_tokens
+    backend = local_backend("smollm2", n_threads=2, n_ctx=256, max_sessions=64,
+                            kv_tokens=16 * per_request)
+    pool = backend.chain.stages[0].stage.pool
+    server, thread = start_api_in_thread(backend, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.config.port}"
+    peak = [0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.01):
+            peak[0] = max(peak[0], pool.tokens_reserved)
+
+    async def one(client, i):
+        r = await client.post("/v1/completions", json={"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens,
+                                                      "temperature": 0})
+        return r.status_code, r.headers.get("retry-after"), r.json()
+
+    async def load():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        answers = asyncio.run(load())
+    finally:
+        stop.set()
+        watcher.join()
+        stop_api(server, thread)
+    statuses = [a[0] for a in answers]
+    assert set(statuses) <= {200, 503}, statuses
+    assert statuses.count(200) >= 16
+    for status, retry_after, body in answers:
+        if status == 200:
+            assert body["usage"]["completion_tokens"] == max_tokens
+        else:
+            assert retry_after is not None and int(retry_after) > 0
+            assert body["error"]["code"] in ("server_busy", "mesh_error") and body["error"]["message"]
+    assert 0 < peak[0] <= 16 * per_request
+    assert pool.tokens_reserved == 0 and pool.slots_in_use == 0

@@ -16,7 +16,7 @@ import pytest
 
 from meshnet.ledger.store import Ledger
 from meshnet.membership.auth import AuthError, Authenticator, MemoryBindings
-from meshnet.membership.cli import add_nodes_parser
+from meshnet.membership.cli import add_nodes_parser, format_nodes
 from meshnet.membership.identity import (IdentityError, NodeIdentity, SignatureError, default_identity_path,
                                          load_or_create_identity, node_id_for, node_identity, verify_message)
 from meshnet.proto import meshnet_pb2 as pb
@@ -256,7 +256,7 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
     stub.Register(cpu_node, timeout=5)
     parser = argparse.ArgumentParser(prog="meshnet")
     add_nodes_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["nodes", "--tracker", f"127.0.0.1:{state['port']}"])
+    args = parser.parse_args(["nodes", "--tracker", f"127.0.0.1:{state['port']}", "--no-load"])
     assert args.func.__name__ == "run_nodes"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -286,6 +286,18 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
                                            "memory_total_bytes": 8 << 30, "index": 0, "cpu_features": []}
     assert nodes["cpu-node"]["device"]["cpu_features"] == ["SSE3", "AVX", "AVX2", "FMA", "AVX512", "AVX512_VNNI"]
     assert nodes[me.node_id]["free_memory_bytes"] == 3 << 30 and nodes["legacy"]["device"] is None
+
+    assert nodes[me.node_id]["load"] is None  # nothing listens at 127.0.0.1:9: no figures, no error
+
+    # With the nodes' figures: KV cells held/reserved/capacity, rows per iteration, steps in queue.
+    load = {"kv_tokens_held": 120, "kv_tokens_reserved": 400, "kv_tokens_capacity": 8192, "kv_bytes": 1 << 20,
+            "mean_batch_rows": 6.5, "max_batch_rows": 40, "waiting_steps": 2, "mean_queue_ms": 1.25}
+    reply = stub.ListNodes(pb.Empty(), timeout=5)
+    header, *rows = format_nodes(reply, {me.node_id: load}).splitlines()
+    assert header.split()[5:8] == ["KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE"]
+    cells = {r.split()[0]: r.split() for r in rows}
+    assert cells[me.node_id][7:13] == ["120/400/8192", "6.5", "(max", "40)", "2", "(1.2"]
+    assert cells["legacy"][7:10] == ["-", "-", "-"]
 
     # An unreachable tracker is an error message, not a trace.
     args = parser.parse_args(["nodes", "--tracker", "127.0.0.1:1"])

@@ -119,6 +119,42 @@ def test_eight_concurrent_sessions_each_equal_alone(mesh, solo):
         assert results[i] == solo.greedy(i % 4, 12), f"session {i}"
 
 
+def test_node_killed_with_eight_batched_sessions_in_flight(mesh, tok, solo):
+    """Eight sessions share the nodes' iterations; the middle node is killed while all are decoding, and
+    every session fails over to the spare, replays, and finishes equal to its solo run."""
+    head, mid, spare, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-spare", "10:20"),
+                                               ("d-tail", "20:30")])
+    client = MeshClient(mesh.tracker)
+    _, route = client.route()
+    victim = mid if mid.node_id in {h.node_id for h in route} else spare
+    n_tokens, started = 24, threading.Barrier(8)
+    tokens_seen = threading.Semaphore(0)
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        gen = Generation(client, tok, solo.prompt_ids(i % 4), n_tokens, GREEDY, stop_at_eog=False,
+                         session_id=f"batched-{i}")
+        started.wait()
+        for k, _ in enumerate(gen):
+            if k == 6:
+                tokens_seen.release()
+        results[i] = gen.result.generated_token_ids
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for _ in range(8):  # every session is past its prefill and decoding
+        assert tokens_seen.acquire(timeout=120)
+    victim.kill()
+    for t in threads:
+        t.join(180)
+    for i in range(8):
+        assert results.get(i) == solo.greedy(i % 4, n_tokens), f"session {i}"
+    assert client.failovers >= 1
+    survivors = [n for n in (head, mid, spare, tail) if n is not victim]
+    assert [n.active_sessions() for n in survivors] == [0, 0, 0]
+
+
 def test_node_restarted_under_its_id_takes_back_its_range_mid_generation(mesh, tok, solo):
     """No spare: the middle node dies after token 10 and is started again under the same id (as
     ``meshnet up`` or an operator restarts it), at a new address; the client routes through the new

@@ -19,7 +19,6 @@ import gguf
 import numpy as np
 
 from meshnet.backends.errors import BackendUnavailable
-from meshnet.contract import LayerRange
 
 _init_lock = threading.Lock()
 _cpu_ready = False

@@ -28,7 +28,8 @@ from meshnet.contract import (
 from meshnet.engine.base import RETRY_AFTER_S, EngineError, Session, ShardEngine
 from meshnet.engine.scheduler import Chunk
 from meshnet.engine.ggml_backend import StageWeights, cpu_backend, registry_devices
-from meshnet.engine.ggml_graph import BatchShape, Segment, StepGraph, kv_length
+from meshnet.engine.batch_layout import BatchShape, Segment, kv_length
+from meshnet.engine.ggml_graph import StepGraph
 from meshnet.engine.kv_pool import KVPool, PoolFull, available_memory_bytes
 from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, sha256_file, stage_tensor_names
 from meshnet.model.hparams import ModelConfig

@@ -21,11 +21,15 @@ def add_nodes_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                        description="List the live nodes of a tracker: layer range, backend, load (active/max "
                                    "sessions), decode speed, relay status, last heartbeat age, whether "
                                    "the node signs its messages with a registered key, its gRPC and "
-                                   "data-plane addresses, and the device it computes on (free/total memory).")
+                                   "data-plane addresses, the device it computes on (free/total memory), "
+                                   "and, asked of each directly reachable node, its KV pool (cells held / "
+                                   "reserved / capacity), mean rows per batched iteration and steps "
+                                   "waiting with their mean time in queue.")
     p.add_argument("--tracker", required=True, help="HOST:PORT of the tracker")
     p.add_argument("--join-token", default=os.environ.get(JOIN_TOKEN_ENV), help=f"default ${JOIN_TOKEN_ENV}")
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--no-load", action="store_true", help="do not ask the nodes for their KV and batch figures")
     p.set_defaults(func=run_nodes)
     return p
 
@@ -51,7 +55,33 @@ def _kernels(features) -> str:
     return " ".join(f for f in features if f not in implied)
 
 
-def nodes_dict(reply: pb.NodeList) -> dict:
+def node_load(address: str, join_token: str | None, tls_ca: str | None, timeout_s: float = 2.0) -> dict | None:
+    """A node's KV pool and batching figures from its Metrics RPC: ``{"kv_tokens_held", "kv_tokens_reserved",
+    "kv_tokens_capacity", "kv_bytes", "mean_batch_rows", "max_batch_rows", "waiting_steps",
+    "mean_queue_ms"}``; None when it does not answer in ``timeout_s`` seconds (or has no address)."""
+    if not address:
+        return None
+    try:
+        with open_channel(address, join_token, tls_ca) as channel:
+            m = pb_grpc.NodeStub(channel).Metrics(pb.Empty(), timeout=timeout_s)
+    except grpc.RpcError:
+        return None
+    return {"kv_tokens_held": m.kv_tokens_held, "kv_tokens_reserved": m.kv_tokens_reserved,
+            "kv_tokens_capacity": m.kv_tokens_capacity, "kv_bytes": m.kv_bytes,
+            "mean_batch_rows": round(m.batch_rows / m.iterations, 2) if m.iterations else 0.0,
+            "max_batch_rows": m.max_batch_rows, "waiting_steps": m.waiting_steps,
+            "mean_queue_ms": round(1000 * m.queue_seconds / m.queued_steps, 2) if m.queued_steps else 0.0}
+
+
+def _load_cells(load: dict | None) -> tuple[str, str, str]:
+    if load is None:
+        return "-", "-", "-"
+    return (f"{load['kv_tokens_held']}/{load['kv_tokens_reserved']}/{load['kv_tokens_capacity']}",
+            f"{load['mean_batch_rows']:.1f} (max {load['max_batch_rows']})",
+            f"{load['waiting_steps']} ({load['mean_queue_ms']:.1f} ms)")
+
+
+def nodes_dict(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) -> dict:
     """The reply as plain data: ``{"nodes": [...]}`` (what ``--json`` prints); speed in tokens/s,
     heartbeat age in seconds; ``address`` is the node's gRPC HOST:PORT, ``data_address`` its step data
     plane's ("" when it has none: relayed, TLS or ``--no-data-plane``)."""
@@ -62,20 +92,25 @@ def nodes_dict(reply: pb.NodeList) -> dict:
                        "decode_tokens_per_s": s.info.decode_tokens_per_s, "relay": _relay(s),
                        "device": device_dict(s.info) if s.info.HasField("device") else None,
                        "free_memory_bytes": s.info.free_memory_bytes,
-                       "last_heartbeat_age_s": s.last_heartbeat_age_s, "signed": s.signed}
+                       "last_heartbeat_age_s": s.last_heartbeat_age_s, "signed": s.signed,
+                       "load": (loads or {}).get(s.info.node_id)}
                       for s in reply.nodes]}
 
 
-def format_nodes(reply: pb.NodeList) -> str:
-    """An aligned table, one row per node, or a line saying none is registered."""
+def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) -> str:
+    """An aligned table, one row per node, or a line saying none is registered. ``loads`` (node id ->
+    :func:`node_load`) adds the KV, BATCH_ROWS and QUEUE columns; "-" where a node did not answer."""
     if not reply.nodes:
         return "no nodes registered"
-    rows = [("NODE", "LAYERS", "BACKEND", "LOAD", "SPEED", "RELAY", "HEARTBEAT", "SIGNED", "ADDRESS", "DATA", "DEVICE")]
+    load_head = ("KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE") if loads is not None else ()
+    rows = [("NODE", "LAYERS", "BACKEND", "LOAD", "SPEED", *load_head, "RELAY", "HEARTBEAT", "SIGNED", "ADDRESS",
+             "DATA", "DEVICE")]
     for s in reply.nodes:
         i = s.info
+        load = _load_cells(loads.get(i.node_id)) if loads is not None else ()
         rows.append((i.node_id, f"[{i.layers.start}, {i.layers.end})/{i.model.n_layer}", i.backend or "cpu",
-                     f"{s.active_sessions}/{i.max_sessions}", f"{i.decode_tokens_per_s:.1f} tok/s", _relay(s),
-                     f"{s.last_heartbeat_age_s:.1f}s ago", "yes" if s.signed else "no", i.address,
+                     f"{s.active_sessions}/{i.max_sessions}", f"{i.decode_tokens_per_s:.1f} tok/s", *load,
+                     _relay(s), f"{s.last_heartbeat_age_s:.1f}s ago", "yes" if s.signed else "no", i.address,
                      i.data_address or "-", _device_cell(i)))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
@@ -89,5 +124,14 @@ def run_nodes(args: argparse.Namespace) -> int:
         except grpc.RpcError as e:
             print(f"error: tracker {args.tracker}: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
-    print(json.dumps(nodes_dict(reply)) if args.json else format_nodes(reply))
+    loads = None
+    if not getattr(args, "no_load", False):  # relayed nodes are reached only through the tracker: not asked
+        from concurrent.futures import ThreadPoolExecutor
+
+        direct = [s.info for s in reply.nodes if not s.info.relayed]
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(direct)))) as pool:
+            answers = pool.map(lambda i: node_load(i.address, args.join_token, args.tls_ca), direct)
+            loads = {s.info.node_id: None for s in reply.nodes}
+            loads.update({i.node_id: a for i, a in zip(direct, answers)})
+    print(json.dumps(nodes_dict(reply, loads)) if args.json else format_nodes(reply, loads))
     return 0
