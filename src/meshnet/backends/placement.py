@@ -46,9 +46,10 @@ class AcceleratorStage(GgmlStage):
         self.lane = lane
         self.device_index = device_index
         self.device = accelerator_devices(lane)[device_index]
-        # Weights copied into device memory, then the file pages read to copy them dropped;
-        # new_session() (inherited) allocates each KVCache with this backend: in device memory too.
-        super().__init__(path, layers, n_ctx=n_ctx, n_ubatch=n_ubatch, use_mmap=False, backend=backend)
+        # Weights copied into device memory, then the file pages read to copy them dropped; the KV pool
+        # (inherited) is allocated with this backend too, sized by half the device memory free now.
+        super().__init__(path, layers, n_ctx=n_ctx, n_ubatch=n_ubatch, use_mmap=False, backend=backend,
+                         kv_budget_bytes=device_memory(lane, device_index)[0] // 2)
 
     def device_memory(self) -> tuple[int, int]:
         """(free, total) bytes of this stage's device now."""

@@ -112,6 +112,9 @@ class GgmlStage:
         per_token = layers.n_layers * (self.cfg.n_embd_k_gqa + self.cfg.n_embd_v_gqa) * 2
         if not kv_tokens:
             kv_tokens = max(1, (kv_budget_bytes or available_memory_bytes() // 2) // per_token)
+        if not on_host:
+            # A device pool is allocated up front: no more slots than the reservable cells fill.
+            n_slots = max(1, min(n_slots, -(-kv_tokens // self.n_ctx)))
         self.pool = KVPool(layers, self.cfg.n_embd_k_gqa, self.cfg.n_embd_v_gqa, self.n_ctx, n_slots,
                            kv_tokens, self.backend, host=on_host)
         self._graphs: OrderedDict[BatchShape, StepGraph] = OrderedDict()
