@@ -9,7 +9,6 @@ become gRPC status codes of the same name, with the engine's message; RESOURCE_E
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import threading
 from dataclasses import dataclass, field
