@@ -108,3 +108,18 @@ def test_engine_keeps_serving_after_a_bad_load(tmp_path):
     assert out.status is Status.INVALID_ARGUMENT
     assert eng.load(LoadSpec(path=str(TINY), artifact=ArtifactId("", LayerRange(0, 4)))).ok
     assert eng.health().healthy
+
+
+@pytest.mark.parametrize("field,value", [("kv_tokens", -5), ("max_sessions", 0), ("n_ubatch", 0), ("n_ctx", -1)])
+def test_bad_load_settings_are_named(field, value):
+    """Both engines refuse impossible pool and batch settings with the value and its bound."""
+    from dataclasses import replace
+
+    from meshnet.engine.fake import FakeEngine
+
+    spec = replace(LoadSpec(path=str(TINY), artifact=ArtifactId("", LayerRange(0, 4))), **{field: value})
+    out = GgmlEngine().load(spec)
+    assert out.status is Status.INVALID_ARGUMENT
+    assert f"{field}={value}" in out.message
+    fake_out = FakeEngine().load(replace(spec, path=""))
+    assert fake_out.status is Status.INVALID_ARGUMENT and f"{field}={value}" in fake_out.message

@@ -297,6 +297,14 @@ class LoadSpec:
     mtp: MultiTokenPrediction = MultiTokenPrediction()
     aux_state: AuxiliaryState = AuxiliaryState()
 
+    def validate(self) -> str | None:
+        """What is wrong with the execution settings (one line naming each bad value), or None."""
+        bad = [f"{name}={value} (>= {low})" for name, value, low in (
+            ("n_threads", self.n_threads, 1), ("n_ctx", self.n_ctx, 0), ("n_ubatch", self.n_ubatch, 1),
+            ("max_sessions", self.max_sessions, 1), ("memory_budget_bytes", self.memory_budget_bytes, 0),
+            ("kv_tokens", self.kv_tokens, 0)) if value < low]
+        return f"bad load settings: {', '.join(bad)}" if bad else None
+
 
 @dataclass(frozen=True)
 class Capabilities:

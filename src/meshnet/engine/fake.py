@@ -222,11 +222,9 @@ class FakeEngine(ShardEngine):
         if spec.n_ctx > m.n_ctx:
             raise EngineError(Status.INVALID_ARGUMENT,
                               f"n_ctx={spec.n_ctx} exceeds the model's trained length {m.n_ctx}")
-        if spec.n_ctx < 0 or spec.n_ubatch < 1 or spec.max_sessions < 1 or spec.memory_budget_bytes < 0:
-            raise EngineError(Status.INVALID_ARGUMENT,
-                              f"bad load settings: n_ctx={spec.n_ctx} (>= 0), n_ubatch={spec.n_ubatch} (>= 1), "
-                              f"max_sessions={spec.max_sessions} (>= 1), "
-                              f"memory_budget_bytes={spec.memory_budget_bytes} (>= 0)")
+        problem = spec.validate()
+        if problem is not None:
+            raise EngineError(Status.INVALID_ARGUMENT, problem)
         self._init_layers = [_blake(self._model_id, b"layer", i.to_bytes(4, "little"))
                              for i in range(layers.start, layers.end)]
         return Capabilities(

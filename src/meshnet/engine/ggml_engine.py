@@ -234,6 +234,9 @@ class GgmlEngine(ShardEngine):
         self.stage: GgmlStage | None = None
 
     def _load(self, spec: LoadSpec) -> Capabilities:
+        problem = spec.validate()
+        if problem is not None:
+            raise EngineError(Status.INVALID_ARGUMENT, problem)
         try:
             sha = sha256_file(spec.path)
         except FileNotFoundError as e:
