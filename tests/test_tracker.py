@@ -281,6 +281,8 @@ def test_silent_node_leaves_routing_over_grpc():
     server, port = serve_tracker(registry=Registry(heartbeat_interval_s=2.0, clock=clock))
     try:
         with open_channel(f"127.0.0.1:{port}") as channel:
+            # Connected before the first call: once, on a loaded machine, that call met a refused connect.
+            grpc.channel_ready_future(channel).result(timeout=10)
             stub = pb_grpc.TrackerStub(channel)
             stub.Register(info("solo", 0, 30), timeout=5)
             clock.now += 5.9
