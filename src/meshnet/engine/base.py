@@ -181,15 +181,8 @@ class ShardEngine(ABC):
         """Free the session's KV cache. Idempotent; unknown ids are OK."""
         with self._lock:
             s = self._sessions.get(session_id)
-            if s is None:
-                return Outcome(Status.OK)
-            s.cancelled = True  # a step still queued on it stops at the next iteration
-            while s.busy:
-                self._idle.wait()
-            if self._sessions.get(session_id) is s:
-                del self._sessions[session_id]
-                self._free_state(s.state)
-        self._scheduler.forget(s)
+            if s is not None:
+                self._retire(s)
         return Outcome(Status.OK)
 
     def release_superseded(self, session_id: str, epoch: int) -> Outcome:
@@ -205,16 +198,20 @@ class ShardEngine(ABC):
                 while len(self._fences) > MAX_FENCES:
                     self._fences.popitem(last=False)
             s = self._sessions.get(session_id)
-            if s is None or s.epoch >= epoch:
-                return Outcome(Status.OK)
-            s.cancelled = True  # a step still queued on it stops at the next iteration
-            while s.busy:
-                self._idle.wait()
-            if self._sessions.get(session_id) is s:  # not replaced meanwhile by a newer one
-                del self._sessions[session_id]
-                self._free_state(s.state)
-        self._scheduler.forget(s)
+            if s is not None and s.epoch < epoch:
+                self._retire(s)
         return Outcome(Status.OK)
+
+    def _retire(self, s: Session) -> None:
+        """Cancel ``s``, wait for a step of it already queued or running, then free it unless a newer
+        session replaced it meanwhile. Called with the lock held (released while waiting)."""
+        s.cancelled = True  # a step still queued on it stops at the next iteration
+        while s.busy:
+            self._idle.wait()
+        if self._sessions.get(s.session_id) is s:
+            del self._sessions[s.session_id]
+            self._free_state(s.state)
+        self._scheduler.forget(s)
 
     def release_idle(self, idle_s: float) -> list[str]:
         """Release sessions unused for more than ``idle_s`` seconds; returns their ids."""
