@@ -55,12 +55,16 @@ class Job:
     parts: list[StepResult] = field(default_factory=list)
     result: StepResult | None = None
     error: BaseException | None = None  # raised in the caller's thread, as if the step ran there
-    counted: bool = False
     event: threading.Event = field(default_factory=threading.Event)
 
     @property
     def remaining(self) -> int:
         return len(self.req.token_ids) - self.done_tokens
+
+    @property
+    def one_token(self) -> bool:
+        """A step of one token not yet started (a decode): it rides in every iteration's decode rows."""
+        return self.done_tokens == 0 and len(self.req.token_ids) == 1
 
 
 @dataclass
@@ -80,8 +84,8 @@ class StepScheduler:
 
     Args:
         run_batch: the engine's batch hook: takes the iteration's chunks (distinct sessions), returns a
-            :class:`StepResult` per chunk in order (for a chunk that is not its step's last, an OK result
-            whose ``hidden`` holds that chunk's rows, or None where nothing is passed on). Raising fails
+            :class:`StepResult` per chunk in order (for a chunk that is not its step's last, an OK result,
+            whose ``hidden`` holds that chunk's rows on a stage that passes hidden states on). Raising fails
             the iteration, which is then rerun a chunk at a time so one bad step fails alone.
         join: merges the results of a step's chunks into the step's result.
         chunk_tokens: prefill micro-batch size; 0 runs every step whole.
@@ -128,10 +132,10 @@ class StepScheduler:
         picked, budget = [], self.chunk_tokens or float("inf")
         used = 0
         for job in self._queue:
-            if job.remaining == 1 and job.done_tokens == 0:
+            if job.one_token:
                 picked.append((job, Chunk(job.session, job.req, 0, 1)))
         for job in self._queue:
-            if job.remaining == 1 and job.done_tokens == 0:
+            if job.one_token:
                 continue
             start = job.done_tokens
             size = job.remaining if not self.chunk_tokens else min(job.remaining, self.chunk_tokens)
@@ -178,8 +182,7 @@ class StepScheduler:
                 picked = self._next_iteration()
                 now = time.perf_counter()
                 for job, _ in picked:
-                    if not job.counted:
-                        job.counted = True
+                    if job.done_tokens == 0:  # its first iteration: every pick advances or ends a job
                         self.stats.queue_seconds += now - job.enqueued
                         self.stats.queued_steps += 1
             t0 = time.perf_counter()
