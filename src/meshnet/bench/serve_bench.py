@@ -153,11 +153,12 @@ class KvSampler:
 
 
 def _kv_bytes_per_token(model_path: str) -> int:
+    from meshnet.engine.kv_pool import KVPool
     from meshnet.model.gguf_file import open_gguf
     from meshnet.model.hparams import ModelConfig
 
     cfg = ModelConfig.from_reader(open_gguf(model_path))
-    return cfg.n_layer * (cfg.n_embd_k_gqa + cfg.n_embd_v_gqa) * 2
+    return KVPool.token_bytes(cfg.n_layer, cfg.n_embd_k_gqa, cfg.n_embd_v_gqa)
 
 
 def _targets(args, log_dir: Path, max_c: int) -> dict:

@@ -30,7 +30,7 @@ from meshnet.engine.scheduler import Chunk
 from meshnet.engine.ggml_backend import StageWeights, cpu_backend, registry_devices
 from meshnet.engine.batch_layout import BatchShape, Segment, kv_length
 from meshnet.engine.ggml_graph import StepGraph
-from meshnet.engine.kv_pool import KVPool, PoolFull, available_memory_bytes
+from meshnet.engine.kv_pool import KVPool, PoolFull
 from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, sha256_file, stage_tensor_names
 from meshnet.model.hparams import ModelConfig
 from meshnet.sampling import sample
@@ -109,14 +109,8 @@ class GgmlStage:
         self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=use_mmap)
         if not use_mmap:
             drop_pages(reader)  # the copies are what stays resident, not the file pages read to make them
-        per_token = layers.n_layers * (self.cfg.n_embd_k_gqa + self.cfg.n_embd_v_gqa) * 2
-        if not kv_tokens:
-            kv_tokens = max(1, (kv_budget_bytes or available_memory_bytes() // 2) // per_token)
-        if not on_host:
-            # A device pool is allocated up front: no more slots than the reservable cells fill.
-            n_slots = max(1, min(n_slots, -(-kv_tokens // self.n_ctx)))
         self.pool = KVPool(layers, self.cfg.n_embd_k_gqa, self.cfg.n_embd_v_gqa, self.n_ctx, n_slots,
-                           kv_tokens, self.backend, host=on_host)
+                           kv_tokens, self.backend, host=on_host, budget_bytes=kv_budget_bytes)
         self._graphs: OrderedDict[BatchShape, StepGraph] = OrderedDict()
         # ggml-python's binding of ggml_backend_cpu_buffer_type() truncates the pointer; ask the backend.
         self._galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self.backend))
@@ -131,7 +125,8 @@ class GgmlStage:
         """The graph shape of an iteration; also the indices of its decode items and its segment items
         (rows go decodes first, then segments, each group in the given order)."""
         dec = [i for i, it in enumerate(items) if it.n_tokens == 1 and (not self.is_tail or it.n_out == 1)]
-        seg = [i for i in range(len(items)) if i not in set(dec)]
+        decodes = set(dec)
+        seg = [i for i in range(len(items)) if i not in decodes]
         streams = n_kv_dec = 0
         if dec:
             top = max(items[i].slot for i in dec) + 1
@@ -179,8 +174,8 @@ class GgmlStage:
                     tokens, hidden)
         results: list[np.ndarray | None] = [None] * len(items)
         row = 0
-        for i in order:
-            n = (1 if i in dec else items[i].n_out) if self.is_tail else items[i].n_tokens
+        for k, i in enumerate(order):
+            n = (1 if k < shape.n_dec else items[i].n_out) if self.is_tail else items[i].n_tokens
             results[i] = out[row:row + n]
             row += n
         return results
@@ -305,7 +300,6 @@ class GgmlEngine(ShardEngine):
         results: list[StepResult | None] = [None] * len(chunks)
         items, run = [], []
         for i, c in enumerate(chunks):
-            kv, start = c.session.state, c.start
             need = c.req.position + c.end
             if not stage.pool.ensure(c.session.state.slot, need):
                 # Beyond what the session reserved when it opened, and the pool has no cells to spare.
@@ -316,10 +310,10 @@ class GgmlEngine(ShardEngine):
             run.append(i)
             tokens = hidden = None
             if stage.is_head:
-                tokens = np.asarray(c.req.token_ids[start:c.end], dtype=np.int32)
+                tokens = np.asarray(c.req.token_ids[c.start:c.end], dtype=np.int32)
             else:
-                hidden = c.req.hidden.to_numpy()[start:c.end]
-            items.append(BatchItem(kv.slot, c.req.position + start, tokens, hidden))
+                hidden = c.req.hidden.to_numpy()[c.start:c.end]
+            items.append(BatchItem(c.session.state.slot, c.req.position + c.start, tokens, hidden))
         outs = stage.forward_batch(items) if items else []
         for i, out in zip(run, outs):
             c = chunks[i]

@@ -81,8 +81,10 @@ class KVPool:
         layers: the stage's layer range; ``k[il]``/``v[il]`` exist for each ``il`` in it.
         n_embd_k, n_embd_v: K and V row widths (``n_embd_k_gqa``, ``n_embd_v_gqa``).
         n_ctx: cells per slot (a session's context length).
-        n_slots: sessions the pool can hold at once.
-        kv_tokens: cells that may be reserved at once (0 = ``n_slots * n_ctx``).
+        n_slots: sessions the pool can hold at once (on a device, at most as many as ``kv_tokens`` fill:
+            a device pool is allocated up front).
+        kv_tokens: cells that may be reserved at once; 0 derives it from ``budget_bytes``, or when that
+            is 0 too from half the memory available now. Never more than ``n_slots * n_ctx``.
         backend: the ggml backend; ``host=True`` (the CPU) maps the pool lazily, otherwise it is one
             backend buffer.
     Raises:
@@ -90,13 +92,17 @@ class KVPool:
     """
 
     def __init__(self, layers: LayerRange, n_embd_k: int, n_embd_v: int, n_ctx: int, n_slots: int,
-                 kv_tokens: int, backend, host: bool = True) -> None:
+                 kv_tokens: int, backend, host: bool = True, budget_bytes: int = 0) -> None:
         if n_slots < 1 or n_ctx < 1:
             raise ValueError(f"a KV pool needs n_slots >= 1 and n_ctx >= 1, got {n_slots} and {n_ctx}")
-        self.layers, self.n_ctx, self.n_slots = layers, n_ctx, n_slots
-        self.kv_tokens = min(kv_tokens or n_slots * n_ctx, n_slots * n_ctx)
         self.row_k, self.row_v = 2 * n_embd_k, 2 * n_embd_v  # F16 bytes per cell
-        self.bytes_per_token = layers.n_layers * (self.row_k + self.row_v)
+        self.bytes_per_token = self.token_bytes(layers.n_layers, n_embd_k, n_embd_v)
+        if not kv_tokens:
+            kv_tokens = max(1, (budget_bytes or available_memory_bytes() // 2) // self.bytes_per_token)
+        if not host:
+            n_slots = max(1, min(n_slots, -(-kv_tokens // n_ctx)))
+        self.layers, self.n_ctx, self.n_slots = layers, n_ctx, n_slots
+        self.kv_tokens = min(kv_tokens, n_slots * n_ctx)
         self.ctx = new_meta_context(2 * layers.n_layers + 1)
         self.k: dict[int, object] = {}
         self.v: dict[int, object] = {}
@@ -116,6 +122,11 @@ class KVPool:
                 raise MemoryError(f"could not allocate a {self.bytes_per_token * n_slots * n_ctx}-byte KV pool")
             ggml.ggml_backend_buffer_clear(self.buffer, 0)
         self.nbytes_virtual = self.bytes_per_token * n_slots * n_ctx
+
+    @staticmethod
+    def token_bytes(n_layers: int, n_embd_k: int, n_embd_v: int) -> int:
+        """F16 K and V bytes one token takes over ``n_layers`` layers."""
+        return n_layers * 2 * (n_embd_k + n_embd_v)
 
     def _map_pool(self) -> None:
         offsets, size = [], 0
