@@ -12,7 +12,7 @@ Shapes are written in ggml order: ``[n_embd, n_tokens]`` is n_tokens rows of n_e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import ggml
 import gguf
@@ -278,10 +278,9 @@ class StepGraph:
             MemoryError: the compute buffer could not be allocated.
         """
         tensors = [ggml.ggml_graph_node(self.gf, i) for i in range(ggml.ggml_graph_n_nodes(self.gf))]
-        tensors += [t for t in (self.inp.tokens, self.inp.hidden, self.inp.pos, self.inp.kv_idx,
-                                self.inp.dec_gather, self.inp.dec_scatter, self.inp.dec_mask,
-                                self.inp.dec_mask_swa, self.inp.out_ids, *self.inp.seg_masks,
-                                *self.inp.seg_masks_swa) if t is not None]
+        for f in fields(self.inp):
+            value = getattr(self.inp, f.name)
+            tensors += [t for t in (value if isinstance(value, list) else [value]) if t is not None]
         for t in tensors:
             t.contents.data = None
             t.contents.buffer = None
