@@ -31,6 +31,24 @@ class NodeProc:
     def active_sessions(self) -> int:
         return self.stub().Health(pb.Empty(), timeout=5).active_sessions
 
+    def worker_pid(self) -> int | None:
+        """The pid of the node's engine worker process (None between workers, or in-process)."""
+        pid = self.proc.pid
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    children = f.read().split()
+            except OSError:
+                continue
+            for child in children:
+                with open(f"/proc/{child}/cmdline", "rb") as f:
+                    if b"meshnet.node.engine_worker" in f.read():
+                        return int(child)
+        return None
+
+    def health(self) -> pb.HealthReply:
+        return self.stub().Health(pb.Empty(), timeout=5)
+
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)

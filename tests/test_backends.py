@@ -315,7 +315,8 @@ def test_node_refuses_a_negative_device_index(cache_dir):
 
 @needs_golden
 def test_build_engine_refuses_an_uncertified_accelerator():
-    from meshnet.node.runner import NodeConfig, build_engine
+    from meshnet.node.config import NodeConfig
+    from meshnet.node.engine_loader import build_engine
 
     if lanes.probe_lane("vulkan").state == "certified":
         pytest.skip("vulkan is certified on this machine")

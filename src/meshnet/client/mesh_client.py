@@ -25,7 +25,7 @@ import grpc
 from meshnet.client.deadline import DeadlinePolicy, HopClocks
 from meshnet.client.orphans import OrphanReleaser
 from meshnet.client.relayed import RelayedStage
-from meshnet.client.remote import RemoteStage, StageFailure
+from meshnet.client.remote import LIVENESS_PROBE_S, RemoteStage, StageFailure
 from meshnet.ledger.reporting import DeliveryReporter, new_client_id
 from meshnet.contract import NamedTensor, Status, StepRequest, StepResult
 from meshnet.proto import meshnet_pb2 as pb
@@ -38,6 +38,20 @@ log = logging.getLogger("meshnet.client")
 
 class MeshUnavailable(RuntimeError):
     """No complete route could be had (the message names the missing layers) within the deadline."""
+
+
+class SessionLost(StageFailure):
+    """A node answered NOT_FOUND for a session this client has run steps of: it serves, but lost the
+    session's KV cache (its engine worker restarted, or it freed the session as idle)."""
+
+
+def _healthy(hop: RemoteStage) -> bool:
+    """Whether ``hop`` answers Health, healthy and not draining, within the liveness probe."""
+    try:
+        reply = hop.health(LIVENESS_PROBE_S)
+    except (grpc.RpcError, StageFailure):
+        return False
+    return reply.healthy and not reply.draining
 
 
 def context_length(hops: list[RemoteStage]) -> int:
@@ -177,6 +191,7 @@ class MeshClient:
             log_ = self._sessions[req.session_id] = SessionLog(req.session_id, epoch, hops)
         deadline: float | None = None
         failed_at: dict[str, str] = {}  # node id -> the address it failed at: routes exclude these
+        lost: set[str] = set()  # nodes that answered NOT_FOUND for this session: replayed, not excluded
         # What each hop received for this step, kept across attempts: after a failover the step resumes
         # at the first changed hop, because the hops before it already ran this step.
         step_inputs: list[NamedTensor | None] = [None] * len(log_.hops)
@@ -184,7 +199,8 @@ class MeshClient:
         while True:
             try:
                 if deadline is not None:
-                    start = self._failover(log_, failed_at, deadline)
+                    start = self._failover(log_, failed_at, deadline, lost)
+                    lost.clear()
                     step_inputs = (step_inputs + [None] * len(log_.hops))[:len(log_.hops)]
                 result = self._run(log_, req, decode, start, step_inputs)
                 if result.ok:
@@ -195,6 +211,12 @@ class MeshClient:
                 else:
                     self._abandon(log_)
                 return result
+            except SessionLost as f:
+                # The node serves, but no longer holds the session (its engine restarted, or it freed the
+                # session as idle): rebuild it there by replaying, like a changed hop.
+                log.warning("session %s: %s; replaying it", req.session_id, f)
+                deadline = deadline or time.monotonic() + self.failover_deadline_s
+                lost.add(f.node_id)
             except StageFailure as f:
                 log.warning("session %s: %s; failing over", req.session_id, f)
                 deadline = deadline or time.monotonic() + self.failover_deadline_s
@@ -235,8 +257,8 @@ class MeshClient:
         except MeshUnavailable:
             return None
         for h in hops:
-            if failed_at.get(h.node_id) == h.address:
-                return None  # the same process that failed: still dead, or stalled
+            if failed_at.get(h.node_id) == h.address and not _healthy(h):
+                return None  # the same process that failed: still dead, stalled, or restarting its engine
         return epoch, hops
 
     def _run(self, log_: SessionLog, req: StepRequest, decode: bool, start: int,
@@ -258,6 +280,8 @@ class MeshClient:
                     elapsed = time.monotonic() - t0
             finally:
                 clock.end(ticket, elapsed)
+            if result.status is Status.NOT_FOUND and log_.steps:
+                raise SessionLost(hop.node_id, hop.address, "NOT_FOUND", result.message)
             if not result.ok:
                 return result
             x = result.hidden
@@ -272,7 +296,8 @@ class MeshClient:
         log_.hops = [h for h in log_.hops if h.node_id not in failed]
         self.release(log_.session_id)
 
-    def _failover(self, log_: SessionLog, failed_at: dict[str, str], deadline: float) -> int:
+    def _failover(self, log_: SessionLog, failed_at: dict[str, str], deadline: float,
+                  lost: set[str] = frozenset()) -> int:
         """Re-route (epoch + 1) around the nodes in ``failed_at`` (node id -> the address it failed at)
         and rebuild the session's KV on the changed hops by replaying the recorded steps; returns the
         index of the first changed hop. Raises StageFailure when a node fails during the replay (the
@@ -280,7 +305,9 @@ class MeshClient:
 
         A failed node is let back in once it has registered again at another address: a new process
         under the same id (``meshnet up`` restarts its nodes, an operator restarts one with
-        ``--node-id``), so a mesh without a spare recovers once the node is back."""
+        ``--node-id``), so a mesh without a spare recovers once the node is back; so is a node that
+        answers healthy again at the same address (its engine worker was restarted). Nodes in ``lost``
+        still serve but lost the session: they may stay in the route, and the replay starts at them."""
         exclude = set(failed_at)
         while True:
             try:
@@ -299,7 +326,7 @@ class MeshClient:
         old = log_.hops
         first = 0  # the replay starts at the first hop that changed (a restarted node counts as changed)
         while (first < min(len(old), len(hops)) and old[first].node_id == hops[first].node_id
-               and old[first].node_id not in exclude):
+               and old[first].node_id not in exclude and old[first].node_id not in lost):
             first += 1
         # Hops before `first` keep their caches; the replay starts at hop `first`'s input boundary.
         # Tiling guarantees the new hop `first` starts where the old one did, whose inputs we recorded.

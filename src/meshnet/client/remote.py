@@ -121,11 +121,10 @@ class RemoteStage:
                                        f"no answer within {waited:.2f}s") from None
 
     def answers(self) -> bool:
-        """Whether the node answers :meth:`health` within :data:`LIVENESS_PROBE_S` (alive, if perhaps
-        busy)."""
+        """Whether the node answers :meth:`health` within :data:`LIVENESS_PROBE_S`, healthy (alive, if
+        perhaps busy; a node whose engine worker hangs or restarts answers, but not healthy)."""
         try:
-            self.health(LIVENESS_PROBE_S)
-            return True
+            return self.health(LIVENESS_PROBE_S).healthy
         except grpc.RpcError:
             return False
 

@@ -1,10 +1,17 @@
 """``meshnet node``: load a layer range, serve it over gRPC, register with the tracker and keep
 heart-beating; free idle sessions; on SIGTERM drain and deregister.
 
+A node is put together from parts that each have one job: the engine, in a supervised worker process
+(:mod:`meshnet.node.worker_supervisor`; ``--in-process-engine`` runs it here instead), the session
+service that checks frames and maps statuses (:mod:`meshnet.node.service`), its transports (gRPC and the
+raw-TCP data plane, or with ``--relay`` one stream to the tracker: :mod:`meshnet.node.relay_link`), and
+its membership in the tracker (:mod:`meshnet.node.membership`).
+
 Prints ``MESHNET_NODE_READY node_id=... address=HOST:PORT`` on stdout once serving, so a parent process
 (``meshnet up``, tests) can learn a port chosen by the OS; the log (stderr) names its gRPC and data-plane
 addresses. A node the tracker refuses for good (wrong key or protocol, or an id that a live node at
-another address holds) exits with status 1 and the tracker's message on stderr.
+another address holds) exits with status 1 and the tracker's message on stderr; so does a node whose
+engine worker keeps dying (a crash loop), after deregistering.
 
 With ``--relay`` the node opens no port at all: it registers as relayed (address ``relay:<node_id>``)
 and keeps one outbound ``Relay`` stream to the tracker, over which the tracker forwards steps and
@@ -16,21 +23,19 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import queue
 import signal
 import sys
 import threading
 import time
-import uuid
-from dataclasses import dataclass
 
-import grpc
-
-from meshnet.contract import ArtifactId, LayerRange, LoadSpec, StepRequest, split_layers
-from meshnet.engine.base import ShardEngine
+from meshnet.contract import LayerRange
 from meshnet.engine.kv_pool import available_memory_bytes
 from meshnet.ledger.reporting import WorkReporter
 from meshnet.membership.identity import node_identity
+from meshnet.node.config import NodeConfig
+from meshnet.node.engine_loader import load_engine, pin_to_cpu
+from meshnet.node.membership import Membership
+from meshnet.node.relay_link import RelayLink
 from meshnet.node.service import NodeService
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
@@ -40,154 +45,59 @@ from meshnet.wire.security import TlsConfig, add_port, make_server, open_channel
 
 log = logging.getLogger("meshnet.node")
 
-# Tracker answers after which a node stops instead of retrying its registration.
-_FATAL_REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
-                   grpc.StatusCode.ALREADY_EXISTS)
-
-
-@dataclass
-class NodeConfig:
-    """Everything a node needs to start (see ``meshnet node --help`` for each field)."""
-
-    model: str
-    layers: LayerRange | None
-    tracker: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise: str | None = None  # address other processes dial; default host:port
-    node_id: str | None = None
-    engine: str = "ggml"  # "ggml" or "fake" (protocol tests)
-    threads: int = 2
-    n_ctx: int = 0
-    max_sessions: int = 16
-    kv_tokens: int = 0
-    idle_timeout_s: float = 300.0
-    drain_timeout_s: float = 30.0
-    join_token: str | None = None
-    tls: TlsConfig | None = None
-    tls_ca: str | None = None
-    data_plane: bool = True  # serve steps over raw TCP as well as gRPC
-    data_port: int = 0
-    stages_hint: int = 0  # with layers None: split into this many stages and take the index below
-    stage_index: int = 0
-    cpu: int | None = None  # pin the process to this CPU (benchmarks: one core per node)
-    backend: str = "cpu"  # ggml engine lane; anything but cpu must be certified on this machine
-    device_index: int = 0  # which of the lane's devices (accelerator lanes only)
-    identity: str | None = None  # Ed25519 key file; default <config>/meshnet/node-<node_id>.key, or a fresh key
-    relay: bool = False  # accept no connections: serve through a Relay stream to the tracker (needs tracker)
-
-
-def pin_to_cpu(cpu: int) -> None:
-    """Run this process on CPU ``cpu`` only; threads started later (ggml's workers, gRPC's) inherit it.
-
-    Raises:
-        ValueError: ``cpu`` is not one this process may run on (the message lists those), or the
-            platform cannot pin processes.
-    """
-    if not hasattr(os, "sched_setaffinity"):
-        raise ValueError(f"--cpu {cpu}: pinning to a CPU is not supported on this platform")
-    allowed = sorted(os.sched_getaffinity(0))
-    if cpu not in allowed:
-        raise ValueError(f"--cpu {cpu}: no such CPU available to this process (available: "
-                         f"{', '.join(map(str, allowed))})")
-    os.sched_setaffinity(0, {cpu})
-
-
-def build_engine(cfg: NodeConfig) -> tuple[ShardEngine, pb.ModelIdentity]:
-    """Load the engine for ``cfg``. Raises ValueError with the engine's message on a bad model/range."""
-    if cfg.engine == "fake":
-        from meshnet.engine.fake import FakeEngine, FakeModel
-
-        model = FakeModel()
-        layers = cfg.layers or LayerRange(0, model.n_layer)
-        eng = FakeEngine(model)
-        out = eng.load(LoadSpec(path="", artifact=ArtifactId(model.sha256, layers), max_sessions=cfg.max_sessions))
-        if not out.ok:
-            raise ValueError(out.message)
-        return eng, pb.ModelIdentity(sha256=model.sha256, architecture="fake", n_layer=model.n_layer)
-    from meshnet.engine.ggml_engine import GgmlEngine
-    from meshnet.model.bundled import resolve_model
-    from meshnet.model.gguf_file import open_gguf, sha256_file
-    from meshnet.model.hparams import ModelConfig
-
-    path = str(resolve_model(cfg.model))
-    mcfg = ModelConfig.from_reader(open_gguf(path))
-    layers = cfg.layers or split_layers(mcfg.n_layer, max(1, cfg.stages_hint))[cfg.stage_index]
-    sha = sha256_file(path)
-    if cfg.backend != "cpu":
-        from meshnet.backends.lanes import require_certified
-        from meshnet.backends.placement import AcceleratorEngine
-
-        # BackendUnavailable (a ValueError) with the probe's exact reason
-        require_certified(cfg.backend, cfg.device_index)
-        eng = AcceleratorEngine(cfg.backend, cfg.device_index)
-    else:
-        eng = GgmlEngine()
-    out = eng.load(LoadSpec(path=path, artifact=ArtifactId(sha, layers), n_threads=cfg.threads, n_ctx=cfg.n_ctx,
-                            max_sessions=cfg.max_sessions, kv_tokens=cfg.kv_tokens))
-    if not out.ok:
-        raise ValueError(out.message)
-    return eng, pb.ModelIdentity(sha256=sha, architecture=mcfg.architecture, n_layer=mcfg.n_layer)
-
-
-def measure_decode_speed(engine: ShardEngine, steps: int = 8) -> float:
-    """Tokens/s of single-token decode steps on a scratch session (what routing compares nodes by).
-
-    The first step (a one-token prefill) is not timed: it builds graphs and, on an accelerator, loads
-    kernels, which a serving node pays once."""
-    import numpy as np
-
-    from meshnet.contract import NamedTensor
-
-    caps = engine.capabilities()
-    sid = f"speed-probe-{uuid.uuid4().hex}"
-    hidden = None if caps.is_head else NamedTensor.from_numpy("hidden", np.zeros((1, caps.n_embd), np.float32))
-    if not engine.prefill(StepRequest(sid, 0, 0, (1,), hidden=hidden)).ok:
-        engine.release(sid)
-        return 0.0
-    t0 = time.perf_counter()
-    n = 0
-    for i in range(1, steps + 1):
-        if not engine.decode(StepRequest(sid, 0, i, (1,), hidden=hidden)).ok:
-            break
-        n += 1
-    dt = time.perf_counter() - t0
-    engine.release(sid)
-    return n / dt if dt > 0 and n else 0.0
-
 
 class Node:
-    """A running node: server, tracker membership, idle sweeper. ``start()`` then ``stop()``."""
+    """A running node: engine, session service, transports, tracker membership, idle sweeper.
+    ``start()`` then ``stop()``.
+
+    Raises:
+        ValueError: the engine could not load (bad model, range or fault spec), or --relay without a tracker.
+    """
 
     def __init__(self, cfg: NodeConfig) -> None:
+        if cfg.relay and not cfg.tracker:
+            raise ValueError("--relay needs --tracker: a relayed node is reached only through its tracker")
         self.cfg = cfg
         # The key signs every tracker message; without --node-id the id is the key's, so it cannot be
         # claimed by anyone else. Loaded before the model so a bad key file fails fast.
         self.identity = node_identity(cfg.node_id, cfg.identity)
         self.node_id = cfg.node_id or self.identity.node_id
-        self.engine, self.model = build_engine(cfg)
-        self.decode_tokens_per_s = measure_decode_speed(self.engine)
+        # Why the node must exit non-zero (the tracker refused it, its engine kept dying), or None.
+        self.failure: str | None = None
+        self.supervisor = None
+        if cfg.in_process_engine:
+            self.engine, self.loaded = load_engine(cfg)
+        else:
+            from meshnet.node.worker_engine import WorkerEngine
+            from meshnet.node.worker_supervisor import WorkerSupervisor
+
+            self.supervisor = WorkerSupervisor(cfg, on_give_up=self._give_up)
+            self.supervisor.start()
+            self.engine = WorkerEngine(self.supervisor)
+            self.loaded = self.supervisor.info
+        self.model = self.loaded.model
+        self.decode_tokens_per_s = self.loaded.decode_tokens_per_s
         self.service = NodeService(self.engine, self.node_id, self.model)
         # Completed steps wait here until the heartbeat loop reports them to the tracker's ledger.
-        self.work = WorkReporter(self.node_id, self.model.sha256, self.engine.capabilities().artifact.layers,
+        self.work = WorkReporter(self.node_id, self.model.sha256, self.loaded.caps.artifact.layers,
                                  sign=self.identity.sign)
+        self.membership: Membership | None = None
+        self.relay: RelayLink | None = None
         if cfg.tracker:
             self.service.on_step = self.work.record
+            tracker = pb_grpc.TrackerStub(open_channel(cfg.tracker, cfg.join_token, cfg.tls_ca))
+            self.membership = Membership(tracker, self.identity, self.node_id, self.info, self._load, self.work,
+                                         self._refused)
+            if cfg.relay:
+                self.relay = RelayLink(tracker, self.identity, self.node_id, self.service,
+                                       self.membership.registered, cfg.max_sessions)
         self.server = None
         self.port = 0
         self.data_plane = None
         self.data_address = ""
-        self._registered = threading.Event()  # set while the tracker knows this node
-        self.relay_attached = threading.Event()  # set while the relay stream is open (relay mode)
         if cfg.relay:
-            if not cfg.tracker:
-                raise ValueError("--relay needs --tracker: a relayed node is reached only through its tracker")
             # No listening socket at all: everything arrives over the outbound relay stream.
             self.address = f"relay:{self.node_id}"
-            # Steps run here so that cancel/release (answered on the stream's reader) never wait behind one.
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._relay_pool = ThreadPoolExecutor(max_workers=cfg.max_sessions + 2, thread_name_prefix="relay-step")
         else:
             # Workers beyond the session limit answer refusals and control calls while steps run; calls
             # beyond twice that are refused (RESOURCE_EXHAUSTED) rather than queued without bound.
@@ -205,14 +115,16 @@ class Node:
             self.data_address = f"{adv_host}:{self.data_plane.port}"
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._tracker = None
-        # Why the tracker refused this node for good ("CODE: details"), or None.
-        self.refusal: str | None = None
+
+    @property
+    def relay_attached(self) -> threading.Event:
+        """Set while the relay stream is open (relay mode; never set otherwise)."""
+        return self.relay.attached if self.relay is not None else threading.Event()
 
     def info(self) -> pb.NodeInfo:
-        c = self.engine.capabilities()
+        c = self.loaded.caps
         # An accelerator node registers its device's free memory; a CPU node the host's.
-        free = self.engine.device_free_bytes() if hasattr(self.engine, "device_free_bytes") else available_memory_bytes()
+        free = self.engine.device_free_bytes() if self.cfg.backend != "cpu" else available_memory_bytes()
         return pb.NodeInfo(node_id=self.node_id, address=self.address, model=self.model,
                            layers=pb.LayerRange(start=c.artifact.layers.start, end=c.artifact.layers.end),
                            engine=c.engine, backend=c.backend, protocol_major=PROTOCOL_MAJOR,
@@ -222,169 +134,74 @@ class Node:
 
     def _device_info(self) -> pb.DeviceInfo | None:
         """The engine's device as registered (None for an engine without one, e.g. the fake)."""
-        dev = getattr(self.engine, "device", None)
+        dev = self.loaded.device
         if not dev:
             return None
         return pb.DeviceInfo(name=dev["name"], description=dev["description"], type=dev["type"],
-                             memory_total_bytes=dev["memory_total_bytes"],
-                             index=getattr(self.engine, "device_index", 0),
+                             memory_total_bytes=dev["memory_total_bytes"], index=self.loaded.device_index,
                              cpu_features=dev.get("cpu_features", ()))
+
+    def _load(self) -> tuple[int, float]:
+        return self.engine.health().active_sessions, self.decode_tokens_per_s
+
+    def _refused(self, refusal: str) -> None:
+        # Retrying cannot help (wrong key, wrong protocol, an id another live node holds): stop, and
+        # let run_node exit non-zero with the tracker's words.
+        self.failure = f"tracker refused this node: {refusal}"
+        print(f"error: {self.failure}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def _give_up(self, reason: str) -> None:
+        """The engine worker keeps dying: leave the tracker now (routes stop naming this node) and exit."""
+        self.failure = reason
+        print(f"error: {reason}; deregistering and exiting", file=sys.stderr, flush=True)
+        if self.membership is not None:
+            self.membership.deregister()
+        os.kill(os.getpid(), signal.SIGTERM)
 
     def start(self) -> None:
         if self.server is not None:
             self.server.start()
         if self.data_plane is not None:
             self.data_plane.start()
-        if self.cfg.tracker:
-            channel = open_channel(self.cfg.tracker, self.cfg.join_token, self.cfg.tls_ca)
-            self._tracker = pb_grpc.TrackerStub(channel)
-            self._spawn(self._membership_loop)
-            if self.cfg.relay:
-                self._spawn(self._relay_loop)
+        if self.membership is not None:
+            self._spawn(self.membership.run)
+        if self.relay is not None:
+            self._spawn(self.relay.run)
         self._spawn(self._idle_loop)
 
     def _spawn(self, fn) -> None:
-        t = threading.Thread(target=fn, daemon=True)
+        t = threading.Thread(target=fn, args=(self._stop,), daemon=True)
         t.start()
         self._threads.append(t)
 
-    def _membership_loop(self) -> None:
-        """Register, then heartbeat; re-register whenever the tracker forgot us (e.g. it restarted)."""
-        interval, registered, warned = 1.0, False, False
-        # A draining node has deregistered: it must not register again (stop() reports its last work).
-        while not self._stop.is_set() and not self.service.draining:
-            try:
-                if not registered:
-                    reply = self._tracker.Register(self.identity.sign(self.info()), timeout=5)
-                    interval, registered, warned = max(0.05, reply.heartbeat_interval_s), True, False
-                    self._registered.set()
-                    log.info("registered with tracker %s (heartbeat %.2fs)", self.cfg.tracker, interval)
-                else:
-                    hb = self._tracker.Heartbeat(self.identity.sign(pb.HeartbeatRequest(
-                        node_id=self.node_id, active_sessions=self.engine.health().active_sessions,
-                        decode_tokens_per_s=self.decode_tokens_per_s)), timeout=5)
-                    # Unacknowledged work is kept and resent after an outage (the tracker counts it once).
-                    registered = hb.known and self.work.flush(self._tracker, max_batches=4)
-            except grpc.RpcError as e:
-                if e.code() in _FATAL_REFUSALS:
-                    # Retrying cannot help (wrong key, wrong protocol, an id another live node holds):
-                    # stop, and let run_node exit non-zero with the tracker's words.
-                    self.refusal = f"{e.code().name}: {e.details()}"
-                    print(f"error: tracker refused this node: {self.refusal}", file=sys.stderr, flush=True)
-                    os.kill(os.getpid(), signal.SIGTERM)
-                    return
-                if registered or not warned:
-                    log.warning("tracker %s unreachable (%s); retrying", self.cfg.tracker,
-                                e.details() or e.code().name)
-                    warned = True
-                registered = False  # tracker down or restarting: keep trying
-            if not registered:
-                self._registered.clear()
-            self._stop.wait(interval)
-
-    # ---- relay mode ------------------------------------------------------------------------------
-    def _relay_loop(self) -> None:
-        """Keep a Relay stream open to the tracker and answer what comes down it; after the stream
-        breaks (tracker restart, network), wait for re-registration and open a new one."""
-        while not self._stop.is_set():
-            if not self._registered.wait(0.2):
-                continue
-            out: queue.Queue[pb.RelayUp | None] = queue.Queue()
-
-            def ups():
-                yield pb.RelayUp(hello=self.identity.sign(pb.NodeRef(node_id=self.node_id)))
-                while True:
-                    up = out.get()
-                    if up is None:
-                        return
-                    yield up
-
-            call = self._tracker.Relay(ups())
-            self._relay_call = call
-            try:
-                for down in call:
-                    self._relay_dispatch(down, out)
-            except grpc.RpcError as e:
-                if not self._stop.is_set():
-                    log.warning("relay stream ended: %s %s", e.code().name, e.details())
-                    if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                        self._registered.clear()  # the tracker forgot us: the membership loop re-registers
-            finally:
-                self.relay_attached.clear()
-                out.put(None)
-            self._stop.wait(0.2)
-
-    def _relay_dispatch(self, down: pb.RelayDown, out: queue.Queue) -> None:
-        kind = down.kind
-        if kind == pb.RelayDown.ATTACHED:
-            self.relay_attached.set()
-            log.info("relay stream attached to tracker %s", self.cfg.tracker)
-        elif kind == pb.RelayDown.STEP:
-            self._relay_pool.submit(self._relay_step, down, out)
-        else:
-            out.put(self._relay_control(down))
-
-    def _relay_step(self, down: pb.RelayDown, out: queue.Queue) -> None:
-        try:
-            res = self.service.run_step(list(down.frames))
-        except Exception as e:  # noqa: BLE001 - answer the caller rather than leave it waiting
-            log.exception("relayed step failed")
-            out.put(pb.RelayUp(call_id=down.call_id, code="INTERNAL", message=f"node error: {e}"))
-            return
-        up = pb.RelayUp(call_id=down.call_id, code=res.code, message=res.message, replies=res.replies)
-        if res.retry_after_s is not None:
-            up.has_retry_after, up.retry_after_s = True, res.retry_after_s
-        out.put(up)
-
-    def _relay_control(self, down: pb.RelayDown) -> pb.RelayUp:
-        up = pb.RelayUp(call_id=down.call_id, code="OK")
-        kind = down.kind
-        if kind == pb.RelayDown.CANCEL:
-            self.engine.cancel(down.session_id)
-        elif kind == pb.RelayDown.RELEASE:
-            self.service.release(down.session_id, down.epoch)
-        elif kind == pb.RelayDown.HEALTH:
-            up.health.CopyFrom(self.service.Health(pb.Empty(), None))
-        elif kind == pb.RelayDown.CAPABILITIES:
-            up.capabilities.CopyFrom(self.service.GetCapabilities(pb.Empty(), None))
-        else:
-            up.code, up.message = "INVALID_ARGUMENT", f"unknown relay call kind {kind}"
-        return up
-
-    def _idle_loop(self) -> None:
+    def _idle_loop(self, stop: threading.Event) -> None:
         period = max(0.05, min(5.0, self.cfg.idle_timeout_s / 2))
-        while not self._stop.wait(period):
+        while not stop.wait(period):
             for sid in self.engine.release_idle(self.cfg.idle_timeout_s):
                 log.info("released idle session %s", sid)
 
     def stop(self, drain: bool = True) -> None:
         """Drain (refuse new sessions, let running ones finish up to drain_timeout_s), deregister, stop."""
         self.service.draining = True
-        # A refused node never held its id: deregistering would remove the live node that does.
-        if self._tracker is not None and self.refusal is None:
-            try:
-                self.work.flush(self._tracker, timeout_s=2)
-                self._tracker.Deregister(self.identity.sign(pb.NodeRef(node_id=self.node_id)), timeout=2)
-            except grpc.RpcError:
-                pass
+        if self.membership is not None:
+            self.membership.deregister()
         if drain:
             deadline = time.monotonic() + self.cfg.drain_timeout_s
             while self.engine.health().active_sessions and time.monotonic() < deadline:
                 time.sleep(0.05)
             self.service.wait_idle(max(0.0, deadline - time.monotonic()))
-        if self._tracker is not None:
-            try:
-                self.work.flush(self._tracker, timeout_s=2)  # steps finished while draining
-            except grpc.RpcError:
-                pass
+        if self.membership is not None:
+            self.membership.flush()  # steps finished while draining
         self._stop.set()
         if self.data_plane is not None:
             self.data_plane.stop()
         if self.server is not None:
             self.server.stop(grace=1.0).wait()
-        call = getattr(self, "_relay_call", None)
-        if call is not None:
-            call.cancel()
+        if self.relay is not None:
+            self.relay.close()
+        if self.supervisor is not None:
+            self.supervisor.stop()
 
 
 def add_node_parser(sub) -> None:
@@ -403,6 +220,18 @@ def add_node_parser(sub) -> None:
                         "$XDG_CONFIG_HOME/meshnet/node-<node-id>.key (~/.config/meshnet/...), without it a fresh "
                         "key for this process (a new id each start)")
     p.add_argument("--engine", choices=["ggml", "fake"], default="ggml")
+    p.add_argument("--fault", default="", metavar="SPEC",
+                   help="with --engine fake, for tests: faults to inject, e.g. crash=segfault,after=5 (crash=raise|"
+                        "segfault|abort|exit|sigkill|hang, after=N calls, delay=S, workers=K: the first K engine "
+                        "workers get them, 0 = all; default 1)")
+    p.add_argument("--in-process-engine", action="store_true",
+                   help="run the engine in the node process instead of a supervised worker process (an engine "
+                        "crash then takes the node down)")
+    p.add_argument("--worker-restarts", type=int, default=5, metavar="N",
+                   help="engine worker deaths in a row, each soon after its start, that are restarted (with "
+                        "backoff) before the node deregisters and exits")
+    p.add_argument("--worker-hang-timeout", type=float, default=5.0, metavar="S",
+                   help="seconds an engine worker may leave a ping unanswered before it is killed and restarted")
     p.add_argument("--backend", choices=["cpu", "cuda", "rocm", "vulkan", "metal"], default="cpu",
                    help="where the ggml engine computes; anything but cpu must be certified here first "
                         "(meshnet backends --certify)")
@@ -456,11 +285,20 @@ def run_node(args: argparse.Namespace) -> int:
                      drain_timeout_s=args.drain_timeout, join_token=args.join_token, tls=tls, tls_ca=args.tls_ca,
                      data_plane=not args.no_data_plane, data_port=args.data_port,
                      cpu=cpu, backend=backend, device_index=device, identity=getattr(args, "identity", None),
-                     relay=getattr(args, "relay", False))
+                     relay=getattr(args, "relay", False), fault=args.fault,
+                     in_process_engine=args.in_process_engine, worker_restarts=args.worker_restarts,
+                     worker_hang_timeout_s=args.worker_hang_timeout)
+    if cfg.fault and cfg.engine != "fake":
+        print(f"error: --fault needs --engine fake (got --engine {cfg.engine})", file=sys.stderr)
+        return 2
     if cfg.relay and not cfg.tracker:
         print("error: --relay needs --tracker (a relayed node is reached only through its tracker)", file=sys.stderr)
         return 2
-    node = Node(cfg)
+    try:
+        node = Node(cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     done = threading.Event()
 
     def on_signal(signum, frame):
@@ -473,15 +311,15 @@ def run_node(args: argparse.Namespace) -> int:
         # Ready means reachable: wait (bounded) until the tracker has attached the relay stream.
         if not node.relay_attached.wait(30):
             log.warning("relay stream not attached yet; the node stays out of routes until it is")
-    layers = node.engine.capabilities().artifact.layers
+    layers = node.loaded.caps.artifact.layers
     print(f"MESHNET_NODE_READY node_id={node.node_id} address={node.address} layers={layers}", flush=True)
-    dev = getattr(node.engine, "device", None) or {}
+    dev = node.loaded.device or {}
     # Both addresses: clients dial the data plane for steps, so a firewall must pass it too.
     log.info("node %s serving layers %s: gRPC %s, data plane %s; %s on %s (%.1f tok/s decode probe)",
              node.node_id, layers, node.address, node.data_address or "off (steps over gRPC)",
-             node.engine.capabilities().backend, dev.get("description") or dev.get("name", "?"),
+             node.loaded.caps.backend, dev.get("description") or dev.get("name", "?"),
              node.decode_tokens_per_s)
     done.wait()
     log.info("draining node %s", node.node_id)
     node.stop(drain=True)
-    return 1 if node.refusal else 0
+    return 1 if node.failure else 0

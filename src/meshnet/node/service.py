@@ -3,7 +3,8 @@
 Each call is decoded and validated as envelope frames first (:mod:`meshnet.wire.envelope`); only a
 well-formed request reaches the engine, so a malformed frame never changes a session. Engine statuses
 become gRPC status codes of the same name, with the engine's message; RESOURCE_EXHAUSTED carries a
-``retry-after-s`` trailing metadata entry.
+``retry-after-s`` trailing metadata entry. A step the engine worker could not answer (it died, or is
+being restarted) is UNAVAILABLE; any other exception out of the engine is INTERNAL.
 """
 
 from __future__ import annotations
@@ -12,11 +13,16 @@ import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
 from meshnet.contract import Status, StepResult
 from meshnet.engine.base import ShardEngine
+from meshnet.node.worker_wire import EngineUnavailable
+
+if TYPE_CHECKING:
+    from meshnet.node.worker_engine import WorkerEngine
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.envelope import (
@@ -50,7 +56,7 @@ class NodeService(pb_grpc.NodeServicer):
     """Serves one loaded engine. ``draining`` refuses new sessions (UNAVAILABLE) while existing ones
     finish; ``node_id`` and ``model`` fill in capabilities."""
 
-    def __init__(self, engine: ShardEngine, node_id: str, model: pb.ModelIdentity) -> None:
+    def __init__(self, engine: ShardEngine | WorkerEngine, node_id: str, model: pb.ModelIdentity) -> None:
         self.engine = engine
         self.node_id = node_id
         self.model = model
@@ -73,6 +79,10 @@ class NodeService(pb_grpc.NodeServicer):
             self._in_flight += 1
         try:
             res: StepResult = self.engine.decode(req) if decode else self.engine.prefill(req)
+        except EngineUnavailable as e:
+            # The engine worker died during the step or is being restarted: the client fails over (or
+            # comes back once the node is healthy again and replays the session here).
+            return StepOutcome("UNAVAILABLE", f"node {self.node_id}: {e}")
         except Exception as e:  # an engine bug or crash must not take the server down
             log.exception("engine failed on session %s", req.session_id)
             return StepOutcome("INTERNAL", f"engine error: {e}")

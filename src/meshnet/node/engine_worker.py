@@ -1,0 +1,100 @@
+"""The engine worker process: loads a node's layer range and runs the engine's calls for the node.
+
+Started by :class:`~meshnet.node.worker_supervisor.WorkerSupervisor` as ``python -m
+meshnet.node.engine_worker FD`` with one end of a socket pair as file descriptor ``FD``; speaks
+:mod:`meshnet.node.worker_wire` over it. The first message is LOAD (the pickled ``(NodeConfig,
+generation)``); the worker answers READY with a :class:`~meshnet.node.engine_loader.LoadedEngine`, or
+LOAD_FAILED with the reason, then serves CALLs until the pipe closes. Each call runs on its own pool
+thread, so concurrent steps meet in the engine's scheduler and share iterations, as they do in one
+process; PINGs are answered by the reading thread itself, so a worker answers them as long as its
+Python runs at all. Opens no network socket. Dies with its node (Linux: the parent-death signal).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from meshnet.node import worker_wire as ww
+from meshnet.node.engine_loader import load_engine, pin_to_cpu
+
+log = logging.getLogger("meshnet.worker")
+
+# The calls a node may make: the ShardEngine interface less load (done once, by LOAD).
+CALLS = frozenset({"prefill", "decode", "cancel", "release", "release_superseded", "release_idle", "session_ids",
+                   "health", "metrics", "device_free_bytes"})
+
+
+def _die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when the node process dies (Linux; elsewhere the closed
+    pipe ends it, unless it hangs)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def serve(sock: socket.socket) -> int:
+    """Load, then answer calls until the node closes the pipe. Returns the exit status (0, or 3 when
+    the load failed)."""
+    lock = threading.Lock()
+    kind, call_id, meta, payload = ww.receive(sock)
+    if kind is not ww.Kind.LOAD:
+        raise RuntimeError(f"engine worker: expected LOAD first, got {kind.name}")
+    cfg, generation = ww.decode(meta, payload)
+    if cfg.cpu is not None:
+        pin_to_cpu(cfg.cpu)  # before loading, so the engine's threads start pinned
+    try:
+        engine, info = load_engine(cfg, generation)
+    except ValueError as e:
+        ww.send(sock, lock, ww.Kind.LOAD_FAILED, call_id, *ww.encode(str(e)))
+        return 3
+    ww.send(sock, lock, ww.Kind.READY, call_id, *ww.encode(info))
+    # Every in-flight step holds a thread while it waits for its iteration: room for the node's limit
+    # of concurrent calls, so a control call never queues behind steps.
+    pool = ThreadPoolExecutor(max_workers=2 * (cfg.max_sessions + 8), thread_name_prefix="engine-call")
+
+    def run(call_id: int, meta: bytes, payload: bytes) -> None:
+        method, args = ww.decode(meta, payload)
+        try:
+            if method not in CALLS:
+                raise AttributeError(f"engine worker has no call {method!r}")
+            out = getattr(engine, method)(*args)
+            reply = ww.Kind.REPLY, ww.encode(out)
+        except Exception as e:  # noqa: BLE001 - the node reports it as the engine's failure
+            log.exception("engine call %s failed", method)
+            reply = ww.Kind.RAISED, ww.encode(f"{type(e).__name__}: {e}")
+        try:
+            ww.send(sock, lock, reply[0], call_id, *reply[1])
+        except OSError:
+            pass  # the node is gone; the reading loop ends too
+
+    try:
+        while True:
+            kind, call_id, meta, payload = ww.receive(sock)
+            if kind is ww.Kind.PING:
+                ww.send(sock, lock, ww.Kind.PONG, call_id)
+            elif kind is ww.Kind.CALL:
+                pool.submit(run, call_id, meta, payload)
+    except (EOFError, OSError):
+        return 0  # the node closed the pipe: it is stopping or gave up on this worker
+
+
+def main(argv: list[str]) -> int:
+    _die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    sock = socket.socket(fileno=int(argv[0]))
+    # The node's SIGINT (Ctrl-C in its terminal) reaches this process group too; the node decides.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    status = serve(sock)
+    os._exit(status)  # skip interpreter teardown: pool threads may be mid-step in C
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,98 @@
+"""A node's membership in its tracker: register, heartbeat (load, speed, readiness, finished work),
+register again when the tracker forgot the node, and deregister when it leaves.
+
+Runs on one thread (:meth:`Membership.run`). A tracker that refuses the node for good (wrong key or
+protocol, an id a live node at another address holds) ends the loop: ``refusal`` says why and
+``on_refused`` is called, so the node can exit non-zero with the tracker's words.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import grpc
+
+from meshnet.ledger.reporting import WorkReporter
+from meshnet.membership.identity import NodeIdentity
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+
+log = logging.getLogger("meshnet.node")
+
+# Tracker answers after which a node stops instead of retrying its registration.
+FATAL_REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
+                  grpc.StatusCode.ALREADY_EXISTS)
+
+
+class Membership:
+    """Keeps ``node_id`` registered with ``tracker``.
+
+    Args:
+        tracker: the tracker's stub.
+        identity: signs every message.
+        node_id: the id registered.
+        info: the NodeInfo to register (asked again at each registration).
+        load: ``(active_sessions, decode_tokens_per_s)`` for a heartbeat (0 tokens/s = unchanged).
+        work: completed steps, flushed to the tracker's ledger with each heartbeat.
+        on_refused: called with ``"CODE: details"`` when the tracker refuses the node for good.
+    """
+
+    def __init__(self, tracker: pb_grpc.TrackerStub, identity: NodeIdentity, node_id: str,
+                 info: Callable[[], pb.NodeInfo], load: Callable[[], tuple[int, float]], work: WorkReporter,
+                 on_refused: Callable[[str], None]) -> None:
+        self.tracker, self.identity, self.node_id = tracker, identity, node_id
+        self._info, self._load, self.work, self._on_refused = info, load, work, on_refused
+        self.registered = threading.Event()  # set while the tracker knows this node
+        self.refusal: str | None = None  # why the tracker refused this node for good, or None
+        self.leaving = False  # set by deregister: the loop must not register again
+
+    def run(self, stop: threading.Event) -> None:
+        """Register, then heartbeat until ``stop`` or :meth:`deregister`; re-register whenever the
+        tracker forgot us (e.g. it restarted)."""
+        interval, registered, warned = 1.0, False, False
+        while not stop.is_set() and not self.leaving:
+            try:
+                if not registered:
+                    reply = self.tracker.Register(self.identity.sign(self._info()), timeout=5)
+                    interval, registered, warned = max(0.05, reply.heartbeat_interval_s), True, False
+                    self.registered.set()
+                    log.info("registered with the tracker (heartbeat %.2fs)", interval)
+                else:
+                    sessions, speed = self._load()
+                    hb = self.tracker.Heartbeat(self.identity.sign(pb.HeartbeatRequest(
+                        node_id=self.node_id, active_sessions=sessions, decode_tokens_per_s=speed)), timeout=5)
+                    # Unacknowledged work is kept and resent after an outage (the tracker counts it once).
+                    registered = hb.known and self.work.flush(self.tracker, max_batches=4)
+            except grpc.RpcError as e:
+                if e.code() in FATAL_REFUSALS:
+                    self.refusal = f"{e.code().name}: {e.details()}"
+                    self._on_refused(self.refusal)
+                    return
+                if registered or not warned:
+                    log.warning("tracker unreachable (%s); retrying", e.details() or e.code().name)
+                    warned = True
+                registered = False  # tracker down or restarting: keep trying
+            if not registered:
+                self.registered.clear()
+            stop.wait(interval)
+
+    def deregister(self) -> None:
+        """Report finished work and leave the tracker (best effort, a few seconds at most). A refused
+        node never held its id: it leaves without deregistering, which would remove the node that does."""
+        self.leaving = True
+        if self.refusal is not None:
+            return
+        try:
+            self.work.flush(self.tracker, timeout_s=2)
+            self.tracker.Deregister(self.identity.sign(pb.NodeRef(node_id=self.node_id)), timeout=2)
+        except grpc.RpcError:
+            pass
+
+    def flush(self) -> None:
+        """Report work finished since (steps that completed while draining); best effort."""
+        try:
+            self.work.flush(self.tracker, timeout_s=2)
+        except grpc.RpcError:
+            pass

@@ -1,0 +1,189 @@
+"""The engine worker process and its supervisor, without a node around them: calls forwarded
+concurrently and answered as in one process, real deaths (segfault, abort, exit, SIGKILL) and a hang
+detected and restarted, a crash loop given up with its reason."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from meshnet.contract import ArtifactId, LayerRange, LoadSpec, Status, StepRequest
+from meshnet.engine.fake import FakeEngine, FakeModel, parse_fault_spec
+from meshnet.node.config import NodeConfig
+from meshnet.node.worker_channel import EngineCallFailed
+from meshnet.node.worker_engine import WorkerEngine
+from meshnet.node.worker_supervisor import WorkerSupervisor
+from meshnet.node.worker_wire import EngineUnavailable
+from meshnet.restart_policy import RestartPolicy
+
+FAST = RestartPolicy(initial_delay_s=0.1, max_delay_s=0.2)
+
+
+def _worker(layers: str = "0:30", fault: str = "", restarts: int = 5, hang_s: float = 5.0,
+            on_give_up=None) -> WorkerEngine:
+    cfg = NodeConfig(model="", layers=LayerRange.parse(layers), engine="fake", fault=fault,
+                     worker_restarts=restarts, worker_hang_timeout_s=hang_s)
+    sup = WorkerSupervisor(cfg, policy=FAST, on_give_up=on_give_up, ping_interval_s=0.2)
+    sup.start()
+    return WorkerEngine(sup)
+
+
+def _local(layers: str) -> FakeEngine:
+    eng = FakeEngine(FakeModel())
+    r = LayerRange.parse(layers)
+    assert eng.load(LoadSpec(path="", artifact=ArtifactId(FakeModel().sha256, r))).ok
+    return eng
+
+
+def _greedy(engine, sid: str, prompt: tuple[int, ...], n: int) -> list[int]:
+    res = engine.prefill(StepRequest(sid, 0, 0, prompt))
+    assert res.ok, res.message
+    out = [res.token.token_id]
+    for i in range(n - 1):
+        res = engine.decode(StepRequest(sid, 0, len(prompt) + i, (out[-1],)))
+        assert res.ok, res.message
+        out.append(res.token.token_id)
+    return out
+
+
+def _wait_until(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_concurrent_sessions_through_the_worker_equal_the_engine_in_process():
+    worker, local = _worker(), _local("0:30")
+    try:
+        prompts = [tuple(range(1 + i, 9 + 3 * i)) for i in range(8)]
+        got: dict[int, list[int]] = {}
+        threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, _greedy(worker, f"s{i}", prompts[i], 12)))
+                   for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [got[i] for i in range(8)] == [_greedy(local, f"s{i}", prompts[i], 12) for i in range(8)]
+        assert worker.health().active_sessions == 8
+        assert sorted(worker.session_ids()) == sorted(f"s{i}" for i in range(8))
+        assert worker.metrics().decode_tokens == 8 * 11 + 8  # and the load's speed probe: 8 decode steps
+        for i in range(8):
+            assert worker.release(f"s{i}").ok
+        assert worker.health().active_sessions == 0
+    finally:
+        worker.supervisor.stop()
+
+
+def test_hidden_states_cross_the_pipe_bit_for_bit():
+    worker, local = _worker("0:10"), _local("0:10")
+    try:
+        prompt = tuple(range(3, 300))  # a 297-row prefill: hidden states of several KB
+        a, b = worker.prefill(StepRequest("h", 0, 0, prompt)), local.prefill(StepRequest("h", 0, 0, prompt))
+        assert a.hidden.shape == (297, 8) and a.hidden.data == b.hidden.data
+        a, b = worker.decode(StepRequest("h", 0, 297, (5,))), local.decode(StepRequest("h", 0, 297, (5,)))
+        assert np.array_equal(a.hidden.to_numpy(), b.hidden.to_numpy())
+        # Statuses cross unchanged: a decode at the wrong position.
+        bad = worker.decode(StepRequest("h", 0, 7, (5,)))
+        assert bad.status is Status.FAILED_PRECONDITION and "298 tokens cached" in bad.message
+    finally:
+        worker.supervisor.stop()
+
+
+def test_an_exception_in_the_engine_is_reported_and_the_worker_lives_on():
+    worker = _worker(fault="crash=raise,after=1")
+    try:
+        assert worker.prefill(StepRequest("r", 0, 0, (1, 2))).ok
+        with pytest.raises(EngineCallFailed, match="FakeCrash: fake engine crashed on call 2"):
+            worker.decode(StepRequest("r", 0, 2, (3,)))
+        assert worker.supervisor.restarts == 0 and worker.supervisor.status == ""
+    finally:
+        worker.supervisor.stop()
+
+
+@pytest.mark.parametrize("kind, reason", [("segfault", "killed by SIGSEGV"), ("abort", "killed by SIGABRT"),
+                                          ("exit", "exited with status 70"), ("sigkill", "killed by SIGKILL")])
+def test_a_dead_worker_fails_its_call_restarts_and_has_lost_its_sessions(kind, reason):
+    worker = _worker(fault=f"crash={kind},after=2")
+    sup = worker.supervisor
+    try:
+        first_pid = sup.pid
+        assert worker.prefill(StepRequest("a", 0, 0, (1, 2))).ok
+        assert worker.decode(StepRequest("a", 0, 2, (3,))).ok
+        with pytest.raises(EngineUnavailable, match=f"died during decode \\({reason}\\)"):
+            worker.decode(StepRequest("a", 0, 3, (4,)))
+        _wait_until(lambda: sup.status == "")
+        assert sup.restarts == 1 and sup.pid not in (None, first_pid)
+        lost = worker.decode(StepRequest("a", 0, 3, (4,)))
+        assert lost.status is Status.NOT_FOUND
+        # The fault hit the first worker only: the second serves on.
+        assert _greedy(worker, "b", (1, 2), 6) == _greedy(_local("0:30"), "b", (1, 2), 6)
+        assert worker.health().healthy and sup.restarts == 1
+    finally:
+        sup.stop()
+
+
+def test_a_hung_worker_is_killed_and_restarted_while_health_answers():
+    worker = _worker(fault="crash=hang,after=1", hang_s=1.0)
+    sup = worker.supervisor
+    try:
+        assert worker.prefill(StepRequest("a", 0, 0, (1, 2))).ok
+        errors: list[Exception] = []
+
+        def hung_call():
+            try:
+                worker.decode(StepRequest("a", 0, 2, (3,)))
+            except EngineUnavailable as e:
+                errors.append(e)
+
+        t = threading.Thread(target=hung_call)
+        t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        h = worker.health()  # answered by the node side within its own timeout, not the worker's
+        assert time.monotonic() - t0 < 3.0
+        assert not h.healthy
+        t.join(30)
+        assert len(errors) == 1 and "hung: no answer to a ping within 1 s, killed" in str(errors[0])
+        _wait_until(lambda: sup.status == "")
+        assert sup.restarts == 1 and worker.health().healthy
+    finally:
+        sup.stop()
+
+
+def test_a_crash_loop_backs_off_then_gives_up_with_the_reason():
+    reasons: list[str] = []
+    worker = _worker(fault="crash=exit,after=0,workers=0", restarts=2, on_give_up=reasons.append)
+    sup = worker.supervisor
+    try:
+        deadline = time.monotonic() + 60
+        while not reasons and time.monotonic() < deadline:
+            try:
+                worker.prefill(StepRequest("x", 0, 0, (1,)))
+            except EngineUnavailable:
+                pass
+            time.sleep(0.05)
+        assert reasons == ["engine worker died 3 times in a row, each within 30 s of its start "
+                           "(last: exited with status 70)"]
+        assert sup.restarts == 2
+        assert sup.status.startswith("engine worker gave up: engine worker died 3 times")
+        with pytest.raises(EngineUnavailable, match="gave up"):
+            worker.prefill(StepRequest("x", 0, 0, (1,)))
+    finally:
+        sup.stop()
+
+
+def test_fault_spec_parses_and_refuses_bad_text():
+    faults, workers = parse_fault_spec("crash=segfault,after=5")
+    assert (faults.crash_kind, faults.crash_after_calls, workers) == ("segfault", 5, 1)
+    faults, workers = parse_fault_spec("delay=0.5,workers=0")
+    assert (faults.delay_s, faults.crash_after_calls, workers) == (0.5, None, 0)
+    with pytest.raises(ValueError, match="crash_kind must be one of"):
+        parse_fault_spec("crash=melt")
+    with pytest.raises(ValueError, match="after=N needs crash=KIND"):
+        parse_fault_spec("after=3")
+    with pytest.raises(ValueError, match="got 'speed=3'"):
+        parse_fault_spec("speed=3")
