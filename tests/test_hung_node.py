@@ -6,22 +6,12 @@ from __future__ import annotations
 import signal
 import time
 
+from mesh_util import wait_for
 from meshnet.client.mesh_client import MeshClient
 from meshnet.client.orphans import OrphanReleaser
 from meshnet.contract import GREEDY, ArtifactId, LayerRange, LoadSpec, Outcome, Status, StepRequest
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.generation import Generation
-
-
-
-def _wait_for(predicate, timeout_s: float) -> float | None:
-    """Seconds until ``predicate()`` held, polling every 50 ms; None if it never did."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if predicate():
-            return time.monotonic() - t0
-        time.sleep(0.05)
-    return None
 
 
 def test_stopped_middle_node_fails_over_in_seconds_and_frees_its_session_on_resume(mesh, tok, solo):
@@ -49,10 +39,10 @@ def test_stopped_middle_node_fails_over_in_seconds_and_frees_its_session_on_resu
     finally:
         victim.proc.send_signal(signal.SIGCONT)
     resumed_at = time.monotonic()
-    freed_s = _wait_for(lambda: victim.active_sessions() == 0, 5.0)
+    freed_s = wait_for(lambda: victim.active_sessions() == 0, 5.0)
     print(f"SIGCONT to 0 sessions on the resumed node: {time.monotonic() - resumed_at:.2f} s")
     assert freed_s is not None, f"resumed node still holds {victim.active_sessions()} session(s)"
-    assert _wait_for(lambda: client.orphans.pending() == 0, 5.0) is not None
+    assert wait_for(lambda: client.orphans.pending() == 0, 5.0) is not None
     assert client.orphans.released == 1
     client.close()
 
@@ -103,7 +93,7 @@ def test_orphan_releaser_retries_until_the_node_answers():
     stage = _FlakyStage(answers_from=3, engine=engine)
     releaser = OrphanReleaser(attempt_timeout_s=0.5, retry_s=0.05)
     releaser.add(stage, "s", 2)
-    assert _wait_for(lambda: releaser.pending() == 0, 5.0) is not None
+    assert wait_for(lambda: releaser.pending() == 0, 5.0) is not None
     assert stage.calls == [("s", 2, 0.5)] * 3
     assert (releaser.released, engine.session_ids()) == (1, [])
     releaser.close()
@@ -113,6 +103,6 @@ def test_orphan_releaser_gives_up_after_its_horizon():
     stage = _FlakyStage(answers_from=10**9, engine=_fake())
     releaser = OrphanReleaser(horizon_s=0.3, retry_s=0.05)
     releaser.add(stage, "s", 2)
-    assert _wait_for(lambda: releaser.pending() == 0, 5.0) is not None
+    assert wait_for(lambda: releaser.pending() == 0, 5.0) is not None
     assert releaser.released == 0 and 3 <= len(stage.calls) <= 10
     releaser.close()

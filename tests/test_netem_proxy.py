@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from meshnet.netem.control import NetemProcess
 from meshnet.netem.link import LinkSpec
 from meshnet.netem.proxy import EmulatorThread, Listener
 
@@ -113,3 +114,25 @@ def test_blackhole_holds_open_and_new_connections_until_it_heals(emu):
         s.settimeout(10)
         assert _recv_exactly(s, len(want)) == want
         s.close()
+
+
+def test_emulator_process_speaks_json_lines(echo, tmp_path):
+    config = {"hosts": {"127.0.0.1": "client"},
+              "listeners": [{"owner": "server", "listen": ["127.0.0.1", 0], "target": ["127.0.0.1", echo]}],
+              "links": [{"a": "client", "b": "server", "delay_s": 0.01}]}
+    netem = NetemProcess(config, tmp_path)
+    try:
+        with socket.create_connection(("127.0.0.1", netem.ports[0]), timeout=10) as s:
+            s.sendall(b"hello")
+            assert _recv_exactly(s, 5) == b"hello"
+        netem.set_link("client", "server", delay_s=0.02, rate_bps=1e6)
+        link = netem.stats()["client-server"]
+        assert (link["a_to_b"], link["b_to_a"]) == (5, 5)
+        assert link["spec"] == {"delay_s": 0.02, "rate_bps": 1e6, "burst_bytes": None, "blackhole": False}
+        with pytest.raises(ValueError, match="delay_s must be >= 0"):
+            netem.set_link("client", "server", delay_s=-1)
+        with pytest.raises(ValueError, match="unknown op"):
+            netem._ask({"op": "reboot"})
+    finally:
+        netem.close()
+    assert netem.proc.returncode == 0
