@@ -76,9 +76,10 @@ class Agent:
 
 class NetMesh:
     """``hosts``: host names, one of them "tracker" and one "client"; the others may run nodes (their
-    node id is the host name). ``heartbeat_s``: the tracker's heartbeat interval, seconds."""
+    node id is the host name). ``heartbeat_s``: the tracker's heartbeat interval, seconds; ``link``:
+    every link's LinkSpec fields (default: a plain wire)."""
 
-    def __init__(self, hosts: list[str], workdir: Path, heartbeat_s: float = 0.3) -> None:
+    def __init__(self, hosts: list[str], workdir: Path, heartbeat_s: float = 0.3, link: dict | None = None) -> None:
         self.topo = Topology(hosts)
         self.workdir = workdir
         self.procs: list[subprocess.Popen] = []
@@ -87,7 +88,7 @@ class NetMesh:
         self.agent = None
         try:
             self.topo.create()
-            self.netem = NetemProcess(self._netem_config(), workdir, self.topo.argv(None, []))
+            self.netem = NetemProcess({**self._netem_config(), "default": link or {}}, workdir, self.topo.argv(None, []))
             t = self.topo.hosts["tracker"]
             self.tracker = f"{t.public_ip}:{TRACKER_PORT}"
             proc, log = self._spawn("tracker", ["tracker", "--host", t.private_ip, "--port", str(TRACKER_PORT),

@@ -59,7 +59,11 @@ def _generate(mesh, prompt_ids: list[int], n: int, pace_s: float = 0.0, on_token
 
 
 def test_client_partitioned_from_middle_node_fails_over_identically_and_leaves_no_orphan(netmesh, solo):
-    mesh = netmesh(["tracker", "client", "head", "mid", "spare", "tail"])
+    """Every link lags (10 ms RTT, 100 Mbit/s); after token 10 the client's link to the route's middle
+    node goes dark until the generation has ended."""
+    rtt_s = 0.010
+    mesh = netmesh(["tracker", "client", "head", "mid", "spare", "tail"],
+                   link={"delay_s": rtt_s / 2, "rate_bps": 12.5e6})
     mesh.start_nodes([("head", "0:10"), ("mid", "10:20"), ("spare", "10:20"), ("tail", "20:30")])
     route = mesh.agent.ask("route")["nodes"]
     victim = "mid" if "mid" in route else "spare"
@@ -76,6 +80,11 @@ def test_client_partitioned_from_middle_node_fails_over_identically_and_leaves_n
     assert done["failovers"] == 1
     stall_s = next(t["t"] for t in tokens if t["t"] > cut[0]) - cut[0]
     print(f"\npartition to the next token: {stall_s:.2f} s")
+    # The links are in the path: each token took three round trips (one per hop), and every hidden
+    # row the head computed crossed the head's link to the client.
+    assert min(b["t"] - a["t"] for a, b in zip(tokens, tokens[1:])) >= 3 * rtt_s
+    row_bytes, n_rows = 576 * 4, len(solo.prompt_ids(0)) + 63  # SmolLM2's f32 rows: the prompt's, one per decode
+    assert _carried(mesh.netem.stats(), "head", "client") >= n_rows * row_bytes
     # The victim still heartbeats (only the client's link is cut): the tracker sees it holding the
     # session it was failed over away from, and the route's nodes holding none.
     assert wait_for(lambda: mesh.listed() == {"head": 0, victim: 1, ("spare" if victim == "mid" else "mid"): 0,
@@ -90,6 +99,13 @@ def test_client_partitioned_from_middle_node_fails_over_identically_and_leaves_n
     assert wait_for(lambda: mesh.agent.ask("orphans")["pending"] == 0, 10) is not None
     assert mesh.agent.ask("orphans")["released"] == 1
     assert wait_for(lambda: set(mesh.listed().values()) == {0}, 5) is not None, mesh.listed()
+
+
+def _carried(links: dict[str, dict], src: str, dst: str) -> int:
+    """Bytes the emulator delivered from host ``src`` to host ``dst`` (its stats name a link "A-B")."""
+    if f"{src}-{dst}" in links:
+        return links[f"{src}-{dst}"]["a_to_b"]
+    return links[f"{dst}-{src}"]["b_to_a"]
 
 
 def _tracker_cut(netmesh, solo, cut_s: float, heartbeat_s: float, pace_s: float) -> None:

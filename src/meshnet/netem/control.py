@@ -12,7 +12,8 @@ A refused command answers ``{"ok": false, "error": "..."}``. The config::
 
     {"hosts": {"10.77.2.2": "client", ...},          # source IP -> host name
      "listeners": [{"owner": "mid", "listen": ["10.78.0.4", 7701], "target": ["10.77.4.2", 7701]}, ...],
-     "links": [{"a": "client", "b": "mid", "delay_s": 0.01}, ...]}      # optional, initial specs
+     "default": {"delay_s": 0.0125, "rate_bps": 12.5e6},                # optional: every link's spec
+     "links": [{"a": "client", "b": "mid", "delay_s": 0.01}, ...]}      # optional: specs per link
 
 :class:`NetemProcess` starts one (in a namespace, through any argv prefix) and speaks this protocol.
 """
@@ -37,7 +38,7 @@ def _spec(cmd: dict) -> LinkSpec:
 
 def serve(config: dict, lines=sys.stdin, out=sys.stdout) -> None:
     """Run the emulator of ``config`` until ``lines`` ends. Raises OSError when a listener cannot bind."""
-    emu = EmulatorThread(config.get("hosts", {}))
+    emu = EmulatorThread(config.get("hosts", {}), _spec(config.get("default", {})))
     try:
         ports = [emu.listen(Listener(lst["owner"], tuple(lst["listen"]), tuple(lst["target"])))
                  for lst in config.get("listeners", [])]
