@@ -154,12 +154,16 @@ class NetMesh:
         return time.monotonic() - t0
 
     def close(self) -> None:
-        for proc in ([self.agent.proc] if self.agent else []) + self.procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(timeout=10)
-        if self.netem is not None:
-            self.netem.close()
-        for f in self._files:
-            f.close()
-        self.topo.destroy()
+        try:
+            procs = ([self.agent.proc] if self.agent else []) + self.procs
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+            for proc in procs:
+                proc.wait(timeout=10)
+            if self.netem is not None:
+                self.netem.close()
+        finally:
+            for f in self._files:
+                f.close()
+            self.topo.destroy()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 
 import pytest
 
+from mesh_util import wait_for
 from meshnet.netem import namespaces
 from meshnet.netem.namespaces import NetnsUnavailable, Topology
 
@@ -31,7 +33,7 @@ def test_probe_says_why_without_root_or_without_ip(monkeypatch):
         namespaces._ip("netns", "list")
 
 
-def test_namespaces_of_a_dead_process_are_removed():
+def test_namespaces_of_a_dead_process_are_removed_with_what_runs_in_them():
     try:
         namespaces.probe()
     except NetnsUnavailable as e:
@@ -40,13 +42,19 @@ def test_namespaces_of_a_dead_process_are_removed():
     gone.wait()
     stale = f"mnet-{gone.pid}-0-x"
     subprocess.run(["ip", "netns", "add", stale], check=True)
+    left = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "60"])  # what a killed run left behind
     mine = Topology(["live"])
     mine.create()
     try:
+        assert wait_for(lambda: subprocess.run(["ip", "netns", "pids", stale], capture_output=True,
+                                               text=True).stdout.strip(), 10) is not None
         assert stale in namespaces.remove_stale()
+        assert left.wait(timeout=5) == -signal.SIGKILL
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert stale not in listed and mine.hosts["live"].ns in listed  # a live process's stay
     finally:
+        if left.poll() is None:
+            left.kill()
         mine.destroy()
         subprocess.run(["ip", "netns", "del", stale], capture_output=True)
     assert mine.hub not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

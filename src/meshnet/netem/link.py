@@ -166,5 +166,10 @@ class Link:
                 p.heal(now)
 
     @property
+    def pipes(self) -> tuple[Pipe, ...]:
+        """The pipes of the connections open across the link."""
+        return tuple(self._pipes)
+
+    @property
     def open_connections(self) -> int:
         return len(self._pipes) // 2

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import signal
 import subprocess
 from dataclasses import dataclass
 
@@ -46,18 +47,26 @@ def probe() -> None:
     topo = Topology(["probe"])
     try:
         topo.create()
+        _ip("netns", "exec", topo.hosts["probe"].ns, "ip", "link", "show", "eth0")  # entering one works too
     finally:
         topo.destroy()
 
 
 def remove_stale() -> list[str]:
-    """Delete the namespaces this module made in processes that no longer run; returns their names."""
+    """Delete the namespaces this module made in processes that no longer run, after killing what
+    such a process left running in them; returns their names."""
     r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     gone = []
     for line in r.stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
         m = _NAME.match(name)
         if m and not os.path.exists(f"/proc/{m.group(1)}"):
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
             gone.append(name)
     return gone

@@ -67,7 +67,7 @@ class Emulator:
         """What the link between ``a`` and ``b`` does from now on, both ways, for open connections too."""
         link = self.link(a, b)
         link.update(spec, asyncio.get_running_loop().time())
-        for p in link._pipes:
+        for p in link.pipes:
             self._wake[p].set()
         ev = self._link_changed.pop(link, None)
         if ev is not None:
