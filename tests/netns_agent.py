@@ -11,6 +11,8 @@ One JSON object per line each way. Commands carry an ``id``; each gets one reply
 - ``{"op": "nodes"}`` -> ``{"nodes": {node id: active sessions}}`` as the tracker lists them
 - ``{"op": "sessions", "address": "HOST:PORT"}`` -> ``{"active": N}`` (the node's Health)
 - ``{"op": "orphans"}`` -> ``{"pending": N, "released": N}``
+- ``{"op": "ledger"}`` -> ``{"nodes": {id: [prefill token-layers, decode token-layers, steps]},
+  "clients": {id: [delivered tokens, sessions]}}`` (this client is "netns-client")
 CLOCK_MONOTONIC is shared by every namespace of the machine, so the test compares its ``t`` with its own.
 """
 
@@ -59,6 +61,10 @@ def answer(client: MeshClient, tracker: pb_grpc.TrackerStub, cmd: dict) -> dict:
     if op == "sessions":
         stub = pb_grpc.NodeStub(open_channel(cmd["address"], None))
         return {"active": stub.Health(pb.Empty(), timeout=5).active_sessions}
+    if op == "ledger":
+        reply = tracker.GetLedger(pb.Empty(), timeout=5)
+        return {"nodes": {n.node_id: [n.prefill_token_layers, n.decode_token_layers, n.steps] for n in reply.nodes},
+                "clients": {c.client_id: [c.delivered_tokens, c.sessions] for c in reply.clients}}
     if op == "orphans":
         return {"pending": client.orphans.pending(), "released": client.orphans.released}
     raise ValueError(f"unknown op {op!r}")
@@ -66,7 +72,7 @@ def answer(client: MeshClient, tracker: pb_grpc.TrackerStub, cmd: dict) -> dict:
 
 def main(tracker_address: str) -> None:
     tok = GGUFTokenizer.from_gguf(str(resolve_model("smollm2")))
-    client = MeshClient(tracker_address)
+    client = MeshClient(tracker_address, client_id="netns-client")
     tracker = pb_grpc.TrackerStub(open_channel(tracker_address, None))
     emit({"event": "ready"})
     for line in sys.stdin:

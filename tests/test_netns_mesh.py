@@ -145,6 +145,12 @@ def _tracker_cut(netmesh, solo, cut_s: float, heartbeat_s: float, pace_s: float)
     assert dropped is not None, "the tracker kept listing nodes it could not hear from"
     assert set(mesh.listed()) == nodes
     assert wait_for(lambda: set(mesh.listed().values()) == {0}, 10) is not None, mesh.listed()
+    # The steps the nodes did while cut off were reported after the heal, each counted once: 10 layers
+    # each for the prompt, 63 decode steps, 64 steps; the client was charged the 64 tokens it received.
+    n = len(solo.prompt_ids(0))
+    want = {"nodes": {node: [n * 10, 63 * 10, 64] for node in nodes}, "clients": {"netns-client": [64, 1]}}
+    ledger = lambda: {k: v for k, v in mesh.agent.ask("ledger").items() if k != "id"}  # noqa: E731
+    assert wait_for(lambda: ledger() == want, 20) is not None, ledger()
 
 
 def test_tracker_cut_off_from_nodes_generation_continues_then_all_reregister(netmesh, solo):
