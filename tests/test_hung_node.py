@@ -4,6 +4,7 @@ held is freed once it comes back."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
 from mesh_util import wait_for
@@ -44,6 +45,29 @@ def test_stopped_middle_node_fails_over_in_seconds_and_frees_its_session_on_resu
     assert freed_s is not None, f"resumed node still holds {victim.active_sessions()} session(s)"
     assert wait_for(lambda: client.orphans.pending() == 0, 5.0) is not None
     assert client.orphans.released == 1
+    client.close()
+
+
+def test_the_only_node_of_a_range_stopped_then_resumed_takes_its_session_back(mesh, tok, solo):
+    """No spare: the middle node stops after token 10 and resumes 3 s later, within the client's
+    failover deadline. The client routes through it again (it answers Health at its old address),
+    has it free its stale copy of the session, replays, and the 64 ids equal the solo run."""
+    head, mid, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
+    client = MeshClient(mesh.tracker)
+    gen = Generation(client, tok, solo.prompt_ids(0), 64, GREEDY, stop_at_eog=False)
+    resume = threading.Timer(3.0, mid.proc.send_signal, args=(signal.SIGCONT,))
+    try:
+        for i, _ in enumerate(gen):
+            if i + 1 == 10:
+                mid.proc.send_signal(signal.SIGSTOP)
+                resume.start()
+    finally:
+        resume.join(10)
+        mid.proc.send_signal(signal.SIGCONT)
+    assert gen.result.generated_token_ids == solo.greedy(0)
+    assert client.failovers == 1
+    assert (client.orphans.pending(), client.orphans.released) == (0, 0)  # freed before the replay
+    assert [n.active_sessions() for n in (head, mid, tail)] == [0, 0, 0]
     client.close()
 
 
