@@ -122,6 +122,16 @@ def run_generate(tracker: str, prompt: str, *args: str) -> subprocess.CompletedP
                           capture_output=True, text=True, timeout=120)
 
 
+def wait_for(predicate, timeout_s: float) -> float | None:
+    """Seconds until ``predicate()`` held, polling every 50 ms; None if it never did within ``timeout_s``."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if predicate():
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    return None
+
+
 def rpc_code(fn, *args, **kw) -> grpc.StatusCode:
     try:
         fn(*args, **kw)

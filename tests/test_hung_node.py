@@ -4,24 +4,15 @@ held is freed once it comes back."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 
+from mesh_util import wait_for
 from meshnet.client.mesh_client import MeshClient
 from meshnet.client.orphans import OrphanReleaser
 from meshnet.contract import GREEDY, ArtifactId, LayerRange, LoadSpec, Outcome, Status, StepRequest
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.generation import Generation
-
-
-
-def _wait_for(predicate, timeout_s: float) -> float | None:
-    """Seconds until ``predicate()`` held, polling every 50 ms; None if it never did."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if predicate():
-            return time.monotonic() - t0
-        time.sleep(0.05)
-    return None
 
 
 def test_stopped_middle_node_fails_over_in_seconds_and_frees_its_session_on_resume(mesh, tok, solo):
@@ -49,11 +40,34 @@ def test_stopped_middle_node_fails_over_in_seconds_and_frees_its_session_on_resu
     finally:
         victim.proc.send_signal(signal.SIGCONT)
     resumed_at = time.monotonic()
-    freed_s = _wait_for(lambda: victim.active_sessions() == 0, 5.0)
+    freed_s = wait_for(lambda: victim.active_sessions() == 0, 5.0)
     print(f"SIGCONT to 0 sessions on the resumed node: {time.monotonic() - resumed_at:.2f} s")
     assert freed_s is not None, f"resumed node still holds {victim.active_sessions()} session(s)"
-    assert _wait_for(lambda: client.orphans.pending() == 0, 5.0) is not None
+    assert wait_for(lambda: client.orphans.pending() == 0, 5.0) is not None
     assert client.orphans.released == 1
+    client.close()
+
+
+def test_the_only_node_of_a_range_stopped_then_resumed_takes_its_session_back(mesh, tok, solo):
+    """No spare: the middle node stops after token 10 and resumes 3 s later, within the client's
+    failover deadline. The client routes through it again (it answers Health at its old address),
+    has it free its stale copy of the session, replays, and the 64 ids equal the solo run."""
+    head, mid, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
+    client = MeshClient(mesh.tracker)
+    gen = Generation(client, tok, solo.prompt_ids(0), 64, GREEDY, stop_at_eog=False)
+    resume = threading.Timer(3.0, mid.proc.send_signal, args=(signal.SIGCONT,))
+    try:
+        for i, _ in enumerate(gen):
+            if i + 1 == 10:
+                mid.proc.send_signal(signal.SIGSTOP)
+                resume.start()
+    finally:
+        resume.join(10)
+        mid.proc.send_signal(signal.SIGCONT)
+    assert gen.result.generated_token_ids == solo.greedy(0)
+    assert client.failovers == 1
+    assert (client.orphans.pending(), client.orphans.released) == (0, 0)  # freed before the replay
+    assert [n.active_sessions() for n in (head, mid, tail)] == [0, 0, 0]
     client.close()
 
 
@@ -103,7 +117,7 @@ def test_orphan_releaser_retries_until_the_node_answers():
     stage = _FlakyStage(answers_from=3, engine=engine)
     releaser = OrphanReleaser(attempt_timeout_s=0.5, retry_s=0.05)
     releaser.add(stage, "s", 2)
-    assert _wait_for(lambda: releaser.pending() == 0, 5.0) is not None
+    assert wait_for(lambda: releaser.pending() == 0, 5.0) is not None
     assert stage.calls == [("s", 2, 0.5)] * 3
     assert (releaser.released, engine.session_ids()) == (1, [])
     releaser.close()
@@ -113,6 +127,6 @@ def test_orphan_releaser_gives_up_after_its_horizon():
     stage = _FlakyStage(answers_from=10**9, engine=_fake())
     releaser = OrphanReleaser(horizon_s=0.3, retry_s=0.05)
     releaser.add(stage, "s", 2)
-    assert _wait_for(lambda: releaser.pending() == 0, 5.0) is not None
+    assert wait_for(lambda: releaser.pending() == 0, 5.0) is not None
     assert releaser.released == 0 and 3 <= len(stage.calls) <= 10
     releaser.close()

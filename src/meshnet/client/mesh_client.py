@@ -35,6 +35,10 @@ from meshnet.wire.security import open_channel
 
 log = logging.getLogger("meshnet.client")
 
+# How long the release at a session's end waits for each hop (seconds) before the orphan releaser
+# takes the hop over: the generation's caller should not wait on a stopped node.
+RELEASE_WAIT_S = 1.0
+
 
 class MeshUnavailable(RuntimeError):
     """No complete route could be had (the message names the missing layers) within the deadline."""
@@ -229,10 +233,14 @@ class MeshClient:
                 hop.cancel(session_id)
 
     def release(self, session_id: str) -> None:
+        """Free the session on every hop. A hop that does not answer within :data:`RELEASE_WAIT_S` (a
+        stopped or cut-off node) is left to the orphan releaser, which retries until it answers, so the
+        node frees the session when it comes back instead of at its idle sweep minutes later."""
         log_ = self._sessions.pop(session_id, None)
         if log_ is not None:
             for hop in log_.hops:
-                hop.release(session_id)
+                if not hop.release(session_id, timeout_s=RELEASE_WAIT_S).ok:
+                    self.orphans.add(hop, session_id, log_.epoch + 1)
         if self.deliveries is not None:
             self.deliveries.session_ended(session_id)
 
@@ -248,17 +256,18 @@ class MeshClient:
             pool.close()
 
     # ---- internals ---------------------------------------------------------------------------
-    def _route_through_restarted(self, failed_at: dict[str, str], previous_epoch: int
+    def _route_through_recovered(self, failed_at: dict[str, str], previous_epoch: int
                                  ) -> tuple[int, list[RemoteStage]] | None:
-        """A route in which every node that failed for this session is a new process (its address
-        changed since it failed), or None (no such route, or the tracker has none at all)."""
+        """A route in which every node that failed for this session has recovered: it is a new process
+        (its address changed since it failed), or it answers Health again at its address (a partition
+        healed, a stalled process resumed). None: no such route, or the tracker has none at all."""
         try:
             epoch, hops = self.route(frozenset(), previous_epoch)
         except MeshUnavailable:
             return None
         for h in hops:
             if failed_at.get(h.node_id) == h.address and not _healthy(h):
-                return None  # the same process that failed: still dead, stalled, or restarting its engine
+                return None  # the same process that failed: still dead, stalled, cut off, or reloading
         return epoch, hops
 
     def _run(self, log_: SessionLog, req: StepRequest, decode: bool, start: int,
@@ -303,20 +312,22 @@ class MeshClient:
         index of the first changed hop. Raises StageFailure when a node fails during the replay (the
         caller fails over again) and MeshUnavailable past the deadline.
 
-        A failed node is let back in once it has registered again at another address: a new process
-        under the same id (``meshnet up`` restarts its nodes, an operator restarts one with
-        ``--node-id``), so a mesh without a spare recovers once the node is back; so is a node that
-        answers healthy again at the same address (its engine worker was restarted). Nodes in ``lost``
-        still serve but lost the session: they may stay in the route, and the replay starts at them."""
+        A failed node is let back in once it has registered again at another address (a new process
+        under the same id: ``meshnet up`` restarts its nodes, an operator restarts one with
+        ``--node-id``) or answers healthy again at its own (a partition healed, a stopped process
+        resumed, its engine worker restarted), so a mesh without a spare recovers once the node is back.
+        A node back at its own address may still hold the session as it was: it is told to free that
+        copy before the replay rebuilds it. Nodes in ``lost`` still serve but lost the session: they may
+        stay in the route, and the replay starts at them."""
         exclude = set(failed_at)
         while True:
             try:
                 epoch, hops = self.route(exclude, log_.epoch)
                 break
             except MeshUnavailable as e:
-                restarted = self._route_through_restarted(failed_at, log_.epoch)
-                if restarted is not None:
-                    epoch, hops = restarted
+                recovered = self._route_through_recovered(failed_at, log_.epoch)
+                if recovered is not None:
+                    epoch, hops = recovered
                     break
                 if time.monotonic() >= deadline:
                     self._abandon(log_, exclude)
@@ -330,12 +341,25 @@ class MeshClient:
             first += 1
         # Hops before `first` keep their caches; the replay starts at hop `first`'s input boundary.
         # Tiling guarantees the new hop `first` starts where the old one did, whose inputs we recorded.
+        # Every hop the replay reaches may hold an older copy of the session (a node back at its old
+        # address, a release of an earlier failover that never landed), which would refuse the replay's
+        # first step: copies older than the new epoch go first. Fenced, these releases are harmless
+        # wherever no such copy exists; a node that does not answer fails the replay itself.
+        replayed = {(h.node_id, h.address) for h in hops[first:]}
+        for hop in hops[first:]:
+            out = hop.release(log_.session_id, superseded_by=epoch)
+            if not out.ok and hop.node_id in exclude:
+                raise StageFailure(hop.node_id, hop.address, "UNAVAILABLE",
+                                   f"could not free its old copy of the session: {out.message}")
         for hop in old[first:]:
-            if hop.node_id not in exclude:
-                hop.release(log_.session_id)
-            else:
+            if (hop.node_id, hop.address) in replayed:
+                continue
+            if hop.node_id in exclude:
                 # It failed, but may only be stalled and come back holding the session's KV cache.
                 self.orphans.add(hop, log_.session_id, epoch)
+            else:
+                # Fenced too: a late unconditional release could free a copy rebuilt there since.
+                hop.release(log_.session_id, superseded_by=epoch)
         self.failovers += 1
         log_.epoch, log_.hops = epoch, hops
         log.info("session %s: epoch %d, replaying %d steps on hops %d..%d", log_.session_id, epoch,
