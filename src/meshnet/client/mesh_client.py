@@ -226,17 +226,18 @@ class MeshClient:
             pool.close()
 
     # ---- internals ---------------------------------------------------------------------------
-    def _route_through_restarted(self, failed_at: dict[str, str], previous_epoch: int
+    def _route_through_recovered(self, failed_at: dict[str, str], previous_epoch: int
                                  ) -> tuple[int, list[RemoteStage]] | None:
-        """A route in which every node that failed for this session is a new process (its address
-        changed since it failed), or None (no such route, or the tracker has none at all)."""
+        """A route in which every node that failed for this session has recovered: it is a new process
+        (its address changed since it failed), or it answers Health again at its address (a partition
+        healed, a stalled process resumed). None: no such route, or the tracker has none at all."""
         try:
             epoch, hops = self.route(frozenset(), previous_epoch)
         except MeshUnavailable:
             return None
         for h in hops:
-            if failed_at.get(h.node_id) == h.address:
-                return None  # the same process that failed: still dead, or stalled
+            if failed_at.get(h.node_id) == h.address and not h.answers():
+                return None  # the same process that failed, and still silent: dead, or stalled
         return epoch, hops
 
     def _run(self, log_: SessionLog, req: StepRequest, decode: bool, start: int,
@@ -278,18 +279,20 @@ class MeshClient:
         index of the first changed hop. Raises StageFailure when a node fails during the replay (the
         caller fails over again) and MeshUnavailable past the deadline.
 
-        A failed node is let back in once it has registered again at another address: a new process
-        under the same id (``meshnet up`` restarts its nodes, an operator restarts one with
-        ``--node-id``), so a mesh without a spare recovers once the node is back."""
+        A failed node is let back in once it has registered again at another address (a new process
+        under the same id: ``meshnet up`` restarts its nodes, an operator restarts one with
+        ``--node-id``) or answers again at its own (a partition healed, a stopped process resumed), so a
+        mesh without a spare recovers once the node is back. A node back at its own address still holds
+        the session as it was: it is told to free that copy before the replay rebuilds it."""
         exclude = set(failed_at)
         while True:
             try:
                 epoch, hops = self.route(exclude, log_.epoch)
                 break
             except MeshUnavailable as e:
-                restarted = self._route_through_restarted(failed_at, log_.epoch)
-                if restarted is not None:
-                    epoch, hops = restarted
+                recovered = self._route_through_recovered(failed_at, log_.epoch)
+                if recovered is not None:
+                    epoch, hops = recovered
                     break
                 if time.monotonic() >= deadline:
                     self._abandon(log_, exclude)
@@ -303,10 +306,19 @@ class MeshClient:
             first += 1
         # Hops before `first` keep their caches; the replay starts at hop `first`'s input boundary.
         # Tiling guarantees the new hop `first` starts where the old one did, whose inputs we recorded.
+        back = {(h.node_id, h.address) for h in hops}
+        for hop in old[first:]:
+            if hop.node_id in exclude and (hop.node_id, hop.address) in back:
+                # Back in the route at its old address: its stale copy of the session (at the old epoch)
+                # would refuse the replay's prefill, so it goes first, before anything else changes.
+                out = hop.release(log_.session_id, superseded_by=epoch)
+                if not out.ok:
+                    raise StageFailure(hop.node_id, hop.address, "UNAVAILABLE",
+                                       f"could not free its old copy of the session: {out.message}")
         for hop in old[first:]:
             if hop.node_id not in exclude:
                 hop.release(log_.session_id)
-            else:
+            elif (hop.node_id, hop.address) not in back:
                 # It failed, but may only be stalled and come back holding the session's KV cache.
                 self.orphans.add(hop, log_.session_id, epoch)
         self.failovers += 1
