@@ -67,7 +67,7 @@ def run_soak(tmp_path, tok, solo, duration_s: float, seed: int) -> None:
             print(f"chaos: longest pause per finished stream: median {statistics.median(pauses):.2f}s, "
                   f"max {pauses[-1]:.2f}s; over 1 s in {sum(p > 1 for p in pauses)} streams")
         for o in failed:
-            print(f"chaos:   failed at t={o.started_s - t0:6.2f}s after {o.seconds:.2f}s, {o.tokens} tokens: "
+            print(f"chaos:   started t={o.started_s - t0:6.2f}s, failed {o.seconds:.2f}s later after {o.tokens} tokens: "
                   f"{o.status} {o.error['message']}")
         for o in finished:
             if max(o.gaps_s[1:], default=0) > 3:
