@@ -71,6 +71,29 @@ def test_the_only_node_of_a_range_stopped_then_resumed_takes_its_session_back(me
     client.close()
 
 
+def test_node_stopped_when_its_session_ends_frees_the_session_on_resume(mesh, solo):
+    """The generation ends while a node of its route is stopped: the release it could not deliver is
+    retried in the background, so the node frees the session once it runs again (not minutes later,
+    at its idle sweep)."""
+    head, tail = mesh.start_nodes([("a-head", "0:15"), ("d-tail", "15:30")])
+    client = MeshClient(mesh.tracker)
+    res = client.step(StepRequest("ends-while-stopped", 0, 0, tuple(solo.prompt_ids(0))), decode=False)
+    assert res.ok and res.token.token_id == solo.greedy(0, 1)[0]
+    assert [head.active_sessions(), tail.active_sessions()] == [1, 1]
+    tail.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        client.release("ends-while-stopped")
+        print(f"\nrelease with a stopped node returned after {time.monotonic() - t0:.2f} s")
+        assert head.active_sessions() == 0
+    finally:
+        tail.proc.send_signal(signal.SIGCONT)
+    freed_s = wait_for(lambda: tail.active_sessions() == 0, 10.0)
+    assert freed_s is not None, f"resumed node still holds {tail.active_sessions()} session(s)"
+    print(f"SIGCONT to 0 sessions: {freed_s:.2f} s")
+    client.close()
+
+
 # ---- the pieces, without processes ---------------------------------------------------------------
 
 def _fake(layers=LayerRange(0, 30)) -> FakeEngine:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from meshnet.client.mesh_client import MeshClient, MeshUnavailable
-from meshnet.contract import GREEDY, LayerRange, Status, StepRequest
+from meshnet.contract import GREEDY, LayerRange, Outcome, Status, StepRequest
 from meshnet.generation import Generation
 from meshnet.local_mesh import load_local_chain
 
@@ -182,3 +182,39 @@ def test_node_restarted_under_its_id_takes_back_its_range_mid_generation(mesh, t
     assert restarted[0].node_id == "b-mid" and restarted[0].address != mid.address
     client.close()
     assert [n.active_sessions() for n in (head, restarted[0], tail)] == [0, 0, 0]
+
+
+def test_replay_onto_a_node_holding_a_stale_copy_of_the_session(mesh, tok, solo):
+    """The head dies after token 10 and the session is replayed from hop 0, through the tail it already
+    ran on. The tail's copy must go before the replay reaches it; here the first unconditional release
+    sent to the tail is lost (as one is when the node is stalled or overloaded for a moment), so only a
+    release fenced at the new epoch, sent right before the replay, clears it. The ids equal the solo
+    run and no node keeps the session."""
+    head, spare, tail = mesh.start_nodes([("a-head", "0:15"), ("b-head", "0:15"), ("d-tail", "15:30")])
+    client = MeshClient(mesh.tracker)
+    _, route = client.route()
+    victim = head if route[0].node_id == head.node_id else spare
+    lost = []
+
+    def kill():
+        tail_stage = client._sessions[gen.session_id].hops[1]
+        real = tail_stage.release
+
+        def release(session_id, superseded_by=0, timeout_s=5.0):
+            if superseded_by == 0 and not lost:
+                lost.append(session_id)
+                return Outcome(Status.FAILED_PRECONDITION, "DEADLINE_EXCEEDED: lost")
+            return real(session_id, superseded_by, timeout_s)
+
+        tail_stage.release = release
+        victim.kill()
+
+    gen = Generation(client, tok, solo.prompt_ids(0), 64, GREEDY, stop_at_eog=False)
+    for i, _ in enumerate(gen):
+        if i + 1 == 10:
+            kill()
+    assert gen.result.generated_token_ids == solo.greedy(0)
+    assert client.failovers == 1
+    survivor = spare if victim is head else head
+    assert [survivor.active_sessions(), tail.active_sessions()] == [0, 0]
+    client.close()
