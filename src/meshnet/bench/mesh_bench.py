@@ -131,6 +131,7 @@ class NodeSpec:
     layers: LayerRange
     threads: int
     cpu: int | None = None
+    extra_args: tuple[str, ...] = ()  # more ``meshnet node`` arguments (e.g. ``--in-process-engine``)
 
 
 @dataclass
@@ -183,6 +184,7 @@ class NodeGroup:
                    str(spec.threads), "--n-ctx", str(self.n_ctx), "--drain-timeout", "2"]
             if spec.cpu is not None:
                 cmd += ["--cpu", str(spec.cpu)]
+            cmd += list(spec.extra_args)
             log = tempfile.TemporaryFile()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True)
             self._pending.append((spec, proc, log))
