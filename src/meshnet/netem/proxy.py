@@ -228,30 +228,23 @@ class EmulatorThread:
         """See :meth:`Emulator.listen`. Raises OSError when the address cannot be bound."""
         return self._call(self.emulator.listen(listener))
 
+    def _on_loop(self, fn, *args):
+        """``fn(*args)`` run on the emulator's loop thread; returns its result."""
+        async def call():
+            return fn(*args)
+        return self._call(call())
+
     def set_link(self, a: str, b: str, spec: LinkSpec) -> None:
-        async def set_() -> None:
-            self.emulator.set_link(a, b, spec)
-        self._call(set_())
+        """See :meth:`Emulator.set_link`."""
+        self._on_loop(self.emulator.set_link, a, b, spec)
 
     def reset(self, a: str, b: str) -> int:
-        """Drop every connection open across the link between ``a`` and ``b`` now, as a NAT or a
-        firewall that forgets them would: both ends get a TCP reset, and what was in flight is lost.
-        Returns how many connections were dropped."""
-        pairs = self._open.pop(self.link(a, b), set())
-        for pair in pairs:
-            for w in pair:
-                _reset(w)
-        return len(pairs)
-
-    def reset(self, a: str, b: str) -> int:
-        async def reset() -> int:
-            return self.emulator.reset(a, b)
-        return self._call(reset())
+        """See :meth:`Emulator.reset`."""
+        return self._on_loop(self.emulator.reset, a, b)
 
     def stats(self) -> dict[str, dict]:
-        async def get() -> dict:
-            return self.emulator.stats()
-        return self._call(get())
+        """See :meth:`Emulator.stats`."""
+        return self._on_loop(self.emulator.stats)
 
     def close(self) -> None:
         try:
