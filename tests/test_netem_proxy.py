@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from mesh_util import wait_for
 from meshnet.netem.control import NetemProcess
 from meshnet.netem.link import LinkSpec
 from meshnet.netem.proxy import EmulatorThread, Listener
@@ -23,9 +24,12 @@ def echo():
 
     def serve(conn):
         with conn:
-            while data := conn.recv(65536):
-                conn.sendall(data)
-            conn.shutdown(socket.SHUT_WR)
+            try:
+                while data := conn.recv(65536):
+                    conn.sendall(data)
+                conn.shutdown(socket.SHUT_WR)
+            except ConnectionResetError:
+                pass  # the reset test drops connections
 
     def accept():
         srv.settimeout(0.2)
@@ -116,6 +120,22 @@ def test_blackhole_holds_open_and_new_connections_until_it_heals(emu):
         s.close()
 
 
+def test_reset_drops_open_connections_with_a_tcp_reset_and_new_ones_pass(emu):
+    e, port = emu
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(b"a")
+    assert _recv_exactly(s, 1) == b"a"
+    assert e.reset("client", "server") == 1
+    with pytest.raises(ConnectionResetError):
+        s.sendall(b"b")
+        s.recv(1)
+    s.close()
+    assert wait_for(lambda: e.stats()["client-server"]["connections"] == 0, 5) is not None
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s2:
+        s2.sendall(b"c")
+        assert _recv_exactly(s2, 1) == b"c"
+
+
 def test_emulator_process_speaks_json_lines(echo, tmp_path):
     config = {"hosts": {"127.0.0.1": "client"},
               "listeners": [{"owner": "server", "listen": ["127.0.0.1", 0], "target": ["127.0.0.1", echo]}],
@@ -125,6 +145,7 @@ def test_emulator_process_speaks_json_lines(echo, tmp_path):
         with socket.create_connection(("127.0.0.1", netem.ports[0]), timeout=10) as s:
             s.sendall(b"hello")
             assert _recv_exactly(s, 5) == b"hello"
+            assert netem.reset("client", "server") == 1
         netem.set_link("client", "server", delay_s=0.02, rate_bps=1e6)
         link = netem.stats()["client-server"]
         assert (link["a_to_b"], link["b_to_a"]) == (5, 5)

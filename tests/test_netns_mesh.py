@@ -101,30 +101,37 @@ def test_client_partitioned_from_middle_node_fails_over_identically_and_leaves_n
     assert wait_for(lambda: set(mesh.listed().values()) == {0}, 5) is not None, mesh.listed()
 
 
-def test_partition_from_the_only_node_of_a_range_heals_within_the_deadline_and_generation_continues(netmesh, solo):
-    """No spare: the client's link to the middle node is dark for 3 s after token 10, less than the
-    client's failover deadline (8 s). Once the node answers again the client routes through it, frees
-    its stale copy of the session and replays: the 64 ids equal the solo run, and nothing is left over."""
+def test_without_spare_a_healed_partition_and_dropped_connections_cost_time_not_tokens(netmesh, solo):
+    """No spare. After token 10 the client's link to the middle node is dark for 3 s, less than the
+    client's failover deadline (8 s): once the node answers again the client routes through it, frees
+    its stale copy of the session and replays. After token 40 every connection of the client is reset
+    (a NAT forgetting them). The 64 ids equal the solo run, and nothing is left over."""
     mesh = netmesh(["tracker", "client", "head", "mid", "tail"])
     mesh.start_nodes([("head", "0:10"), ("mid", "10:20"), ("tail", "20:30")])
-    times = {}
+    times, dropped = {}, []
 
     def heal() -> None:
         mesh.netem.set_link("client", "mid", blackhole=False)
         times["heal"] = time.monotonic()
 
-    def partition(i: int) -> None:
+    def hostile(i: int) -> None:
         if i == 9:
             mesh.netem.set_link("client", "mid", blackhole=True)
             times["cut"] = time.monotonic()
             threading.Timer(3.0, heal).start()
+        if i == 39:
+            dropped.extend(mesh.netem.reset("client", n) for n in ("tracker", "head", "mid", "tail"))
+            times["reset"] = time.monotonic()
 
-    done, tokens = _generate(mesh, solo.prompt_ids(0), 64, on_token=partition)
+    done, tokens = _generate(mesh, solo.prompt_ids(0), 64, on_token=hostile)
     assert done["error"] is None
     assert done["ids"] == solo.greedy(0)
-    assert done["failovers"] == 1
     resumed_s = next(t["t"] for t in tokens if t["t"] > times["cut"]) - times["heal"]
-    print(f"\nheal to the next token: {resumed_s:.2f} s")
+    reset_s = next(t["t"] for t in tokens if t["t"] > times["reset"]) - times["reset"]
+    print(f"\nheal to the next token: {resumed_s:.2f} s; connections reset {dropped}, "
+          f"{reset_s:.2f} s to the next token; failovers {done['failovers']}")
+    assert all(n >= 1 for n in dropped[1:])  # the client held a connection to every node
+    assert done["failovers"] >= 1  # the partition (a reset connection is failed over and replayed too)
     orphans = mesh.agent.ask("orphans")
     assert (orphans["pending"], orphans["released"]) == (0, 0)  # freed before the replay, not left behind
     assert wait_for(lambda: mesh.listed() == {"head": 0, "mid": 0, "tail": 0}, 10) is not None, mesh.listed()

@@ -2,7 +2,8 @@
 
 - :mod:`meshnet.netem.link`: the link model, pure: per-link one-way delay, token-bucket bandwidth per
   direction, a switchable blackhole (partition).
-- :mod:`meshnet.netem.proxy`: an asyncio TCP proxy that makes connections cross those links.
+- :mod:`meshnet.netem.proxy`: an asyncio TCP proxy that makes connections cross those links (and can
+  reset every connection open across one).
 - :mod:`meshnet.netem.control`: the proxy as a process driven by JSON lines (``python -m meshnet.netem``).
 - :mod:`meshnet.netem.namespaces`: hosts in network namespaces around a hub, so that the proxy
   sees every connection's source host and no host can bypass it.

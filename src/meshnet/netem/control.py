@@ -6,6 +6,8 @@
 - ``{"op": "set", "a": HOST, "b": HOST, "delay_s": 0.025, "rate_bps": 1.25e6, "burst_bytes": null,
   "blackhole": false}``: what the link between the two hosts does from now on (omitted fields take
   :class:`~meshnet.netem.link.LinkSpec`'s defaults) -> ``{"ok": true}``
+- ``{"op": "reset", "a": HOST, "b": HOST}``: drop every connection open across the link (both ends get
+  a TCP reset) -> ``{"ok": true, "reset": N}``
 - ``{"op": "stats"}`` -> ``{"ok": true, "links": {"A-B": {...}}}`` (see ``Emulator.stats``)
 
 A refused command answers ``{"ok": false, "error": "..."}``. The config::
@@ -53,6 +55,8 @@ def serve(config: dict, lines=sys.stdin, out=sys.stdout) -> None:
                 if cmd.get("op") == "set":
                     emu.set_link(cmd["a"], cmd["b"], _spec(cmd))
                     reply = {"ok": True}
+                elif cmd.get("op") == "reset":
+                    reply = {"ok": True, "reset": emu.reset(cmd["a"], cmd["b"])}
                 elif cmd.get("op") == "stats":
                     reply = {"ok": True, "links": emu.stats()}
                 else:
@@ -94,6 +98,10 @@ class NetemProcess:
     def set_link(self, a: str, b: str, **spec) -> None:
         """See the "set" command; ``spec``: LinkSpec fields. Raises ValueError when refused."""
         self._ask({"op": "set", "a": a, "b": b, **spec})
+
+    def reset(self, a: str, b: str) -> int:
+        """Drop the connections open across the link (see the "reset" command); returns how many."""
+        return self._ask({"op": "reset", "a": a, "b": b})["reset"]
 
     def stats(self) -> dict[str, dict]:
         return self._ask({"op": "stats"})["links"]

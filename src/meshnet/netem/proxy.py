@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
 import threading
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
@@ -54,6 +56,7 @@ class Emulator:
         self._link_changed: dict[Link, asyncio.Event] = {}
         self._servers: list[asyncio.base_events.Server] = []
         self._conns: set[asyncio.Task] = set()
+        self._open: dict[Link, set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]]] = {}
         self.accepted = 0
 
     def link(self, a: str, b: str) -> Link:
@@ -72,6 +75,16 @@ class Emulator:
         ev = self._link_changed.pop(link, None)
         if ev is not None:
             ev.set()
+
+    def reset(self, a: str, b: str) -> int:
+        """Drop every connection open across the link between ``a`` and ``b`` now, as a NAT or a
+        firewall that forgets them would: both ends get a TCP reset, and what was in flight is lost.
+        Returns how many connections were dropped."""
+        pairs = self._open.pop(self.link(a, b), set())
+        for pair in pairs:
+            for w in pair:
+                _reset(w)
+        return len(pairs)
 
     def stats(self) -> dict[str, dict]:
         """Per link "A-B": its spec, open connections and bytes delivered each way over its life
@@ -118,6 +131,8 @@ class Emulator:
             fwd, back = link.pipe(src == link.a), link.pipe(src != link.a)
             for p in (fwd, back):
                 self._wake[p] = asyncio.Event()
+            pair = (writer, up_writer)
+            self._open.setdefault(link, set()).add(pair)
             try:
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(self._feed(reader, fwd))
@@ -126,6 +141,7 @@ class Emulator:
                     tg.create_task(self._deliver(back, writer))
                 clean = True
             finally:
+                self._open.get(link, set()).discard(pair)
                 for p in (fwd, back):
                     link.drop(p)
                     self._wake.pop(p, None)
@@ -175,6 +191,17 @@ class Emulator:
             await writer.drain()
 
 
+def _reset(writer: asyncio.StreamWriter) -> None:
+    """Close the connection with a TCP reset (RST), not an orderly end of stream (FIN)."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass  # already closed
+    writer.transport.abort()
+
+
 class EmulatorThread:
     """An :class:`Emulator` on its own event loop in a daemon thread, driven from any other thread.
 
@@ -201,15 +228,23 @@ class EmulatorThread:
         """See :meth:`Emulator.listen`. Raises OSError when the address cannot be bound."""
         return self._call(self.emulator.listen(listener))
 
+    def _on_loop(self, fn, *args):
+        """``fn(*args)`` run on the emulator's loop thread; returns its result."""
+        async def call():
+            return fn(*args)
+        return self._call(call())
+
     def set_link(self, a: str, b: str, spec: LinkSpec) -> None:
-        async def set_() -> None:
-            self.emulator.set_link(a, b, spec)
-        self._call(set_())
+        """See :meth:`Emulator.set_link`."""
+        self._on_loop(self.emulator.set_link, a, b, spec)
+
+    def reset(self, a: str, b: str) -> int:
+        """See :meth:`Emulator.reset`."""
+        return self._on_loop(self.emulator.reset, a, b)
 
     def stats(self) -> dict[str, dict]:
-        async def get() -> dict:
-            return self.emulator.stats()
-        return self._call(get())
+        """See :meth:`Emulator.stats`."""
+        return self._on_loop(self.emulator.stats)
 
     def close(self) -> None:
         try:
