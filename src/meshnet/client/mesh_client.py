@@ -239,8 +239,7 @@ class MeshClient:
         log_ = self._sessions.pop(session_id, None)
         if log_ is not None:
             for hop in log_.hops:
-                if not hop.release(session_id, timeout_s=RELEASE_WAIT_S).ok:
-                    self.orphans.add(hop, session_id, log_.epoch + 1)
+                self._release_or_orphan(hop, session_id, log_.epoch + 1, unconditional=True)
         if self.deliveries is not None:
             self.deliveries.session_ended(session_id)
 
@@ -296,6 +295,14 @@ class MeshClient:
             x = result.hidden
         return result
 
+    def _release_or_orphan(self, hop: RemoteStage, session_id: str, epoch: int,
+                           unconditional: bool = False) -> None:
+        """Release ``session_id`` on ``hop``: a copy older than route ``epoch``, or any copy when
+        ``unconditional`` (the session is over). A node that does not answer within
+        :data:`RELEASE_WAIT_S` goes to the orphan releaser, which frees copies older than ``epoch``."""
+        if not hop.release(session_id, 0 if unconditional else epoch, timeout_s=RELEASE_WAIT_S).ok:
+            self.orphans.add(hop, session_id, epoch)
+
     def _abandon(self, log_: SessionLog, failed: set[str] = frozenset()) -> None:
         """A refused step may have advanced earlier hops: the session cannot continue consistently.
         Hops in ``failed`` did not answer: they are released in the background, not waited for."""
@@ -347,7 +354,7 @@ class MeshClient:
         # wherever no such copy exists; a node that does not answer fails the replay itself.
         replayed = {(h.node_id, h.address) for h in hops[first:]}
         for hop in hops[first:]:
-            out = hop.release(log_.session_id, superseded_by=epoch)
+            out = hop.release(log_.session_id, superseded_by=epoch, timeout_s=RELEASE_WAIT_S)
             if not out.ok and hop.node_id in exclude:
                 raise StageFailure(hop.node_id, hop.address, "UNAVAILABLE",
                                    f"could not free its old copy of the session: {out.message}")
@@ -359,7 +366,7 @@ class MeshClient:
                 self.orphans.add(hop, log_.session_id, epoch)
             else:
                 # Fenced too: a late unconditional release could free a copy rebuilt there since.
-                hop.release(log_.session_id, superseded_by=epoch)
+                self._release_or_orphan(hop, log_.session_id, epoch)
         self.failovers += 1
         log_.epoch, log_.hops = epoch, hops
         log.info("session %s: epoch %d, replaying %d steps on hops %d..%d", log_.session_id, epoch,
