@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -189,17 +190,18 @@ def _llama_server(binary: Path, model_path: str, threads: int, n_parallel: int, 
 
 def _start_llama_server(binary: Path, model_path: str, threads: int, n_parallel: int, log_dir: Path,
                         report: dict) -> tuple[Server, str]:
-    """Start llama-server with its defaults; if it dies of SIGILL (on some virtual machines the AMX
-    kernels its weight repacking picks fault on their first tile instruction), once more with
-    ``--no-repack``, which the report then records under ``llama_server_flags``."""
+    """Start llama-server with its defaults; if it dies of SIGILL or SIGSEGV (on some virtual machines
+    the AMX kernels its weight repacking picks fault on their first tile instruction, or at start-up),
+    once more with ``--no-repack``, which the report then records under ``llama_server_flags``."""
     srv = _llama_server(binary, model_path, threads, n_parallel, log_dir)
     try:
         return srv, srv.start()
     except RuntimeError:
-        if srv.proc is None or srv.proc.returncode != -4:
+        if srv.proc is None or srv.proc.returncode not in (-signal.SIGILL, -signal.SIGSEGV):
             raise
     report.setdefault("llama_server_flags", {})[str(n_parallel)] = (
-        "--no-repack: with its default repacking llama-server died of SIGILL here")
+        f"--no-repack: with its default repacking llama-server died of "
+        f"{signal.Signals(-srv.proc.returncode).name} here")
     srv = _llama_server(binary, model_path, threads, n_parallel, log_dir, repack=False)
     return srv, srv.start()
 
