@@ -25,7 +25,7 @@ import grpc
 from meshnet.client.deadline import DeadlinePolicy, HopClocks
 from meshnet.client.orphans import OrphanReleaser
 from meshnet.client.relayed import RelayedStage
-from meshnet.client.remote import LIVENESS_PROBE_S, RemoteStage, StageFailure
+from meshnet.client.remote import RemoteStage, StageFailure
 from meshnet.ledger.reporting import DeliveryReporter, new_client_id
 from meshnet.contract import NamedTensor, Status, StepRequest, StepResult
 from meshnet.proto import meshnet_pb2 as pb
@@ -47,15 +47,6 @@ class MeshUnavailable(RuntimeError):
 class SessionLost(StageFailure):
     """A node answered NOT_FOUND for a session this client has run steps of: it serves, but lost the
     session's KV cache (its engine worker restarted, or it freed the session as idle)."""
-
-
-def _healthy(hop: RemoteStage) -> bool:
-    """Whether ``hop`` answers Health, healthy and not draining, within the liveness probe."""
-    try:
-        reply = hop.health(LIVENESS_PROBE_S)
-    except (grpc.RpcError, StageFailure):
-        return False
-    return reply.healthy and not reply.draining
 
 
 def context_length(hops: list[RemoteStage]) -> int:
@@ -265,7 +256,7 @@ class MeshClient:
         except MeshUnavailable:
             return None
         for h in hops:
-            if failed_at.get(h.node_id) == h.address and not _healthy(h):
+            if failed_at.get(h.node_id) == h.address and not h.answers():
                 return None  # the same process that failed: still dead, stalled, cut off, or reloading
         return epoch, hops
 
