@@ -39,6 +39,9 @@ log = logging.getLogger("meshnet.client")
 # takes the hop over: the generation's caller should not wait on a stopped node.
 RELEASE_WAIT_S = 1.0
 
+# Tracker answers that mean it cannot be reached (rather than that it refused): the last route serves.
+_TRACKER_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
 
 class MeshUnavailable(RuntimeError):
     """No complete route could be had (the message names the missing layers) within the deadline."""
@@ -101,6 +104,7 @@ class MeshClient:
         self.failover_deadline_s = failover_deadline_s
         self._tracker_channel = open_channel(tracker, join_token, tls_ca)
         self._tracker = pb_grpc.TrackerStub(self._tracker_channel)
+        self._last_route: list[pb.Hop] | None = None  # the tracker's last route, while it is unreachable
         self._channels: dict[str, grpc.Channel] = {}
         self._pools: dict[str, ConnectionPool] = {}
         self._sessions: dict[str, SessionLog] = {}
@@ -132,13 +136,31 @@ class MeshClient:
         return RemoteStage(hop.node_id, hop.address, ch, self.step_timeout_s, data_pool=pool)
 
     def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0) -> tuple[int, list[RemoteStage]]:
-        """A route from the tracker. Raises MeshUnavailable with the tracker's reason."""
+        """A route from the tracker, numbered with an epoch above ``previous_epoch``.
+
+        While the tracker cannot be reached (down, restarting, cut off from this client), the last route
+        it gave serves instead, unless it goes through a node in ``exclude``: the nodes keep serving without
+        the tracker, so new sessions need not fail with it. Its epoch is then ``previous_epoch + 1``: epochs
+        only have to grow per session, and the tracker, once back, numbers above what the client sends.
+
+        Raises:
+            MeshUnavailable: the tracker's reason, or why the last route cannot serve.
+        """
         try:
             r = self._tracker.GetRoute(pb.RouteRequest(model_sha256=self.model_sha256,
                                                        exclude_node_ids=sorted(exclude),
                                                        previous_epoch=previous_epoch), timeout=5)
         except grpc.RpcError as e:
-            raise MeshUnavailable(f"no route: {e.details() or e.code().name}") from None
+            last = self._last_route
+            if e.code() not in _TRACKER_UNREACHABLE or last is None:
+                raise MeshUnavailable(f"no route: {e.details() or e.code().name}") from None
+            if exclude & {h.node_id for h in last}:
+                raise MeshUnavailable(f"no route: the tracker is unreachable ({e.code().name}) and its last "
+                                      f"route goes through a failed node") from None
+            log.warning("tracker %s unreachable (%s): using the last route it gave", self.tracker_address,
+                        e.code().name)
+            return previous_epoch + 1, [self._stage(h) for h in last]
+        self._last_route = list(r.hops)
         return int(r.epoch), [self._stage(h) for h in r.hops]
 
     def route_with_context(self) -> tuple[int, list[RemoteStage], int]:
