@@ -73,6 +73,9 @@ class SessionLog:
     epoch: int
     hops: list[RemoteStage]
     steps: list[RecordedStep] = field(default_factory=list)
+    # Leading hops whose KV caches hold every recorded step; fewer while a replay is under way (a node
+    # failing in the middle of one leaves the hops after `intact` with only part of the history).
+    intact: int = 1 << 30
 
 
 class MeshClient:
@@ -219,6 +222,10 @@ class MeshClient:
                     start = self._failover(log_, failed_at, deadline, lost)
                     lost.clear()
                     step_inputs = (step_inputs + [None] * len(log_.hops))[:len(log_.hops)]
+                    # Not past a hop this step has not reached in any attempt (its input unknown): when a
+                    # node fails during a replay, the first changed hop can lie beyond where the step got.
+                    while start > 0 and step_inputs[start] is None:
+                        start -= 1
                 result = self._run(log_, req, decode, start, step_inputs)
                 if result.ok:
                     log_.steps.append(RecordedStep(replace(req, hidden=None), decode, list(step_inputs)))
@@ -356,7 +363,7 @@ class MeshClient:
                 time.sleep(0.25)
         old = log_.hops
         first = 0  # the replay starts at the first hop that changed (a restarted node counts as changed)
-        while (first < min(len(old), len(hops)) and old[first].node_id == hops[first].node_id
+        while (first < min(len(old), len(hops), log_.intact) and old[first].node_id == hops[first].node_id
                and old[first].node_id not in exclude and old[first].node_id not in lost):
             first += 1
         # Hops before `first` keep their caches; the replay starts at hop `first`'s input boundary.
@@ -381,7 +388,7 @@ class MeshClient:
                 # Fenced too: a late unconditional release could free a copy rebuilt there since.
                 self._release_or_orphan(hop, log_.session_id, epoch)
         self.failovers += 1
-        log_.epoch, log_.hops = epoch, hops
+        log_.epoch, log_.hops, log_.intact = epoch, hops, first
         log.info("session %s: epoch %d, replaying %d steps on hops %d..%d", log_.session_id, epoch,
                  len(log_.steps), first, len(hops) - 1)
         for rec in log_.steps:
@@ -391,4 +398,5 @@ class MeshClient:
                 self._abandon(log_)
                 raise MeshUnavailable(f"session {log_.session_id}: replay refused: {res.status.value} {res.message}")
             rec.inputs = inputs
+        log_.intact = len(hops)
         return first

@@ -1,0 +1,94 @@
+"""Failover decisions of the mesh client, with in-process fake hops instead of node processes: which hop
+a step resumes at when nodes fail during the step and during its replay."""
+
+from __future__ import annotations
+
+from mesh_util import wait_for
+from meshnet.client.mesh_client import MeshClient
+from meshnet.client.remote import StageFailure
+from meshnet.contract import ArtifactId, LayerRange, LoadSpec, Outcome, Status, StepRequest
+from meshnet.engine.fake import FakeEngine, FakeModel
+
+PROMPT = (5, 6, 7, 8)
+
+
+class FakeHop:
+    """A node serving ``layers`` with a fake engine; ``fail_on`` (a set of step numbers, counting every
+    step this hop is sent) makes those steps fail as an unreachable node's would."""
+
+    def __init__(self, node_id: str, layers: LayerRange, fail_on: set[int] = frozenset()) -> None:
+        self.node_id, self.address = node_id, f"{node_id}:1"
+        self.engine = FakeEngine(FakeModel())
+        assert self.engine.load(LoadSpec(path="", artifact=ArtifactId("", layers))).ok
+        self.fail_on, self.sent = set(fail_on), 0
+
+    def step(self, req: StepRequest, decode: bool, timeout_s: float | None = None):
+        self.sent += 1
+        if self.sent in self.fail_on:
+            raise StageFailure(self.node_id, self.address, "UNAVAILABLE", f"step {self.sent} injected")
+        return self.engine.decode(req) if decode else self.engine.prefill(req)
+
+    def release(self, session_id: str, superseded_by: int = 0, timeout_s: float = 5.0) -> Outcome:
+        if superseded_by:
+            return self.engine.release_superseded(session_id, superseded_by)
+        return self.engine.release(session_id)
+
+    def cancel(self, session_id: str) -> Outcome:
+        return self.engine.cancel(session_id)
+
+    def answers(self) -> bool:
+        return True
+
+
+def _client(hops: list[FakeHop]) -> MeshClient:
+    """A client whose tracker routes through the first hop of each range not excluded."""
+    client = MeshClient("127.0.0.1:1", report_deliveries=False)
+    ranges = sorted({(h.engine.capabilities().artifact.layers.start, h.engine.capabilities().artifact.layers.end)
+                     for h in hops})
+
+    def route(exclude=frozenset(), previous_epoch=0):
+        picked = [next(h for h in hops if (h.engine.capabilities().artifact.layers.start,
+                                           h.engine.capabilities().artifact.layers.end) == r
+                       and h.node_id not in exclude) for r in ranges]
+        return previous_epoch + 1, picked
+
+    client.route = route  # type: ignore[method-assign]
+    return client
+
+
+def _tokens(client: MeshClient, sid: str, n: int) -> list[int]:
+    res = client.step(StepRequest(sid, 0, 0, PROMPT), decode=False)
+    assert res.ok, res.message
+    out = [res.token.token_id]
+    for k in range(n - 1):
+        res = client.step(StepRequest(sid, 0, len(PROMPT) + k, (out[-1],)), decode=True)
+        assert res.ok, res.message
+        out.append(res.token.token_id)
+    return out
+
+
+def _mesh(head_fail=frozenset(), tail_fail=frozenset()) -> list[FakeHop]:
+    head, tail = LayerRange(0, 15), LayerRange(15, 30)
+    return [FakeHop("h0a", head, head_fail), FakeHop("h0b", head), FakeHop("h1a", tail, tail_fail),
+            FakeHop("h1b", tail)]
+
+
+def test_a_step_resumes_no_later_than_the_first_hop_it_has_not_reached():
+    """The head fails on the 6th step; during the replay onto the spare head, the tail fails too (its
+    6th message is the replay's first step). The second route changes only the tail, but the spare head
+    holds only part of the history (the replay stopped after its first step) and the step itself never
+    got past the head: both are replayed and the step starts again at the head, instead of sending the
+    tail no input or the head a position it has not reached."""
+    plain = _client(_mesh())
+    want = _tokens(plain, "s", 10)
+    plain.close()
+    hops = _mesh(head_fail={6}, tail_fail={6})
+    client = _client(hops)
+    assert _tokens(client, "s", 10) == want
+    assert client.failovers == 2
+    # The failed head and tail hold no copy once the orphan releaser reached them; the route holds one.
+    assert wait_for(lambda: client.orphans.pending() == 0, 5.0) is not None
+    assert [h.engine.session_ids() for h in hops] == [[], ["s"], [], ["s"]]
+    client.release("s")
+    assert [h.engine.session_ids() for h in hops] == [[], [], [], []]
+    client.close()
