@@ -119,14 +119,30 @@ class ChaosMesh:
                                         "--node-id", slot.node_id, "--threads", "1", stdout=subprocess.PIPE)
             line = slot.proc.stdout.readline()
             if line.startswith("MESHNET_NODE_READY"):
-                fields = dict(kv.split("=", 1) for kv in line.split()[1:])
-                with self.lock:
-                    slot.address, slot.state = fields["address"], "up"
-                return True
+                address = dict(kv.split("=", 1) for kv in line.split()[1:])["address"]
+                # Ready to serve is not yet registered: the tracker may still refuse the id while the
+                # dead process's registration lasts, and the node then exits.
+                if self._wait_listed(slot, address):
+                    with self.lock:
+                        slot.address, slot.state = address, "up"
+                    return True
             slot.proc.wait(10)
             time.sleep(1.0)
         with self.lock:
             slot.state = "dead"
+        return False
+
+    def _wait_listed(self, slot: NodeSlot, address: str, timeout_s: float = 30.0) -> bool:
+        """Whether the tracker lists ``slot``'s node at ``address`` before its process exits."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and slot.proc.poll() is None:
+            try:
+                nodes = self.tracker_stub().ListNodes(pb.Empty(), timeout=5).nodes
+                if any(n.info.node_id == slot.node_id and n.info.address == address for n in nodes):
+                    return True
+            except grpc.RpcError:
+                pass  # the tracker is being restarted
+            time.sleep(0.1)
         return False
 
     def start_nodes(self) -> None:
