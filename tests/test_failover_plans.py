@@ -21,6 +21,7 @@ class FakeHop:
         self.engine = FakeEngine(FakeModel())
         assert self.engine.load(LoadSpec(path="", artifact=ArtifactId("", layers))).ok
         self.fail_on, self.sent = set(fail_on), 0
+        self.layers = (layers.start, layers.end)
 
     def step(self, req: StepRequest, decode: bool, timeout_s: float | None = None):
         self.sent += 1

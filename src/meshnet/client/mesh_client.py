@@ -5,9 +5,10 @@ hidden states it returns and sends them to hop 1, and so on; the tail returns a 
 client therefore sees every stage's input and records it per session. When a node fails, the client
 asks the tracker for a new route (epoch + 1, excluding the dead node), keeps the hops before the first
 changed one (their KV caches are intact), and replays the recorded steps from that boundary on: the
-prompt as the same prefill batch, then each generated token as its own decode step. Same inputs, same
-kernels, same batch shapes: the rebuilt KV cache is bit-identical, so greedy output equals an
-uninterrupted run token for token.
+prompt as the same prefill batch, then each generated token as its own decode step. Where the new
+route serves the same layer ranges, every replayed hop takes the inputs recorded for it, so the hops
+replay at the same time. Same inputs, same kernels, same batch shapes: the rebuilt KV cache is
+bit-identical, so greedy output equals an uninterrupted run token for token.
 
 Implements the generation loop's client interface (``step`` / ``cancel`` / ``release``), like the
 in-process :class:`~meshnet.chain.LocalChain`.
@@ -18,13 +19,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import grpc
 
 from meshnet.client.deadline import DeadlinePolicy, HopClocks
 from meshnet.client.orphans import OrphanReleaser
 from meshnet.client.relayed import RelayedStage
+from meshnet.client.session_log import RecordedStep, SessionLog, same_ranges
 from meshnet.client.remote import RemoteStage, StageFailure
 from meshnet.ledger.reporting import DeliveryReporter, new_client_id
 from meshnet.contract import NamedTensor, Status, StepRequest, StepResult
@@ -56,26 +59,6 @@ def context_length(hops: list[RemoteStage]) -> int:
     """The smallest ``n_ctx`` (tokens) along a route: every stage must hold the whole session.
     Raises StageFailure when a hop does not answer."""
     return min(h.capabilities().n_ctx for h in hops)
-
-
-@dataclass
-class RecordedStep:
-    """One successful step of a session: the request (without hidden) and each hop's input."""
-
-    req: StepRequest
-    decode: bool
-    inputs: list[NamedTensor | None]  # inputs[i] = what hop i received (None on the head)
-
-
-@dataclass
-class SessionLog:
-    session_id: str
-    epoch: int
-    hops: list[RemoteStage]
-    steps: list[RecordedStep] = field(default_factory=list)
-    # Leading hops whose KV caches hold every recorded step; fewer while a replay is under way (a node
-    # failing in the middle of one leaves the hops after `intact` with only part of the history).
-    intact: int = 1 << 30
 
 
 class MeshClient:
@@ -122,6 +105,11 @@ class MeshClient:
 
     # ---- routing -----------------------------------------------------------------------------
     def _stage(self, hop: pb.Hop) -> RemoteStage:
+        stage = self._connect(hop)
+        stage.layers = (hop.layers.start, hop.layers.end)  # which recorded inputs it takes in a replay
+        return stage
+
+    def _connect(self, hop: pb.Hop) -> RemoteStage:
         if hop.relayed:
             # The node accepts no connections: its traffic goes through the tracker it is attached to.
             return RelayedStage(hop.node_id, self._tracker_channel, self.step_timeout_s)
@@ -391,12 +379,47 @@ class MeshClient:
         log_.epoch, log_.hops, log_.intact = epoch, hops, first
         log.info("session %s: epoch %d, replaying %d steps on hops %d..%d", log_.session_id, epoch,
                  len(log_.steps), first, len(hops) - 1)
-        for rec in log_.steps:
-            inputs = (rec.inputs + [None] * len(hops))[:len(hops)]
-            res = self._run(log_, rec.req, rec.decode, first, inputs)
-            if not res.ok:
-                self._abandon(log_)
-                raise MeshUnavailable(f"session {log_.session_id}: replay refused: {res.status.value} {res.message}")
-            rec.inputs = inputs
+        if same_ranges(old[first:], hops[first:]):
+            self._replay_in_parallel(log_, first)
+        else:
+            for rec in log_.steps:
+                inputs = (rec.inputs + [None] * len(hops))[:len(hops)]
+                self._check_replayed(log_, self._run(log_, rec.req, rec.decode, first, inputs))
+                rec.inputs = inputs
         log_.intact = len(hops)
         return first
+
+    def _replay_in_parallel(self, log_: SessionLog, first: int) -> None:
+        """Replay the recorded steps on hops ``first..`` all at once, each hop from the inputs recorded
+        for it (what the hop before it produced, bit for bit the same on any node with the same
+        kernels), so a replay costs the slowest hop's time rather than the sum of every hop's. Raises
+        StageFailure (the first hop that failed) or MeshUnavailable (a refused step)."""
+
+        def replay(i: int) -> None:
+            hop, clock = log_.hops[i], self.clocks[log_.hops[i].node_id]
+            for rec in log_.steps:
+                ticket, timeout_s = clock.begin(rec.decode, len(rec.req.token_ids))
+                t0, elapsed = time.monotonic(), None
+                try:
+                    res = hop.step(replace(rec.req, epoch=log_.epoch, hidden=rec.inputs[i]), rec.decode, timeout_s)
+                    if res.ok:
+                        elapsed = time.monotonic() - t0
+                finally:
+                    clock.end(ticket, elapsed)
+                self._check_replayed(log_, res)
+
+        n = len(log_.hops) - first
+        if n == 1:
+            replay(first)
+            return
+        with ThreadPoolExecutor(n, thread_name_prefix="meshnet-replay") as pool:
+            futures = [pool.submit(replay, i) for i in range(first, len(log_.hops))]
+        errors = [f.exception() for f in futures if f.exception() is not None]
+        if errors:
+            raise next((e for e in errors if isinstance(e, StageFailure)), errors[0])
+
+    def _check_replayed(self, log_: SessionLog, res: StepResult) -> None:
+        """A replayed step a node refused ends the session (its hops may disagree now)."""
+        if not res.ok:
+            self._abandon(log_)
+            raise MeshUnavailable(f"session {log_.session_id}: replay refused: {res.status.value} {res.message}")

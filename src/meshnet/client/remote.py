@@ -40,6 +40,7 @@ class RemoteStage:
     def __init__(self, node_id: str, address: str, channel: grpc.Channel, timeout_s: float = 60.0,
                  max_frame_bytes: int = MAX_FRAME_BYTES, data_pool: ConnectionPool | None = None) -> None:
         self.node_id, self.address = node_id, address
+        self.layers: tuple[int, int] | None = None  # [start, end) as routed; None when not known
         self.stub = pb_grpc.NodeStub(channel)
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes

@@ -1,0 +1,38 @@
+"""What the mesh client keeps of each session so that a failover can rebuild it: the route it is on and
+every step it has run, with each hop's input, and which hops hold that whole history."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshnet.client.remote import RemoteStage
+from meshnet.contract import NamedTensor, StepRequest
+
+
+@dataclass
+class RecordedStep:
+    """One successful step of a session: the request (without hidden) and each hop's input."""
+
+    req: StepRequest
+    decode: bool
+    inputs: list[NamedTensor | None]  # inputs[i] = what hop i received (None on the head)
+
+
+@dataclass
+class SessionLog:
+    """One session as this client runs it: its route (``hops``, at route ``epoch``) and history."""
+
+    session_id: str
+    epoch: int
+    hops: list[RemoteStage]
+    steps: list[RecordedStep] = field(default_factory=list)
+    # Leading hops whose KV caches hold every recorded step; fewer while a replay is under way (a node
+    # failing in the middle of one leaves the hops after `intact` with only part of the history).
+    intact: int = 1 << 30
+
+
+def same_ranges(old: list[RemoteStage], new: list[RemoteStage]) -> bool:
+    """Whether ``new`` serves the same layer ranges in the same order as ``old`` (so each new hop takes
+    the inputs recorded for the old one)."""
+    ranges = [[getattr(h, "layers", None) for h in hops] for hops in (old, new)]
+    return ranges[0] == ranges[1] and None not in ranges[0]
