@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from meshnet.contract import ArtifactId, LayerRange, LoadSpec, Status, StepRequest
-from meshnet.engine.fake import FakeEngine, FakeModel, parse_fault_spec
+from meshnet.engine.fake import FakeEngine, FakeModel
+from meshnet.engine.fake_faults import parse_fault_spec
 from meshnet.node.config import NodeConfig
 from meshnet.node.worker_channel import EngineCallFailed
 from meshnet.node.worker_engine import WorkerEngine

@@ -18,7 +18,8 @@ from meshnet.contract import (
     Status,
     StepRequest,
 )
-from meshnet.engine.fake import FakeCrash, FakeEngine, FakeFaults, FakeModel
+from meshnet.engine.fake import FakeEngine, FakeModel
+from meshnet.engine.fake_faults import FakeCrash, FakeFaults
 
 MODEL = FakeModel()
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88]

@@ -124,7 +124,7 @@ def load_engine(cfg: NodeConfig, generation: int = 0) -> tuple[ShardEngine, Load
     if cfg.fault:
         if cfg.engine != "fake":
             raise ValueError(f"--fault needs --engine fake (got --engine {cfg.engine})")
-        from meshnet.engine.fake import parse_fault_spec
+        from meshnet.engine.fake_faults import parse_fault_spec
 
         faults, workers = parse_fault_spec(cfg.fault)
         if workers and generation >= workers:
