@@ -70,6 +70,13 @@ def test_bad_arguments_are_named(smollm2_path, args, message):
     assert "Traceback" not in proc.stderr
 
 
+def test_an_empty_prompt_is_refused_before_any_layer_loads(smollm2_path):
+    proc = meshnet("generate", "")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == "error: the prompt has no tokens; give some text"
+    assert "stage(s)" not in proc.stderr  # nothing was loaded
+
+
 @pytest.mark.skipif(sys.platform == "darwin", reason="metal is a real lane on macOS")
 def test_bench_engine_refuses_an_unproved_backend(tmp_path):
     proc = meshnet("bench", "engine", "--backend", "metal", "--out", str(tmp_path / "x.json"))

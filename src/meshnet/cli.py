@@ -137,6 +137,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids = chat_prompt_ids(tok, [{"role": "user", "content": args.prompt}])
     else:
         prompt_ids = tok.encode(args.prompt)
+    if not prompt_ids:
+        print("error: the prompt has no tokens; give some text", file=sys.stderr)
+        return 2
     if args.tracker:
         from meshnet.client.mesh_client import MeshClient
         from meshnet.model.gguf_file import sha256_file

@@ -90,8 +90,10 @@ def main(argv: list[str]) -> int:
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     sock = socket.socket(fileno=int(argv[0]))
-    # The node's SIGINT (Ctrl-C in its terminal) reaches this process group too; the node decides.
+    # The node's SIGINT (Ctrl-C in its terminal) and SIGTERM (sent to its process group, as `timeout` and
+    # service managers do) reach this process too; the node decides: it drains, then closes the pipe.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     status = serve(sock)
     os._exit(status)  # skip interpreter teardown: pool threads may be mid-step in C
 
