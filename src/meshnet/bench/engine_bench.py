@@ -25,6 +25,7 @@ from pathlib import Path
 from meshnet.contract import GREEDY, StepRequest
 from meshnet.model.bundled import resolve_model
 from meshnet.model.gguf_file import sha256_file
+from meshnet.openmp import competitor_env
 
 # Public-domain-style filler text; repeated until the prompt has enough tokens.
 FILLER = ("On a quiet morning in early spring, the old lighthouse keeper climbed the spiral stairs one last "
@@ -145,7 +146,7 @@ def llama_cpp_reference(model: str, prompt_ids: list[int], n_decode: int, thread
         return {"skipped": "llama-cpp-python is not installed (pip install 'meshnet[llamacpp]')"}
     cmd = [sys.executable, "-m", "meshnet.bench.llamacpp_ref", model, json.dumps(prompt_ids), str(n_decode),
            str(threads), str(repeats)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=competitor_env())
     if out.returncode != 0:
         return {"skipped": f"llama.cpp reference failed: {out.stderr.strip()[-500:]}"}
     return json.loads(out.stdout.strip().splitlines()[-1])

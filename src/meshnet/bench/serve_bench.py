@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from meshnet.bench.serve_load import LoadSpec, run_load, summarize
+from meshnet.openmp import competitor_env
 
 LLAMA_SLOT_CTX = 1024
 
@@ -63,8 +64,9 @@ def _free_port() -> int:
 class Server:
     """One server process, started on a free port, ready once ``/v1/models`` answers 200."""
 
-    def __init__(self, name: str, argv_for_port, log_dir: Path) -> None:
+    def __init__(self, name: str, argv_for_port, log_dir: Path, competitor: bool = False) -> None:
         self.name, self.port = name, _free_port()
+        self.competitor = competitor  # llama.cpp: runs with its own OpenMP defaults, not meshnet's
         self.argv = argv_for_port(self.port)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
@@ -75,6 +77,7 @@ class Server:
         """A server someone else runs at ``url``: ``start`` only asks it for its model id."""
         srv = cls.__new__(cls)
         srv.name, srv.url, srv.argv, srv.proc, srv.port = name, url.rstrip("/"), None, None, 0
+        srv.competitor = False
         return srv
 
     def start(self, timeout_s: float = 600.0) -> str:
@@ -83,7 +86,8 @@ class Server:
 
         if self.argv is None:
             return httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD")}
+        env = competitor_env() if self.competitor else dict(os.environ)
+        env = {k: v for k, v in env.items() if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD")}
         log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
@@ -185,7 +189,7 @@ def _llama_server(binary: Path, model_path: str, threads: int, n_parallel: int, 
     return Server(f"llama-server-np{n_parallel}", lambda port: [
         str(binary), "-m", model_path, "-t", str(threads), "-tb", str(threads), "-fa", "on",
         "-np", str(n_parallel), "-c", str(LLAMA_SLOT_CTX * n_parallel), "--host", "127.0.0.1",
-        "--port", str(port)] + ([] if repack else ["--no-repack"]), log_dir)
+        "--port", str(port)] + ([] if repack else ["--no-repack"]), log_dir, competitor=True)
 
 
 def _start_llama_server(binary: Path, model_path: str, threads: int, n_parallel: int, log_dir: Path,

@@ -1,0 +1,26 @@
+"""meshnet's OpenMP spin setting: applied before ggml loads unless the user chose one, and kept away
+from the llama.cpp runs it is measured against."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+_PROBE = ("import json, os, meshnet.engine.ggml_backend, meshnet.openmp as o; "
+          "print(json.dumps([os.environ.get('GOMP_SPINCOUNT'), o.APPLIED, o.competitor_env().get('GOMP_SPINCOUNT'), "
+          "o.competitor_env().get('MESHNET_KEEP_OPENMP_DEFAULTS')]))")
+
+
+def _probe(**env: str) -> list:
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "MESHNET_KEEP_OPENMP_DEFAULTS")}
+    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env={**base, **env},
+                         check=True)
+    return json.loads(out.stdout)
+
+
+def test_meshnet_sets_a_short_spin_unless_told_otherwise():
+    assert _probe() == ["1000", True, None, "1"]
+    assert _probe(GOMP_SPINCOUNT="5") == ["5", False, "5", "1"]  # the user's own choice stays, for all
+    assert _probe(MESHNET_KEEP_OPENMP_DEFAULTS="1") == [None, False, None, "1"]  # a competitor's run
