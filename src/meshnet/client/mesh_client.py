@@ -406,6 +406,8 @@ class MeshClient:
                         elapsed = time.monotonic() - t0
                 finally:
                     clock.end(ticket, elapsed)
+                if res.status is Status.NOT_FOUND:  # its engine restarted during the replay
+                    raise SessionLost(hop.node_id, hop.address, "NOT_FOUND", res.message)
                 self._check_replayed(log_, res)
 
         n = len(log_.hops) - first
