@@ -285,22 +285,27 @@ class MeshClient:
         x = inputs[start]
         for i in range(start, len(log_.hops)):
             inputs[i] = x
-            r = replace(req, epoch=log_.epoch, hidden=x)
             hop = log_.hops[i]
-            clock = self.clocks[hop.node_id]
-            ticket, timeout_s = clock.begin(decode, len(req.token_ids))
-            t0, elapsed = time.monotonic(), None
-            try:
-                result = hop.step(r, decode, timeout_s)
-                if result.ok:
-                    elapsed = time.monotonic() - t0
-            finally:
-                clock.end(ticket, elapsed)
+            result = self._timed_step(hop, replace(req, epoch=log_.epoch, hidden=x), decode)
             if result.status is Status.NOT_FOUND and log_.steps:
                 raise SessionLost(hop.node_id, hop.address, "NOT_FOUND", result.message)
             if not result.ok:
                 return result
             x = result.hidden
+        return result
+
+    def _timed_step(self, hop: RemoteStage, req: StepRequest, decode: bool) -> StepResult:
+        """``hop.step`` within the hop's step deadline; the time it took, when answered, goes to the hop's
+        clock (:mod:`meshnet.client.deadline`). Raises StageFailure."""
+        clock = self.clocks[hop.node_id]
+        ticket, timeout_s = clock.begin(decode, len(req.token_ids))
+        t0, elapsed = time.monotonic(), None
+        try:
+            result = hop.step(req, decode, timeout_s)
+            if result.ok:
+                elapsed = time.monotonic() - t0
+        finally:
+            clock.end(ticket, elapsed)
         return result
 
     def _release_or_orphan(self, hop: RemoteStage, session_id: str, epoch: int,
@@ -396,16 +401,9 @@ class MeshClient:
         StageFailure (the first hop that failed) or MeshUnavailable (a refused step)."""
 
         def replay(i: int) -> None:
-            hop, clock = log_.hops[i], self.clocks[log_.hops[i].node_id]
+            hop = log_.hops[i]
             for rec in log_.steps:
-                ticket, timeout_s = clock.begin(rec.decode, len(rec.req.token_ids))
-                t0, elapsed = time.monotonic(), None
-                try:
-                    res = hop.step(replace(rec.req, epoch=log_.epoch, hidden=rec.inputs[i]), rec.decode, timeout_s)
-                    if res.ok:
-                        elapsed = time.monotonic() - t0
-                finally:
-                    clock.end(ticket, elapsed)
+                res = self._timed_step(hop, replace(rec.req, epoch=log_.epoch, hidden=rec.inputs[i]), rec.decode)
                 if res.status is Status.NOT_FOUND:  # its engine restarted during the replay
                     raise SessionLost(hop.node_id, hop.address, "NOT_FOUND", res.message)
                 self._check_replayed(log_, res)
