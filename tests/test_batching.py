@@ -61,8 +61,8 @@ def test_concurrent_requests_equal_each_request_alone(smollm2_path, tok, solo, n
             assert_greedy_matches(golden, i, together[i], golden_exact())
     tail = chain.stages[-1].metrics()
     steps = n_sessions * N_TOKENS
-    # Alone, every step is an iteration of its own; shared, far fewer (about a third idle, but how many
-    # sessions meet in one depends on the machine's load: half was met exactly once on a busy machine).
+    # Alone, every step is an iteration of its own; shared, fewer: how many sessions meet in one depends
+    # on the machine's load (96 iterations for 192 steps once, on a busy machine).
     assert tail.iterations - iterations_before < steps * 3 / 4, "sessions did not share iterations"
     assert tail.max_batch_rows >= 4
     assert [s.health().active_sessions for s in chain.stages] == [0] * n_stages
