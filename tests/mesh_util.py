@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -120,6 +121,13 @@ def run_generate(tracker: str, prompt: str, *args: str) -> subprocess.CompletedP
     return subprocess.run([sys.executable, "-m", "meshnet.cli", "generate", "--tracker", tracker,
                            "--temperature", "0", "--json", *args, prompt],
                           capture_output=True, text=True, timeout=120)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout_s: float) -> float | None:

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from meshnet.bench.hostile_bench import hostile_connection
 from meshnet.contract import ArtifactId, LayerRange, LoadSpec, NamedTensor, StepRequest
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.node.service import NodeService
@@ -190,19 +191,6 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def _hostile(address: str, i: int) -> socket.socket | None:
-    """Connection ``i``: garbage bytes, a huge announced token with a little of it, or silence."""
-    try:
-        s = _raw(address)
-        if i % 3 == 0:
-            s.sendall(os.urandom(64))
-        elif i % 3 == 1:
-            s.sendall(HEADER.pack(8 << 20, AUTH) + b"\0" * 65536)
-        return s
-    except OSError:  # refused or reset by the node: that is its right
-        return None
-
-
 def test_1000_hostile_connections_cost_little_memory_and_a_step_still_succeeds():
     child = subprocess.Popen([sys.executable, "-c", _CHILD, os.path.dirname(__file__)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
@@ -217,7 +205,7 @@ def test_1000_hostile_connections_cost_little_memory_and_a_step_still_succeeds()
         conn = DataPlaneConnection(address, TOKEN, 30)
         assert conn.call(_prefill(8, "warm"))[1] is None  # the step path's own memory, before measuring
         before = probe()
-        hostile = [_hostile(address, i) for i in range(1000)]
+        hostile = [hostile_connection(address, i) for i in range(1000)]
         # The node accepts from its listen backlog as its selector gets to it: wait (bounded) until
         # every hostile connection has reached it, so the figures below count all of them.
         deadline = time.monotonic() + 20

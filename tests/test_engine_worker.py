@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from mesh_util import wait_for
 from meshnet.contract import ArtifactId, LayerRange, LoadSpec, Status, StepRequest
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.engine.fake_faults import parse_fault_spec
@@ -48,13 +49,6 @@ def _greedy(engine, sid: str, prompt: tuple[int, ...], n: int) -> list[int]:
         assert res.ok, res.message
         out.append(res.token.token_id)
     return out
-
-
-def _wait_until(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_concurrent_sessions_through_the_worker_equal_the_engine_in_process():
@@ -116,7 +110,7 @@ def test_a_dead_worker_fails_its_call_restarts_and_has_lost_its_sessions(kind, r
         assert worker.decode(StepRequest("a", 0, 2, (3,))).ok
         with pytest.raises(EngineUnavailable, match=f"died during decode \\({reason}\\)"):
             worker.decode(StepRequest("a", 0, 3, (4,)))
-        _wait_until(lambda: sup.status == "")
+        assert wait_for(lambda: sup.status == "", 30.0) is not None
         assert sup.restarts == 1 and sup.pid not in (None, first_pid)
         lost = worker.decode(StepRequest("a", 0, 3, (4,)))
         assert lost.status is Status.NOT_FOUND
@@ -149,7 +143,7 @@ def test_a_hung_worker_is_killed_and_restarted_while_health_answers():
         assert not h.healthy
         t.join(30)
         assert len(errors) == 1 and "hung: no answer to a ping within 1 s, killed" in str(errors[0])
-        _wait_until(lambda: sup.status == "")
+        assert wait_for(lambda: sup.status == "", 30.0) is not None
         assert sup.restarts == 1 and worker.health().healthy
     finally:
         sup.stop()

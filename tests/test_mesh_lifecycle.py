@@ -16,7 +16,7 @@ import urllib.request
 import grpc
 import pytest
 
-from mesh_util import HEARTBEAT_S, Mesh, rpc_code
+from mesh_util import HEARTBEAT_S, Mesh, free_port, rpc_code
 from solo_reference import PROMPTS
 from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import LayerRange, StepRequest
@@ -108,7 +108,7 @@ def test_join_token_required_by_tracker_and_nodes(smollm2_path):
 
 
 def test_meshnet_up_then_generate_through_the_mesh(solo, tmp_path):
-    port = _free_port()
+    port = free_port()
     up = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "up", "--stages", "3", "--port", str(port),
                            "--api-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -134,7 +134,7 @@ def test_meshnet_up_then_generate_through_the_mesh(solo, tmp_path):
 
 
 def test_meshnet_up_restarts_a_killed_node_while_the_api_keeps_serving(solo, tmp_path):
-    port = _free_port()
+    port = free_port()
     err_path = tmp_path / "up.stderr"
     with open(err_path, "w") as err:
         up = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "up", "--stages", "2", "--port", str(port),
@@ -202,11 +202,3 @@ def _node_children(pid: int) -> dict[str, int]:
         if int(fields[1]) == pid and fields[0] != "Z" and "--node-id" in argv:
             found[argv[argv.index("--node-id") + 1]] = int(entry)
     return found
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -19,7 +19,6 @@ import socket
 import statistics
 import sys
 import threading
-import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -50,10 +49,12 @@ def add_hostile_bench_parser(bench_subparsers) -> None:
     p.set_defaults(func=run_hostile_bench)
 
 
-def _hostile_connection(host: str, port: int, i: int) -> socket.socket | None:
-    """Connection ``i``: garbage, a huge announced frame with a little of it, or silence."""
+def hostile_connection(address: str, i: int) -> socket.socket | None:
+    """Connection ``i`` to ``address`` (``host:port``): garbage, a huge announced frame with a little of
+    it, or silence; None when the node refused or reset it."""
+    host, port = address.rsplit(":", 1)
     try:
-        s = socket.create_connection((host, port), timeout=5)
+        s = socket.create_connection((host, int(port)), timeout=5)
         if i % 3 == 0:
             s.sendall(os.urandom(64))
         elif i % 3 == 1:
@@ -67,8 +68,7 @@ class Attack:
     """Keeps ``n`` hostile connections open to ``address`` (``host:port``) from a background thread."""
 
     def __init__(self, address: str, n: int) -> None:
-        host, port = address.rsplit(":", 1)
-        self.host, self.port, self.n = host, int(port), n
+        self.address, self.n = address, n
         self.opened = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="hostile")
@@ -87,7 +87,7 @@ class Attack:
                 s.close()
 
     def _open(self, i: int) -> socket.socket | None:
-        s = _hostile_connection(self.host, self.port, i)
+        s = hostile_connection(self.address, i)
         self.opened += s is not None
         return s
 
