@@ -16,6 +16,12 @@ import numpy as np
 # mask's rows to GGML_KQ_MASK_PAD; we do the same so the kernels see the same shapes.
 KV_PAD = 256
 MASK_ROW_PAD = int(ggml.GGML_KQ_MASK_PAD)
+# ggml's CPU flash attention takes another path for one query row of one stream over at least this many
+# cells (``use_split_kv_path`` in ops.cpp: the cells are split across threads and the partial softmaxes
+# merged), which rounds differently from the path rows of a multi-stream call take. llama.cpp decoding a
+# session alone takes it, so a decode row that reads this many cells is attended on its own, as it
+# would be alone, never inside the multi-stream decode call.
+SPLIT_KV_MIN_CELLS = 512
 
 
 def pad_to(n: int, multiple: int) -> int:

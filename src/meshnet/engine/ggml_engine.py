@@ -28,7 +28,7 @@ from meshnet.contract import (
 from meshnet.engine.base import RETRY_AFTER_S, EngineError, Session, ShardEngine
 from meshnet.engine.scheduler import Chunk
 from meshnet.engine.ggml_backend import StageWeights, cpu_backend, registry_devices
-from meshnet.engine.batch_layout import BatchShape, Segment, kv_length
+from meshnet.engine.batch_layout import SPLIT_KV_MIN_CELLS, BatchShape, Segment, kv_length
 from meshnet.engine.ggml_graph import StepGraph
 from meshnet.engine.kv_pool import KVPool, PoolFull
 from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, sha256_file, stage_tensor_names
@@ -123,8 +123,10 @@ class GgmlStage:
 
     def shape_of(self, items: list[BatchItem]) -> tuple[BatchShape, list[int], list[int]]:
         """The graph shape of an iteration; also the indices of its decode items and its segment items
-        (rows go decodes first, then segments, each group in the given order)."""
-        dec = [i for i, it in enumerate(items) if it.n_tokens == 1 and (not self.is_tail or it.n_out == 1)]
+        (rows go decodes first, then segments, each group in the given order). A decode reading
+        :data:`SPLIT_KV_MIN_CELLS` cells or more is a segment of one row: attended alone, as alone."""
+        dec = [i for i, it in enumerate(items) if it.n_tokens == 1 and (not self.is_tail or it.n_out == 1)
+               and kv_length(it.position + 1, self.n_ctx) < SPLIT_KV_MIN_CELLS]
         decodes = set(dec)
         seg = [i for i in range(len(items)) if i not in decodes]
         streams = n_kv_dec = 0
