@@ -1,7 +1,8 @@
 """``meshnet bench serve``: meshnet's OpenAI API against llama.cpp's ``llama-server``, in one run.
 
 Three servers, each its own process, measured alternately with the same load (short chat prompts,
-streaming, greedy, ``max_tokens`` 128) at each concurrency C:
+streaming, greedy, ``max_tokens`` 128) at each concurrency C, each started for its turn and stopped after
+it so that nothing else runs beside the one measured:
 
 * ``llama-server``: same GGUF, 2 threads, ``-fa on``, ``-np 8`` for C <= 8 and ``-np 32`` above,
   ``-c`` 1024 per slot (found on PATH or built once into a cache folder: :mod:`meshnet.bench.llama_server`;
@@ -67,6 +68,7 @@ class Server:
     def __init__(self, name: str, argv_for_port, log_dir: Path, competitor: bool = False) -> None:
         self.name, self.port = name, _free_port()
         self.competitor = competitor  # llama.cpp: runs with its own OpenMP defaults, not meshnet's
+        self._argv_for_port = argv_for_port
         self.argv = argv_for_port(self.port)
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
@@ -86,9 +88,12 @@ class Server:
 
         if self.argv is None:
             return httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        if self.proc is not None:  # started before: fresh ports, so nothing of the last run can answer
+            self.port = _free_port()
+            self.argv, self.url = self._argv_for_port(self.port), f"http://127.0.0.1:{self.port}"
         env = competitor_env() if self.competitor else dict(os.environ)
         env = {k: v for k, v in env.items() if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD")}
-        log = open(self.log_path, "w")
+        log = open(self.log_path, "a")  # each start appends: a server is started once per C
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         deadline = time.monotonic() + timeout_s
@@ -176,9 +181,8 @@ def _targets(args, log_dir: Path, max_c: int) -> dict:
             "api", "--model", args.model, "--threads", str(args.threads), "--n-ctx", str(LLAMA_SLOT_CTX),
             "--max-sessions", str(max(max_c, 1)), "--port", str(port)], log_dir)
     if "mesh" in wanted:
-        tracker_port = _free_port()
         out["mesh"] = Server("mesh", lambda port: py + [
-            "up", "--model", args.model, "--stages", "3", "--threads", "1", "--port", str(tracker_port),
+            "up", "--model", args.model, "--stages", "3", "--threads", "1", "--port", str(_free_port()),
             "--n-ctx", str(LLAMA_SLOT_CTX), "--max-sessions", str(max(max_c, 1)), "--api-port", str(port)],
             log_dir)
     return out
@@ -193,21 +197,23 @@ def _llama_server(binary: Path, model_path: str, threads: int, n_parallel: int, 
 
 
 def _start_llama_server(binary: Path, model_path: str, threads: int, n_parallel: int, log_dir: Path,
-                        report: dict) -> tuple[Server, str]:
-    """Start llama-server with its defaults; if it dies of SIGILL or SIGSEGV (on some virtual machines
-    the AMX kernels its weight repacking picks fault on their first tile instruction, or at start-up),
-    once more with ``--no-repack``, which the report then records under ``llama_server_flags``."""
-    srv = _llama_server(binary, model_path, threads, n_parallel, log_dir)
+                        report: dict, repack: bool = True) -> tuple[Server, str, bool]:
+    """Start llama-server (with its default weight repacking unless ``repack`` is False); if it dies of
+    SIGILL or SIGSEGV (on some virtual machines the AMX kernels its repacking picks fault on their first
+    tile instruction, or at start-up), once more with ``--no-repack``, which the report then records under
+    ``llama_server_flags``. Returns the server, its model id and whether it repacks."""
+    print(f"[bench serve] starting llama-server -np {n_parallel}", file=sys.stderr, flush=True)
+    srv = _llama_server(binary, model_path, threads, n_parallel, log_dir, repack)
     try:
-        return srv, srv.start()
+        return srv, srv.start(), repack
     except RuntimeError:
-        if srv.proc is None or srv.proc.returncode not in (-signal.SIGILL, -signal.SIGSEGV):
+        if not repack or srv.proc is None or srv.proc.returncode not in (-signal.SIGILL, -signal.SIGSEGV):
             raise
     report.setdefault("llama_server_flags", {})[str(n_parallel)] = (
         f"--no-repack: with its default repacking llama-server died of "
         f"{signal.Signals(-srv.proc.returncode).name} here")
     srv = _llama_server(binary, model_path, threads, n_parallel, log_dir, repack=False)
-    return srv, srv.start()
+    return srv, srv.start(), False
 
 
 def _measure(server: Server, model: str, c: int, args, sample_kv: bool) -> dict:
@@ -263,43 +269,38 @@ def run_serve_bench(args: argparse.Namespace) -> int:
             print(f"[bench serve] llama-server skipped: {why}", file=sys.stderr)
     bpt = _kv_bytes_per_token(model_path)
     failed = False
-    models: dict[str, str] = {}
-    try:
-        for name, srv in servers.items():
-            print(f"[bench serve] starting {name}", file=sys.stderr, flush=True)
-            models[name] = srv.start()
-        for n_parallel, group in groups:
-            running = dict(servers)
-            llama = None
-            if llama_bin is not None:
-                print(f"[bench serve] starting llama-server -np {n_parallel}", file=sys.stderr, flush=True)
-                llama, models[f"llama-server-np{n_parallel}"] = _start_llama_server(
-                    llama_bin, model_path, args.threads, n_parallel, log_dir, report)
-                running = {"llama-server": llama, **running}
-            try:
-                for srv in running.values():  # one warm-up request each (graphs, caches)
-                    asyncio.run(run_load(srv.url, models[srv.name], LoadSpec(1, 1, max_tokens=8)))
-                for c in group:
-                    for name, srv in running.items():
-                        model = models[srv.name]
-                        print(f"[bench serve] {name}: C={c}", file=sys.stderr, flush=True)
-                        row = _measure(srv, model, c, args, sample_kv=name == "meshnet")
-                        if name == "llama-server":
-                            held = min(c, row["requests"]) * (row["prompt_tokens"] + row["completion_tokens"]) \
-                                / max(1, row["completed"])
-                            row["kv"] = {"allocated_bytes": LLAMA_SLOT_CTX * n_parallel * bpt,
-                                         "bytes_per_held_token": round(LLAMA_SLOT_CTX * n_parallel * bpt
-                                                                       / max(1.0, held), 1),
-                                         "n_parallel": n_parallel}
-                        failed |= row["errors"] > 0
-                        report["results"].setdefault(name, {})[str(c)] = row
-            finally:
-                if llama is not None:
-                    llama.stop()
-    finally:
-        for srv in servers.values():
-            if srv.proc is not None:
-                srv.stop()
+    repack = True
+    for n_parallel, group in groups:
+        for c in group:
+            # Each server runs alone, started for this C and stopped after it: an idle server beside the one
+            # measured still wakes up (heartbeats, health pings) and on two cores every wake-up costs the
+            # measured server's compute threads a graph's progress (an idle mesh took the API from 76.5 to
+            # 68.7 tokens/s).
+            for name in ([] if llama_bin is None else ["llama-server"]) + list(servers):
+                if name == "llama-server":
+                    srv, model, repack = _start_llama_server(llama_bin, model_path, args.threads, n_parallel,
+                                                             log_dir, report, repack)
+                else:
+                    srv = servers[name]
+                    print(f"[bench serve] starting {name}", file=sys.stderr, flush=True)
+                    model = srv.start()
+                try:
+                    # one warm-up request (graphs, caches)
+                    asyncio.run(run_load(srv.url, model, LoadSpec(1, 1, max_tokens=8)))
+                    print(f"[bench serve] {name}: C={c}", file=sys.stderr, flush=True)
+                    row = _measure(srv, model, c, args, sample_kv=name == "meshnet")
+                finally:
+                    if srv.proc is not None:
+                        srv.stop()
+                if name == "llama-server":
+                    held = min(c, row["requests"]) * (row["prompt_tokens"] + row["completion_tokens"]) \
+                        / max(1, row["completed"])
+                    row["kv"] = {"allocated_bytes": LLAMA_SLOT_CTX * n_parallel * bpt,
+                                 "bytes_per_held_token": round(LLAMA_SLOT_CTX * n_parallel * bpt
+                                                               / max(1.0, held), 1),
+                                 "n_parallel": n_parallel}
+                failed |= row["errors"] > 0
+                report["results"].setdefault(name, {})[str(c)] = row
     report["ratios"] = _ratios(report["results"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
