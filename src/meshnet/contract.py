@@ -283,6 +283,8 @@ class LoadSpec:
         kv_tokens: KV cells the stage's pool lets sessions reserve at once (0 = derived from
             ``memory_budget_bytes``, else from half the memory available; at most ``max_sessions * n_ctx``).
         use_mmap: map the weights from the file instead of copying them (llama.cpp's default).
+        prefix_cache: finished sessions whose KV cells a stage keeps for new prompts that start with the
+            same tokens (exact reuse: :mod:`meshnet.engine.prefix_cache`); 0 keeps none.
     """
 
     path: str
@@ -294,6 +296,7 @@ class LoadSpec:
     memory_budget_bytes: int = 0
     kv_tokens: int = 0
     use_mmap: bool = True
+    prefix_cache: int = 4
     mtp: MultiTokenPrediction = MultiTokenPrediction()
     aux_state: AuxiliaryState = AuxiliaryState()
 
@@ -302,7 +305,7 @@ class LoadSpec:
         bad = [f"{name}={value} (>= {low})" for name, value, low in (
             ("n_threads", self.n_threads, 1), ("n_ctx", self.n_ctx, 0), ("n_ubatch", self.n_ubatch, 1),
             ("max_sessions", self.max_sessions, 1), ("memory_budget_bytes", self.memory_budget_bytes, 0),
-            ("kv_tokens", self.kv_tokens, 0)) if value < low]
+            ("kv_tokens", self.kv_tokens, 0), ("prefix_cache", self.prefix_cache, 0)) if value < low]
         return f"bad load settings: {', '.join(bad)}" if bad else None
 
 

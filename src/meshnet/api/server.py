@@ -45,6 +45,7 @@ def add_api_parser(sub) -> None:
     local.add_argument("--max-sessions", type=int, default=16, help="sessions each stage holds at once")
     local.add_argument("--kv-tokens", type=int, default=0,
                        help="KV cells sessions may reserve at once (0 = half the memory available)")
+    local.add_argument("--prefix-cache", type=int, default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
     p.set_defaults(func=run_api)
 
 
@@ -57,7 +58,8 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
                             name=args.name, max_concurrency=args.max_concurrency or 8)
     backend = local_backend(args.model, stages=args.stages, layers=args.layers, n_threads=args.threads,
                             n_ctx=args.n_ctx, name=args.name, progress=sys.stderr.isatty(),
-                            max_sessions=args.max_sessions, kv_tokens=args.kv_tokens)
+                            max_sessions=args.max_sessions, kv_tokens=args.kv_tokens,
+                            prefix_cache=args.prefix_cache)
     if args.max_concurrency:
         backend.max_concurrency = min(backend.max_concurrency, args.max_concurrency)
     return backend

@@ -130,8 +130,14 @@ class ShardEngine(ABC):
         return last
 
     @abstractmethod
-    def _free_state(self, state: Any) -> None:
-        """Release one session's state (idempotent)."""
+    def _free_state(self, state: Any, token_ids: list[int] = ()) -> None:
+        """Release one session's state (idempotent). ``token_ids``: the tokens whose cells it holds, when
+        it ended in good order (the engine may keep its cells for prompts that start the same way)."""
+
+    def _reused(self, session: Session, req: StepRequest) -> tuple[int, StepResult | None]:
+        """Rows of a session's first step that its state already holds (taken from a finished session
+        when it opened), and their result part (their hidden rows, on a stage that passes them on)."""
+        return 0, None
 
     def _kv_bytes(self) -> int:
         return 0
@@ -210,7 +216,7 @@ class ShardEngine(ABC):
             self._idle.wait()
         if self._sessions.get(s.session_id) is s:
             del self._sessions[s.session_id]
-            self._free_state(s.state)
+            self._free_state(s.state, s.token_ids)
         self._scheduler.forget(s)
 
     def release_idle(self, idle_s: float) -> list[str]:
@@ -350,7 +356,7 @@ class ShardEngine(ABC):
             session.busy = True
         t0 = time.perf_counter()
         try:
-            result = self._scheduler.submit(session, req)
+            result = self._scheduler.submit(session, req, *self._reused(session, req))
         finally:
             with self._lock:
                 session.busy = False

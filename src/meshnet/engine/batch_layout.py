@@ -22,6 +22,9 @@ MASK_ROW_PAD = int(ggml.GGML_KQ_MASK_PAD)
 # session alone takes it, so a decode row that reads this many cells is attended on its own, as it
 # would be alone, never inside the multi-stream decode call.
 SPLIT_KV_MIN_CELLS = 512
+# ... and tiles the query rows of a call that has at least this many (GGML_FA_TILE_Q), again rounding
+# differently from the row-by-row path that calls with fewer rows take.
+FA_TILE_ROWS = 64
 
 
 def pad_to(n: int, multiple: int) -> int:

@@ -199,7 +199,7 @@ class FakeEngine(ShardEngine):
         self._check_budget(self._faults, 1)
         return _FakeState(embed=_blake(self._model_id, b"embed"), layers=list(self._init_layers))
 
-    def _free_state(self, state: Any) -> None:
+    def _free_state(self, state: Any, token_ids: list[int] = ()) -> None:
         pass  # plain Python objects: dropping the reference frees them
 
     def _cached_tokens(self) -> int:

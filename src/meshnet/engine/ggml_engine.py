@@ -8,7 +8,7 @@ statuses, sampling on the tail.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import ggml
@@ -31,6 +31,7 @@ from meshnet.engine.ggml_backend import StageWeights, cpu_backend, registry_devi
 from meshnet.engine.batch_layout import SPLIT_KV_MIN_CELLS, BatchShape, Segment, kv_length
 from meshnet.engine.ggml_graph import StepGraph
 from meshnet.engine.kv_pool import KVPool, PoolFull
+from meshnet.engine.prefix_cache import Cached, PrefixCache, alone_paths, path_code, usable_prefix
 from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, sha256_file, stage_tensor_names
 from meshnet.model.hparams import ModelConfig
 from meshnet.sampling import sample
@@ -60,10 +61,16 @@ class BatchItem:
 
 @dataclass
 class SessionKV:
-    """A session's place in a stage's KV pool: its slot. ``free`` hands the slot back (idempotent)."""
+    """A session's place in a stage's KV pool: its slot, the attention path of each row it holds (see
+    :mod:`meshnet.engine.prefix_cache`), on a stage that passes hidden states on its first step's output
+    rows, and ``reused``: rows of its first step taken from a finished session, not yet handed to the
+    scheduler. ``free`` hands the slot back (idempotent)."""
 
     slot: int
     pool: KVPool
+    paths: bytearray = field(default_factory=bytearray)
+    hidden: list[np.ndarray] = field(default_factory=list)
+    reused: int = 0
 
     def free(self) -> None:
         self.pool.release(self.slot)
@@ -90,7 +97,7 @@ class GgmlStage:
 
     def __init__(self, path: str, layers: LayerRange, n_threads: int = 2, n_ctx: int = 0,
                  n_ubatch: int = 512, use_mmap: bool = True, backend=None, n_slots: int = 16,
-                 kv_tokens: int = 0, kv_budget_bytes: int = 0) -> None:
+                 kv_tokens: int = 0, kv_budget_bytes: int = 0, prefix_cache: int = 0) -> None:
         reader = open_gguf(path)
         self.cfg = ModelConfig.from_reader(reader)
         if layers.end > self.cfg.n_layer:
@@ -111,15 +118,75 @@ class GgmlStage:
             drop_pages(reader)  # the copies are what stays resident, not the file pages read to make them
         self.pool = KVPool(layers, self.cfg.n_embd_k_gqa, self.cfg.n_embd_v_gqa, self.n_ctx, n_slots,
                            kv_tokens, self.backend, host=on_host, budget_bytes=kv_budget_bytes)
+        # Finished sessions kept for their prefixes (host pools only: reuse copies cells in host memory).
+        self.prefix_cache = PrefixCache(prefix_cache if self.pool.host else 0)
         self._graphs: OrderedDict[BatchShape, StepGraph] = OrderedDict()
         # ggml-python's binding of ggml_backend_cpu_buffer_type() truncates the pointer; ask the backend.
         self._galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self.backend))
         self._placed: StepGraph | None = None  # the graph whose tensors hold the allocator's buffer now
 
-    def new_session(self, reserve_tokens: int = 0) -> SessionKV:
-        """Open a session in the pool with ``reserve_tokens`` cells promised (0: n_ctx). Raises PoolFull
-        when no slot or too few cells are free."""
-        return SessionKV(self.pool.acquire(reserve_tokens), self.pool)
+    def new_session(self, reserve_tokens: int = 0, prompt: np.ndarray | None = None) -> SessionKV:
+        """Open a session in the pool with ``reserve_tokens`` cells promised (0: n_ctx), dropping kept
+        finished sessions (oldest first) while the pool has no room. Given its first step's token ids
+        ``prompt`` (int ``[n]``, at position 0), the session starts with the rows it can take from a kept
+        session (``reused``; their cells copied into its slot). Raises PoolFull when no slot or too few
+        cells are free even with nothing kept."""
+        while True:
+            try:
+                kv = SessionKV(self.pool.acquire(reserve_tokens), self.pool)
+                break
+            except PoolFull:
+                slot = self.prefix_cache.pop_oldest()
+                if slot is None:
+                    raise
+                self.pool.release(slot)
+        if prompt is not None and len(self.prefix_cache):
+            paths = alone_paths(len(prompt), self.n_ubatch, self.n_ctx)
+            entry, common = self.prefix_cache.best(np.asarray(prompt, dtype=np.int32), paths)
+            n = usable_prefix(common, paths, self.n_ubatch, self.n_ctx)
+            if entry is not None and n > 0:
+                self.pool.copy_cells(entry.slot, kv.slot, n)
+                kv.paths += entry.paths[:n]
+                if entry.hidden is not None:
+                    kv.hidden.append(entry.hidden[:n])
+                kv.reused = n
+        return kv
+
+    def ensure(self, kv: SessionKV, n_cells: int) -> bool:
+        """Grow the session's reservation to ``n_cells``, dropping kept finished sessions while the pool
+        has too few cells; False when it still cannot."""
+        while not self.pool.ensure(kv.slot, n_cells):
+            slot = self.prefix_cache.pop_oldest()
+            if slot is None:
+                return False
+            self.pool.release(slot)
+        return True
+
+    def record(self, kv: SessionKV, position: int, n_rows: int, first_step_out: np.ndarray | None = None) -> None:
+        """Note the paths of ``n_rows`` rows computed in one call from ``position`` (replacing what a
+        failed try of the same step left), and on a stage that passes hidden states on, the output rows
+        of its first step (``first_step_out``, float32 ``[n_rows, n_embd]``)."""
+        del kv.paths[position:]
+        kv.paths += path_code(n_rows, position, self.n_ctx) * n_rows
+        if first_step_out is not None and not self.is_tail:
+            kept = np.concatenate(kv.hidden)[:position] if kv.hidden else first_step_out[:0]
+            kv.hidden = [kept, first_step_out] if len(kept) == position else []
+
+    def retire(self, kv: SessionKV, token_ids: list[int]) -> None:
+        """A session ended holding the cells of ``token_ids``: keep it for its prefix (pushing out the
+        oldest kept session beyond the cache's capacity), or free its slot."""
+        n = min(len(token_ids), len(kv.paths))
+        hidden = None
+        if not self.is_tail and kv.hidden:
+            hidden = np.concatenate(kv.hidden)[:n]
+            n = min(n, len(hidden))
+        if self.prefix_cache.capacity == 0 or n < 2 or (not self.is_tail and hidden is None):
+            kv.free()
+            return
+        self.pool.shrink(kv.slot, n)
+        for slot in self.prefix_cache.put(Cached(kv.slot, np.asarray(token_ids[:n], dtype=np.int32),
+                                                 bytes(kv.paths[:n]), hidden)):
+            self.pool.release(slot)
 
     def shape_of(self, items: list[BatchItem]) -> tuple[BatchShape, list[int], list[int]]:
         """The graph shape of an iteration; also the indices of its decode items and its segment items
@@ -216,6 +283,8 @@ class GgmlStage:
         for g in self._graphs.values():
             g.free()
         self._graphs.clear()
+        for slot in self.prefix_cache.clear():
+            self.pool.release(slot)
         if self._galloc:
             ggml.ggml_gallocr_free(self._galloc)
             self._galloc = None
@@ -244,7 +313,7 @@ class GgmlEngine(ShardEngine):
         try:
             stage = GgmlStage(spec.path, spec.artifact.layers, spec.n_threads, spec.n_ctx, spec.n_ubatch,
                               spec.use_mmap, n_slots=spec.max_sessions, kv_tokens=spec.kv_tokens,
-                              kv_budget_bytes=spec.memory_budget_bytes)
+                              kv_budget_bytes=spec.memory_budget_bytes, prefix_cache=spec.prefix_cache)
         except (GGUFError, FileNotFoundError) as e:
             raise EngineError(Status.INVALID_ARGUMENT, str(e)) from None
         if self.stage is not None:
@@ -271,12 +340,24 @@ class GgmlEngine(ShardEngine):
         stage = self.stage
         assert stage is not None
         try:
-            return stage.new_session(req.reserve_tokens)
+            return stage.new_session(req.reserve_tokens, np.asarray(req.token_ids, dtype=np.int32))
         except PoolFull as e:
             raise EngineError(Status.RESOURCE_EXHAUSTED, f"KV pool: {e}") from None
 
-    def _free_state(self, state: SessionKV) -> None:
-        state.free()
+    def _free_state(self, state: SessionKV, token_ids: list[int] = ()) -> None:
+        if token_ids and self.stage is not None:
+            self.stage.retire(state, list(token_ids))
+        else:
+            state.free()
+
+    def _reused(self, session: Session, req: StepRequest) -> tuple[int, StepResult | None]:
+        kv: SessionKV = session.state
+        n, kv.reused = kv.reused, 0
+        if n == 0 or session.n_past != 0:
+            return 0, None
+        if self.stage is not None and self.stage.is_tail:
+            return n, None
+        return n, StepResult(Status.OK, hidden=NamedTensor.from_numpy("hidden", kv.hidden[0][:n]))
 
     def _chunk_tokens(self) -> int:
         stage = getattr(self, "stage", None)  # the base constructor asks before ours has run
@@ -303,7 +384,7 @@ class GgmlEngine(ShardEngine):
         items, run = [], []
         for i, c in enumerate(chunks):
             need = c.req.position + c.end
-            if not stage.pool.ensure(c.session.state.slot, need):
+            if not stage.ensure(c.session.state, need):
                 # Beyond what the session reserved when it opened, and the pool has no cells to spare.
                 results[i] = self._fail(Status.RESOURCE_EXHAUSTED,
                                         f"session {c.req.session_id!r} needs {need} KV cells, more than it "
@@ -319,6 +400,8 @@ class GgmlEngine(ShardEngine):
         outs = stage.forward_batch(items) if items else []
         for i, out in zip(run, outs):
             c = chunks[i]
+            stage.record(c.session.state, c.req.position + c.start, c.end - c.start,
+                         out if c.req.position == 0 else None)
             if not stage.is_tail:
                 results[i] = StepResult(Status.OK, hidden=NamedTensor.from_numpy("hidden", out))
             elif not c.last:

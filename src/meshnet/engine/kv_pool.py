@@ -177,6 +177,29 @@ class KVPool:
             self._reserved[slot] = n_cells
             return True
 
+    def shrink(self, slot: int, n_cells: int) -> None:
+        """Lower ``slot``'s reservation to the ``n_cells`` it holds (a finished session kept for its
+        prefix), handing the rest back to the pool."""
+        with self._lock:
+            if slot in self._reserved:
+                self._reserved[slot] = max(1, min(self._reserved[slot], n_cells))
+
+    @property
+    def host(self) -> bool:
+        """Whether the cells are in host memory (their bytes can be copied from Python)."""
+        return self._map is not None
+
+    def copy_cells(self, src: int, dst: int, n_cells: int) -> None:
+        """Copy the first ``n_cells`` cells (positions ``[0, n_cells)``) of every layer's K and V from slot
+        ``src`` to slot ``dst``. Host pools only."""
+        assert self._map is not None, "copy_cells needs a host pool"
+        for (off, per_slot), row in zip(self._regions, self._rows()):
+            ctypes.memmove(self._base + off + dst * per_slot, self._base + off + src * per_slot, n_cells * row)
+
+    def _rows(self) -> list[int]:
+        """Bytes per cell of each region, in ``_regions`` order (K then V per layer)."""
+        return [row for _ in range(self.layers.n_layers) for row in (self.row_k, self.row_v)]
+
     def release(self, slot: int) -> None:
         """Close ``slot``: its reservation returns to the pool and its cells to zero (pages handed back to
         the kernel on the CPU). Idempotent."""

@@ -53,6 +53,7 @@ class Job:
     enqueued: float = field(default_factory=time.perf_counter)
     done_tokens: int = 0
     parts: list[StepResult] = field(default_factory=list)
+    started: bool = False  # picked for an iteration
     result: StepResult | None = None
     error: BaseException | None = None  # raised in the caller's thread, as if the step ran there
     event: threading.Event = field(default_factory=threading.Event)
@@ -64,7 +65,7 @@ class Job:
     @property
     def one_token(self) -> bool:
         """A step of one token not yet started (a decode): it rides in every iteration's decode rows."""
-        return self.done_tokens == 0 and len(self.req.token_ids) == 1
+        return not self.started and len(self.req.token_ids) == 1
 
 
 @dataclass
@@ -104,10 +105,12 @@ class StepScheduler:
         self._expected: set[int] = set()  # ids of sessions whose step the last iteration finished
         self._last_iteration_s = 0.0
 
-    def submit(self, session: Any, req: StepRequest) -> StepResult:
+    def submit(self, session: Any, req: StepRequest, done_tokens: int = 0,
+               done_part: StepResult | None = None) -> StepResult:
         """Queue one validated step of ``session`` and wait for its result. At most one step per session
-        may be queued at a time (the engine ensures it)."""
-        job = Job(session, req)
+        may be queued at a time (the engine ensures it). ``done_tokens``: leading tokens of the step whose
+        cells the session already holds (``done_part``: their result part), which are not run."""
+        job = Job(session, req, done_tokens=done_tokens, parts=[done_part] if done_part is not None else [])
         with self._cv:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="stage-scheduler", daemon=True)
@@ -138,7 +141,9 @@ class StepScheduler:
             if job.one_token:
                 continue
             start = job.done_tokens
-            size = job.remaining if not self.chunk_tokens else min(job.remaining, self.chunk_tokens)
+            # chunks end where the step's micro-batches alone would, also after leading tokens it skipped
+            size = job.remaining if not self.chunk_tokens else \
+                min(job.remaining, self.chunk_tokens - start % self.chunk_tokens)
             if used and used + size > budget:
                 break
             picked.append((job, Chunk(job.session, job.req, start, start + size)))
@@ -182,7 +187,8 @@ class StepScheduler:
                 picked = self._next_iteration()
                 now = time.perf_counter()
                 for job, _ in picked:
-                    if job.done_tokens == 0:  # its first iteration: every pick advances or ends a job
+                    if not job.started:  # its first iteration: every pick advances or ends a job
+                        job.started = True
                         self.stats.queue_seconds += now - job.enqueued
                         self.stats.queued_steps += 1
             t0 = time.perf_counter()

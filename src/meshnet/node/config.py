@@ -25,6 +25,7 @@ class NodeConfig:
     n_ctx: int = 0
     max_sessions: int = 16
     kv_tokens: int = 0
+    prefix_cache: int = 4
     idle_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0
     join_token: str | None = None

@@ -243,6 +243,7 @@ def add_node_parser(sub) -> None:
     p.add_argument("--max-sessions", type=int, default=16)
     p.add_argument("--kv-tokens", type=int, default=0,
                    help="KV cells sessions may reserve at once (0 = half the memory available)")
+    p.add_argument("--prefix-cache", type=int, default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
     p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an unused session is freed")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--data-port", type=int, default=0, help="TCP port of the step data plane (0 = any)")
@@ -281,7 +282,8 @@ def run_node(args: argparse.Namespace) -> int:
     cfg = NodeConfig(model=args.model, layers=LayerRange.parse(args.layers) if args.layers else None,
                      tracker=args.tracker, host=args.host, port=args.port, advertise=args.advertise,
                      node_id=args.node_id, engine=args.engine, threads=args.threads, n_ctx=args.n_ctx,
-                     max_sessions=args.max_sessions, kv_tokens=args.kv_tokens, idle_timeout_s=args.idle_timeout,
+                     max_sessions=args.max_sessions, kv_tokens=args.kv_tokens,
+                     prefix_cache=args.prefix_cache, idle_timeout_s=args.idle_timeout,
                      drain_timeout_s=args.drain_timeout, join_token=args.join_token, tls=tls, tls_ca=args.tls_ca,
                      data_plane=not args.no_data_plane, data_port=args.data_port,
                      cpu=cpu, backend=backend, device_index=device, identity=getattr(args, "identity", None),

@@ -1,0 +1,102 @@
+"""Exact prefix reuse: a prompt that starts like a finished session's skips the rows they share, and its
+output is the same bits as computed from scratch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meshnet.contract import GREEDY, ArtifactId, LayerRange, LoadSpec, StepRequest
+from meshnet.engine.ggml_engine import GgmlEngine
+from meshnet.engine.prefix_cache import ROWWISE, SPLIT, TILED, alone_paths, usable_prefix
+from meshnet.generation import generate
+from meshnet.local_mesh import load_local_chain, plan_ranges
+
+
+def test_alone_paths_follow_the_micro_batches():
+    assert alone_paths(40, 512, 1024) == ROWWISE * 40
+    assert alone_paths(600, 512, 1024) == TILED * 600  # 512 + 88 rows: both calls tiled
+    assert alone_paths(530, 512, 1024) == TILED * 512 + ROWWISE * 18
+    assert alone_paths(513, 512, 1024) == TILED * 512 + SPLIT  # one row over 768 cells
+
+
+@pytest.mark.parametrize("common,paths,expect", [
+    (30, ROWWISE * 40, 30),                       # short prompt: every shared row
+    (39, ROWWISE * 40, 39),
+    (40, ROWWISE * 40, 39),                       # the last row is always computed: its output is wanted
+    (100, TILED * 150, 86),                       # tiled prompt: at least 64 rows left, so tiled again
+    (50, TILED * 150, 50),
+    (529, TILED * 512 + ROWWISE * 18, 528),       # one row over 768 cells would take the split path
+    (512, TILED * 512 + SPLIT, 512),
+    (0, ROWWISE * 5, 0),
+])
+def test_usable_prefix_keeps_every_computed_row_on_its_alone_path(common, paths, expect):
+    assert usable_prefix(common, paths, 512, 1024) == expect
+
+
+def _engine(path, prefix_cache: int, **kw) -> GgmlEngine:
+    eng = GgmlEngine()
+    assert eng.load(LoadSpec(str(path), ArtifactId("", LayerRange(0, 30)), n_ctx=1024, max_sessions=4,
+                             prefix_cache=prefix_cache, **kw)).ok
+    return eng
+
+
+def _greedy(eng: GgmlEngine, sid: str, prompt: list[int], n: int) -> list[int]:
+    first = eng.prefill(StepRequest(sid, 0, 0, tuple(prompt), reserve_tokens=len(prompt) + n))
+    assert first.ok, first.message
+    out = [first.token.token_id]
+    for i in range(n - 1):
+        r = eng.decode(StepRequest(sid, 0, len(prompt) + i, (out[-1],)))
+        assert r.ok, r.message
+        out.append(r.token.token_id)
+    eng.release(sid)
+    return out
+
+
+def test_a_shared_prefix_is_reused_and_gives_the_same_tokens(smollm2_path):
+    """A 25-token prefix shared by two short prompts (row-by-row attention), and a 120-token prefix
+    shared by two long ones (tiled): the second prompt of each pair computes only its own rows (at least 64
+    for the tiled one), and every greedy id equals an engine that keeps nothing."""
+    rng = np.random.default_rng(1)
+    head, tail = list(rng.integers(100, 40000, 25)), list(rng.integers(100, 40000, 120))
+    pairs = [(head + list(rng.integers(100, 40000, 12)), head + list(rng.integers(100, 40000, 10)), 10),
+             (tail + list(rng.integers(100, 40000, 80)), tail + list(rng.integers(100, 40000, 30)), 64)]
+    fresh, kept = _engine(smollm2_path, 0), _engine(smollm2_path, 4)
+    for first, second, computed in pairs:
+        want = [_greedy(fresh, "a", first, 8), _greedy(fresh, "b", second, 8)]
+        got = [_greedy(kept, "a", first, 8)]
+        rows = kept.metrics().batch_rows
+        got.append(_greedy(kept, "b", second, 8))
+        assert got == want
+        assert kept.metrics().batch_rows - rows == computed + 7  # its own rows, then 7 decodes
+    assert fresh.stage.prefix_cache.capacity == 0 and len(kept.stage.prefix_cache) == 4
+
+
+def test_kept_sessions_give_way_to_new_ones(smollm2_path):
+    """A pool of 300 cells: kept sessions hold cells, and a new session that needs them pushes the oldest
+    out instead of being refused."""
+    eng = _engine(smollm2_path, 4, kv_tokens=300)
+    for i in range(3):
+        _greedy(eng, f"s{i}", [504 + i] * 90, 4)
+    assert len(eng.stage.prefix_cache) == 3 and eng.metrics().kv_tokens_reserved == 3 * 93
+    assert _greedy(eng, "big", [7] * 150, 4)
+    assert len(eng.stage.prefix_cache) == 2  # two gave way to its 154 cells, then it was kept itself
+
+
+def test_three_stages_reuse_prefixes_exactly(smollm2_path, tok):
+    """In three stages the head and middle stage hand on the kept output rows of the shared prefix: chat
+    requests sharing the chat template's system prompt equal a chain that keeps nothing."""
+    path = str(smollm2_path)
+    prompts = [tok.encode(t) for t in ("<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n"
+                                       f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+                                       for q in ("What is 2+2?", "Name a colour.", "Say hello."))]
+    ids = {}
+    for keep in (0, 4):
+        chain = load_local_chain(path, plan_ranges(path, 3), n_threads=2, n_ctx=512, progress=False,
+                                 prefix_cache=keep)
+        ids[keep] = [generate(chain, tok, p, 12, GREEDY, stop_at_eog=False).generated_token_ids for p in prompts]
+        if keep:
+            assert all(len(s.stage.prefix_cache) == 3 for s in chain.stages)
+            rows = chain.stages[0].metrics().batch_rows
+            assert rows < sum(len(p) + 11 for p in prompts)  # the shared rows were not computed again
+    assert ids[4] == ids[0]
