@@ -21,6 +21,6 @@ def _probe(**env: str) -> list:
 
 
 def test_meshnet_sets_a_short_spin_unless_told_otherwise():
-    assert _probe() == ["1000", True, None, "1"]
+    assert _probe() == ["3000", True, None, "1"]
     assert _probe(GOMP_SPINCOUNT="5") == ["5", False, "5", "1"]  # the user's own choice stays, for all
     assert _probe(MESHNET_KEEP_OPENMP_DEFAULTS="1") == [None, False, None, "1"]  # a competitor's run
