@@ -338,7 +338,8 @@ class Health:
 @dataclass(frozen=True)
 class Metrics:
     """Counters since load. Times in seconds, memory in bytes (``kv_bytes``: the KV pool's resident
-    bytes). KV figures in tokens: held by open sessions, reserved for them, reservable at all. Batching:
+    bytes). KV figures in tokens: held by open sessions (and by finished ones a stage keeps for their
+    prefixes), reserved for them, reservable at all. Batching:
     iterations run, rows they held (in all, at most), steps waiting now, and seconds steps waited
     before their first iteration (summed over ``queued_steps``)."""
 

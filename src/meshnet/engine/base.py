@@ -243,7 +243,7 @@ class ShardEngine(ABC):
         m = self._metrics
         with self._lock:
             n = len(self._sessions)
-            held = sum(s.n_past for s in self._sessions.values())
+            held = sum(s.n_past for s in self._sessions.values()) + self._kept_tokens()
         st = self._scheduler.stats
         reserved, capacity = self._kv_tokens()
         return replace(m, active_sessions=n, kv_bytes=self._kv_bytes(), weight_bytes=self._weight_bytes(),
@@ -255,6 +255,10 @@ class ShardEngine(ABC):
     def _kv_tokens(self) -> tuple[int, int]:
         """(reserved, reservable) KV cells; (0, 0) for engines without a pool."""
         return 0, 0
+
+    def _kept_tokens(self) -> int:
+        """Cells held by finished sessions kept for their prefixes (counted as held)."""
+        return 0
 
     # ---- shared validation -------------------------------------------------------------------
     def _fail(self, status: Status, message: str, **kw: Any) -> StepResult:

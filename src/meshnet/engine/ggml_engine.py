@@ -7,6 +7,7 @@ statuses, sampling on the tail.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -120,6 +121,9 @@ class GgmlStage:
                            kv_tokens, self.backend, host=on_host, budget_bytes=kv_budget_bytes)
         # Finished sessions kept for their prefixes (host pools only: reuse copies cells in host memory).
         self.prefix_cache = PrefixCache(prefix_cache if self.pool.host else 0)
+        # Kept sessions are looked up and copied (caller threads) and dropped for room (the scheduler's
+        # thread too): never both at once, or a copy could read cells being handed back.
+        self._cache_lock = threading.Lock()
         self._graphs: OrderedDict[BatchShape, StepGraph] = OrderedDict()
         # ggml-python's binding of ggml_backend_cpu_buffer_type() truncates the pointer; ask the backend.
         self._galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self.backend))
@@ -131,6 +135,10 @@ class GgmlStage:
         ``prompt`` (int ``[n]``, at position 0), the session starts with the rows it can take from a kept
         session (``reused``; their cells copied into its slot). Raises PoolFull when no slot or too few
         cells are free even with nothing kept."""
+        with self._cache_lock:
+            return self._new_session(reserve_tokens, prompt)
+
+    def _new_session(self, reserve_tokens: int, prompt: np.ndarray | None) -> SessionKV:
         while True:
             try:
                 kv = SessionKV(self.pool.acquire(reserve_tokens), self.pool)
@@ -155,11 +163,14 @@ class GgmlStage:
     def ensure(self, kv: SessionKV, n_cells: int) -> bool:
         """Grow the session's reservation to ``n_cells``, dropping kept finished sessions while the pool
         has too few cells; False when it still cannot."""
-        while not self.pool.ensure(kv.slot, n_cells):
-            slot = self.prefix_cache.pop_oldest()
-            if slot is None:
-                return False
-            self.pool.release(slot)
+        if self.pool.ensure(kv.slot, n_cells):
+            return True
+        with self._cache_lock:
+            while not self.pool.ensure(kv.slot, n_cells):
+                slot = self.prefix_cache.pop_oldest()
+                if slot is None:
+                    return False
+                self.pool.release(slot)
         return True
 
     def record(self, kv: SessionKV, position: int, n_rows: int, first_step_out: np.ndarray | None = None) -> None:
@@ -183,6 +194,10 @@ class GgmlStage:
         if self.prefix_cache.capacity == 0 or n < 2 or (not self.is_tail and hidden is None):
             kv.free()
             return
+        with self._cache_lock:
+            self._keep(kv, token_ids, n, hidden)
+
+    def _keep(self, kv: SessionKV, token_ids: list[int], n: int, hidden: np.ndarray | None) -> None:
         self.pool.shrink(kv.slot, n)
         for slot in self.prefix_cache.put(Cached(kv.slot, np.asarray(token_ids[:n], dtype=np.int32),
                                                  bytes(kv.paths[:n]), hidden)):
@@ -283,8 +298,9 @@ class GgmlStage:
         for g in self._graphs.values():
             g.free()
         self._graphs.clear()
-        for slot in self.prefix_cache.clear():
-            self.pool.release(slot)
+        with self._cache_lock:
+            for slot in self.prefix_cache.clear():
+                self.pool.release(slot)
         if self._galloc:
             ggml.ggml_gallocr_free(self._galloc)
             self._galloc = None
@@ -365,6 +381,9 @@ class GgmlEngine(ShardEngine):
 
     def _kv_bytes(self) -> int:
         return self.stage.pool.resident_bytes() if self.stage else 0
+
+    def _kept_tokens(self) -> int:
+        return self.stage.prefix_cache.tokens if self.stage else 0
 
     def _kv_tokens(self) -> tuple[int, int]:
         return (self.stage.pool.tokens_reserved, self.stage.pool.kv_tokens) if self.stage else (0, 0)
