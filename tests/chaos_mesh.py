@@ -153,9 +153,10 @@ class ChaosMesh:
             time.sleep(0.1)
 
     def sessions(self, slot: NodeSlot) -> tuple[int, int]:
-        """(sessions open, KV cells held) on a running node, from its Metrics RPC."""
+        """(sessions open, KV cells held other than those of finished sessions kept for their prefixes)
+        on a running node, from its Metrics RPC."""
         m = slot.stub().Metrics(pb.Empty(), timeout=5)
-        return m.active_sessions, m.kv_tokens_held
+        return m.active_sessions, m.kv_tokens_held - m.kv_tokens_kept
 
     # ---- API ----------------------------------------------------------------------------------
     def start_api(self, max_concurrency: int = 8) -> None:

@@ -82,7 +82,7 @@ def test_kept_sessions_give_way_to_new_ones(smollm2_path):
     assert _greedy(eng, "big", [7] * 150, 4)
     assert len(eng.stage.prefix_cache) == 2  # two gave way to its 154 cells, then it was kept itself
     m = eng.metrics()  # kept cells count as held, and as reserved: they are the pool's memory in use
-    assert m.active_sessions == 0 and m.kv_tokens_held == m.kv_tokens_reserved == 93 + 153
+    assert m.active_sessions == 0 and m.kv_tokens_held == m.kv_tokens_reserved == m.kv_tokens_kept == 93 + 153
 
 
 def test_three_stages_reuse_prefixes_exactly(smollm2_path, tok):

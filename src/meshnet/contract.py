@@ -339,7 +339,7 @@ class Health:
 class Metrics:
     """Counters since load. Times in seconds, memory in bytes (``kv_bytes``: the KV pool's resident
     bytes). KV figures in tokens: held by open sessions (and by finished ones a stage keeps for their
-    prefixes), reserved for them, reservable at all. Batching:
+    prefixes: ``kv_tokens_kept`` of them), reserved for them, reservable at all. Batching:
     iterations run, rows they held (in all, at most), steps waiting now, and seconds steps waited
     before their first iteration (summed over ``queued_steps``)."""
 
@@ -354,6 +354,7 @@ class Metrics:
     kv_tokens_held: int = 0
     kv_tokens_reserved: int = 0
     kv_tokens_capacity: int = 0
+    kv_tokens_kept: int = 0
     iterations: int = 0
     batch_rows: int = 0
     max_batch_rows: int = 0

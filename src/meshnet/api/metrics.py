@@ -24,7 +24,7 @@ class ApiMetrics:
     * ``meshnet_api_queued_requests``: generations waiting for a free slot.
     * ``meshnet_api_errors_total{kind}``: error answers and failed streams by kind.
     * in process, per stage (label ``layers``): ``meshnet_stage_kv_bytes`` (KV pool resident bytes),
-      ``meshnet_stage_kv_tokens_{held,reserved,capacity}``, ``meshnet_stage_iterations_total``,
+      ``meshnet_stage_kv_tokens_{held,kept,reserved,capacity}``, ``meshnet_stage_iterations_total``,
       ``meshnet_stage_batch_rows_total``, ``meshnet_stage_max_batch_rows``, ``meshnet_stage_waiting_steps``,
       ``meshnet_stage_queue_seconds_total`` (over ``meshnet_stage_queued_steps_total`` steps).
 
@@ -74,8 +74,8 @@ class ApiMetrics:
 class _StageCollector:
     """The in-process stages' engine figures, read at each scrape."""
 
-    GAUGES = ("kv_bytes", "kv_tokens_held", "kv_tokens_reserved", "kv_tokens_capacity", "max_batch_rows",
-              "waiting_steps")
+    GAUGES = ("kv_bytes", "kv_tokens_held", "kv_tokens_kept", "kv_tokens_reserved", "kv_tokens_capacity",
+              "max_batch_rows", "waiting_steps")
     COUNTERS = ("iterations", "batch_rows", "queue_seconds", "queued_steps")
 
     def __init__(self, source: Callable[[], list]) -> None:

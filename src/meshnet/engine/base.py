@@ -243,12 +243,13 @@ class ShardEngine(ABC):
         m = self._metrics
         with self._lock:
             n = len(self._sessions)
-            held = sum(s.n_past for s in self._sessions.values()) + self._kept_tokens()
+            kept = self._kept_tokens()
+            held = sum(s.n_past for s in self._sessions.values()) + kept
         st = self._scheduler.stats
         reserved, capacity = self._kv_tokens()
         return replace(m, active_sessions=n, kv_bytes=self._kv_bytes(), weight_bytes=self._weight_bytes(),
                        errors=dict(self._errors), kv_tokens_held=held, kv_tokens_reserved=reserved,
-                       kv_tokens_capacity=capacity, iterations=st.iterations, batch_rows=st.rows,
+                       kv_tokens_capacity=capacity, kv_tokens_kept=kept, iterations=st.iterations, batch_rows=st.rows,
                        max_batch_rows=st.max_rows, waiting_steps=self._scheduler.waiting(),
                        queue_seconds=st.queue_seconds, queued_steps=st.queued_steps)
 

@@ -328,7 +328,9 @@ class GgmlEngine(ShardEngine):
                               f"{spec.path} has sha256 {sha}, expected {spec.artifact.sha256}")
         try:
             stage = GgmlStage(spec.path, spec.artifact.layers, spec.n_threads, spec.n_ctx, spec.n_ubatch,
-                              spec.use_mmap, n_slots=spec.max_sessions, kv_tokens=spec.kv_tokens,
+                              # slots for kept sessions too: a full stage still keeps its prefixes
+                              spec.use_mmap, n_slots=spec.max_sessions + spec.prefix_cache,
+                              kv_tokens=spec.kv_tokens,
                               kv_budget_bytes=spec.memory_budget_bytes, prefix_cache=spec.prefix_cache)
         except (GGUFError, FileNotFoundError) as e:
             raise EngineError(Status.INVALID_ARGUMENT, str(e)) from None

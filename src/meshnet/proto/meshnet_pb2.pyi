@@ -172,7 +172,7 @@ class HealthReply(_message.Message):
     def __init__(self, healthy: _Optional[bool] = ..., active_sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
 class MetricsReply(_message.Message):
-    __slots__ = ("prefill_tokens", "decode_tokens", "prefill_seconds", "decode_seconds", "active_sessions", "kv_bytes", "weight_bytes", "errors", "kv_tokens_held", "kv_tokens_reserved", "kv_tokens_capacity", "iterations", "batch_rows", "max_batch_rows", "waiting_steps", "queue_seconds", "queued_steps")
+    __slots__ = ("prefill_tokens", "decode_tokens", "prefill_seconds", "decode_seconds", "active_sessions", "kv_bytes", "weight_bytes", "errors", "kv_tokens_held", "kv_tokens_reserved", "kv_tokens_capacity", "iterations", "batch_rows", "max_batch_rows", "waiting_steps", "queue_seconds", "queued_steps", "kv_tokens_kept")
     class ErrorsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +197,7 @@ class MetricsReply(_message.Message):
     WAITING_STEPS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_KEPT_FIELD_NUMBER: _ClassVar[int]
     prefill_tokens: int
     decode_tokens: int
     prefill_seconds: float
@@ -214,7 +215,8 @@ class MetricsReply(_message.Message):
     waiting_steps: int
     queue_seconds: float
     queued_steps: int
-    def __init__(self, prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., errors: _Optional[_Mapping[str, int]] = ..., kv_tokens_held: _Optional[int] = ..., kv_tokens_reserved: _Optional[int] = ..., kv_tokens_capacity: _Optional[int] = ..., iterations: _Optional[int] = ..., batch_rows: _Optional[int] = ..., max_batch_rows: _Optional[int] = ..., waiting_steps: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., queued_steps: _Optional[int] = ...) -> None: ...
+    kv_tokens_kept: int
+    def __init__(self, prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., errors: _Optional[_Mapping[str, int]] = ..., kv_tokens_held: _Optional[int] = ..., kv_tokens_reserved: _Optional[int] = ..., kv_tokens_capacity: _Optional[int] = ..., iterations: _Optional[int] = ..., batch_rows: _Optional[int] = ..., max_batch_rows: _Optional[int] = ..., waiting_steps: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., queued_steps: _Optional[int] = ..., kv_tokens_kept: _Optional[int] = ...) -> None: ...
 
 class DeviceInfo(_message.Message):
     __slots__ = ("name", "description", "type", "memory_total_bytes", "index", "cpu_features")
