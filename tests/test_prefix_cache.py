@@ -79,6 +79,9 @@ def test_kept_sessions_give_way_to_new_ones(smollm2_path):
     for i in range(3):
         _greedy(eng, f"s{i}", [504 + i] * 90, 4)
     assert len(eng.stage.prefix_cache) == 3 and eng.metrics().kv_tokens_reserved == 3 * 93
+    # kept sessions move to the highest slots: open ones stay in the lowest, which decodes attend over
+    assert eng.stage.prefix_cache.slots == [7, 6, 5] and eng.stage.pool.acquire(1) == 0
+    eng.stage.pool.release(0)
     assert _greedy(eng, "big", [7] * 150, 4)
     assert len(eng.stage.prefix_cache) == 2  # two gave way to its 154 cells, then it was kept itself
     m = eng.metrics()  # kept cells count as held, and as reserved: they are the pool's memory in use

@@ -198,10 +198,25 @@ class GgmlStage:
             self._keep(kv, token_ids, n, hidden)
 
     def _keep(self, kv: SessionKV, token_ids: list[int], n: int, hidden: np.ndarray | None) -> None:
-        self.pool.shrink(kv.slot, n)
-        for slot in self.prefix_cache.put(Cached(kv.slot, np.asarray(token_ids[:n], dtype=np.int32),
-                                                 bytes(kv.paths[:n]), hidden)):
-            self.pool.release(slot)
+        """Move the session's first ``n`` cells to the highest free slot and keep them there: open sessions
+        stay in the lowest slots, which the decode rows' multi-stream attention spans (a session alone in
+        slot 4 would make it span 8 streams, and leave its 9 real rows to one of the threads)."""
+        self.pool.shrink(kv.slot, 1)  # its cells move: the new slot reserves them
+        while True:
+            try:
+                slot = self.pool.acquire(n, high=True)
+                break
+            except PoolFull:
+                old = self.prefix_cache.pop_oldest()
+                if old is None:
+                    kv.free()
+                    return
+                self.pool.release(old)
+        self.pool.copy_cells(kv.slot, slot, n)
+        kv.free()
+        for old in self.prefix_cache.put(Cached(slot, np.asarray(token_ids[:n], dtype=np.int32),
+                                                bytes(kv.paths[:n]), hidden)):
+            self.pool.release(old)
 
     def shape_of(self, items: list[BatchItem]) -> tuple[BatchShape, list[int], list[int]]:
         """The graph shape of an iteration; also the indices of its decode items and its segment items

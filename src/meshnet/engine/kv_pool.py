@@ -146,8 +146,9 @@ class KVPool:
             self._regions.append((off, per_slot))
 
     # ---- reservations ------------------------------------------------------------------------
-    def acquire(self, reserve_tokens: int) -> int:
-        """Open a slot with ``reserve_tokens`` cells reserved (clamped to ``[1, n_ctx]``); returns the slot.
+    def acquire(self, reserve_tokens: int, high: bool = False) -> int:
+        """Open a slot with ``reserve_tokens`` cells reserved (clamped to ``[1, n_ctx]``); returns the slot:
+        the lowest free one (decodes are attended over the lowest slots), or with ``high`` the highest.
 
         Raises:
             PoolFull: every slot is taken, or fewer than ``reserve_tokens`` cells are unreserved; the
@@ -160,7 +161,7 @@ class KVPool:
             free = self.kv_tokens - sum(self._reserved.values())
             if want > free:
                 raise PoolFull(f"a new session needs {want} KV cells; {free} of {self.kv_tokens} are unreserved")
-            slot = self._free_slots.pop(0)
+            slot = self._free_slots.pop(-1 if high else 0)
             self._reserved[slot] = want
             return slot
 

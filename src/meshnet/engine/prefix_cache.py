@@ -103,6 +103,11 @@ class PrefixCache:
         return len(self._entries)
 
     @property
+    def slots(self) -> list[int]:
+        """The pool slots the kept sessions hold, least recently used first."""
+        return list(self._entries)
+
+    @property
     def tokens(self) -> int:
         """Cells the kept sessions hold."""
         return sum(len(e.token_ids) for e in self._entries.values())
