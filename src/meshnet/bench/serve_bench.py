@@ -203,6 +203,9 @@ def _start_llama_server(binary: Path, model_path: str, threads: int, n_parallel:
     tile instruction, or at start-up), once more with ``--no-repack``, which the report then records under
     ``llama_server_flags``. Returns the server, its model id and whether it repacks."""
     print(f"[bench serve] starting llama-server -np {n_parallel}", file=sys.stderr, flush=True)
+    if not repack:
+        report.setdefault("llama_server_flags", {}).setdefault(
+            str(n_parallel), "--no-repack: its default repacking died earlier in this run")
     srv = _llama_server(binary, model_path, threads, n_parallel, log_dir, repack)
     try:
         return srv, srv.start(), repack
