@@ -7,9 +7,8 @@ statuses, sampling on the tail.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import ggml
@@ -32,7 +31,8 @@ from meshnet.engine.ggml_backend import StageWeights, cpu_backend, registry_devi
 from meshnet.engine.batch_layout import SPLIT_KV_MIN_CELLS, BatchShape, Segment, kv_length
 from meshnet.engine.ggml_graph import StepGraph
 from meshnet.engine.kv_pool import KVPool, PoolFull
-from meshnet.engine.prefix_cache import Cached, PrefixCache, alone_paths, path_code, usable_prefix
+from meshnet.engine.prefix_cache import PrefixCache
+from meshnet.engine.stage_sessions import SessionKV, StageSessions
 from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, sha256_file, stage_tensor_names
 from meshnet.model.hparams import ModelConfig
 from meshnet.sampling import sample
@@ -58,23 +58,6 @@ class BatchItem:
     @property
     def n_tokens(self) -> int:
         return len(self.token_ids) if self.token_ids is not None else len(self.hidden)
-
-
-@dataclass
-class SessionKV:
-    """A session's place in a stage's KV pool: its slot, the attention path of each row it holds (see
-    :mod:`meshnet.engine.prefix_cache`), on a stage that passes hidden states on its first step's output
-    rows, and ``reused``: rows of its first step taken from a finished session, not yet handed to the
-    scheduler. ``free`` hands the slot back (idempotent)."""
-
-    slot: int
-    pool: KVPool
-    paths: bytearray = field(default_factory=bytearray)
-    hidden: list[np.ndarray] = field(default_factory=list)
-    reused: int = 0
-
-    def free(self) -> None:
-        self.pool.release(self.slot)
 
 
 class GgmlStage:
@@ -119,104 +102,20 @@ class GgmlStage:
             drop_pages(reader)  # the copies are what stays resident, not the file pages read to make them
         self.pool = KVPool(layers, self.cfg.n_embd_k_gqa, self.cfg.n_embd_v_gqa, self.n_ctx, n_slots,
                            kv_tokens, self.backend, host=on_host, budget_bytes=kv_budget_bytes)
-        # Finished sessions kept for their prefixes (host pools only: reuse copies cells in host memory).
-        self.prefix_cache = PrefixCache(prefix_cache if self.pool.host else 0)
-        # Kept sessions are looked up and copied (caller threads) and dropped for room (the scheduler's
-        # thread too): never both at once, or a copy could read cells being handed back.
-        self._cache_lock = threading.Lock()
+        self.sessions = StageSessions(self.pool, prefix_cache, self.n_ubatch, self.n_ctx, self.is_tail)
         self._graphs: OrderedDict[BatchShape, StepGraph] = OrderedDict()
         # ggml-python's binding of ggml_backend_cpu_buffer_type() truncates the pointer; ask the backend.
         self._galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self.backend))
         self._placed: StepGraph | None = None  # the graph whose tensors hold the allocator's buffer now
 
     def new_session(self, reserve_tokens: int = 0, prompt: np.ndarray | None = None) -> SessionKV:
-        """Open a session in the pool with ``reserve_tokens`` cells promised (0: n_ctx), dropping kept
-        finished sessions (oldest first) while the pool has no room. Given its first step's token ids
-        ``prompt`` (int ``[n]``, at position 0), the session starts with the rows it can take from a kept
-        session (``reused``; their cells copied into its slot). Raises PoolFull when no slot or too few
-        cells are free even with nothing kept."""
-        with self._cache_lock:
-            return self._new_session(reserve_tokens, prompt)
+        """Open a session (see :meth:`StageSessions.open`). Raises PoolFull."""
+        return self.sessions.open(reserve_tokens, prompt)
 
-    def _new_session(self, reserve_tokens: int, prompt: np.ndarray | None) -> SessionKV:
-        while True:
-            try:
-                kv = SessionKV(self.pool.acquire(reserve_tokens), self.pool)
-                break
-            except PoolFull:
-                slot = self.prefix_cache.pop_oldest()
-                if slot is None:
-                    raise
-                self.pool.release(slot)
-        if prompt is not None and len(self.prefix_cache):
-            paths = alone_paths(len(prompt), self.n_ubatch, self.n_ctx)
-            entry, common = self.prefix_cache.best(np.asarray(prompt, dtype=np.int32), paths)
-            n = usable_prefix(common, paths, self.n_ubatch, self.n_ctx)
-            if entry is not None and n > 0:
-                self.pool.copy_cells(entry.slot, kv.slot, n)
-                kv.paths += entry.paths[:n]
-                if entry.hidden is not None:
-                    kv.hidden.append(entry.hidden[:n])
-                kv.reused = n
-        return kv
-
-    def ensure(self, kv: SessionKV, n_cells: int) -> bool:
-        """Grow the session's reservation to ``n_cells``, dropping kept finished sessions while the pool
-        has too few cells; False when it still cannot."""
-        if self.pool.ensure(kv.slot, n_cells):
-            return True
-        with self._cache_lock:
-            while not self.pool.ensure(kv.slot, n_cells):
-                slot = self.prefix_cache.pop_oldest()
-                if slot is None:
-                    return False
-                self.pool.release(slot)
-        return True
-
-    def record(self, kv: SessionKV, position: int, n_rows: int, first_step_out: np.ndarray | None = None) -> None:
-        """Note the paths of ``n_rows`` rows computed in one call from ``position`` (replacing what a
-        failed try of the same step left), and on a stage that passes hidden states on, the output rows
-        of its first step (``first_step_out``, float32 ``[n_rows, n_embd]``)."""
-        del kv.paths[position:]
-        kv.paths += path_code(n_rows, position, self.n_ctx) * n_rows
-        if first_step_out is not None and not self.is_tail:
-            kept = np.concatenate(kv.hidden)[:position] if kv.hidden else first_step_out[:0]
-            kv.hidden = [kept, first_step_out] if len(kept) == position else []
-
-    def retire(self, kv: SessionKV, token_ids: list[int]) -> None:
-        """A session ended holding the cells of ``token_ids``: keep it for its prefix (pushing out the
-        oldest kept session beyond the cache's capacity), or free its slot."""
-        n = min(len(token_ids), len(kv.paths))
-        hidden = None
-        if not self.is_tail and kv.hidden:
-            hidden = np.concatenate(kv.hidden)[:n]
-            n = min(n, len(hidden))
-        if self.prefix_cache.capacity == 0 or n < 2 or (not self.is_tail and hidden is None):
-            kv.free()
-            return
-        with self._cache_lock:
-            self._keep(kv, token_ids, n, hidden)
-
-    def _keep(self, kv: SessionKV, token_ids: list[int], n: int, hidden: np.ndarray | None) -> None:
-        """Move the session's first ``n`` cells to the highest free slot and keep them there: open sessions
-        stay in the lowest slots, which the decode rows' multi-stream attention spans (a session alone in
-        slot 4 would make it span 8 streams, and leave its 9 real rows to one of the threads)."""
-        self.pool.shrink(kv.slot, 1)  # its cells move: the new slot reserves them
-        while True:
-            try:
-                slot = self.pool.acquire(n, high=True)
-                break
-            except PoolFull:
-                old = self.prefix_cache.pop_oldest()
-                if old is None:
-                    kv.free()
-                    return
-                self.pool.release(old)
-        self.pool.copy_cells(kv.slot, slot, n)
-        kv.free()
-        for old in self.prefix_cache.put(Cached(slot, np.asarray(token_ids[:n], dtype=np.int32),
-                                                bytes(kv.paths[:n]), hidden)):
-            self.pool.release(old)
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        """The finished sessions this stage keeps for their prefixes."""
+        return self.sessions.kept
 
     def shape_of(self, items: list[BatchItem]) -> tuple[BatchShape, list[int], list[int]]:
         """The graph shape of an iteration; also the indices of its decode items and its segment items
@@ -313,9 +212,7 @@ class GgmlStage:
         for g in self._graphs.values():
             g.free()
         self._graphs.clear()
-        with self._cache_lock:
-            for slot in self.prefix_cache.clear():
-                self.pool.release(slot)
+        self.sessions.close()
         if self._galloc:
             ggml.ggml_gallocr_free(self._galloc)
             self._galloc = None
@@ -379,7 +276,7 @@ class GgmlEngine(ShardEngine):
 
     def _free_state(self, state: SessionKV, token_ids: list[int] = ()) -> None:
         if token_ids and self.stage is not None:
-            self.stage.retire(state, list(token_ids))
+            self.stage.sessions.retire(state, list(token_ids))
         else:
             state.free()
 
@@ -420,7 +317,7 @@ class GgmlEngine(ShardEngine):
         items, run = [], []
         for i, c in enumerate(chunks):
             need = c.req.position + c.end
-            if not stage.ensure(c.session.state, need):
+            if not stage.sessions.ensure(c.session.state, need):
                 # Beyond what the session reserved when it opened, and the pool has no cells to spare.
                 results[i] = self._fail(Status.RESOURCE_EXHAUSTED,
                                         f"session {c.req.session_id!r} needs {need} KV cells, more than it "
@@ -436,7 +333,7 @@ class GgmlEngine(ShardEngine):
         outs = stage.forward_batch(items) if items else []
         for i, out in zip(run, outs):
             c = chunks[i]
-            stage.record(c.session.state, c.req.position + c.start, c.end - c.start,
+            stage.sessions.record(c.session.state, c.req.position + c.start, c.end - c.start,
                          out if c.req.position == 0 else None)
             if not stage.is_tail:
                 results[i] = StepResult(Status.OK, hidden=NamedTensor.from_numpy("hidden", out))
