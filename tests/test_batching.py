@@ -68,6 +68,21 @@ def test_concurrent_requests_equal_each_request_alone(smollm2_path, tok, solo, n
     assert [s.health().active_sessions for s in chain.stages] == [0] * n_stages
 
 
+@pytest.mark.slow
+def test_sessions_past_the_split_kv_depth_equal_each_alone(smollm2_path, tok):
+    """8 concurrent greedy sessions decoding past 256 tokens (where a decode row reads 512 cells and ggml's
+    attention changes path) give the ids each gives alone; kept prefixes on (the defaults)."""
+    path = str(smollm2_path)
+    chain = load_local_chain(path, plan_ranges(path, 1), n_threads=2, n_ctx=1024, max_sessions=8,
+                             progress=False)
+    prompts = [tok.encode(OTHER_PROMPTS[i % len(OTHER_PROMPTS)] + " " * (i // len(OTHER_PROMPTS)))
+               for i in range(8)]
+    n = 300 - min(len(p) for p in prompts) + 8  # every session ends past position 300
+    alone = [generate(chain, tok, p, n, GREEDY, stop_at_eog=False).generated_token_ids for p in prompts]
+    assert _together(chain, tok, prompts, n) == alone
+    assert all(len(a) == n for a in alone) and min(len(p) for p in prompts) + n > 300
+
+
 def test_a_deep_decode_gives_the_same_logits_in_any_batch_and_slot(smollm2_path):
     """A decode row reading 512 or more cells takes ggml's split-KV attention when alone (as llama.cpp's
     solo decode does); in a multi-stream call it would round differently (measured: logits 0.53 apart at
