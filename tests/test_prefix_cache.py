@@ -34,10 +34,10 @@ def test_usable_prefix_keeps_every_computed_row_on_its_alone_path(common, paths,
     assert usable_prefix(common, paths, 512, 1024) == expect
 
 
-def _engine(path, prefix_cache: int, **kw) -> GgmlEngine:
+def _engine(path, prefix_cache: int, layers: LayerRange = LayerRange(0, 30), **kw) -> GgmlEngine:
     eng = GgmlEngine()
-    assert eng.load(LoadSpec(str(path), ArtifactId("", LayerRange(0, 30)), n_ctx=1024, max_sessions=4,
-                             prefix_cache=prefix_cache, **kw)).ok
+    kw = {"n_ctx": 1024, "max_sessions": 4, **kw}
+    assert eng.load(LoadSpec(str(path), ArtifactId("", layers), prefix_cache=prefix_cache, **kw)).ok
     return eng
 
 
@@ -105,3 +105,69 @@ def test_three_stages_reuse_prefixes_exactly(smollm2_path, tok):
             rows = chain.stages[0].metrics().batch_rows
             assert rows < sum(len(p) + 11 for p in prompts)  # the shared rows were not computed again
     assert ids[4] == ids[0]
+
+
+def test_a_later_stage_reuses_only_rows_computed_from_the_same_hidden_states(smollm2_path):
+    """Two replicas of the first range whose outputs differ in the last bits (micro-batches of 64 and of
+    512 tokens: the rows after the first 64 take other attention paths) feed one tail. A prompt routed
+    through the second replica reuses only the 64 rows whose hidden states equal those the tail kept, and
+    its token and log-prob are the bits the tail computes from scratch."""
+    from dataclasses import replace
+
+    head_a = _engine(smollm2_path, 0, LayerRange(0, 12), n_ubatch=64)
+    head_b = _engine(smollm2_path, 0, LayerRange(0, 12), n_ubatch=512)
+    kept, fresh = _engine(smollm2_path, 4, LayerRange(12, 30)), _engine(smollm2_path, 0, LayerRange(12, 30))
+    rng = np.random.default_rng(0)
+    first = [int(t) for t in rng.integers(100, 40000, 100)]
+    second = first + [int(t) for t in rng.integers(100, 40000, 30)]
+
+    def step(head, tail, sid, prompt):
+        req = StepRequest(sid, 0, 0, tuple(prompt), reserve_tokens=len(prompt) + 1)
+        h = head.prefill(req)
+        t = tail.prefill(replace(req, hidden=h.hidden))
+        assert h.ok and t.ok, (h.message, t.message)
+        head.release(sid)
+        tail.release(sid)
+        return t.token, h.hidden.to_numpy()
+
+    _, rows_a = step(head_a, kept, "one", first)
+    rows = kept.metrics().batch_rows
+    got, rows_b = step(head_b, kept, "two", second)
+    assert np.array_equal(rows_a[:64], rows_b[:64]) and not np.array_equal(rows_a[64:], rows_b[64:100])
+    assert kept.metrics().batch_rows - rows == 130 - 64
+    want, _ = step(head_b, fresh, "two", second)
+    assert (got.token_id, got.logprob) == (want.token_id, want.logprob)
+
+
+def test_figures_are_safe_to_read_while_kept_sessions_give_way(smollm2_path):
+    """Metrics read the kept sessions' cells while the scheduler's thread drops kept sessions for room
+    (steps that grow beyond their reservation): no error, and the figures agree once all have ended."""
+    import threading
+
+    eng = _engine(smollm2_path, 64, n_ubatch=4, kv_tokens=400, max_sessions=2, n_ctx=256)
+    stop, reads, errors = threading.Event(), [0], []
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                eng.metrics()
+                reads[0] += 1
+            except Exception as e:  # noqa: BLE001 - the failure is the finding
+                errors.append(e)
+                return
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    rng = np.random.default_rng(0)
+    try:
+        for k in range(40):  # each reserves 1 cell, so each chunk's step grows it, dropping kept ones
+            r = eng.prefill(StepRequest(f"s{k}", 0, 0, tuple(int(t) for t in rng.integers(100, 40000, 12)),
+                                        reserve_tokens=1))
+            assert r.ok, r.message
+            eng.release(f"s{k}")
+    finally:
+        stop.set()
+        reader.join()
+    assert errors == [] and reads[0] > 0
+    m = eng.metrics()
+    assert m.active_sessions == 0 and m.kv_tokens_held == m.kv_tokens_kept == m.kv_tokens_reserved > 0

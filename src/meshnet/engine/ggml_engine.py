@@ -31,7 +31,7 @@ from meshnet.engine.ggml_backend import StageWeights, cpu_backend, registry_devi
 from meshnet.engine.batch_layout import SPLIT_KV_MIN_CELLS, BatchShape, Segment, kv_length
 from meshnet.engine.ggml_graph import StepGraph
 from meshnet.engine.kv_pool import KVPool, PoolFull
-from meshnet.engine.prefix_cache import PrefixCache
+from meshnet.engine.prefix_cache import PrefixCache, row_keys
 from meshnet.engine.stage_sessions import SessionKV, StageSessions
 from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, sha256_file, stage_tensor_names
 from meshnet.model.hparams import ModelConfig
@@ -108,7 +108,7 @@ class GgmlStage:
         self._galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self.backend))
         self._placed: StepGraph | None = None  # the graph whose tensors hold the allocator's buffer now
 
-    def new_session(self, reserve_tokens: int = 0, prompt: np.ndarray | None = None) -> SessionKV:
+    def new_session(self, reserve_tokens: int = 0, prompt: list[int] | None = None) -> SessionKV:
         """Open a session (see :meth:`StageSessions.open`). Raises PoolFull."""
         return self.sessions.open(reserve_tokens, prompt)
 
@@ -270,7 +270,8 @@ class GgmlEngine(ShardEngine):
         stage = self.stage
         assert stage is not None
         try:
-            return stage.new_session(req.reserve_tokens, np.asarray(req.token_ids, dtype=np.int32))
+            return stage.new_session(req.reserve_tokens, row_keys(
+                req.token_ids, None if stage.is_head else req.hidden.to_numpy()))
         except PoolFull as e:
             raise EngineError(Status.RESOURCE_EXHAUSTED, f"KV pool: {e}") from None
 
@@ -297,7 +298,7 @@ class GgmlEngine(ShardEngine):
         return self.stage.pool.resident_bytes() if self.stage else 0
 
     def _kept_tokens(self) -> int:
-        return self.stage.prefix_cache.tokens if self.stage else 0
+        return self.stage.sessions.kept_tokens() if self.stage else 0
 
     def _kv_tokens(self) -> tuple[int, int]:
         return (self.stage.pool.tokens_reserved, self.stage.pool.kv_tokens) if self.stage else (0, 0)
@@ -331,10 +332,10 @@ class GgmlEngine(ShardEngine):
                 hidden = c.req.hidden.to_numpy()[c.start:c.end]
             items.append(BatchItem(c.session.state.slot, c.req.position + c.start, tokens, hidden))
         outs = stage.forward_batch(items) if items else []
-        for i, out in zip(run, outs):
+        for i, item, out in zip(run, items, outs):
             c = chunks[i]
-            stage.sessions.record(c.session.state, c.req.position + c.start, c.end - c.start,
-                         out if c.req.position == 0 else None)
+            stage.sessions.record(c.session.state, item.position, row_keys(item.token_ids, item.hidden),
+                                  out if c.req.position == 0 else None)
             if not stage.is_tail:
                 results[i] = StepResult(Status.OK, hidden=NamedTensor.from_numpy("hidden", out))
             elif not c.last:

@@ -12,11 +12,15 @@ both parts take the same path; 0.9-1.5 apart in the logits where they do not). S
 cached row, the path that computed it (:func:`path_code`), and a new prompt reuses a cached row only when
 its token and every token before it match and the path the row would take in the new prompt alone
 (:func:`alone_paths`) is the one it was computed with; the rows it computes must keep their alone paths too
-(:func:`keeps_paths`). The result is the same bits as the prompt computed from scratch.
+(:func:`keeps_paths`). A row's "token" is what the stage computed it from: its token id on the head, a
+hash of its input hidden row elsewhere (:func:`row_keys`; replicas of the stage before may differ in the
+last bits, on other CPU features or an accelerator). The result is the same bits as the prompt computed
+from scratch.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -25,6 +29,16 @@ import numpy as np
 from meshnet.engine.batch_layout import FA_TILE_ROWS, SPLIT_KV_MIN_CELLS, kv_length
 
 TILED, SPLIT, ROWWISE = b"T", b"S", b"O"
+
+
+def row_keys(token_ids, hidden: np.ndarray | None) -> list[int]:
+    """What each row of a step was computed from, as one int per row: the token ids on the head
+    (``hidden`` None), else a 64-bit hash of each input hidden row (float32 ``[n, n_embd]``)."""
+    if hidden is None:
+        return [int(t) for t in token_ids]
+    rows = np.ascontiguousarray(hidden, dtype=np.float32)
+    return [int.from_bytes(hashlib.blake2b(r.tobytes(), digest_size=8).digest(), "little", signed=True)
+            for r in rows]
 
 
 def path_code(n_rows: int, position: int, n_ctx: int) -> bytes:
@@ -70,30 +84,31 @@ def usable_prefix(common: int, paths: bytes, chunk: int, n_ctx: int) -> int:
 
 @dataclass
 class Cached:
-    """A finished session's cells kept in pool ``slot``: one row per token of ``token_ids`` (int32 ``[n]``),
-    ``paths`` its rows' attention paths, ``hidden`` float32 ``[m, n_embd]`` the stage's output rows of the
+    """A finished session's cells kept in pool ``slot``: one row per entry of ``keys`` (int64 ``[n]``, see
+    :func:`row_keys`), ``paths`` its rows' attention paths, ``hidden`` float32 ``[m, n_embd]`` the stage's output rows of the
     first ``m`` of them (not kept on the tail, which passes no hidden states on)."""
 
     slot: int
-    token_ids: np.ndarray
+    keys: np.ndarray
     paths: bytes
     hidden: np.ndarray | None = None
 
-    def common(self, token_ids: np.ndarray, paths: bytes) -> int:
-        """Rows shared with a prompt: equal tokens and equal paths from the first row on."""
-        n = min(len(self.token_ids), len(token_ids), len(self.paths))
+    def common(self, keys: np.ndarray, paths: bytes) -> int:
+        """Rows shared with a prompt: equal keys and equal paths from the first row on."""
+        n = min(len(self.keys), len(keys), len(self.paths))
         if self.hidden is not None:
             n = min(n, len(self.hidden))
         if n == 0:
             return 0
-        same = (self.token_ids[:n] == token_ids[:n]) & (
+        same = (self.keys[:n] == keys[:n]) & (
             np.frombuffer(self.paths[:n], np.uint8) == np.frombuffer(paths[:n], np.uint8))
         return n if same.all() else int(np.argmin(same))
 
 
 class PrefixCache:
-    """At most ``capacity`` finished sessions, least recently used dropped first. Not thread-safe: the
-    stage calls it under its engine's lock."""
+    """At most ``capacity`` finished sessions, least recently used dropped first. Changes need the
+    caller's lock (:class:`~meshnet.engine.stage_sessions.StageSessions` holds one); the figures
+    (``len``, ``slots``, ``tokens``) read a snapshot and are safe from any thread."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -110,7 +125,7 @@ class PrefixCache:
     @property
     def tokens(self) -> int:
         """Cells the kept sessions hold."""
-        return sum(len(e.token_ids) for e in self._entries.values())
+        return sum(len(e.keys) for e in list(self._entries.values()))  # a snapshot: safe beside a drop
 
     def put(self, entry: Cached) -> list[int]:
         """Keep ``entry``; returns the slots of the entries it pushed out (the caller frees them)."""
@@ -120,11 +135,11 @@ class PrefixCache:
             dropped.append(self._entries.popitem(last=False)[0])
         return dropped
 
-    def best(self, token_ids: np.ndarray, paths: bytes) -> tuple[Cached | None, int]:
+    def best(self, keys: np.ndarray, paths: bytes) -> tuple[Cached | None, int]:
         """The kept session sharing the most rows with a prompt, and how many (0: none); marks it used."""
         best, n = None, 0
         for e in self._entries.values():
-            c = e.common(token_ids, paths)
+            c = e.common(keys, paths)
             if c > n:
                 best, n = e, c
         if best is not None:

@@ -19,14 +19,15 @@ from meshnet.engine.prefix_cache import Cached, PrefixCache, alone_paths, path_c
 
 @dataclass
 class SessionKV:
-    """A session's place in a stage's KV pool: its slot, the attention path of each row it holds (see
-    :mod:`meshnet.engine.prefix_cache`), on a stage that passes hidden states on its first step's output
+    """A session's place in a stage's KV pool: its slot, the key (:func:`row_keys`) and attention path of
+    each row it holds (see :mod:`meshnet.engine.prefix_cache`), on a stage that passes hidden states on its first step's output
     rows, and ``reused``: rows of its first step taken from a finished session, not yet handed to the
     scheduler. ``free`` hands the slot back (idempotent)."""
 
     slot: int
     pool: KVPool
     paths: bytearray = field(default_factory=bytearray)
+    keys: list[int] = field(default_factory=list)
     hidden: list[np.ndarray] = field(default_factory=list)
     reused: int = 0
 
@@ -45,16 +46,16 @@ class StageSessions:
         self.kept = PrefixCache(capacity if pool.host else 0)
         self._lock = threading.Lock()
 
-    def open(self, reserve_tokens: int = 0, prompt: np.ndarray | None = None) -> SessionKV:
+    def open(self, reserve_tokens: int = 0, prompt: list[int] | None = None) -> SessionKV:
         """Open a session in the pool with ``reserve_tokens`` cells promised (0: n_ctx), dropping kept
-        finished sessions (oldest first) while the pool has no room. Given its first step's token ids
-        ``prompt`` (int ``[n]``, at position 0), the session starts with the rows it can take from a kept
+        finished sessions (oldest first) while the pool has no room. Given its first step's row keys
+        ``prompt`` (:func:`row_keys`, at position 0), the session starts with the rows it can take from a kept
         session (``reused``; their cells copied into its slot). Raises PoolFull when no slot or too few
         cells are free even with nothing kept."""
         with self._lock:
             return self._open(reserve_tokens, prompt)
 
-    def _open(self, reserve_tokens: int, prompt: np.ndarray | None) -> SessionKV:
+    def _open(self, reserve_tokens: int, prompt: list[int] | None) -> SessionKV:
         while True:
             try:
                 kv = SessionKV(self.pool.acquire(reserve_tokens), self.pool)
@@ -66,11 +67,12 @@ class StageSessions:
                 self.pool.release(slot)
         if prompt is not None and len(self.kept):
             paths = alone_paths(len(prompt), self.chunk, self.n_ctx)
-            entry, common = self.kept.best(np.asarray(prompt, dtype=np.int32), paths)
+            entry, common = self.kept.best(np.asarray(prompt, dtype=np.int64), paths)
             n = usable_prefix(common, paths, self.chunk, self.n_ctx)
             if entry is not None and n > 0:
                 self.pool.copy_cells(entry.slot, kv.slot, n)
                 kv.paths += entry.paths[:n]
+                kv.keys += [int(k) for k in entry.keys[:n]]
                 if entry.hidden is not None:
                     kv.hidden.append(entry.hidden[:n])
                 kv.reused = n
@@ -89,12 +91,15 @@ class StageSessions:
                 self.pool.release(slot)
         return True
 
-    def record(self, kv: SessionKV, position: int, n_rows: int, first_step_out: np.ndarray | None = None) -> None:
-        """Note the paths of ``n_rows`` rows computed in one call from ``position`` (replacing what a
-        failed try of the same step left), and on a stage that passes hidden states on, the output rows
-        of its first step (``first_step_out``, float32 ``[n_rows, n_embd]``)."""
-        del kv.paths[position:]
+    def record(self, kv: SessionKV, position: int, keys: list[int],
+               first_step_out: np.ndarray | None = None) -> None:
+        """Note the keys and paths of rows computed in one call from ``position`` (replacing what a failed
+        try of the same step left), and on a stage that passes hidden states on, the output rows of its
+        first step (``first_step_out``, float32 ``[n_rows, n_embd]``)."""
+        n_rows = len(keys)
+        del kv.paths[position:], kv.keys[position:]
         kv.paths += path_code(n_rows, position, self.n_ctx) * n_rows
+        kv.keys += keys
         if first_step_out is not None and not self.is_tail:
             kept = np.concatenate(kv.hidden)[:position] if kv.hidden else first_step_out[:0]
             kv.hidden = [kept, first_step_out] if len(kept) == position else []
@@ -102,7 +107,7 @@ class StageSessions:
     def retire(self, kv: SessionKV, token_ids: list[int]) -> None:
         """A session ended holding the cells of ``token_ids``: keep it for its prefix (pushing out the
         oldest kept session beyond the cache's capacity), or free its slot."""
-        n = min(len(token_ids), len(kv.paths))
+        n = min(len(token_ids), len(kv.paths), len(kv.keys))
         hidden = None
         if not self.is_tail and kv.hidden:
             hidden = np.concatenate(kv.hidden)[:n]
@@ -111,9 +116,14 @@ class StageSessions:
             kv.free()
             return
         with self._lock:
-            self._keep(kv, token_ids, n, hidden)
+            self._keep(kv, n, hidden)
 
-    def _keep(self, kv: SessionKV, token_ids: list[int], n: int, hidden: np.ndarray | None) -> None:
+    def kept_tokens(self) -> int:
+        """Cells the kept sessions hold (read under the lock: the scheduler's thread may drop some)."""
+        with self._lock:
+            return self.kept.tokens
+
+    def _keep(self, kv: SessionKV, n: int, hidden: np.ndarray | None) -> None:
         """Move the session's first ``n`` cells to the highest free slot and keep them there: open sessions
         stay in the lowest slots, which the decode rows' multi-stream attention spans (a session alone in
         slot 4 would make it span 8 streams, and leave its 9 real rows to one of the threads)."""
@@ -130,8 +140,8 @@ class StageSessions:
                 self.pool.release(old)
         self.pool.copy_cells(kv.slot, slot, n)
         kv.free()
-        for old in self.kept.put(Cached(slot, np.asarray(token_ids[:n], dtype=np.int32),
-                                                bytes(kv.paths[:n]), hidden)):
+        for old in self.kept.put(Cached(slot, np.asarray(kv.keys[:n], dtype=np.int64), bytes(kv.paths[:n]),
+                                        hidden)):
             self.pool.release(old)
 
     def close(self) -> None:
