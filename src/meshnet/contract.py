@@ -281,7 +281,8 @@ class LoadSpec:
         max_sessions: concurrent sessions before RESOURCE_EXHAUSTED.
         memory_budget_bytes: KV bytes across sessions before RESOURCE_EXHAUSTED (0 = unlimited).
         kv_tokens: KV cells the stage's pool lets sessions reserve at once (0 = derived from
-            ``memory_budget_bytes``, else from half the memory available; at most ``max_sessions * n_ctx``).
+            ``memory_budget_bytes``, else from half the memory available; at most
+            ``(max_sessions + prefix_cache) * n_ctx``: kept sessions have slots of their own).
         use_mmap: map the weights from the file instead of copying them (llama.cpp's default).
         prefix_cache: finished sessions whose KV cells a stage keeps for new prompts that start with the
             same tokens (exact reuse: :mod:`meshnet.engine.prefix_cache`); 0 keeps none.
