@@ -3,8 +3,9 @@
 :class:`ChoiceText` is the pure text logic: stop sequences (hold back any text that could still turn
 into a stop match, cut the match out), and which tokens' log-probs belong to the text released so far.
 :class:`ChoiceRun` runs a :class:`~meshnet.generation.Generation` in a thread of its own that steps ahead
-of the event loop, and turns its token events into :class:`Piece` objects the endpoints format. Streaming and non-streaming
-answers are built from the same pieces, so their texts are equal by construction.
+of the event loop, and turns its token events into :class:`Piece` objects the endpoints format.
+Streaming and non-streaming answers are built from the same pieces, so their texts are equal by
+construction.
 """
 
 from __future__ import annotations

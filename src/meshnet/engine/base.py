@@ -249,8 +249,8 @@ class ShardEngine(ABC):
         reserved, capacity = self._kv_tokens()
         return replace(m, active_sessions=n, kv_bytes=self._kv_bytes(), weight_bytes=self._weight_bytes(),
                        errors=dict(self._errors), kv_tokens_held=held, kv_tokens_reserved=reserved,
-                       kv_tokens_capacity=capacity, kv_tokens_kept=kept, iterations=st.iterations, batch_rows=st.rows,
-                       max_batch_rows=st.max_rows, waiting_steps=self._scheduler.waiting(),
+                       kv_tokens_capacity=capacity, kv_tokens_kept=kept, iterations=st.iterations,
+                       batch_rows=st.rows, max_batch_rows=st.max_rows, waiting_steps=self._scheduler.waiting(),
                        queue_seconds=st.queue_seconds, queued_steps=st.queued_steps)
 
     def _kv_tokens(self) -> tuple[int, int]:

@@ -85,8 +85,8 @@ def usable_prefix(common: int, paths: bytes, chunk: int, n_ctx: int) -> int:
 @dataclass
 class Cached:
     """A finished session's cells kept in pool ``slot``: one row per entry of ``keys`` (int64 ``[n]``, see
-    :func:`row_keys`), ``paths`` its rows' attention paths, ``hidden`` float32 ``[m, n_embd]`` the stage's output rows of the
-    first ``m`` of them (not kept on the tail, which passes no hidden states on)."""
+    :func:`row_keys`), ``paths`` its rows' attention paths, ``hidden`` float32 ``[m, n_embd]`` the stage's
+    output rows of the first ``m`` of them (not kept on the tail, which passes no hidden states on)."""
 
     slot: int
     keys: np.ndarray

@@ -19,10 +19,10 @@ from meshnet.engine.prefix_cache import Cached, PrefixCache, alone_paths, path_c
 
 @dataclass
 class SessionKV:
-    """A session's place in a stage's KV pool: its slot, the key (:func:`row_keys`) and attention path of
-    each row it holds (see :mod:`meshnet.engine.prefix_cache`), on a stage that passes hidden states on its first step's output
-    rows, and ``reused``: rows of its first step taken from a finished session, not yet handed to the
-    scheduler. ``free`` hands the slot back (idempotent)."""
+    """A session's place in a stage's KV pool: its slot, the key and attention path of each row it holds
+    (``keys``, ``paths``; see :mod:`meshnet.engine.prefix_cache`), on a stage that passes hidden states on
+    its first step's output rows (``hidden``), and ``reused``: rows of its first step taken from a
+    finished session, not yet handed to the scheduler. ``free`` hands the slot back (idempotent)."""
 
     slot: int
     pool: KVPool
