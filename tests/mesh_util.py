@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from meshnet.contract import StepRequest
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.service import serve_tracker
@@ -138,6 +139,23 @@ def wait_for(predicate, timeout_s: float) -> float | None:
             return time.monotonic() - t0
         time.sleep(0.05)
     return None
+
+
+def greedy_steps(prefill, decode, sid: str, prompt, n: int, reserve_tokens: int = 0, after=None) -> list[int]:
+    """Greedy ids of session ``sid`` from ``prefill``/``decode`` callables (an engine's, or a client's
+    ``step`` wrapped): the prompt in one step reserving ``reserve_tokens`` cells, then ``n - 1`` decodes;
+    ``after(i)`` runs after the i-th token (1-based). Every step must answer OK."""
+    prompt = tuple(int(t) for t in prompt)
+    res = prefill(StepRequest(sid, 0, 0, prompt, reserve_tokens=reserve_tokens))
+    assert res.ok, res.message
+    out = [res.token.token_id]
+    for i in range(n - 1):
+        if after is not None:
+            after(len(out))
+        res = decode(StepRequest(sid, 0, len(prompt) + i, (out[-1],)))
+        assert res.ok, res.message
+        out.append(res.token.token_id)
+    return out
 
 
 def rpc_code(fn, *args, **kw) -> grpc.StatusCode:

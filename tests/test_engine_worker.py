@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from mesh_util import wait_for
+from mesh_util import greedy_steps, wait_for
 from meshnet.contract import ArtifactId, LayerRange, LoadSpec, Status, StepRequest
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.engine.fake_faults import parse_fault_spec
@@ -41,14 +41,7 @@ def _local(layers: str) -> FakeEngine:
 
 
 def _greedy(engine, sid: str, prompt: tuple[int, ...], n: int) -> list[int]:
-    res = engine.prefill(StepRequest(sid, 0, 0, prompt))
-    assert res.ok, res.message
-    out = [res.token.token_id]
-    for i in range(n - 1):
-        res = engine.decode(StepRequest(sid, 0, len(prompt) + i, (out[-1],)))
-        assert res.ok, res.message
-        out.append(res.token.token_id)
-    return out
+    return greedy_steps(engine.prefill, engine.decode, sid, prompt, n)
 
 
 def test_concurrent_sessions_through_the_worker_equal_the_engine_in_process():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mesh_util import greedy_steps
 from meshnet.contract import GREEDY, ArtifactId, LayerRange, LoadSpec, StepRequest
 from meshnet.engine.ggml_engine import GgmlEngine
 from meshnet.engine.prefix_cache import ROWWISE, SPLIT, TILED, alone_paths, usable_prefix
@@ -42,13 +43,7 @@ def _engine(path, prefix_cache: int, layers: LayerRange = LayerRange(0, 30), **k
 
 
 def _greedy(eng: GgmlEngine, sid: str, prompt: list[int], n: int) -> list[int]:
-    first = eng.prefill(StepRequest(sid, 0, 0, tuple(prompt), reserve_tokens=len(prompt) + n))
-    assert first.ok, first.message
-    out = [first.token.token_id]
-    for i in range(n - 1):
-        r = eng.decode(StepRequest(sid, 0, len(prompt) + i, (out[-1],)))
-        assert r.ok, r.message
-        out.append(r.token.token_id)
+    out = greedy_steps(eng.prefill, eng.decode, sid, prompt, n, reserve_tokens=len(prompt) + n)
     eng.release(sid)
     return out
 

@@ -16,27 +16,13 @@ from meshnet.client.remote import StageFailure
 from meshnet.contract import GREEDY, ArtifactId, LayerRange, LoadSpec, StepRequest
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.generation import Generation
-from mesh_util import NodeProc
+from mesh_util import NodeProc, greedy_steps
 
 
 def _fake_greedy(prompt: tuple[int, ...], n: int) -> list[int]:
     eng = FakeEngine(FakeModel())
     assert eng.load(LoadSpec(path="", artifact=ArtifactId(FakeModel().sha256, LayerRange(0, 30)))).ok
-    return _greedy_steps(eng.prefill, eng.decode, "ref", prompt, n)
-
-
-def _greedy_steps(prefill, decode, sid, prompt, n, after=None):
-    """Greedy ids from ``prefill``/``decode`` callables; ``after(i)`` runs after the i-th token (1-based)."""
-    res = prefill(StepRequest(sid, 0, 0, prompt))
-    assert res.ok, res.message
-    out = [res.token.token_id]
-    for i in range(n - 1):
-        if after is not None:
-            after(len(out))
-        res = decode(StepRequest(sid, 0, len(prompt) + i, (out[-1],)))
-        assert res.ok, res.message
-        out.append(res.token.token_id)
-    return out
+    return greedy_steps(eng.prefill, eng.decode, "ref", prompt, n)
 
 
 def _client(mesh) -> MeshClient:
@@ -66,8 +52,8 @@ def test_worker_death_mid_generation_replays_on_the_same_node(mesh, kind, reason
     client = _client(mesh)
     first_pid = victim_node.worker_pid()
     # A second session, opened before the crash and idle during it, finds its cache gone (NOT_FOUND).
-    idle = _greedy_steps(lambda r: client.step(r, False), lambda r: client.step(r, True), "idle", (9, 8, 7), 2)
-    out = _greedy_steps(lambda r: client.step(r, False), lambda r: client.step(r, True), "busy", (1, 2, 3, 4), 20)
+    idle = greedy_steps(lambda r: client.step(r, False), lambda r: client.step(r, True), "idle", (9, 8, 7), 2)
+    out = greedy_steps(lambda r: client.step(r, False), lambda r: client.step(r, True), "busy", (1, 2, 3, 4), 20)
     assert out == _fake_greedy((1, 2, 3, 4), 20)
     idle += [client.step(StepRequest("idle", 0, 4, (idle[-1],)), True).token.token_id]
     assert idle == _fake_greedy((9, 8, 7), 3)
@@ -100,7 +86,7 @@ def test_hung_worker_is_replaced_while_the_node_answers_health(mesh):
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        out = _greedy_steps(lambda r: client.step(r, False), lambda r: client.step(r, True), "s", (5, 6), 12)
+        out = greedy_steps(lambda r: client.step(r, False), lambda r: client.step(r, True), "s", (5, 6), 12)
     finally:
         done.set()
         watcher.join(10)
