@@ -270,8 +270,10 @@ class GgmlEngine(ShardEngine):
         stage = self.stage
         assert stage is not None
         try:
-            return stage.new_session(req.reserve_tokens, row_keys(
-                req.token_ids, None if stage.is_head else req.hidden.to_numpy()))
+            # the prompt's row keys only matter when there is a kept session to match them against
+            keys = row_keys(req.token_ids, None if stage.is_head else req.hidden.to_numpy()) \
+                if len(stage.prefix_cache) else None
+            return stage.new_session(req.reserve_tokens, keys)
         except PoolFull as e:
             raise EngineError(Status.RESOURCE_EXHAUSTED, f"KV pool: {e}") from None
 
@@ -334,8 +336,9 @@ class GgmlEngine(ShardEngine):
         outs = stage.forward_batch(items) if items else []
         for i, item, out in zip(run, items, outs):
             c = chunks[i]
-            stage.sessions.record(c.session.state, item.position, row_keys(item.token_ids, item.hidden),
-                                  out if c.req.position == 0 else None)
+            if stage.sessions.keeps:  # what a kept session is matched by; nothing else reads it
+                stage.sessions.record(c.session.state, item.position, row_keys(item.token_ids, item.hidden),
+                                      out if c.req.position == 0 else None)
             if not stage.is_tail:
                 results[i] = StepResult(Status.OK, hidden=NamedTensor.from_numpy("hidden", out))
             elif not c.last:

@@ -194,12 +194,9 @@ class KVPool:
         """Copy the first ``n_cells`` cells (positions ``[0, n_cells)``) of every layer's K and V from slot
         ``src`` to slot ``dst``. Host pools only."""
         assert self._map is not None, "copy_cells needs a host pool"
-        for (off, per_slot), row in zip(self._regions, self._rows()):
+        for off, per_slot in self._regions:
+            row = per_slot // self.n_ctx  # bytes per cell of this K or V tensor
             ctypes.memmove(self._base + off + dst * per_slot, self._base + off + src * per_slot, n_cells * row)
-
-    def _rows(self) -> list[int]:
-        """Bytes per cell of each region, in ``_regions`` order (K then V per layer)."""
-        return [row for _ in range(self.layers.n_layers) for row in (self.row_k, self.row_v)]
 
     def release(self, slot: int) -> None:
         """Close ``slot``: its reservation returns to the pool and its cells to zero (pages handed back to

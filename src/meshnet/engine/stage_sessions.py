@@ -46,6 +46,11 @@ class StageSessions:
         self.kept = PrefixCache(capacity if pool.host else 0)
         self._lock = threading.Lock()
 
+    @property
+    def keeps(self) -> bool:
+        """Whether finished sessions are kept at all (else no row keys are worth computing)."""
+        return self.kept.capacity > 0
+
     def open(self, reserve_tokens: int = 0, prompt: list[int] | None = None) -> SessionKV:
         """Open a session in the pool with ``reserve_tokens`` cells promised (0: n_ctx), dropping kept
         finished sessions (oldest first) while the pool has no room. Given its first step's row keys
@@ -95,7 +100,8 @@ class StageSessions:
                first_step_out: np.ndarray | None = None) -> None:
         """Note the keys and paths of rows computed in one call from ``position`` (replacing what a failed
         try of the same step left), and on a stage that passes hidden states on, the output rows of its
-        first step (``first_step_out``, float32 ``[n_rows, n_embd]``)."""
+        first step (``first_step_out``, float32 ``[n_rows, n_embd]``). Only worth calling when
+        :attr:`keeps`: nothing else reads them."""
         n_rows = len(keys)
         del kv.paths[position:], kv.keys[position:]
         kv.paths += path_code(n_rows, position, self.n_ctx) * n_rows
@@ -112,7 +118,7 @@ class StageSessions:
         if not self.is_tail and kv.hidden:
             hidden = np.concatenate(kv.hidden)[:n]
             n = min(n, len(hidden))
-        if self.kept.capacity == 0 or n < 2 or (not self.is_tail and hidden is None):
+        if not self.keeps or n < 2 or (not self.is_tail and hidden is None):
             kv.free()
             return
         with self._lock:
