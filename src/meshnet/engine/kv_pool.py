@@ -48,10 +48,11 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _smaps_rss(start: int) -> int | None:
-    """``Rss`` in bytes of this process's mapping that starts at address ``start``; None when
-    /proc/self/smaps cannot be read or has no such mapping."""
-    head = f"{start:x}-"
+def _smaps_rss(start: int, size: int) -> int | None:
+    """``Rss`` in bytes of this process's mapping ``[start, start + size)``; None when /proc/self/smaps
+    cannot be read or has no mapping of exactly that extent (the kernel merged it with a neighbour, whose
+    pages its Rss would count)."""
+    head = f"{start:x}-{start + size:x} "
     try:
         with open("/proc/self/smaps") as f:
             found = False
@@ -136,6 +137,10 @@ class KVPool:
                 size = _align_up(size + row * self.n_ctx * self.n_slots, PAGE)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
         self._map = mmap.mmap(-1, size, flags=flags)
+        if hasattr(mmap, "MADV_DONTDUMP"):
+            # A core dump need not carry the cache; and a mapping whose flags differ from its neighbours'
+            # stays a mapping of its own, so /proc/self/smaps reports its Rss alone.
+            self._map.madvise(mmap.MADV_DONTDUMP)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self._size = size
         self.buffer = cpu_buffer_from_ptr(self._base, size)
@@ -244,7 +249,7 @@ class KVPool:
         readable, pages in core by ``mincore`` (which counts those too). The whole buffer on a device."""
         if self._map is None:
             return self.nbytes_virtual
-        rss = _smaps_rss(self._base)
+        rss = _smaps_rss(self._base, self._size)
         if rss is not None:
             return rss
         n_pages = self._size // PAGE
