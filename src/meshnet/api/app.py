@@ -15,7 +15,6 @@ mid-answer has its session cancelled and released on every node.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -24,7 +23,7 @@ from typing import Any, AsyncIterator, Callable
 import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -35,11 +34,8 @@ from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece
 from meshnet.api.schemas import (
     MAX_STOP,
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatDelta,
     ChatLogprobs,
     ChatResponseMessage,
     ChatTokenLogprob,
@@ -52,6 +48,7 @@ from meshnet.api.schemas import (
     TopLogprob,
     Usage,
 )
+from meshnet.api.sse import DONE, ChatChunks, CompletionChunks, event, sse
 from meshnet.contract import SamplingParams
 
 log = logging.getLogger("meshnet.api")
@@ -239,7 +236,7 @@ class _Api:
         want_logprobs = req.logprobs is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(self._stream_completion(jobs, rid, created, prompt_tokens, want_logprobs,
+            return sse(self._stream_completion(jobs, rid, created, prompt_tokens, want_logprobs,
                                                 include_usage, t0))
         choices, completion_tokens = [], 0
         for i, job in enumerate(jobs):
@@ -294,19 +291,13 @@ class _Api:
 
     def _stream_completion(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
                                  want_logprobs: bool, include_usage: bool, t0: float) -> AsyncIterator[str]:
-        model = self.backend.model_name
+        chunks = CompletionChunks(rid, created, self.backend.model_name)
 
         def on_piece(i: int, piece: Piece) -> list[str]:
             lp = self._completion_logprobs([piece]) if want_logprobs and piece.tokens else None
-            chunk = CompletionResponse(id=rid, created=created, model=model, choices=[
-                CompletionChoice(index=i, text=piece.text, logprobs=lp, finish_reason=piece.finish_reason)])
-            return [_event(chunk.model_dump(exclude={"usage"}))]
+            return [chunks.text(i, piece.text, lp, piece.finish_reason)]
 
-        def usage_event(usage: Usage) -> str:
-            return _event(CompletionResponse(id=rid, created=created, model=model, choices=[],
-                                             usage=usage).model_dump())
-
-        return self._stream_choices(jobs, t0, prompt_tokens, include_usage, lambda i: [], on_piece, usage_event)
+        return self._stream_choices(jobs, t0, prompt_tokens, include_usage, lambda i: [], on_piece, chunks.usage)
 
     async def _stream_choices(self, jobs: list[GenJob], t0: float, prompt_tokens: int, include_usage: bool,
                               on_start: Callable[[int], list[str]], on_piece: Callable[[int, Piece], list[str]],
@@ -326,7 +317,7 @@ class _Api:
                         yield ev
             except ApiError as e:
                 self.metrics.errors.labels(kind=e.code or str(e.status)).inc()
-                yield _event(e.body())
+                yield event(e.body())
                 return
             finally:
                 await run.aclose()
@@ -334,7 +325,7 @@ class _Api:
         if include_usage:
             yield usage_event(Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                     total_tokens=prompt_tokens + completion_tokens))
-        yield "data: [DONE]\n\n"
+        yield DONE
 
     # ---- chat ----
     async def chat_completions(self, request: Request) -> Response:
@@ -370,7 +361,7 @@ class _Api:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(self._stream_chat(jobs, rid, created, prompt_tokens, bool(req.logprobs), include_usage,
+            return sse(self._stream_chat(jobs, rid, created, prompt_tokens, bool(req.logprobs), include_usage,
                                           t0))
         choices, completion_tokens = [], 0
         for i, job in enumerate(jobs):
@@ -417,34 +408,19 @@ class _Api:
 
     def _stream_chat(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
                            want_logprobs: bool, include_usage: bool, t0: float) -> AsyncIterator[str]:
-        model = self.backend.model_name
-
-        def chunk(index: int, delta: ChatDelta, logprobs: ChatLogprobs | None = None,
-                  finish_reason: str | None = None) -> str:
-            c = ChatCompletionChunk(id=rid, created=created, model=model, choices=[
-                ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)])
-            d = c.model_dump(exclude={"usage"})
-            # OpenAI's deltas carry only what changed: {"role": ...} first, then {"content": ...}, then {}.
-            d["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
-            return _event(d)
+        chunks = ChatChunks(rid, created, self.backend.model_name)
 
         def on_piece(i: int, piece: Piece) -> list[str]:
             events = []
             if piece.text or piece.tokens:
-                lp = self._chat_logprobs([piece]) if want_logprobs else None
-                events.append(chunk(i, ChatDelta(content=piece.text), lp))
+                events.append(chunks.content(i, piece.text, self._chat_logprobs([piece]) if want_logprobs else None))
             if piece.finish_reason is not None:
-                events.append(chunk(i, ChatDelta(), None, piece.finish_reason))
+                events.append(chunks.finish(i, piece.finish_reason))
             return events
 
-        def usage_event(usage: Usage) -> str:
-            return _event(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                              usage=usage).model_dump())
-
         # Returned, not re-yielded: closing the response closes this generator (and its session) at once.
-        return self._stream_choices(jobs, t0, prompt_tokens, include_usage,
-                                    lambda i: [chunk(i, ChatDelta(role="assistant", content=""))],
-                                    on_piece, usage_event)
+        return self._stream_choices(jobs, t0, prompt_tokens, include_usage, lambda i: [chunks.role(i)],
+                                    on_piece, chunks.usage)
 
     # ---- non-streaming driver ----
     async def _run_whole(self, job: GenJob, request: Request, t0: float,
@@ -532,26 +508,6 @@ def _token_str(tok, token_id: int) -> str:
 def _top_entry(tok, token_id: int, logprob: float) -> dict:
     raw = tok.token_bytes(token_id)
     return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
-
-
-def _event(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-class _SSEResponse(StreamingResponse):
-    """A server-sent-event stream whose body iterator is always closed when the response ends, so a
-    client that goes away (however the server notices) releases its session promptly."""
-
-    async def stream_response(self, send) -> None:
-        try:
-            await super().stream_response(send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-
-
-def _sse(gen: AsyncIterator[str]) -> Response:
-    return _SSEResponse(gen, media_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 # ---- ASGI middleware: body limit and request metrics ---------------------------------------------
