@@ -33,11 +33,13 @@ def new_area(rect: Rect, covered: Iterable[Rect]) -> int:
     band, merges the covered position intervals; O(B * k log k) for k overlapping rectangles and B
     distinct layer boundaries.
     """
-    clipped = [Rect(max(c.p0, rect.p0), min(c.p1, rect.p1), max(c.l0, rect.l0), min(c.l1, rect.l1))
-               for c in covered]
-    clipped = [c for c in clipped if c.area > 0]
     if rect.area <= 0:
         return 0
+    p0, p1, l0, l1 = rect
+    # Only the rectangles that overlap are clipped: a session's decode steps mostly do not (a tracker
+    # credits every node's steps of every session, once per heartbeat).
+    clipped = [Rect(max(c.p0, p0), min(c.p1, p1), max(c.l0, l0), min(c.l1, l1))
+               for c in covered if c.p0 < p1 and c.p1 > p0 and c.l0 < l1 and c.l1 > l0]
     if not clipped:
         return rect.area
     bounds = sorted({rect.l0, rect.l1, *(c.l0 for c in clipped), *(c.l1 for c in clipped)})
