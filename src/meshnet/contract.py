@@ -286,6 +286,10 @@ class LoadSpec:
         use_mmap: map the weights from the file instead of copying them (llama.cpp's default).
         prefix_cache: finished sessions whose KV cells a stage keeps for new prompts that start with the
             same tokens (exact reuse: :mod:`meshnet.engine.prefix_cache`); 0 keeps none.
+        decode_groups: groups the open sessions' decode steps are split into, taking turns (see
+            :mod:`meshnet.engine.scheduler`): 1 batches every waiting decode together (one stage, or stages
+            in one process); 0 = one group per pipeline stage, estimated as the model's layers over the
+            range's (a node process in a mesh).
     """
 
     path: str
@@ -298,6 +302,7 @@ class LoadSpec:
     kv_tokens: int = 0
     use_mmap: bool = True
     prefix_cache: int = 4
+    decode_groups: int = 1
     mtp: MultiTokenPrediction = MultiTokenPrediction()
     aux_state: AuxiliaryState = AuxiliaryState()
 
@@ -306,7 +311,8 @@ class LoadSpec:
         bad = [f"{name}={value} (>= {low})" for name, value, low in (
             ("n_threads", self.n_threads, 1), ("n_ctx", self.n_ctx, 0), ("n_ubatch", self.n_ubatch, 1),
             ("max_sessions", self.max_sessions, 1), ("memory_budget_bytes", self.memory_budget_bytes, 0),
-            ("kv_tokens", self.kv_tokens, 0), ("prefix_cache", self.prefix_cache, 0)) if value < low]
+            ("kv_tokens", self.kv_tokens, 0), ("prefix_cache", self.prefix_cache, 0),
+            ("decode_groups", self.decode_groups, 0)) if value < low]
         return f"bad load settings: {', '.join(bad)}" if bad else None
 
 

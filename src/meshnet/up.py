@@ -37,6 +37,9 @@ def add_up_parser(sub) -> None:
     p.add_argument("--kv-tokens", type=int, default=0,
                    help="KV cells each node's sessions may reserve at once (0 = half the memory available)")
     p.add_argument("--prefix-cache", type=int, default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
+    p.add_argument("--decode-groups", type=int, default=0,
+                   help="groups each node splits its sessions' decodes into, taking turns so that every stage "
+                        "computes at once (0 = one per stage, 1 = all together)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="node heartbeat interval, seconds")
     p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a complete route")
@@ -97,7 +100,8 @@ def run_up(args: argparse.Namespace) -> int:
     children = [(name, [sys.executable, "-m", "meshnet.cli", "node", "--tracker", tracker, "--model", path,
                         "--layers", str(r), "--host", args.host, "--threads", str(args.threads), "--node-id", name,
                         "--n-ctx", str(args.n_ctx), "--max-sessions", str(args.max_sessions),
-                        "--kv-tokens", str(args.kv_tokens), "--prefix-cache", str(args.prefix_cache)])
+                        "--kv-tokens", str(args.kv_tokens), "--prefix-cache", str(args.prefix_cache),
+                        "--decode-groups", str(args.decode_groups)])
                 for name, r in zip(names, ranges)]
     # A node that died leaves routing at once (not after three silent heartbeats), and its restart can
     # take its id back without being refused as a second claimant.

@@ -11,6 +11,7 @@ session's bad step never reaches the others' iteration.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -75,7 +76,7 @@ class ShardEngine(ABC):
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)  # a session stopped being busy
         self._scheduler = StepScheduler(self._forward_batch, self._join, self._chunk_tokens(),
-                                        lambda s: s.cancelled)
+                                        lambda s: s.cancelled, lambda: len(self._sessions))
         self._sessions: dict[str, Session] = {}
         self._spec: LoadSpec | None = None
         self._caps: Capabilities | None = None
@@ -155,6 +156,8 @@ class ShardEngine(ABC):
                 return Outcome(e.status, e.message)
             self._spec, self._caps = spec, caps
             self._scheduler.chunk_tokens = self._chunk_tokens()
+            self._scheduler.decode_groups = spec.decode_groups or math.ceil(
+                caps.n_layer / caps.artifact.layers.n_layers)
             return Outcome(Status.OK)
 
     def capabilities(self) -> Capabilities:

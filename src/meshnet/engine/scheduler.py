@@ -10,11 +10,17 @@ one token of every generating slot plus prompt chunks into each ``llama_decode``
 
 Prefill chunks start at multiples of ``chunk_tokens`` from the step's first token, exactly the micro-
 batches the step would get alone, so a session's output does not depend on what it was batched with.
+
+A stage that is one of several in a pipeline splits its decoding sessions into ``decode_groups`` groups
+that take turns: while one group computes here, the others are at the other stages, so every stage of
+the pipeline is busy at once. Batched all together, the sessions would travel as one convoy that keeps
+only one stage busy at a time (vLLM's pipeline parallelism likewise keeps one batch in flight per stage).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -91,13 +97,20 @@ class StepScheduler:
         join: merges the results of a step's chunks into the step's result.
         chunk_tokens: prefill micro-batch size; 0 runs every step whole.
         cancelled: tells whether a session was cancelled (checked before each of its chunks).
+        open_sessions: how many sessions the stage holds open (for the size of a decode group).
+
+    Attributes:
+        decode_groups: how many groups the open sessions' decodes are split into (1: every waiting
+            decode in each iteration; the stage's share of a pipeline's stages otherwise).
     """
 
     def __init__(self, run_batch: Callable[[list[Chunk]], list[StepResult]],
                  join: Callable[[Job], StepResult], chunk_tokens: int,
-                 cancelled: Callable[[Any], bool]) -> None:
+                 cancelled: Callable[[Any], bool], open_sessions: Callable[[], int] = lambda: 0) -> None:
         self._run_batch, self._join, self._cancelled = run_batch, join, cancelled
+        self._open_sessions = open_sessions
         self.chunk_tokens = chunk_tokens
+        self.decode_groups = 1
         self._cv = threading.Condition()
         self._queue: list[Job] = []
         self._thread: threading.Thread | None = None
@@ -129,13 +142,24 @@ class StepScheduler:
             return len(self._queue)
 
     # ---- worker ------------------------------------------------------------------------------
+    def _group_size(self) -> int:
+        """Decode rows an iteration takes: all that wait, or with ``decode_groups`` > 1 the open
+        sessions' share of one group (sessions in a prefill step do not count). Called with the lock held."""
+        waiting = sum(1 for job in self._queue if job.one_token)
+        if self.decode_groups <= 1:
+            return waiting
+        decoding = self._open_sessions() - sum(1 for job in self._queue if not job.one_token)
+        return max(1, math.ceil(max(decoding, waiting) / self.decode_groups))
+
     def _next_iteration(self) -> list[tuple[Job, Chunk]]:
-        """Every waiting step with one token left, then prefill chunks in arrival order while the
-        prefill tokens stay within the budget (always at least one chunk)."""
+        """The waiting steps with one token left (in arrival order, one decode group's worth), then
+        prefill chunks in arrival order while the prefill tokens stay within the budget (always at least
+        one chunk)."""
         picked, budget = [], self.chunk_tokens or float("inf")
         used = 0
+        group = self._group_size()
         for job in self._queue:
-            if job.one_token:
+            if job.one_token and len(picked) < group:
                 picked.append((job, Chunk(job.session, job.req, 0, 1)))
         for job in self._queue:
             if job.one_token:
@@ -155,10 +179,21 @@ class StepScheduler:
         their callers are turning the result into the next step (sampling the token, streaming it,
         crossing the other stages), and an iteration that starts without them runs nearly empty while
         they queue up behind it. Waits at most :data:`GATHER_FRACTION` of the last iteration's time.
-        Called with the lock held."""
+        Called with the lock held.
+
+        With ``decode_groups`` > 1 the sessions just served are at the next stages, not on their way
+        back: the iteration waits instead (as briefly) for a group's worth of decodes."""
+        deadline = time.perf_counter() + min(MAX_GATHER_S, GATHER_FRACTION * self._last_iteration_s)
+        if self.decode_groups > 1:
+            self._expected.clear()
+            while 0 < sum(1 for job in self._queue if job.one_token) < self._group_size():
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            return
         if not self._expected:
             return
-        deadline = time.perf_counter() + min(MAX_GATHER_S, GATHER_FRACTION * self._last_iteration_s)
         while self._expected:
             left = deadline - time.perf_counter()
             if left <= 0:

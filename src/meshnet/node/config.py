@@ -26,6 +26,7 @@ class NodeConfig:
     max_sessions: int = 16
     kv_tokens: int = 0
     prefix_cache: int = 4
+    decode_groups: int = 0  # decode groups taking turns (0 = one per pipeline stage; see LoadSpec)
     idle_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0
     join_token: str | None = None

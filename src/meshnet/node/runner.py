@@ -244,6 +244,10 @@ def add_node_parser(sub) -> None:
     p.add_argument("--kv-tokens", type=int, default=0,
                    help="KV cells sessions may reserve at once (0 = half the memory available)")
     p.add_argument("--prefix-cache", type=int, default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
+    p.add_argument("--decode-groups", type=int, default=0,
+                   help="groups the sessions' decode steps are split into, taking turns so that every stage "
+                        "of a pipeline computes at once (0 = one per stage: model layers / range layers; "
+                        "1 = all together)")
     p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an unused session is freed")
     p.add_argument("--drain-timeout", type=float, default=30.0)
     p.add_argument("--data-port", type=int, default=0, help="TCP port of the step data plane (0 = any)")
@@ -283,7 +287,7 @@ def run_node(args: argparse.Namespace) -> int:
                      tracker=args.tracker, host=args.host, port=args.port, advertise=args.advertise,
                      node_id=args.node_id, engine=args.engine, threads=args.threads, n_ctx=args.n_ctx,
                      max_sessions=args.max_sessions, kv_tokens=args.kv_tokens,
-                     prefix_cache=args.prefix_cache, idle_timeout_s=args.idle_timeout,
+                     prefix_cache=args.prefix_cache, decode_groups=args.decode_groups, idle_timeout_s=args.idle_timeout,
                      drain_timeout_s=args.drain_timeout, join_token=args.join_token, tls=tls, tls_ca=args.tls_ca,
                      data_plane=not args.no_data_plane, data_port=args.data_port,
                      cpu=cpu, backend=backend, device_index=device, identity=getattr(args, "identity", None),

@@ -1,0 +1,75 @@
+"""The stage scheduler's packing, on plain data: which steps go into which iteration."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from meshnet.contract import Status, StepRequest, StepResult
+from meshnet.engine.scheduler import Chunk, StepScheduler
+
+
+class Recorder:
+    """A batch hook that records each iteration's chunks as (session, start, end) and holds the first
+    iteration until ``release`` is set, so the steps submitted meanwhile queue up together."""
+
+    def __init__(self) -> None:
+        self.iterations: list[list[tuple[str, int, int]]] = []
+        self.release = threading.Event()
+
+    def __call__(self, chunks: list[Chunk]) -> list[StepResult]:
+        if not self.iterations:
+            self.release.wait(10)
+        self.iterations.append([(c.session, c.start, c.end) for c in chunks])
+        return [StepResult(Status.OK, n_past=c.end) for c in chunks]
+
+
+def run_queued(decode_groups: int, n_open: int, decodes: list[str], prefill: tuple[str, int] | None = None,
+               chunk_tokens: int = 0) -> list[list[tuple[str, int, int]]]:
+    """Queue ``decodes`` (one-token steps of those sessions) and an optional prefill behind a first step
+    that holds the worker, then let them all run; returns the iterations after the first."""
+    rec = Recorder()
+    sched = StepScheduler(rec, lambda job: job.parts[-1], chunk_tokens, lambda s: False, lambda: n_open)
+    sched.decode_groups = decode_groups
+    threads = [threading.Thread(target=sched.submit, args=("first", StepRequest("first", 1, 0, (1, 2))))]
+    threads[0].start()
+    time.sleep(0.05)  # the worker holds "first"
+    steps = [(s, StepRequest(s, 1, 5, (7,))) for s in decodes]
+    if prefill:
+        steps.append((prefill[0], StepRequest(prefill[0], 1, 0, tuple(range(prefill[1])))))
+    for s, req in steps:
+        t = threading.Thread(target=sched.submit, args=(s, req))
+        t.start()
+        threads.append(t)
+        time.sleep(0.005)  # arrival order is submission order
+    deadline = time.monotonic() + 5
+    while sched.waiting() < len(steps) + 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    rec.release.set()
+    for t in threads:
+        t.join(10)
+    return rec.iterations[1:]
+
+
+def test_one_group_takes_every_waiting_decode():
+    its = run_queued(decode_groups=1, n_open=9, decodes=[f"s{i}" for i in range(9)])
+    assert [len(it) for it in its] == [9]
+
+
+@pytest.mark.parametrize("groups,sizes", [(3, [3, 3, 3]), (2, [5, 4]), (9, [1] * 9), (20, [1] * 9)])
+def test_decode_groups_split_the_open_sessions_in_arrival_order(groups, sizes):
+    names = [f"s{i}" for i in range(9)]
+    its = run_queued(decode_groups=groups, n_open=9, decodes=names)
+    assert [len(it) for it in its] == sizes
+    assert [name for it in its for name, _, _ in it] == names
+
+
+def test_a_group_is_sized_by_the_decoding_sessions_not_the_prefilling_ones():
+    # 7 open sessions, one of them in a 40-token prefill: 6 decode in 3 groups of 2; the prefill rides
+    # in the first iteration, in chunks of 16 tokens, while the decodes take turns
+    its = run_queued(decode_groups=3, n_open=7, decodes=[f"s{i}" for i in range(6)], prefill=("p", 40),
+                     chunk_tokens=16)
+    assert its == [[("s0", 0, 1), ("s1", 0, 1), ("p", 0, 16)], [("s2", 0, 1), ("s3", 0, 1), ("p", 16, 32)],
+                   [("s4", 0, 1), ("s5", 0, 1), ("p", 32, 40)]]
