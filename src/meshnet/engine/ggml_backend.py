@@ -25,7 +25,8 @@ _init_lock = threading.Lock()
 _cpu_ready = False
 _backends: dict[int, object] = {}
 _compute_locks: dict[int, threading.Lock] = {}
-# The thread that runs every CPU graph of the process (see compute).
+# Stages using the CPU backend now, and the thread that runs their graphs while they are several (see compute).
+_cpu_stages = 0
 _cpu_compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ggml-cpu-compute")
 
 
@@ -88,12 +89,14 @@ def cpu_backend(n_threads: int):
 
     Stages run one after another, so one backend (one thread pool) serves them all; a backend per
     stage would keep several pools of spinning threads competing for the same cores. Lives until exit.
+    Each call counts a stage using it until :func:`release_cpu_backend`.
 
     Raises:
         BackendUnavailable: another ggml build is loaded (see :func:`check_ggml_libraries`).
     """
-    global _cpu_ready
+    global _cpu_ready, _cpu_stages
     with _init_lock:
+        _cpu_stages += 1
         if not _cpu_ready:
             check_ggml_libraries()
             ggml.ggml_cpu_init()
@@ -109,19 +112,28 @@ def cpu_backend(n_threads: int):
         return backend
 
 
+def release_cpu_backend() -> None:
+    """A stage that took the CPU backend from :func:`cpu_backend` no longer computes on it."""
+    global _cpu_stages
+    with _init_lock:
+        _cpu_stages = max(0, _cpu_stages - 1)
+
+
 def compute(backend, graph) -> None:
     """Run a graph on a shared backend, one graph at a time (the CPU backend keeps one work buffer).
 
-    CPU graphs all run on one thread of the process, whichever thread asks: ggml's CPU backend
-    parallelises a graph with OpenMP, whose thread team belongs to the thread that starts it, and
-    graphs started by several threads in turn (one scheduler thread per stage) keep several teams
-    on the same cores. Measured with three stages in one process, 2 threads: 6.4 ms of compute per
-    decoded token from one thread, 15.4 ms from three; the hand-off costs no measurable time.
+    While several stages of the process use the CPU backend, their graphs all run on one shared
+    compute thread: ggml's CPU backend parallelises a graph with OpenMP, whose thread team belongs to
+    the thread that starts it, and graphs started by several threads in turn (one scheduler thread per
+    stage) keep several teams on the same cores. Measured with three stages in one process, 2 threads:
+    6.4 ms of compute per decoded token from one thread, 15.4 ms from three. A process with one stage
+    (a node's worker, an API over the whole model) computes on its scheduler thread: the hand-off costs
+    about 0.17 ms a graph.
 
     Raises:
         RuntimeError: ggml reported a failure status.
     """
-    if backend in _backends.values():
+    if _cpu_stages > 1 and backend in _backends.values():
         status = _cpu_compute.submit(_compute_locked, backend, graph).result()
     else:
         status = _compute_locked(backend, graph)

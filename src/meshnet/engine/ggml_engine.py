@@ -27,7 +27,7 @@ from meshnet.contract import (
 )
 from meshnet.engine.base import RETRY_AFTER_S, EngineError, Session, ShardEngine
 from meshnet.engine.scheduler import Chunk
-from meshnet.engine.ggml_backend import StageWeights, cpu_backend, registry_devices
+from meshnet.engine.ggml_backend import StageWeights, cpu_backend, release_cpu_backend, registry_devices
 from meshnet.engine.batch_layout import SPLIT_KV_MIN_CELLS, BatchShape, Segment, kv_length
 from meshnet.engine.ggml_graph import StepGraph
 from meshnet.engine.kv_pool import KVPool, PoolFull
@@ -94,6 +94,7 @@ class GgmlStage:
         self.n_ubatch = max(1, n_ubatch)
         on_host = backend is None
         self.backend = backend if backend is not None else cpu_backend(n_threads)
+        self._cpu_user = backend is None
         selection = stage_tensor_names(reader, layers, self.cfg.n_layer)
         # Weights stay in plain buffers: the CPU backend's repacked layouts (CPU_REPACK) make a row's result
         # depend on how many rows share its mat-mul, which would make batched output differ from solo.
@@ -218,6 +219,9 @@ class GgmlStage:
             self._galloc = None
         self.pool.free()
         self.weights.free()
+        if self._cpu_user:
+            release_cpu_backend()
+            self._cpu_user = False
 
 
 class GgmlEngine(ShardEngine):
