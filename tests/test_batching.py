@@ -135,6 +135,21 @@ def test_kv_pool_memory_follows_the_tokens_held(smollm2_path):
     stage.close()
 
 
+def test_a_pool_counts_only_its_own_pages_beside_another(smollm2_path):
+    """Two pools mapped one after the other: cells written in one are not counted in the other's
+    resident bytes (the kernel would merge two adjacent mappings of the same kind into one)."""
+    first = GgmlStage(str(smollm2_path), LayerRange(0, 2), n_threads=2, n_ctx=512, n_slots=4)
+    second = GgmlStage(str(smollm2_path), LayerRange(0, 2), n_threads=2, n_ctx=512, n_slots=4)
+    for stage in (first, second):
+        kv = stage.new_session(reserve_tokens=100)
+        stage.forward(kv, 0, token_ids=np.arange(1, 101, dtype=np.int32))
+        held = 100 * stage.pool.bytes_per_token
+        assert held <= stage.pool.resident_bytes() <= 1.25 * held
+        kv.free()
+    first.close()
+    second.close()
+
+
 def test_pool_admits_by_tokens_and_keeps_its_promises(smollm2_path):
     """A pool of 1000 cells: sessions reserve what their steps say they need; one that does not fit is
     refused with RESOURCE_EXHAUSTED and a retry hint while the others keep running."""

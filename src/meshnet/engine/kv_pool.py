@@ -33,6 +33,7 @@ from meshnet.engine.ggml_backend import cpu_buffer_from_ptr, new_meta_context, n
 PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def available_memory_bytes() -> int:
@@ -136,12 +137,13 @@ class KVPool:
                 offsets.append((t, size, row * self.n_ctx))
                 size = _align_up(size + row * self.n_ctx * self.n_slots, PAGE)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
-        self._map = mmap.mmap(-1, size, flags=flags)
-        if hasattr(mmap, "MADV_DONTDUMP"):
-            # A core dump need not carry the cache; and a mapping whose flags differ from its neighbours'
-            # stays a mapping of its own, so /proc/self/smaps reports its Rss alone.
-            self._map.madvise(mmap.MADV_DONTDUMP)
-        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        # One inaccessible page on each side: the kernel merges adjacent anonymous mappings of the same
+        # kind (another stage's pool, say) into one, whose Rss in /proc/self/smaps would count both.
+        self._map = mmap.mmap(-1, size + 2 * PAGE, flags=flags)
+        start = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        for guard in (start, start + PAGE + size):
+            _libc.mprotect(ctypes.c_void_p(guard), ctypes.c_size_t(PAGE), 0)  # PROT_NONE
+        self._base = start + PAGE
         self._size = size
         self.buffer = cpu_buffer_from_ptr(self._base, size)
         if not self.buffer:
@@ -226,7 +228,7 @@ class KVPool:
             # Partial pages at the edges are shared with the neighbouring slots: zero them in place.
             ctypes.memset(self._base + start, 0, a - start)
             ctypes.memset(self._base + b, 0, end - b)
-            self._map.madvise(mmap.MADV_DONTNEED, a, b - a)
+            self._map.madvise(mmap.MADV_DONTNEED, PAGE + a, b - a)  # past the guard page
 
     # ---- figures -----------------------------------------------------------------------------
     @property
