@@ -92,9 +92,11 @@ def test_hung_worker_is_replaced_while_the_node_answers_health(mesh):
         watcher.join(10)
     assert out == _fake_greedy((5, 6), 12)
     assert client.failovers == 1
-    # Health answered throughout, saying when the engine did not.
+    # Health answered throughout, saying when the engine did not, and says healthy again (the supervisor
+    # may see the new worker answer its ping a moment after the replay ran on it).
     assert all(not isinstance(h, Exception) for h in health)
-    assert any(not h.healthy for h in health) and health[-1].healthy
+    assert any(not h.healthy for h in health)
+    _wait_healthy(node, 10)
     assert "h-all" in mesh.registered()
 
 
