@@ -24,12 +24,12 @@ import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshnet.api.backend import ApiBackend
 from meshnet.api.errors import ApiError, bad_request
 from meshnet.api.metrics import ApiMetrics
+from meshnet.api.middleware import BodyLimitAndMetrics
 from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece
 from meshnet.api.schemas import (
     MAX_STOP,
@@ -49,6 +49,7 @@ from meshnet.api.schemas import (
     Usage,
 )
 from meshnet.api.sse import DONE, ChatChunks, CompletionChunks, event, sse
+from meshnet.api.validation import parse_body, validation_error
 from meshnet.contract import SamplingParams
 
 log = logging.getLogger("meshnet.api")
@@ -74,7 +75,7 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
     api = _Api(backend, metrics, max_queued)
     app.state.api = api
     app.state.metrics = metrics
-    app.add_middleware(_BodyLimitAndMetrics, metrics=metrics, max_body_bytes=max_body_bytes)
+    app.add_middleware(BodyLimitAndMetrics, metrics=metrics, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
@@ -84,7 +85,7 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
         # FastAPI answers 422 by default; OpenAI answers 400 for every malformed request.
-        err = _validation_api_error(exc.errors())
+        err = validation_error(exc.errors())
         metrics.errors.labels(kind=err.code or "400").inc()
         return err.response()
 
@@ -214,7 +215,7 @@ class _Api:
     # ---- completions ----
     async def completions(self, request: Request) -> Response:
         t0 = time.perf_counter()
-        req = _parse(CompletionRequest, await request.body())
+        req = parse_body(CompletionRequest, await request.body())
         self._common_checks(req)
         if req.echo:
             raise bad_request("echo is not supported", "echo", "unsupported_parameter")
@@ -330,7 +331,7 @@ class _Api:
     # ---- chat ----
     async def chat_completions(self, request: Request) -> Response:
         t0 = time.perf_counter()
-        req = _parse(ChatCompletionRequest, await request.body())
+        req = parse_body(ChatCompletionRequest, await request.body())
         if req.max_tokens is not None and req.max_completion_tokens is not None \
                 and req.max_tokens != req.max_completion_tokens:
             raise bad_request("max_tokens and max_completion_tokens differ; give one", "max_tokens")
@@ -440,58 +441,6 @@ class _Api:
 # ---- helpers -------------------------------------------------------------------------------------
 
 
-def _parse(model: type[BaseModel], body: bytes) -> Any:
-    if not body.strip():
-        raise bad_request("the request body is empty; send a JSON object", None, "invalid_json")
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        raise _validation_api_error(e.errors()) from None
-
-
-def _validation_api_error(errors: list[dict]) -> ApiError:
-    """One 400 naming the first problem's parameter (``messages.0.content``) and what is wrong with it."""
-    if not errors:
-        return bad_request("invalid request")
-    err = errors[0]
-    kind = err.get("type", "")
-    loc = [x for x in err.get("loc", ()) if x != "body"]
-    if kind == "json_invalid":
-        return bad_request(f"the request body is not valid JSON: {err.get('msg', '')}", None, "invalid_json")
-    if kind == "model_type" and not loc:
-        return bad_request("the request body must be a JSON object", None, "invalid_json")
-    param = ".".join(str(x) for x in loc if not _is_type_tag(x)) or None
-    if kind == "extra_forbidden":
-        return bad_request(f"unrecognized request argument: {param}", param, "unknown_parameter")
-    if kind == "missing":
-        return bad_request(f"missing required parameter: {param}", param, "missing_required_parameter")
-    # A union (``prompt``: string or list ...) reports one error per alternative, each tagged with the
-    # alternative's type: name the accepted forms once instead.
-    tag_at = next((i for i, x in enumerate(loc) if _is_type_tag(x)), None)
-    if tag_at is not None:
-        prefix = tuple(loc[:tag_at])
-        same = [e for e in errors if tuple(x for x in e.get("loc", ()) if x != "body")[:tag_at] == prefix]
-        tags = [str(e["loc"][tag_at + ("body" in e["loc"])]) for e in same]
-        param = ".".join(str(x) for x in prefix) or None
-    if tag_at is not None and len(same) > 1:
-        forms = " or ".join(dict.fromkeys(tags))
-        return bad_request(f"invalid value for {param}: expected {forms}, got {_json_type(err.get('input'))}",
-                           param, "invalid_type")
-    code = "invalid_type" if kind.endswith("_type") else "invalid_value"
-    return bad_request(f"invalid value for {param}: {err.get('msg', 'invalid')}", param, code)
-
-
-def _is_type_tag(part: Any) -> bool:
-    """Pydantic names union alternatives in error locations (``str``, ``list[int]``, ``TextPart``)."""
-    return isinstance(part, str) and (part in {"str", "int", "float", "bool", "none", "TextPart", "StreamOptions"}
-                                      or "[" in part or part.startswith("function-"))
-
-
-def _json_type(value: Any) -> str:
-    return {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
-            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
-
-
 def _stops(stop: str | list[str] | None) -> list[str]:
     if stop is None:
         return []
@@ -508,103 +457,3 @@ def _token_str(tok, token_id: int) -> str:
 def _top_entry(tok, token_id: int, logprob: float) -> dict:
     raw = tok.token_bytes(token_id)
     return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
-
-
-# ---- ASGI middleware: body limit and request metrics ---------------------------------------------
-
-
-class _BodyLimitAndMetrics:
-    """Reads a request's whole body up front, refusing more than ``max_body_bytes`` with 413 (on the
-    Content-Length header and on the bytes actually received), then replays it to the app; counts every
-    answer by endpoint and status."""
-
-    def __init__(self, app, metrics: ApiMetrics, max_body_bytes: int) -> None:
-        self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        t0 = time.perf_counter()
-        endpoint = self.metrics.endpoint_label(scope.get("path", ""))
-        status = {"code": 0}
-
-        async def send_wrapper(message) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-                self.metrics.requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
-            await send(message)
-
-        body = await self._read_body(scope, receive, send_wrapper)
-        if body is None:
-            return
-        delivered = False
-
-        async def replay() -> dict:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        try:
-            await self.app(scope, replay, send_wrapper)
-        except Exception:
-            if not status["code"]:
-                self.metrics.requests.labels(endpoint=endpoint, status="500").inc()
-            raise
-        finally:
-            self.metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
-
-    async def _read_body(self, scope, receive, send) -> bytes | None:
-        """The whole body, or None when an answer (413/400) was sent or the client left."""
-        limit = self.max_body_bytes
-        declared = None
-        for k, v in scope.get("headers", ()):
-            if k == b"content-length":
-                try:
-                    declared = int(v)
-                except ValueError:
-                    await self._reply(send, ApiError(400, "invalid Content-Length header", code="invalid_header"))
-                    return None
-        too_big = declared is not None and declared > limit
-        chunks, total = [], 0
-        # Drain a moderately oversized body before answering, so the client gets its 413 instead of a
-        # reset connection while it is still sending; a huge one is answered at once.
-        drain = declared is None or declared <= 8 * limit
-        if too_big and not drain:
-            await self._reply(send, _too_large(limit, declared))
-            return None
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            data = message.get("body", b"")
-            total += len(data)
-            if total > limit:
-                too_big = True
-                if total > 8 * limit:
-                    break
-            elif data:
-                chunks.append(data)
-            if not message.get("more_body", False):
-                break
-        if too_big:
-            await self._reply(send, _too_large(limit, max(total, declared or 0)))
-            return None
-        return b"".join(chunks)
-
-    async def _reply(self, send, err: ApiError) -> None:
-        self.metrics.errors.labels(kind=err.code or str(err.status)).inc()
-        resp = err.response()
-        resp.headers["Connection"] = "close"
-        await resp({"type": "http"}, _no_receive, send)
-
-
-async def _no_receive() -> dict:
-    return {"type": "http.disconnect"}
-
-
-def _too_large(limit: int, size: int) -> ApiError:
-    return ApiError(413, f"the request body has {size} bytes, more than the {limit}-byte limit",
-                    code="request_too_large")

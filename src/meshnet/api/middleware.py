@@ -1,0 +1,105 @@
+"""ASGI middleware in front of the API: a limit on request bodies, and a count of every answer."""
+
+from __future__ import annotations
+
+import time
+
+from meshnet.api.errors import ApiError
+from meshnet.api.metrics import ApiMetrics
+
+
+class BodyLimitAndMetrics:
+    """Reads a request's whole body up front, refusing more than ``max_body_bytes`` with 413 (on the
+    Content-Length header and on the bytes actually received), then replays it to the app; counts every
+    answer by endpoint and status."""
+
+    def __init__(self, app, metrics: ApiMetrics, max_body_bytes: int) -> None:
+        self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        endpoint = self.metrics.endpoint_label(scope.get("path", ""))
+        status = {"code": 0}
+
+        async def send_wrapper(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                self.metrics.requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
+            await send(message)
+
+        body = await self._read_body(scope, receive, send_wrapper)
+        if body is None:
+            return
+        delivered = False
+
+        async def replay() -> dict:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        try:
+            await self.app(scope, replay, send_wrapper)
+        except Exception:
+            if not status["code"]:
+                self.metrics.requests.labels(endpoint=endpoint, status="500").inc()
+            raise
+        finally:
+            self.metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
+
+    async def _read_body(self, scope, receive, send) -> bytes | None:
+        """The whole body, or None when an answer (413/400) was sent or the client left."""
+        limit = self.max_body_bytes
+        declared = None
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                try:
+                    declared = int(v)
+                except ValueError:
+                    await self._reply(send, ApiError(400, "invalid Content-Length header", code="invalid_header"))
+                    return None
+        too_big = declared is not None and declared > limit
+        chunks, total = [], 0
+        # Drain a moderately oversized body before answering, so the client gets its 413 instead of a
+        # reset connection while it is still sending; a huge one is answered at once.
+        drain = declared is None or declared <= 8 * limit
+        if too_big and not drain:
+            await self._reply(send, _too_large(limit, declared))
+            return None
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            data = message.get("body", b"")
+            total += len(data)
+            if total > limit:
+                too_big = True
+                if total > 8 * limit:
+                    break
+            elif data:
+                chunks.append(data)
+            if not message.get("more_body", False):
+                break
+        if too_big:
+            await self._reply(send, _too_large(limit, max(total, declared or 0)))
+            return None
+        return b"".join(chunks)
+
+    async def _reply(self, send, err: ApiError) -> None:
+        self.metrics.errors.labels(kind=err.code or str(err.status)).inc()
+        resp = err.response()
+        resp.headers["Connection"] = "close"
+        await resp({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> dict:
+    return {"type": "http.disconnect"}
+
+
+def _too_large(limit: int, size: int) -> ApiError:
+    return ApiError(413, f"the request body has {size} bytes, more than the {limit}-byte limit",
+                    code="request_too_large")
