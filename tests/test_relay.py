@@ -49,7 +49,7 @@ def listening_ports(pid: int) -> list[int]:
 
 
 def _route_ids(client, exclude=frozenset()):
-    r = client._tracker.GetRoute(pb.RouteRequest(exclude_node_ids=sorted(exclude)), timeout=5)
+    r = client.router.tracker.GetRoute(pb.RouteRequest(exclude_node_ids=sorted(exclude)), timeout=5)
     return [(h.node_id, h.relayed) for h in r.hops]
 
 
@@ -72,7 +72,7 @@ def test_relayed_middle_node_opens_no_port_and_matches_solo_run(mesh, tok, solo)
         pass
     assert gen.result.generated_token_ids == solo.greedy(0)
     assert client.failovers == 0
-    stage = RelayedStage("b-relay", client._tracker_channel)
+    stage = RelayedStage("b-relay", client.router.tracker_channel)
     assert stage.health().active_sessions == 0  # released through the relay
     caps = stage.capabilities()
     assert (caps.node_id, caps.layers.start, caps.layers.end) == ("b-relay", 10, 20)
@@ -97,9 +97,9 @@ def test_direct_replica_preferred_and_relay_overhead_measured(mesh, smollm2_path
     # and relayed (client -> tracker -> node's stream and back).
     listed = {s.info.node_id: s.info for s in mesh.tracker_stub().ListNodes(pb.Empty(), timeout=5).nodes}
     d = listed["b-direct"]
-    direct = client._stage(pb.Hop(node_id=d.node_id, address=d.address, data_address=d.data_address))
-    direct_grpc = RemoteStage(d.node_id, d.address, client._channels[d.address])
-    relay = client._stage(pb.Hop(node_id="b-relay", address="relay:b-relay", relayed=True))
+    direct = client.router.stage(pb.Hop(node_id=d.node_id, address=d.address, data_address=d.data_address))
+    direct_grpc = RemoteStage(d.node_id, d.address, client.router._channels[d.address])
+    relay = client.router.stage(pb.Hop(node_id="b-relay", address="relay:b-relay", relayed=True))
     assert isinstance(relay, RelayedStage)
     rng = np.random.default_rng(0)
     prompt = NamedTensor.from_numpy("hidden", rng.standard_normal((4, 576)).astype(np.float32))
@@ -143,7 +143,7 @@ def test_killing_relayed_node_fails_over_to_direct_spare(mesh, tok, solo):
     # The dead node's stream is gone: it is out of routes and calls to it are UNAVAILABLE at once.
     assert ("b-relay", True) not in _route_ids(client)
     t0 = time.monotonic()
-    assert rpc_code(client._tracker.RelayControl, pb.RelayControlRequest(
+    assert rpc_code(client.router.tracker.RelayControl, pb.RelayControlRequest(
         node_id="b-relay", kind=pb.RelayDown.HEALTH), timeout=5) == grpc.StatusCode.UNAVAILABLE
     assert time.monotonic() - t0 < 1
     client.close()

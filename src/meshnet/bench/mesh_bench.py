@@ -105,9 +105,9 @@ class TimedMeshClient(MeshClient):
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
         self.hop_decode_s: dict[str, list[float]] = {}
+        self.router.on_stage = self._timed
 
-    def _stage(self, hop: pb.Hop):
-        stage = super()._stage(hop)
+    def _timed(self, stage):
         times = self.hop_decode_s.setdefault(stage.node_id, [])
         inner = stage.step
 

@@ -17,37 +17,23 @@ in-process :class:`~meshnet.chain.LocalChain`.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-import grpc
-
 from meshnet.client.deadline import DeadlinePolicy, HopClocks
 from meshnet.client.orphans import OrphanReleaser
-from meshnet.client.relayed import RelayedStage
 from meshnet.client.session_log import RecordedStep, SessionLog, same_ranges
 from meshnet.client.remote import RemoteStage, StageFailure
+from meshnet.client.router import MeshUnavailable, Router
 from meshnet.ledger.reporting import DeliveryReporter, new_client_id
 from meshnet.contract import NamedTensor, Status, StepRequest, StepResult
-from meshnet.proto import meshnet_pb2 as pb
-from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.wire.data_plane import ConnectionPool
-from meshnet.wire.security import open_channel
 
 log = logging.getLogger("meshnet.client")
 
 # How long the release at a session's end waits for each hop (seconds) before the orphan releaser
 # takes the hop over: the generation's caller should not wait on a stopped node.
 RELEASE_WAIT_S = 1.0
-
-# Tracker answers that mean it cannot be reached (rather than that it refused): the last route serves.
-_TRACKER_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-class MeshUnavailable(RuntimeError):
-    """No complete route could be had (the message names the missing layers) within the deadline."""
 
 
 class SessionLost(StageFailure):
@@ -88,71 +74,20 @@ class MeshClient:
         self.join_token, self.tls_ca = join_token, tls_ca
         self.step_timeout_s = step_timeout_s
         self.failover_deadline_s = failover_deadline_s
-        self._tracker_channel = open_channel(tracker, join_token, tls_ca)
-        self._tracker = pb_grpc.TrackerStub(self._tracker_channel)
-        self._last_route: list[pb.Hop] | None = None  # the tracker's last route, while it is unreachable
-        self._channels: dict[str, grpc.Channel] = {}
-        self._pools: dict[str, ConnectionPool] = {}
+        self.router = Router(tracker, model_sha256, join_token, tls_ca, step_timeout_s)
         self._sessions: dict[str, SessionLog] = {}
-        self._lock = threading.Lock()
         self.failovers = 0
         self.clocks = HopClocks(step_deadline or DeadlinePolicy(floor_s=min(1.5, step_timeout_s),
                                                                  ceiling_s=step_timeout_s))
         # Sessions left on nodes this client failed over away from, freed once those nodes answer.
         self.orphans = OrphanReleaser()
         self.client_id = client_id or new_client_id()
-        self.deliveries = DeliveryReporter(self._tracker, self.client_id, model_sha256) if report_deliveries else None
+        self.deliveries = DeliveryReporter(self.router.tracker, self.client_id, model_sha256) if report_deliveries else None
 
     # ---- routing -----------------------------------------------------------------------------
-    def _stage(self, hop: pb.Hop) -> RemoteStage:
-        stage = self._connect(hop)
-        stage.layers = (hop.layers.start, hop.layers.end)  # which recorded inputs it takes in a replay
-        return stage
-
-    def _connect(self, hop: pb.Hop) -> RemoteStage:
-        if hop.relayed:
-            # The node accepts no connections: its traffic goes through the tracker it is attached to.
-            return RelayedStage(hop.node_id, self._tracker_channel, self.step_timeout_s)
-        with self._lock:
-            ch = self._channels.get(hop.address)
-            if ch is None:
-                ch = self._channels[hop.address] = open_channel(hop.address, self.join_token, self.tls_ca)
-            pool = None
-            # The plain-TCP data plane carries no TLS: with a CA configured, steps stay on gRPC.
-            if hop.data_address and not self.tls_ca:
-                pool = self._pools.get(hop.data_address)
-                if pool is None:
-                    pool = self._pools[hop.data_address] = ConnectionPool(hop.data_address, self.join_token,
-                                                                          self.step_timeout_s)
-        return RemoteStage(hop.node_id, hop.address, ch, self.step_timeout_s, data_pool=pool)
-
     def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0) -> tuple[int, list[RemoteStage]]:
-        """A route from the tracker, numbered with an epoch above ``previous_epoch``.
-
-        While the tracker cannot be reached (down, restarting, cut off from this client), the last route
-        it gave serves instead, unless it goes through a node in ``exclude``: the nodes keep serving without
-        the tracker, so new sessions need not fail with it. Its epoch is then ``previous_epoch + 1``: epochs
-        only have to grow per session, and the tracker, once back, numbers above what the client sends.
-
-        Raises:
-            MeshUnavailable: the tracker's reason, or why the last route cannot serve.
-        """
-        try:
-            r = self._tracker.GetRoute(pb.RouteRequest(model_sha256=self.model_sha256,
-                                                       exclude_node_ids=sorted(exclude),
-                                                       previous_epoch=previous_epoch), timeout=5)
-        except grpc.RpcError as e:
-            last = self._last_route
-            if e.code() not in _TRACKER_UNREACHABLE or last is None:
-                raise MeshUnavailable(f"no route: {e.details() or e.code().name}") from None
-            if exclude & {h.node_id for h in last}:
-                raise MeshUnavailable(f"no route: the tracker is unreachable ({e.code().name}) and its last "
-                                      f"route goes through a failed node") from None
-            log.warning("tracker %s unreachable (%s): using the last route it gave", self.tracker_address,
-                        e.code().name)
-            return previous_epoch + 1, [self._stage(h) for h in last]
-        self._last_route = list(r.hops)
-        return int(r.epoch), [self._stage(h) for h in r.hops]
+        """A route from the tracker (see :meth:`Router.route`). Raises MeshUnavailable."""
+        return self.router.route(exclude, previous_epoch)
 
     def route_with_context(self) -> tuple[int, list[RemoteStage], int]:
         """A route and its context length in tokens (the smallest ``n_ctx`` along it: every stage must
@@ -257,26 +192,9 @@ class MeshClient:
         self.orphans.close()
         if self.deliveries is not None:
             self.deliveries.close()
-        for ch in self._channels.values():
-            ch.close()
-        for pool in self._pools.values():
-            pool.close()
+        self.router.close()
 
     # ---- internals ---------------------------------------------------------------------------
-    def _route_through_recovered(self, failed_at: dict[str, str], previous_epoch: int
-                                 ) -> tuple[int, list[RemoteStage]] | None:
-        """A route in which every node that failed for this session has recovered: it is a new process
-        (its address changed since it failed), or it answers Health again at its address (a partition
-        healed, a stalled process resumed). None: no such route, or the tracker has none at all."""
-        try:
-            epoch, hops = self.route(frozenset(), previous_epoch)
-        except MeshUnavailable:
-            return None
-        for h in hops:
-            if failed_at.get(h.node_id) == h.address and not h.answers():
-                return None  # the same process that failed: still dead, stalled, cut off, or reloading
-        return epoch, hops
-
     def _run(self, log_: SessionLog, req: StepRequest, decode: bool, start: int,
              inputs: list[NamedTensor | None]) -> StepResult:
         """Run ``req`` through hops ``start..`` feeding hop ``start`` with ``inputs[start]``; fills in
@@ -345,7 +263,7 @@ class MeshClient:
                 epoch, hops = self.route(exclude, log_.epoch)
                 break
             except MeshUnavailable as e:
-                recovered = self._route_through_recovered(failed_at, log_.epoch)
+                recovered = self.router.route_through_recovered(failed_at, log_.epoch)
                 if recovered is not None:
                     epoch, hops = recovered
                     break

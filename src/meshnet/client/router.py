@@ -1,0 +1,124 @@
+"""Routes for a mesh client: asked of the tracker (or, while it cannot be reached, its last answer), and
+the connections to their nodes, shared by every session of the client."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+import grpc
+
+from meshnet.client.relayed import RelayedStage
+from meshnet.client.remote import RemoteStage
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.wire.data_plane import ConnectionPool
+from meshnet.wire.security import open_channel
+
+log = logging.getLogger("meshnet.client")
+
+# Tracker answers that mean it cannot be reached (rather than that it refused): the last route serves.
+_TRACKER_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class MeshUnavailable(RuntimeError):
+    """No complete route could be had (the message names the missing layers) within the deadline."""
+
+
+class Router:
+    """Asks the tracker for routes and connects to their nodes: one gRPC channel per node address and one
+    data-plane connection pool per data address, reused by every route through that node.
+
+    Args:
+        tracker: ``HOST:PORT`` of the tracker.
+        model_sha256: which model to route for ("" = the only one served).
+        step_timeout_s: the longest any one step may take on a hop, seconds.
+
+    Attributes:
+        on_stage: applied to each stage object before it is handed out (benchmarks wrap its calls).
+    """
+
+    def __init__(self, tracker: str, model_sha256: str = "", join_token: str | None = None,
+                 tls_ca: str | None = None, step_timeout_s: float = 60.0) -> None:
+        self.tracker_address, self.model_sha256 = tracker, model_sha256
+        self.join_token, self.tls_ca, self.step_timeout_s = join_token, tls_ca, step_timeout_s
+        self.tracker_channel = open_channel(tracker, join_token, tls_ca)
+        self.tracker = pb_grpc.TrackerStub(self.tracker_channel)
+        self.on_stage: Callable[[RemoteStage], RemoteStage] | None = None
+        self._last_route: list[pb.Hop] | None = None  # the tracker's last route, while it is unreachable
+        self._channels: dict[str, grpc.Channel] = {}
+        self._pools: dict[str, ConnectionPool] = {}
+        self._lock = threading.Lock()
+
+    def stage(self, hop: pb.Hop) -> RemoteStage:
+        """The stage object for one hop of a route (its connections shared with other routes)."""
+        stage = self._connect(hop)
+        stage.layers = (hop.layers.start, hop.layers.end)  # which recorded inputs it takes in a replay
+        return self.on_stage(stage) if self.on_stage is not None else stage
+
+    def _connect(self, hop: pb.Hop) -> RemoteStage:
+        if hop.relayed:
+            # The node accepts no connections: its traffic goes through the tracker it is attached to.
+            return RelayedStage(hop.node_id, self.tracker_channel, self.step_timeout_s)
+        with self._lock:
+            ch = self._channels.get(hop.address)
+            if ch is None:
+                ch = self._channels[hop.address] = open_channel(hop.address, self.join_token, self.tls_ca)
+            pool = None
+            # The plain-TCP data plane carries no TLS: with a CA configured, steps stay on gRPC.
+            if hop.data_address and not self.tls_ca:
+                pool = self._pools.get(hop.data_address)
+                if pool is None:
+                    pool = self._pools[hop.data_address] = ConnectionPool(hop.data_address, self.join_token,
+                                                                          self.step_timeout_s)
+        return RemoteStage(hop.node_id, hop.address, ch, self.step_timeout_s, data_pool=pool)
+
+    def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0) -> tuple[int, list[RemoteStage]]:
+        """A route from the tracker, numbered with an epoch above ``previous_epoch``.
+
+        While the tracker cannot be reached (down, restarting, cut off from this client), the last route
+        it gave serves instead, unless it goes through a node in ``exclude``: the nodes keep serving without
+        the tracker, so new sessions need not fail with it. Its epoch is then ``previous_epoch + 1``: epochs
+        only have to grow per session, and the tracker, once back, numbers above what the client sends.
+
+        Raises:
+            MeshUnavailable: the tracker's reason, or why the last route cannot serve.
+        """
+        try:
+            r = self.tracker.GetRoute(pb.RouteRequest(model_sha256=self.model_sha256,
+                                                       exclude_node_ids=sorted(exclude),
+                                                       previous_epoch=previous_epoch), timeout=5)
+        except grpc.RpcError as e:
+            last = self._last_route
+            if e.code() not in _TRACKER_UNREACHABLE or last is None:
+                raise MeshUnavailable(f"no route: {e.details() or e.code().name}") from None
+            if exclude & {h.node_id for h in last}:
+                raise MeshUnavailable(f"no route: the tracker is unreachable ({e.code().name}) and its last "
+                                      f"route goes through a failed node") from None
+            log.warning("tracker %s unreachable (%s): using the last route it gave", self.tracker_address,
+                        e.code().name)
+            return previous_epoch + 1, [self.stage(h) for h in last]
+        self._last_route = list(r.hops)
+        return int(r.epoch), [self.stage(h) for h in r.hops]
+
+    def route_through_recovered(self, failed_at: dict[str, str], previous_epoch: int
+                                 ) -> tuple[int, list[RemoteStage]] | None:
+        """A route in which every node that failed for this session has recovered: it is a new process
+        (its address changed since it failed), or it answers Health again at its address (a partition
+        healed, a stalled process resumed). None: no such route, or the tracker has none at all."""
+        try:
+            epoch, hops = self.route(frozenset(), previous_epoch)
+        except MeshUnavailable:
+            return None
+        for h in hops:
+            if failed_at.get(h.node_id) == h.address and not h.answers():
+                return None  # the same process that failed: still dead, stalled, cut off, or reloading
+        return epoch, hops
+
+    def close(self) -> None:
+        """Close every channel and pooled connection (the tracker's stays, for late reports)."""
+        for ch in self._channels.values():
+            ch.close()
+        for pool in self._pools.values():
+            pool.close()
