@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
@@ -26,6 +29,13 @@ class NodeProc:
     proc: subprocess.Popen
     node_id: str
     address: str
+    log_path: Path | None = None  # the node's stderr
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines of the node's log (its stderr), for a failing test to say what the node did."""
+        if self.log_path is None or not self.log_path.exists():
+            return "(no log kept)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stub(self, token: str | None = None) -> pb_grpc.NodeStub:
         return pb_grpc.NodeStub(open_channel(self.address, token))
@@ -49,7 +59,14 @@ class NodeProc:
         return None
 
     def health(self) -> pb.HealthReply:
-        return self.stub().Health(pb.Empty(), timeout=5)
+        """The node's Health reply. Raises AssertionError with the end of the node's log when it does not
+        answer (exit status included when it has exited)."""
+        try:
+            return self.stub().Health(pb.Empty(), timeout=5)
+        except grpc.RpcError as e:
+            raise AssertionError(f"node {self.node_id} did not answer Health ({e.code().name}; process "
+                                 f"{'running' if self.proc.poll() is None else f'exited {self.proc.returncode}'});"
+                                 f" its log ends:\n{self.log_tail()}") from None
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -67,18 +84,28 @@ class Mesh:
         self.server, port = serve_tracker("127.0.0.1", 0, heartbeat_interval_s=heartbeat_s, join_token=join_token)
         self.tracker = f"127.0.0.1:{port}"
         self.nodes: list[NodeProc] = []
+        self.log_dir = Path(tempfile.mkdtemp(prefix="meshnet-test-nodes-"))  # each node's stderr
 
     def spawn_node(self, layers: str, node_id: str | None, model: str = "smollm2", *extra: str,
-                   stderr=subprocess.DEVNULL) -> subprocess.Popen:
-        """Start ``meshnet node`` for this tracker (stdout piped, text); node_id None: no ``--node-id``."""
+                   stderr=None) -> subprocess.Popen:
+        """Start ``meshnet node`` for this tracker (stdout piped, text); node_id None: no ``--node-id``.
+        ``stderr`` None: to ``<log_dir>/<node_id>.log`` (:meth:`NodeProc.log_tail`)."""
         env = dict(os.environ)
+        log_path = None
+        if stderr is None:
+            log_path = self.log_dir / f"{node_id or 'node'}-{len(list(self.log_dir.iterdir()))}.log"
+            stderr = open(log_path, "w")
         if self.join_token:
             env["MESHNET_JOIN_TOKEN"] = self.join_token
         named = ["--node-id", node_id] if node_id is not None else []
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "meshnet.cli", "node", "--tracker", self.tracker, "--model", model,
              "--layers", layers, *named, "--threads", "1", *extra],
             stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
+        if log_path is not None:
+            stderr.close()  # the child has its own descriptor
+        proc.meshnet_log = log_path  # type: ignore[attr-defined]
+        return proc
 
     def start_nodes(self, specs: list[tuple[str | None, str]], model: str = "smollm2", *extra: str) -> list[NodeProc]:
         """Start one node per (node_id, layers) in parallel and wait until each is serving (node_id None:
@@ -87,11 +114,14 @@ class Mesh:
         started = []
         for nid, proc in procs:
             line = proc.stdout.readline()
+            log_path = getattr(proc, "meshnet_log", None)
             if not line.startswith("MESHNET_NODE_READY"):
                 proc.kill()
-                raise RuntimeError(f"node {nid} did not start: {line!r}")
+                proc.wait(timeout=10)
+                tail = NodeProc(proc, str(nid), "", log_path).log_tail()
+                raise RuntimeError(f"node {nid} did not start: {line!r}; its log ends:\n{tail}")
             fields = dict(kv.split("=", 1) for kv in line.split()[1:])
-            started.append(NodeProc(proc, fields["node_id"], fields["address"]))
+            started.append(NodeProc(proc, fields["node_id"], fields["address"], log_path))
         self.nodes += started
         self.wait_registered({n.node_id for n in started})
         return started
@@ -115,6 +145,7 @@ class Mesh:
                 n.proc.kill()
                 n.proc.wait(timeout=10)
         self.server.stop(grace=0).wait()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 def run_generate(tracker: str, prompt: str, *args: str) -> subprocess.CompletedProcess:
