@@ -238,7 +238,7 @@ class _Api:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse(self._stream_completion(jobs, rid, created, prompt_tokens, want_logprobs,
-                                                include_usage, t0))
+                                               include_usage, t0))
         choices, completion_tokens = [], 0
         for i, job in enumerate(jobs):
             pieces, run = await self._run_whole(job, request, t0, i == 0)
@@ -363,7 +363,7 @@ class _Api:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse(self._stream_chat(jobs, rid, created, prompt_tokens, bool(req.logprobs), include_usage,
-                                          t0))
+                                         t0))
         choices, completion_tokens = [], 0
         for i, job in enumerate(jobs):
             pieces, run = await self._run_whole(job, request, t0, i == 0)
