@@ -79,10 +79,11 @@ class Mesh:
     ``heartbeat_s``: the nodes' heartbeat interval; the tracker drops a node silent for three of them
     (a long one keeps a dead node listed, as on a real mesh in the seconds after it died)."""
 
-    def __init__(self, join_token: str | None = None, heartbeat_s: float = HEARTBEAT_S) -> None:
+    def __init__(self, join_token: str | None = None, heartbeat_s: float = HEARTBEAT_S, ledger=None) -> None:
         self.join_token = join_token
-        self.server, port = serve_tracker("127.0.0.1", 0, heartbeat_interval_s=heartbeat_s, join_token=join_token)
-        self.tracker = f"127.0.0.1:{port}"
+        self.server, self.port = serve_tracker("127.0.0.1", 0, heartbeat_interval_s=heartbeat_s,
+                                               join_token=join_token, ledger=ledger)
+        self.tracker = f"127.0.0.1:{self.port}"
         self.nodes: list[NodeProc] = []
         self.log_dir = Path(tempfile.mkdtemp(prefix="meshnet-test-nodes-"))  # each node's stderr
 

@@ -25,11 +25,10 @@ KILL_AFTER = 10
 class LedgerMesh(Mesh):
     """:class:`Mesh` whose in-process tracker keeps its ledger in an SQLite file and can be restarted."""
 
-    def __init__(self, url: str) -> None:  # noqa: D107 - Mesh.__init__ would start an in-memory ledger
-        self.join_token, self.url, self.nodes = None, url, []
+    def __init__(self, url: str) -> None:
+        self.url = url
         self.ledger = Ledger(url)
-        self.server, self.port = serve_tracker("127.0.0.1", 0, heartbeat_interval_s=HEARTBEAT_S, ledger=self.ledger)
-        self.tracker = f"127.0.0.1:{self.port}"
+        super().__init__(ledger=self.ledger)
 
     def restart_tracker(self) -> None:
         """Stop the tracker (in-flight calls fail) and serve a fresh one on the same port and file."""
