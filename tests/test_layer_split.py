@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshnet.contract import LayerRange
-from meshnet.layer_split import balanced_split, layer_costs
+from meshnet.layer_split import balanced_split, layer_costs, pipeline_depth
 from meshnet.model.gguf_file import open_gguf
 
 
@@ -41,3 +41,20 @@ def test_smollm2_costs_and_split(smollm2_path):
     assert costs == [576 * 576 * 2 + 576 * 192 * 2 + 576 * 1536 * 3 + 576 * 2] * 30
     assert tail == 49152 * 576 + 576  # tied: token_embd projects, plus output_norm
     assert spans(balanced_split(costs, tail, 3)) == [(0, 12), (12, 25), (25, 30)]
+
+
+@pytest.mark.parametrize("n_stages", [1, 2, 3, 4])
+def test_each_balanced_range_estimates_the_pipeline_depth(n_stages):
+    # 24 layers of cost 10 and a tail worth 4 layers: the tail's range is short but as costly as the others
+    costs, tail = [10] * 24, 40
+    ranges = balanced_split(costs, tail, n_stages)
+    assert [pipeline_depth(costs, tail, r) for r in ranges] == [n_stages] * n_stages
+
+
+def test_the_bundled_models_three_stages_each_estimate_three(smollm2_path):
+    from meshnet.model.gguf_file import open_gguf
+
+    costs, tail = layer_costs(open_gguf(str(smollm2_path)), 30)
+    ranges = balanced_split(costs, tail, 3)
+    assert [str(r) for r in ranges] == ["0:12", "12:25", "25:30"]
+    assert [pipeline_depth(costs, tail, r) for r in ranges] == [3, 3, 3]

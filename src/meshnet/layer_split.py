@@ -34,6 +34,15 @@ def layer_costs(reader: gguf.GGUFReader, n_layer: int) -> tuple[list[int], int]:
     return costs, tail
 
 
+def pipeline_depth(costs: Sequence[int], tail_extra: int, layers: LayerRange) -> int:
+    """About how many stages a pipeline has whose ranges are as costly as ``layers`` (balanced as
+    :func:`balanced_split` balances them): the model's whole cost over the range's, rounded, at least 1.
+    A stage that cannot see the route uses it to size its decode groups."""
+    total = sum(costs) + tail_extra
+    mine = sum(costs[layers.start:layers.end]) + (tail_extra if layers.end == len(costs) else 0)
+    return max(1, round(total / mine)) if mine > 0 else 1
+
+
 def balanced_split(costs: Sequence[int], tail_extra: int, n_stages: int) -> list[LayerRange]:
     """Contiguous half-open ranges covering ``[0, len(costs))`` that minimise the largest stage cost
     (the tail's cost includes ``tail_extra``); among equal maxima, the most even costs win.

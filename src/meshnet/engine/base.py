@@ -140,6 +140,11 @@ class ShardEngine(ABC):
         when it opened), and their result part (their hidden rows, on a stage that passes them on)."""
         return 0, None
 
+    def _pipeline_depth(self, caps: Capabilities) -> int:
+        """Stages in a pipeline of ranges like this one (for ``decode_groups`` 0): the model's layers over
+        the range's; engines that know the layers' costs weigh them instead."""
+        return math.ceil(caps.n_layer / caps.artifact.layers.n_layers)
+
     def _kv_bytes(self) -> int:
         return 0
 
@@ -156,8 +161,7 @@ class ShardEngine(ABC):
                 return Outcome(e.status, e.message)
             self._spec, self._caps = spec, caps
             self._scheduler.chunk_tokens = self._chunk_tokens()
-            self._scheduler.decode_groups = spec.decode_groups or math.ceil(
-                caps.n_layer / caps.artifact.layers.n_layers)
+            self._scheduler.decode_groups = spec.decode_groups or self._pipeline_depth(caps)
             return Outcome(Status.OK)
 
     def capabilities(self) -> Capabilities:

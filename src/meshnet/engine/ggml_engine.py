@@ -33,6 +33,7 @@ from meshnet.engine.ggml_graph import StepGraph
 from meshnet.engine.kv_pool import KVPool, PoolFull
 from meshnet.engine.prefix_cache import PrefixCache, row_keys
 from meshnet.engine.stage_sessions import SessionKV, StageSessions
+from meshnet.layer_split import layer_costs, pipeline_depth
 from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, sha256_file, stage_tensor_names
 from meshnet.model.hparams import ModelConfig
 from meshnet.sampling import sample
@@ -295,6 +296,12 @@ class GgmlEngine(ShardEngine):
         if self.stage is not None and self.stage.is_tail:
             return n, None
         return n, StepResult(Status.OK, hidden=NamedTensor.from_numpy("hidden", kv.hidden[0][:n]))
+
+    def _pipeline_depth(self, caps: Capabilities) -> int:
+        # By the planner's costs: the tail also multiplies the output projection (SmolLM2 splits
+        # 12/13/5 into three equal stages, which a layer count would call 2.5, 2.3 and 6).
+        costs, tail = layer_costs(open_gguf(self._spec.path), caps.n_layer)
+        return pipeline_depth(costs, tail, caps.artifact.layers)
 
     def _chunk_tokens(self) -> int:
         stage = getattr(self, "stage", None)  # the base constructor asks before ours has run
