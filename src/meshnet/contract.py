@@ -288,8 +288,8 @@ class LoadSpec:
             same tokens (exact reuse: :mod:`meshnet.engine.prefix_cache`); 0 keeps none.
         decode_groups: groups the open sessions' decode steps are split into, taking turns (see
             :mod:`meshnet.engine.scheduler`): 1 batches every waiting decode together (one stage, or stages
-            in one process); 0 = one group per pipeline stage, estimated as the model's layers over the
-            range's (a node process in a mesh).
+            in one process); 0 = one group per pipeline stage, estimated as the model's decode cost over
+            the range's (:func:`meshnet.layer_split.pipeline_depth`; a node process in a mesh).
     """
 
     path: str

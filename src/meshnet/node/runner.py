@@ -246,7 +246,7 @@ def add_node_parser(sub) -> None:
     p.add_argument("--prefix-cache", type=int, default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
     p.add_argument("--decode-groups", type=int, default=0,
                    help="groups the sessions' decode steps are split into, taking turns so that every stage "
-                        "of a pipeline computes at once (0 = one per stage: model layers / range layers; "
+                        "of a pipeline computes at once (0 = one per stage, from the range's share of the model's cost; "
                         "1 = all together)")
     p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an unused session is freed")
     p.add_argument("--drain-timeout", type=float, default=30.0)
