@@ -69,10 +69,6 @@ class MeshClient:
                  tls_ca: str | None = None, step_timeout_s: float = 60.0, failover_deadline_s: float = 8.0,
                  client_id: str | None = None, report_deliveries: bool = True,
                  step_deadline: DeadlinePolicy | None = None) -> None:
-        self.tracker_address = tracker
-        self.model_sha256 = model_sha256
-        self.join_token, self.tls_ca = join_token, tls_ca
-        self.step_timeout_s = step_timeout_s
         self.failover_deadline_s = failover_deadline_s
         self.router = Router(tracker, model_sha256, join_token, tls_ca, step_timeout_s)
         self._sessions: dict[str, SessionLog] = {}

@@ -95,7 +95,7 @@ class GgmlStage:
         self.n_ubatch = max(1, n_ubatch)
         on_host = backend is None
         self.backend = backend if backend is not None else cpu_backend(n_threads)
-        self._cpu_user = backend is None
+        self._cpu_user = on_host  # counted as a user of the shared CPU backend until close
         selection = stage_tensor_names(reader, layers, self.cfg.n_layer)
         # Weights stay in plain buffers: the CPU backend's repacked layouts (CPU_REPACK) make a row's result
         # depend on how many rows share its mat-mul, which would make batched output differ from solo.

@@ -185,7 +185,6 @@ class StepScheduler:
         back: the iteration waits instead (as briefly) for a group's worth of decodes."""
         deadline = time.perf_counter() + min(MAX_GATHER_S, GATHER_FRACTION * self._last_iteration_s)
         if self.decode_groups > 1:
-            self._expected.clear()
             while 0 < sum(1 for job in self._queue if job.one_token) < self._group_size():
                 left = deadline - time.perf_counter()
                 if left <= 0:
@@ -246,7 +245,8 @@ class StepScheduler:
                     job.done_tokens = chunk.end
                     if chunk.last:
                         self._finish(job, self._join(job))
-                        self._expected.add(id(job.session))
+                        if self.decode_groups <= 1:  # a group gathers by count instead
+                            self._expected.add(id(job.session))
 
     def _run(self, picked: list[tuple[Job, Chunk]]) -> list[StepResult | BaseException]:
         """The iteration's results; when it raises, each chunk is rerun alone so that only the chunk that
