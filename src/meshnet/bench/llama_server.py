@@ -1,4 +1,6 @@
-"""llama.cpp's ``llama-server``, the server ``meshnet bench serve`` is measured against.
+"""llama.cpp's tools our benchmarks are measured against: ``llama-server`` (``meshnet bench serve``),
+``llama-bench``, ``ggml-rpc-server`` (llama.cpp's own layer split over the network, for ``meshnet bench
+wan``) and ``llama-gguf-split`` (split GGUF sets).
 
 Found on ``PATH``, else in the cache folder, else built there once from the ``llama-cpp-python==0.3.36``
 sdist's ``vendor/llama.cpp`` (the llama.cpp that made the goldens) with CMake: about 10 minutes on two
@@ -19,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 SDIST_VERSION = "0.3.36"
+# Every binary the cache holds; a cache missing one (built by an older meshnet) is built again.
+TOOLS = ("llama-server", "llama-bench", "ggml-rpc-server", "llama-gguf-split")
 
 
 def cache_dir() -> Path:
@@ -30,13 +34,23 @@ def cache_dir() -> Path:
     return base / "meshnet" / f"llama.cpp-{SDIST_VERSION}"
 
 
+def find_tool(name: str = "llama-server") -> Path | None:
+    """One of :data:`TOOLS` in the cache folder, else on PATH; None when neither has it."""
+    cached = cache_dir() / "bin" / name
+    if cached.is_file() and os.access(cached, os.X_OK):
+        return cached
+    on_path = shutil.which(name)
+    return Path(on_path) if on_path else None
+
+
 def find_llama_server() -> Path | None:
-    """``llama-server`` on PATH or in the cache folder; None when neither has it."""
+    """``llama-server`` in the cache folder or on PATH, when the cache also holds every other tool of
+    :data:`TOOLS` (else it is built again); None when not."""
+    cached_all = all(find_tool(t) is not None and find_tool(t).parent == cache_dir() / "bin" for t in TOOLS)
+    if cached_all:
+        return cache_dir() / "bin" / "llama-server"
     on_path = shutil.which("llama-server")
-    if on_path:
-        return Path(on_path)
-    cached = cache_dir() / "bin" / "llama-server"
-    return cached if cached.is_file() and os.access(cached, os.X_OK) else None
+    return Path(on_path) if on_path else None
 
 
 def build_llama_server(log=sys.stderr) -> Path:
@@ -69,13 +83,14 @@ def build_llama_server(log=sys.stderr) -> Path:
         build = work / "build"
         step("configuring (cmake)", ["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
                                      "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF",
-                                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON"])
-        step("building llama-server and llama-bench (about 10 minutes on 2 cores)",
-             ["cmake", "--build", str(build), "--target", "llama-server", "llama-bench", "-j", str(os.cpu_count() or 2)])
+                                     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON",
+                                     "-DGGML_RPC=ON"])
+        step(f"building {', '.join(TOOLS)} (about 10 minutes on 2 cores)",
+             ["cmake", "--build", str(build), "--target", *TOOLS, "-j", str(os.cpu_count() or 2)])
         tmp_bin = out / "bin.tmp"
         shutil.rmtree(tmp_bin, ignore_errors=True)
         tmp_bin.mkdir(parents=True)
-        for name in ("llama-server", "llama-bench"):
+        for name in TOOLS:
             shutil.copy2(build / "bin" / name, tmp_bin / name)
         (tmp_bin / "SOURCE").write_text(f"vendor/llama.cpp of llama-cpp-python {SDIST_VERSION}\n")
         shutil.rmtree(out / "bin", ignore_errors=True)
