@@ -10,6 +10,10 @@ route serves the same layer ranges, every replayed hop takes the inputs recorded
 replay at the same time. Same inputs, same kernels, same batch shapes: the rebuilt KV cache is
 bit-identical, so greedy output equals an uninterrupted run token for token.
 
+With ``forwarding`` on, a step whose route allows it is forwarded instead (:mod:`meshnet.client.forwarded`):
+the client sends token ids to the head and gets the token from the tail, and records no hidden states,
+so a failover replays such steps on every hop of the new route, from the token ids.
+
 Implements the generation loop's client interface (``step`` / ``cancel`` / ``release``), like the
 in-process :class:`~meshnet.chain.LocalChain`.
 """
@@ -22,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from meshnet.client.deadline import DeadlinePolicy, HopClocks
+from meshnet.client.forwarded import forwardable, run_forwarded
 from meshnet.client.orphans import OrphanReleaser
 from meshnet.client.session_log import RecordedStep, SessionLog, same_ranges
 from meshnet.client.remote import RemoteStage, StageFailure
@@ -63,13 +68,16 @@ class MeshClient:
         client_id: who the tracker's ledger charges for delivered tokens; default a random id per client.
         report_deliveries: report each delivered token (the token of a step at a new position; a step
             replayed during failover delivers nothing) to the tracker's ledger, in the background.
+        forwarding: forward steps node to node where the route allows (every hop on a data plane);
+            client-orchestrated steps otherwise.
     """
 
     def __init__(self, tracker: str, model_sha256: str = "", join_token: str | None = None,
                  tls_ca: str | None = None, step_timeout_s: float = 60.0, failover_deadline_s: float = 8.0,
                  client_id: str | None = None, report_deliveries: bool = True,
-                 step_deadline: DeadlinePolicy | None = None) -> None:
+                 step_deadline: DeadlinePolicy | None = None, forwarding: bool = False) -> None:
         self.failover_deadline_s = failover_deadline_s
+        self.forwarding = forwarding
         self.router = Router(tracker, model_sha256, join_token, tls_ca, step_timeout_s)
         self._sessions: dict[str, SessionLog] = {}
         self.failovers = 0
@@ -145,9 +153,14 @@ class MeshClient:
                     # node fails during a replay, the first changed hop can lie beyond where the step got.
                     while start > 0 and step_inputs[start] is None:
                         start -= 1
-                result = self._run(log_, req, decode, start, step_inputs)
+                forward = self.forwarding and start == 0 and forwardable(log_.hops)
+                if forward:
+                    result = self._run_forwarded(log_, req, decode)
+                else:
+                    result = self._run(log_, req, decode, start, step_inputs)
                 if result.ok:
-                    log_.steps.append(RecordedStep(replace(req, hidden=None), decode, list(step_inputs)))
+                    log_.steps.append(RecordedStep(replace(req, hidden=None), decode, list(step_inputs),
+                                                   through=1 if forward else len(log_.hops)))
                     if result.token is not None and self.deliveries is not None:
                         # The sampled token is the session's next one: position + tokens in this step.
                         self.deliveries.delivered(req.session_id, req.position + len(req.token_ids))
@@ -206,6 +219,14 @@ class MeshClient:
             if not result.ok:
                 return result
             x = result.hidden
+        return result
+
+    def _run_forwarded(self, log_: SessionLog, req: StepRequest, decode: bool) -> StepResult:
+        """Run ``req`` through the route by forwarding (see :mod:`meshnet.client.forwarded`).
+        Raises StageFailure."""
+        result, hop = run_forwarded(log_.hops, replace(req, epoch=log_.epoch), decode, self.clocks)
+        if result.status is Status.NOT_FOUND and log_.steps and hop is not None:
+            raise SessionLost(hop.node_id, hop.address, "NOT_FOUND", result.message)
         return result
 
     def _timed_step(self, hop: RemoteStage, req: StepRequest, decode: bool) -> StepResult:
@@ -270,7 +291,10 @@ class MeshClient:
                 time.sleep(0.25)
         old = log_.hops
         first = 0  # the replay starts at the first hop that changed (a restarted node counts as changed)
-        while (first < min(len(old), len(hops), log_.intact) and old[first].node_id == hops[first].node_id
+        # ... and no later than the last hop whose inputs were recorded (of a forwarded step: the head's).
+        recorded = min((rec.through for rec in log_.steps), default=len(old))
+        last = len(old) if recorded >= len(old) else recorded - 1
+        while (first < min(last, len(hops), log_.intact) and old[first].node_id == hops[first].node_id
                and old[first].node_id not in exclude and old[first].node_id not in lost):
             first += 1
         # Hops before `first` keep their caches; the replay starts at hop `first`'s input boundary.
@@ -298,13 +322,13 @@ class MeshClient:
         log_.epoch, log_.hops, log_.intact = epoch, hops, first
         log.info("session %s: epoch %d, replaying %d steps on hops %d..%d", log_.session_id, epoch,
                  len(log_.steps), first, len(hops) - 1)
-        if same_ranges(old[first:], hops[first:]):
+        if same_ranges(old[first:], hops[first:]) and recorded >= len(old):
             self._replay_in_parallel(log_, first)
         else:
             for rec in log_.steps:
                 inputs = (rec.inputs + [None] * len(hops))[:len(hops)]
                 self._check_replayed(log_, self._run(log_, rec.req, rec.decode, first, inputs))
-                rec.inputs = inputs
+                rec.inputs, rec.through = inputs, len(hops)
         log_.intact = len(hops)
         return first
 

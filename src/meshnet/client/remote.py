@@ -15,7 +15,7 @@ import grpc
 from meshnet.contract import Outcome, Status, StepRequest, StepResult
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.wire.data_plane import ConnectionPool, DataPlaneError
+from meshnet.wire.data_plane import AWAIT, ConnectionPool, DataPlaneConnection, DataPlaneError
 from meshnet.wire.envelope import MAX_FRAME_BYTES, WireError, replies_to_result, request_to_frames
 
 # How long a node gets to answer Health when its step is overdue: one that answers is busy, not hung,
@@ -58,6 +58,12 @@ class RemoteStage:
         return StepResult(status, message=f"{self.node_id}: {e.details()}", retry_after_s=retry)
 
     def _step_tcp(self, frames, timeout_s: float) -> StepResult:
+        answer = self._call_tcp(frames, timeout_s)
+        return answer if isinstance(answer, StepResult) else self._decode(answer)
+
+    def _call_tcp(self, frames, timeout_s: float) -> list[pb.StepReply] | StepResult:
+        """One request on the data plane: the node's reply messages, or its refusal as a StepResult.
+        Raises StageFailure."""
         try:
             conn = self.data_pool.acquire(timeout_s)
         except (OSError, DataPlaneError) as e:
@@ -68,16 +74,56 @@ class RemoteStage:
             conn.close()  # a late reply would otherwise answer the next step on this connection
             raise StageFailure(self.node_id, self.data_pool.address, *_socket_failure(e, timeout_s)) from None
         self.data_pool.release(conn)
-        if error is not None:
-            code, retry, message = error
-            status = _CONTRACT_CODES.get(grpc.StatusCode[code]) if code in grpc.StatusCode.__members__ else None
-            if status is None:
-                raise StageFailure(self.node_id, self.data_pool.address, code, message)
-            return StepResult(status, message=f"{self.node_id}: {message}", retry_after_s=retry)
+        return self._refusal(error) if error is not None else replies
+
+    def _refusal(self, error: tuple[str, float | None, str]) -> StepResult:
+        """A data-plane ERROR as the contract status it names. Raises StageFailure for other codes."""
+        code, retry, message = error
+        status = _CONTRACT_CODES.get(grpc.StatusCode[code]) if code in grpc.StatusCode.__members__ else None
+        if status is None:
+            raise StageFailure(self.node_id, self.data_pool.address, code, message)
+        return StepResult(status, message=f"{self.node_id}: {message}", retry_after_s=retry)
+
+    def _decode(self, replies: list[pb.StepReply]) -> StepResult:
         try:
             return replies_to_result(replies)
         except WireError as e:
             raise StageFailure(self.node_id, self.address, "DATA_LOSS", e.message) from None
+
+    # ---- node-to-node forwarding (see meshnet.node.forwarding) ---------------------------------
+    @property
+    def forwards(self) -> bool:
+        """Whether steps can be forwarded to and from this node (it has a data plane this client uses)."""
+        return self.data_pool is not None
+
+    def forward_hop(self) -> pb.ForwardHop:
+        return pb.ForwardHop(node_id=self.node_id, data_address=self.data_pool.address)
+
+    def step_forwarded(self, req: StepRequest, decode: bool, next_hops: list[pb.ForwardHop],
+                       timeout_s: float) -> tuple[StepResult, pb.HopFailure | None]:
+        """Run ``req`` here and have this node forward its output along ``next_hops``: (this node's
+        result, which holds only ``n_past``, and the failure of the next hop if it could not be reached).
+        Raises StageFailure."""
+        answer = self._call_tcp(request_to_frames(req, decode, self.max_frame_bytes, next_hops), timeout_s)
+        if isinstance(answer, StepResult):
+            return answer, None
+        first = answer[0]
+        return StepResult(Status.OK, n_past=int(first.n_past)), (first.failure if first.HasField("failure") else None)
+
+    def await_step(self, req: StepRequest, timeout_s: float) -> "PendingStep":
+        """Ask this node (the tail) for the outcome of forwarded step ``req`` before sending it to the
+        head, so the answer can come as soon as the tail has it. Raises StageFailure."""
+        try:
+            conn = self.data_pool.acquire(timeout_s)
+        except (OSError, DataPlaneError) as e:
+            raise StageFailure(self.node_id, self.data_pool.address, *_socket_failure(e, timeout_s)) from None
+        try:
+            conn.send(AWAIT, [pb.AwaitStep(session_id=req.session_id, step_id=req.step_id,
+                                           epoch=req.epoch).SerializeToString()], timeout_s)
+        except OSError as e:
+            conn.close()
+            raise StageFailure(self.node_id, self.data_pool.address, *_socket_failure(e, timeout_s)) from None
+        return PendingStep(self, conn)
 
     def step(self, req: StepRequest, decode: bool, timeout_s: float | None = None) -> StepResult:
         """Run one prefill (``decode`` False) or decode step, waiting at most ``timeout_s`` seconds
@@ -169,6 +215,35 @@ class RemoteStage:
     def _unanswered(self, e: grpc.RpcError) -> StageFailure:
         """The StageFailure for a call the node did not answer (its gRPC code and details)."""
         return StageFailure(self.node_id, self.address, e.code().name, e.details() or "")
+
+
+class PendingStep:
+    """A forwarded step's outcome awaited at the tail (:meth:`RemoteStage.await_step`)."""
+
+    def __init__(self, tail: RemoteStage, conn: DataPlaneConnection) -> None:
+        self.tail, self.conn = tail, conn
+
+    def result(self, timeout_s: float, still_alive, patience_s: float) -> tuple[StepResult, pb.HopFailure | None]:
+        """(the tail's result, None), or (None, the failure of the hop the step stopped at).
+
+        Waits ``timeout_s`` seconds, then on as long as ``still_alive()`` and at most ``patience_s``
+        in all. Raises StageFailure naming the tail when the connection breaks or the wait runs out."""
+        tail = self.tail
+        try:
+            replies, error = self.conn.receive(timeout_s, still_alive, patience_s)
+        except (OSError, DataPlaneError) as e:
+            self.conn.close()
+            raise StageFailure(tail.node_id, tail.data_pool.address, *_socket_failure(e, timeout_s)) from None
+        tail.data_pool.release(self.conn)
+        if error is not None:
+            return tail._refusal(error), None
+        if replies[0].HasField("failure"):
+            return None, replies[0].failure
+        return tail._decode(replies), None
+
+    def abandon(self) -> None:
+        """Give up on the answer (the step failed before the tail): the connection cannot be reused."""
+        self.conn.close()
 
 
 def _control_failure(e: grpc.RpcError) -> Outcome:

@@ -16,6 +16,9 @@ class RecordedStep:
     req: StepRequest
     decode: bool
     inputs: list[NamedTensor | None]  # inputs[i] = what hop i received (None on the head)
+    # How many leading hops' inputs ``inputs`` holds: all for a client-orchestrated step, the head's only
+    # (its token ids) for a forwarded one, whose hidden states the client never saw.
+    through: int = 1 << 30
 
 
 @dataclass

@@ -77,7 +77,7 @@ class Node:
             self.loaded = self.supervisor.info
         self.model = self.loaded.model
         self.decode_tokens_per_s = self.loaded.decode_tokens_per_s
-        self.service = NodeService(self.engine, self.node_id, self.model)
+        self.service = NodeService(self.engine, self.node_id, self.model, cfg.join_token)
         # Completed steps wait here until the heartbeat loop reports them to the tracker's ledger.
         self.work = WorkReporter(self.node_id, self.model.sha256, self.loaded.caps.artifact.layers,
                                  sign=self.identity.sign)
@@ -110,7 +110,8 @@ class Node:
         # serving TLS keeps steps on gRPC.
         if cfg.tls is None and cfg.data_plane and not cfg.relay:
             self.data_plane = DataPlaneServer(cfg.host, cfg.data_port, self.service.run_step, cfg.join_token,
-                                              workers=cfg.max_sessions + 2)
+                                              run_forward=self.service.run_forward,
+                                              run_await=self.service.run_await, workers=cfg.max_sessions + 2)
             adv_host = (cfg.advertise or cfg.host).rsplit(":", 1)[0] if cfg.advertise else cfg.host
             self.data_address = f"{adv_host}:{self.data_plane.port}"
         self._stop = threading.Event()
@@ -196,6 +197,7 @@ class Node:
         self._stop.set()
         if self.data_plane is not None:
             self.data_plane.stop()
+        self.service.forwarder.close()
         if self.server is not None:
             self.server.stop(grace=1.0).wait()
         if self.relay is not None:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import grpc
 
-from meshnet.contract import Status, StepResult
+from meshnet.contract import Status, StepRequest, StepResult
 from meshnet.engine.base import ShardEngine
+from meshnet.node.forwarding import AwaitedOutcomes, Forwarder, await_key
 from meshnet.node.worker_wire import EngineUnavailable
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ from meshnet.wire.envelope import (
     PROTOCOL_MINOR,
     WireError,
     frames_to_request,
+    request_to_frames,
     result_to_replies,
 )
 
@@ -56,7 +58,8 @@ class NodeService(pb_grpc.NodeServicer):
     """Serves one loaded engine. ``draining`` refuses new sessions (UNAVAILABLE) while existing ones
     finish; ``node_id`` and ``model`` fill in capabilities."""
 
-    def __init__(self, engine: ShardEngine | WorkerEngine, node_id: str, model: pb.ModelIdentity) -> None:
+    def __init__(self, engine: ShardEngine | WorkerEngine, node_id: str, model: pb.ModelIdentity,
+                 join_token: str | None = None) -> None:
         self.engine = engine
         self.node_id = node_id
         self.model = model
@@ -65,16 +68,77 @@ class NodeService(pb_grpc.NodeServicer):
         self.on_step = None
         self._in_flight = 0
         self._cv = threading.Condition()
+        # Node-to-node forwarding (data plane only): where this node sends forwarded steps on, and, as a
+        # tail, the outcomes its clients await.
+        self.forwarder = Forwarder(join_token)
+        self.awaited = AwaitedOutcomes(StepOutcome)
 
     # ---- steps -------------------------------------------------------------------------------
     def run_step(self, frames) -> StepOutcome:
-        """Validate frames, run the step, and say what to answer; shared by gRPC and the TCP data plane."""
+        """Validate frames, run the step, and say what to answer; shared by gRPC and the TCP data plane.
+
+        A step that names ``next_hops`` (from a client, on the data plane) is forwarded once it has run
+        here; the answer is then only ``n_past``, with the ``failure`` of the next hop if it could not be
+        reached (the client learns the token from the tail)."""
+        frames = list(frames)
+        out, req, decode, res = self._execute(frames)
+        hops = frames[0].next_hops if frames else ()
+        if not hops or out.code != "OK":
+            return self._answer(out, req, res)
+        reply = pb.StepReply(n_past=res.n_past)
+        failure = self._forward(req, decode, res, hops)
+        if failure is not None:
+            reply.failure.CopyFrom(failure)
+        return StepOutcome("OK", replies=[reply])
+
+    def run_forward(self, frames: list[pb.Envelope]) -> None:
+        """Run a step another node forwarded (see :mod:`meshnet.node.forwarding`): pass the output on,
+        or, on the tail, keep the outcome for the client's await. A refusal, or a next hop that cannot be
+        reached, goes to the tail as a ``HopFailure`` (a failure note for the tail is one frame)."""
+        head = frames[0]
+        if head.HasField("failure"):
+            self.awaited.deliver(await_key(head), StepOutcome("OK", replies=[pb.StepReply(failure=head.failure)]))
+            return
+        out, req, decode, res = self._execute(frames)
+        hops = head.next_hops
+        if not hops:
+            self.awaited.deliver(await_key(head), self._answer(out, req, res))
+            return
+        failure = (self._forward(req, decode, res, hops) if out.code == "OK" else
+                   pb.HopFailure(node_id=self.node_id, code=out.code, message=out.message,
+                                 retry_after_s=-1.0 if out.retry_after_s is None else out.retry_after_s))
+        if failure is not None and (failure.node_id != hops[-1].node_id or out.code != "OK"):
+            self.forwarder.report(hops[-1], head, failure)
+
+    def run_await(self, awaited: pb.AwaitStep, answer) -> None:
+        """Answer ``answer(StepOutcome)`` with the outcome of the forwarded step ``awaited`` names."""
+        self.awaited.await_(await_key(awaited), answer)
+
+    def _forward(self, req: StepRequest, decode: bool, res: StepResult, hops) -> pb.HopFailure | None:
+        """Send this stage's output for ``req`` to ``hops[0]`` with the rest of the route."""
+        frames = request_to_frames(replace(req, hidden=res.hidden), decode, next_hops=hops[1:])
+        return self.forwarder.send(hops[0], frames)
+
+    @staticmethod
+    def _answer(out: StepOutcome, req: StepRequest | None, res: StepResult | None) -> StepOutcome:
+        """``out`` with the result's reply messages, when it is OK (built only for steps answered)."""
+        if res is not None:
+            out.replies = result_to_replies(req, res)
+        return out
+
+    def _execute(self, frames) -> tuple[StepOutcome, StepRequest | None, bool, StepResult | None]:
+        """Validate and run one step: (what to answer, the request, decode, the engine's OK result).
+        The request is None when the frames were refused, the result None when the step was."""
         try:
             req, decode = frames_to_request(frames)
         except WireError as e:
-            return StepOutcome(e.status.value, e.message)
+            return StepOutcome(e.status.value, e.message), None, False, None
+        out, res = self._run(req, decode)
+        return out, req, decode, res
+
+    def _run(self, req: StepRequest, decode: bool) -> tuple[StepOutcome, StepResult | None]:
         if self.draining and req.session_id not in self.engine.session_ids():
-            return StepOutcome("UNAVAILABLE", f"node {self.node_id} is draining; use another route")
+            return StepOutcome("UNAVAILABLE", f"node {self.node_id} is draining; use another route"), None
         with self._cv:
             self._in_flight += 1
         try:
@@ -82,21 +146,21 @@ class NodeService(pb_grpc.NodeServicer):
         except EngineUnavailable as e:
             # The engine worker died during the step or is being restarted: the client fails over (or
             # comes back once the node is healthy again and replays the session here).
-            return StepOutcome("UNAVAILABLE", f"node {self.node_id}: {e}")
+            return StepOutcome("UNAVAILABLE", f"node {self.node_id}: {e}"), None
         except Exception as e:  # an engine bug or crash must not take the server down
             log.exception("engine failed on session %s", req.session_id)
-            return StepOutcome("INTERNAL", f"engine error: {e}")
+            return StepOutcome("INTERNAL", f"engine error: {e}"), None
         finally:
             with self._cv:
                 self._in_flight -= 1
                 self._cv.notify_all()
         if not res.ok:
-            return StepOutcome(res.status.value, res.message, res.retry_after_s)
+            return StepOutcome(res.status.value, res.message, res.retry_after_s), None
         if self.on_step is not None:
             self.on_step(req, decode)
-        return StepOutcome("OK", replies=result_to_replies(req, res))
+        return StepOutcome("OK"), res
 
-    def _run(self, frames, context) -> list[pb.StepReply]:
+    def _grpc_step(self, frames, context) -> list[pb.StepReply]:
         out = self.run_step(frames)
         if out.code != "OK":
             if out.retry_after_s is not None:
@@ -105,7 +169,7 @@ class NodeService(pb_grpc.NodeServicer):
         return out.replies
 
     def Step(self, request, context):
-        replies = self._run([request], context)
+        replies = self._grpc_step([request], context)
         if len(replies) > 1:
             # The step already ran; the caller must use StepStream for outputs this large.
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -113,7 +177,7 @@ class NodeService(pb_grpc.NodeServicer):
         return replies[0]
 
     def StepStream(self, request_iterator, context):
-        yield from self._run(request_iterator, context)
+        yield from self._grpc_step(request_iterator, context)
 
     # ---- session control ---------------------------------------------------------------------
     def Cancel(self, request, context):

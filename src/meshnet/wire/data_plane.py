@@ -11,6 +11,12 @@ carrying the join token (empty when none). A request is one or more ENVELOPE fra
 says how many); the answer is REPLY messages (as many as the reply's own ``n_chunks``, one with a
 token) or one ERROR message ``"<CODE>\\n<retry-after-s or empty>\\n<message>"``.
 
+Node-to-node forwarding adds two kinds. FORWARD: the frames of a step one node sends the next node of
+its route, one way: the receiver never answers them on that connection (a failure travels on to the
+tail as a ``HopFailure`` envelope), so a node streams many sessions' steps down one connection. AWAIT:
+a client's ``AwaitStep``; the tail answers it like a step (REPLY messages) once the forwarded step has
+run there, or with the ``HopFailure`` that reached it instead.
+
 This module is the protocol and the client; the node's server is :mod:`meshnet.wire.data_plane_server`.
 """
 
@@ -25,7 +31,7 @@ from typing import Callable
 
 from meshnet.proto import meshnet_pb2 as pb
 
-AUTH, ENVELOPE, REPLY, ERROR = 1, 2, 3, 4
+AUTH, ENVELOPE, REPLY, ERROR, FORWARD, AWAIT = 1, 2, 3, 4, 5, 6
 HEADER = struct.Struct("<IB")
 # Larger than any frame (1 MiB payload plus headers): anything bigger is a protocol error.
 MAX_MESSAGE_BYTES = 8 << 20
@@ -130,9 +136,23 @@ class DataPlaneConnection:
         says the node answers otherwise (busy with other work, not hung). Raises OSError
         (``TimeoutError`` when the node stays silent; the connection is then out of step with the
         node and must be closed) or DataPlaneError."""
+        self.send(ENVELOPE, (f.SerializeToString() for f in frames), timeout_s)
+        return self.receive(timeout_s, still_alive, patience_s)
+
+    def send(self, kind: int, payloads, timeout_s: float | None = None) -> None:
+        """Send one message of ``kind`` per payload, each send bounded by ``timeout_s`` (default the
+        connection's). Raises OSError."""
         if timeout_s is not None:
             self.sock.settimeout(timeout_s)
-        self.sock.sendall(encode_messages(ENVELOPE, (f.SerializeToString() for f in frames)))
+        self.sock.sendall(encode_messages(kind, payloads))
+        self.last_used = time.monotonic()
+
+    def receive(self, timeout_s: float | None = None, still_alive: Callable[[], bool] | None = None,
+                patience_s: float = 0.0
+                ) -> tuple[list[pb.StepReply] | None, tuple[str, float | None, str] | None]:
+        """The answer to the request sent last: see :meth:`call`."""
+        if timeout_s is not None:
+            self.sock.settimeout(timeout_s)
         if still_alive is not None and timeout_s is not None:
             self._await_reply(timeout_s, still_alive, patience_s)
         replies: list[pb.StepReply] = []

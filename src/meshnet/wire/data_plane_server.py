@@ -31,8 +31,8 @@ from typing import Callable
 from google.protobuf.message import DecodeError
 
 from meshnet.proto import meshnet_pb2 as pb
-from meshnet.wire.data_plane import (AUTH, ENVELOPE, ERROR, HEADER, MAX_MESSAGE_BYTES, REPLY, encode_error,
-                                     encode_messages)
+from meshnet.wire.data_plane import (AUTH, AWAIT, ENVELOPE, ERROR, FORWARD, HEADER, MAX_MESSAGE_BYTES, REPLY,
+                                     encode_error, encode_messages)
 
 log = logging.getLogger("meshnet.data_plane")
 
@@ -47,7 +47,7 @@ _TICK_S = 0.25  # how often deadlines are checked
 class _Conn:
     """One connection's state; touched only by the selector thread, or by the one worker running its step."""
 
-    __slots__ = ("sock", "authed", "header", "body", "need", "frames", "n_frames", "request_bytes",
+    __slots__ = ("sock", "authed", "header", "body", "need", "kind", "frames", "n_frames", "request_bytes",
                  "deadline", "busy")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
@@ -56,6 +56,7 @@ class _Conn:
         self.header = bytearray()
         self.body: bytearray | None = None  # the message being read, once its header is known
         self.need = 0
+        self.kind = 0  # of the message being read
         self.frames: list[pb.Envelope] = []
         self.n_frames = 1
         self.request_bytes = 0
@@ -77,6 +78,10 @@ class DataPlaneServer:
     Args:
         host, port: where to listen (port 0 picks one; the bound port is ``self.port``).
         run_step: runs one request's frames (``list[pb.Envelope]``); called on a worker thread.
+        run_forward: runs the frames of a step another node forwarded (FORWARD messages), answering
+            nothing on the connection, which keeps being read meanwhile; None refuses FORWARD.
+        run_await: ``run_await(pb.AwaitStep, answer)`` arranges for ``answer(StepOutcome)`` to be called
+            once, from any thread, with the awaited step's outcome; None refuses AWAIT.
         join_token: the secret every connection's AUTH message must carry (None: an empty one).
         max_message_bytes: largest frame message accepted, bytes (header excluded).
         max_request_bytes: largest request (all its frames' messages together), bytes.
@@ -90,7 +95,7 @@ class DataPlaneServer:
     """
 
     def __init__(self, host: str, port: int, run_step: Callable, join_token: str | None = None, *,
-                 max_message_bytes: int = MAX_MESSAGE_BYTES, max_request_bytes: int = MAX_REQUEST_BYTES,
+                 run_forward: Callable | None = None, run_await: Callable | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES, max_request_bytes: int = MAX_REQUEST_BYTES,
                  max_connections: int = 256, workers: int = 8, auth_timeout_s: float = 10.0,
                  read_timeout_s: float = 30.0, idle_timeout_s: float = 300.0) -> None:
         for name, value in (("max_message_bytes", max_message_bytes), ("max_request_bytes", max_request_bytes),
@@ -100,7 +105,7 @@ class DataPlaneServer:
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         self._token = (join_token or "").encode()
-        self._run_step = run_step
+        self._run_step, self._run_forward, self._run_await = run_step, run_forward, run_await
         self.max_message_bytes, self.max_request_bytes = max_message_bytes, max_request_bytes
         self.max_connections = max_connections
         self.auth_timeout_s, self.read_timeout_s, self.idle_timeout_s = auth_timeout_s, read_timeout_s, idle_timeout_s
@@ -221,7 +226,8 @@ class DataPlaneServer:
         if not c.authed:
             if kind != AUTH or n > MAX_AUTH_BYTES:
                 raise _Refuse("unauthenticated", "UNAUTHENTICATED", "missing or wrong join token")
-        elif kind != ENVELOPE:
+        elif not (kind == ENVELOPE or (kind == FORWARD and self._run_forward is not None)
+                  or (kind == AWAIT and self._run_await is not None)) or (c.frames and kind != c.kind):
             raise _Refuse("malformed", "INVALID_ARGUMENT", f"expected an envelope frame, got message kind {kind}")
         elif n > self.max_message_bytes:
             raise _Refuse("too_large", "INVALID_ARGUMENT",
@@ -231,7 +237,7 @@ class DataPlaneServer:
             raise _Refuse("too_large", "INVALID_ARGUMENT",
                           f"the request reaches {c.request_bytes + n} bytes, over the data plane's limit of "
                           f"{self.max_request_bytes} bytes per request (max_request_bytes)")
-        c.body, c.need = bytearray(), n
+        c.body, c.need, c.kind = bytearray(), n, kind
 
     def _finish_message(self, c: _Conn) -> bool:
         """A whole message is in ``c.body``; returns True when a complete request went to a worker."""
@@ -244,6 +250,14 @@ class DataPlaneServer:
             if not _send_now(c.sock, AUTH, b""):
                 raise OSError("could not answer the authentication")
             return False
+        if c.kind == AWAIT:
+            try:
+                awaited = pb.AwaitStep.FromString(body)
+            except DecodeError as e:
+                raise _Refuse("malformed", "INVALID_ARGUMENT", f"undecodable await: {e}") from None
+            self._hand_over(c)
+            self._run_await(awaited, lambda out: self._answer_later(c, out))
+            return True
         try:
             f = pb.Envelope.FromString(body)
         except DecodeError as e:
@@ -255,11 +269,19 @@ class DataPlaneServer:
         if len(c.frames) < c.n_frames:
             return False
         frames, c.frames, c.request_bytes = c.frames, [], 0
-        c.busy = True
         self.stats["steps"] += 1
-        self._sel.unregister(c.sock)
+        if c.kind == FORWARD:
+            # One way: the connection goes on being read, so the sender can stream the next step at once.
+            self._pool.submit(self._forwarded, frames)
+            return False
+        self._hand_over(c)
         self._pool.submit(self._serve, c, frames)
         return True
+
+    def _hand_over(self, c: _Conn) -> None:
+        """A worker owns ``c`` until its answer is sent: not read meanwhile."""
+        c.busy = True
+        self._sel.unregister(c.sock)
 
     def _sweep(self, now: float) -> None:
         for c in [c for c in self._conns.values() if not c.busy and c.deadline <= now]:
@@ -299,9 +321,31 @@ class DataPlaneServer:
     # ---- a worker thread -------------------------------------------------------------------------
 
     def _serve(self, c: _Conn, frames: list[pb.Envelope]) -> None:
-        keep = False
         try:
             out = self._run_step(frames)
+        except Exception:  # a failing step must not kill the server
+            log.exception("data plane step failed")
+            self._done.append((c, False))
+            self._wake()
+            return
+        self._answer(c, out)
+
+    def _forwarded(self, frames: list[pb.Envelope]) -> None:
+        try:
+            self._run_forward(frames)
+        except Exception:
+            log.exception("forwarded step failed")
+
+    def _answer_later(self, c: _Conn, out) -> None:
+        try:
+            self._pool.submit(self._answer, c, out)
+        except RuntimeError:  # the server stopped: the connection is closed already
+            pass
+
+    def _answer(self, c: _Conn, out) -> None:
+        """Send ``out`` (a StepOutcome) on ``c`` and hand the connection back to the selector thread."""
+        keep = False
+        try:
             if out.code != "OK":
                 data = encode_messages(ERROR, (encode_error(out.code, out.message, out.retry_after_s),))
             else:
@@ -313,8 +357,8 @@ class DataPlaneServer:
             keep = True
         except OSError:
             pass  # the client went away or stopped reading
-        except Exception:  # a failing step must not kill the server
-            log.exception("data plane step failed")
+        except Exception:
+            log.exception("data plane answer failed")
         self._done.append((c, keep))
         self._wake()
 

@@ -98,11 +98,13 @@ def tensor_frames(header: pb.Envelope, tensor: NamedTensor | None,
     return frames
 
 
-def request_to_frames(req: StepRequest, decode: bool, max_frame: int = MAX_FRAME_BYTES) -> list[pb.Envelope]:
-    """Encode a step request as envelope frames (one frame unless the hidden states are large)."""
+def request_to_frames(req: StepRequest, decode: bool, max_frame: int = MAX_FRAME_BYTES,
+                      next_hops: Iterable[pb.ForwardHop] = ()) -> list[pb.Envelope]:
+    """Encode a step request as envelope frames (one frame unless the hidden states are large);
+    ``next_hops``: the hops the receiver forwards its output to (see :mod:`meshnet.node.forwarding`)."""
     header = pb.Envelope(session_id=req.session_id, epoch=req.epoch, position=req.position, step_id=req.step_id,
                          decode=decode, token_ids=list(req.token_ids), sampling=sampling_to_pb(req.sampling),
-                         reserve_tokens=req.reserve_tokens)
+                         reserve_tokens=req.reserve_tokens, next_hops=list(next_hops))
     return tensor_frames(header, req.hidden, max_frame)
 
 

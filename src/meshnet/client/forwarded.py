@@ -1,0 +1,87 @@
+"""Forwarded steps, the client's side: token ids to the head, the sampled token from the tail.
+
+The client asks the tail for the step's outcome (AWAIT) first, then sends the step to the head with
+the rest of the route; the stages pass hidden states among themselves (:mod:`meshnet.node.forwarding`).
+A token thus crosses S + 1 links instead of 2S, and the client never holds a hop's hidden states.
+
+What the client cannot see, it learns from the answers: the head's reply names the next hop when it
+could not be reached; the tail answers the await with the ``HopFailure`` of whichever hop refused or
+could not pass the step on; a tail that breaks the connection, or a step unanswered past its deadline
+while some node of the route no longer answers Health, fails that node.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from meshnet.client.deadline import HopClocks
+from meshnet.client.remote import _CONTRACT_CODES, RemoteStage, StageFailure
+from meshnet.contract import StepRequest, StepResult
+from meshnet.proto import meshnet_pb2 as pb
+
+
+def forwardable(hops: list[RemoteStage]) -> bool:
+    """Whether a step can be forwarded along ``hops``: two hops or more, each on a data plane this client
+    uses (a relayed node, or any node under TLS, takes client-orchestrated steps)."""
+    return len(hops) > 1 and all(getattr(h, "forwards", False) for h in hops)
+
+
+def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool,
+                  clocks: HopClocks) -> tuple[StepResult, RemoteStage | None]:
+    """Run ``req`` (its epoch set) through ``hops`` by forwarding: (the result, the hop whose contract
+    status it is, or None when OK).
+
+    The route's deadline comes from its own clock in ``clocks`` (key ``forward:<node ids>``): the time of
+    a whole forwarded step, measured like a hop's (:mod:`meshnet.client.deadline`).
+
+    Raises:
+        StageFailure: a node could not be reached, or the step went unanswered (the failure names the
+            node that stopped answering Health, else the tail).
+    """
+    head, tail = hops[0], hops[-1]
+    clock = clocks["forward:" + ">".join(h.node_id for h in hops)]
+    ticket, timeout_s = clock.begin(decode, len(req.token_ids))
+    t0, elapsed = time.monotonic(), None
+    try:
+        pending = tail.await_step(req, timeout_s)
+        try:
+            res, failure = head.step_forwarded(req, decode, [h.forward_hop() for h in hops[1:]], timeout_s)
+        except BaseException:
+            pending.abandon()
+            raise
+        if not res.ok or failure is not None:
+            pending.abandon()
+            return _stopped_at(hops, failure) if failure is not None else (res, head)
+        silent: list[RemoteStage] = []
+
+        def all_answer() -> bool:
+            silent.extend(h for h in hops if not h.answers())
+            return not silent
+
+        try:
+            res, failure = pending.result(timeout_s, all_answer, tail.timeout_s)
+        except StageFailure as f:
+            if silent and silent[0] is not tail:
+                raise StageFailure(silent[0].node_id, silent[0].address, f.code, "does not answer Health; "
+                                   + f.message) from None
+            raise
+        if failure is not None:
+            return _stopped_at(hops, failure)
+        if res.ok:
+            elapsed = time.monotonic() - t0
+        return res, (None if res.ok else tail)
+    finally:
+        clock.end(ticket, elapsed)
+
+
+def _stopped_at(hops: list[RemoteStage], failure: pb.HopFailure) -> tuple[StepResult, RemoteStage]:
+    """The step stopped at the node ``failure`` names: its contract status, or StageFailure."""
+    hop = next((h for h in hops if h.node_id == failure.node_id), hops[-1])
+    code = failure.code
+    status = _CONTRACT_CODES.get(grpc.StatusCode[code]) if code in grpc.StatusCode.__members__ else None
+    if status is None:
+        raise StageFailure(hop.node_id, hop.address, code, failure.message)
+    retry = failure.retry_after_s if failure.retry_after_s >= 0 else None
+    return StepResult(status, message=f"{hop.node_id}: {failure.message}", retry_after_s=retry), hop

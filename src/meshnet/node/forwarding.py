@@ -1,0 +1,172 @@
+"""Node-to-node forwarding: a stage sends its output straight to the next stage of the route.
+
+With client-orchestrated steps a token crosses 2S links for S stages (client -> hop -> client, per hop).
+A forwarded step crosses S + 1: the client sends token ids to the head with the rest of the route
+(``Envelope.next_hops``), each stage runs its layers and sends its hidden states on to the next one
+(one-way FORWARD messages on that node's data plane), and the tail hands its sampled token to the
+client, which asked for it with an AWAIT on the tail's data plane when it sent the step.
+
+Failures travel the same way: a stage that refuses a forwarded step, or cannot reach the next one,
+sends a ``HopFailure`` to the tail, which answers the client's await with it, so the client learns which
+node failed without hearing from every hop. (A tail that is down answers nothing: the client's await
+breaks or times out, and it probes the route's nodes.)
+
+Every node applies the same rules to a forwarded step as to a client's: the join token authenticates
+the connection, frames are validated before the engine sees them, epochs fence old steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable
+
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.wire.data_plane import FORWARD, ConnectionPool, DataPlaneError
+
+# How long the tail keeps an outcome nobody has asked for yet (its client's await is late or gone), and
+# how long an await waits for a step that never arrives (its client has given up long before), seconds.
+OUTCOME_TTL_S = 120.0
+# Outcomes and awaits held at most: a client that sends steps and never awaits them cannot grow a node.
+MAX_PENDING = 4096
+
+AwaitKey = tuple[str, int, int]  # (session_id, step_id, epoch)
+
+
+def await_key(envelope: pb.Envelope | pb.AwaitStep) -> AwaitKey:
+    return envelope.session_id, int(envelope.step_id), int(envelope.epoch)
+
+
+class AwaitedOutcomes:
+    """The tail's outcomes of forwarded steps, each handed to the client that awaits it.
+
+    The forwarded step and the client's AwaitStep reach the tail by different paths, so either may come
+    first: an outcome waits for its await, an await for its outcome. ``answer`` callbacks run on the
+    thread that completes the pair. Entries older than ``ttl_s`` seconds are dropped (an expired await
+    is answered DEADLINE_EXCEEDED), and beyond ``max_entries`` the oldest goes first.
+    """
+
+    def __init__(self, make_outcome: Callable[..., object], ttl_s: float = OUTCOME_TTL_S,
+                 max_entries: int = MAX_PENDING) -> None:
+        self._make_outcome = make_outcome  # make_outcome(code, message) -> StepOutcome
+        self.ttl_s, self.max_entries = ttl_s, max_entries
+        self._outcomes: collections.OrderedDict[AwaitKey, tuple[float, object]] = collections.OrderedDict()
+        self._waiters: collections.OrderedDict[AwaitKey, tuple[float, Callable]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def deliver(self, key: AwaitKey, outcome) -> None:
+        """The step ``key`` finished at this tail (or failed before it) with ``outcome`` (a StepOutcome)."""
+        with self._lock:
+            expired = self._expire()
+            waiter = self._waiters.pop(key, None)
+            if waiter is None:
+                self._outcomes[key] = (time.monotonic(), outcome)
+                expired += self._trim()
+        self._answer_expired(expired)
+        if waiter is not None:
+            waiter[1](outcome)
+
+    def await_(self, key: AwaitKey, answer: Callable) -> None:
+        """Call ``answer(outcome)`` once step ``key``'s outcome is here (now, if it already is)."""
+        with self._lock:
+            expired = self._expire()
+            done = self._outcomes.pop(key, None)
+            if done is None:
+                old = self._waiters.pop(key, None)
+                if old is not None:  # the client asked again (a new connection): the old one is gone
+                    expired.append(old[1])
+                self._waiters[key] = (time.monotonic(), answer)
+                expired += self._trim()
+        self._answer_expired(expired)
+        if done is not None:
+            answer(done[1])
+
+    @property
+    def pending(self) -> tuple[int, int]:
+        """(outcomes nobody has awaited yet, awaits still waiting)."""
+        with self._lock:
+            return len(self._outcomes), len(self._waiters)
+
+    def _expire(self) -> list[Callable]:
+        cutoff = time.monotonic() - self.ttl_s
+        while self._outcomes and next(iter(self._outcomes.values()))[0] < cutoff:
+            self._outcomes.popitem(last=False)
+        answers = []
+        while self._waiters and next(iter(self._waiters.values()))[0] < cutoff:
+            answers.append(self._waiters.popitem(last=False)[1][1])
+        return answers
+
+    def _trim(self) -> list[Callable]:
+        answers = []
+        while len(self._outcomes) + len(self._waiters) > self.max_entries:
+            older = self._outcomes if (self._outcomes and (not self._waiters or next(iter(
+                self._outcomes.values()))[0] <= next(iter(self._waiters.values()))[0])) else self._waiters
+            _, (_, item) = older.popitem(last=False)
+            if older is self._waiters:
+                answers.append(item)
+        return answers
+
+    def _answer_expired(self, answers: list[Callable]) -> None:
+        for answer in answers:
+            answer(self._make_outcome("DEADLINE_EXCEEDED", "no outcome of the awaited step reached this node "
+                                                           "in time (or the await was superseded)"))
+
+
+class Forwarder:
+    """Sends forwarded steps (FORWARD frames) to other nodes' data planes over pooled connections.
+
+    Args:
+        join_token: this node's join token (the next node checks it like a client's).
+        timeout_s: how long connecting to and sending to a node may take, seconds.
+    """
+
+    def __init__(self, join_token: str | None, timeout_s: float = 10.0) -> None:
+        self.join_token, self.timeout_s = join_token, timeout_s
+        self._pools: dict[str, ConnectionPool] = {}
+        self._lock = threading.Lock()
+
+    def send(self, hop: pb.ForwardHop, frames: list[pb.Envelope]) -> pb.HopFailure | None:
+        """Send ``frames`` to ``hop``; None when sent, else the failure naming ``hop`` (UNAVAILABLE).
+
+        A pooled connection the node closed meanwhile is replaced once (its idle timeout, a restart)."""
+        payloads = [f.SerializeToString() for f in frames]
+        pool = self._pool(hop.data_address)
+        error: Exception | None = None
+        for _ in range(2):
+            try:
+                conn = pool.acquire()
+            except (OSError, DataPlaneError) as e:
+                error = e
+                break
+            try:
+                conn.send(FORWARD, payloads, self.timeout_s)
+            except OSError as e:
+                conn.close()
+                error = e
+                continue
+            pool.release(conn)
+            return None
+        return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0,
+                             message=f"could not forward to {hop.data_address}: {error}")
+
+    def report(self, tail: pb.ForwardHop, step: pb.Envelope, failure: pb.HopFailure) -> None:
+        """Tell ``tail`` that the step ``step`` heads (its header fields) failed with ``failure``, so it
+        answers the client's await; best effort (a tail that cannot be reached answers no await anyway)."""
+        note = pb.Envelope(major=step.major, minor=step.minor, session_id=step.session_id, epoch=step.epoch,
+                           position=step.position, step_id=step.step_id, decode=step.decode, n_chunks=1,
+                           byte_order="little", failure=failure)
+        self.send(tail, [note])
+
+    def _pool(self, address: str) -> ConnectionPool:
+        with self._lock:
+            pool = self._pools.get(address)
+            if pool is None:
+                pool = self._pools[address] = ConnectionPool(address, self.join_token, self.timeout_s)
+            return pool
+
+    def close(self) -> None:
+        with self._lock:
+            for pool in self._pools.values():
+                pool.close()
+            self._pools.clear()

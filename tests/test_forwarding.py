@@ -1,0 +1,128 @@
+"""Node-to-node forwarding: the head gets token ids, each stage sends its output to the next, the tail's
+token comes to the client's await. Real SmolLM2 nodes on loopback, and the await registry alone."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from meshnet.client.mesh_client import MeshClient
+from meshnet.contract import GREEDY
+from meshnet.generation import Generation
+from meshnet.node.forwarding import AwaitedOutcomes
+from meshnet.node.service import StepOutcome
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.wire.data_plane import AWAIT, FORWARD, ERROR, encode_messages, recv_message, decode_error
+
+N = 32
+
+
+def _generate(client, tok, prompt_ids, n: int = N, kill=None, after: int = 8) -> list[int]:
+    gen = Generation(client, tok, prompt_ids, n, GREEDY, stop_at_eog=False)
+    for i, _ in enumerate(gen):
+        if kill is not None and i + 1 == after:
+            kill()
+    return gen.result.generated_token_ids
+
+
+def test_forwarded_generation_equals_solo_and_the_client_keeps_no_hidden_states(mesh, tok, solo):
+    nodes = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
+    client = MeshClient(mesh.tracker, forwarding=True)
+    gen = Generation(client, tok, solo.prompt_ids(0), N, GREEDY, stop_at_eog=False)
+    steps = []
+    for _ in gen:
+        steps = client._sessions[next(iter(client._sessions))].steps
+    assert gen.result.generated_token_ids == solo.greedy(0, N)
+    # Every step was forwarded: the client recorded token ids only, no hop's hidden states.
+    assert len(steps) == N and {rec.through for rec in steps} == {1}
+    assert all(x is None for rec in steps for x in rec.inputs)
+    assert client.failovers == 0
+    assert [n.active_sessions() for n in nodes] == [0, 0, 0]
+    client.close()
+
+
+@pytest.mark.parametrize("victim_range", ["10:20", "20:30"])
+def test_a_node_killed_while_forwarding_is_replaced_with_identical_output(mesh, tok, solo, victim_range):
+    specs = [("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")]
+    spare_id = "z-spare-mid" if victim_range == "10:20" else "z-spare-tail"
+    nodes = mesh.start_nodes(specs + [(spare_id, victim_range)])
+    client = MeshClient(mesh.tracker, forwarding=True)
+    _, route = client.route()
+    in_route = {h.node_id for h in route}
+    victim = next(n for n in nodes if n.node_id in in_route and n.node_id.endswith(
+        ("mid", "spare-mid") if victim_range == "10:20" else ("tail", "spare-tail")))
+    out = _generate(client, tok, solo.prompt_ids(1), kill=victim.kill)
+    assert out == solo.greedy(1, N)
+    assert client.failovers == 1
+    client.close()
+    assert [n.active_sessions() for n in nodes if n is not victim] == [0, 0, 0]
+
+
+def test_a_middle_node_that_lost_the_session_is_rebuilt_by_replay(mesh, tok, solo):
+    """The middle node frees the session behind the client's back: its NOT_FOUND reaches the tail as a
+    HopFailure, the tail answers the client's await with it, and the client replays the session."""
+    nodes = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
+    client = MeshClient(mesh.tracker, forwarding=True)
+
+    def drop_on_mid():
+        sid = next(iter(client._sessions))
+        nodes[1].stub().Release(pb.SessionRequest(session_id=sid), timeout=5)
+
+    out = _generate(client, tok, solo.prompt_ids(2), kill=drop_on_mid)
+    assert out == solo.greedy(2, N)
+    assert client.failovers == 1
+    client.close()
+    assert [n.active_sessions() for n in nodes] == [0, 0, 0]
+
+
+# ---- the tail's await registry, plain data ---------------------------------------------------------------
+
+def test_an_outcome_reaches_its_await_whichever_comes_first():
+    reg = AwaitedOutcomes(StepOutcome)
+    got = []
+    reg.await_(("s", 1, 1), got.append)
+    reg.deliver(("s", 1, 1), StepOutcome("OK", message="first"))
+    reg.deliver(("s", 2, 1), StepOutcome("OK", message="second"))
+    assert reg.pending == (1, 0)
+    reg.await_(("s", 2, 1), got.append)
+    assert [o.message for o in got] == ["first", "second"]
+    # Another epoch is another step.
+    reg.deliver(("s", 3, 1), StepOutcome("OK"))
+    reg.await_(("s", 3, 2), got.append)
+    assert len(got) == 2 and reg.pending == (1, 1)
+
+
+def test_expired_and_surplus_entries_are_dropped_and_their_awaits_answered():
+    reg = AwaitedOutcomes(StepOutcome, ttl_s=0.0)
+    got = []
+    reg.await_(("s", 1, 1), got.append)
+    reg.deliver(("t", 1, 1), StepOutcome("OK"))  # sweeps the expired await first
+    assert [o.code for o in got] == ["DEADLINE_EXCEEDED"]
+    reg = AwaitedOutcomes(StepOutcome, max_entries=2)
+    for i in range(3):
+        reg.await_(("s", i, 1), got.append)
+    assert reg.pending == (0, 2) and [o.code for o in got] == ["DEADLINE_EXCEEDED"] * 2
+
+
+# ---- the data plane refuses forwarding kinds it does not serve ----------------------------------------------
+
+@pytest.mark.parametrize("kind", [FORWARD, AWAIT])
+def test_a_data_plane_without_forwarding_refuses_forward_and_await(kind):
+    from meshnet.wire.data_plane import AUTH
+    from meshnet.wire.data_plane_server import DataPlaneServer
+
+    server = DataPlaneServer("127.0.0.1", 0, lambda frames: StepOutcome("OK"))
+    server.start()
+    try:
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        sock.sendall(encode_messages(AUTH, (b"",)))
+        assert recv_message(sock)[0] == AUTH
+        sock.sendall(encode_messages(kind, (pb.AwaitStep(session_id="s").SerializeToString(),)))
+        got, payload = recv_message(sock)
+        assert got == ERROR
+        code, _, message = decode_error(payload)
+        assert code == "INVALID_ARGUMENT" and f"message kind {kind}" in message
+        sock.close()
+    finally:
+        server.stop()
