@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --tracker: seconds to wait for a complete route before giving up")
     gen.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
     gen.add_argument("--tls-ca", default=None, help="CA/cert to verify TLS tracker and nodes")
+    gen.add_argument("--client-orchestrated", action="store_true",
+                     help="every step through the client, hop by hop (default: nodes forward hidden states to the next node themselves where the route allows)")
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON")
@@ -148,7 +150,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.wait:
             wait_for_route(args.tracker, args.wait, args.join_token, progress=sys.stderr.isatty())
         chain = MeshClient(args.tracker, model_sha256=sha256_file(path), join_token=args.join_token,
-                           tls_ca=args.tls_ca)
+                           tls_ca=args.tls_ca, forwarding=not args.client_orchestrated)
         _, hops, n_ctx = chain.route_with_context()
         ranges = [f"{h.node_id}@{h.address}" for h in hops]
     else:

@@ -41,6 +41,8 @@ def add_up_parser(sub) -> None:
                    help="groups each node splits its sessions' decodes into, taking turns so that every stage "
                         "computes at once (0 = one per stage, 1 = all together)")
     p.add_argument("--heartbeat", type=float, default=1.0, help="node heartbeat interval, seconds")
+    p.add_argument("--client-orchestrated", action="store_true",
+                   help="the API's steps: " + "every step through the client, hop by hop (default: nodes forward hidden states to the next node themselves where the route allows)")
     p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a complete route")
     p.add_argument("--api-port", type=int, default=8000,
@@ -127,7 +129,8 @@ def run_up(args: argparse.Namespace) -> int:
             from meshnet.api.server import start_api_in_thread
 
             api_backend = mesh_backend(tracker, args.model, join_token=args.join_token,
-                                       max_concurrency=args.max_sessions)
+                                       max_concurrency=args.max_sessions,
+                                       forwarding=not args.client_orchestrated)
             try:
                 api = (api_backend, *start_api_in_thread(api_backend, args.host, args.api_port))
                 api_url = f"http://{args.host}:{api[1].config.port}/v1"

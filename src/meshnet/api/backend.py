@@ -154,8 +154,9 @@ def local_backend(model: str = "smollm2", stages: int | None = None, layers: str
 
 def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = None,
                  tls_ca: str | None = None, name: str | None = None, max_concurrency: int = 8,
-                 step_timeout_s: float = 60.0) -> ApiBackend:
-    """An :class:`ApiBackend` over a running mesh: one shared MeshClient (sessions have distinct ids).
+                 step_timeout_s: float = 60.0, forwarding: bool = True) -> ApiBackend:
+    """An :class:`ApiBackend` over a running mesh: one shared MeshClient (sessions have distinct ids);
+    ``forwarding``: node-to-node steps where the route allows (see :class:`MeshClient`).
 
     The GGUF must be readable here too: the API tokenizes and renders chat templates itself, and routes
     only to nodes serving a file with the same sha256.
@@ -171,7 +172,7 @@ def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = 
     path = str(resolve_model(model))
     tok = GGUFTokenizer.from_gguf(path)
     client = MeshClient(tracker, model_sha256=sha256_file(path), join_token=join_token, tls_ca=tls_ca,
-                        step_timeout_s=step_timeout_s)
+                        step_timeout_s=step_timeout_s, forwarding=forwarding)
     # Until a route has been seen, assume the engines' default context (the model's, capped at 4096).
     from meshnet.engine.ggml_engine import DEFAULT_MAX_CTX
 

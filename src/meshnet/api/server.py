@@ -32,6 +32,8 @@ def add_api_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker and nodes")
+    p.add_argument("--client-orchestrated", action="store_true",
+                   help="with --tracker: " + "every step through the client, hop by hop (default: nodes forward hidden states to the next node themselves where the route allows)")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="generations at once; more wait (default: 8 for a mesh, the stages' session limit "
                         "in process)")
@@ -55,7 +57,8 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
 
     if args.tracker:
         return mesh_backend(args.tracker, args.model, join_token=args.join_token, tls_ca=args.tls_ca,
-                            name=args.name, max_concurrency=args.max_concurrency or 8)
+                            name=args.name, max_concurrency=args.max_concurrency or 8,
+                            forwarding=not args.client_orchestrated)
     backend = local_backend(args.model, stages=args.stages, layers=args.layers, n_threads=args.threads,
                             n_ctx=args.n_ctx, name=args.name, progress=sys.stderr.isatty(),
                             max_sessions=args.max_sessions, kv_tokens=args.kv_tokens,

@@ -75,7 +75,7 @@ class MeshClient:
     def __init__(self, tracker: str, model_sha256: str = "", join_token: str | None = None,
                  tls_ca: str | None = None, step_timeout_s: float = 60.0, failover_deadline_s: float = 8.0,
                  client_id: str | None = None, report_deliveries: bool = True,
-                 step_deadline: DeadlinePolicy | None = None, forwarding: bool = False) -> None:
+                 step_deadline: DeadlinePolicy | None = None, forwarding: bool = True) -> None:
         self.failover_deadline_s = failover_deadline_s
         self.forwarding = forwarding
         self.router = Router(tracker, model_sha256, join_token, tls_ca, step_timeout_s)
@@ -137,6 +137,7 @@ class MeshClient:
             epoch, hops = self.route()
             log_ = self._sessions[req.session_id] = SessionLog(req.session_id, epoch, hops)
         deadline: float | None = None
+        forward = False  # whether the last attempt was forwarded (which hops ran it is then unknown)
         failed_at: dict[str, str] = {}  # node id -> the address it failed at: routes exclude these
         lost: set[str] = set()  # nodes that answered NOT_FOUND for this session: replayed, not excluded
         # What each hop received for this step, kept across attempts: after a failover the step resumes
@@ -146,7 +147,7 @@ class MeshClient:
         while True:
             try:
                 if deadline is not None:
-                    start = self._failover(log_, failed_at, deadline, lost)
+                    start = self._failover(log_, failed_at, deadline, lost, from_head=forward)
                     lost.clear()
                     step_inputs = (step_inputs + [None] * len(log_.hops))[:len(log_.hops)]
                     # Not past a hop this step has not reached in any attempt (its input unknown): when a
@@ -261,7 +262,7 @@ class MeshClient:
         self.release(log_.session_id)
 
     def _failover(self, log_: SessionLog, failed_at: dict[str, str], deadline: float,
-                  lost: set[str] = frozenset()) -> int:
+                  lost: set[str] = frozenset(), from_head: bool = False) -> int:
         """Re-route (epoch + 1) around the nodes in ``failed_at`` (node id -> the address it failed at)
         and rebuild the session's KV on the changed hops by replaying the recorded steps; returns the
         index of the first changed hop. Raises StageFailure when a node fails during the replay (the
@@ -273,7 +274,8 @@ class MeshClient:
         resumed, its engine worker restarted), so a mesh without a spare recovers once the node is back.
         A node back at its own address may still hold the session as it was: it is told to free that
         copy before the replay rebuilds it. Nodes in ``lost`` still serve but lost the session: they may
-        stay in the route, and the replay starts at them."""
+        stay in the route, and the replay starts at them. ``from_head``: the failed step was forwarded
+        (any hop before the failure may have run it), so every hop is rebuilt, from the head on."""
         exclude = set(failed_at)
         while True:
             try:
@@ -291,8 +293,9 @@ class MeshClient:
                 time.sleep(0.25)
         old = log_.hops
         first = 0  # the replay starts at the first hop that changed (a restarted node counts as changed)
-        # ... and no later than the last hop whose inputs were recorded (of a forwarded step: the head's).
-        recorded = min((rec.through for rec in log_.steps), default=len(old))
+        # ... and no later than the last hop whose inputs were recorded (of a forwarded step: the head's),
+        # nor than the head when the failed step was forwarded (any hop before the failure may have run it).
+        recorded = 1 if from_head else min((rec.through for rec in log_.steps), default=len(old))
         last = len(old) if recorded >= len(old) else recorded - 1
         while (first < min(last, len(hops), log_.intact) and old[first].node_id == hops[first].node_id
                and old[first].node_id not in exclude and old[first].node_id not in lost):
