@@ -99,11 +99,12 @@ class TimedMeshClient(MeshClient):
     """A MeshClient that records each hop's decode RPC time, seconds, per node id in ``hop_decode_s``.
 
     The timing wraps the decode steps of ``RemoteStage.step`` (envelope encode, the call, reply decode)
-    on the stage objects this client creates; the client's step loop itself is unchanged.
+    on the stage objects this client creates; the client's step loop itself is unchanged. Its steps are
+    client-orchestrated: a forwarded step has no per-hop call to time.
     """
 
     def __init__(self, *args, **kw) -> None:
-        super().__init__(*args, **kw)
+        super().__init__(*args, forwarding=False, **kw)
         self.hop_decode_s: dict[str, list[float]] = {}
         self.router.on_stage = self._timed
 
