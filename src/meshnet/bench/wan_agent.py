@@ -54,6 +54,9 @@ class WanAgent:
         return self.clients[mode]
 
     def measure(self, mode: str, prompt_ids: list[int], n: int, repeats: int) -> list[dict]:
+        """``repeats`` greedy generations through :class:`Generation`, the loop the CLI and the API run;
+        a speculative client that drafts outside that loop needs its own call here (and may add
+        ``tokens_per_round`` to each run, which the latency model divides the legs by)."""
         client, runs = self.client(mode), []
         for _ in range(repeats):
             failovers = client.failovers

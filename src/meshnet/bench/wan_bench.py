@@ -63,11 +63,14 @@ def _prompt_ids(model: str) -> dict[str, list[int]]:
 
 
 def _median_figure(runs: list[dict]) -> dict:
-    return {"decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in runs), 2),
-            "ttft_s": round(statistics.median(r["ttft_s"] for r in runs), 4),
-            "decode_runs": [round(r["decode_tokens_per_s"], 2) for r in runs],
-            "ttft_runs": [round(r["ttft_s"], 4) for r in runs],
-            "failovers": sum(r["failovers"] for r in runs), "ids": runs[-1]["ids"]}
+    fig = {"decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in runs), 2),
+           "ttft_s": round(statistics.median(r["ttft_s"] for r in runs), 4),
+           "decode_runs": [round(r["decode_tokens_per_s"], 2) for r in runs],
+           "ttft_runs": [round(r["ttft_s"], 4) for r in runs],
+           "failovers": sum(r["failovers"] for r in runs), "ids": runs[-1]["ids"]}
+    if all("tokens_per_round" in r for r in runs):  # reported by a speculative client
+        fig["tokens_per_round"] = statistics.median(r["tokens_per_round"] for r in runs)
+    return fig
 
 
 def _measure_meshnet(mesh, mode: str, prompts: dict[str, list[int]], rtt_ms: float, args) -> dict:

@@ -52,7 +52,9 @@ def analyze(result: dict) -> dict:
                 base = entry["rtts"].get(base_key, {}).get(prompt)
                 fig["model"] = None
                 if base is not None:
-                    p = predict(float(key), legs, t_legs, base["decode_tokens_per_s"], base["ttft_s"])
+                    # A speculative client may report the tokens its rounds carried (1 without drafts).
+                    p = predict(float(key), legs, t_legs, base["decode_tokens_per_s"], base["ttft_s"],
+                                fig.get("tokens_per_round", 1.0))
                     fig["model"] = {"decode_tokens_per_s": round(p.tokens_per_s, 2), "ttft_s": round(p.ttft_s, 4)}
                 if mode in MESHNET_MODES and "ids" in fig and prompt in ref:
                     fig["ids_match"] = fig["ids"] == ref[prompt]["ids"]
