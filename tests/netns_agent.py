@@ -27,6 +27,7 @@ from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import GREEDY
 from meshnet.generation import Generation
 from meshnet.model.bundled import resolve_model
+from meshnet.netem.netns_mesh import listed_nodes
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tokenizer import GGUFTokenizer
@@ -57,7 +58,7 @@ def answer(client: MeshClient, tracker: pb_grpc.TrackerStub, cmd: dict) -> dict:
     if op == "route":
         return {"nodes": [h.node_id for h in client.route()[1]]}
     if op == "nodes":
-        return {"nodes": {n.info.node_id: n.active_sessions for n in tracker.ListNodes(pb.Empty(), timeout=5).nodes}}
+        return {"nodes": listed_nodes(tracker)}
     if op == "sessions":
         stub = pb_grpc.NodeStub(open_channel(cmd["address"], None))
         return {"active": stub.Health(pb.Empty(), timeout=5).active_sessions}

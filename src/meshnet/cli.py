@@ -87,11 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     from meshnet.bench.serve_bench import add_serve_bench_parser
     from meshnet.bench.hostile_bench import add_hostile_bench_parser
     from meshnet.bench.worker_bench import add_worker_bench_parser
+    from meshnet.bench.wan_bench import add_wan_bench_parser
 
     add_mesh_bench_parser(bsub)
     add_serve_bench_parser(bsub)
     add_worker_bench_parser(bsub)
     add_hostile_bench_parser(bsub)
+    add_wan_bench_parser(bsub)
 
     from meshnet.node.runner import add_node_parser
     from meshnet.tracker.service import add_tracker_parser

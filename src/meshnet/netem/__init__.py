@@ -7,4 +7,6 @@
 - :mod:`meshnet.netem.control`: the proxy as a process driven by JSON lines (``python -m meshnet.netem``).
 - :mod:`meshnet.netem.namespaces`: hosts in network namespaces around a hub, so that the proxy
   sees every connection's source host and no host can bypass it.
+- :mod:`meshnet.netem.netns_mesh`: a tracker, nodes and a client agent on those hosts, through one
+  emulator process (the netns tests, ``meshnet bench wan``).
 """

@@ -1,0 +1,169 @@
+"""``meshnet bench wan``: decode tokens/s and TTFT across emulated wide-area links, for each way of running
+a 3-stage pipeline, at each RTT, in one run.
+
+The client, the tracker and each stage run in network namespaces of their own, every connection through
+the user-space link emulator (:mod:`meshnet.netem.netns_mesh`), every link the same RTT (changed between
+rounds for open connections too). Stages are ``meshnet node`` processes (1 thread each) serving the
+model's balanced ranges (SmolLM2: ``0:12, 12:25, 25:30``); for llama.cpp's RPC mode a
+``ggml-rpc-server`` beside each node holds the same ranges (:mod:`meshnet.bench.llama_rpc`).
+
+Modes (``--modes``): ``client-orchestrated`` (today's MeshClient), ``node-to-node`` and
+``node-to-node+ngram`` (MeshClient options; skipped, with the reason, in a build whose client lacks
+them: :func:`meshnet.bench.wan_model.client_options`), ``llama.cpp-rpc``. Two chat prompts: a
+repetitive one (copy a JSON object with one field changed) and free prose; greedy, ``--max-tokens``
+tokens each, not stopping at end-of-generation. Beside each figure, the latency model
+(:mod:`meshnet.bench.wan_model`). Needs root and ``ip netns``; exits 2 saying why otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from meshnet.bench import llama_rpc
+from meshnet.bench.wan_model import LLAMA_RPC, MESHNET_MODES, parse_modes, parse_rtts, tensor_split
+from meshnet.bench.wan_report import analyze, format_table, rtt_key
+
+PROMPTS = {
+    "repetitive": ("Repeat this JSON object exactly, changing only the value of \"port\" to 8081:\n"
+                   '{"name": "edge-proxy", "host": "10.0.0.12", "port": 8080, "protocol": "https", '
+                   '"timeout_ms": 3000, "retries": 3, "log_level": "info", "cache": true, '
+                   '"region": "eu-west-1", "owner": "platform-team"}'),
+    "prose": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+
+
+def add_wan_bench_parser(bench_subparsers) -> None:
+    """Add ``wan`` to ``meshnet bench``'s subcommands."""
+    p = bench_subparsers.add_parser("wan", help="3 stages in network namespaces over emulated WAN links: decode "
+                                                "tokens/s and TTFT per mode and RTT, with the latency model")
+    p.add_argument("--rtt-ms", default="0,10,25,50", help="comma-separated RTTs of every link, milliseconds "
+                                                          "(include 0: the model's compute time comes from it)")
+    p.add_argument("--modes", default="client-orchestrated,node-to-node,node-to-node+ngram,llama.cpp-rpc")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per run")
+    p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
+    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--bandwidth-mbit", type=float, default=None, help="each link's bandwidth per direction "
+                                                                      "(default: unlimited)")
+    p.add_argument("--out", default="bench-results/wan.json")
+    p.set_defaults(func=run_wan_bench)
+
+
+def _prompt_ids(model: str) -> dict[str, list[int]]:
+    from meshnet.chat_template import chat_prompt_ids
+    from meshnet.tokenizer import GGUFTokenizer
+
+    tok = GGUFTokenizer.from_gguf(model)
+    return {name: chat_prompt_ids(tok, [{"role": "user", "content": text}]) for name, text in PROMPTS.items()}
+
+
+def _median_figure(runs: list[dict]) -> dict:
+    fig = {"decode_tokens_per_s": round(statistics.median(r["decode_tokens_per_s"] for r in runs), 2),
+           "ttft_s": round(statistics.median(r["ttft_s"] for r in runs), 4),
+           "decode_runs": [round(r["decode_tokens_per_s"], 2) for r in runs],
+           "ttft_runs": [round(r["ttft_s"], 4) for r in runs],
+           "failovers": sum(r["failovers"] for r in runs), "ids": runs[-1]["ids"]}
+    if all("tokens_per_round" in r for r in runs):  # reported by a speculative client
+        fig["tokens_per_round"] = statistics.median(r["tokens_per_round"] for r in runs)
+    return fig
+
+
+def _measure_meshnet(mesh, mode: str, prompts: dict[str, list[int]], rtt_ms: float, args) -> dict:
+    out = {}
+    for name, ids in prompts.items():
+        # Generous: every token can cost the slowest mode's six legs at this RTT, plus compute.
+        timeout_s = 120 + args.repeats * args.max_tokens * (0.2 + 0.004 * rtt_ms)
+        runs = mesh.agent.ask("measure", timeout_s, mode=mode, prompt_ids=ids, n=args.max_tokens,
+                              repeats=args.repeats)["runs"]
+        out[name] = _median_figure(runs)
+        print(f"[bench wan] RTT {rtt_ms:g} ms {mode} {name}: {out[name]['decode_tokens_per_s']:.1f} tok/s, "
+              f"TTFT {out[name]['ttft_s'] * 1000:.0f} ms", file=sys.stderr)
+    return out
+
+
+def _measure_llama(mesh, tools, endpoints: list[str], split: str, model: str, prompts: dict[str, list[int]],
+                   rtt_ms: float, args) -> dict:
+    lens = sorted({len(ids) for ids in prompts.values()})
+    depth = round(statistics.mean(lens))  # meshnet decodes after its prompt; llama-bench after `depth` cells
+    argvs = llama_rpc.llama_bench_argvs(tools[1], model, endpoints, split, lens, args.max_tokens, depth,
+                                        args.repeats, threads=1)
+    s = llama_rpc.summarize(llama_rpc.run_llama_bench(mesh, argvs, timeout_s=900), lens, args.max_tokens)
+    print(f"[bench wan] RTT {rtt_ms:g} ms {LLAMA_RPC}: {s['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+    return {name: {"decode_tokens_per_s": round(s["decode_tokens_per_s"], 2), "ttft_s": round(s["ttft_s"][len(ids)], 4),
+                   "decode_runs": [round(x, 2) for x in s["decode_runs"]], "depth": s["depth"]}
+            for name, ids in prompts.items()}
+
+
+def run_wan_bench(args: argparse.Namespace) -> int:
+    """Run every mode at every RTT, write ``args.out`` (JSON) and print the table. Returns 0, or 2 when
+    network namespaces are unavailable here (the reason on stderr)."""
+    from meshnet.local_mesh import plan_ranges
+    from meshnet.model.bundled import resolve_model
+    from meshnet.netem.namespaces import NetnsUnavailable, probe, remove_stale
+    from meshnet.netem.netns_mesh import NetMesh
+
+    rtts, modes = parse_rtts(args.rtt_ms), parse_modes(args.modes)
+    if args.max_tokens < 2 or args.repeats < 1:
+        raise ValueError("--max-tokens must be >= 2 and --repeats >= 1")
+    try:
+        probe()
+    except NetnsUnavailable as e:
+        print(f"error: meshnet bench wan needs network namespaces: {e}", file=sys.stderr)
+        return 2
+    remove_stale()
+    model = str(resolve_model("smollm2"))
+    ranges = plan_ranges(model, args.stages)
+    stage_hosts = [f"stage{i}" for i in range(len(ranges))]
+    prompts = _prompt_ids(model)
+    result = {"benchmark": "wan", "model": "smollm2", "stages": len(ranges),
+              "layers": [f"{r.start}:{r.end}" for r in ranges], "rtt_ms": rtts, "max_tokens": args.max_tokens,
+              "repeats": args.repeats, "bandwidth_mbit": args.bandwidth_mbit, "threads_per_stage": 1,
+              "prefix_cache": 0,
+              "prompts": {n: {"text": PROMPTS[n], "tokens": len(ids)} for n, ids in prompts.items()},
+              "modes": {m: {"rtts": {}} for m in modes}}
+    tools = llama_rpc.rpc_tools() if LLAMA_RPC in modes else None
+    if isinstance(tools, str):
+        result["modes"][LLAMA_RPC] = {"skipped": tools}
+    link = {"rate_bps": None if args.bandwidth_mbit is None else args.bandwidth_mbit * 125_000}
+    with tempfile.TemporaryDirectory(prefix="meshnet-wan-") as tmp:
+        extra = {h: [llama_rpc.RPC_PORT] for h in stage_hosts}
+        mesh = NetMesh(["tracker", "client", *stage_hosts], Path(tmp), [sys.executable, "-m", "meshnet.bench.wan_agent"],
+                       heartbeat_s=2.0, link=link, extra_ports=extra)
+        try:
+            # No prefix reuse: every TTFT is a whole prefill, as llama-bench's prompt test is.
+            mesh.start_nodes([(h, f"{r.start}:{r.end}") for h, r in zip(stage_hosts, ranges)], threads=1,
+                             node_args=["--prefix-cache", "0"])
+            skipped = mesh.agent.ask("modes", modes=[m for m in modes if m in MESHNET_MODES])["modes"]
+            for m, why in skipped.items():
+                if why is not None:
+                    result["modes"][m] = {"skipped": why}
+            live = [m for m in modes if "rtts" in result["modes"][m]]
+            for m in live:
+                for ids in prompts.values() if m in MESHNET_MODES else ():
+                    # Connections, the graphs of each prompt's shape and the client's step deadlines warm up.
+                    mesh.agent.ask("measure", 120, mode=m, prompt_ids=ids, n=4, repeats=1)
+            endpoints = None
+            if LLAMA_RPC in live:
+                endpoints = llama_rpc.start_rpc_servers(mesh, tools[0], stage_hosts, threads=1)
+            split = tensor_split([(r.start, r.end) for r in ranges], ranges[-1].end)
+            for rtt in rtts:
+                mesh.set_all_links(delay_s=rtt / 2000.0, **link)
+                for m in live:
+                    fig = (_measure_llama(mesh, tools, endpoints, split, model, prompts, rtt, args) if m == LLAMA_RPC
+                           else _measure_meshnet(mesh, m, prompts, rtt, args))
+                    result["modes"][m]["rtts"][rtt_key(rtt)] = fig
+        finally:
+            mesh.close()
+    analyze(result)
+    result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(format_table(result))
+    print(f"[bench wan] wrote {out}", file=sys.stderr)
+    return 0
