@@ -22,7 +22,7 @@ from meshnet.contract import (
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.generation import Generation
 from meshnet.sampling import sample
-from meshnet.speculative import Speculation, accepted_prefix, ngram_draft
+from meshnet.speculative import DraftBudget, Speculation, accepted_prefix, ngram_draft
 from meshnet.wire.envelope import frames_to_request, replies_to_result, request_to_frames, result_to_replies
 
 PROMPT = (11, 22, 33, 44, 55, 66, 77, 88)
@@ -136,7 +136,7 @@ def test_speculative_generation_equals_plain_on_the_fake_engine():
     plain = Generation(fake_chain(0, 30), _NoTok(), prompt, 40, stop_at_eog=False)
     list(plain)
     spec = Generation(fake_chain(0, 7, 30), _NoTok(), prompt, 40, stop_at_eog=False,
-                      speculation=Speculation(4))
+                      speculation=Speculation(4, ngram_min=1))
     list(spec)
     assert spec.result.generated_token_ids == plain.result.generated_token_ids
     assert spec.result.verify_steps > 0 and spec.result.drafted > 0
@@ -182,3 +182,20 @@ def test_sampled_verification_keeps_the_target_distribution():
     assert all(sample(logits, SamplingParams(temperature=1.0, top_k=2, seed=s), [], 7, draft=4).token_id in (0, 1)
                for s in range(200))
     assert sample(logits, topk, [], 7, draft=4) == sample(logits, topk, [], 7, draft=4)
+
+
+def test_draft_budget_grows_on_kept_drafts_and_pauses_on_misses():
+    b = DraftBudget(6)
+    assert b.next() == 6
+    b.update(6, 2)
+    assert b.next() == 3  # kept 2: draft one more than that
+    b.update(3, 3)
+    assert b.next() == 6  # all kept: doubled, capped at k
+    b.update(6, 0)
+    assert b.next() == 1
+    b.update(1, 0)  # a failed probe at 1: one plain step, then probe again
+    assert [b.next(), b.next()] == [0, 1]
+    b.update(1, 0)  # failing again: the pause doubles
+    assert [b.next(), b.next(), b.next()] == [0, 0, 1]
+    b.update(1, 1)
+    assert b.next() == 2

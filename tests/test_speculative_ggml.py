@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from meshnet.bench.spec_bench import PROMPTS
 from meshnet.chat_template import chat_prompt_ids
 from meshnet.contract import GREEDY, LayerRange, StepRequest
 from meshnet.engine.ggml_engine import BatchItem, GgmlStage
@@ -14,11 +15,7 @@ from meshnet.generation import generate
 from meshnet.local_mesh import load_local_chain
 from meshnet.speculative import Speculation
 
-USERS = ", ".join(f'{{"id": {i}, "name": "{n}", "active": true}}'
-                  for i, n in enumerate(["Ann", "Bob", "Cid", "Dee", "Eve", "Fay", "Gus", "Hal", "Ivy", "Jon",
-                                         "Kim", "Lou", "Max", "Ned", "Oda", "Pam"], 1))
-JSON_EDIT = f'Rewrite this JSON with "active" set to false for every user:\n{{"users": [{USERS}]}}'
-PROSE = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+JSON_EDIT, PROSE = PROMPTS["json-edit"], PROMPTS["prose"]  # the speculative bench's prompts
 RANGES3 = [LayerRange(0, 12), LayerRange(12, 25), LayerRange(25, 30)]
 
 

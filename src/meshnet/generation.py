@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
 
 from meshnet.contract import SampledToken, SamplingParams, StepRequest, StepResult, Status
-from meshnet.speculative import Speculation, accepted_prefix, ngram_draft
+from meshnet.speculative import DraftBudget, Speculation, accepted_prefix, ngram_draft
 from meshnet.tokenizer import GGUFTokenizer
 
 
@@ -111,6 +111,7 @@ class Generation:
         self.client, self.tokenizer = client, tokenizer
         self.sampling, self.max_tokens, self.stop_at_eog = sampling, max_tokens, stop_at_eog
         self.speculation = speculation
+        self._budget = DraftBudget(speculation.draft_tokens) if speculation is not None else None
         self.session_id = session_id or uuid.uuid4().hex
         self.result = GenerationResult(prompt_token_ids=[int(t) for t in prompt_ids])
 
@@ -138,7 +139,7 @@ class Generation:
         spec, r = self.speculation, self.result
         if spec is None:
             return []
-        k = min(spec.draft_tokens, self.max_tokens - len(r.generated_token_ids) - 1)
+        k = min(self._budget.next(), self.max_tokens - len(r.generated_token_ids) - 1)
         return ngram_draft(r.prompt_token_ids + r.generated_token_ids, k, spec.ngram_max, spec.ngram_min)
 
     def __iter__(self) -> Iterator[TokenEvent]:
@@ -177,6 +178,7 @@ class Generation:
                 pending = list(out[:kept + 1])
                 position += kept + 1
                 if drafts:
+                    self._budget.update(len(drafts), kept)
                     r.verify_steps, r.drafted, r.accepted = r.verify_steps + 1, r.drafted + len(drafts), \
                         r.accepted + kept
             r.decode_s = time.perf_counter() - t1

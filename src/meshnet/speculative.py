@@ -21,6 +21,7 @@ itself prompt lookup decoding (github.com/apoorvumang/prompt-lookup-decoding; ll
 
 from __future__ import annotations
 
+import argparse
 import threading
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -40,7 +41,7 @@ class Speculation:
 
     draft_tokens: int = 6
     ngram_max: int = 3
-    ngram_min: int = 1
+    ngram_min: int = 2  # a lone recurring token predicts little (in prose, nearly nothing)
 
     def validate(self) -> str | None:
         """None when usable, else a message naming the bad field."""
@@ -74,6 +75,42 @@ def ngram_draft(tokens: Sequence[int], k: int, ngram_max: int = 3, ngram_min: in
     return []
 
 
+class DraftBudget:
+    """How many tokens the next round may draft, from how the session's last rounds went (one per
+    generation). A round that kept every draft doubles the budget (up to ``k``); one that kept ``a`` of
+    them drafts ``a + 1`` next. A round that kept none at a budget of 1 pauses drafting for ``pause``
+    tokens, doubling (up to :data:`MAX_PAUSE`) while probes keep failing and reset by any kept draft.
+
+    Why: on a CPU a verification row costs about what a prefill row costs, a third of a decode step here,
+    so rejected drafts are not free; on prose, where few drafts are right, the pauses keep the speed at
+    plain decoding's while the probes still find the passages that repeat."""
+
+    MAX_PAUSE = 32
+
+    def __init__(self, k: int) -> None:
+        self.k, self.budget, self.pause, self.wait = k, k, 1, 0
+
+    def next(self) -> int:
+        """Draft tokens allowed for the next step (0: decode it plainly); one call per step."""
+        if self.wait > 0:
+            self.wait -= 1
+            return 0
+        return self.budget
+
+    def update(self, drafted: int, kept: int) -> None:
+        """The round drafted ``drafted`` tokens and kept ``kept`` of them."""
+        if drafted == 0:
+            return
+        if kept == drafted:
+            self.budget, self.pause = min(self.k, 2 * self.budget), 1
+        elif kept:
+            self.budget, self.pause = kept + 1, 1
+        elif self.budget > 1:
+            self.budget = 1
+        else:
+            self.wait, self.pause = self.pause, min(self.MAX_PAUSE, 2 * self.pause)
+
+
 def accepted_prefix(drafts: Sequence[int], tokens: Sequence[SampledToken]) -> int:
     """How many leading drafts the tail kept: ``tokens[i]`` is its token after row ``i`` of the
     verification step, whose row ``i + 1`` is ``drafts[i]``."""
@@ -103,3 +140,33 @@ class SpeculationStats:
     def acceptance_rate(self) -> float:
         """Accepted over drafted tokens (0 before any draft)."""
         return self.accepted / self.drafted if self.drafted else 0.0
+
+
+def speculation_from(kind: str | None, draft_tokens: int | None,
+                     default: Speculation | None = None) -> Speculation | None:
+    """The speculation a request or command line asks for: ``kind`` "ngram" or "none" (None: ``default``),
+    with ``draft_tokens`` (None: ``default``'s, else 6). Raises ValueError naming a bad kind or count."""
+    if kind is None:
+        if default is None or draft_tokens is None:
+            return default
+        kind = "ngram"
+    if kind not in SPECULATIVE_KINDS:
+        raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_KINDS)}, got {kind!r}")
+    if kind == "none":
+        return None
+    k = draft_tokens if draft_tokens is not None else (default.draft_tokens if default else Speculation().draft_tokens)
+    spec = Speculation(k)
+    problem = spec.validate()
+    if problem is not None:
+        raise ValueError(problem)
+    return spec
+
+
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    """``--speculative {none,ngram}`` and ``--draft-tokens K`` (read back with :func:`speculation_from`)."""
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative", choices=SPECULATIVE_KINDS, default="none",
+                   help="ngram: draft tokens by prompt lookup in the session's own text and verify them "
+                        "in one step (greedy output unchanged)")
+    g.add_argument("--draft-tokens", type=int, default=None,
+                   help=f"draft tokens per verification step, 1..{MAX_DRAFT_TOKENS} (default 6)")
