@@ -24,14 +24,11 @@ def test_rtts_and_modes_parse_and_refuse_nonsense():
         parse_modes("client-orchestrated,carrier-pigeon")
 
 
-def test_client_options_name_the_missing_option_until_the_client_has_it():
-    assert client_options(CLIENT, {"self", "tracker"}) == {}
-    assert "forwarding" in client_options(FORWARDING, {"self", "tracker"})
-    assert "forwarding" in client_options(NGRAM, {"self", "tracker"})
-    assert client_options(FORWARDING, {"forwarding"}) == {"forwarding": True}
-    assert "speculative" in client_options(NGRAM, {"forwarding"})
-    assert client_options(NGRAM, {"forwarding", "speculative"}) == {"forwarding": True, "speculative": "ngram"}
-    assert client_options(NGRAM, {"forwarding", "draft"}) == {"forwarding": True, "draft": "ngram"}
+def test_client_options_select_forwarding_for_the_node_to_node_modes():
+    assert client_options(CLIENT) == {"forwarding": False}
+    assert client_options(FORWARDING) == client_options(NGRAM) == {"forwarding": True}
+    with pytest.raises(ValueError, match="llama"):
+        client_options(LLAMA_RPC)
 
 
 def test_legs_per_mode_for_three_stages():

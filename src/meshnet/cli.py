@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tls-ca", default=None, help="CA/cert to verify TLS tracker and nodes")
     gen.add_argument("--client-orchestrated", action="store_true",
                      help="every step through the client, hop by hop (default: nodes forward hidden states to the next node themselves where the route allows)")
+    from meshnet.speculative import add_speculation_args
+
+    add_speculation_args(gen)
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="benchmarks that write JSON")
@@ -94,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_worker_bench_parser(bsub)
     add_hostile_bench_parser(bsub)
     add_wan_bench_parser(bsub)
+    from meshnet.bench.spec_bench import add_spec_bench_parser
+
+    add_spec_bench_parser(bsub)
 
     from meshnet.node.runner import add_node_parser
     from meshnet.tracker.service import add_tracker_parser
@@ -123,12 +129,14 @@ def _run_engine_bench(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from meshnet.generation import Generation, GenerationError
     from meshnet.local_mesh import load_local_chain, plan_ranges
+    from meshnet.speculative import speculation_from
     from meshnet.tokenizer import GGUFTokenizer
 
     if args.max_tokens < 1:
         print(f"error: --max-tokens must be >= 1, got {args.max_tokens}", file=sys.stderr)
         return 2
     sampling = _sampling_from(args)
+    speculation = speculation_from(args.speculative, args.draft_tokens)  # ValueError: exit status 2
     problem = sampling.validate()
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -166,7 +174,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print(f"[meshnet] {args.model}: {len(ranges)} stage(s) {', '.join(str(r) for r in ranges)}, "
           f"{len(prompt_ids)} prompt tokens", file=sys.stderr)
     gen = Generation(chain, tok, prompt_ids, min(args.max_tokens, n_ctx - len(prompt_ids)), sampling,
-                     stop_at_eog=not args.ignore_eos)
+                     stop_at_eog=not args.ignore_eos, speculation=speculation)
     events = iter(gen)
     try:
         for ev in events:

@@ -177,6 +177,10 @@ class SamplingParams:
 
 GREEDY = SamplingParams()
 
+# Draft tokens one verification step may carry (its rows stay far below ggml's flash-attention tile of
+# 64 query rows, and a step's cells stay within one prefill micro-batch).
+MAX_DRAFT_TOKENS = 16
+
 
 @dataclass(frozen=True)
 class StepRequest:
@@ -194,6 +198,13 @@ class StepRequest:
         reserve_tokens: on the step that opens a session, the KV cells it will need at most (its prompt
             plus its new tokens); the stage reserves them or refuses the session (RESOURCE_EXHAUSTED).
             0 reserves the whole context length.
+        verify: a verification step of speculative decoding: ``token_ids`` are the last sampled token
+            followed by up to :data:`MAX_DRAFT_TOKENS` draft tokens, and the tail samples a token after
+            every row (``StepResult.tokens``), treating ``token_ids[i + 1]`` as the draft for row ``i``.
+        rollback: ``position`` may lie below the tokens the stage holds for the session: the stage first
+            drops the session's cells at ``position`` and after (the rejected rows of a verification
+            step), then runs the step. Without it a position other than the session's length is refused
+            (FAILED_PRECONDITION), so a client that lost count is never silently cut back.
     """
 
     session_id: str
@@ -204,6 +215,8 @@ class StepRequest:
     sampling: SamplingParams = GREEDY
     step_id: int = 0
     reserve_tokens: int = 0
+    verify: bool = False
+    rollback: bool = False
 
 
 @dataclass(frozen=True)
@@ -227,7 +240,9 @@ class StepResult:
 
     Exactly one of ``hidden`` (non-tail stages, ``[n_tokens, n_embd]`` f32) or ``token`` (tail) is set
     when ``status`` is OK; neither otherwise. ``message`` explains any non-OK status.
-    ``retry_after_s`` is set with RESOURCE_EXHAUSTED.
+    ``retry_after_s`` is set with RESOURCE_EXHAUSTED. On the tail, a verification step
+    (``StepRequest.verify``) also sets ``tokens``: the token sampled after each of its rows, in row
+    order (``token`` is the last of them).
     """
 
     status: Status
@@ -236,6 +251,7 @@ class StepResult:
     token: SampledToken | None = None
     n_past: int = 0  # tokens cached for the session after this step
     retry_after_s: float | None = None
+    tokens: tuple[SampledToken, ...] = ()
 
     @property
     def ok(self) -> bool:

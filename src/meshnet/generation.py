@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
 
 from meshnet.contract import SampledToken, SamplingParams, StepRequest, StepResult, Status
+from meshnet.speculative import DraftBudget, Speculation, accepted_prefix, ngram_draft
 from meshnet.tokenizer import GGUFTokenizer
 
 
@@ -60,6 +61,9 @@ class GenerationResult:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     tokens: list[SampledToken] = field(default_factory=list)
+    verify_steps: int = 0  # speculative verification steps run
+    drafted: int = 0  # draft tokens they carried
+    accepted: int = 0  # drafts the tail agreed with
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -71,9 +75,12 @@ class GenerationResult:
         return n / self.decode_s if n > 0 and self.decode_s else 0.0
 
     def timings(self) -> dict:
-        return {"ttft_s": round(self.ttft_s, 6), "decode_s": round(self.decode_s, 6),
-                "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
-                "decode_tokens_per_s": round(self.decode_tokens_per_s, 2)}
+        out = {"ttft_s": round(self.ttft_s, 6), "decode_s": round(self.decode_s, 6),
+               "prefill_tokens_per_s": round(self.prefill_tokens_per_s, 2),
+               "decode_tokens_per_s": round(self.decode_tokens_per_s, 2)}
+        if self.verify_steps:
+            out.update(verify_steps=self.verify_steps, drafted=self.drafted, accepted=self.accepted)
+        return out
 
 
 class Generation:
@@ -85,32 +92,55 @@ class Generation:
         prompt_ids: token ids ``[n_prompt]`` (BOS already applied).
         max_tokens: upper bound on generated tokens (>= 1).
         stop_at_eog: stop after any end-of-generation token (not included in the text).
-    Raises (during iteration):
-        GenerationError: a stage answered with a non-OK status.
+        speculation: draft tokens by n-gram lookup and verify them a round at a time (see
+            :mod:`meshnet.speculative`); None decodes one token a step.
+    Raises:
+        ValueError: ``max_tokens`` < 1, an empty prompt or a bad ``speculation``.
+        GenerationError (during iteration): a stage answered with a non-OK status.
     """
 
     def __init__(self, client: StepClient, tokenizer: GGUFTokenizer, prompt_ids: Sequence[int],
                  max_tokens: int, sampling: SamplingParams = SamplingParams(), stop_at_eog: bool = True,
-                 session_id: str | None = None) -> None:
+                 session_id: str | None = None, speculation: Speculation | None = None) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if not prompt_ids:
             raise ValueError("the prompt has no tokens")
+        if speculation is not None and (problem := speculation.validate()) is not None:
+            raise ValueError(problem)
         self.client, self.tokenizer = client, tokenizer
         self.sampling, self.max_tokens, self.stop_at_eog = sampling, max_tokens, stop_at_eog
+        self.speculation = speculation
+        self._budget = DraftBudget(speculation.draft_tokens) if speculation is not None else None
         self.session_id = session_id or uuid.uuid4().hex
         self.result = GenerationResult(prompt_token_ids=[int(t) for t in prompt_ids])
 
-    def _step(self, position: int, tokens: list[int], decode: bool, step_id: int) -> SampledToken:
+    def _step(self, position: int, tokens: list[int], decode: bool, step_id: int, verify: bool = False,
+              rollback: bool = False) -> tuple[SampledToken, ...]:
+        """One step; the tail's token after its last row, or after each row of a verification step."""
         # The first step reserves the session's KV cells for its whole run: prompt plus budget.
         reserve = 0 if position else len(self.result.prompt_token_ids) + self.max_tokens
         req = StepRequest(self.session_id, epoch=0, position=position, token_ids=tuple(tokens),
-                          sampling=self.sampling, step_id=step_id, reserve_tokens=reserve)
+                          sampling=self.sampling, step_id=step_id, reserve_tokens=reserve, verify=verify,
+                          rollback=rollback)
         res = self.client.step(req, decode)
         if not res.ok:
             raise GenerationError(res.status, res.message)
         assert res.token is not None
-        return res.token
+        if verify and len(res.tokens) != len(tokens):
+            raise GenerationError(Status.FAILED_PRECONDITION, f"a verification step of {len(tokens)} rows "
+                                  f"came back with {len(res.tokens)} tokens")
+        return res.tokens if verify else (res.token,)
+
+    def _drafts(self) -> list[int]:
+        """Draft tokens for the next step: none without speculation, and never more than the tokens the
+        budget still allows after the one the step samples anyway (so no cell past the session's
+        reservation is written)."""
+        spec, r = self.speculation, self.result
+        if spec is None:
+            return []
+        k = min(self._budget.next(), self.max_tokens - len(r.generated_token_ids) - 1)
+        return ngram_draft(r.prompt_token_ids + r.generated_token_ids, k, spec.ngram_max, spec.ngram_min)
 
     def __iter__(self) -> Iterator[TokenEvent]:
         r = self.result
@@ -118,11 +148,12 @@ class Generation:
         parts: list[str] = []
         t0 = time.perf_counter()
         try:
-            tok = self._step(0, r.prompt_token_ids, decode=False, step_id=0)
+            pending = list(self._step(0, r.prompt_token_ids, decode=False, step_id=0))
             r.ttft_s = time.perf_counter() - t0
             t1 = time.perf_counter()
-            position = len(r.prompt_token_ids)
+            position = cached = len(r.prompt_token_ids)  # the next step's first position; cells held
             while True:
+                tok = pending.pop(0)
                 if self.stop_at_eog and self.tokenizer.is_eog(tok.token_id):
                     r.finish_reason = "stop"
                     break
@@ -134,8 +165,22 @@ class Generation:
                 if len(r.generated_token_ids) >= self.max_tokens:
                     r.finish_reason = "length"
                     break
-                tok = self._step(position, [tok.token_id], decode=True, step_id=len(r.generated_token_ids))
-                position += 1
+                if pending:  # accepted drafts still to emit
+                    continue
+                drafts = self._drafts()
+                out = self._step(position, [tok.token_id] + drafts, decode=True,
+                                 step_id=len(r.generated_token_ids), verify=bool(drafts),
+                                 rollback=position < cached)
+                cached = position + 1 + len(drafts)
+                # Row i's token is the one after row i: drafts up to the first disagreement are kept,
+                # then the tail's own token there; the stages drop the rest at the next step.
+                kept = accepted_prefix(drafts, out)
+                pending = list(out[:kept + 1])
+                position += kept + 1
+                if drafts:
+                    self._budget.update(len(drafts), kept)
+                    r.verify_steps, r.drafted, r.accepted = r.verify_steps + 1, r.drafted + len(drafts), \
+                        r.accepted + kept
             r.decode_s = time.perf_counter() - t1
             # What the decoder still holds is the start of a character the model did not finish (the
             # budget ran out mid-character): it stays out of the text rather than becoming U+FFFD.
@@ -145,9 +190,10 @@ class Generation:
 
 
 def generate(client: StepClient, tokenizer: GGUFTokenizer, prompt_ids: Sequence[int], max_tokens: int,
-             sampling: SamplingParams = SamplingParams(), stop_at_eog: bool = True) -> GenerationResult:
+             sampling: SamplingParams = SamplingParams(), stop_at_eog: bool = True,
+             speculation: Speculation | None = None) -> GenerationResult:
     """Run a whole generation and return its result (see :class:`Generation`)."""
-    gen = Generation(client, tokenizer, prompt_ids, max_tokens, sampling, stop_at_eog)
+    gen = Generation(client, tokenizer, prompt_ids, max_tokens, sampling, stop_at_eog, speculation=speculation)
     for _ in gen:
         pass
     return gen.result

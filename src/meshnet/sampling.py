@@ -51,8 +51,16 @@ _TOP_P_FIRST = 256
 _CDF_BLOCK = 512
 
 
-def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], position: int) -> SampledToken:
+def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], position: int,
+           draft: int | None = None) -> SampledToken:
     """Pick the token at ``position`` from one row of raw logits; a pure function, no global state.
+
+    With ``draft`` (a speculative draft token proposed for ``position``), a sampled pick follows the
+    rejection rule of speculative sampling (Leviathan et al. 2023, Chen et al. 2023) for a draft that
+    proposes one token with certainty: the draft is kept with probability ``p(draft)`` under the filtered
+    distribution, otherwise the token is drawn from that distribution with the draft removed and the rest
+    renormalised, so the token's distribution is exactly ``p`` whatever the draft. Greedy picks ignore it
+    (the argmax is what a draft must equal). The kept draft is then the returned token.
 
     Args:
         logits: ``[n_vocab]`` float32 raw logits from the tail for the token at ``position`` (other float
@@ -96,7 +104,7 @@ def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], p
     else:
         # e_raw is exp(raw - max): reusable as top-p's weights when nothing was penalised, and as
         # scratch space afterwards (saves a vocabulary-sized allocation per call)
-        token = _draw(pen, params, position, e_raw if pen is raw else None, scratch=e_raw)
+        token = _draw(pen, params, position, e_raw if pen is raw else None, scratch=e_raw, draft=draft)
 
     top: tuple[TokenLogprob, ...] = ()
     if params.n_top_logprobs > 0:
@@ -145,10 +153,11 @@ def _top_ids(vals: np.ndarray, m: int) -> np.ndarray:
 
 
 def _draw(pen: np.ndarray, params: SamplingParams, position: int, w_full: np.ndarray | None,
-          scratch: np.ndarray) -> int:
+          scratch: np.ndarray, draft: int | None = None) -> int:
     """top-k -> top-p -> min-p -> temperature -> dist over the penalised float32 logits; returns a token id.
 
     ``scratch`` is a float32 buffer shaped like ``pen`` that may be overwritten (it may be ``w_full``).
+    ``draft``: see :func:`sample`; its acceptance draw comes first from the same generator.
     """
     ids, vals, w = _filter(pen, params, w_full, scratch)
     if vals.shape[0] == 1:
@@ -166,6 +175,15 @@ def _draw(pen: np.ndarray, params: SamplingParams, position: int, w_full: np.nda
         rng = np.random.default_rng()
     else:
         rng = np.random.default_rng([params.seed & _U64, position])
+    if draft is not None:
+        at = draft if ids is None else int(np.searchsorted(ids, draft))
+        if ids is None or (at < ids.shape[0] and ids[at] == draft):  # the draft survived the filters
+            if weights is w:
+                weights = weights.copy()  # w may be the caller's buffer or a view of it
+            p = float(weights[at]) / float(weights.sum(dtype=np.float64))
+            if rng.random() < p:
+                return draft
+            weights[at] = 0.0  # rejected: draw from the rest, renormalised by the inverse CDF
     i = _inverse_cdf(weights, rng.random())
     return int(ids[i]) if ids is not None else i
 

@@ -51,6 +51,7 @@ from meshnet.api.schemas import (
 from meshnet.api.sse import DONE, ChatChunks, CompletionChunks, event, sse
 from meshnet.api.validation import parse_body, validation_error
 from meshnet.contract import SamplingParams
+from meshnet.speculative import Speculation, speculation_from
 
 log = logging.getLogger("meshnet.api")
 
@@ -187,6 +188,13 @@ class _Api:
             raise bad_request(problem)
         return sp
 
+    def _speculation(self, req) -> Speculation | None:
+        """How the request's generations draft: its ``speculative`` / ``draft_tokens``, else the server's."""
+        try:
+            return speculation_from(req.speculative, req.draft_tokens, self.backend.speculation)
+        except ValueError as e:
+            raise bad_request(str(e), "speculative") from None
+
     def _budget(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
         """Generated-token budget: ``max_tokens`` capped by what the context still holds. A prompt that
         does not fit is refused here, before any node is asked for anything."""
@@ -229,7 +237,8 @@ class _Api:
         for p_ids in prompts:
             budget = self._budget(p_ids, req.max_tokens, "prompt")
             for _ in range(req.n or 1):
-                jobs.append(GenJob(p_ids, budget, self._sampling(req, n_top, len(jobs)), tuple(_stops(req.stop))))
+                jobs.append(GenJob(p_ids, budget, self._sampling(req, n_top, len(jobs)), tuple(_stops(req.stop)),
+                                   speculation=self._speculation(req)))
         await self._check_route()
         prompt_tokens = sum(len(p) for p in prompts)
         self.metrics.prompt_tokens.inc(prompt_tokens)
@@ -354,8 +363,8 @@ class _Api:
         budget = self._budget(prompt_ids, max_tokens, "messages")
         n_top = req.top_logprobs or 0
         stops = tuple(_stops(req.stop))
-        jobs = [GenJob(prompt_ids, budget, self._sampling(req, n_top, i), stops, stop_at_control=True)
-                for i in range(req.n or 1)]
+        jobs = [GenJob(prompt_ids, budget, self._sampling(req, n_top, i), stops, stop_at_control=True,
+                       speculation=self._speculation(req)) for i in range(req.n or 1)]
         await self._check_route()
         prompt_tokens = len(prompt_ids)  # counted once, however many choices, as OpenAI does
         self.metrics.prompt_tokens.inc(prompt_tokens)

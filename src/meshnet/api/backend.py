@@ -16,6 +16,7 @@ from typing import Callable
 
 from meshnet.contract import Status, StepRequest, StepResult
 from meshnet.generation import StepClient
+from meshnet.speculative import Speculation
 from meshnet.tokenizer import GGUFTokenizer
 
 log = logging.getLogger("meshnet.api")
@@ -58,6 +59,8 @@ class ApiBackend:
         self.closers: list[Callable[[], None]] = []
         # In process: (layer range, engine Metrics) of each stage, for /metrics; None over a mesh.
         self.stage_metrics: Callable[[], list] | None = None
+        # How generations draft tokens when a request does not say (``meshnet api --speculative``).
+        self.speculation: Speculation | None = None
 
     def new_client(self) -> StepClient:
         """The client for one generation, wrapped so a busy stage is waited for instead of failing."""

@@ -8,6 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from meshnet.speculative import SpeculationStats
+
 # Endpoints with their own label value; anything else is counted as "other" so that arbitrary request
 # paths cannot grow the label set without bound.
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
@@ -23,6 +25,9 @@ class ApiMetrics:
     * ``meshnet_api_active_sessions``: generations holding a mesh session now.
     * ``meshnet_api_queued_requests``: generations waiting for a free slot.
     * ``meshnet_api_errors_total{kind}``: error answers and failed streams by kind.
+    * speculative decoding: ``meshnet_api_speculative_steps_total`` (verification steps),
+      ``meshnet_api_speculative_drafted_tokens_total``, ``meshnet_api_speculative_accepted_tokens_total``
+      and ``meshnet_api_speculative_acceptance_rate`` (accepted over drafted since start).
     * in process, per stage (label ``layers``): ``meshnet_stage_kv_bytes`` (KV pool resident bytes),
       ``meshnet_stage_kv_tokens_{held,kept,reserved,capacity}``, ``meshnet_stage_iterations_total``,
       ``meshnet_stage_batch_rows_total``, ``meshnet_stage_max_batch_rows``, ``meshnet_stage_waiting_steps``,
@@ -54,6 +59,20 @@ class ApiMetrics:
         self.errors = Counter("meshnet_api_errors", "error answers and failed streams", ["kind"], registry=r)
         self.n_active = 0  # mirrors of the two gauges, for /health and admission (event-loop only)
         self.n_queued = 0
+        self.speculation = SpeculationStats()
+        self.spec_steps = Counter("meshnet_api_speculative_steps", "speculative verification steps", registry=r)
+        self.spec_drafted = Counter("meshnet_api_speculative_drafted_tokens", "draft tokens verified", registry=r)
+        self.spec_accepted = Counter("meshnet_api_speculative_accepted_tokens", "draft tokens accepted",
+                                     registry=r)
+        Gauge("meshnet_api_speculative_acceptance_rate", "accepted over drafted tokens since start",
+              registry=r).set_function(lambda: self.speculation.acceptance_rate)
+
+    def add_speculation(self, steps: int, drafted: int, accepted: int) -> None:
+        """Count verification steps and their drafted and accepted tokens."""
+        self.speculation.add(steps, drafted, accepted)
+        self.spec_steps.inc(steps)
+        self.spec_drafted.inc(drafted)
+        self.spec_accepted.inc(accepted)
 
     def add_active(self, delta: int) -> None:
         self.n_active += delta

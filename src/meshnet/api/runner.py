@@ -22,6 +22,7 @@ from meshnet.api.errors import ApiError
 from meshnet.api.metrics import ApiMetrics
 from meshnet.contract import SampledToken, SamplingParams, Status
 from meshnet.generation import Generation, GenerationError, TokenEvent
+from meshnet.speculative import Speculation
 from meshnet.tokenizer import GGUFTokenizer
 
 
@@ -127,6 +128,7 @@ class GenJob:
     sampling: SamplingParams
     stops: tuple[str, ...] = ()
     stop_at_control: bool = False
+    speculation: Speculation | None = None  # n-gram drafts verified a round at a time; None: none
 
 
 class ClientGone(Exception):
@@ -247,6 +249,7 @@ class ChoiceRun:
         self._holding = False
         self._pending: list[Piece] = []
         self._done = False
+        self._drafts_seen = (0, 0, 0)  # verification steps, drafted and accepted tokens reported so far
 
     async def start(self) -> None:
         """Wait for a free slot and open the generation (no step runs until :meth:`next_piece`)."""
@@ -259,7 +262,7 @@ class ChoiceRun:
         self.metrics.add_active(1)
         client = self.backend.new_client()
         gen = Generation(client, self.tokenizer, self.job.prompt_ids, self.job.max_tokens, self.job.sampling,
-                         stop_at_eog=True)
+                         stop_at_eog=True, speculation=self.job.speculation)
         self._driver = _Driver(gen, client, asyncio.get_running_loop())
 
     async def next_piece(self) -> Piece | None:
@@ -281,6 +284,11 @@ class ChoiceRun:
     def _on_event(self, ev: TokenEvent | None) -> None:
         assert self._driver is not None
         result = self._driver.gen.result
+        # the generation's draft figures grow a verification step at a time: report what is new
+        seen = self._drafts_seen
+        self._drafts_seen = (result.verify_steps, result.drafted, result.accepted)
+        if self._drafts_seen != seen:
+            self.metrics.add_speculation(*(now - before for now, before in zip(self._drafts_seen, seen)))
         if ev is None:  # the generation ended by itself: end-of-generation token or max_tokens
             self._finish(self.text.finish(result.finish_reason))
             return

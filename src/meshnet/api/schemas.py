@@ -17,6 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from meshnet.contract import MAX_DRAFT_TOKENS
+
 # Largest ``n`` (choices per prompt) one request may ask for; each choice is a full generation.
 MAX_N = 16
 MAX_STOP = 4
@@ -44,6 +46,10 @@ class _SamplingFields(_Strict):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # default 0.0
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # default 0.0
     seed: int | None = None
+    # meshnet's own: n-gram speculative decoding ("none" / "ngram"; null: the server's --speculative) and
+    # the draft tokens per verification step (null: the server's --draft-tokens, else 6)
+    speculative: Literal["none", "ngram"] | None = None
+    draft_tokens: int | None = Field(default=None, ge=1, le=MAX_DRAFT_TOKENS)
     stop: str | list[str] | None = None
     n: int | None = Field(default=None, ge=1, le=MAX_N)  # default 1
     stream: bool | None = None

@@ -14,6 +14,7 @@ import uvicorn
 
 from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.backend import ApiBackend
+from meshnet.speculative import add_speculation_args, speculation_from
 
 log = logging.getLogger("meshnet.api")
 
@@ -48,6 +49,7 @@ def add_api_parser(sub) -> None:
     local.add_argument("--kv-tokens", type=int, default=0,
                        help="KV cells sessions may reserve at once (0 = half the memory available)")
     local.add_argument("--prefix-cache", type=int, default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
+    add_speculation_args(p)
     p.set_defaults(func=run_api)
 
 
@@ -55,16 +57,20 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
     """The backend ``meshnet api`` serves: a mesh through ``--tracker``, else stages in this process."""
     from meshnet.api.backend import local_backend, mesh_backend
 
+    speculation = speculation_from(args.speculative, args.draft_tokens)
     if args.tracker:
-        return mesh_backend(args.tracker, args.model, join_token=args.join_token, tls_ca=args.tls_ca,
-                            name=args.name, max_concurrency=args.max_concurrency or 8,
-                            forwarding=not args.client_orchestrated)
+        backend = mesh_backend(args.tracker, args.model, join_token=args.join_token, tls_ca=args.tls_ca,
+                               name=args.name, max_concurrency=args.max_concurrency or 8,
+                               forwarding=not args.client_orchestrated)
+        backend.speculation = speculation
+        return backend
     backend = local_backend(args.model, stages=args.stages, layers=args.layers, n_threads=args.threads,
                             n_ctx=args.n_ctx, name=args.name, progress=sys.stderr.isatty(),
                             max_sessions=args.max_sessions, kv_tokens=args.kv_tokens,
                             prefix_cache=args.prefix_cache)
     if args.max_concurrency:
         backend.max_concurrency = min(backend.max_concurrency, args.max_concurrency)
+    backend.speculation = speculation
     return backend
 
 

@@ -3,38 +3,27 @@ host's network namespace and driven over stdin/stdout in JSON lines (the protoco
 :class:`meshnet.netem.netns_mesh.Agent`: each command carries an ``id`` and gets one reply).
 
 - ``{"op": "nodes"}`` -> ``{"nodes": {node id: active sessions}}`` as the tracker lists them
-- ``{"op": "modes", "modes": [...]}`` -> ``{"modes": {mode: null | "why it is skipped"}}``
 - ``{"op": "measure", "mode": M, "prompt_ids": [...], "n": N, "repeats": R}`` -> ``{"runs": [{"ttft_s",
-  "decode_tokens_per_s", "ids", "failovers"}, ...]}``: R greedy generations of N tokens through a
+  "decode_tokens_per_s", "ids", "failovers"[, "tokens_per_round", "drafted", "accepted"]}, ...]}``: R greedy generations of N tokens through a
   MeshClient configured for mode M (one client per mode, kept across commands so that its connections
   stay open), without stopping at end-of-generation.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import sys
 
-from meshnet.bench.wan_model import client_options
+from meshnet.bench.wan_model import NGRAM, client_options
 from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import GREEDY
 from meshnet.generation import Generation
 from meshnet.model.bundled import resolve_model
 from meshnet.netem.netns_mesh import listed_nodes
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.speculative import Speculation
 from meshnet.tokenizer import GGUFTokenizer
 from meshnet.wire.security import open_channel
-
-
-def _accepted() -> set[str]:
-    return set(inspect.signature(MeshClient.__init__).parameters)
-
-
-def skip_reason(mode: str) -> str | None:
-    """Why this build's MeshClient cannot run ``mode``; None when it can."""
-    opts = client_options(mode, _accepted())
-    return opts if isinstance(opts, str) else None
 
 
 class WanAgent:
@@ -46,34 +35,37 @@ class WanAgent:
 
     def client(self, mode: str) -> MeshClient:
         if mode not in self.clients:
-            opts = client_options(mode, _accepted())
-            if isinstance(opts, str):
-                raise RuntimeError(opts)
+            opts = client_options(mode)
             self.clients[mode] = MeshClient(self.tracker_address, client_id=f"wan-{mode}",
                                             report_deliveries=False, **opts)
         return self.clients[mode]
 
     def measure(self, mode: str, prompt_ids: list[int], n: int, repeats: int) -> list[dict]:
         """``repeats`` greedy generations through :class:`Generation`, the loop the CLI and the API run;
-        a speculative client that drafts outside that loop needs its own call here (and may add
-        ``tokens_per_round`` to each run, which the latency model divides the legs by)."""
+        in the n-gram mode with drafts (:class:`Speculation`), each run then also says how many tokens
+        a decode round gave on average (``tokens_per_round``: the latency model divides the legs by it)."""
         client, runs = self.client(mode), []
+        speculation = Speculation() if mode == NGRAM else None
         for _ in range(repeats):
             failovers = client.failovers
-            gen = Generation(client, self.tok, prompt_ids, n, GREEDY, stop_at_eog=False)
+            gen = Generation(client, self.tok, prompt_ids, n, GREEDY, stop_at_eog=False, speculation=speculation)
             for _ in gen:
                 pass
             r = gen.result
-            runs.append({"ttft_s": r.ttft_s, "decode_tokens_per_s": r.decode_tokens_per_s,
-                         "ids": r.generated_token_ids, "failovers": client.failovers - failovers})
+            run = {"ttft_s": r.ttft_s, "decode_tokens_per_s": r.decode_tokens_per_s,
+                   "ids": r.generated_token_ids, "failovers": client.failovers - failovers}
+            if speculation is not None:
+                # Every decode round gives one token plus the drafts it accepted.
+                decoded = len(r.generated_token_ids) - 1
+                run.update(tokens_per_round=decoded / max(1, decoded - r.accepted), drafted=r.drafted,
+                           accepted=r.accepted)
+            runs.append(run)
         return runs
 
     def answer(self, cmd: dict) -> dict:
         op = cmd["op"]
         if op == "nodes":
             return {"nodes": listed_nodes(self.tracker)}
-        if op == "modes":
-            return {"modes": {m: skip_reason(m) for m in cmd["modes"]}}
         if op == "measure":
             return {"runs": self.measure(cmd["mode"], cmd["prompt_ids"], cmd["n"], cmd.get("repeats", 1))}
         raise ValueError(f"unknown op {op!r}")

@@ -7,9 +7,9 @@ rounds for open connections too). Stages are ``meshnet node`` processes (1 threa
 model's balanced ranges (SmolLM2: ``0:12, 12:25, 25:30``); for llama.cpp's RPC mode a
 ``ggml-rpc-server`` beside each node holds the same ranges (:mod:`meshnet.bench.llama_rpc`).
 
-Modes (``--modes``): ``client-orchestrated`` (today's MeshClient), ``node-to-node`` and
-``node-to-node+ngram`` (MeshClient options; skipped, with the reason, in a build whose client lacks
-them: :func:`meshnet.bench.wan_model.client_options`), ``llama.cpp-rpc``. Two chat prompts: a
+Modes (``--modes``): ``client-orchestrated`` (every hop through the client), ``node-to-node`` (stages
+forward to each other), ``node-to-node+ngram`` (the same with n-gram drafts verified in one round),
+``llama.cpp-rpc`` (skipped, with the reason, when its binaries are missing). Two chat prompts: a
 repetitive one (copy a JSON object with one field changed) and free prose; greedy, ``--max-tokens``
 tokens each, not stopping at end-of-generation. Beside each figure, the latency model
 (:mod:`meshnet.bench.wan_model`). Needs root and ``ip netns``; exits 2 saying why otherwise.
@@ -138,10 +138,6 @@ def run_wan_bench(args: argparse.Namespace) -> int:
             # No prefix reuse: every TTFT is a whole prefill, as llama-bench's prompt test is.
             mesh.start_nodes([(h, f"{r.start}:{r.end}") for h, r in zip(stage_hosts, ranges)], threads=1,
                              node_args=["--prefix-cache", "0"])
-            skipped = mesh.agent.ask("modes", modes=[m for m in modes if m in MESHNET_MODES])["modes"]
-            for m, why in skipped.items():
-                if why is not None:
-                    result["modes"][m] = {"skipped": why}
             live = [m for m in modes if "rtts" in result["modes"][m]]
             for m in live:
                 for ids in prompts.values() if m in MESHNET_MODES else ():

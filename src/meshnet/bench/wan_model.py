@@ -64,25 +64,12 @@ def parse_modes(text: str) -> list[str]:
     return [m for m in MODES if m in wanted]
 
 
-def client_options(mode: str, accepted: set[str]) -> dict | str:
-    """The MeshClient keyword arguments that select ``mode``, given the names ``MeshClient.__init__``
-    accepts; or, when this build's client lacks the option, the reason as a string (the mode is then
-    reported as skipped).
-
-    The speculative option is a hook: the first of ``speculative`` / ``draft`` the client accepts gets
-    the draft source ``"ngram"``; adjust here when the speculative client lands with other names."""
-    if mode == CLIENT:
-        return {}
-    if "forwarding" not in accepted:
-        return "MeshClient has no `forwarding` option in this build (node-to-node forwarding not merged)"
-    if mode == FORWARDING:
-        return {"forwarding": True}
-    if mode == NGRAM:
-        for name in ("speculative", "draft"):
-            if name in accepted:
-                return {"forwarding": True, name: "ngram"}
-        return "MeshClient has no `speculative`/`draft` option in this build (speculative decoding not merged)"
-    raise ValueError(f"{mode!r} is not a meshnet client mode")
+def client_options(mode: str) -> dict:
+    """The MeshClient keyword arguments that select ``mode``. (n-gram speculation is the generation
+    loop's, ``Generation(speculation=)``, on top of node-to-node forwarding.) Raises ValueError."""
+    if mode not in (CLIENT, FORWARDING, NGRAM):
+        raise ValueError(f"{mode!r} is not a meshnet client mode")
+    return {"forwarding": mode != CLIENT}
 
 
 def decode_legs(mode: str, stages: int) -> int:

@@ -1,5 +1,9 @@
 """What the mesh client keeps of each session so that a failover can rebuild it: the route it is on and
-every step it has run, with each hop's input, and which hops hold that whole history."""
+every step it has run, with each hop's input, and which hops hold that whole history.
+
+Speculative steps are recorded like any other: a verification step with all its rows, and the step after
+it with its ``rollback`` flag, so a replay computes the rejected rows again and drops them again at the
+same point, leaving the same cells as the original run."""
 
 from __future__ import annotations
 

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from meshnet.contract import (
+    MAX_DRAFT_TOKENS,
     Capabilities,
     NamedTensor,
     Health,
@@ -129,6 +130,12 @@ class ShardEngine(ABC):
             rows = np.concatenate([h.to_numpy() for h in hiddens], axis=0)
             return replace(last, hidden=NamedTensor.from_numpy(hiddens[0].name, rows))
         return last
+
+    @abstractmethod
+    def _truncate(self, state: Any, n_keep: int) -> None:
+        """Cut a session's state back to its first ``n_keep`` tokens (a rollback step: the rows after them
+        were rejected drafts). Called with no step of the session queued or running; the base class cuts
+        ``Session.n_past`` and ``Session.token_ids`` itself."""
 
     @abstractmethod
     def _free_state(self, state: Any, token_ids: list[int] = ()) -> None:
@@ -280,8 +287,17 @@ class ShardEngine(ABC):
         n = len(req.token_ids)
         if n == 0:
             return self._fail(Status.INVALID_ARGUMENT, "no tokens in the step")
-        if decode and n != 1:
-            return self._fail(Status.INVALID_ARGUMENT, f"decode takes exactly 1 token, got {n}")
+        if req.verify and n > MAX_DRAFT_TOKENS + 1:
+            return self._fail(Status.INVALID_ARGUMENT,
+                              f"a verification step takes the last token and at most {MAX_DRAFT_TOKENS} "
+                              f"draft tokens, got {n} tokens")
+        chunk = self._scheduler.chunk_tokens
+        if req.verify and chunk and n > chunk:
+            return self._fail(Status.INVALID_ARGUMENT, f"a verification step of {n} tokens exceeds the "
+                              f"stage's micro-batch of {chunk} tokens")
+        if decode and n != 1 and not req.verify:
+            return self._fail(Status.INVALID_ARGUMENT, f"decode takes exactly 1 token (or the last token "
+                              f"and its drafts in a verification step), got {n}")
         if req.position < 0:
             return self._fail(Status.INVALID_ARGUMENT, f"negative position {req.position}")
         bad = [t for t in req.token_ids if not 0 <= int(t) < caps.n_vocab]
@@ -345,10 +361,15 @@ class ShardEngine(ABC):
             return self._fail(Status.FAILED_PRECONDITION,
                               f"stale route epoch {req.epoch} for session {req.session_id!r} "
                               f"(session is at epoch {s.epoch})")
-        if req.position != s.n_past:
+        if req.rollback and req.position > s.n_past:
+            return self._fail(Status.FAILED_PRECONDITION,
+                              f"rollback step starts at position {req.position} but session "
+                              f"{req.session_id!r} has only {s.n_past} tokens cached")
+        if not req.rollback and req.position != s.n_past:
             return self._fail(Status.FAILED_PRECONDITION,
                               f"step starts at position {req.position} but session {req.session_id!r} "
-                              f"has {s.n_past} tokens cached")
+                              f"has {s.n_past} tokens cached (a step that cuts the session back must say "
+                              "rollback)")
         return s
 
     def _step(self, req: StepRequest, decode: bool) -> StepResult:
@@ -365,6 +386,10 @@ class ShardEngine(ABC):
                 return found
             session = found
             session.epoch = max(session.epoch, req.epoch)
+            if req.position < session.n_past:  # a rollback step: drop the rejected rows first
+                self._truncate(session.state, req.position)
+                session.n_past = req.position
+                del session.token_ids[req.position:]
             session.busy = True
         t0 = time.perf_counter()
         try:
@@ -382,7 +407,7 @@ class ShardEngine(ABC):
                 result = replace(result, n_past=session.n_past)
                 m = self._metrics  # frozen: counters advance by replacement
                 if decode:
-                    self._metrics = replace(m, decode_tokens=m.decode_tokens + 1,
+                    self._metrics = replace(m, decode_tokens=m.decode_tokens + len(req.token_ids),
                                             decode_seconds=m.decode_seconds + dt)
                 else:
                     self._metrics = replace(m, prefill_tokens=m.prefill_tokens + len(req.token_ids),

@@ -86,10 +86,20 @@ class FakeModel:
 
 @dataclass
 class _FakeState:
-    """One session's chain digests on this stage: the head's embedding chain and one per owned layer."""
+    """One session's chain digests on this stage: the head's embedding chain and one per owned layer,
+    as they are now (``embed``, ``layers``), at the start (``start``) and after each cached token
+    (``rows[p]``), so that a rollback can cut the chains back to any length."""
 
     embed: bytes
     layers: list[bytes] = field(default_factory=list)
+    start: tuple[bytes, tuple[bytes, ...]] = (b"", ())
+    rows: list[tuple[bytes, tuple[bytes, ...]]] = field(default_factory=list)
+
+    def cut(self, n_keep: int) -> None:
+        """Keep the chains of the first ``n_keep`` tokens."""
+        del self.rows[n_keep:]
+        embed, layers = self.rows[-1] if self.rows else self.start
+        self.embed, self.layers = embed, list(layers)
 
 
 def _blake(*parts: bytes) -> bytes:
@@ -197,7 +207,11 @@ class FakeEngine(ShardEngine):
     def _new_state(self, req: StepRequest) -> _FakeState:
         # Every step carries at least one token, so a session that cannot cache one is refused up front.
         self._check_budget(self._faults, 1)
-        return _FakeState(embed=_blake(self._model_id, b"embed"), layers=list(self._init_layers))
+        embed = _blake(self._model_id, b"embed")
+        return _FakeState(embed=embed, layers=list(self._init_layers), start=(embed, tuple(self._init_layers)))
+
+    def _truncate(self, state: _FakeState, n_keep: int) -> None:
+        state.cut(n_keep)
 
     def _free_state(self, state: Any, token_ids: list[int] = ()) -> None:
         pass  # plain Python objects: dropping the reference frees them
@@ -228,31 +242,42 @@ class FakeEngine(ShardEngine):
         state: _FakeState = session.state
         # Work on copies and commit at the end, so a cancelled or refused step leaves the state unchanged.
         embed, layer_states = state.embed, list(state.layers)
-        outs = []
+        outs, rows = [], []
         for lo in range(0, n, spec.n_ubatch):  # micro-batches: cancellation takes effect between them
             if session.cancelled:
                 raise EngineError(Status.CANCELLED, f"session {session.session_id!r} was cancelled")
             ids = req.token_ids[lo:lo + spec.n_ubatch]
             if caps.is_head:
-                x, embed = self._embed(embed, ids)  # [n_ub, n_embd]
+                x, embeds = self._embed(embed, ids)  # [n_ub, n_embd]
             else:
                 x = np.array(req.hidden.to_numpy()[lo:lo + spec.n_ubatch], dtype="<f4")  # type: ignore[union-attr]
+                embeds = [embed] * len(x)
+            per_layer = []
             for i, digest in enumerate(layer_states):
-                x, layer_states[i] = self._layer(digest, x)
+                x, digests = self._layer(digest, x)
+                layer_states[i] = digests[-1]
+                per_layer.append(digests)
+            rows += [(embeds[r], tuple(d[r] for d in per_layer)) for r in range(len(x))]
+            embed = embeds[-1]
             outs.append(x)
         hidden = np.concatenate(outs)  # [n, n_embd]
 
         if caps.is_tail:
             history = session.token_ids + [int(t) for t in req.token_ids]
-            token = self._sample(hidden[-1], req.position + n, history, req.sampling)
+            # a verification step samples after every row (row i's draft is token i + 1), else after the last
+            first = 0 if req.verify else n - 1
+            tokens = tuple(self._sample(hidden[r], req.position + r + 1, history[:len(session.token_ids) + r + 1],
+                                        req.sampling, int(req.token_ids[r + 1]) if r + 1 < n else None)
+                           for r in range(first, n))
             if faults.malformed_output:
-                token = SampledToken(caps.n_vocab, float("nan"), token.top)
-            result = StepResult(Status.OK, token=token)
+                tokens = tokens[:-1] + (SampledToken(caps.n_vocab, float("nan"), tokens[-1].top),)
+            result = StepResult(Status.OK, token=tokens[-1], tokens=tokens if req.verify else ())
         else:
             if faults.malformed_output:
                 hidden = np.full_like(hidden, np.nan)
             result = StepResult(Status.OK, hidden=NamedTensor.from_numpy("hidden", hidden))
         state.embed, state.layers = embed, layer_states
+        state.rows += rows
         return result
 
     # ---- faults in the step ------------------------------------------------------------------
@@ -302,22 +327,23 @@ class FakeEngine(ShardEngine):
         # The top 24 bits are exact in f32, so the mapping is exact and portable.
         return (words >> 8).astype(np.float32) * np.float32(2.0 ** -23) - np.float32(1.0)
 
-    def _embed(self, digest: bytes, token_ids: tuple[int, ...]) -> tuple[np.ndarray, bytes]:
-        """Head embedding: one chained digest per token. Returns ``[n, n_embd]`` f32 and the last digest."""
+    def _embed(self, digest: bytes, token_ids: tuple[int, ...]) -> tuple[np.ndarray, list[bytes]]:
+        """Head embedding: one chained digest per token. Returns ``[n, n_embd]`` f32 and the digests."""
         digests = []
         for t in token_ids:
             digest = _blake(digest, int(t).to_bytes(4, "little"))
             digests.append(digest)
-        return self._unit_floats(digests), digest
+        return self._unit_floats(digests), digests
 
-    def _layer(self, digest: bytes, x: np.ndarray) -> tuple[np.ndarray, bytes]:
-        """One fake layer on ``x`` ``[n, n_embd]`` f32, chaining the layer's digest through the rows."""
+    def _layer(self, digest: bytes, x: np.ndarray) -> tuple[np.ndarray, list[bytes]]:
+        """One fake layer on ``x`` ``[n, n_embd]`` f32, chaining the layer's digest through the rows;
+        returns the output and the digest after each row."""
         digests = []
         for row in x:
             digest = _blake(digest, row.tobytes())
             digests.append(digest)
         u = self._unit_floats(digests)
-        return x * np.float32(0.75) + u * np.float32(0.25), digest
+        return x * np.float32(0.75) + u * np.float32(0.25), digests
 
     def _logits(self, last_row: np.ndarray, position: int) -> np.ndarray:
         """Fake logits ``[n_vocab]`` (f64 in ``[0, 8)``), a function of the last hidden row and the position."""
@@ -327,7 +353,7 @@ class FakeEngine(ShardEngine):
         return rng.random(self.model.n_vocab) * 8.0
 
     def _sample(self, last_row: np.ndarray, position: int, history: list[int],
-                sp: SamplingParams) -> SampledToken:
+                sp: SamplingParams, draft: int | None = None) -> SampledToken:
         """Pick the token for ``position`` (the index of the token being predicted).
 
         The chain follows llama.cpp's order: penalties over the last ``penalty_last_n`` tokens of
@@ -353,10 +379,20 @@ class FakeEngine(ShardEngine):
                 p = _softmax(vals)
                 keep = max(1, int(np.count_nonzero(p >= sp.min_p * p[0])))
                 ids, vals = ids[:keep], vals[:keep]
-            cum = np.cumsum(_softmax(vals / sp.temperature))
+            p = _softmax(vals / sp.temperature)
+            hit = np.flatnonzero(ids == draft) if draft is not None else ()
+            if len(hit) and self._uniform(sp.seed, position, "draft") < p[hit[0]]:
+                return self._picked(draft, logprobs, sp)  # the draft kept: the rejection rule of sample()
+            if len(hit):
+                p[hit[0]] = 0.0  # rejected: draw from the rest
+            cum = np.cumsum(p)
             u = self._uniform(sp.seed, position)
             idx = min(int(np.searchsorted(cum, u * cum[-1], side="right")), ids.size - 1)
             token = int(ids[idx])
+        return self._picked(token, logprobs, sp)
+
+    @staticmethod
+    def _picked(token: int, logprobs: np.ndarray, sp: SamplingParams) -> SampledToken:
         top: tuple[TokenLogprob, ...] = ()
         if sp.n_top_logprobs:
             best = np.lexsort((np.arange(logprobs.size), -logprobs))[:sp.n_top_logprobs]
@@ -379,11 +415,12 @@ class FakeEngine(ShardEngine):
         return logits
 
     @staticmethod
-    def _uniform(seed: int | None, position: int) -> float:
-        """A uniform draw in ``[0, 1)``: a function of ``(seed, position)``, or fresh randomness without seed."""
+    def _uniform(seed: int | None, position: int, salt: str = "") -> float:
+        """A uniform draw in ``[0, 1)``: a function of ``(seed, position, salt)``, or fresh randomness
+        without seed."""
         if seed is None:
             return random.random()
-        d = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+        d = hashlib.blake2b(f"{seed}:{position}{salt}".encode(), digest_size=8).digest()
         return (int.from_bytes(d, "little") >> 11) * 2.0 ** -53
 
 

@@ -48,13 +48,17 @@ class BatchItem:
     """One session's part of an iteration: tokens at ``position ..`` of the session in pool ``slot``.
 
     ``token_ids`` int32 ``[n]`` on the head, ``hidden`` float32 ``[n, n_embd]`` elsewhere; on the tail
-    the last ``n_out`` rows give logits."""
+    the last ``n_out`` rows give logits. ``rows_alone``: every row is attended in a call of its own, the
+    call it would get as a one-token decode (a verification step: its rows then give the bits that
+    decoding them one by one gives, see :meth:`GgmlStage.forward_batch`), and on the tail every row gives
+    logits."""
 
     slot: int
     position: int
     token_ids: np.ndarray | None = None
     hidden: np.ndarray | None = None
     n_out: int = 1
+    rows_alone: bool = False
 
     @property
     def n_tokens(self) -> int:
@@ -124,7 +128,7 @@ class GgmlStage:
         (rows go decodes first, then segments, each group in the given order). A decode reading
         :data:`SPLIT_KV_MIN_CELLS` cells or more is a segment of one row: attended alone, as alone."""
         dec = [i for i, it in enumerate(items) if it.n_tokens == 1 and (not self.is_tail or it.n_out == 1)
-               and kv_length(it.position + 1, self.n_ctx) < SPLIT_KV_MIN_CELLS]
+               and not it.rows_alone and kv_length(it.position + 1, self.n_ctx) < SPLIT_KV_MIN_CELLS]
         decodes = set(dec)
         seg = [i for i in range(len(items)) if i not in decodes]
         streams = n_kv_dec = 0
@@ -155,8 +159,18 @@ class GgmlStage:
         """Run one iteration: every item's tokens through the range in one graph.
 
         Items must belong to distinct sessions. Returns, per item in the given order, float32
-        ``[n, n_embd]`` hidden states or, on the tail, ``[n_out, n_vocab]`` logits.
+        ``[n, n_embd]`` hidden states or, on the tail, ``[n_out, n_vocab]`` logits (``[n, n_vocab]`` for
+        an item with ``rows_alone``).
+
+        An item with ``rows_alone`` becomes one segment of one row per token (their K and V rows are all
+        written before any attention reads the cache, so row ``i`` sees rows ``< i`` of its step). That is
+        what makes a verification step exact: ggml's CPU flash attention rounds a call of several query
+        rows (row by row) differently from one row over :data:`SPLIT_KV_MIN_CELLS` cells or more (split
+        across threads), the call a deep decode makes alone; attended one by one, each row takes the
+        path, and gives the bits, of the decode it stands for.
         """
+        given = items
+        items = [one for it in items for one in self._one_row_items(it)]
         shape, dec, seg = self.shape_of(items)
         order = dec + seg
         g = self._graph(shape)
@@ -178,7 +192,23 @@ class GgmlStage:
             n = (1 if k < shape.n_dec else items[i].n_out) if self.is_tail else items[i].n_tokens
             results[i] = out[row:row + n]
             row += n
-        return results
+        if len(items) == len(given):
+            return results
+        joined, at = [], 0
+        for it in given:  # the rows of a split item back in one array
+            n = it.n_tokens if it.rows_alone else 1
+            joined.append(results[at] if n == 1 else np.concatenate(results[at:at + n], axis=0))
+            at += n
+        return joined
+
+    @staticmethod
+    def _one_row_items(it: BatchItem) -> list[BatchItem]:
+        """An item with ``rows_alone`` as one-row items (still marked, so none joins the decode rows)."""
+        if not it.rows_alone or it.n_tokens == 1:
+            return [it]
+        return [BatchItem(it.slot, it.position + r, None if it.token_ids is None else it.token_ids[r:r + 1],
+                          None if it.hidden is None else it.hidden[r:r + 1], 1, rows_alone=True)
+                for r in range(it.n_tokens)]
 
     def forward(self, kv: SessionKV, position: int, token_ids: np.ndarray | None = None,
                 hidden: np.ndarray | None = None, all_logits: bool = False,
@@ -282,6 +312,10 @@ class GgmlEngine(ShardEngine):
         except PoolFull as e:
             raise EngineError(Status.RESOURCE_EXHAUSTED, f"KV pool: {e}") from None
 
+    def _truncate(self, state: SessionKV, n_keep: int) -> None:
+        assert self.stage is not None
+        self.stage.sessions.cut(state, n_keep)
+
     def _free_state(self, state: SessionKV, token_ids: list[int] = ()) -> None:
         if token_ids and self.stage is not None:
             self.stage.sessions.retire(state, list(token_ids))
@@ -343,19 +377,32 @@ class GgmlEngine(ShardEngine):
                 tokens = np.asarray(c.req.token_ids[c.start:c.end], dtype=np.int32)
             else:
                 hidden = c.req.hidden.to_numpy()[c.start:c.end]
-            items.append(BatchItem(c.session.state.slot, c.req.position + c.start, tokens, hidden))
+            # a verification step's rows are attended one by one, as the decodes they stand for
+            items.append(BatchItem(c.session.state.slot, c.req.position + c.start, tokens, hidden,
+                                   rows_alone=c.req.verify))
         outs = stage.forward_batch(items) if items else []
         for i, item, out in zip(run, items, outs):
             c = chunks[i]
             if stage.sessions.keeps:  # what a kept session is matched by; nothing else reads it
                 stage.sessions.record(c.session.state, item.position, row_keys(item.token_ids, item.hidden),
-                                      out if c.req.position == 0 else None)
+                                      out if c.req.position == 0 else None, item.rows_alone)
             if not stage.is_tail:
                 results[i] = StepResult(Status.OK, hidden=NamedTensor.from_numpy("hidden", out))
             elif not c.last:
                 results[i] = StepResult(Status.OK)
             else:
-                history = c.session.token_ids + [int(t) for t in c.req.token_ids]
-                token = sample(out[-1], c.req.sampling, history, c.req.position + len(c.req.token_ids))
-                results[i] = StepResult(Status.OK, token=token)
+                results[i] = self._sampled(c, out)
         return results
+
+    @staticmethod
+    def _sampled(c: Chunk, logits: np.ndarray) -> StepResult:
+        """The tail's result of a step whose last chunk gave ``logits`` (float32 ``[n_out, n_vocab]``): the
+        token after its last row, or in a verification step after each row (row ``i``'s draft being
+        token ``i + 1``; :func:`meshnet.sampling.sample` applies the rejection rule to it)."""
+        req, done = c.req, c.session.token_ids
+        ids = [int(t) for t in req.token_ids]
+        n = len(ids)
+        first = 0 if req.verify else n - 1
+        tokens = tuple(sample(logits[r - n], req.sampling, done + ids[:r + 1], req.position + r + 1,
+                              ids[r + 1] if r + 1 < n else None) for r in range(first, n))
+        return StepResult(Status.OK, token=tokens[-1], tokens=tokens if req.verify else ())

@@ -97,18 +97,32 @@ class StageSessions:
         return True
 
     def record(self, kv: SessionKV, position: int, keys: list[int],
-               first_step_out: np.ndarray | None = None) -> None:
+               first_step_out: np.ndarray | None = None, rows_alone: bool = False) -> None:
         """Note the keys and paths of rows computed in one call from ``position`` (replacing what a failed
         try of the same step left), and on a stage that passes hidden states on, the output rows of its
-        first step (``first_step_out``, float32 ``[n_rows, n_embd]``). Only worth calling when
-        :attr:`keeps`: nothing else reads them."""
+        first step (``first_step_out``, float32 ``[n_rows, n_embd]``). ``rows_alone``: each row was
+        attended in a call of its own (a verification step). Only worth calling when :attr:`keeps`:
+        nothing else reads them."""
         n_rows = len(keys)
         del kv.paths[position:], kv.keys[position:]
-        kv.paths += path_code(n_rows, position, self.n_ctx) * n_rows
+        if rows_alone:
+            kv.paths += b"".join(path_code(1, position + r, self.n_ctx) for r in range(n_rows))
+        else:
+            kv.paths += path_code(n_rows, position, self.n_ctx) * n_rows
         kv.keys += keys
         if first_step_out is not None and not self.is_tail:
             kept = np.concatenate(kv.hidden)[:position] if kv.hidden else first_step_out[:0]
             kv.hidden = [kept, first_step_out] if len(kept) == position else []
+
+    def cut(self, kv: SessionKV, n_keep: int) -> None:
+        """Cut the session back to its first ``n_keep`` rows (a rollback): their keys, paths and first-step
+        output rows stay, the rest are forgotten, so a kept copy of it is never matched by rows it no
+        longer holds. The cells after them keep their bytes until a later step overwrites them: nothing
+        reads them meanwhile (attention masks every cell past a row's position, and a kept session's
+        copy takes only its first ``len(keys)`` cells)."""
+        del kv.paths[n_keep:], kv.keys[n_keep:]
+        if kv.hidden and sum(len(h) for h in kv.hidden) > n_keep:
+            kv.hidden = [np.concatenate(kv.hidden)[:n_keep]]
 
     def retire(self, kv: SessionKV, token_ids: list[int]) -> None:
         """A session ended holding the cells of ``token_ids``: keep it for its prefix (pushing out the

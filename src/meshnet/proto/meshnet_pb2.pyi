@@ -52,7 +52,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., n_top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("major", "minor", "session_id", "epoch", "position", "step_id", "decode", "token_ids", "sampling", "dtype", "shape", "byte_order", "crc32", "total_bytes", "chunk_index", "n_chunks", "payload", "reserve_tokens", "next_hops", "failure")
+    __slots__ = ("major", "minor", "session_id", "epoch", "position", "step_id", "decode", "token_ids", "sampling", "dtype", "shape", "byte_order", "crc32", "total_bytes", "chunk_index", "n_chunks", "payload", "reserve_tokens", "next_hops", "failure", "verify", "rollback")
     MAJOR_FIELD_NUMBER: _ClassVar[int]
     MINOR_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,8 @@ class Envelope(_message.Message):
     RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEXT_HOPS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     major: int
     minor: int
     session_id: str
@@ -93,7 +95,9 @@ class Envelope(_message.Message):
     reserve_tokens: int
     next_hops: _containers.RepeatedCompositeFieldContainer[ForwardHop]
     failure: HopFailure
-    def __init__(self, major: _Optional[int] = ..., minor: _Optional[int] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., position: _Optional[int] = ..., step_id: _Optional[int] = ..., decode: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., byte_order: _Optional[str] = ..., crc32: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_index: _Optional[int] = ..., n_chunks: _Optional[int] = ..., payload: _Optional[bytes] = ..., reserve_tokens: _Optional[int] = ..., next_hops: _Optional[_Iterable[_Union[ForwardHop, _Mapping]]] = ..., failure: _Optional[_Union[HopFailure, _Mapping]] = ...) -> None: ...
+    verify: bool
+    rollback: bool
+    def __init__(self, major: _Optional[int] = ..., minor: _Optional[int] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., position: _Optional[int] = ..., step_id: _Optional[int] = ..., decode: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., byte_order: _Optional[str] = ..., crc32: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_index: _Optional[int] = ..., n_chunks: _Optional[int] = ..., payload: _Optional[bytes] = ..., reserve_tokens: _Optional[int] = ..., next_hops: _Optional[_Iterable[_Union[ForwardHop, _Mapping]]] = ..., failure: _Optional[_Union[HopFailure, _Mapping]] = ..., verify: _Optional[bool] = ..., rollback: _Optional[bool] = ...) -> None: ...
 
 class ForwardHop(_message.Message):
     __slots__ = ("node_id", "data_address")
@@ -134,7 +138,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("n_past", "has_token", "token_id", "logprob", "top", "hidden", "failure")
+    __slots__ = ("n_past", "has_token", "token_id", "logprob", "top", "hidden", "failure", "tokens")
     N_PAST_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +146,7 @@ class StepReply(_message.Message):
     TOP_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
     n_past: int
     has_token: bool
     token_id: int
@@ -149,7 +154,18 @@ class StepReply(_message.Message):
     top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     hidden: Envelope
     failure: HopFailure
-    def __init__(self, n_past: _Optional[int] = ..., has_token: _Optional[bool] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., hidden: _Optional[_Union[Envelope, _Mapping]] = ..., failure: _Optional[_Union[HopFailure, _Mapping]] = ...) -> None: ...
+    tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    def __init__(self, n_past: _Optional[int] = ..., has_token: _Optional[bool] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., hidden: _Optional[_Union[Envelope, _Mapping]] = ..., failure: _Optional[_Union[HopFailure, _Mapping]] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ...) -> None: ...
+
+class SampledToken(_message.Message):
+    __slots__ = ("token_id", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("session_id", "epoch")

@@ -104,7 +104,8 @@ def request_to_frames(req: StepRequest, decode: bool, max_frame: int = MAX_FRAME
     ``next_hops``: the hops the receiver forwards its output to (see :mod:`meshnet.node.forwarding`)."""
     header = pb.Envelope(session_id=req.session_id, epoch=req.epoch, position=req.position, step_id=req.step_id,
                          decode=decode, token_ids=list(req.token_ids), sampling=sampling_to_pb(req.sampling),
-                         reserve_tokens=req.reserve_tokens, next_hops=list(next_hops))
+                         reserve_tokens=req.reserve_tokens, verify=req.verify, rollback=req.rollback,
+                         next_hops=list(next_hops))
     return tensor_frames(header, req.hidden, max_frame)
 
 
@@ -176,8 +177,17 @@ def frames_to_request(frames: Iterable[pb.Envelope]) -> tuple[StepRequest, bool]
     req = StepRequest(session_id=h.session_id, epoch=int(h.epoch), position=int(h.position),
                       token_ids=tuple(int(t) for t in h.token_ids), hidden=hidden,
                       sampling=sampling_from_pb(h.sampling), step_id=int(h.step_id),
-                      reserve_tokens=int(h.reserve_tokens))
+                      reserve_tokens=int(h.reserve_tokens), verify=bool(h.verify), rollback=bool(h.rollback))
     return req, bool(h.decode)
+
+
+def _top_to_pb(t: SampledToken) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=x.token_id, logprob=x.logprob) for x in t.top]
+
+
+def _token_from_pb(m: pb.StepReply | pb.SampledToken) -> SampledToken:
+    """A sampled token from a reply (its ``token_id``, ``logprob``, ``top``) or one of its ``tokens``."""
+    return SampledToken(m.token_id, m.logprob, tuple(TokenLogprob(x.token_id, x.logprob) for x in m.top))
 
 
 def result_to_replies(req: StepRequest, res: StepResult, max_frame: int = MAX_FRAME_BYTES) -> list[pb.StepReply]:
@@ -185,7 +195,8 @@ def result_to_replies(req: StepRequest, res: StepResult, max_frame: int = MAX_FR
     if res.token is not None:
         t = res.token
         return [pb.StepReply(n_past=res.n_past, has_token=True, token_id=t.token_id, logprob=t.logprob,
-                             top=[pb.TokenLogprob(token_id=x.token_id, logprob=x.logprob) for x in t.top])]
+                             top=_top_to_pb(t), tokens=[pb.SampledToken(token_id=x.token_id, logprob=x.logprob,
+                                                                         top=_top_to_pb(x)) for x in res.tokens])]
     header = pb.Envelope(session_id=req.session_id, epoch=req.epoch, position=req.position, step_id=req.step_id)
     return [pb.StepReply(n_past=res.n_past, hidden=f) for f in tensor_frames(header, res.hidden, max_frame)]
 
@@ -195,9 +206,8 @@ def replies_to_result(replies: Iterable[pb.StepReply]) -> StepResult:
     it: Iterator[pb.StepReply] = iter(replies)
     first = next(it)
     if first.has_token:
-        token = SampledToken(first.token_id, first.logprob,
-                             tuple(TokenLogprob(x.token_id, x.logprob) for x in first.top))
-        return StepResult(Status.OK, token=token, n_past=int(first.n_past))
+        return StepResult(Status.OK, token=_token_from_pb(first), n_past=int(first.n_past),
+                          tokens=tuple(_token_from_pb(t) for t in first.tokens))
 
     def frames() -> Iterator[pb.Envelope]:
         yield first.hidden
