@@ -5,8 +5,9 @@ One JSON object per line each way. Commands carry an ``id``; each gets one reply
 ``{"event": "token", "i": I, "id_": TOKEN_ID, "t": MONOTONIC_S}`` per token, then ``{"event": "done",
 "ids": [...], "failovers": N, "error": null}``. Commands:
 
-- ``{"op": "generate", "prompt_ids": [...], "n": 64, "pace_s": 0.0}``: a greedy generation, ``pace_s``
-  seconds between tokens (the reader of a slow stream), without stopping at end-of-generation.
+- ``{"op": "generate", "prompt_ids": [...], "n": 64, "pace_s": 0.0, "forwarding": true}``: a greedy
+  generation, ``pace_s`` seconds between tokens (the reader of a slow stream), without stopping at
+  end-of-generation; ``forwarding`` false: client-orchestrated steps.
 - ``{"op": "route"}`` -> ``{"nodes": [node ids of a fresh route]}``
 - ``{"op": "nodes"}`` -> ``{"nodes": {node id: active sessions}}`` as the tracker lists them
 - ``{"op": "sessions", "address": "HOST:PORT"}`` -> ``{"active": N}`` (the node's Health)
@@ -42,6 +43,7 @@ def emit(obj: dict) -> None:
 
 
 def generate(client: MeshClient, tok: GGUFTokenizer, cmd: dict) -> None:
+    client.forwarding = cmd.get("forwarding", True)
     gen = Generation(client, tok, cmd["prompt_ids"], cmd["n"], GREEDY, stop_at_eog=False)
     error = None
     try:

@@ -43,10 +43,11 @@ def netmesh(tmp_path):
         m.close()
 
 
-def _generate(mesh, prompt_ids: list[int], n: int, pace_s: float = 0.0, on_token=None) -> tuple[dict, list[dict]]:
+def _generate(mesh, prompt_ids: list[int], n: int, pace_s: float = 0.0, on_token=None,
+              forwarding: bool = True) -> tuple[dict, list[dict]]:
     """Run a generation on the client host; ``on_token(i)`` is called after token ``i`` arrives.
     Returns the final event and the token events (each with its arrival time ``t``, monotonic)."""
-    mesh.agent.ask("generate", prompt_ids=prompt_ids, n=n, pace_s=pace_s)
+    mesh.agent.ask("generate", prompt_ids=prompt_ids, n=n, pace_s=pace_s, forwarding=forwarding)
     tokens = []
     while True:
         ev = mesh.agent.next_event(120)
@@ -59,8 +60,8 @@ def _generate(mesh, prompt_ids: list[int], n: int, pace_s: float = 0.0, on_token
 
 
 def test_client_partitioned_from_middle_node_fails_over_identically_and_leaves_no_orphan(netmesh, solo):
-    """Every link lags (10 ms RTT, 100 Mbit/s); after token 10 the client's link to the route's middle
-    node goes dark until the generation has ended."""
+    """Client-orchestrated steps. Every link lags (10 ms RTT, 100 Mbit/s); after token 10 the client's
+    link to the route's middle node goes dark until the generation has ended."""
     rtt_s = 0.010
     mesh = netmesh(["tracker", "client", "head", "mid", "spare", "tail"],
                    link={"delay_s": rtt_s / 2, "rate_bps": 12.5e6})
@@ -74,7 +75,7 @@ def test_client_partitioned_from_middle_node_fails_over_identically_and_leaves_n
             mesh.netem.set_link("client", victim, blackhole=True)
             cut.append(time.monotonic())
 
-    done, tokens = _generate(mesh, solo.prompt_ids(0), 64, on_token=partition)
+    done, tokens = _generate(mesh, solo.prompt_ids(0), 64, on_token=partition, forwarding=False)
     assert done["error"] is None
     assert done["ids"] == solo.greedy(0)
     assert done["failovers"] == 1
@@ -101,11 +102,44 @@ def test_client_partitioned_from_middle_node_fails_over_identically_and_leaves_n
     assert wait_for(lambda: set(mesh.listed().values()) == {0}, 5) is not None, mesh.listed()
 
 
-def test_without_spare_a_healed_partition_and_dropped_connections_cost_time_not_tokens(netmesh, solo):
+def test_forwarded_steps_do_not_need_the_client_to_reach_the_middle_node(netmesh, solo):
+    """Node-to-node forwarding over the same lagging links: the client's link to the middle node goes
+    dark after token 10 and nothing notices; no hidden state crosses the client's links."""
+    rtt_s = 0.010
+    mesh = netmesh(["tracker", "client", "head", "mid", "tail"], link={"delay_s": rtt_s / 2, "rate_bps": 12.5e6})
+    mesh.start_nodes([("head", "0:10"), ("mid", "10:20"), ("tail", "20:30")])
+
+    def partition(i: int) -> None:
+        if i == 9:
+            mesh.netem.set_link("client", "mid", blackhole=True)
+
+    done, tokens = _generate(mesh, solo.prompt_ids(0), 64, on_token=partition)
+    assert done["error"] is None
+    assert done["ids"] == solo.greedy(0)
+    assert done["failovers"] == 0
+    # A token took four one-way legs (client -> head -> mid -> tail -> client), two round trips.
+    assert min(b["t"] - a["t"] for a, b in zip(tokens, tokens[1:])) >= 2 * rtt_s
+    stats = mesh.netem.stats()
+    row_bytes, n_rows = 576 * 4, len(solo.prompt_ids(0)) + 63
+    assert _carried(stats, "head", "mid") >= n_rows * row_bytes  # the hidden rows went node to node
+    assert _carried(stats, "mid", "tail") >= n_rows * row_bytes
+    for node in ("head", "mid", "tail"):  # and never through the client (one row would be 2304 bytes)
+        assert _carried(stats, node, "client") < n_rows * 600, node
+    # Releases are the client's own calls: the middle node's waits for the link to come back.
+    assert wait_for(lambda: mesh.listed() == {"head": 0, "mid": 1, "tail": 0}, 10) is not None, mesh.listed()
+    assert mesh.agent.ask("orphans")["pending"] == 1
+    mesh.netem.set_link("client", "mid", blackhole=False)
+    assert wait_for(lambda: mesh.listed() == {"head": 0, "mid": 0, "tail": 0}, 15) is not None, mesh.listed()
+
+
+@pytest.mark.parametrize("forwarding", [True, False], ids=["forwarded", "client-orchestrated"])
+def test_without_spare_a_healed_partition_and_dropped_connections_cost_time_not_tokens(netmesh, solo, forwarding):
     """No spare. After token 10 the client's link to the middle node is dark for 3 s, less than the
     client's failover deadline (8 s): once the node answers again the client routes through it, frees
-    its stale copy of the session and replays. After token 40 every connection of the client is reset
-    (a NAT forgetting them). The 64 ids equal the solo run, and nothing is left over."""
+    its stale copy of the session and replays (forwarded steps do not notice the cut, unless the reset
+    below comes while it lasts: the replay then waits for the node to answer). After token 40 every
+    connection of the client is reset (a NAT forgetting them). The 64 ids equal the solo run, and nothing
+    is left over."""
     mesh = netmesh(["tracker", "client", "head", "mid", "tail"])
     mesh.start_nodes([("head", "0:10"), ("mid", "10:20"), ("tail", "20:30")])
     times, dropped = {}, []
@@ -123,14 +157,15 @@ def test_without_spare_a_healed_partition_and_dropped_connections_cost_time_not_
             dropped.extend(mesh.netem.reset("client", n) for n in ("tracker", "head", "mid", "tail"))
             times["reset"] = time.monotonic()
 
-    done, tokens = _generate(mesh, solo.prompt_ids(0), 64, on_token=hostile)
+    done, tokens = _generate(mesh, solo.prompt_ids(0), 64, on_token=hostile, forwarding=forwarding)
     assert done["error"] is None
     assert done["ids"] == solo.greedy(0)
     resumed_s = next(t["t"] for t in tokens if t["t"] > times["cut"]) - times["heal"]
     reset_s = next(t["t"] for t in tokens if t["t"] > times["reset"]) - times["reset"]
     print(f"\nheal to the next token: {resumed_s:.2f} s; connections reset {dropped}, "
           f"{reset_s:.2f} s to the next token; failovers {done['failovers']}")
-    assert all(n >= 1 for n in dropped[1:])  # the client held a connection to every node
+    # The client held a connection to every node it sends steps to: all of them, or the head and the tail.
+    assert all(n >= 1 for n in ((dropped[1], dropped[3]) if forwarding else dropped[1:])), dropped
     assert done["failovers"] >= 1  # the partition (a reset connection is failed over and replayed too)
     orphans = mesh.agent.ask("orphans")
     assert (orphans["pending"], orphans["released"]) == (0, 0)  # freed before the replay, not left behind

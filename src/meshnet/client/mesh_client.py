@@ -305,11 +305,13 @@ class MeshClient:
         # Every hop the replay reaches may hold an older copy of the session (a node back at its old
         # address, a release of an earlier failover that never landed), which would refuse the replay's
         # first step: copies older than the new epoch go first. Fenced, these releases are harmless
-        # wherever no such copy exists; a node that does not answer fails the replay itself.
+        # wherever no such copy exists. A node that does not answer fails the replay: it may hold a copy
+        # (forwarded steps reach a node the client itself has been cut off from), and the next failover
+        # routes around it, or through it once it answers again.
         replayed = {(h.node_id, h.address) for h in hops[first:]}
         for hop in hops[first:]:
             out = hop.release(log_.session_id, superseded_by=epoch, timeout_s=RELEASE_WAIT_S)
-            if not out.ok and hop.node_id in exclude:
+            if not out.ok:
                 raise StageFailure(hop.node_id, hop.address, "UNAVAILABLE",
                                    f"could not free its old copy of the session: {out.message}")
         for hop in old[first:]:
