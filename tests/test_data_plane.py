@@ -267,3 +267,32 @@ def test_an_overdue_reply_is_waited_for_while_the_node_answers_and_not_when_it_i
         conn.close()
     finally:
         server.stop()
+
+
+def test_many_requests_go_out_at_once_and_their_answers_come_back_in_order():
+    """A replay's steps in one round trip: a prefill and 1000 decodes of 4096-wide rows, 16 MB each way
+    (sent without reading the answers, the sends block: the node stops reading while its answers wait
+    to be read; so the requests go out while the answers are read); then one refused step ends the
+    reading."""
+    model = FakeModel(n_embd=4096)
+    eng = FakeEngine(model)
+    assert eng.load(LoadSpec(path="", artifact=ArtifactId(model.sha256, LayerRange(10, 20)))).ok
+    server = DataPlaneServer("127.0.0.1", 0, NodeService(eng, "mid", pb.ModelIdentity()).run_step, TOKEN)
+    server.start()
+    try:
+        conn = DataPlaneConnection(f"127.0.0.1:{server.port}", TOKEN, 5)
+        rows = np.ones((1, model.n_embd), dtype=np.float32)
+
+        def step(position: int, n: int = 1) -> list[pb.Envelope]:
+            x = NamedTensor.from_numpy("hidden", np.ones((n, model.n_embd), dtype=np.float32))
+            return request_to_frames(StepRequest("many", 0, position, (7,) * n, x), n == 1)
+
+        answers = conn.call_many([step(0, 8)] + [step(8 + i) for i in range(1000)], 30.0)
+        assert [e for _, e in answers] == [None] * 1001
+        assert [replies_to_result(r).n_past for r, _ in answers] == list(range(8, 1009))
+        # A step at a position the session does not have: refused, and nothing after it is read.
+        answers = conn.call_many([step(1008), step(5), step(1010)], 5.0)
+        assert len(answers) == 2 and answers[0][1] is None and answers[1][1][0] == "FAILED_PRECONDITION"
+        conn.close()
+    finally:
+        server.stop()

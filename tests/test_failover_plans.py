@@ -29,6 +29,15 @@ class FakeHop:
             raise StageFailure(self.node_id, self.address, "UNAVAILABLE", f"step {self.sent} injected")
         return self.engine.decode(req) if decode else self.engine.prefill(req)
 
+    def replay(self, steps, timeout_s: float | None = None):
+        """As a node without a data plane replays: one step after another, up to the first refusal."""
+        results = []
+        for req, decode in steps:
+            results.append(self.step(req, decode))
+            if not results[-1].ok:
+                break
+        return results
+
     def release(self, session_id: str, superseded_by: int = 0, timeout_s: float = 5.0) -> Outcome:
         if superseded_by:
             return self.engine.release_superseded(session_id, superseded_by)

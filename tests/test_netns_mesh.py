@@ -132,6 +132,34 @@ def test_forwarded_steps_do_not_need_the_client_to_reach_the_middle_node(netmesh
     assert wait_for(lambda: mesh.listed() == {"head": 0, "mid": 0, "tail": 0}, 15) is not None, mesh.listed()
 
 
+def test_a_middle_node_cut_off_from_everyone_while_forwarding_is_replaced_identically(netmesh, solo):
+    """Forwarded steps over 20 ms RTT links; after token 40 the route's middle node loses every link (a
+    dead machine, as far as the others can tell). The head's forward goes into the void, the client's
+    await at the tail runs past its deadline, the middle node leaves Health unanswered: it is failed over
+    to the spare, and the session is rebuilt on the new route from its token ids, each hop's replay in
+    one round trip."""
+    rtt_s = 0.020
+    hosts = ["tracker", "client", "head", "mid", "spare", "tail"]
+    mesh = netmesh(hosts, link={"delay_s": rtt_s / 2})
+    mesh.start_nodes([("head", "0:10"), ("mid", "10:20"), ("spare", "10:20"), ("tail", "20:30")])
+    victim = "mid" if "mid" in mesh.agent.ask("route")["nodes"] else "spare"
+    cut = []
+
+    def isolate(i: int) -> None:
+        if i == 39:
+            for other in hosts:
+                if other != victim:
+                    mesh.netem.set_link(other, victim, blackhole=True)
+            cut.append(time.monotonic())
+
+    done, tokens = _generate(mesh, solo.prompt_ids(1), 64, on_token=isolate)
+    assert done["error"] is None
+    assert done["ids"] == solo.greedy(1)
+    assert done["failovers"] == 1
+    stall_s = next(t["t"] for t in tokens if t["t"] > cut[0]) - cut[0]
+    print(f"\nmiddle node cut off to the next token: {stall_s:.2f} s")
+
+
 @pytest.mark.parametrize("forwarding", [True, False], ids=["forwarded", "client-orchestrated"])
 def test_without_spare_a_healed_partition_and_dropped_connections_cost_time_not_tokens(netmesh, solo, forwarding):
     """No spare. After token 10 the client's link to the middle node is dark for 3 s, less than the

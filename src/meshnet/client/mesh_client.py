@@ -330,10 +330,15 @@ class MeshClient:
         if same_ranges(old[first:], hops[first:]) and recorded >= len(old):
             self._replay_in_parallel(log_, first)
         else:
+            # Hop by hop: what one hop answers is the next one's input.
+            inputs = [rec.inputs[first] if first < len(rec.inputs) else None for rec in log_.steps]
+            for i in range(first, len(hops)):
+                for rec, x in zip(log_.steps, inputs):
+                    rec.inputs = (rec.inputs + [None] * len(hops))[:len(hops)]
+                    rec.inputs[i] = x
+                inputs = [res.hidden for res in self._replay_hop(log_, i)]
             for rec in log_.steps:
-                inputs = (rec.inputs + [None] * len(hops))[:len(hops)]
-                self._check_replayed(log_, self._run(log_, rec.req, rec.decode, first, inputs))
-                rec.inputs, rec.through = inputs, len(hops)
+                rec.through = len(hops)
         log_.intact = len(hops)
         return first
 
@@ -343,23 +348,28 @@ class MeshClient:
         kernels), so a replay costs the slowest hop's time rather than the sum of every hop's. Raises
         StageFailure (the first hop that failed) or MeshUnavailable (a refused step)."""
 
-        def replay(i: int) -> None:
-            hop = log_.hops[i]
-            for rec in log_.steps:
-                res = self._timed_step(hop, replace(rec.req, epoch=log_.epoch, hidden=rec.inputs[i]), rec.decode)
-                if res.status is Status.NOT_FOUND:  # its engine restarted during the replay
-                    raise SessionLost(hop.node_id, hop.address, "NOT_FOUND", res.message)
-                self._check_replayed(log_, res)
-
         n = len(log_.hops) - first
         if n == 1:
-            replay(first)
+            self._replay_hop(log_, first)
             return
         with ThreadPoolExecutor(n, thread_name_prefix="meshnet-replay") as pool:
-            futures = [pool.submit(replay, i) for i in range(first, len(log_.hops))]
+            futures = [pool.submit(self._replay_hop, log_, i) for i in range(first, len(log_.hops))]
         errors = [f.exception() for f in futures if f.exception() is not None]
         if errors:
             raise next((e for e in errors if isinstance(e, StageFailure)), errors[0])
+
+    def _replay_hop(self, log_: SessionLog, i: int) -> list[StepResult]:
+        """Replay every recorded step on hop ``i`` from the inputs recorded for it, in one round trip
+        (:meth:`RemoteStage.replay`); returns the hop's results. Raises StageFailure (SessionLost when
+        its engine restarted meanwhile) or MeshUnavailable (a refused step)."""
+        hop = log_.hops[i]
+        results = hop.replay([(replace(rec.req, epoch=log_.epoch, hidden=rec.inputs[i]), rec.decode)
+                              for rec in log_.steps])
+        for res in results:
+            if res.status is Status.NOT_FOUND:  # its engine restarted during the replay
+                raise SessionLost(hop.node_id, hop.address, "NOT_FOUND", res.message)
+            self._check_replayed(log_, res)
+        return results
 
     def _check_replayed(self, log_: SessionLog, res: StepResult) -> None:
         """A replayed step a node refused ends the session (its hops may disagree now)."""

@@ -90,6 +90,36 @@ class RemoteStage:
         except WireError as e:
             raise StageFailure(self.node_id, self.address, "DATA_LOSS", e.message) from None
 
+    def replay(self, steps: list[tuple[StepRequest, bool]], timeout_s: float | None = None) -> list[StepResult]:
+        """Run ``steps`` (request, decode) in order, as a failover's replay: on the data plane all in one
+        round trip (:meth:`DataPlaneConnection.call_many`), else one call each. Returns their results up
+        to and including the first that is not OK. ``timeout_s`` (default the stage's) bounds each answer.
+        Raises StageFailure."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if self.data_pool is None:
+            results = []
+            for req, decode in steps:
+                results.append(self.step(req, decode, timeout_s))
+                if not results[-1].ok:
+                    break
+            return results
+        requests = [request_to_frames(req, decode, self.max_frame_bytes) for req, decode in steps]
+        try:
+            conn = self.data_pool.acquire(timeout_s)
+        except (OSError, DataPlaneError) as e:
+            raise StageFailure(self.node_id, self.data_pool.address, *_socket_failure(e, timeout_s)) from None
+        try:
+            answers = conn.call_many(requests, timeout_s)
+        except (OSError, DataPlaneError) as e:
+            conn.close()
+            raise StageFailure(self.node_id, self.data_pool.address, *_socket_failure(e, timeout_s)) from None
+        results = [self._refusal(error) if error is not None else self._decode(replies) for replies, error in answers]
+        if len(answers) < len(requests):
+            conn.close()  # the node answers the requests after the refused one too
+        else:
+            self.data_pool.release(conn)
+        return results
+
     # ---- node-to-node forwarding (see meshnet.node.forwarding) ---------------------------------
     @property
     def forwards(self) -> bool:

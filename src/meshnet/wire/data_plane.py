@@ -139,6 +139,40 @@ class DataPlaneConnection:
         self.send(ENVELOPE, (f.SerializeToString() for f in frames), timeout_s)
         return self.receive(timeout_s, still_alive, patience_s)
 
+    def call_many(self, requests: list[list[pb.Envelope]], timeout_s: float
+                  ) -> list[tuple[list[pb.StepReply] | None, tuple[str, float | None, str] | None]]:
+        """Send ``requests`` back to back and read their answers in order: one round trip for them all
+        (the node serves a connection's requests one after another), as a failover's replay needs.
+
+        The requests go out from a thread of their own while this one reads, so that neither side's
+        socket buffers can fill while it waits on the other. Reading stops after the first ERROR
+        answer (the node still answers the requests after it: the connection must then be closed).
+        ``timeout_s`` bounds each send and each answer. Raises OSError or DataPlaneError."""
+        failed: list[OSError] = []
+
+        def send_all() -> None:
+            try:
+                for frames in requests:
+                    self.sock.sendall(encode_messages(ENVELOPE, (f.SerializeToString() for f in frames)))
+            except OSError as e:
+                failed.append(e)
+
+        self.sock.settimeout(timeout_s)
+        sender = threading.Thread(target=send_all, name="meshnet-replay-send", daemon=True)
+        sender.start()
+        answers = []
+        try:
+            for _ in requests:
+                answers.append(self.receive())
+                if answers[-1][1] is not None:
+                    break
+        finally:
+            sender.join(timeout_s)
+        if failed and len(answers) < len(requests):
+            raise failed[0]
+        self.last_used = time.monotonic()
+        return answers
+
     def send(self, kind: int, payloads, timeout_s: float | None = None) -> None:
         """Send one message of ``kind`` per payload, each send bounded by ``timeout_s`` (default the
         connection's). Raises OSError."""
