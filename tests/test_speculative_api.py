@@ -48,7 +48,7 @@ def test_speculative_chat_equals_plain_and_reports_acceptance(served):
     assert drafted >= accepted > 0
     assert _metric(http, "meshnet_api_speculative_acceptance_rate") == pytest.approx(accepted / drafted)
     # the server's default (meshnet api --speculative ngram) applies to requests that do not say ...
-    backend.speculation = Speculation(4)
+    backend.speculation = Speculation(4, adaptive=False)
     try:
         assert _chat(http) == plain
         assert _metric(http, "meshnet_api_speculative_drafted_tokens_total") > drafted

@@ -90,7 +90,7 @@ def test_greedy_with_drafts_equals_plain_decoding(chains, tok, text, n):
     one, three = chains
     ids = chat_prompt_ids(tok, [{"role": "user", "content": text}])
     plain = generate(one, tok, ids, n, GREEDY, stop_at_eog=False)
-    spec = generate(three, tok, ids, n, GREEDY, stop_at_eog=False, speculation=Speculation(6))
+    spec = generate(three, tok, ids, n, GREEDY, stop_at_eog=False, speculation=Speculation(6, adaptive=False))
     assert spec.generated_token_ids == plain.generated_token_ids
     assert spec.verify_steps > 0 and spec.drafted >= spec.accepted
     if text is JSON_EDIT:

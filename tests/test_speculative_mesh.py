@@ -22,13 +22,13 @@ def test_speculative_mesh_equals_plain_also_across_a_killed_node(mesh, tok, smol
     head, mid, spare, tail = mesh.start_nodes([("a-head", "0:12"), ("b-mid", "12:25"), ("c-spare", "12:25"),
                                                ("d-tail", "25:30")])
     client = MeshClient(mesh.tracker, failover_deadline_s=30.0)
-    prose = generate(client, tok, prompts["prose"], 64, GREEDY, stop_at_eog=False, speculation=Speculation(6))
+    prose = generate(client, tok, prompts["prose"], 64, GREEDY, stop_at_eog=False, speculation=Speculation(6, adaptive=False))
     assert prose.generated_token_ids == want["prose"] and prose.verify_steps > 0
     assert client.failovers == 0
 
     _, route = client.route()
     victim = mid if mid.node_id in {h.node_id for h in route} else spare
-    gen = Generation(client, tok, prompts["json"], 64, GREEDY, stop_at_eog=False, speculation=Speculation(6))
+    gen = Generation(client, tok, prompts["json"], 64, GREEDY, stop_at_eog=False, speculation=Speculation(6, adaptive=False))
     for i, _ in enumerate(gen):
         if i + 1 == 24:
             # by now the session's log holds verification steps and rollbacks: the replay must redo both

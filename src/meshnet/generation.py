@@ -139,8 +139,9 @@ class Generation:
         spec, r = self.speculation, self.result
         if spec is None:
             return []
-        k = min(self._budget.next(), self.max_tokens - len(r.generated_token_ids) - 1)
-        return ngram_draft(r.prompt_token_ids + r.generated_token_ids, k, spec.ngram_max, spec.ngram_min)
+        room = min(spec.draft_tokens, self.max_tokens - len(r.generated_token_ids) - 1)
+        found = ngram_draft(r.prompt_token_ids + r.generated_token_ids, room, spec.ngram_max, spec.ngram_min)
+        return found[:self._budget.choose(len(found))] if spec.adaptive else found
 
     def __iter__(self) -> Iterator[TokenEvent]:
         r = self.result
@@ -168,17 +169,20 @@ class Generation:
                 if pending:  # accepted drafts still to emit
                     continue
                 drafts = self._drafts()
+                t_step = time.perf_counter()
                 out = self._step(position, [tok.token_id] + drafts, decode=True,
                                  step_id=len(r.generated_token_ids), verify=bool(drafts),
                                  rollback=position < cached)
+                t_step = time.perf_counter() - t_step
                 cached = position + 1 + len(drafts)
                 # Row i's token is the one after row i: drafts up to the first disagreement are kept,
                 # then the tail's own token there; the stages drop the rest at the next step.
                 kept = accepted_prefix(drafts, out)
                 pending = list(out[:kept + 1])
                 position += kept + 1
+                if self._budget is not None:
+                    self._budget.observe(len(drafts), kept, t_step)
                 if drafts:
-                    self._budget.update(len(drafts), kept)
                     r.verify_steps, r.drafted, r.accepted = r.verify_steps + 1, r.drafted + len(drafts), \
                         r.accepted + kept
             r.decode_s = time.perf_counter() - t1

@@ -39,9 +39,10 @@ class Speculation:
     up by the longest n-gram of ``ngram_max`` down to ``ngram_min`` tokens that ends the session's tokens
     and occurred before."""
 
-    draft_tokens: int = 6
+    draft_tokens: int = 10  # at most: the budget picks fewer where drafts do not pay
     ngram_max: int = 3
     ngram_min: int = 2  # a lone recurring token predicts little (in prose, nearly nothing)
+    adaptive: bool = True  # False: every round drafts all the lookup finds (tests of the protocol)
 
     def validate(self) -> str | None:
         """None when usable, else a message naming the bad field."""
@@ -76,39 +77,75 @@ def ngram_draft(tokens: Sequence[int], k: int, ngram_max: int = 3, ngram_min: in
 
 
 class DraftBudget:
-    """How many tokens the next round may draft, from how the session's last rounds went (one per
-    generation). A round that kept every draft doubles the budget (up to ``k``); one that kept ``a`` of
-    them drafts ``a + 1`` next. A round that kept none at a budget of 1 pauses drafting for ``pause``
-    tokens, doubling (up to :data:`MAX_PAUSE`) while probes keep failing and reset by any kept draft.
+    """How many draft tokens a round carries: the count with the most expected tokens per second, from
+    the generation's own figures (one budget per generation).
 
-    Why: on a CPU a verification row costs about what a prefill row costs, a third of a decode step here,
-    so rejected drafts are not free; on prose, where few drafts are right, the pauses keep the speed at
-    plain decoding's while the probes still find the passages that repeat."""
+    Drafts are right in runs (a copied passage goes on until the text departs from it), so the model
+    has two chances: ``p1`` that a round's first draft is kept, ``q`` that a draft after a kept one is.
+    A round with ``k`` drafts then gives ``E(k) = 1 + p1 * (1 - q^k) / (1 - q)`` tokens (the kept prefix
+    plus the tail's own token) and takes ``t(k) = t0 + k * c``: ``t0`` a plain decode step's time, ``c``
+    what a draft row adds. ``k`` maximises ``E(k) / t(k)`` over ``0 .. min(k_max, drafts found)``. The
+    chances are counts of this generation's rounds, decaying by :data:`DECAY` a round, with a prior of
+    one in two; ``t0`` and ``c`` are moving averages of the measured steps (the first round with drafts
+    found carries :data:`PROBE` of them, to measure ``c``).
 
-    MAX_PAUSE = 32
+    Why a cost model: a draft row is not free on a CPU (for SmolLM2 on two cores, about half a decode
+    step, the batch being compute-bound), so in one process drafts pay only where most are right;
+    across a wide-area link a round is mostly the links' delay, and long drafts pay even at modest
+    acceptance. The same model picks both, and never drafts where a draft costs more than it brings."""
+
+    DECAY = 0.95  # per round: old rounds fade (a text moves between passages that repeat and ones that do not)
+    PROBE = 2  # drafts of the first verification step, which measures a draft row's cost
 
     def __init__(self, k: int) -> None:
-        self.k, self.budget, self.pause, self.wait = k, k, 1, 0
+        self.k = k
+        # [kept, tried] of first drafts and of drafts after a kept one
+        self.first, self.then = [0.0, 0.0], [0.0, 0.0]
+        self.t0: float | None = None  # seconds of a plain decode step
+        self.c: float | None = None  # seconds a draft row adds
 
-    def next(self) -> int:
-        """Draft tokens allowed for the next step (0: decode it plainly); one call per step."""
-        if self.wait > 0:
-            self.wait -= 1
-            return 0
-        return self.budget
+    @property
+    def chances(self) -> tuple[float, float]:
+        """(p1, q): the estimated chances that a first draft is kept, and a draft after a kept one."""
+        # One in two before any evidence, and again as old evidence fades.
+        return (self.first[0] + 1) / (self.first[1] + 2), (self.then[0] + 1) / (self.then[1] + 2)
 
-    def update(self, drafted: int, kept: int) -> None:
-        """The round drafted ``drafted`` tokens and kept ``kept`` of them."""
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a round with ``k`` drafts is expected to give."""
+        p1, q = self.chances
+        q = min(q, 0.999)
+        return 1.0 + p1 * (1.0 - q ** k) / (1.0 - q)
+
+    def choose(self, available: int) -> int:
+        """Draft tokens for the next round, at most ``available`` (what the lookup found) and ``k``."""
+        limit = min(self.k, available)
+        if limit < 1 or self.t0 is None:
+            return 0  # the first decode step measures t0
+        if self.c is None:
+            return min(limit, self.PROBE)  # the first drafts measure what a draft row costs here
+        best, best_rate = 0, 1.0 / self.t0
+        for k in range(1, limit + 1):
+            rate = self.expected_tokens(k) / (self.t0 + k * self.c)
+            if rate > best_rate * 1.0001:
+                best, best_rate = k, rate
+        return best
+
+    def observe(self, drafted: int, kept: int, seconds: float) -> None:
+        """A round ran with ``drafted`` drafts, ``kept`` of them right, in ``seconds`` (client-side)."""
+        for counts in (self.first, self.then):
+            counts[0] *= self.DECAY
+            counts[1] *= self.DECAY
+        if drafted:
+            self.first[0] += kept > 0
+            self.first[1] += 1
+            if kept:  # after each kept draft but the last, one more was tried (and kept unless it ended)
+                self.then[0] += kept - 1
+                self.then[1] += kept if kept < drafted else kept - 1
         if drafted == 0:
-            return
-        if kept == drafted:
-            self.budget, self.pause = min(self.k, 2 * self.budget), 1
-        elif kept:
-            self.budget, self.pause = kept + 1, 1
-        elif self.budget > 1:
-            self.budget = 1
-        else:
-            self.wait, self.pause = self.pause, min(self.MAX_PAUSE, 2 * self.pause)
+            self.t0 = seconds if self.t0 is None else 0.8 * self.t0 + 0.2 * seconds
+        elif self.t0 is not None:
+            row = max(0.0, (seconds - self.t0) / drafted)
+            self.c = row if self.c is None else 0.7 * self.c + 0.3 * row
 
 
 def accepted_prefix(drafts: Sequence[int], tokens: Sequence[SampledToken]) -> int:
@@ -145,7 +182,7 @@ class SpeculationStats:
 def speculation_from(kind: str | None, draft_tokens: int | None,
                      default: Speculation | None = None) -> Speculation | None:
     """The speculation a request or command line asks for: ``kind`` "ngram" or "none" (None: ``default``),
-    with ``draft_tokens`` (None: ``default``'s, else 6). Raises ValueError naming a bad kind or count."""
+    with ``draft_tokens`` (None: ``default``'s, else 10). Raises ValueError naming a bad kind or count."""
     if kind is None:
         if default is None or draft_tokens is None:
             return default
@@ -169,4 +206,4 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="ngram: draft tokens by prompt lookup in the session's own text and verify them "
                         "in one step (greedy output unchanged)")
     g.add_argument("--draft-tokens", type=int, default=None,
-                   help=f"draft tokens per verification step, 1..{MAX_DRAFT_TOKENS} (default 6)")
+                   help=f"draft tokens per verification step, 1..{MAX_DRAFT_TOKENS} (default 10; fewer where drafts do not pay)")

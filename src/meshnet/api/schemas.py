@@ -47,7 +47,7 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # default 0.0
     seed: int | None = None
     # meshnet's own: n-gram speculative decoding ("none" / "ngram"; null: the server's --speculative) and
-    # the draft tokens per verification step (null: the server's --draft-tokens, else 6)
+    # the draft tokens per verification step (null: the server's --draft-tokens, else 10)
     speculative: Literal["none", "ngram"] | None = None
     draft_tokens: int | None = Field(default=None, ge=1, le=MAX_DRAFT_TOKENS)
     stop: str | list[str] | None = None
