@@ -209,6 +209,11 @@ def test_report_work_and_delivery_over_grpc(tracker):
     for position in (3, 4, 4, 2, 5):  # an old position again is no new delivery
         deliveries.delivered("s1", position)
     assert deliveries.pending == 3 and deliveries.flush() and deliveries.pending == 0
+    # Drafts a verification step kept are delivered once the next step starts after them; a session
+    # with no delivery yet reports nothing (its positions are the prompt's).
+    deliveries.delivered_through("s1", 8)
+    deliveries.delivered_through("s2", 8)
+    assert deliveries.pending == 3 and deliveries.flush() and deliveries.pending == 0
     reply = stub.ReportDelivery(pb.DeliveryReport(client_id="alice", tokens=[
         pb.DeliveredToken(session_id="s1", position=5)]), timeout=5)
     assert (reply.recorded, reply.duplicates) == (0, 1)
@@ -221,7 +226,7 @@ def test_report_work_and_delivery_over_grpc(tracker):
     [n] = got.nodes
     assert (n.node_id, n.prefill_token_layers, n.decode_token_layers, n.steps, n.n_layer) == (me.node_id, 30, 10, 2, 30)
     assert n.tokens == pytest.approx(40 / 30)
-    assert [(c.client_id, c.delivered_tokens, c.sessions) for c in got.clients] == [("alice", 3, 1)]
+    assert [(c.client_id, c.delivered_tokens, c.sessions) for c in got.clients] == [("alice", 6, 1)]
 
     # `meshnet ledger` prints the same, as JSON and as tables.
     parser = argparse.ArgumentParser(prog="meshnet")
@@ -231,13 +236,13 @@ def test_report_work_and_delivery_over_grpc(tracker):
     return_code, printed = _run(args)
     assert return_code == 0
     data = json.loads(printed)
-    assert data["clients"] == [{"client_id": "alice", "delivered_tokens": 3, "sessions": 1}]
+    assert data["clients"] == [{"client_id": "alice", "delivered_tokens": 6, "sessions": 1}]
     assert data["nodes"][0]["decode_token_layers"] == 10
     return_code, printed = _run(parser.parse_args(["ledger", "--tracker", f"127.0.0.1:{port}"]))
     lines = printed.splitlines()
     assert lines[0].split() == ["NODE", "MODEL", "PREFILL_TL", "DECODE_TL", "TOKENS", "STEPS"]
     assert lines[1].split() == [me.node_id, SHA[:12], "30", "10", "1.33", "2"]
-    assert lines[4].split() == ["alice", "3", "1"]
+    assert lines[4].split() == ["alice", "6", "1"]
 
 
 def test_reporters_keep_records_through_a_tracker_outage(tmp_path):

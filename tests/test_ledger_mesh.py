@@ -150,3 +150,38 @@ def test_cli_generation_is_charged_and_shown_by_meshnet_ledger(tmp_path, monkeyp
             {("a-head", (n + 7) * 15 / 30), ("d-tail", (n + 7) * 15 / 30)}
     finally:
         mesh.close()
+
+
+def test_a_speculative_generation_is_charged_its_accepted_drafts(tmp_path, monkeypatch, tok):
+    """A verification step delivers its kept drafts beside its own token: the client is charged for every
+    token it got (but those kept by the last round, which no later step confirms), not one per step."""
+    from meshnet.chat_template import chat_prompt_ids
+    from meshnet.speculative import Speculation
+    from test_speculative_ggml import JSON_EDIT
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    mesh = LedgerMesh(f"sqlite:///{tmp_path / 'ledger.db'}")
+    try:
+        mesh.start_nodes([("a-head", "0:15"), ("b-tail", "15:30")])
+        client = MeshClient(mesh.tracker, client_id="carol")
+        ids = chat_prompt_ids(tok, [{"role": "user", "content": JSON_EDIT}])
+        gen = Generation(client, tok, ids, 48, GREEDY, stop_at_eog=False, speculation=Speculation(6, adaptive=False))
+        steps = []
+        inner = client.step
+
+        def counted(req, decode):
+            steps.append(req)
+            return inner(req, decode)
+
+        client.step = counted
+        list(gen)
+        client.close()
+        r = gen.result
+        assert r.accepted > 8
+        last = steps[-1]
+        # The last round's kept drafts: the generation ended on them, no later step confirmed them.
+        unconfirmed = len(r.generated_token_ids) - (last.position + 1 - len(ids) + 1) if last.verify else 0
+        charged = wait_until(lambda: mesh.charges().get("carol"), "the client's charge")
+        assert charged == (48 - unconfirmed, 1) and len(steps) < 48 - unconfirmed
+    finally:
+        mesh.close()

@@ -1,4 +1,4 @@
-"""Speculative decoding through a mesh of node processes (client-orchestrated steps): greedy output equals
+"""Speculative decoding through a mesh of node processes (forwarded steps): greedy output equals
 plain in-process decoding token for token, also when a node dies in the middle of a speculative run and
 the client replays the session's steps, verification and rollback steps included, onto a spare."""
 

@@ -163,8 +163,12 @@ class MeshClient:
                     log_.steps.append(RecordedStep(replace(req, hidden=None), decode, list(step_inputs),
                                                    through=1 if forward else len(log_.hops)))
                     if result.token is not None and self.deliveries is not None:
-                        # The sampled token is the session's next one: position + tokens in this step.
-                        self.deliveries.delivered(req.session_id, req.position + len(req.token_ids))
+                        # Tokens before this step's first position were kept (the last verification
+                        # step's accepted drafts among them); of this step's, the one sampled after its
+                        # last row, or after a verification step's first (the one kept whatever the
+                        # drafts). A generation that ends on accepted drafts leaves those uncounted.
+                        self.deliveries.delivered_through(req.session_id, req.position)
+                        self.deliveries.delivered(req.session_id, req.position + (1 if req.verify else len(req.token_ids)))
                 else:
                     self._abandon(log_)
                 return result
