@@ -140,7 +140,11 @@ class Generation:
         if spec is None:
             return []
         room = min(spec.draft_tokens, self.max_tokens - len(r.generated_token_ids) - 1)
-        found = ngram_draft(r.prompt_token_ids + r.generated_token_ids, room, spec.ngram_max, spec.ngram_min)
+        tokens = r.prompt_token_ids + r.generated_token_ids
+        if spec.drafter is not None:
+            k = self._budget.choose(room) if spec.adaptive else room
+            return spec.drafter.draft(self.session_id, tokens, k) if k > 0 else []
+        found = ngram_draft(tokens, room, spec.ngram_max, spec.ngram_min)
         return found[:self._budget.choose(len(found))] if spec.adaptive else found
 
     def __iter__(self) -> Iterator[TokenEvent]:
@@ -168,8 +172,8 @@ class Generation:
                     break
                 if pending:  # accepted drafts still to emit
                     continue
+                t_step = time.perf_counter()  # a round: drafting (a draft model's decodes) and verifying
                 drafts = self._drafts()
-                t_step = time.perf_counter()
                 out = self._step(position, [tok.token_id] + drafts, decode=True,
                                  step_id=len(r.generated_token_ids), verify=bool(drafts),
                                  rollback=position < cached)
@@ -191,6 +195,8 @@ class Generation:
             r.text = "".join(parts)
         finally:
             self.client.release(self.session_id)
+            if self.speculation is not None and self.speculation.drafter is not None:
+                self.speculation.drafter.end(self.session_id)
 
 
 def generate(client: StepClient, tokenizer: GGUFTokenizer, prompt_ids: Sequence[int], max_tokens: int,

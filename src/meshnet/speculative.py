@@ -1,4 +1,4 @@
-"""Speculative decoding with n-gram drafts taken from the session's own tokens (no draft model).
+"""Speculative decoding: drafts by n-gram lookup in the session's own tokens, or from a draft model.
 
 A round: propose up to ``k`` draft tokens by prompt lookup (:func:`ngram_draft`), send the last sampled
 token and the drafts through the stages as one verification step (``StepRequest.verify``), and keep the
@@ -16,7 +16,7 @@ the same tokens as without drafts (the random draws are spent differently).
 The draft source mirrors llama.cpp's ``ngram-simple`` speculative type (``llama-server --spec-type
 ngram-simple``: the last earlier occurrence of the current n-gram, and the tokens that followed it),
 itself prompt lookup decoding (github.com/apoorvumang/prompt-lookup-decoding; llama.cpp's
-``examples/lookup``).
+``examples/lookup``). A draft model (:mod:`meshnet.draft_model`) is the other source.
 """
 
 from __future__ import annotations
@@ -30,19 +30,21 @@ import numpy as np
 
 from meshnet.contract import MAX_DRAFT_TOKENS, SampledToken
 
-SPECULATIVE_KINDS = ("none", "ngram")
+SPECULATIVE_KINDS = ("none", "ngram", "model")
 
 
 @dataclass(frozen=True)
 class Speculation:
     """How a generation drafts: ``draft_tokens`` (k, 1..:data:`MAX_DRAFT_TOKENS`) tokens a round, looked
     up by the longest n-gram of ``ngram_max`` down to ``ngram_min`` tokens that ends the session's tokens
-    and occurred before."""
+    and occurred before, or, with a ``drafter`` (a :class:`meshnet.draft_model.ModelDrafter`), decoded by
+    a draft model."""
 
     draft_tokens: int = 10  # at most: the budget picks fewer where drafts do not pay
     ngram_max: int = 3
     ngram_min: int = 2  # a lone recurring token predicts little (in prose, nearly nothing)
     adaptive: bool = True  # False: every round drafts all the lookup finds (tests of the protocol)
+    drafter: object = field(default=None, compare=False)  # a ModelDrafter, shared by the generations
 
     def validate(self) -> str | None:
         """None when usable, else a message naming the bad field."""
@@ -179,10 +181,11 @@ class SpeculationStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
-def speculation_from(kind: str | None, draft_tokens: int | None,
-                     default: Speculation | None = None) -> Speculation | None:
-    """The speculation a request or command line asks for: ``kind`` "ngram" or "none" (None: ``default``),
-    with ``draft_tokens`` (None: ``default``'s, else 10). Raises ValueError naming a bad kind or count."""
+def speculation_from(kind: str | None, draft_tokens: int | None, default: Speculation | None = None,
+                     drafter: object = None) -> Speculation | None:
+    """The speculation a request or command line asks for: ``kind`` "ngram", "model" (drafts from
+    ``drafter``, else ``default``'s) or "none" (None: ``default``), with ``draft_tokens`` (None:
+    ``default``'s, else 10). Raises ValueError naming a bad kind or count, or "model" without a drafter."""
     if kind is None:
         if default is None or draft_tokens is None:
             return default
@@ -192,7 +195,12 @@ def speculation_from(kind: str | None, draft_tokens: int | None,
     if kind == "none":
         return None
     k = draft_tokens if draft_tokens is not None else (default.draft_tokens if default else Speculation().draft_tokens)
-    spec = Speculation(k)
+    if kind == "model":
+        drafter = drafter if drafter is not None else (default.drafter if default else None)
+        if drafter is None:
+            raise ValueError("speculative 'model' needs a draft model (meshnet api/generate --speculative "
+                             "model --draft-model GGUF)")
+    spec = Speculation(k, drafter=drafter if kind == "model" else None)
     problem = spec.validate()
     if problem is not None:
         raise ValueError(problem)
@@ -203,7 +211,9 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     """``--speculative {none,ngram}`` and ``--draft-tokens K`` (read back with :func:`speculation_from`)."""
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative", choices=SPECULATIVE_KINDS, default="none",
-                   help="ngram: draft tokens by prompt lookup in the session's own text and verify them "
-                        "in one step (greedy output unchanged)")
+                   help="ngram: draft tokens by prompt lookup in the session's own text; model: decode them "
+                        "with --draft-model; either way verified in one step (greedy output unchanged)")
+    g.add_argument("--draft-model", default=None,
+                   help="GGUF (path or bundled name) with the model's vocabulary, run here to draft tokens")
     g.add_argument("--draft-tokens", type=int, default=None,
                    help=f"draft tokens per verification step, 1..{MAX_DRAFT_TOKENS} (default 10; fewer where drafts do not pay)")

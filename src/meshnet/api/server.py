@@ -57,7 +57,13 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
     """The backend ``meshnet api`` serves: a mesh through ``--tracker``, else stages in this process."""
     from meshnet.api.backend import local_backend, mesh_backend
 
-    speculation = speculation_from(args.speculative, args.draft_tokens)
+    drafter = None
+    if args.speculative == "model":
+        from meshnet.cli import _drafter
+        from meshnet.model.bundled import resolve_model
+
+        drafter = _drafter(args, str(resolve_model(args.model)))
+    speculation = speculation_from(args.speculative, args.draft_tokens, drafter=drafter)
     if args.tracker:
         backend = mesh_backend(args.tracker, args.model, join_token=args.join_token, tls_ca=args.tls_ca,
                                name=args.name, max_concurrency=args.max_concurrency or 8,

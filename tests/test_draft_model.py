@@ -1,0 +1,60 @@
+"""Drafts from a draft model (a GGUF with the target's vocabulary, run by the client): greedy output equals
+plain decoding, the draft model's KV follows the session's kept tokens, and a model with another
+vocabulary is refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from meshnet.contract import GREEDY, LayerRange
+from meshnet.draft_model import ModelDrafter
+from meshnet.generation import generate
+from meshnet.local_mesh import load_local_chain
+from meshnet.speculative import Speculation
+
+
+@pytest.fixture(scope="module")
+def drafter(smollm2_path):
+    d = ModelDrafter(str(smollm2_path), str(smollm2_path))
+    yield d
+    d.close()
+
+
+def test_the_target_as_its_own_draft_model_has_every_draft_kept(smollm2_path, tok, solo, drafter):
+    """The same weights draft exactly the greedy tokens (a verification row gives a single decode's bits):
+    every draft is kept, and the output is the plain run's."""
+    chain = load_local_chain(str(smollm2_path), [LayerRange(0, 15), LayerRange(15, 30)], n_threads=2, progress=False)
+    r = generate(chain, tok, solo.prompt_ids(0), 32, GREEDY, stop_at_eog=False,
+                 speculation=Speculation(4, adaptive=False, drafter=drafter))
+    assert r.generated_token_ids == solo.greedy(0, 32)
+    assert r.drafted > 16 and r.accepted == r.drafted
+    assert drafter._held == {}  # the generation's end freed its draft session
+
+
+def test_the_draft_session_follows_the_kept_tokens(drafter, solo):
+    """After a round whose drafts were not all kept, the draft model drops what it held beyond the kept
+    tokens: its next drafts equal those of a fresh session on the same tokens."""
+    ids = solo.prompt_ids(1)
+    first = drafter.draft("a", ids, 4)
+    assert len(first) == 4
+    other = (first[0] + 1) % 1000  # the target kept none of the drafts and chose another token
+    again = drafter.draft("a", ids + [other], 3)
+    assert again == drafter.draft("fresh", ids + [other], 3)
+    assert drafter._held["a"][1] == ids + [other] + again[:-1]
+    drafter.end("a")
+    drafter.end("fresh")
+    assert drafter._held == {}
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(smollm2_path, gemma_path):
+    with pytest.raises(ValueError, match="vocabulary"):
+        ModelDrafter(str(gemma_path), str(smollm2_path))
+
+
+def test_generate_without_a_draft_model_says_what_is_missing():
+    proc = subprocess.run([sys.executable, "-m", "meshnet.cli", "generate", "--speculative", "model", "Hi"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--draft-model" in proc.stderr
