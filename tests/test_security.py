@@ -170,3 +170,24 @@ def test_missing_tls_files_are_named(tmp_path):
         serve_tracker(tls=TlsConfig(cert=str(tmp_path / "nope.pem"), key=str(tmp_path / "nope.key")))
     with pytest.raises(ValueError, match="cannot read TLS CA certificate"):
         open_channel("127.0.0.1:1", tls_ca=str(tmp_path / "nope.pem"))
+
+
+def test_a_new_channel_reaches_a_server_restarted_on_a_dead_servers_port():
+    """A channel to an address whose previous server died does not inherit that server's refusal: each
+    channel keeps its own connections (a process-wide pool hands the new channel the dead connection's
+    backoff and it fails with UNAVAILABLE at once, as a tracker on a reused port did in the suite)."""
+    server, port = serve_tracker("127.0.0.1", 0)
+    old = open_channel(f"127.0.0.1:{port}")
+    assert list(pb_grpc.TrackerStub(old).ListNodes(pb.Empty(), timeout=5).nodes) == []
+    server.stop(grace=0).wait()
+    with pytest.raises(grpc.RpcError) as refused:
+        pb_grpc.TrackerStub(old).ListNodes(pb.Empty(), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    again, port_again = serve_tracker("127.0.0.1", port)
+    try:
+        assert port_again == port
+        fresh = open_channel(f"127.0.0.1:{port}")
+        assert list(pb_grpc.TrackerStub(fresh).ListNodes(pb.Empty(), timeout=5).nodes) == []
+    finally:
+        again.stop(grace=0).wait()
+        old.close()

@@ -37,6 +37,10 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # Each channel keeps its own connections. gRPC shares them process-wide by default, so a channel to
+    # an address whose last server died (a node restarted on its port, a port the OS handed out again)
+    # would fail at once with the dead server's cached "connection refused" until the backoff expires.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 # gRPC servers by default answer a client pinging more often than every 5 minutes with GOAWAY
