@@ -24,6 +24,7 @@ from typing import Callable
 
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.wire.data_plane import FORWARD, ConnectionPool, DataPlaneError
+from meshnet.wire.security import check_address
 
 # How long the tail keeps an outcome nobody has asked for yet (its client's await is late or gone), and
 # how long an await waits for a step that never arrives (its client has given up long before), seconds.
@@ -31,7 +32,32 @@ OUTCOME_TTL_S = 120.0
 # Outcomes and awaits held at most: a client that sends steps and never awaits them cannot grow a node.
 MAX_PENDING = 4096
 
+# Hops a forwarded step may still have to go through: a route has one hop per layer range at most.
+MAX_NEXT_HOPS = 512
+
 AwaitKey = tuple[str, int, int]  # (session_id, step_id, epoch)
+
+
+def next_hops_error(hops, own_node_id: str) -> str | None:
+    """Why ``hops`` (the ``ForwardHop`` s a step names after this node) is no route, or None.
+
+    A route names each node once and never the node it is at: a list that loops back (through this node,
+    or twice through another) would make one request run and forward steps without end."""
+    if len(hops) > MAX_NEXT_HOPS:
+        return f"next_hops names {len(hops)} hops, more than {MAX_NEXT_HOPS}"
+    ids, addresses = set(), set()
+    for i, hop in enumerate(hops):
+        if hop.node_id == own_node_id:
+            return f"next_hops[{i}] is this node ({own_node_id}): a route never comes back to a node"
+        if hop.node_id in ids or hop.data_address in addresses:
+            return f"next_hops[{i}] ({hop.node_id} at {hop.data_address}) is named twice in the route"
+        try:
+            check_address(hop.data_address)
+        except ValueError as e:
+            return f"next_hops[{i}] ({hop.node_id}): {e}"
+        ids.add(hop.node_id)
+        addresses.add(hop.data_address)
+    return None
 
 
 def await_key(envelope: pb.Envelope | pb.AwaitStep) -> AwaitKey:
@@ -67,8 +93,11 @@ class AwaitedOutcomes:
         if waiter is not None:
             waiter[1](outcome)
 
-    def await_(self, key: AwaitKey, answer: Callable) -> None:
-        """Call ``answer(outcome)`` once step ``key``'s outcome is here (now, if it already is)."""
+    def await_(self, key: AwaitKey, answer: Callable) -> Callable[[], None]:
+        """Call ``answer(outcome)`` once step ``key``'s outcome is here (now, if it already is).
+
+        Returns a function that withdraws the await (its client hung up): ``answer`` is then never
+        called, and an outcome arriving later is kept like one nobody has awaited yet."""
         with self._lock:
             expired = self._expire()
             done = self._outcomes.pop(key, None)
@@ -81,6 +110,13 @@ class AwaitedOutcomes:
         self._answer_expired(expired)
         if done is not None:
             answer(done[1])
+        return lambda: self._withdraw(key, answer)
+
+    def _withdraw(self, key: AwaitKey, answer: Callable) -> None:
+        with self._lock:
+            waiter = self._waiters.get(key)
+            if waiter is not None and waiter[1] is answer:
+                del self._waiters[key]
 
     @property
     def pending(self) -> tuple[int, int]:

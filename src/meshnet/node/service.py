@@ -19,7 +19,7 @@ import grpc
 
 from meshnet.contract import Status, StepRequest, StepResult
 from meshnet.engine.base import ShardEngine
-from meshnet.node.forwarding import AwaitedOutcomes, Forwarder, await_key
+from meshnet.node.forwarding import AwaitedOutcomes, Forwarder, await_key, next_hops_error
 from meshnet.node.worker_wire import EngineUnavailable
 
 if TYPE_CHECKING:
@@ -81,8 +81,11 @@ class NodeService(pb_grpc.NodeServicer):
         here; the answer is then only ``n_past``, with the ``failure`` of the next hop if it could not be
         reached (the client learns the token from the tail)."""
         frames = list(frames)
-        out, req, decode, res = self._execute(frames)
         hops = frames[0].next_hops if frames else ()
+        refused = next_hops_error(hops, self.node_id)
+        if refused is not None:
+            return StepOutcome("INVALID_ARGUMENT", refused)
+        out, req, decode, res = self._execute(frames)
         if not hops or out.code != "OK":
             return self._answer(out, req, res)
         reply = pb.StepReply(n_past=res.n_past)
@@ -99,8 +102,12 @@ class NodeService(pb_grpc.NodeServicer):
         if head.HasField("failure"):
             self.awaited.deliver(await_key(head), StepOutcome("OK", replies=[pb.StepReply(failure=head.failure)]))
             return
-        out, req, decode, res = self._execute(frames)
         hops = head.next_hops
+        refused = next_hops_error(hops, self.node_id)
+        if refused is not None:  # the head refuses such a route: only a misbehaving node sends it on
+            log.warning("dropped a forwarded step of session %s: %s", head.session_id, refused)
+            return
+        out, req, decode, res = self._execute(frames)
         if not hops:
             self.awaited.deliver(await_key(head), self._answer(out, req, res))
             return
@@ -110,9 +117,10 @@ class NodeService(pb_grpc.NodeServicer):
         if failure is not None and (failure.node_id != hops[-1].node_id or out.code != "OK"):
             self.forwarder.report(hops[-1], head, failure)
 
-    def run_await(self, awaited: pb.AwaitStep, answer) -> None:
-        """Answer ``answer(StepOutcome)`` with the outcome of the forwarded step ``awaited`` names."""
-        self.awaited.await_(await_key(awaited), answer)
+    def run_await(self, awaited: pb.AwaitStep, answer):
+        """Answer ``answer(StepOutcome)`` with the outcome of the forwarded step ``awaited`` names;
+        returns the function that withdraws the await (see AwaitedOutcomes.await_)."""
+        return self.awaited.await_(await_key(awaited), answer)
 
     def _forward(self, req: StepRequest, decode: bool, res: StepResult, hops) -> pb.HopFailure | None:
         """Send this stage's output for ``req`` to ``hops[0]`` with the rest of the route."""

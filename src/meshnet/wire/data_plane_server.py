@@ -10,6 +10,12 @@ announced and never sent costs nothing), up to ``max_message_bytes`` per frame a
 authenticated yet, or is refused when every connection has. Steps run on ``workers`` threads; reading
 and writing never block the selector thread, whose loop costs no thread per connection.
 
+Every frame counts at least ``FRAME_CHARGE`` bytes toward ``max_request_bytes`` (empty frames cost
+Python objects too). A connection streaming one-way FORWARD steps is not read while
+``max_pending_forwards`` of its steps wait or run (TCP backpressure on the sender). A connection
+awaiting a forwarded step's outcome (AWAIT) stays watched: the client hanging up, or sending anything
+before its answer, closes it and drops the await, so abandoned awaits hold no connection slot.
+
 Counters (``DataPlaneServer.stats``): ``accepted``, ``refused`` (over the cap, all authenticated),
 ``evicted`` (an unauthenticated connection replaced by a newer one), ``timed_out``, ``unauthenticated``
 (wrong token or not an AUTH message first), ``too_large`` and ``malformed`` (protocol violations after
@@ -42,13 +48,18 @@ MAX_AUTH_BYTES = 4096  # a join token is a short secret; nothing longer is read 
 MAX_REQUEST_BYTES = 256 << 20
 _RECV_CHUNK = 256 << 10  # bytes read per call: memory grows with what has arrived, in these steps
 _TICK_S = 0.25  # how often deadlines are checked
+# Bytes a frame counts toward max_request_bytes at least: a request announcing 2**30 chunks of empty
+# frames is refused after max_request_bytes / FRAME_CHARGE of them (real frames carry up to 1 MiB).
+FRAME_CHARGE = 4096
+# Forwarded steps of one connection waiting or running at most before it is not read any more.
+MAX_PENDING_FORWARDS = 32
 
 
 class _Conn:
     """One connection's state; touched only by the selector thread, or by the one worker running its step."""
 
     __slots__ = ("sock", "authed", "header", "body", "need", "kind", "frames", "n_frames", "request_bytes",
-                 "deadline", "busy")
+                 "deadline", "busy", "cancel_await", "forwards", "paused")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock = sock
@@ -62,6 +73,11 @@ class _Conn:
         self.request_bytes = 0
         self.deadline = deadline
         self.busy = False  # a worker owns the socket (its step runs, or its reply is being sent)
+        # Awaiting a forwarded step's outcome: drops the await (None: not awaiting). The socket stays
+        # registered meanwhile, so a hang-up is seen at once.
+        self.cancel_await: Callable[[], None] | None = None
+        self.forwards = 0  # its forwarded steps waiting for or on a worker
+        self.paused = False  # not read until fewer than max_pending_forwards of them are left
 
 
 class _Refuse(Exception):
@@ -81,11 +97,14 @@ class DataPlaneServer:
         run_forward: runs the frames of a step another node forwarded (FORWARD messages), answering
             nothing on the connection, which keeps being read meanwhile; None refuses FORWARD.
         run_await: ``run_await(pb.AwaitStep, answer)`` arranges for ``answer(StepOutcome)`` to be called
-            once, from any thread, with the awaited step's outcome; None refuses AWAIT.
+            at most once, from any thread, with the awaited step's outcome, and may return a function
+            that withdraws the await (called when the client hangs up first); None refuses AWAIT.
         join_token: the secret every connection's AUTH message must carry (None: an empty one).
         max_message_bytes: largest frame message accepted, bytes (header excluded).
         max_request_bytes: largest request (all its frames' messages together), bytes.
         max_connections: open connections at most (>= 1).
+        max_pending_forwards: forwarded steps of one connection waiting or running at most before the
+            connection is not read (>= 1).
         workers: steps running at once (>= 1); further complete requests wait for a worker.
         auth_timeout_s, read_timeout_s, idle_timeout_s: seconds a connection may take to authenticate,
             stay silent inside a request, and stay silent between requests.
@@ -96,10 +115,12 @@ class DataPlaneServer:
 
     def __init__(self, host: str, port: int, run_step: Callable, join_token: str | None = None, *,
                  run_forward: Callable | None = None, run_await: Callable | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES, max_request_bytes: int = MAX_REQUEST_BYTES,
-                 max_connections: int = 256, workers: int = 8, auth_timeout_s: float = 10.0,
+                 max_connections: int = 256, max_pending_forwards: int = MAX_PENDING_FORWARDS,
+                 workers: int = 8, auth_timeout_s: float = 10.0,
                  read_timeout_s: float = 30.0, idle_timeout_s: float = 300.0) -> None:
         for name, value in (("max_message_bytes", max_message_bytes), ("max_request_bytes", max_request_bytes),
                             ("max_connections", max_connections), ("workers", workers),
+                            ("max_pending_forwards", max_pending_forwards),
                             ("auth_timeout_s", auth_timeout_s), ("read_timeout_s", read_timeout_s),
                             ("idle_timeout_s", idle_timeout_s)):
             if value <= 0:
@@ -107,7 +128,7 @@ class DataPlaneServer:
         self._token = (join_token or "").encode()
         self._run_step, self._run_forward, self._run_await = run_step, run_forward, run_await
         self.max_message_bytes, self.max_request_bytes = max_message_bytes, max_request_bytes
-        self.max_connections = max_connections
+        self.max_connections, self.max_pending_forwards = max_connections, max_pending_forwards
         self.auth_timeout_s, self.read_timeout_s, self.idle_timeout_s = auth_timeout_s, read_timeout_s, idle_timeout_s
         self.stats: collections.Counter[str] = collections.Counter()
         self._listener = socket.create_server((host, port), backlog=1024, reuse_port=False)
@@ -121,6 +142,8 @@ class DataPlaneServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._conns: dict[int, _Conn] = {}  # by id(); insertion order = age, for eviction
         self._done: collections.deque[tuple[_Conn, bool]] = collections.deque()  # (conn, keep) from workers
+        self._answers: collections.deque[tuple[_Conn, object]] = collections.deque()  # awaits answered
+        self._forwards_done: collections.deque[_Conn] = collections.deque()  # a forwarded step of conn ran
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="data-plane-step")
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="data-plane", daemon=True)
@@ -192,6 +215,9 @@ class DataPlaneServer:
             self._sel.register(sock, selectors.EVENT_READ, c)
 
     def _read(self, c: _Conn) -> None:
+        if c.cancel_await is not None:
+            self._read_awaiting(c)
+            return
         try:
             for _ in range(8):  # at most 8 chunks per event: other connections get their turn
                 if c.body is None:
@@ -220,6 +246,21 @@ class DataPlaneServer:
         except OSError:
             self._close(c)
 
+    def _read_awaiting(self, c: _Conn) -> None:
+        """A client awaiting an outcome sends nothing until it is answered: end of stream means it gave
+        up; bytes break the protocol. Either way the await is withdrawn with the connection."""
+        try:
+            data = c.sock.recv(1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.stats["malformed"] += 1
+            _send_now(c.sock, ERROR, encode_error("INVALID_ARGUMENT", "a message arrived before the awaited "
+                                                                      "step's outcome was answered"))
+        self._close(c)
+
     def _start_message(self, c: _Conn) -> None:
         n, kind = HEADER.unpack(c.header)
         c.header = bytearray()
@@ -233,9 +274,10 @@ class DataPlaneServer:
             raise _Refuse("too_large", "INVALID_ARGUMENT",
                           f"a frame of {n} bytes exceeds the data plane's limit of {self.max_message_bytes} "
                           f"bytes per frame (max_message_bytes); send smaller frames")
-        elif c.request_bytes + n > self.max_request_bytes:
+        elif c.request_bytes + max(n, FRAME_CHARGE) > self.max_request_bytes:
             raise _Refuse("too_large", "INVALID_ARGUMENT",
-                          f"the request reaches {c.request_bytes + n} bytes, over the data plane's limit of "
+                          f"the request reaches {c.request_bytes + max(n, FRAME_CHARGE)} bytes (each frame "
+                          f"counting at least {FRAME_CHARGE}), over the data plane's limit of "
                           f"{self.max_request_bytes} bytes per request (max_request_bytes)")
         c.body, c.need, c.kind = bytearray(), n, kind
 
@@ -255,8 +297,13 @@ class DataPlaneServer:
                 awaited = pb.AwaitStep.FromString(body)
             except DecodeError as e:
                 raise _Refuse("malformed", "INVALID_ARGUMENT", f"undecodable await: {e}") from None
-            self._hand_over(c)
-            self._run_await(awaited, lambda out: self._answer_later(c, out))
+            # Still read meanwhile (see _read_awaiting); the answer is sent once the selector thread
+            # has taken the connection back from the await.
+            c.cancel_await = lambda: None
+            c.deadline = time.monotonic() + self.idle_timeout_s
+            cancel = self._run_await(awaited, lambda out: self._answered(c, out))
+            if c.cancel_await is not None and callable(cancel):
+                c.cancel_await = cancel
             return True
         try:
             f = pb.Envelope.FromString(body)
@@ -265,14 +312,20 @@ class DataPlaneServer:
         if not c.frames:
             c.n_frames = max(1, f.n_chunks)
         c.frames.append(f)
-        c.request_bytes += len(body)
+        c.request_bytes += max(len(body), FRAME_CHARGE)
         if len(c.frames) < c.n_frames:
             return False
         frames, c.frames, c.request_bytes = c.frames, [], 0
         self.stats["steps"] += 1
         if c.kind == FORWARD:
-            # One way: the connection goes on being read, so the sender can stream the next step at once.
-            self._pool.submit(self._forwarded, frames)
+            # One way: the connection goes on being read, so the sender can stream the next step at once,
+            # until too many of its steps wait.
+            c.forwards += 1
+            self._pool.submit(self._forwarded, c, frames)
+            if c.forwards >= self.max_pending_forwards:
+                c.paused = True
+                self._sel.unregister(c.sock)
+                return True
             return False
         self._hand_over(c)
         self._pool.submit(self._serve, c, frames)
@@ -284,7 +337,7 @@ class DataPlaneServer:
         self._sel.unregister(c.sock)
 
     def _sweep(self, now: float) -> None:
-        for c in [c for c in self._conns.values() if not c.busy and c.deadline <= now]:
+        for c in [c for c in self._conns.values() if not c.busy and not c.paused and c.deadline <= now]:
             self.stats["timed_out"] += 1
             self._close(c)
 
@@ -294,6 +347,23 @@ class DataPlaneServer:
                 pass
         except (BlockingIOError, InterruptedError):
             pass
+        while self._forwards_done:
+            c = self._forwards_done.popleft()
+            c.forwards -= 1
+            if c.paused and c.forwards < self.max_pending_forwards and id(c) in self._conns:
+                c.paused = False
+                c.deadline = time.monotonic() + self.idle_timeout_s
+                self._sel.register(c.sock, selectors.EVENT_READ, c)
+        while self._answers:
+            c, out = self._answers.popleft()
+            if c.cancel_await is None or id(c) not in self._conns:
+                continue  # the client hung up meanwhile: nobody to answer
+            c.cancel_await = None
+            self._hand_over(c)
+            try:
+                self._pool.submit(self._answer, c, out)
+            except RuntimeError:  # the server is stopping
+                pass
         while self._done:
             c, keep = self._done.popleft()
             c.busy = False
@@ -305,7 +375,10 @@ class DataPlaneServer:
 
     def _close(self, c: _Conn) -> None:
         self._conns.pop(id(c), None)
-        if not c.busy:
+        if c.cancel_await is not None:
+            cancel, c.cancel_await = c.cancel_await, None
+            cancel()
+        if not c.busy and not c.paused:
             try:
                 self._sel.unregister(c.sock)
             except (KeyError, ValueError):
@@ -330,17 +403,19 @@ class DataPlaneServer:
             return
         self._answer(c, out)
 
-    def _forwarded(self, frames: list[pb.Envelope]) -> None:
+    def _forwarded(self, c: _Conn, frames: list[pb.Envelope]) -> None:
         try:
             self._run_forward(frames)
         except Exception:
             log.exception("forwarded step failed")
+        finally:
+            self._forwards_done.append(c)
+            self._wake()
 
-    def _answer_later(self, c: _Conn, out) -> None:
-        try:
-            self._pool.submit(self._answer, c, out)
-        except RuntimeError:  # the server stopped: the connection is closed already
-            pass
+    def _answered(self, c: _Conn, out) -> None:
+        """The awaited outcome is here (any thread): the selector thread sends it, unless the client left."""
+        self._answers.append((c, out))
+        self._wake()
 
     def _answer(self, c: _Conn, out) -> None:
         """Send ``out`` (a StepOutcome) on ``c`` and hand the connection back to the selector thread."""
