@@ -5,12 +5,15 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
+import numpy as np
 import pytest
 
 from meshnet.client.mesh_client import MeshClient, MeshUnavailable
-from meshnet.contract import GREEDY, LayerRange, Outcome, Status, StepRequest
+from meshnet.contract import GREEDY, LayerRange, NamedTensor, Outcome, Status, StepRequest
 from meshnet.generation import Generation
 from meshnet.local_mesh import load_local_chain
+from meshnet.wire.envelope import request_to_frames
 
 
 def _run_killing(client, tok, prompt_ids, kill, after: int = 10, n: int = 64) -> list[int]:
@@ -45,10 +48,22 @@ def test_kill_without_spare_fails_fast_and_survivors_release(mesh, tok, solo):
         mid.kill()
         killed_at.append(time.monotonic())
 
+    epoch, _ = client.route()
+    gen = Generation(client, tok, solo.prompt_ids(0), 64, GREEDY, stop_at_eog=False)
     with pytest.raises(MeshUnavailable, match=r"layers \[10, 20\)"):
-        _run_killing(client, tok, solo.prompt_ids(0), kill)
+        for i, _ in enumerate(gen):
+            if i + 1 == 10:
+                kill()
     assert time.monotonic() - killed_at[0] < 10
     assert head.active_sessions() == 0 and tail.active_sessions() == 0
+    # The survivors are fenced: a step of the failed session still on its way (a stalled node that
+    # resumes and passes on a prefill it held) cannot recreate it.
+    hidden = NamedTensor.from_numpy("hidden", np.zeros((3, 576), np.float32))
+    late = request_to_frames(StepRequest(gen.session_id, epoch, 0, (1, 2, 3), hidden=hidden), False)
+    with pytest.raises(grpc.RpcError) as refused:
+        list(tail.stub().StepStream(iter(late), timeout=10))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION, refused.value.details()
+    assert tail.active_sessions() == 0
 
 
 def test_prompts_sessions_and_release_on_one_chain(mesh, smollm2_path, solo):

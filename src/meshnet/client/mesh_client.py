@@ -189,14 +189,18 @@ class MeshClient:
             for hop in log_.hops:
                 hop.cancel(session_id)
 
-    def release(self, session_id: str) -> None:
+    def release(self, session_id: str, fence: bool = False) -> None:
         """Free the session on every hop. A hop that does not answer within :data:`RELEASE_WAIT_S` (a
         stopped or cut-off node) is left to the orphan releaser, which retries until it answers, so the
-        node frees the session when it comes back instead of at its idle sweep minutes later."""
+        node frees the session when it comes back instead of at its idle sweep minutes later.
+
+        ``fence``: the session failed and steps of it may still be on their way (queued at a stalled
+        node, or forwarded between nodes): each hop also refuses its steps from now on, so a late
+        prefill cannot recreate it."""
         log_ = self._sessions.pop(session_id, None)
         if log_ is not None:
             for hop in log_.hops:
-                self._release_or_orphan(hop, session_id, log_.epoch + 1, unconditional=True)
+                self._release_or_orphan(hop, session_id, log_.epoch + 1, unconditional=not fence)
         if self.deliveries is not None:
             self.deliveries.session_ended(session_id)
 
@@ -258,12 +262,16 @@ class MeshClient:
 
     def _abandon(self, log_: SessionLog, failed: set[str] = frozenset()) -> None:
         """A refused step may have advanced earlier hops: the session cannot continue consistently.
-        Hops in ``failed`` did not answer: they are released in the background, not waited for."""
+        Hops in ``failed`` did not answer: they are released in the background, not waited for, and
+        then every hop is fenced too (see :meth:`release`): a failed node may still pass on a step it
+        held, e.g. a stalled head that resumes and forwards a prefill to the tail. A session refused
+        with every hop answering is released without a fence: its id may be retried from position 0
+        (admission retries after RESOURCE_EXHAUSTED)."""
         for hop in log_.hops:
             if hop.node_id in failed:
-                self.orphans.add(hop, log_.session_id, 0)  # 0: whatever its epoch, the session is over
+                self.orphans.add(hop, log_.session_id, log_.epoch + 1)
         log_.hops = [h for h in log_.hops if h.node_id not in failed]
-        self.release(log_.session_id)
+        self.release(log_.session_id, fence=bool(failed))
 
     def _failover(self, log_: SessionLog, failed_at: dict[str, str], deadline: float,
                   lost: set[str] = frozenset(), from_head: bool = False) -> int:
