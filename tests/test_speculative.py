@@ -22,7 +22,7 @@ from meshnet.contract import (
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.generation import Generation
 from meshnet.sampling import sample
-from meshnet.speculative import DraftBudget, Speculation, accepted_prefix, ngram_draft
+from meshnet.speculative import DraftBudget, Speculation, accepted_prefix, ngram_draft, speculation_from
 from meshnet.wire.envelope import frames_to_request, replies_to_result, request_to_frames, result_to_replies
 
 PROMPT = (11, 22, 33, 44, 55, 66, 77, 88)
@@ -214,3 +214,37 @@ def test_draft_budget_drafts_only_where_drafts_pay_for_themselves():
     for _ in range(60):  # old misses fade while nothing is drafted: longer drafts are tried again
         wan.observe(0, 0, 0.060)
     assert wan.choose(8) >= 2
+
+
+def test_a_budget_that_stopped_drafting_probes_again_ever_less_often():
+    """One slow probe (a draft row measured at 1.5 decode steps) stops drafting; after REPROBE declined
+    rounds the budget probes again, and drafts once the probe shows drafts are cheap and right; where
+    they stay dear, the next probe comes after twice as many rounds."""
+    b = DraftBudget(8)
+    b.observe(0, 0, 0.010)
+    assert b.choose(8) == 2
+    b.observe(2, 2, 0.040)  # both right, but a slow step
+    assert b.c == 0.015
+    declined = [b.choose(8) for _ in range(DraftBudget.REPROBE)]
+    assert declined == [0] * (DraftBudget.REPROBE - 1) + [DraftBudget.PROBE]
+    b.observe(2, 2, 0.012)  # the machine was only busy: a draft row costs 1 ms
+    assert b.choose(8) >= 2
+    dear = DraftBudget(8)
+    dear.observe(0, 0, 0.010)
+    dear.choose(8)
+    for probe_gap in (8, 16, 32):
+        dear.observe(2, 0, 0.040)
+        picks = [dear.choose(8) for _ in range(probe_gap)]
+        assert picks == [0] * (probe_gap - 1) + [2]
+    assert dear.choose(0) == 0  # nothing found: not a declined round
+
+
+def test_a_request_naming_only_a_draft_count_keeps_the_servers_kind_and_draft_model():
+    """``speculative`` null means the server's ``--speculative``: a new ``draft_tokens`` alone changes the
+    count, not the drafter."""
+    drafter = object()
+    spec = speculation_from(None, 4, Speculation(8, drafter=drafter))
+    assert (spec.draft_tokens, spec.drafter) == (4, drafter)
+    spec = speculation_from(None, 3, Speculation(8))
+    assert (spec.draft_tokens, spec.drafter) == (3, None)
+    assert speculation_from(None, None, None) is None and speculation_from("none", 4, Speculation(8)) is None

@@ -9,9 +9,10 @@ import pytest
 
 from meshnet.bench.spec_bench import PROMPTS
 from meshnet.chat_template import chat_prompt_ids
-from meshnet.contract import GREEDY, LayerRange, StepRequest
+from meshnet.contract import GREEDY, LayerRange, SamplingParams, StepRequest
 from meshnet.engine.ggml_engine import BatchItem, GgmlStage
-from meshnet.generation import generate
+import meshnet.generation as generation
+from meshnet.generation import Generation, generate
 from meshnet.local_mesh import load_local_chain
 from meshnet.speculative import Speculation
 
@@ -97,3 +98,35 @@ def test_greedy_with_drafts_equals_plain_decoding(chains, tok, text, n):
         # the copy-edit repeats its input: most drafts are right, and decoding passes 256 cached tokens
         assert len(ids) + n > 300
         assert spec.accepted > n // 3, (spec.drafted, spec.accepted)
+
+
+def _seeded_run(chain, tok, ids, row_cost_s: float) -> list[int]:
+    """A seeded, sampled, speculative generation on a fake clock: each step costs 1 s plus ``row_cost_s``
+    per draft row (an idle machine against a loaded one)."""
+    gen = Generation(chain, tok, ids, 40, SamplingParams(temperature=0.8, seed=1234), stop_at_eog=False,
+                     speculation=Speculation(8))
+    clock = [0.0]
+    real_step = gen._step
+
+    def step(position, tokens, *a, **k):
+        clock[0] += 1.0 + row_cost_s * (len(tokens) - 1)
+        return real_step(position, tokens, *a, **k)
+
+    gen._step = step
+    saved = generation.time.perf_counter
+    generation.time.perf_counter = lambda: clock[0]
+    try:
+        list(gen)
+    finally:
+        generation.time.perf_counter = saved
+    return gen.result.generated_token_ids, gen.result.drafted
+
+
+def test_a_seeded_sampled_speculative_run_does_not_depend_on_the_machines_speed(chains, tok):
+    """With a seed a sampled run is reproducible: the draft budget, which follows measured times, does not
+    pick its drafts (a sampled token at a drafted position spends its draw on the acceptance test)."""
+    ids = chat_prompt_ids(tok, [{"role": "user", "content": JSON_EDIT}])
+    fast, drafted_fast = _seeded_run(chains[0], tok, ids, row_cost_s=0.01)  # drafts nearly free
+    slow, drafted_slow = _seeded_run(chains[0], tok, ids, row_cost_s=5.0)  # drafts dear: the budget would stop
+    assert fast == slow and len(fast) == 40
+    assert drafted_fast == drafted_slow > 0

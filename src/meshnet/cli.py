@@ -126,34 +126,22 @@ def _run_engine_bench(args: argparse.Namespace) -> int:
     return run_engine_bench(args)
 
 
-def _drafter(args: argparse.Namespace, target_path: str):
-    """The draft model ``--draft-model`` names, checked against the target. Raises ValueError."""
-    from meshnet.draft_model import ModelDrafter
-
-    if not args.draft_model:
-        raise ValueError("--speculative model needs --draft-model GGUF (a model with the same vocabulary)")
-    return ModelDrafter(args.draft_model, target_path)
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from meshnet.generation import Generation, GenerationError
     from meshnet.local_mesh import load_local_chain, plan_ranges
-    from meshnet.speculative import speculation_from
+    from meshnet.speculative import speculation_from_args
     from meshnet.tokenizer import GGUFTokenizer
 
     if args.max_tokens < 1:
         print(f"error: --max-tokens must be >= 1, got {args.max_tokens}", file=sys.stderr)
         return 2
     sampling = _sampling_from(args)
-    # ValueError: exit status 2 (a draft model is loaded once the target's path is known, below)
-    speculation = None if args.speculative == "model" else speculation_from(args.speculative, args.draft_tokens)
     problem = sampling.validate()
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     path = str(resolve_model(args.model))
-    if args.speculative == "model":
-        speculation = speculation_from("model", args.draft_tokens, drafter=_drafter(args, path))
+    speculation = speculation_from_args(args, path)  # ValueError: exit status 2
     ranges = plan_ranges(path, args.stages, args.layers)
     tok = GGUFTokenizer.from_gguf(path)
     if args.chat:

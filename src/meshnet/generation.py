@@ -112,6 +112,11 @@ class Generation:
         self.sampling, self.max_tokens, self.stop_at_eog = sampling, max_tokens, stop_at_eog
         self.speculation = speculation
         self._budget = DraftBudget(speculation.draft_tokens) if speculation is not None else None
+        # The budget picks drafts from measured times; a seeded sampled token at a drafted position spends
+        # its draw on the acceptance test, so a seeded run drafts all it finds, whatever the machine's
+        # speed, and stays reproducible.
+        self._adaptive = (speculation is not None and speculation.adaptive
+                          and not (sampling.temperature > 0 and sampling.seed is not None))
         self.session_id = session_id or uuid.uuid4().hex
         self.result = GenerationResult(prompt_token_ids=[int(t) for t in prompt_ids])
 
@@ -142,10 +147,10 @@ class Generation:
         room = min(spec.draft_tokens, self.max_tokens - len(r.generated_token_ids) - 1)
         tokens = r.prompt_token_ids + r.generated_token_ids
         if spec.drafter is not None:
-            k = self._budget.choose(room) if spec.adaptive else room
+            k = self._budget.choose(room) if self._adaptive else room
             return spec.drafter.draft(self.session_id, tokens, k) if k > 0 else []
         found = ngram_draft(tokens, room, spec.ngram_max, spec.ngram_min)
-        return found[:self._budget.choose(len(found))] if spec.adaptive else found
+        return found[:self._budget.choose(len(found))] if self._adaptive else found
 
     def __iter__(self) -> Iterator[TokenEvent]:
         r = self.result

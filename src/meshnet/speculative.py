@@ -11,7 +11,8 @@ is the argmax given the tokens before it, which are the accepted ones, and the e
 a verification step with the bits a one-token decode of it gives (see
 :meth:`meshnet.engine.ggml_engine.GgmlStage.forward_batch`). Sampled requests speculate with the
 rejection rule of speculative sampling (:func:`meshnet.sampling.sample`): the same distribution, not
-the same tokens as without drafts (the random draws are spent differently).
+the same tokens as without drafts (the random draws are spent differently). A seeded sampled run drafts
+all the lookup finds, since its tokens would otherwise depend on timings (the draft budget's).
 
 The draft source mirrors llama.cpp's ``ngram-simple`` speculative type (``llama-server --spec-type
 ngram-simple``: the last earlier occurrence of the current n-gram, and the tokens that followed it),
@@ -43,7 +44,7 @@ class Speculation:
     draft_tokens: int = 10  # at most: the budget picks fewer where drafts do not pay
     ngram_max: int = 3
     ngram_min: int = 2  # a lone recurring token predicts little (in prose, nearly nothing)
-    adaptive: bool = True  # False: every round drafts all the lookup finds (tests of the protocol)
+    adaptive: bool = True  # False: every round drafts all it finds (protocol tests; seeded sampled runs)
     drafter: object = field(default=None, compare=False)  # a ModelDrafter, shared by the generations
 
     def validate(self) -> str | None:
@@ -89,7 +90,10 @@ class DraftBudget:
     what a draft row adds. ``k`` maximises ``E(k) / t(k)`` over ``0 .. min(k_max, drafts found)``. The
     chances are counts of this generation's rounds, decaying by :data:`DECAY` a round, with a prior of
     one in two; ``t0`` and ``c`` are moving averages of the measured steps (the first round with drafts
-    found carries :data:`PROBE` of them, to measure ``c``).
+    found carries :data:`PROBE` of them, to measure ``c``). A budget that stopped drafting probes again
+    after :data:`REPROBE` rounds that could have drafted, then after twice as many each time it still does
+    not pay: one slow step measured in a probe does not stop drafting for good, and where drafts never pay
+    the probes cost ever less.
 
     Why a cost model: a draft row is not free on a CPU (for SmolLM2 on two cores, about half a decode
     step, the batch being compute-bound), so in one process drafts pay only where most are right;
@@ -98,6 +102,7 @@ class DraftBudget:
 
     DECAY = 0.95  # per round: old rounds fade (a text moves between passages that repeat and ones that do not)
     PROBE = 2  # drafts of the first verification step, which measures a draft row's cost
+    REPROBE = 8  # rounds declining drafts before another probe (doubling while drafts do not pay, to 256)
 
     def __init__(self, k: int) -> None:
         self.k = k
@@ -105,6 +110,8 @@ class DraftBudget:
         self.first, self.then = [0.0, 0.0], [0.0, 0.0]
         self.t0: float | None = None  # seconds of a plain decode step
         self.c: float | None = None  # seconds a draft row adds
+        self._declined, self._reprobe_after = 0, self.REPROBE  # rounds that drafted nothing though they could
+        self._probing = False  # the round chosen last is a probe: its draft row's cost replaces c
 
     @property
     def chances(self) -> tuple[float, float]:
@@ -124,13 +131,22 @@ class DraftBudget:
         if limit < 1 or self.t0 is None:
             return 0  # the first decode step measures t0
         if self.c is None:
+            self._probing = True
             return min(limit, self.PROBE)  # the first drafts measure what a draft row costs here
         best, best_rate = 0, 1.0 / self.t0
         for k in range(1, limit + 1):
             rate = self.expected_tokens(k) / (self.t0 + k * self.c)
             if rate > best_rate * 1.0001:
                 best, best_rate = k, rate
-        return best
+        if best:
+            self._declined, self._reprobe_after = 0, self.REPROBE
+            return best
+        self._declined += 1
+        if self._declined < self._reprobe_after:
+            return 0
+        self._declined, self._reprobe_after = 0, min(2 * self._reprobe_after, 256)
+        self._probing = True
+        return min(limit, self.PROBE)
 
     def observe(self, drafted: int, kept: int, seconds: float) -> None:
         """A round ran with ``drafted`` drafts, ``kept`` of them right, in ``seconds`` (client-side)."""
@@ -147,7 +163,8 @@ class DraftBudget:
             self.t0 = seconds if self.t0 is None else 0.8 * self.t0 + 0.2 * seconds
         elif self.t0 is not None:
             row = max(0.0, (seconds - self.t0) / drafted)
-            self.c = row if self.c is None else 0.7 * self.c + 0.3 * row
+            self.c = row if self.c is None or self._probing else 0.7 * self.c + 0.3 * row
+            self._probing = False
 
 
 def accepted_prefix(drafts: Sequence[int], tokens: Sequence[SampledToken]) -> int:
@@ -189,7 +206,7 @@ def speculation_from(kind: str | None, draft_tokens: int | None, default: Specul
     if kind is None:
         if default is None or draft_tokens is None:
             return default
-        kind = "ngram"
+        kind = "model" if default.drafter is not None else "ngram"  # the default's kind, another count
     if kind not in SPECULATIVE_KINDS:
         raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_KINDS)}, got {kind!r}")
     if kind == "none":
@@ -207,8 +224,26 @@ def speculation_from(kind: str | None, draft_tokens: int | None, default: Specul
     return spec
 
 
+def speculation_from_args(args: argparse.Namespace, target_path: str) -> Speculation | None:
+    """The speculation ``--speculative``, ``--draft-model`` and ``--draft-tokens`` ask for; a draft model
+    is loaded and checked against the target model at ``target_path``.
+
+    Raises:
+        ValueError: a bad kind or count, "model" without ``--draft-model``, or a draft model whose
+            vocabulary differs from the target's.
+    """
+    drafter = None
+    if args.speculative == "model":
+        if not args.draft_model:
+            raise ValueError("--speculative model needs --draft-model GGUF (a model with the same vocabulary)")
+        from meshnet.draft_model import ModelDrafter
+
+        drafter = ModelDrafter(args.draft_model, target_path)
+    return speculation_from(args.speculative, args.draft_tokens, drafter=drafter)
+
+
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
-    """``--speculative {none,ngram}`` and ``--draft-tokens K`` (read back with :func:`speculation_from`)."""
+    """``--speculative {none,ngram,model}``, ``--draft-model GGUF`` and ``--draft-tokens K`` (read back with :func:`speculation_from`)."""
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative", choices=SPECULATIVE_KINDS, default="none",
                    help="ngram: draft tokens by prompt lookup in the session's own text; model: decode them "

@@ -19,6 +19,7 @@ import grpc
 from tqdm import tqdm
 
 from meshnet.proto import meshnet_pb2 as pb
+from meshnet.speculative import add_speculation_args, speculation_from_args
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.supervisor import Supervisor
 from meshnet.wire.security import open_channel
@@ -47,6 +48,7 @@ def add_up_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a complete route")
     p.add_argument("--api-port", type=int, default=8000,
                    help="serve the OpenAI-compatible API on this port (0 = any free port, -1 = no API)")
+    add_speculation_args(p)  # the API's default; a request may say otherwise
     p.set_defaults(func=run_up)
 
 
@@ -89,6 +91,7 @@ def run_up(args: argparse.Namespace) -> int:
 
     path = str(resolve_model(args.model))
     ranges = plan_ranges(path, args.stages)
+    speculation = speculation_from_args(args, path) if args.api_port >= 0 else None  # ValueError: status 2
     registry = Registry(args.heartbeat)
     server, port = serve_tracker(args.host, args.port, join_token=args.join_token, registry=registry)
     tracker = f"{args.host}:{port}"
@@ -131,6 +134,7 @@ def run_up(args: argparse.Namespace) -> int:
             api_backend = mesh_backend(tracker, args.model, join_token=args.join_token,
                                        max_concurrency=args.max_sessions,
                                        forwarding=not args.client_orchestrated)
+            api_backend.speculation = speculation
             try:
                 api = (api_backend, *start_api_in_thread(api_backend, args.host, args.api_port))
                 api_url = f"http://{args.host}:{api[1].config.port}/v1"

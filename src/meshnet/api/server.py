@@ -14,7 +14,7 @@ import uvicorn
 
 from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.backend import ApiBackend
-from meshnet.speculative import add_speculation_args, speculation_from
+from meshnet.speculative import add_speculation_args, speculation_from_args
 
 log = logging.getLogger("meshnet.api")
 
@@ -57,13 +57,9 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
     """The backend ``meshnet api`` serves: a mesh through ``--tracker``, else stages in this process."""
     from meshnet.api.backend import local_backend, mesh_backend
 
-    drafter = None
-    if args.speculative == "model":
-        from meshnet.cli import _drafter
-        from meshnet.model.bundled import resolve_model
+    from meshnet.model.bundled import resolve_model
 
-        drafter = _drafter(args, str(resolve_model(args.model)))
-    speculation = speculation_from(args.speculative, args.draft_tokens, drafter=drafter)
+    speculation = speculation_from_args(args, str(resolve_model(args.model)))
     if args.tracker:
         backend = mesh_backend(args.tracker, args.model, join_token=args.join_token, tls_ca=args.tls_ca,
                                name=args.name, max_concurrency=args.max_concurrency or 8,

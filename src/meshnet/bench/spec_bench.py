@@ -35,7 +35,8 @@ def add_spec_bench_parser(bsub) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--stages", type=int, default=1, help="in-process layer ranges")
     p.add_argument("--decode-tokens", type=int, default=96)
-    p.add_argument("--draft-tokens", type=int, default=6)
+    p.add_argument("--draft-tokens", type=int, default=Speculation().draft_tokens,
+                   help="draft tokens per round at most (the draft budget picks fewer where they do not pay)")
     p.add_argument("--repeats", type=int, default=2, help="runs of each mode per prompt; medians reported")
     p.add_argument("--out", default="bench-results/speculative.json")
     p.set_defaults(func=run_spec_bench)
