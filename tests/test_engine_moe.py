@@ -10,13 +10,15 @@ import numpy as np
 import pytest
 
 from conftest import GOLDEN_DIR, golden_exact, load_golden
-from golden_check import N_GEN, check_against_golden, cpu_stage, forward
-from meshnet.contract import LayerRange
+from golden_check import N_GEN, assert_greedy_matches, check_against_golden, cpu_stage, forward
+from meshnet.contract import GREEDY, LayerRange
 from meshnet.engine.ggml_engine import BatchItem
+from meshnet.generation import generate
 from meshnet.layer_split import layer_costs
 from meshnet.local_mesh import load_local_chain, plan_ranges
 from meshnet.model.gguf_file import GGUFError, open_gguf
 from meshnet.model.hparams import ModelConfig
+from meshnet.tokenizer import GGUFTokenizer
 
 QWEN3MOE = "tiny-qwen3moe"
 N_LAYER = 4
@@ -82,6 +84,23 @@ def test_qwen3moe_split_at_every_boundary_is_bit_identical(moe_path, n_stages):
         logits, toks = _run(moe_path, ranges, ids)
         assert toks == solo_toks, f"split {[str(r) for r in ranges]}"
         np.testing.assert_array_equal(logits, solo_logits, err_msg=f"split {[str(r) for r in ranges]}")
+
+
+def test_qwen3moe_generation_through_chained_engines(moe_path):
+    """The generation loop over in-process engine chains (load_local_chain, the route `meshnet generate`
+    takes): 64 greedy ids per golden prompt, the same from 1, 2, 3 and 4 balanced stages, and llama.cpp's
+    (every id with goldens made on these CPU features, else rule 3)."""
+    golden = load_golden(QWEN3MOE)
+    tok = GGUFTokenizer.from_gguf(str(moe_path))
+    results = {}
+    for n_stages in (1, 2, 3, 4):
+        chain = load_local_chain(str(moe_path), plan_ranges(str(moe_path), n_stages), n_ctx=512, progress=False)
+        results[n_stages] = [generate(chain, tok, p["prompt_ids"], N_GEN, GREEDY, stop_at_eog=False)
+                             .generated_token_ids for p in golden["prompts"]]
+    for n_stages in (2, 3, 4):
+        assert results[n_stages] == results[1], f"{n_stages} stages"
+    for i, ids in enumerate(results[1]):
+        assert_greedy_matches(golden, i, ids, golden_exact())
 
 
 def test_qwen3moe_batched_rows_equal_each_alone(moe_path):
