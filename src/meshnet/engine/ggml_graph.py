@@ -171,7 +171,7 @@ class StepGraph:
             return tuple(ggml.ggml_get_rows(self.ctx, x, self.inp.out_ids) for x in xs)
         return xs
 
-    def _attn_qk_norm(self, il: int, x):
+    def _attn_llama(self, il: int, x):
         """The attention block of llama / qwen2 (q/k/v biases) / qwen3 and qwen3moe (per-head q/k RMS
         norm): ``x`` ``[n_embd, n]`` -> (attention output, residual), both ``[n_embd, n_out]`` (fewer rows
         on the model's last layer, see :meth:`_select_out_rows`)."""
@@ -200,9 +200,9 @@ class StepGraph:
         return self._mm(T.FFN_DOWN, il, ggml.ggml_swiglu_split(ctx, gate, up))
 
     def _layer_llama(self, il: int, x):
-        """llama / qwen2 / qwen3 / qwen3moe: attention (:meth:`_attn_qk_norm`), then the dense or MoE
+        """llama / qwen2 / qwen3 / qwen3moe: attention (:meth:`_attn_llama`), then the dense or MoE
         FFN (:meth:`_ffn`), each added to the residual."""
-        cur, x = self._attn_qk_norm(il, x)
+        cur, x = self._attn_llama(il, x)
         ffn_inp = ggml.ggml_add(self.ctx, cur, x)
         cur = self._ffn(il, self._norm(ffn_inp, T.FFN_NORM, il))
         return ggml.ggml_add(self.ctx, cur, ffn_inp)
