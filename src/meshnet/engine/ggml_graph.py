@@ -1,8 +1,9 @@
 """The forward graph of one layer range, built with ggml the way llama.cpp builds it.
 
 Mirrors llama.cpp's graphs (src/models/*.cpp, ``llm_build_llama``, ``llm_build_qwen2``,
-``llm_build_qwen3``, ``llm_build_phi3``, ``llm_build_gemma3_iswa``) and its ``llm_graph_context``
-helpers: ``build_norm`` (RMS norm then gain), ``build_ffn`` (fused SwiGLU / GeGLU), and ``build_attn``
+``llm_build_qwen3``, ``llm_build_qwen3moe``, ``llm_build_phi3``, ``llm_build_gemma3_iswa``) and its
+``llm_graph_context`` helpers: ``build_norm`` (RMS norm then gain), ``build_ffn`` (fused SwiGLU / GeGLU),
+``build_moe_ffn`` (routed experts, in ``ggml_moe``), and ``build_attn``
 with a KV cache written by ``ggml_set_rows`` and read through ``ggml_flash_attn_ext`` (F16 cache, F32
 precision). Using the same ggml ops in the same order on weights in their stored types is what makes
 the logits equal llama.cpp's bit for bit.
@@ -28,6 +29,7 @@ from meshnet.engine.ggml_backend import (
     new_tensor,
     set_tensor,
 )
+from meshnet.engine.ggml_moe import build_moe_ffn, moe_graph_nodes
 from meshnet.engine.kv_pool import KVPool
 from meshnet.model.gguf_file import tensor_name as _tn
 from meshnet.model.hparams import ModelConfig
@@ -68,7 +70,10 @@ class StepGraph:
         self.is_head = layers.is_head()
         self.is_tail = layers.is_tail(cfg.n_layer)
         self.n_out = shape.n_out if self.is_tail else self.n_tokens
-        size = 256 + layers.n_layers * (48 + 16 * (len(shape.segments) + (1 if shape.n_dec else 0)))
+        per_layer = 48 + 16 * (len(shape.segments) + (1 if shape.n_dec else 0))
+        if cfg.manifest.is_moe:
+            per_layer += moe_graph_nodes(cfg.n_expert_used)
+        size = 256 + layers.n_layers * per_layer
         self.ctx = new_meta_context(size, size)
         self.gf = ggml.ggml_new_graph_custom(self.ctx, size, False)
         self._w = weights
@@ -166,8 +171,10 @@ class StepGraph:
             return tuple(ggml.ggml_get_rows(self.ctx, x, self.inp.out_ids) for x in xs)
         return xs
 
-    def _layer_llama(self, il: int, x):
-        """llama / qwen2 (q/k/v biases) / qwen3 (per-head q/k RMS norm)."""
+    def _attn_llama(self, il: int, x):
+        """The attention block of llama / qwen2 (q/k/v biases) / qwen3 and qwen3moe (per-head q/k RMS
+        norm): ``x`` ``[n_embd, n]`` -> (attention output, residual), both ``[n_embd, n_out]`` (fewer rows
+        on the model's last layer, see :meth:`_select_out_rows`)."""
         cfg, ctx, n = self.cfg, self.ctx, self.n_tokens
         cur = self._norm(x, T.ATTN_NORM, il)                                     # [n_embd, n]
         q = ggml.ggml_reshape_3d(ctx, self._mm(T.ATTN_Q, il, cur), cfg.head_dim, cfg.n_head, n)
@@ -178,13 +185,27 @@ class StepGraph:
             k = self._norm(k, T.ATTN_K_NORM, il)
         q, k = self._rope(q, il), self._rope(k, il)
         cur = self._mm(T.ATTN_OUT, il, self._attn(il, q, k, v, cfg.attn_scale))  # [n_embd, n]
-        cur, x = self._select_out_rows(il, cur, x)
-        ffn_inp = ggml.ggml_add(ctx, cur, x)
-        cur = self._norm(ffn_inp, T.FFN_NORM, il)
+        return self._select_out_rows(il, cur, x)
+
+    def _ffn(self, il: int, cur):
+        """The FFN of the architecture's manifest on ``cur`` ``[n_embd, n]`` (after ``ffn_norm``):
+        llama.cpp's build_ffn (SwiGLU on ffn_gate/up/down) or build_moe_ffn (routed experts)."""
+        cfg, ctx = self.cfg, self.ctx
+        if cfg.manifest.is_moe:
+            return build_moe_ffn(ctx, self.gf, cur, self._wt(T.FFN_GATE_INP, il), self._wt(T.FFN_UP_EXP, il),
+                                 self._wt(T.FFN_GATE_EXP, il), self._wt(T.FFN_DOWN_EXP, il), cfg.n_expert_used,
+                                 cfg.manifest.moe_norm_weights, cfg.expert_weights_scale)
         up = self._mm(T.FFN_UP, il, cur)                                         # [n_ff, n]
         gate = self._mm(T.FFN_GATE, il, cur)
-        cur = self._mm(T.FFN_DOWN, il, ggml.ggml_swiglu_split(ctx, gate, up))
-        return ggml.ggml_add(ctx, cur, ffn_inp)
+        return self._mm(T.FFN_DOWN, il, ggml.ggml_swiglu_split(ctx, gate, up))
+
+    def _layer_llama(self, il: int, x):
+        """llama / qwen2 / qwen3 / qwen3moe: attention (:meth:`_attn_llama`), then the dense or MoE
+        FFN (:meth:`_ffn`), each added to the residual."""
+        cur, x = self._attn_llama(il, x)
+        ffn_inp = ggml.ggml_add(self.ctx, cur, x)
+        cur = self._ffn(il, self._norm(ffn_inp, T.FFN_NORM, il))
+        return ggml.ggml_add(self.ctx, cur, ffn_inp)
 
     def _layer_phi3(self, il: int, x):
         """phi3: fused attn_qkv rows [Q; K; V], Q pre-scaled, fused ffn_up rows [gate; up]."""
@@ -256,7 +277,7 @@ class StepGraph:
                 x = ggml.ggml_scale(ctx, x, cfg.embd_scale)
         else:
             x = self.inp.hidden
-        layer = {"phi3": self._layer_phi3, "gemma3": self._layer_gemma3}.get(cfg.architecture, self._layer_llama)
+        layer = getattr(self, f"_layer_{cfg.manifest.layer}")
         for il in range(self.layers.start, self.layers.end):
             x = layer(il, x)
         if self.is_tail:

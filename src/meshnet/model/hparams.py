@@ -10,18 +10,8 @@ from dataclasses import dataclass
 
 import gguf
 
+from meshnet.model.arch_manifest import ArchManifest, check_tensors, manifest_for
 from meshnet.model.gguf_file import GGUFError, array_length, tensor_name
-
-# Architectures whose forward graph this project builds, with their RoPE style (llama.cpp
-# ``llama_model_rope_type``): NORM rotates adjacent pairs, NEOX the two halves of each head.
-ROPE_NORM, ROPE_NEOX = 0, 2
-SUPPORTED_ARCHITECTURES: dict[str, int] = {
-    "llama": ROPE_NORM,
-    "qwen2": ROPE_NEOX,
-    "qwen3": ROPE_NEOX,
-    "phi3": ROPE_NEOX,
-    "gemma3": ROPE_NEOX,
-}
 
 # llama.cpp hard-codes Gemma 3's sliding-window layer pattern (5 local : 1 global) and local RoPE base.
 GEMMA3_SWA_PATTERN = 6
@@ -45,6 +35,9 @@ class ModelConfig:
         attn_scale: factor applied to Q·K (1/sqrt(head_dim) unless the architecture says otherwise).
         embd_scale: factor on the token embeddings (sqrt(n_embd) for Gemma, else 1).
         tied_output: no ``output.weight``; the tail projects with ``token_embd``.
+        n_expert / n_expert_used: routed experts per MoE layer and how many each token uses (0: dense).
+        n_ff_exp: hidden size of one expert (``expert_feed_forward_length``).
+        expert_weights_scale: factor on the routing weights (0 or 1: none), as llama.cpp's ``w_scale``.
     """
 
     architecture: str
@@ -68,6 +61,24 @@ class ModelConfig:
     attn_scale: float
     embd_scale: float
     tied_output: bool
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    expert_weights_scale: float = 0.0
+
+    @property
+    def manifest(self) -> ArchManifest:
+        """The architecture's tensor table and graph builder."""
+        return manifest_for(self.architecture)
+
+    @property
+    def n_embd_q(self) -> int:
+        return self.head_dim * self.n_head
+
+    @property
+    def n_embd_o(self) -> int:
+        """Width of the attention output before ``attn_output`` (all heads' values)."""
+        return self.head_dim_v * self.n_head
 
     @property
     def n_embd_k_gqa(self) -> int:
@@ -83,12 +94,11 @@ class ModelConfig:
 
     @classmethod
     def from_reader(cls, reader: gguf.GGUFReader) -> "ModelConfig":
-        """Raises GGUFError for an unsupported architecture (naming it and the supported ones) or a
-        missing required key."""
+        """Raises GGUFError for an unsupported architecture (naming it and the supported ones), a
+        missing required key, or tensors that do not fit the architecture's manifest (naming the
+        missing, unexpected or misshaped tensor; see :func:`meshnet.model.arch_manifest.check_tensors`)."""
         arch = _field(reader, gguf.Keys.General.ARCHITECTURE)
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise GGUFError(f"unsupported architecture {arch!r}; supported: "
-                            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        manifest = manifest_for(arch)
 
         def req(key_fmt: str):
             v = _field(reader, key_fmt.format(arch=arch))
@@ -109,13 +119,20 @@ class ModelConfig:
         names = {t.name for t in reader.tensors}
         tied = tensor_name(gguf.MODEL_TENSOR.OUTPUT) not in names
         if n_vocab == 0:
-            embd = next(t for t in reader.tensors if t.name == tensor_name(gguf.MODEL_TENSOR.TOKEN_EMBD))
-            n_vocab = int(embd.shape[1])
+            embd = next((t for t in reader.tensors if t.name == tensor_name(gguf.MODEL_TENSOR.TOKEN_EMBD)), None)
+            n_vocab = int(embd.shape[1]) if embd is not None else 0  # no token_embd: check_tensors names it
         scaling_factor = float(opt(gguf.Keys.Rope.SCALING_FACTOR, 0.0) or 0.0)
         freq_scale = 1.0 / scaling_factor if scaling_factor > 0 else 1.0
         gemma = arch == "gemma3"
         n_swa = int(opt(gguf.Keys.Attention.SLIDING_WINDOW, 0)) if gemma else 0
-        return cls(
+        # An MoE file may omit the dense feed_forward_length (llama.cpp does not require it).
+        ff_key = gguf.Keys.LLM.FEED_FORWARD_LENGTH
+        n_ff = int(opt(ff_key, 0) if manifest.is_moe else req(ff_key))
+        n_expert = int(req(gguf.Keys.LLM.EXPERT_COUNT)) if manifest.is_moe else 0
+        n_expert_used = int(req(gguf.Keys.LLM.EXPERT_USED_COUNT)) if manifest.is_moe else 0
+        if manifest.is_moe and not 0 < n_expert_used <= n_expert:
+            raise GGUFError(f"{arch} GGUF has expert_used_count {n_expert_used} for expert_count {n_expert}")
+        cfg = cls(
             architecture=arch,
             n_layer=int(req(gguf.Keys.LLM.BLOCK_COUNT)),
             n_embd=n_embd,
@@ -123,11 +140,11 @@ class ModelConfig:
             n_head_kv=n_head_kv,
             head_dim=head_dim,
             head_dim_v=head_dim_v,
-            n_ff=int(req(gguf.Keys.LLM.FEED_FORWARD_LENGTH)),
+            n_ff=n_ff,
             n_vocab=n_vocab,
             n_ctx_train=int(req(gguf.Keys.LLM.CONTEXT_LENGTH)),
             rms_eps=float(req(gguf.Keys.Attention.LAYERNORM_RMS_EPS)),
-            rope_type=SUPPORTED_ARCHITECTURES[arch],
+            rope_type=manifest.rope_type,
             n_rot=int(opt(gguf.Keys.Rope.DIMENSION_COUNT, head_dim)),
             rope_freq_base=float(opt(gguf.Keys.Rope.FREQ_BASE, 10000.0)),
             rope_freq_scale=freq_scale,
@@ -137,4 +154,11 @@ class ModelConfig:
             attn_scale=float(opt(gguf.Keys.Attention.SCALE, 0.0) or 0.0) or 1.0 / math.sqrt(head_dim),
             embd_scale=math.sqrt(n_embd) if gemma else 1.0,
             tied_output=tied,
+            n_expert=n_expert,
+            n_expert_used=n_expert_used,
+            # llama.cpp: n_ff_exp, else n_ff / n_expert_used (llama_model_qwen3moe::load_arch_tensors)
+            n_ff_exp=int(opt(gguf.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, n_ff // n_expert_used)) if n_expert else 0,
+            expert_weights_scale=float(opt(gguf.Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0)),
         )
+        check_tensors(manifest, cfg, ((t.name, tuple(int(d) for d in t.shape)) for t in reader.tensors))
+        return cfg

@@ -1,0 +1,174 @@
+"""One table per architecture: which tensors its GGUF holds, and which layer function builds its graph.
+
+Pure data plus one check. The tensor lists follow llama.cpp's loaders (``load_arch_tensors`` in
+src/models/<arch>.cpp: a tensor loaded without ``TENSOR_NOT_REQUIRED`` is required here), restricted to
+what this engine's graph reads; gguf-py's ``MODEL_TENSORS`` table lists every tensor an architecture
+may have, and each kind here is one of those (a test checks it). A file is checked against its manifest
+when its :class:`~meshnet.model.hparams.ModelConfig` is read, so a missing, unexpected or misshaped
+tensor is refused at load with its name, before any stage hands ggml a tensor that is not there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import gguf
+
+from meshnet.model.gguf_file import GGUFError, tensor_name
+
+T = gguf.MODEL_TENSOR
+
+# RoPE styles (llama.cpp ``llama_model_rope_type``): NORM rotates adjacent pairs, NEOX the two halves.
+ROPE_NORM, ROPE_NEOX = 0, 2
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a layer (``blk.{i}.<name>.<suffix>``) or of the whole model.
+
+    Attributes:
+        kind: gguf's name for it (its GGUF name comes from ``gguf.TENSOR_NAMES``).
+        suffix: ``weight`` or ``bias``.
+        required: refuse a file without it; an optional one is used when present.
+        shape: expected dims in ggml order (ne0 first), each the name of a ``ModelConfig`` attribute;
+            None: not checked (fused tensors whose size is a sum).
+    """
+
+    kind: T
+    suffix: str = "weight"
+    required: bool = True
+    shape: tuple[str, ...] | None = None
+
+    def name(self, layer: int | None = None) -> str:
+        return tensor_name(self.kind, layer, self.suffix)
+
+
+def _w(kind: T, *shape: str) -> TensorSpec:
+    return TensorSpec(kind, "weight", True, shape or None)
+
+
+def _opt_b(kind: T, *shape: str) -> TensorSpec:
+    return TensorSpec(kind, "bias", False, shape or None)
+
+
+@dataclass(frozen=True)
+class ArchManifest:
+    """How one GGUF architecture maps onto this engine.
+
+    Attributes:
+        name: ``general.architecture``.
+        gguf_arch: the architecture in gguf-py's tables (``MODEL_TENSORS``).
+        rope_type: ROPE_NORM or ROPE_NEOX.
+        layer: the ``StepGraph`` layer function that builds a block (``_layer_<layer>``).
+        ffn: ``dense`` (SwiGLU / GeGLU on ffn_gate/up/down) or ``moe`` (routed experts,
+            ``engine.ggml_moe``).
+        layer_tensors: the tensors of every block.
+        global_tensors: the tensors outside the blocks; the head reads ``token_embd``, the tail
+            ``output_norm`` and ``output`` (``token_embd`` again when ``output`` is absent: tied).
+        moe_norm_weights: MoE only: renormalise the k routing weights to sum to 1 (llama.cpp's
+            ``norm_w`` argument of ``build_moe_ffn``, fixed per architecture in its graph).
+    """
+
+    name: str
+    gguf_arch: gguf.MODEL_ARCH
+    rope_type: int
+    layer: str
+    ffn: str
+    layer_tensors: tuple[TensorSpec, ...]
+    global_tensors: tuple[TensorSpec, ...]
+    moe_norm_weights: bool = False
+
+    @property
+    def is_moe(self) -> bool:
+        return self.ffn == "moe"
+
+
+_GLOBAL = (
+    _w(T.TOKEN_EMBD),  # [n_embd, n_vocab]; not shape-checked: some files pad the vocabulary
+    _w(T.OUTPUT_NORM, "n_embd"),
+    TensorSpec(T.OUTPUT, required=False),
+)
+_ATTN = (
+    _w(T.ATTN_NORM, "n_embd"),
+    _w(T.ATTN_Q, "n_embd", "n_embd_q"),
+    _w(T.ATTN_K, "n_embd", "n_embd_k_gqa"),
+    _w(T.ATTN_V, "n_embd", "n_embd_v_gqa"),
+    _w(T.ATTN_OUT, "n_embd_o", "n_embd"),
+    # llama.cpp's create_tensor_qkv loads these biases for every architecture when present.
+    _opt_b(T.ATTN_Q, "n_embd_q"),
+    _opt_b(T.ATTN_K, "n_embd_k_gqa"),
+    _opt_b(T.ATTN_V, "n_embd_v_gqa"),
+)
+_QK_NORM = (_w(T.ATTN_Q_NORM, "head_dim"), _w(T.ATTN_K_NORM, "head_dim"))
+_FFN_MATS = (
+    _w(T.FFN_GATE, "n_embd", "n_ff"),
+    _w(T.FFN_UP, "n_embd", "n_ff"),
+    _w(T.FFN_DOWN, "n_ff", "n_embd"),
+)
+_FFN = (_w(T.FFN_NORM, "n_embd"),) + _FFN_MATS
+_MOE = (
+    _w(T.FFN_NORM, "n_embd"),
+    _w(T.FFN_GATE_INP, "n_embd", "n_expert"),
+    _w(T.FFN_GATE_EXP, "n_embd", "n_ff_exp", "n_expert"),
+    _w(T.FFN_UP_EXP, "n_embd", "n_ff_exp", "n_expert"),
+    _w(T.FFN_DOWN_EXP, "n_ff_exp", "n_embd", "n_expert"),
+)
+
+MANIFESTS: dict[str, ArchManifest] = {m.name: m for m in (
+    ArchManifest("llama", gguf.MODEL_ARCH.LLAMA, ROPE_NORM, "llama", "dense",
+                 _ATTN + (_opt_b(T.ATTN_OUT, "n_embd"),) + _FFN
+                 + (_opt_b(T.FFN_GATE, "n_ff"), _opt_b(T.FFN_UP, "n_ff"), _opt_b(T.FFN_DOWN, "n_embd")),
+                 _GLOBAL),
+    ArchManifest("qwen2", gguf.MODEL_ARCH.QWEN2, ROPE_NEOX, "llama", "dense", _ATTN + _FFN, _GLOBAL),
+    ArchManifest("qwen3", gguf.MODEL_ARCH.QWEN3, ROPE_NEOX, "llama", "dense", _ATTN + _QK_NORM + _FFN, _GLOBAL),
+    ArchManifest("qwen3moe", gguf.MODEL_ARCH.QWEN3MOE, ROPE_NEOX, "llama", "moe", _ATTN + _QK_NORM + _MOE,
+                 _GLOBAL, moe_norm_weights=True),
+    ArchManifest("phi3", gguf.MODEL_ARCH.PHI3, ROPE_NEOX, "phi3", "dense",
+                 (_w(T.ATTN_NORM, "n_embd"), TensorSpec(T.ATTN_QKV), _w(T.ATTN_OUT, "n_embd_o", "n_embd"),
+                  _w(T.FFN_NORM, "n_embd"), TensorSpec(T.FFN_UP), _w(T.FFN_DOWN, "n_ff", "n_embd")),
+                 _GLOBAL),
+    ArchManifest("gemma3", gguf.MODEL_ARCH.GEMMA3, ROPE_NEOX, "gemma3", "dense",
+                 # gguf calls gemma's ffn_norm FFN_PRE_NORM (the same GGUF name): it precedes the FFN
+                 _ATTN + _QK_NORM + (_w(T.ATTN_POST_NORM, "n_embd"), _w(T.FFN_PRE_NORM, "n_embd")) + _FFN_MATS
+                 + (_w(T.FFN_POST_NORM, "n_embd"),),
+                 _GLOBAL),
+)}
+
+
+def manifest_for(arch: str | None) -> ArchManifest:
+    """Raises GGUFError naming ``arch`` and the supported architectures."""
+    m = MANIFESTS.get(arch or "")
+    if m is None:
+        raise GGUFError(f"unsupported architecture {arch!r}; supported: {', '.join(sorted(MANIFESTS))}")
+    return m
+
+
+def check_tensors(manifest: ArchManifest, cfg, tensors: Iterable[tuple[str, tuple[int, ...]]]) -> None:
+    """Refuse a file whose tensors do not fit ``manifest``.
+
+    Args:
+        cfg: the model's ``ModelConfig`` (n_layer and the sizes the shapes name).
+        tensors: ``(name, dims ne0-first)`` of every tensor in the file.
+    Raises:
+        GGUFError: the first missing required tensor, unexpected tensor or misshaped tensor, each
+            message naming the architecture and the tensor.
+    """
+    arch = manifest.name
+    found = dict(tensors)
+    expected: dict[str, TensorSpec] = {s.name(): s for s in manifest.global_tensors}
+    for il in range(cfg.n_layer):
+        expected.update({s.name(il): s for s in manifest.layer_tensors})
+    for name, spec in expected.items():
+        if spec.required and name not in found:
+            raise GGUFError(f"{arch} GGUF is missing tensor {name!r}")
+    for name, dims in found.items():
+        spec = expected.get(name)
+        if spec is None:
+            raise GGUFError(f"{arch} GGUF has unexpected tensor {name!r}, which this engine's {arch} graph "
+                            f"does not use")
+        if spec.shape is not None:
+            want = tuple(int(getattr(cfg, d)) for d in spec.shape)
+            if tuple(dims) != want:
+                raise GGUFError(f"{arch} GGUF tensor {name!r} has shape {list(dims)}, expected {list(want)} "
+                                f"({', '.join(spec.shape)})")
