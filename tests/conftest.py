@@ -66,6 +66,15 @@ def golden_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3moe_path() -> Path:
+    """The tiny qwen3moe golden model (../shared/golden/models-moe); skips the test without it."""
+    path = GOLDEN_DIR / "models-moe" / "tiny-qwen3moe.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path} not found")
+    return path
+
+
+@pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     try:
         return resolve_model("smollm2")

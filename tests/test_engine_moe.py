@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 
-from conftest import GOLDEN_DIR, golden_exact, load_golden
+from conftest import golden_exact, load_golden
 from golden_check import N_GEN, assert_greedy_matches, check_against_golden, cpu_stage, forward
 from meshnet.contract import GREEDY, LayerRange
 from meshnet.engine.ggml_engine import BatchItem
@@ -23,14 +23,6 @@ from meshnet.tokenizer import GGUFTokenizer
 QWEN3MOE = "tiny-qwen3moe"
 N_LAYER = 4
 N_DECODE = 16
-
-
-@pytest.fixture(scope="module")
-def moe_path():
-    path = GOLDEN_DIR / "models-moe" / f"{QWEN3MOE}.gguf"
-    if not path.is_file():
-        pytest.skip(f"{path} not found")
-    return path
 
 
 def _every_split(n_layer: int, n_stages: int) -> list[list[LayerRange]]:
@@ -57,12 +49,12 @@ def _run(path, ranges: list[LayerRange], ids: list[int]) -> tuple[np.ndarray, li
     return np.concatenate(logits), toks
 
 
-def test_qwen3moe_matches_llama_cpp(moe_path):
+def test_qwen3moe_matches_llama_cpp(qwen3moe_path):
     """Tokenizer ids, logits at the recorded positions within the golden's tolerance, top-1 where the
     margin is clear, and 64 free-running greedy ids per prompt: equal to llama.cpp's up to the first
     golden near-tie at least (rule 3, asserted inside check_against_golden)."""
     golden = load_golden(QWEN3MOE)
-    report = check_against_golden(moe_path, golden, n_stages=1)
+    report = check_against_golden(qwen3moe_path, golden, n_stages=1)
     # Prompts 0 and 2 have no near-tie in 64 steps, so rule 3 already demands all their ids.
     assert [report["greedy_equal"][i] for i in (0, 2)] == [N_GEN, N_GEN]
     if golden_exact():
@@ -73,28 +65,28 @@ def test_qwen3moe_matches_llama_cpp(moe_path):
 
 
 @pytest.mark.parametrize("n_stages", [2, 3, 4])
-def test_qwen3moe_split_at_every_boundary_is_bit_identical(moe_path, n_stages):
+def test_qwen3moe_split_at_every_boundary_is_bit_identical(qwen3moe_path, n_stages):
     """Every cut of the 4 layers into 2, 3 or 4 stages gives the one-stage run's logits bit for bit (the
     prompt batch and 16 decode steps), hence its greedy ids."""
     ids = load_golden(QWEN3MOE)["prompts"][1]["prompt_ids"]
-    solo_logits, solo_toks = _run(moe_path, [LayerRange(0, N_LAYER)], ids)
+    solo_logits, solo_toks = _run(qwen3moe_path, [LayerRange(0, N_LAYER)], ids)
     splits = _every_split(N_LAYER, n_stages)
     assert len(splits) == {2: 3, 3: 3, 4: 1}[n_stages]
     for ranges in splits:
-        logits, toks = _run(moe_path, ranges, ids)
+        logits, toks = _run(qwen3moe_path, ranges, ids)
         assert toks == solo_toks, f"split {[str(r) for r in ranges]}"
         np.testing.assert_array_equal(logits, solo_logits, err_msg=f"split {[str(r) for r in ranges]}")
 
 
-def test_qwen3moe_generation_through_chained_engines(moe_path):
+def test_qwen3moe_generation_through_chained_engines(qwen3moe_path):
     """The generation loop over in-process engine chains (load_local_chain, the route `meshnet generate`
     takes): 64 greedy ids per golden prompt, the same from 1, 2, 3 and 4 balanced stages, and llama.cpp's
     (every id with goldens made on these CPU features, else rule 3)."""
     golden = load_golden(QWEN3MOE)
-    tok = GGUFTokenizer.from_gguf(str(moe_path))
+    tok = GGUFTokenizer.from_gguf(str(qwen3moe_path))
     results = {}
     for n_stages in (1, 2, 3, 4):
-        chain = load_local_chain(str(moe_path), plan_ranges(str(moe_path), n_stages), n_ctx=512, progress=False)
+        chain = load_local_chain(str(qwen3moe_path), plan_ranges(str(qwen3moe_path), n_stages), n_ctx=512, progress=False)
         results[n_stages] = [generate(chain, tok, p["prompt_ids"], N_GEN, GREEDY, stop_at_eog=False)
                              .generated_token_ids for p in golden["prompts"]]
     for n_stages in (2, 3, 4):
@@ -103,13 +95,13 @@ def test_qwen3moe_generation_through_chained_engines(moe_path):
         assert_greedy_matches(golden, i, ids, golden_exact())
 
 
-def test_qwen3moe_batched_rows_equal_each_alone(moe_path):
+def test_qwen3moe_batched_rows_equal_each_alone(qwen3moe_path):
     """Four sessions decoding in one iteration beside a prefill segment (tokens routed to different
     experts share each ``ggml_mul_mat_id``) give the logits each gives alone, bit for bit."""
     golden = load_golden(QWEN3MOE)
     prompts = [np.asarray(p["prompt_ids"], dtype=np.int32) for p in golden["prompts"]]
     nxt = [np.asarray([p["greedy_ids"][0]], dtype=np.int32) for p in golden["prompts"]]
-    stage = cpu_stage(moe_path, LayerRange(0, N_LAYER))
+    stage = cpu_stage(qwen3moe_path, LayerRange(0, N_LAYER))
 
     alone = []
     for p, t in zip(prompts, nxt):
@@ -135,15 +127,15 @@ def test_qwen3moe_batched_rows_equal_each_alone(moe_path):
     stage.close()
 
 
-def test_qwen3moe_config_and_plan(moe_path):
-    cfg = ModelConfig.from_reader(open_gguf(moe_path))
+def test_qwen3moe_config_and_plan(qwen3moe_path):
+    cfg = ModelConfig.from_reader(open_gguf(qwen3moe_path))
     assert (cfg.architecture, cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp) == ("qwen3moe", 8, 2, 64)
     assert cfg.manifest.is_moe and cfg.manifest.moe_norm_weights
     # The planner weighs a layer by all its experts (what a stage holds), not the 2 a token uses:
     # norms, q 64x128, k/v 64x64, o 128x64, q/k norms 32, router 64x8, 3 x 8 experts of 64x64.
-    costs, _ = layer_costs(open_gguf(moe_path), N_LAYER)
+    costs, _ = layer_costs(open_gguf(qwen3moe_path), N_LAYER)
     assert costs == [2 * 64 + 64 * 128 * 2 + 64 * 64 * 2 + 2 * 32 + 64 * 8 + 3 * 8 * 64 * 64] * N_LAYER
-    assert [str(r) for r in plan_ranges(str(moe_path), 4)] == ["0:1", "1:2", "2:3", "3:4"]
+    assert [str(r) for r in plan_ranges(str(qwen3moe_path), 4)] == ["0:1", "1:2", "2:3", "3:4"]
 
 
 def _copy_gguf(src, dst, drop: str) -> None:
@@ -166,10 +158,10 @@ def _copy_gguf(src, dst, drop: str) -> None:
     w.close()
 
 
-def test_a_missing_expert_tensor_is_refused_at_load(moe_path, tmp_path):
+def test_a_missing_expert_tensor_is_refused_at_load(qwen3moe_path, tmp_path):
     missing = "blk.2.ffn_up_exps.weight"
     broken = tmp_path / "no-up-exps.gguf"
-    _copy_gguf(moe_path, broken, drop=missing)
+    _copy_gguf(qwen3moe_path, broken, drop=missing)
     message = f"qwen3moe GGUF is missing tensor '{missing}'"
     with pytest.raises(GGUFError, match=message):
         plan_ranges(str(broken), 2)
@@ -178,11 +170,11 @@ def test_a_missing_expert_tensor_is_refused_at_load(moe_path, tmp_path):
         load_local_chain(str(broken), [LayerRange(0, 2)], progress=False)
 
 
-def test_a_misshaped_router_is_refused_at_load(moe_path, tmp_path):
+def test_a_misshaped_router_is_refused_at_load(qwen3moe_path, tmp_path):
     # Rewrite blk.1.ffn_gate_inp.weight's dims in the header from [64, 8] (F32) to [64, 4]: a smaller
     # tensor, so the file still parses; the load must name the tensor and the shape it expected.
     name = b"blk.1.ffn_gate_inp.weight"
-    data = bytearray(moe_path.read_bytes())
+    data = bytearray(qwen3moe_path.read_bytes())
     i = data.index(name) + len(name)
     assert int.from_bytes(data[i:i + 4], "little") == 2
     ne1 = i + 4 + 8

@@ -1,0 +1,87 @@
+"""tiny-qwen3moe over real node processes on loopback: split into 2, 3 and 4 stages (every layer boundary
+cut at least once), and a middle node killed mid-generation with a spare taking over, forwarded node to
+node and orchestrated by the client. Every run gives llama.cpp's greedy ids and the in-process run's."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import golden_exact, load_golden
+from golden_check import assert_greedy_matches
+from meshnet.client.mesh_client import MeshClient
+from meshnet.contract import GREEDY
+from meshnet.generation import Generation
+from meshnet.tokenizer import GGUFTokenizer
+from solo_reference import SoloReference
+
+QWEN3MOE = "tiny-qwen3moe"
+N_GEN = 64
+
+
+@pytest.fixture(scope="module")
+def moe_tok(qwen3moe_path):
+    return GGUFTokenizer.from_gguf(str(qwen3moe_path))
+
+
+@pytest.fixture(scope="module")
+def moe_solo(qwen3moe_path, moe_tok):
+    """The in-process one-stage run of the golden prompts (2 threads), what every mesh run must equal."""
+    return SoloReference(qwen3moe_path, moe_tok)
+
+
+def _generate(client, tok, prompt_ids, n: int = N_GEN, kill=None, after: int = 10) -> list[int]:
+    """``n`` greedy ids through ``client``; ``kill()`` runs after token ``after``."""
+    gen = Generation(client, tok, prompt_ids, n, GREEDY, stop_at_eog=False)
+    for i, _ in enumerate(gen):
+        if kill is not None and i + 1 == after:
+            kill()
+    return gen.result.generated_token_ids
+
+
+# Each layer boundary (1, 2, 3) is cut by at least one split, and the 4-stage one cuts them all; steps are
+# forwarded node to node (the client's default) except in the one orchestrated by the client hop by hop.
+SPLITS = [
+    pytest.param(["0:2", "2:4"], True, id="0:2,2:4-forwarded"),
+    pytest.param(["0:1", "1:3", "3:4"], True, id="0:1,1:3,3:4-forwarded"),
+    pytest.param(["0:1", "1:3", "3:4"], False, id="0:1,1:3,3:4-orchestrated"),
+    pytest.param(["0:1", "1:2", "2:3", "3:4"], True, id="0:1,1:2,2:3,3:4-forwarded"),
+]
+
+
+@pytest.mark.parametrize("ranges, forwarding", SPLITS)
+def test_qwen3moe_mesh_split_equals_golden_and_in_process(mesh, qwen3moe_path, moe_tok, moe_solo, ranges, forwarding):
+    """64 greedy ids of every golden prompt through a mesh of node processes: the in-process run's, id for
+    id, and llama.cpp's (every id with goldens made on these CPU features, else the golden's rule 3)."""
+    golden = load_golden(QWEN3MOE)
+    nodes = mesh.start_nodes([(f"{chr(97 + i)}-{r.replace(':', '-')}", r) for i, r in enumerate(ranges)],
+                             str(qwen3moe_path))
+    client = MeshClient(mesh.tracker, forwarding=forwarding)
+    for i, p in enumerate(golden["prompts"]):
+        assert p["prompt_ids"] == moe_solo.prompt_ids(i)
+        out = _generate(client, moe_tok, p["prompt_ids"])
+        assert out == moe_solo.greedy(i), f"prompt {i}"
+        assert_greedy_matches(golden, i, out, golden_exact())
+    assert client.failovers == 0
+    client.close()
+    assert [n.active_sessions() for n in nodes] == [0] * len(ranges)
+
+
+@pytest.mark.parametrize("forwarding", [True, False], ids=["forwarded", "orchestrated"])
+def test_qwen3moe_kill_middle_node_with_spare_equals_uninterrupted_run(mesh, qwen3moe_path, moe_tok, moe_solo,
+                                                                        forwarding):
+    """A 3-stage mesh 0:1, 1:3, 3:4 with a spare for 1:3: the middle node in the route dies after token 10;
+    the client fails over to the spare, replays the session, and the 64 ids equal the uninterrupted run."""
+    golden = load_golden(QWEN3MOE)
+    nodes = mesh.start_nodes([("a-head", "0:1"), ("b-mid", "1:3"), ("c-spare", "1:3"), ("d-tail", "3:4")],
+                             str(qwen3moe_path))
+    head, mid, spare, tail = nodes
+    client = MeshClient(mesh.tracker, forwarding=forwarding)
+    _, route = client.route()
+    victim = mid if mid.node_id in {h.node_id for h in route} else spare
+    prompt = 1  # the long prompt: the replay re-runs its 149-token prefill on the spare
+    out = _generate(client, moe_tok, moe_solo.prompt_ids(prompt), kill=victim.kill)
+    assert out == moe_solo.greedy(prompt)
+    assert_greedy_matches(golden, prompt, out, golden_exact())
+    assert client.failovers == 1
+    client.close()
+    assert [n.active_sessions() for n in nodes if n is not victim] == [0, 0, 0]
