@@ -3,14 +3,14 @@ resident memory per stage, and llama.cpp's figures on the same file in the same 
 
 Method (mirrors the golden README's reference speed): a ``--prompt-tokens`` prompt as one batch, then
 ``--decode-tokens`` single-token greedy decode steps; the median of ``--repeats`` runs after one
-warm-up. llama.cpp (llama-cpp-python, an optional extra) runs in its own process because its ggml
-libraries and ggml-python's must never share one.
+warm-up. The reference is llama.cpp's C++ ``llama-bench`` on the same file and threads
+(:mod:`meshnet.bench.llama_bench`: prompt test, then generation at the prompt's depth), in its own
+process because its ggml and ggml-python's must never share one.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -22,10 +22,10 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshnet.bench.llama_bench import llama_bench_reference
 from meshnet.contract import GREEDY, StepRequest
 from meshnet.model.bundled import resolve_model
 from meshnet.model.gguf_file import sha256_file
-from meshnet.openmp import competitor_env
 
 # Public-domain-style filler text; repeated until the prompt has enough tokens.
 FILLER = ("On a quiet morning in early spring, the old lighthouse keeper climbed the spiral stairs one last "
@@ -140,16 +140,25 @@ def measure_rss(model: str, layers: str, threads: int, n_tokens: int = 128) -> d
     return d
 
 
-def llama_cpp_reference(model: str, prompt_ids: list[int], n_decode: int, threads: int, repeats: int) -> dict:
-    """llama.cpp's prefill/decode tokens/s on the same ids, in a separate process."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        return {"skipped": "llama-cpp-python is not installed (pip install 'meshnet[llamacpp]')"}
-    cmd = [sys.executable, "-m", "meshnet.bench.llamacpp_ref", model, json.dumps(prompt_ids), str(n_decode),
-           str(threads), str(repeats)]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=competitor_env())
-    if out.returncode != 0:
-        return {"skipped": f"llama.cpp reference failed: {out.stderr.strip()[-500:]}"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def format_table(result: dict) -> str:
+    """The figures of a ``run_engine_bench`` result as a plain-text table: tokens/s of each meshnet
+    configuration and of llama-bench, and each one's ratio to llama-bench."""
+    ref = result.get("llama_cpp", {})
+    rows = [(f"meshnet {k.replace('_', ' ')} ({','.join(v['layers'])})", v) for k, v in result["meshnet"].items()]
+    if "accelerator" in result:
+        rows.append((f"meshnet {result['accelerator']['backend']}", result["accelerator"]))
+    if "decode_tokens_per_s" in ref:
+        rows.append(("llama-bench", ref))
+    lines = [f"{'':44} {'prefill t/s':>12} {'decode t/s':>11} {'prefill x':>10} {'decode x':>9}"]
+    for name, r in rows:
+        ratios = ["", ""]
+        if "decode_tokens_per_s" in ref:
+            ratios = [f"{r[k] / ref[k]:.3f}" for k in ("prefill_tokens_per_s", "decode_tokens_per_s")]
+        lines.append(f"{name:44} {r['prefill_tokens_per_s']:12.2f} {r['decode_tokens_per_s']:11.2f} "
+                     f"{ratios[0]:>10} {ratios[1]:>9}")
+    if "skipped" in ref:
+        lines.append(f"llama-bench skipped: {ref['skipped']}")
+    return "\n".join(lines)
 
 
 def run_engine_bench(args: argparse.Namespace) -> int:
@@ -208,8 +217,8 @@ def run_engine_bench(args: argparse.Namespace) -> int:
     if args.no_llama_cpp:
         result["llama_cpp"] = {"skipped": "--no-llama-cpp"}
     else:
-        result["llama_cpp"] = llama_cpp_reference(model, prompt_ids, args.decode_tokens, args.threads,
-                                                  args.repeats)
+        result["llama_cpp"] = llama_bench_reference(model, len(prompt_ids), args.decode_tokens, args.threads,
+                                                    args.repeats)
     ref = result["llama_cpp"]
     if "decode_tokens_per_s" in ref:
         result["ratios"]["1_stage_vs_llama_cpp_decode"] = round(one["decode_tokens_per_s"] /
@@ -220,5 +229,6 @@ def run_engine_bench(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["ratios"]), file=sys.stderr)
+    print(format_table(result))
     print(f"[bench] wrote {out}", file=sys.stderr)
     return 0
