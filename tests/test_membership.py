@@ -291,13 +291,14 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
 
     # With the nodes' figures: KV cells held/reserved/capacity, rows per iteration, steps in queue.
     load = {"kv_tokens_held": 120, "kv_tokens_reserved": 400, "kv_tokens_capacity": 8192, "kv_bytes": 1 << 20,
-            "mean_batch_rows": 6.5, "max_batch_rows": 40, "waiting_steps": 2, "mean_queue_ms": 1.25}
+            "mean_batch_rows": 6.5, "max_batch_rows": 40, "waiting_steps": 2, "mean_queue_ms": 1.25,
+            "weight_bytes": 1_755_000_000}
     reply = stub.ListNodes(pb.Empty(), timeout=5)
     header, *rows = format_nodes(reply, {me.node_id: load}).splitlines()
-    assert header.split()[5:8] == ["KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE"]
+    assert header.split()[5:9] == ["KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE", "WEIGHTS"]
     cells = {r.split()[0]: r.split() for r in rows}
-    assert cells[me.node_id][7:13] == ["120/400/8192", "6.5", "(max", "40)", "2", "(1.2"]
-    assert cells["legacy"][7:10] == ["-", "-", "-"]
+    assert cells[me.node_id][7:16] == ["120/400/8192", "6.5", "(max", "40)", "2", "(1.2", "ms)", "1.6", "GiB"]
+    assert cells["legacy"][7:11] == ["-", "-", "-", "-"]
 
     # An unreachable tracker is an error message, not a trace.
     args = parser.parse_args(["nodes", "--tracker", "127.0.0.1:1"])

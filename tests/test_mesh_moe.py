@@ -11,6 +11,8 @@ from golden_check import assert_greedy_matches
 from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import GREEDY
 from meshnet.generation import Generation
+from meshnet.membership.cli import node_load
+from meshnet.model.gguf_file import open_gguf
 from meshnet.tokenizer import GGUFTokenizer
 from solo_reference import SoloReference
 
@@ -41,11 +43,24 @@ def _generate(client, tok, prompt_ids, n: int = N_GEN, kill=None, after: int = 1
 # Each layer boundary (1, 2, 3) is cut by at least one split, and the 4-stage one cuts them all; steps are
 # forwarded node to node (the client's default) except in the one orchestrated by the client hop by hop.
 SPLITS = [
-    pytest.param(["0:2", "2:4"], True, id="0:2,2:4-forwarded"),
-    pytest.param(["0:1", "1:3", "3:4"], True, id="0:1,1:3,3:4-forwarded"),
-    pytest.param(["0:1", "1:3", "3:4"], False, id="0:1,1:3,3:4-orchestrated"),
-    pytest.param(["0:1", "1:2", "2:3", "3:4"], True, id="0:1,1:2,2:3,3:4-forwarded"),
+    pytest.param(["0:2", "2:4"], True, id="2-stage-forwarded"),
+    pytest.param(["0:1", "1:3", "3:4"], True, id="3-stage-forwarded"),
+    pytest.param(["0:1", "1:3", "3:4"], False, id="3-stage-orchestrated"),
+    pytest.param(["0:1", "1:2", "2:3", "3:4"], True, id="4-stage-forwarded"),
 ]
+
+
+def _range_bytes(path, start: int, end: int, n_layer: int = 4) -> int:
+    """Bytes of the GGUF's tensors a stage over ``[start, end)`` holds: its layers' ``blk.*``, the token
+    embedding on the head, the output norm and head on the tail."""
+    total = 0
+    for t in open_gguf(path).tensors:
+        if t.name.startswith("blk."):
+            held = start <= int(t.name.split(".")[1]) < end
+        else:
+            held = (t.name == "token_embd.weight" and start == 0) or (t.name.startswith("output") and end == n_layer)
+        total += int(t.n_bytes) if held else 0
+    return total
 
 
 @pytest.mark.parametrize("ranges, forwarding", SPLITS)
@@ -64,6 +79,11 @@ def test_qwen3moe_mesh_split_equals_golden_and_in_process(mesh, qwen3moe_path, m
     assert client.failovers == 0
     client.close()
     assert [n.active_sessions() for n in nodes] == [0] * len(ranges)
+    # What `meshnet nodes` shows per node: the bytes of its own range's tensors, no more.
+    loads = [node_load(n.address, None, None, timeout_s=5) for n in nodes]
+    want = [_range_bytes(qwen3moe_path, *map(int, r.split(":"))) for r in ranges]
+    assert [x["weight_bytes"] for x in loads] == want
+    assert sum(want) == sum(int(t.n_bytes) for t in open_gguf(qwen3moe_path).tensors)
 
 
 @pytest.mark.parametrize("forwarding", [True, False], ids=["forwarded", "orchestrated"])

@@ -23,8 +23,9 @@ def add_nodes_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                                    "the node signs its messages with a registered key, its gRPC and "
                                    "data-plane addresses, the device it computes on (free/total memory), "
                                    "and, asked of each directly reachable node, its KV pool (cells held / "
-                                   "reserved / capacity), mean rows per batched iteration and steps "
-                                   "waiting with their mean time in queue.")
+                                   "reserved / capacity), mean rows per batched iteration, steps "
+                                   "waiting with their mean time in queue, and the bytes of weights its "
+                                   "range holds.")
     p.add_argument("--tracker", required=True, help="HOST:PORT of the tracker")
     p.add_argument("--join-token", default=os.environ.get(JOIN_TOKEN_ENV), help=f"default ${JOIN_TOKEN_ENV}")
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker")
@@ -56,9 +57,10 @@ def _kernels(features) -> str:
 
 
 def node_load(address: str, join_token: str | None, tls_ca: str | None, timeout_s: float = 2.0) -> dict | None:
-    """A node's KV pool and batching figures from its Metrics RPC: ``{"kv_tokens_held", "kv_tokens_reserved",
-    "kv_tokens_capacity", "kv_bytes", "mean_batch_rows", "max_batch_rows", "waiting_steps",
-    "mean_queue_ms"}``; None when it does not answer in ``timeout_s`` seconds (or has no address)."""
+    """A node's KV pool, batching figures and weights from its Metrics RPC: ``{"kv_tokens_held",
+    "kv_tokens_reserved", "kv_tokens_capacity", "kv_bytes", "mean_batch_rows", "max_batch_rows",
+    "waiting_steps", "mean_queue_ms", "weight_bytes"}`` (``weight_bytes``: the tensors of the node's layer
+    range, plus the embedding on a head and the output head on a tail); None when it does not answer in ``timeout_s`` seconds (or has no address)."""
     if not address:
         return None
     try:
@@ -70,15 +72,25 @@ def node_load(address: str, join_token: str | None, tls_ca: str | None, timeout_
             "kv_tokens_capacity": m.kv_tokens_capacity, "kv_bytes": m.kv_bytes,
             "mean_batch_rows": round(m.batch_rows / m.iterations, 2) if m.iterations else 0.0,
             "max_batch_rows": m.max_batch_rows, "waiting_steps": m.waiting_steps,
-            "mean_queue_ms": round(1000 * m.queue_seconds / m.queued_steps, 2) if m.queued_steps else 0.0}
+            "mean_queue_ms": round(1000 * m.queue_seconds / m.queued_steps, 2) if m.queued_steps else 0.0,
+            "weight_bytes": m.weight_bytes}
 
 
-def _load_cells(load: dict | None) -> tuple[str, str, str]:
+def _bytes_cell(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps a number >= 1 (``1.6 GiB``, ``512 B``)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
+
+
+def _load_cells(load: dict | None) -> tuple[str, str, str, str]:
     if load is None:
-        return "-", "-", "-"
+        return "-", "-", "-", "-"
     return (f"{load['kv_tokens_held']}/{load['kv_tokens_reserved']}/{load['kv_tokens_capacity']}",
             f"{load['mean_batch_rows']:.1f} (max {load['max_batch_rows']})",
-            f"{load['waiting_steps']} ({load['mean_queue_ms']:.1f} ms)")
+            f"{load['waiting_steps']} ({load['mean_queue_ms']:.1f} ms)",
+            _bytes_cell(load.get("weight_bytes", 0)))
 
 
 def nodes_dict(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) -> dict:
@@ -99,10 +111,10 @@ def nodes_dict(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) 
 
 def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) -> str:
     """An aligned table, one row per node, or a line saying none is registered. ``loads`` (node id ->
-    :func:`node_load`) adds the KV, BATCH_ROWS and QUEUE columns; "-" where a node did not answer."""
+    :func:`node_load`) adds the KV, BATCH_ROWS, QUEUE and WEIGHTS columns; "-" where a node did not answer."""
     if not reply.nodes:
         return "no nodes registered"
-    load_head = ("KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE") if loads is not None else ()
+    load_head = ("KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE", "WEIGHTS") if loads is not None else ()
     rows = [("NODE", "LAYERS", "BACKEND", "LOAD", "SPEED", *load_head, "RELAY", "HEARTBEAT", "SIGNED", "ADDRESS",
              "DATA", "DEVICE")]
     for s in reply.nodes:
