@@ -1,6 +1,9 @@
 """Split GGUF sets as llama.cpp's ``llama-gguf-split`` writes them: the bundled model split into shards
 generates the same greedy ids as the single file, whichever shard is named, under one identity; a broken
-set is refused at start-up with a message naming the shard or tensor (exit status 2), never a crash."""
+set is refused at start-up with a message naming the shard or tensor (exit status 2), never a crash.
+
+The set comes from llama.cpp's tool where it is built (``python -m meshnet.bench.llama_server``), else
+from gguf-py's splitting writer, which a test checks writes the same layout as the tool."""
 
 from __future__ import annotations
 
@@ -25,11 +28,6 @@ MAX_TENSORS = 80  # SmolLM2's 272 tensors in 4 shards: every stage of 3 reads fr
 N_SHARDS = 4
 PROMPT = "The capital of France is"
 
-pytestmark = pytest.mark.skipif(
-    SPLIT_TOOL is None, reason="llama-gguf-split is not built: run `python -m meshnet.bench.llama_server` "
-                               "(builds llama.cpp's tools into the cache)")
-
-
 def meshnet(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "meshnet.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
@@ -46,12 +44,38 @@ def json_last_line(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def split_with_tool(model: Path, prefix: Path) -> None:
+    """``llama-gguf-split --split --split-max-tensors 80 MODEL PREFIX``."""
+    subprocess.run([str(SPLIT_TOOL), "--split", "--split-max-tensors", str(MAX_TENSORS), str(model), str(prefix)],
+                   check=True, capture_output=True, timeout=120)
+
+
+def split_with_gguf_py(model: Path, prefix: Path) -> None:
+    """The same set written by gguf-py's own splitting writer (``GGUFWriter(split_max_tensors=...)``):
+    the metadata and split keys on the first shard, the split keys alone on the others, the tensors in
+    file order, ``PREFIX-0000N-of-0000M.gguf``; for machines where llama.cpp's tools are not built."""
+    reader = gguf.GGUFReader(model)
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    w = gguf.GGUFWriter(prefix.with_name(prefix.name + ".gguf"), arch, split_max_tensors=MAX_TENSORS)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
+            continue  # the header's own fields; the architecture the writer adds itself
+        vtype = field.types[0]
+        w.add_key_value(key, field.contents(), vtype, field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 @pytest.fixture(scope="module")
 def split_dir(tmp_path_factory, smollm2_path) -> Path:
-    """SmolLM2 split by llama-gguf-split into ``smol-0000N-of-00004.gguf``."""
+    """SmolLM2 split into ``smol-0000N-of-00004.gguf`` by llama-gguf-split, or by gguf-py where the tool
+    is not built."""
     out = tmp_path_factory.mktemp("split")
-    subprocess.run([str(SPLIT_TOOL), "--split", "--split-max-tensors", str(MAX_TENSORS), str(smollm2_path),
-                    str(out / "smol")], check=True, capture_output=True, timeout=120)
+    (split_with_tool if SPLIT_TOOL is not None else split_with_gguf_py)(smollm2_path, out / "smol")
     return out
 
 
@@ -69,11 +93,19 @@ def broken_copy(split_dir: Path, folder: Path, changed: int) -> Path:
     return shard(folder, changed)
 
 
-def test_the_tool_wrote_the_format_we_read(split_dir):
+@pytest.mark.skipif(SPLIT_TOOL is None, reason="llama-gguf-split is not built: run `python -m "
+                    "meshnet.bench.llama_server` (builds llama.cpp's tools into the cache)")
+def test_gguf_py_writes_the_set_llama_gguf_split_writes(split_dir, smollm2_path, tmp_path):
+    split_with_gguf_py(smollm2_path, tmp_path / "smol")
+    for i in range(N_SHARDS):
+        ours, tools = gguf.GGUFReader(shard(tmp_path, i)), gguf.GGUFReader(shard(split_dir, i))
+        assert [t.name for t in ours.tensors] == [t.name for t in tools.tensors]
+        assert shard(tmp_path, i).stat().st_size == shard(split_dir, i).stat().st_size
+        for key in (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS_COUNT):
+            assert ours.get_field(key).contents() == tools.get_field(key).contents()
+            assert ours.get_field(key).types == tools.get_field(key).types
     first = gguf.GGUFReader(shard(split_dir, 0))
-    last = gguf.GGUFReader(shard(split_dir, N_SHARDS - 1))
-    assert first.get_field(SPLIT_NO).contents() == 0 and last.get_field(SPLIT_NO).contents() == N_SHARDS - 1
-    assert last.get_field(SPLIT_COUNT).contents() == N_SHARDS
+    assert first.get_field(SPLIT_NO).contents() == 0 and first.get_field(SPLIT_COUNT).contents() == N_SHARDS
     assert first.get_field(SPLIT_TENSORS_COUNT).contents() == 272
     assert len(first.tensors) == MAX_TENSORS
 
