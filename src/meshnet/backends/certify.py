@@ -231,13 +231,13 @@ def certify(lane: str, model_path: str | None = None, n_threads: int = 2, device
 
     from meshnet.contract import LayerRange
     from meshnet.engine.ggml_engine import GgmlStage
-    from meshnet.model.gguf_file import model_sha256, open_gguf
+    from meshnet.model.gguf_file import open_gguf, sha256_file
     from meshnet.model.hparams import ModelConfig
 
     from meshnet.model.bundled import resolve_model
 
     path = str(resolve_model(model_path)) if model_path else default_model()
-    sha = model_sha256(path)
+    sha = sha256_file(path)
     golden = golden_for(path, sha)
     cfg = ModelConfig.from_reader(open_gguf(path))
     seqs = _sequences(golden, cfg.n_vocab)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from meshnet.contract import GREEDY, StepRequest
 from meshnet.model.bundled import resolve_model
-from meshnet.model.gguf_file import model_sha256
+from meshnet.model.gguf_file import sha256_file
 from meshnet.openmp import competitor_env
 
 # Public-domain-style filler text; repeated until the prompt has enough tokens.
@@ -164,7 +164,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
     prompt_ids = bench_prompt_ids(model, args.prompt_tokens)
     n_ctx = 512 if args.prompt_tokens + args.decode_tokens <= 512 else 0
     result: dict = {
-        "benchmark": "engine", "model": args.model, "path": model, "sha256": model_sha256(model),
+        "benchmark": "engine", "model": args.model, "path": model, "sha256": sha256_file(model),
         "threads": args.threads, "prompt_tokens": len(prompt_ids), "decode_tokens": args.decode_tokens,
         "repeats": args.repeats, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "meshnet": {},

@@ -486,7 +486,7 @@ def bench_pipeline(model_path: str, n_layer: int, n_ctx: int, prompt_ids: list[i
 def run_mesh_bench(args: argparse.Namespace) -> int:
     """Run all three measurements and write ``args.out`` (JSON); print the ratios on stderr. Returns 0."""
     from meshnet.model.bundled import resolve_model
-    from meshnet.model.gguf_file import model_sha256, open_gguf
+    from meshnet.model.gguf_file import open_gguf, sha256_file
     from meshnet.model.hparams import ModelConfig
 
     if args.stages < 1 or args.repeats < 1 or args.decode_tokens < 1 or args.prompt_tokens < 1:
@@ -497,7 +497,7 @@ def run_mesh_bench(args: argparse.Namespace) -> int:
     # The same context size everywhere, so every configuration allocates the same KV cache.
     n_ctx = 512 if args.prompt_tokens + args.decode_tokens + 1 <= 512 else 0
     result: dict = {
-        "benchmark": "mesh", "model": args.model, "path": model, "sha256": model_sha256(model),
+        "benchmark": "mesh", "model": args.model, "path": model, "sha256": sha256_file(model),
         "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "stages": args.stages, "threads": args.threads,
         "prompt_tokens": len(prompt_ids), "decode_tokens": args.decode_tokens, "repeats": args.repeats,
         "n_ctx": n_ctx,
