@@ -16,10 +16,10 @@ from typing import Iterable
 
 import ggml
 import ggml.utils  # noqa: F401  (ggml-python needs this import for its type helpers)
-import gguf
 import numpy as np
 
 from meshnet.backends.errors import BackendUnavailable
+from meshnet.model.gguf_split import shard_groups
 
 _init_lock = threading.Lock()
 _cpu_ready = False
@@ -197,16 +197,21 @@ class StageWeights:
 
     With ``use_mmap`` (the default, as in llama.cpp) the tensors point straight into the read-only
     memory map of the file: loading copies nothing, and only pages a stage actually reads become
-    resident — the head reads just the embedding rows of its tokens. Without it the tensors are copied
-    into one backend buffer. ``get(name)`` returns the ggml tensor for a GGUF tensor name, or None.
+    resident — the head reads just the embedding rows of its tokens. A split set gets one mapped buffer
+    per shard that holds some of the stage's tensors (llama.cpp maps each split file into its own
+    buffer in ``llama_model_loader::init_mappings`` / ``load_all_data``); shards it does not read are
+    never wrapped. Without ``use_mmap`` the tensors are copied into one backend buffer. ``get(name)``
+    returns the ggml tensor for a GGUF tensor name, or None.
+
+    ``reader`` is a ``gguf.GGUFReader`` or a :class:`meshnet.model.gguf_split.SplitGGUF`.
     """
 
-    def __init__(self, reader: gguf.GGUFReader, names: tuple[str, ...], backend, use_mmap: bool = True) -> None:
+    def __init__(self, reader, names: tuple[str, ...], backend, use_mmap: bool = True) -> None:
         by_name = {t.name: t for t in reader.tensors}
         self.ctx = new_meta_context(len(names) + 1)
         self.tensors: dict[str, object] = {}
         self.owns_buffer = not use_mmap
-        self._reader = reader  # keeps the memory map alive while tensors point into it
+        self._reader = reader  # keeps the memory maps alive while tensors point into them
         for name in names:
             rt = by_name[name]
             shape = tuple(int(d) for d in rt.shape)  # gguf lists dims ne0-first, as ggml does
@@ -214,28 +219,38 @@ class StageWeights:
             ggml.ggml_set_name(t, name.encode())
             self.tensors[name] = t
         self.nbytes = sum(int(by_name[n].n_bytes) for n in names)
+        self.buffers: list = []
         if use_mmap:
-            base = reader.data.ctypes.data
-            self.buffer = cpu_buffer_from_ptr(base, len(reader.data))
-            if not self.buffer:
-                raise MemoryError("could not wrap the model's memory map in a ggml buffer")
-            for name in names:
-                addr = by_name[name].data.ctypes.data
-                ggml.ggml_backend_tensor_alloc(self.buffer, self.tensors[name], ctypes.c_void_p(addr))
+            for shard, held in shard_groups(reader, names):
+                buffer = cpu_buffer_from_ptr(shard.data.ctypes.data, len(shard.data))
+                if not buffer:
+                    self.free()
+                    raise MemoryError("could not wrap the model's memory map in a ggml buffer")
+                self.buffers.append(buffer)
+                for name in held:
+                    addr = by_name[name].data.ctypes.data
+                    ggml.ggml_backend_tensor_alloc(buffer, self.tensors[name], ctypes.c_void_p(addr))
         else:
-            self.buffer = ggml.ggml_backend_alloc_ctx_tensors(self.ctx, backend)
-            if not self.buffer:
+            buffer = ggml.ggml_backend_alloc_ctx_tensors(self.ctx, backend)
+            if not buffer:
                 raise MemoryError("could not allocate the weight buffer")
+            self.buffers.append(buffer)
             for name in names:
                 set_tensor(self.tensors[name], by_name[name].data)
+
+    @property
+    def buffer(self):
+        """The first backend buffer of the weights (the only one, unless they are mapped from several
+        shards of a split set); None once freed."""
+        return self.buffers[0] if self.buffers else None
 
     def get(self, name: str):
         return self.tensors.get(name)
 
     def free(self) -> None:
-        if self.buffer:
-            ggml.ggml_backend_buffer_free(self.buffer)  # for a mapped buffer this frees only ggml's handle
-            self.buffer = None
+        for buffer in self.buffers:
+            ggml.ggml_backend_buffer_free(buffer)  # for a mapped buffer this frees only ggml's handle
+        self.buffers = []
         if self.ctx:
             ggml.ggml_free(self.ctx)
             self.ctx = None

@@ -34,7 +34,7 @@ from meshnet.engine.kv_pool import KVPool, PoolFull
 from meshnet.engine.prefix_cache import PrefixCache, row_keys
 from meshnet.engine.stage_sessions import SessionKV, StageSessions
 from meshnet.layer_split import layer_costs, pipeline_depth
-from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, sha256_file, stage_tensor_names
+from meshnet.model.gguf_file import GGUFError, drop_pages, model_sha256, open_gguf, stage_tensor_names
 from meshnet.model.hparams import ModelConfig
 from meshnet.sampling import sample
 
@@ -267,8 +267,8 @@ class GgmlEngine(ShardEngine):
         if problem is not None:
             raise EngineError(Status.INVALID_ARGUMENT, problem)
         try:
-            sha = sha256_file(spec.path)
-        except FileNotFoundError as e:
+            sha = model_sha256(spec.path)
+        except (GGUFError, FileNotFoundError) as e:
             raise EngineError(Status.INVALID_ARGUMENT, str(e)) from None
         if spec.artifact.sha256 and spec.artifact.sha256 != sha:
             raise EngineError(Status.INVALID_ARGUMENT,

@@ -105,26 +105,15 @@ _READERS: dict[tuple[str, int, int], gguf.GGUFReader] = {}
 _READERS_LOCK = threading.Lock()
 
 
-def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
-    """Open ``path`` read-only (memory-mapped), parsing its header once per process.
-
-    Parsing is the slow part (a 49k-token vocabulary is ~100k metadata strings, seconds in gguf-py), so
-    the tokenizer and every stage of one process share one reader, keyed by (path, size, mtime).
-
-    Raises:
-        FileNotFoundError: no such file.
-        GGUFError: not a GGUF file (names the magic found), truncated (names the first tensor past the
-            end), or a corrupt header.
-    """
-    p = Path(path)
+def _open_file(p: Path) -> gguf.GGUFReader:
+    """One GGUF file, parsed once per process (see :func:`open_gguf`)."""
     if not p.is_file():
         raise FileNotFoundError(f"model file not found: {p}")
     with open(p, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{p} is not a GGUF file: it starts with {magic!r}, expected {GGUF_MAGIC!r}")
-    st = p.stat()
-    key = (os.path.realpath(p), st.st_size, st.st_mtime_ns)
+    key = _stat_key(p)
     with _READERS_LOCK:
         reader = _READERS.get(key)
         if reader is None:
@@ -136,6 +125,42 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
                 raise GGUFError(f"{p}: truncated or corrupt GGUF header ({e})") from None
             _READERS[key] = reader
         return reader
+
+
+def _tensors_none_holds(model) -> str | None:
+    """What the architecture's tensor table says is missing from ``model`` (None when nothing is)."""
+    from meshnet.model.hparams import ModelConfig
+
+    try:
+        ModelConfig.from_reader(model)
+    except GGUFError as e:
+        return str(e)
+    return None
+
+
+def open_gguf(path: str | os.PathLike):
+    """Open ``path`` read-only (memory-mapped), parsing its header once per process.
+
+    Parsing is the slow part (a 49k-token vocabulary is ~100k metadata strings, seconds in gguf-py), so
+    the tokenizer and every stage of one process share one reader, keyed by (path, size, mtime).
+
+    A file that is a shard of a split set (``split.count`` > 1, named ``PREFIX-0000N-of-0000M.gguf``)
+    opens the whole set: a :class:`meshnet.model.gguf_split.SplitGGUF`, which reads like a
+    ``gguf.GGUFReader`` (metadata from the first shard, the tensors of every shard).
+
+    Raises:
+        FileNotFoundError: no such file.
+        GGUFError: not a GGUF file (names the magic found), truncated (names the first tensor past the
+            end), or a corrupt header; for a split set also a missing or mismatched shard, naming it (see
+            :func:`meshnet.model.gguf_split.open_split`).
+    """
+    from meshnet.model.gguf_split import open_split, split_info
+
+    p = Path(path)
+    reader = _open_file(p)
+    if split_info(reader)[1] > 1:
+        return open_split(p, reader, _open_file, _tensors_none_holds)
+    return reader
 
 
 def string_array(reader: gguf.GGUFReader, key: str) -> list[str] | None:
@@ -164,28 +189,52 @@ def array_length(reader: gguf.GGUFReader, key: str) -> int | None:
     return None if field is None else int(field.parts[4][0])
 
 
-def drop_pages(reader: gguf.GGUFReader) -> None:
+def drop_pages(reader) -> None:
     """Unmap the file pages this process touched (MADV_DONTNEED), so weights copied out of the memory
-    map are not counted twice in the stage's resident memory. Later reads fault the pages back in."""
-    mm = getattr(reader.data, "_mmap", None)
-    if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
-        mm.madvise(mmap.MADV_DONTNEED)
+    map are not counted twice in the stage's resident memory. Later reads fault the pages back in.
+    For a split set, every shard's pages."""
+    for shard in getattr(reader, "shards", (reader,)):
+        mm = getattr(shard.data, "_mmap", None)
+        if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mm.madvise(mmap.MADV_DONTNEED)
 
 
-_HASH_CACHE: dict[tuple[str, int, int], str] = {}
+_HASH_CACHE: dict[tuple[tuple[str, int, int], ...], str] = {}
+
+
+def _stat_key(path: str | os.PathLike) -> tuple[str, int, int]:
+    st = os.stat(path)
+    return os.path.realpath(path), st.st_size, st.st_mtime_ns
+
+
+def _sha256_files(paths) -> str:
+    key = tuple(_stat_key(p) for p in paths)
+    if key not in _HASH_CACHE:
+        h = hashlib.sha256()
+        for path in paths:
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+        _HASH_CACHE[key] = h.hexdigest()
+    return _HASH_CACHE[key]
 
 
 def sha256_file(path: str | os.PathLike) -> str:
     """Hex sha256 of the file's bytes; cached per (path, size, mtime) within the process."""
-    st = os.stat(path)
-    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
-    if key not in _HASH_CACHE:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        _HASH_CACHE[key] = h.hexdigest()
-    return _HASH_CACHE[key]
+    return _sha256_files((path,))
+
+
+def model_files(path: str | os.PathLike) -> tuple[Path, ...]:
+    """The files a model is stored in: ``(path,)``, or every shard of the split set ``path`` is one of,
+    in order. Raises as :func:`open_gguf`."""
+    return tuple(getattr(open_gguf(path), "paths", (Path(path),)))
+
+
+def model_sha256(path: str | os.PathLike) -> str:
+    """The model's identity (hex): sha256 over the bytes of its files in order (:func:`model_files`), so
+    a single file's is its own sha256, and a split set's is the same whichever shard ``path`` names.
+    Computed once per process for the same files (path, size, mtime). Raises as :func:`open_gguf`."""
+    return _sha256_files(model_files(path))
 
 
 def tensor_name(kind: gguf.MODEL_TENSOR, layer: int | None = None, suffix: str = "weight") -> str:

@@ -45,13 +45,13 @@ def build_engine(cfg: NodeConfig) -> tuple[ShardEngine, pb.ModelIdentity]:
         return eng, pb.ModelIdentity(sha256=model.sha256, architecture="fake", n_layer=model.n_layer)
     from meshnet.engine.ggml_engine import GgmlEngine
     from meshnet.model.bundled import resolve_model
-    from meshnet.model.gguf_file import open_gguf, sha256_file
+    from meshnet.model.gguf_file import model_sha256, open_gguf
     from meshnet.model.hparams import ModelConfig
 
     path = str(resolve_model(cfg.model))
     mcfg = ModelConfig.from_reader(open_gguf(path))
     layers = cfg.layers or split_layers(mcfg.n_layer, max(1, cfg.stages_hint))[cfg.stage_index]
-    sha = sha256_file(path)
+    sha = model_sha256(path)
     if cfg.backend != "cpu":
         from meshnet.backends.lanes import require_certified
         from meshnet.backends.placement import AcceleratorEngine
