@@ -60,14 +60,18 @@ def test_logprobs_stay_the_models_own():
 
 
 @pytest.mark.parametrize("bias, problem", [
-    (((7, 1.0), (7, 2.0)), "unique and ascending"),
-    (((7, 1.0), (3, 2.0)), "unique and ascending"),
+    (((7, 1.0), (7, 2.0)), "names token 7 twice"),
     (((-1, 1.0),), "negative"),
     (((3, 100.5),), "must be in [-100, 100]"),
     (((3, float("nan")),), "must be in [-100, 100]"),
 ])
 def test_contract_refuses_bad_biases(bias, problem):
     assert problem in SamplingParams(logit_bias=bias).validate()
+
+
+def test_contract_keeps_pairs_sorted_by_id():
+    assert SamplingParams(logit_bias=((9, 1.0), (3, -2))).logit_bias == ((3, -2.0), (9, 1.0))
+    assert SamplingParams(logit_bias={9: 1, 3: -2}) == SamplingParams(logit_bias=((3, -2.0), (9, 1.0)))
 
 
 def test_contract_checks_ids_against_the_vocabulary():

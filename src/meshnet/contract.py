@@ -146,7 +146,8 @@ class SamplingParams:
     temperature. With ``seed`` set, a draw depends only on ``(seed, position)``, so a replayed step samples
     the same token.
 
-    ``logit_bias`` holds ``(token_id, bias)`` pairs, ids strictly ascending, biases in
+    ``logit_bias`` holds ``(token_id, bias)`` pairs (given in any order, or as a dict; kept sorted by id),
+    each id once, biases in
     ``[-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]``: each bias is added to its token's logit; ``-100`` bans the
     token and ``+100`` selects it exclusively (among the tokens biased ``+100``), as OpenAI documents.
     """
@@ -162,6 +163,11 @@ class SamplingParams:
     seed: int | None = None
     n_top_logprobs: int = 0  # how many top log-probs to return with each sampled token
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending; () = none
+
+    def __post_init__(self) -> None:
+        # canonical form, whatever order (or mapping) the caller gave: pairs sorted by token id
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
 
     def validate(self, n_vocab: int | None = None) -> str | None:
         """Return None when the values are usable, else a message naming the bad field; with ``n_vocab``,
@@ -185,8 +191,8 @@ class SamplingParams:
         ids = [t for t, _ in self.logit_bias]
         if ids and ids[0] < 0:
             return f"logit_bias token id {ids[0]} is negative"
-        if (dup := next((b for a, b in zip(ids, ids[1:]) if a >= b), None)) is not None:
-            return f"logit_bias token ids must be unique and ascending (at {dup})"
+        if (dup := next((b for a, b in zip(ids, ids[1:]) if a == b), None)) is not None:
+            return f"logit_bias names token {dup} twice"
         if n_vocab is not None and ids and ids[-1] >= n_vocab:
             return f"logit_bias token id {ids[-1]} is outside the vocabulary [0, {n_vocab})"
         if n_vocab is not None and sum(b <= -LOGIT_BIAS_LIMIT for _, b in self.logit_bias) >= n_vocab:
