@@ -17,6 +17,19 @@ from meshnet.contract import SamplingParams
 from meshnet.model.bundled import DEFAULT_MODEL, ModelNotFound, resolve_model
 
 
+def package_version() -> str:
+    """The installed package's version (its metadata); ``meshnet.__version__`` when run from a source
+    tree that was never installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("meshnet")
+    except PackageNotFoundError:
+        from meshnet import __version__
+
+        return __version__
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (llama.cpp's defaults; --temperature 0 is greedy)")
     g.add_argument("--temperature", type=float, default=0.8)
@@ -48,6 +61,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="meshnet", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete a prompt, streaming the text to stdout")

@@ -10,6 +10,7 @@ Layer ranges are half-open ``[start, end)`` everywhere.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -141,8 +142,14 @@ class NamedTensor:
 class SamplingParams:
     """How the tail picks the next token. ``temperature == 0`` is greedy (argmax, lowest id on ties).
 
-    The filters apply in llama.cpp's sampler-chain order: penalties, top-k, top-p, min-p, temperature.
-    With ``seed`` set, a draw depends only on ``(seed, position)``, so a replayed step samples the same token.
+    The filters apply in llama.cpp's sampler-chain order: logit bias, penalties, top-k, top-p, min-p,
+    temperature. With ``seed`` set, a draw depends only on ``(seed, position)``, so a replayed step samples
+    the same token.
+
+    ``logit_bias`` holds ``(token_id, bias)`` pairs (given in any order, or as a dict; kept sorted by id),
+    each id once, biases in
+    ``[-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]``: each bias is added to its token's logit; ``-100`` bans the
+    token and ``+100`` selects it exclusively (among the tokens biased ``+100``), as OpenAI documents.
     """
 
     temperature: float = 0.0
@@ -155,9 +162,16 @@ class SamplingParams:
     penalty_last_n: int = 64  # how many recent tokens the penalties look at; -1 = all
     seed: int | None = None
     n_top_logprobs: int = 0  # how many top log-probs to return with each sampled token
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending; () = none
 
-    def validate(self) -> str | None:
-        """Return None when the values are usable, else a message naming the bad field."""
+    def __post_init__(self) -> None:
+        # canonical form, whatever order (or mapping) the caller gave: pairs sorted by token id
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
+
+    def validate(self, n_vocab: int | None = None) -> str | None:
+        """Return None when the values are usable, else a message naming the bad field; with ``n_vocab``,
+        a ``logit_bias`` token id outside ``[0, n_vocab)`` is one too."""
         if not self.temperature >= 0:
             return f"temperature must be >= 0, got {self.temperature}"
         if self.top_k < 0:
@@ -172,10 +186,30 @@ class SamplingParams:
             return f"n_top_logprobs must be in [0, 20], got {self.n_top_logprobs}"
         if self.penalty_last_n < -1:
             return f"penalty_last_n must be >= -1, got {self.penalty_last_n}"
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            return f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"
+        ids = [t for t, _ in self.logit_bias]
+        if ids and ids[0] < 0:
+            return f"logit_bias token id {ids[0]} is negative"
+        if (dup := next((b for a, b in zip(ids, ids[1:]) if a == b), None)) is not None:
+            return f"logit_bias names token {dup} twice"
+        if n_vocab is not None and ids and ids[-1] >= n_vocab:
+            return f"logit_bias token id {ids[-1]} is outside the vocabulary [0, {n_vocab})"
+        if n_vocab is not None and sum(b <= -LOGIT_BIAS_LIMIT for _, b in self.logit_bias) >= n_vocab:
+            return "logit_bias bans every token of the vocabulary"
+        bad = [(t, b) for t, b in self.logit_bias if not (math.isfinite(b) and abs(b) <= LOGIT_BIAS_LIMIT)]
+        if bad:
+            lim = f"{LOGIT_BIAS_LIMIT:g}"
+            return f"logit_bias of token {bad[0][0]} must be in [-{lim}, {lim}], got {bad[0][1]}"
         return None
 
 
 GREEDY = SamplingParams()
+
+# OpenAI's range for a logit bias: -100 bans a token, +100 selects it exclusively.
+LOGIT_BIAS_LIMIT = 100.0
+# Tokens one request may bias (each travels in every frame of every step's header).
+MAX_LOGIT_BIAS = 1024
 
 # Draft tokens one verification step may carry (its rows stay far below ggml's flash-attention tile of
 # 64 query rows, and a step's cells stay within one prefill micro-batch).

@@ -3,6 +3,10 @@
 The chain, in order, mirrors llama.cpp (``common/sampling.cpp`` defaults, samplers from
 ``src/llama-sampling.cpp``):
 
+0. ``logit_bias`` (``llama_sampler_logit_bias``): each ``(token, bias)`` of ``params.logit_bias`` adds
+   ``float32(bias)`` to that token's logit. As OpenAI documents, a bias of ``-100`` bans the token (its
+   logit becomes ``-inf``) and ``+100`` selects it exclusively: when any token has ``+100``, every token
+   without it is banned. A banned token is never returned, greedy or sampled, nor kept as a draft.
 1. ``penalties`` (``llama_sampler_penalties``): over the last ``penalty_last_n`` tokens of the session
    (``-1`` = all of them, ``0`` = none), every token present gets its logit divided by
    ``repetition_penalty`` when positive, multiplied when ``<= 0``; then ``count * frequency_penalty``
@@ -39,7 +43,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from meshnet.contract import SampledToken, SamplingParams, TokenLogprob
+from meshnet.contract import LOGIT_BIAS_LIMIT, SampledToken, SamplingParams, TokenLogprob
 
 __all__ = ["sample"]
 
@@ -80,7 +84,8 @@ def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], p
 
     Raises:
         ValueError: ``logits`` is not a non-empty 1-D array, ``params.validate()`` fails, ``position`` is
-            negative, or a penalised history id is outside ``[0, n_vocab)``.
+            negative, a penalised history id or a biased token id is outside ``[0, n_vocab)``, or
+            ``params.logit_bias`` leaves no token with a finite logit.
     """
     raw = np.asarray(logits, dtype=np.float32)
     if raw.ndim != 1 or raw.shape[0] == 0:
@@ -98,7 +103,7 @@ def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], p
     np.exp(e_raw, out=e_raw)
     lse = float(mx) + math.log(float(e_raw.sum(dtype=np.float64)))
 
-    pen = _apply_penalties(raw, params, history, n_vocab)
+    pen = _apply_penalties(_apply_logit_bias(raw, params, n_vocab), params, history, n_vocab)
     if params.temperature == 0:
         token = int(np.argmax(pen))  # greedy; first (lowest id) maximum on exact ties
     else:
@@ -111,6 +116,28 @@ def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], p
         ids = _top_ids(raw, params.n_top_logprobs)
         top = tuple(TokenLogprob(int(i), float(raw[i]) - lse) for i in ids)
     return SampledToken(token_id=token, logprob=float(raw[token]) - lse, top=top)
+
+
+def _apply_logit_bias(logits: np.ndarray, params: SamplingParams, n_vocab: int) -> np.ndarray:
+    """``llama_sampler_logit_bias`` with OpenAI's +-100 rule: a biased float32 copy of ``logits``
+    ``[n_vocab]``, or ``logits`` itself when ``params.logit_bias`` is empty."""
+    if not params.logit_bias:
+        return logits
+    ids = np.fromiter((t for t, _ in params.logit_bias), dtype=np.int64, count=len(params.logit_bias))
+    bias = np.fromiter((b for _, b in params.logit_bias), dtype=np.float32, count=len(params.logit_bias))
+    if ids[-1] >= n_vocab:  # ids are ascending (validated)
+        raise ValueError(f"logit_bias token id {int(ids[-1])} is outside the vocabulary [0, {n_vocab})")
+    out = logits.copy()
+    out[ids] += bias
+    out[ids[bias <= -LOGIT_BIAS_LIMIT]] = -np.inf
+    forced = ids[bias >= LOGIT_BIAS_LIMIT]
+    if forced.shape[0]:
+        keep = out[forced]
+        out.fill(-np.inf)
+        out[forced] = keep
+    if not np.isfinite(out.max()):
+        raise ValueError("logit_bias leaves no token with a finite logit to sample")
+    return out
 
 
 def _apply_penalties(logits: np.ndarray, params: SamplingParams, history: Sequence[int],

@@ -49,7 +49,7 @@ from meshnet.api.schemas import (
     Usage,
 )
 from meshnet.api.sse import DONE, ChatChunks, CompletionChunks, event, sse
-from meshnet.api.validation import parse_body, validation_error
+from meshnet.api.validation import logit_bias, parse_body, repetition_penalty, validation_error
 from meshnet.contract import SamplingParams
 from meshnet.speculative import Speculation, speculation_from
 
@@ -167,8 +167,6 @@ class _Api:
         if req.model is not None and req.model != self.backend.model_name:
             raise bad_request(f"model {req.model!r} is not served here; this server serves "
                               f"{self.backend.model_name!r}", "model", "model_not_found")
-        if req.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias", "unsupported_parameter")
         _stops(req.stop)  # refuses too many
 
     def _sampling(self, req, n_top: int, index: int) -> SamplingParams:
@@ -179,10 +177,11 @@ class _Api:
 
         sp = SamplingParams(temperature=pick(req.temperature, 1.0), top_k=pick(req.top_k, 0),
                             top_p=pick(req.top_p, 1.0), min_p=pick(req.min_p, 0.0),
-                            repetition_penalty=pick(req.repetition_penalty, 1.0),
+                            repetition_penalty=pick(repetition_penalty(req), 1.0),
                             presence_penalty=pick(req.presence_penalty, 0.0),
                             frequency_penalty=pick(req.frequency_penalty, 0.0),
-                            seed=None if req.seed is None else req.seed + index, n_top_logprobs=n_top)
+                            seed=None if req.seed is None else req.seed + index, n_top_logprobs=n_top,
+                            logit_bias=logit_bias(req.logit_bias, self.backend.tokenizer.n_vocab))
         problem = sp.validate()
         if problem:
             raise bad_request(problem)
@@ -238,7 +237,7 @@ class _Api:
             budget = self._budget(p_ids, req.max_tokens, "prompt")
             for _ in range(req.n or 1):
                 jobs.append(GenJob(p_ids, budget, self._sampling(req, n_top, len(jobs)), tuple(_stops(req.stop)),
-                                   speculation=self._speculation(req)))
+                                   speculation=self._speculation(req), ignore_eos=bool(req.ignore_eos)))
         await self._check_route()
         prompt_tokens = sum(len(p) for p in prompts)
         self.metrics.prompt_tokens.inc(prompt_tokens)
@@ -363,8 +362,9 @@ class _Api:
         budget = self._budget(prompt_ids, max_tokens, "messages")
         n_top = req.top_logprobs or 0
         stops = tuple(_stops(req.stop))
-        jobs = [GenJob(prompt_ids, budget, self._sampling(req, n_top, i), stops, stop_at_control=True,
-                       speculation=self._speculation(req)) for i in range(req.n or 1)]
+        ignore_eos = bool(req.ignore_eos)
+        jobs = [GenJob(prompt_ids, budget, self._sampling(req, n_top, i), stops, stop_at_control=not ignore_eos,
+                       speculation=self._speculation(req), ignore_eos=ignore_eos) for i in range(req.n or 1)]
         await self._check_route()
         prompt_tokens = len(prompt_ids)  # counted once, however many choices, as OpenAI does
         self.metrics.prompt_tokens.inc(prompt_tokens)

@@ -121,7 +121,8 @@ class ChoiceText:
 @dataclass(frozen=True)
 class GenJob:
     """One generation: prompt ids, token budget (>= 1), sampling, stop sequences, and whether any control
-    token (a chat turn marker such as ``<|im_start|>``) ends it, as end-of-generation tokens always do."""
+    token (a chat turn marker such as ``<|im_start|>``) ends it, as end-of-generation tokens do unless
+    ``ignore_eos`` (then they are generated like any token and the run ends at its budget or a stop)."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -129,6 +130,7 @@ class GenJob:
     stops: tuple[str, ...] = ()
     stop_at_control: bool = False
     speculation: Speculation | None = None  # n-gram drafts verified a round at a time; None: none
+    ignore_eos: bool = False
 
 
 class ClientGone(Exception):
@@ -262,7 +264,7 @@ class ChoiceRun:
         self.metrics.add_active(1)
         client = self.backend.new_client()
         gen = Generation(client, self.tokenizer, self.job.prompt_ids, self.job.max_tokens, self.job.sampling,
-                         stop_at_eog=True, speculation=self.job.speculation)
+                         stop_at_eog=not self.job.ignore_eos, speculation=self.job.speculation)
         self._driver = _Driver(gen, client, asyncio.get_running_loop())
 
     async def next_piece(self) -> Piece | None:

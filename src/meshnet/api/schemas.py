@@ -3,12 +3,14 @@
 Requests are validated strictly: JSON types must match exactly (``"max_tokens": "5"`` or ``true`` is an
 error, an integer is accepted where a number is expected) and unknown top-level fields are refused, as
 OpenAI's own API does. Fields OpenAI defines that have no meaning here (``user``, ``store``, ...) are
-accepted and ignored; fields whose behaviour we do not implement (``tools``, ``logit_bias``, ``echo``, ...)
-are accepted by the schema only so the application can refuse them with a message naming them.
+accepted and ignored; fields whose behaviour we do not implement (``tools``, ``echo``, ...) are accepted by
+the schema only so the application can refuse them with a message naming them.
 
 Ranges follow OpenAI: ``temperature`` 0..2, ``top_p`` (0, 1], penalties -2..2, completions ``logprobs``
-0..5, chat ``top_logprobs`` 0..20, at most 4 stop sequences. ``top_k``, ``min_p`` and
-``repetition_penalty`` are llama.cpp-style extensions (OpenAI clients send them through ``extra_body``).
+0..5, chat ``top_logprobs`` 0..20, at most 4 stop sequences, ``logit_bias`` token id (a decimal string) to
+a bias in [-100, 100] (checked by :func:`meshnet.api.validation.logit_bias`). ``top_k``, ``min_p``,
+``repetition_penalty`` (llama-server's name ``repeat_penalty`` too) and ``ignore_eos`` are llama.cpp-style
+extensions (OpenAI clients send them through ``extra_body``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class _SamplingFields(_Strict):
     top_k: int | None = Field(default=None, ge=0)  # default 0 (off)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # default 0.0 (off)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # default 1.0 (off)
+    repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # llama-server's name for the same
+    # true: end-of-generation tokens (and, in chat, turn markers) do not end the answer: it runs to max_tokens
+    ignore_eos: bool | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # default 0.0
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # default 0.0
     seed: int | None = None
@@ -54,7 +59,7 @@ class _SamplingFields(_Strict):
     n: int | None = Field(default=None, ge=1, le=MAX_N)  # default 1
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None  # refused unless empty
+    logit_bias: dict[str, float] | None = None  # token id (string) -> bias in [-100, 100]
     user: str | None = None  # accepted, ignored
     metadata: dict[str, Any] | None = None  # accepted, ignored
     store: bool | None = None  # accepted, ignored

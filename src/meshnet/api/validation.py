@@ -1,13 +1,19 @@
 """Request bodies into the API's schemas, and pydantic's complaints into one OpenAI-style 400 that names the
-parameter (``messages.0.content``) and what is wrong with it."""
+parameter (``messages.0.content``) and what is wrong with it; the checks of sampling fields that need more
+than a type and a range (aliases, ``logit_bias``)."""
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from meshnet.api.errors import ApiError, bad_request
+from meshnet.contract import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS
+
+_TOKEN_KEY = re.compile(r"[0-9]{1,10}")
 
 
 def parse_body(model: type[BaseModel], body: bytes) -> Any:
@@ -61,3 +67,48 @@ def _is_type_tag(part: Any) -> bool:
 def _json_type(value: Any) -> str:
     return {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "an array",
             dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def repetition_penalty(req: Any) -> float | None:
+    """The request's repetition penalty under either name: ``repetition_penalty`` (vLLM, HF) or llama-server's
+    ``repeat_penalty``; None when neither is given.
+
+    Raises:
+        ApiError: 400 naming both when both are given and differ.
+    """
+    a, b = req.repetition_penalty, req.repeat_penalty
+    if a is not None and b is not None and a != b:
+        raise bad_request(f"repeat_penalty ({b}) and repetition_penalty ({a}) are two names for one "
+                          "setting and differ; give one", "repeat_penalty")
+    return a if a is not None else b
+
+
+def logit_bias(raw: dict[str, float] | None, n_vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token id as a decimal string -> bias) as the ``(token_id, bias)`` pairs of
+    :attr:`meshnet.contract.SamplingParams.logit_bias`, ids ascending; ``()`` for None or ``{}``.
+
+    Args:
+        raw: the request's map; values are numbers (the schema checked their type).
+        n_vocab: the model's vocabulary size; ids must lie in ``[0, n_vocab)``.
+    Raises:
+        ApiError: 400 with ``param`` ``logit_bias``: a key that is not a token id in the vocabulary, a bias
+            outside [-100, 100] (or not finite), more than ``MAX_LOGIT_BIAS`` entries, or every token banned.
+    """
+    if not raw:
+        return ()
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(raw)}", "logit_bias")
+    pairs: dict[int, float] = {}
+    for key, bias in raw.items():
+        if not _TOKEN_KEY.fullmatch(key) or int(key) >= n_vocab:
+            raise bad_request(f"logit_bias key {key!r} is not a token id: keys are token ids in "
+                              f"[0, {n_vocab}) written as strings", "logit_bias", "invalid_token")
+        if not (math.isfinite(bias) and -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT):
+            raise bad_request(f"logit_bias[{key!r}] must be a number in [-{LOGIT_BIAS_LIMIT:g}, "
+                              f"{LOGIT_BIAS_LIMIT:g}], got {bias}", "logit_bias")
+        if int(key) in pairs:  # "7" and "007"
+            raise bad_request(f"logit_bias names token {int(key)} twice", "logit_bias")
+        pairs[int(key)] = float(bias)
+    if sum(b <= -LOGIT_BIAS_LIMIT for b in pairs.values()) >= n_vocab:
+        raise bad_request("logit_bias bans every token of the vocabulary", "logit_bias")
+    return tuple(sorted(pairs.items()))

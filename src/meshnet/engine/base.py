@@ -324,7 +324,7 @@ class ShardEngine(ABC):
             if problem is not None:
                 return self._fail(Status.INVALID_ARGUMENT, problem)
         if caps.is_tail:
-            problem = req.sampling.validate()
+            problem = req.sampling.validate(caps.n_vocab)
             if problem is not None:
                 return self._fail(Status.INVALID_ARGUMENT, problem)
         return None

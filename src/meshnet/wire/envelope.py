@@ -49,14 +49,15 @@ def sampling_to_pb(s: SamplingParams) -> pb.Sampling:
                        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
                        frequency_penalty=s.frequency_penalty, penalty_last_n=s.penalty_last_n,
                        has_seed=s.seed is not None, seed=(s.seed or 0) % (1 << 64),
-                       n_top_logprobs=s.n_top_logprobs)
+                       n_top_logprobs=s.n_top_logprobs, logit_bias=dict(s.logit_bias))
 
 
 def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
     return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=m.top_p, min_p=m.min_p,
                           repetition_penalty=m.repetition_penalty, presence_penalty=m.presence_penalty,
                           frequency_penalty=m.frequency_penalty, penalty_last_n=m.penalty_last_n,
-                          seed=int(m.seed) if m.has_seed else None, n_top_logprobs=m.n_top_logprobs)
+                          seed=int(m.seed) if m.has_seed else None, n_top_logprobs=m.n_top_logprobs,
+                          logit_bias=tuple(sorted(m.logit_bias.items())))
 
 
 def tensor_frames(header: pb.Envelope, tensor: NamedTensor | None,
