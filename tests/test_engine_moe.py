@@ -186,14 +186,15 @@ def test_deepseek2_config_and_latent_kv_cache(deepseek2_path):
 
 
 def _copy_gguf(src, dst, drop: str) -> None:
-    """Write ``src``'s scalar metadata and every tensor but ``drop`` to ``dst`` (no tokenizer arrays:
-    loading a stage does not read them)."""
+    """Write ``src``'s scalar metadata and every tensor but the tensor or key ``drop`` to ``dst`` (no
+    tokenizer arrays: loading a stage does not read them)."""
     reader = open_gguf(src)
     arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
     w = gguf.GGUFWriter(str(dst), arch)
     for key, field in reader.fields.items():
         vtype = field.types[0] if field.types else None
-        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE or vtype == gguf.GGUFValueType.ARRAY:
+        if (key.startswith("GGUF.") or key in (gguf.Keys.General.ARCHITECTURE, drop)
+                or vtype == gguf.GGUFValueType.ARRAY):
             continue
         w.add_key_value(key, field.contents(), vtype)
     for t in reader.tensors:
@@ -223,6 +224,14 @@ def test_a_missing_mla_tensor_is_refused_at_load(deepseek2_path, tmp_path, missi
     _copy_gguf(deepseek2_path, broken, drop=missing)
     with pytest.raises(ValueError, match=f"deepseek2 GGUF is missing tensor '{missing}'"):
         load_local_chain(str(broken), [LayerRange(3, 4)], progress=False)
+
+
+def test_a_legacy_deepseek2_without_absorbed_mla_is_refused(deepseek2_path, tmp_path):
+    broken = tmp_path / "legacy-mla.gguf"
+    _copy_gguf(deepseek2_path, broken, drop="deepseek2.attention.key_length_mla")
+    with pytest.raises(ValueError, match="deepseek2 GGUF has no attention.key_length_mla / value_length_mla: "
+                                         "the legacy attn_kv_b layout is not supported"):
+        load_local_chain(str(broken), [LayerRange(0, 4)], progress=False)
 
 
 def test_a_misshaped_router_is_refused_at_load(qwen3moe_path, tmp_path):
