@@ -65,13 +65,24 @@ def golden_dir() -> Path:
     return GOLDEN_DIR
 
 
-@pytest.fixture(scope="session")
-def qwen3moe_path() -> Path:
-    """The tiny qwen3moe golden model (../shared/golden/models-moe); skips the test without it."""
-    path = GOLDEN_DIR / "models-moe" / "tiny-qwen3moe.gguf"
+def moe_model_path(name: str) -> Path:
+    """A tiny MoE golden model by name (../shared/golden/models-moe); skips the calling test without it."""
+    path = GOLDEN_DIR / "models-moe" / f"{name}.gguf"
     if not path.is_file():
         pytest.skip(f"{path} not found")
     return path
+
+
+@pytest.fixture(scope="session")
+def qwen3moe_path() -> Path:
+    """The tiny qwen3moe golden model; skips the test without it."""
+    return moe_model_path("tiny-qwen3moe")
+
+
+@pytest.fixture(scope="session")
+def deepseek2_path() -> Path:
+    """The tiny deepseek2 golden model (MLA, grouped sigmoid routing); skips the test without it."""
+    return moe_model_path("tiny-deepseek2")
 
 
 @pytest.fixture(scope="session")

@@ -58,10 +58,51 @@ def test_missing_unexpected_and_misshaped_tensors_are_named():
         check_tensors(m, CFG, bad.items())
 
 
+# A two-layer deepseek2 with one leading dense block: 2 heads, MLA latent 16 + rope 4, nope 8, v 8.
+DS2 = SimpleNamespace(n_layer=2, n_embd=32, n_lora_q=0, n_lora_kv=16, n_embd_k_cache=20, n_head=2,
+                      n_embd_head_qk_nope=8, n_embd_head_v_mla=8, n_embd_q_mla=24, n_embd_o_mla=16, n_ff=48,
+                      n_expert=4, n_ff_exp=8, n_ff_shexp=8, n_vocab=10, n_layer_dense_lead=1,
+                      has_q_lora=False, no_q_lora=True)
+
+
+def _deepseek2_tensors(cfg) -> dict[str, tuple[int, ...]]:
+    m = manifest_for("deepseek2")
+    out = {s.name(): (cfg.n_embd, cfg.n_vocab) if s.shape is None else tuple(getattr(cfg, d) for d in s.shape)
+           for s in m.global_tensors}
+    for il in range(cfg.n_layer):
+        out.update({s.name(il): tuple(getattr(cfg, d) for d in s.shape)
+                    for s in m.layer_tensors if s.required and s.applies(cfg, il)})
+    return out
+
+
+def test_deepseek2_blocks_and_q_lora_choose_their_tensors():
+    m = manifest_for("deepseek2")
+    plain = _deepseek2_tensors(DS2)
+    # without q-LoRA a plain attn_q; the leading block a dense FFN, the next experts and a shared expert
+    assert "blk.0.attn_q.weight" in plain and "blk.0.attn_q_a.weight" not in plain
+    assert "blk.0.ffn_up.weight" in plain and "blk.0.ffn_up_exps.weight" not in plain
+    assert "blk.1.ffn_up_exps.weight" in plain and "blk.1.ffn_up_shexp.weight" in plain
+    assert "blk.1.ffn_up.weight" not in plain
+    check_tensors(m, DS2, plain.items())
+    check_tensors(m, DS2, list(plain.items()) + [("blk.1.exp_probs_b.bias", (4,))])  # optional
+    lora = SimpleNamespace(**{**vars(DS2), "n_lora_q": 12, "has_q_lora": True, "no_q_lora": False})
+    tensors = _deepseek2_tensors(lora)
+    assert tensors["blk.1.attn_q_b.weight"] == (12, 24) and "blk.1.attn_q.weight" not in tensors
+    check_tensors(m, lora, tensors.items())
+    with pytest.raises(GGUFError, match="deepseek2 GGUF has unexpected tensor 'blk.0.attn_q.weight'"):
+        check_tensors(m, lora, list(tensors.items()) + [("blk.0.attn_q.weight", (32, 24))])
+    # the legacy unsplit attn_kv_b is not read by the absorbed graph
+    with pytest.raises(GGUFError, match="deepseek2 GGUF has unexpected tensor 'blk.0.attn_kv_b.weight'"):
+        check_tensors(m, DS2, list(plain.items()) + [("blk.0.attn_kv_b.weight", (16, 32))])
+    with pytest.raises(GGUFError, match=r"'blk.1.attn_k_b.weight' has shape \[8, 16, 3\], expected \[8, 16, 2\] "
+                                        r"\(n_embd_head_qk_nope, n_lora_kv, n_head\)"):
+        check_tensors(m, DS2, dict(plain, **{"blk.1.attn_k_b.weight": (8, 16, 3)}).items())
+
+
 def test_unknown_architectures_are_refused_with_the_supported_list():
-    with pytest.raises(GGUFError, match="unsupported architecture 'deepseek2'; supported: gemma3, llama, phi3, "
-                                        "qwen2, qwen3, qwen3moe"):
-        manifest_for("deepseek2")
+    with pytest.raises(GGUFError, match="unsupported architecture 'deepseek4'; supported: deepseek2, gemma3, "
+                                        "llama, phi3, qwen2, qwen3, qwen3moe"):
+        manifest_for("deepseek4")
 
 
 @pytest.mark.parametrize("folder", ["models", "models-moe"])
@@ -72,6 +113,6 @@ def test_the_golden_models_fit_their_manifests(folder):
     for path in paths:
         arch = open_gguf(path).get_field(gguf.Keys.General.ARCHITECTURE).contents()
         if arch not in MANIFESTS:
-            continue  # deepseek2 / deepseek4: not built yet, refused by name (above)
+            continue  # deepseek4: not built yet, refused by name (above)
         cfg = ModelConfig.from_reader(open_gguf(path))  # runs check_tensors
         assert cfg.manifest.name == arch

@@ -1,15 +1,17 @@
-"""Mixture-of-experts models on the ggml engine: tiny-qwen3moe against llama.cpp's goldens, split at every
-layer boundary, batched, and refused when its tensors do not fit the architecture's manifest."""
+"""Mixture-of-experts models on the ggml engine: tiny-qwen3moe and tiny-deepseek2 against llama.cpp's
+goldens, split at every layer boundary, batched, and refused when their tensors do not fit the
+architecture's manifest."""
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import gguf
 import numpy as np
 import pytest
 
-from conftest import golden_exact, load_golden
+from conftest import golden_exact, load_golden, moe_model_path
 from golden_check import N_GEN, assert_greedy_matches, check_against_golden, cpu_stage, forward
 from meshnet.contract import GREEDY, LayerRange
 from meshnet.engine.ggml_engine import BatchItem
@@ -17,10 +19,12 @@ from meshnet.generation import generate
 from meshnet.layer_split import layer_costs
 from meshnet.local_mesh import load_local_chain, plan_ranges
 from meshnet.model.gguf_file import GGUFError, open_gguf
-from meshnet.model.hparams import ModelConfig
+from meshnet.model.hparams import GATING_SIGMOID, ModelConfig
 from meshnet.tokenizer import GGUFTokenizer
 
 QWEN3MOE = "tiny-qwen3moe"
+DEEPSEEK2 = "tiny-deepseek2"
+MOE_MODELS = [QWEN3MOE, DEEPSEEK2]
 N_LAYER = 4
 N_DECODE = 16
 
@@ -64,29 +68,46 @@ def test_qwen3moe_matches_llama_cpp(qwen3moe_path):
         assert report["max_dev"] < 1e-4
 
 
+def test_deepseek2_matches_llama_cpp(deepseek2_path):
+    """MLA attention, YaRN rope, the leading dense block and grouped sigmoid routing against llama.cpp:
+    logits within the golden's tolerance and free-running greedy ids by rule 3 (whose first near-tie is
+    step 0 on every prompt: grouped routing has near-ties of 2e-5, so that rule alone demands little)."""
+    golden = load_golden(DEEPSEEK2)
+    report = check_against_golden(deepseek2_path, golden, n_stages=1)
+    if golden_exact():
+        # llama.cpp's kernels in its op order: every id, and the logits to the golden's printed precision.
+        assert report["greedy_equal"] == [N_GEN] * 4
+        assert report["max_dev"] < 1e-4
+
+
 @pytest.mark.parametrize("n_stages", [2, 3, 4])
-def test_qwen3moe_split_at_every_boundary_is_bit_identical(qwen3moe_path, n_stages):
+@pytest.mark.parametrize("model", MOE_MODELS)
+def test_moe_split_at_every_boundary_is_bit_identical(model, n_stages):
     """Every cut of the 4 layers into 2, 3 or 4 stages gives the one-stage run's logits bit for bit (the
-    prompt batch and 16 decode steps), hence its greedy ids."""
-    ids = load_golden(QWEN3MOE)["prompts"][1]["prompt_ids"]
-    solo_logits, solo_toks = _run(qwen3moe_path, [LayerRange(0, N_LAYER)], ids)
+    prompt batch and 16 decode steps), hence its greedy ids; for deepseek2 the cuts put the dense block
+    and each MoE block on either side, and each stage's pool holds only its layers' latent cells."""
+    path = moe_model_path(model)
+    ids = load_golden(model)["prompts"][1]["prompt_ids"]
+    solo_logits, solo_toks = _run(path, [LayerRange(0, N_LAYER)], ids)
     splits = _every_split(N_LAYER, n_stages)
     assert len(splits) == {2: 3, 3: 3, 4: 1}[n_stages]
     for ranges in splits:
-        logits, toks = _run(qwen3moe_path, ranges, ids)
+        logits, toks = _run(path, ranges, ids)
         assert toks == solo_toks, f"split {[str(r) for r in ranges]}"
         np.testing.assert_array_equal(logits, solo_logits, err_msg=f"split {[str(r) for r in ranges]}")
 
 
-def test_qwen3moe_generation_through_chained_engines(qwen3moe_path):
+@pytest.mark.parametrize("model", MOE_MODELS)
+def test_moe_generation_through_chained_engines(model):
     """The generation loop over in-process engine chains (load_local_chain, the route `meshnet generate`
     takes): 64 greedy ids per golden prompt, the same from 1, 2, 3 and 4 balanced stages, and llama.cpp's
     (every id with goldens made on these CPU features, else rule 3)."""
-    golden = load_golden(QWEN3MOE)
-    tok = GGUFTokenizer.from_gguf(str(qwen3moe_path))
+    golden = load_golden(model)
+    path = str(moe_model_path(model))
+    tok = GGUFTokenizer.from_gguf(path)
     results = {}
     for n_stages in (1, 2, 3, 4):
-        chain = load_local_chain(str(qwen3moe_path), plan_ranges(str(qwen3moe_path), n_stages), n_ctx=512, progress=False)
+        chain = load_local_chain(path, plan_ranges(path, n_stages), n_ctx=512, progress=False)
         results[n_stages] = [generate(chain, tok, p["prompt_ids"], N_GEN, GREEDY, stop_at_eog=False)
                              .generated_token_ids for p in golden["prompts"]]
     for n_stages in (2, 3, 4):
@@ -95,13 +116,15 @@ def test_qwen3moe_generation_through_chained_engines(qwen3moe_path):
         assert_greedy_matches(golden, i, ids, golden_exact())
 
 
-def test_qwen3moe_batched_rows_equal_each_alone(qwen3moe_path):
+@pytest.mark.parametrize("model", MOE_MODELS)
+def test_moe_batched_rows_equal_each_alone(model):
     """Four sessions decoding in one iteration beside a prefill segment (tokens routed to different
-    experts share each ``ggml_mul_mat_id``) give the logits each gives alone, bit for bit."""
-    golden = load_golden(QWEN3MOE)
+    experts share each ``ggml_mul_mat_id``; for deepseek2 the queries of all rows share MLA's absorption
+    and decompression mat-muls) give the logits each gives alone, bit for bit."""
+    golden = load_golden(model)
     prompts = [np.asarray(p["prompt_ids"], dtype=np.int32) for p in golden["prompts"]]
     nxt = [np.asarray([p["greedy_ids"][0]], dtype=np.int32) for p in golden["prompts"]]
-    stage = cpu_stage(qwen3moe_path, LayerRange(0, N_LAYER))
+    stage = cpu_stage(moe_model_path(model), LayerRange(0, N_LAYER))
 
     alone = []
     for p, t in zip(prompts, nxt):
@@ -138,15 +161,40 @@ def test_qwen3moe_config_and_plan(qwen3moe_path):
     assert [str(r) for r in plan_ranges(str(qwen3moe_path), 4)] == ["0:1", "1:2", "2:3", "3:4"]
 
 
+def test_deepseek2_config_and_latent_kv_cache(deepseek2_path):
+    """The hyper-parameters llama.cpp reads, and a KV pool of one latent + rope row per token and layer
+    (F16 ``kv_lora_rank + n_rot`` = 80 values, V a view of it) instead of full K and V."""
+    cfg = ModelConfig.from_reader(open_gguf(deepseek2_path))
+    assert (cfg.n_lora_q, cfg.n_lora_kv, cfg.n_embd_head_k_mla, cfg.n_embd_head_v_mla, cfg.n_rot) == (32, 64, 48, 32, 16)
+    assert (cfg.n_layer_dense_lead, cfg.n_expert, cfg.n_expert_used, cfg.n_expert_shared) == (1, 16, 4, 1)
+    assert (cfg.n_expert_groups, cfg.n_group_used, cfg.expert_gating_func) == (4, 2, GATING_SIGMOID)
+    assert cfg.expert_weights_norm and cfg.expert_weights_scale == 2.5
+    # YaRN, factor 40 on 4096: the rope's attn_factor cancels ggml's own magnitude factor, and the kq
+    # scale carries mscale² (1 + 0.1 ln 40)² / sqrt(48), in float32 as llama.cpp computes them.
+    assert (cfg.rope_ext_factor, cfg.n_ctx_orig_yarn) == (1.0, 4096)
+    assert cfg.rope_attn_factor == pytest.approx(1 / (1 + 0.1 * math.log(40)), rel=1e-6)
+    assert cfg.attn_scale == pytest.approx((1 + 0.1 * math.log(40)) ** 2 / math.sqrt(48), rel=1e-6)
+    stage = cpu_stage(deepseek2_path, LayerRange(1, 3))
+    assert stage.pool.v == {} and sorted(stage.pool.k) == [1, 2]
+    assert stage.pool.bytes_per_token == 2 * 2 * (64 + 16)
+    full_kv = 2 * 2 * cfg.n_head * (cfg.n_embd_head_k_mla + cfg.n_embd_head_v_mla)  # decompressed K and V
+    assert full_kv == 4 * stage.pool.bytes_per_token
+    stage.close()
+    # The planner weighs the leading dense block by its own (smaller) bytes.
+    costs, _ = layer_costs(open_gguf(deepseek2_path), N_LAYER)
+    assert costs[0] < costs[1] == costs[2] == costs[3]
+
+
 def _copy_gguf(src, dst, drop: str) -> None:
-    """Write ``src``'s scalar metadata and every tensor but ``drop`` to ``dst`` (no tokenizer arrays:
-    loading a stage does not read them)."""
+    """Write ``src``'s scalar metadata and every tensor but the tensor or key ``drop`` to ``dst`` (no
+    tokenizer arrays: loading a stage does not read them)."""
     reader = open_gguf(src)
     arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
     w = gguf.GGUFWriter(str(dst), arch)
     for key, field in reader.fields.items():
         vtype = field.types[0] if field.types else None
-        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE or vtype == gguf.GGUFValueType.ARRAY:
+        if (key.startswith("GGUF.") or key in (gguf.Keys.General.ARCHITECTURE, drop)
+                or vtype == gguf.GGUFValueType.ARRAY):
             continue
         w.add_key_value(key, field.contents(), vtype)
     for t in reader.tensors:
@@ -168,6 +216,22 @@ def test_a_missing_expert_tensor_is_refused_at_load(qwen3moe_path, tmp_path):
     # A stage that does not hold layer 2 refuses the file too, through the engine's load result.
     with pytest.raises(ValueError, match=message):
         load_local_chain(str(broken), [LayerRange(0, 2)], progress=False)
+
+
+@pytest.mark.parametrize("missing", ["blk.2.attn_k_b.weight", "blk.0.attn_kv_a_mqa.weight", "blk.1.attn_q_a_norm.weight"])
+def test_a_missing_mla_tensor_is_refused_at_load(deepseek2_path, tmp_path, missing):
+    broken = tmp_path / "no-mla-tensor.gguf"
+    _copy_gguf(deepseek2_path, broken, drop=missing)
+    with pytest.raises(ValueError, match=f"deepseek2 GGUF is missing tensor '{missing}'"):
+        load_local_chain(str(broken), [LayerRange(3, 4)], progress=False)
+
+
+def test_a_legacy_deepseek2_without_absorbed_mla_is_refused(deepseek2_path, tmp_path):
+    broken = tmp_path / "legacy-mla.gguf"
+    _copy_gguf(deepseek2_path, broken, drop="deepseek2.attention.key_length_mla")
+    with pytest.raises(ValueError, match="deepseek2 GGUF has no attention.key_length_mla / value_length_mla: "
+                                         "the legacy attn_kv_b layout is not supported"):
+        load_local_chain(str(broken), [LayerRange(0, 4)], progress=False)
 
 
 def test_a_misshaped_router_is_refused_at_load(qwen3moe_path, tmp_path):

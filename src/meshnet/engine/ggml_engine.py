@@ -106,7 +106,7 @@ class GgmlStage:
         self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=use_mmap)
         if not use_mmap:
             drop_pages(reader)  # the copies are what stays resident, not the file pages read to make them
-        self.pool = KVPool(layers, self.cfg.n_embd_k_gqa, self.cfg.n_embd_v_gqa, self.n_ctx, n_slots,
+        self.pool = KVPool(layers, self.cfg.n_embd_k_cache, self.cfg.n_embd_v_cache, self.n_ctx, n_slots,
                            kv_tokens, self.backend, host=on_host, budget_bytes=kv_budget_bytes)
         self.sessions = StageSessions(self.pool, prefix_cache, self.n_ubatch, self.n_ctx, self.is_tail)
         self._graphs: OrderedDict[BatchShape, StepGraph] = OrderedDict()

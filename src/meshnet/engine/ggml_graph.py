@@ -1,9 +1,10 @@
 """The forward graph of one layer range, built with ggml the way llama.cpp builds it.
 
 Mirrors llama.cpp's graphs (src/models/*.cpp, ``llm_build_llama``, ``llm_build_qwen2``,
-``llm_build_qwen3``, ``llm_build_qwen3moe``, ``llm_build_phi3``, ``llm_build_gemma3_iswa``) and its
-``llm_graph_context`` helpers: ``build_norm`` (RMS norm then gain), ``build_ffn`` (fused SwiGLU / GeGLU),
-``build_moe_ffn`` (routed experts, in ``ggml_moe``), and ``build_attn``
+``llm_build_qwen3``, ``llm_build_qwen3moe``, ``llm_build_phi3``, ``llm_build_gemma3_iswa``,
+``llama_model_deepseek2::graph``) and its ``llm_graph_context`` helpers: ``build_norm`` (RMS norm then
+gain), ``build_ffn`` (fused SwiGLU / GeGLU), ``build_moe_ffn`` (routed experts, in ``ggml_moe``), MLA's
+query absorption and value decompression (``ggml_mla``), and ``build_attn``
 with a KV cache written by ``ggml_set_rows`` and read through ``ggml_flash_attn_ext`` (F16 cache, F32
 precision). Using the same ggml ops in the same order on weights in their stored types is what makes
 the logits equal llama.cpp's bit for bit.
@@ -29,14 +30,13 @@ from meshnet.engine.ggml_backend import (
     new_tensor,
     set_tensor,
 )
+from meshnet.engine.ggml_mla import mla_decompress, mla_qkv
 from meshnet.engine.ggml_moe import build_moe_ffn, moe_graph_nodes
 from meshnet.engine.kv_pool import KVPool
 from meshnet.model.gguf_file import tensor_name as _tn
-from meshnet.model.hparams import ModelConfig
+from meshnet.model.hparams import YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig
 
 T = gguf.MODEL_TENSOR
-# llama.cpp's defaults when no YaRN scaling is configured.
-ROPE_EXT_FACTOR, ROPE_ATTN_FACTOR, ROPE_BETA_FAST, ROPE_BETA_SLOW = 0.0, 1.0, 32.0, 1.0
 
 
 @dataclass
@@ -73,6 +73,8 @@ class StepGraph:
         per_layer = 48 + 16 * (len(shape.segments) + (1 if shape.n_dec else 0))
         if cfg.manifest.is_moe:
             per_layer += moe_graph_nodes(cfg.n_expert_used)
+        if cfg.is_mla:
+            per_layer += 32
         size = 256 + layers.n_layers * per_layer
         self.ctx = new_meta_context(size, size)
         self.gf = ggml.ggml_new_graph_custom(self.ctx, size, False)
@@ -105,40 +107,48 @@ class StepGraph:
         swa = cfg.is_swa(il)
         base = cfg.rope_freq_base_swa if swa else cfg.rope_freq_base
         scale = 1.0 if swa else cfg.rope_freq_scale
-        return ggml.ggml_rope_ext(self.ctx, x, self.inp.pos, None, cfg.n_rot, cfg.rope_type, cfg.n_ctx_train,
-                                  base, scale, ROPE_EXT_FACTOR, ROPE_ATTN_FACTOR, ROPE_BETA_FAST, ROPE_BETA_SLOW)
+        return ggml.ggml_rope_ext(self.ctx, x, self.inp.pos, None, cfg.n_rot, cfg.rope_type,
+                                  cfg.n_ctx_orig_yarn or cfg.n_ctx_train, base, scale, cfg.rope_ext_factor,
+                                  cfg.rope_attn_factor, YARN_BETA_FAST, YARN_BETA_SLOW)
 
-    def _attn(self, il: int, q, k, v, kq_scale: float):
-        """KV write then flash attention. q ``[head_dim, n_head, n]``, k/v ``[head_dim, n_head_kv, n]``;
-        returns ``[head_dim_v * n_head, n]`` before the output projection.
+    def _attn(self, il: int, q, k, v, kq_scale: float, v_in_k: bool = False):
+        """KV write then flash attention. q ``[head_dim, n_head, n]``, k ``[head_dim, n_head_kv, n]``, v
+        ``[head_dim_v, n_head_kv, n]``; returns ``[head_dim_v * n_head, n]`` before the output projection.
 
-        Every row's K and V go to its cell in one ``ggml_set_rows``. The decode rows are attended as one
-        call over the lowest ``dec_streams`` slots, a stream per slot (llama.cpp's multi-stream KV cache
-        layout: K viewed ``[head_dim, n_head_kv, n_kv, n_stream]``); each segment gets its own call over
-        its slot's cells, the same call a session alone makes."""
-        cfg, ctx, n, pool, shape = self.cfg, self.ctx, self.n_tokens, self._pool, self.shape
-        kc, vc = pool.k[il], pool.v[il]
-        k2 = ggml.ggml_reshape_2d(ctx, ggml.ggml_cont(ctx, k), cfg.n_embd_k_gqa, n)
-        v2 = ggml.ggml_reshape_2d(ctx, ggml.ggml_cont(ctx, v), cfg.n_embd_v_gqa, n)
+        Every row's K and V go to its cell in one ``ggml_set_rows``; with ``v_in_k`` (MLA's latent
+        cache) V is not stored: it is the first ``head_dim_v`` values of each K cell, read through a
+        view of the K cells (llama.cpp's ``build_attn`` for ``llm_graph_input_attn_k``). The decode
+        rows are attended as one call over the lowest ``dec_streams`` slots, a stream per slot
+        (llama.cpp's multi-stream KV cache layout: K viewed ``[head_dim, n_head_kv, n_kv, n_stream]``);
+        each segment gets its own call over its slot's cells, the same call a session alone makes."""
+        ctx, n, pool, shape = self.ctx, self.n_tokens, self._pool, self.shape
+        hd, n_head = int(q.contents.ne[0]), int(q.contents.ne[1])
+        n_head_kv, hd_v = int(k.contents.ne[1]), int(v.contents.ne[0])
+        kc = pool.k[il]
+        vc = kc if v_in_k else pool.v[il]
+        k2 = ggml.ggml_reshape_2d(ctx, ggml.ggml_cont(ctx, k), hd * n_head_kv, n)
         # The cache writes must be in the graph before the attention that reads the cache views.
         ggml.ggml_build_forward_expand(self.gf, ggml.ggml_set_rows(ctx, kc, k2, self.inp.kv_idx))
-        ggml.ggml_build_forward_expand(self.gf, ggml.ggml_set_rows(ctx, vc, v2, self.inp.kv_idx))
+        if not v_in_k:
+            v2 = ggml.ggml_reshape_2d(ctx, ggml.ggml_cont(ctx, v), hd_v * n_head_kv, n)
+            ggml.ggml_build_forward_expand(self.gf, ggml.ggml_set_rows(ctx, vc, v2, self.inp.kv_idx))
         f16 = ggml.GGML_TYPE_F16
-        row_k, row_v = ggml.ggml_row_size(f16, cfg.n_embd_k_gqa), ggml.ggml_row_size(f16, cfg.n_embd_v_gqa)
-        hk, hv = ggml.ggml_row_size(f16, cfg.head_dim), ggml.ggml_row_size(f16, cfg.head_dim_v)
-        swa = cfg.is_swa(il)
-        q2 = ggml.ggml_reshape_2d(ctx, q, cfg.head_dim * cfg.n_head, n)
-        width = cfg.head_dim_v * cfg.n_head
+        row_k, row_v = kc.contents.nb[1], vc.contents.nb[1]
+        hk = ggml.ggml_row_size(f16, hd)
+        hv = hk if v_in_k else ggml.ggml_row_size(f16, hd_v)  # V in K: heads step as K's do
+        swa = self.cfg.is_swa(il)
+        q2 = ggml.ggml_reshape_2d(ctx, q, hd * n_head, n)
+        width = hd_v * n_head
         parts = []
         if shape.n_dec:
             m, n_kv = shape.dec_streams, shape.n_kv_dec
             qd = ggml.ggml_get_rows(ctx, ggml.ggml_view_2d(ctx, q2, q2.contents.ne[0], shape.n_dec, q2.contents.nb[1], 0),
                                     self.inp.dec_gather)                          # [hd * n_head, m]
-            qp = ggml.ggml_permute(ctx, ggml.ggml_reshape_4d(ctx, qd, cfg.head_dim, cfg.n_head, 1, m), 0, 2, 1, 3)
+            qp = ggml.ggml_permute(ctx, ggml.ggml_reshape_4d(ctx, qd, hd, n_head, 1, m), 0, 2, 1, 3)
             kv_stride_k, kv_stride_v = row_k * pool.n_ctx, row_v * pool.n_ctx
-            kp = ggml.ggml_permute(ctx, ggml.ggml_view_4d(ctx, kc, cfg.head_dim, cfg.n_head_kv, n_kv, m,
+            kp = ggml.ggml_permute(ctx, ggml.ggml_view_4d(ctx, kc, hd, n_head_kv, n_kv, m,
                                                          hk, row_k, kv_stride_k, 0), 0, 2, 1, 3)
-            vp = ggml.ggml_permute(ctx, ggml.ggml_view_4d(ctx, vc, cfg.head_dim_v, cfg.n_head_kv, n_kv, m,
+            vp = ggml.ggml_permute(ctx, ggml.ggml_view_4d(ctx, vc, hd_v, n_head_kv, n_kv, m,
                                                          hv, row_v, kv_stride_v, 0), 0, 2, 1, 3)
             mask = self.inp.dec_mask_swa if swa else self.inp.dec_mask
             cur = ggml.ggml_flash_attn_ext(ctx, qp, kp, vp, mask, kq_scale, 0.0, 0.0)
@@ -146,11 +156,11 @@ class StepGraph:
             parts.append(ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, cur, width, m), self.inp.dec_scatter))
         row = shape.n_dec
         for i, (slot, n_seg, n_kv, _) in enumerate(shape.segments):
-            qv = ggml.ggml_view_3d(ctx, q, cfg.head_dim, cfg.n_head, n_seg, q.contents.nb[1], q.contents.nb[2],
+            qv = ggml.ggml_view_3d(ctx, q, hd, n_head, n_seg, q.contents.nb[1], q.contents.nb[2],
                                    row * q.contents.nb[2])
-            kview = ggml.ggml_view_4d(ctx, kc, cfg.head_dim, cfg.n_head_kv, n_kv, 1, hk, row_k, row_k * n_kv,
+            kview = ggml.ggml_view_4d(ctx, kc, hd, n_head_kv, n_kv, 1, hk, row_k, row_k * n_kv,
                                       slot * pool.n_ctx * row_k)
-            vview = ggml.ggml_view_4d(ctx, vc, cfg.head_dim_v, cfg.n_head_kv, n_kv, 1, hv, row_v, row_v * n_kv,
+            vview = ggml.ggml_view_4d(ctx, vc, hd_v, n_head_kv, n_kv, 1, hv, row_v, row_v * n_kv,
                                       slot * pool.n_ctx * row_v)
             qp = ggml.ggml_permute(ctx, qv, 0, 2, 1, 3)
             kp = ggml.ggml_permute(ctx, kview, 0, 2, 1, 3)
@@ -189,15 +199,25 @@ class StepGraph:
 
     def _ffn(self, il: int, cur):
         """The FFN of the architecture's manifest on ``cur`` ``[n_embd, n]`` (after ``ffn_norm``):
-        llama.cpp's build_ffn (SwiGLU on ffn_gate/up/down) or build_moe_ffn (routed experts)."""
+        llama.cpp's build_ffn (SwiGLU on ffn_gate/up/down; also deepseek2's leading dense blocks) or
+        build_moe_ffn (routed experts), plus the shared experts' SwiGLU FFN where the file has them."""
         cfg, ctx = self.cfg, self.ctx
-        if cfg.manifest.is_moe:
-            return build_moe_ffn(ctx, self.gf, cur, self._wt(T.FFN_GATE_INP, il), self._wt(T.FFN_UP_EXP, il),
-                                 self._wt(T.FFN_GATE_EXP, il), self._wt(T.FFN_DOWN_EXP, il), cfg.n_expert_used,
-                                 cfg.manifest.moe_norm_weights, cfg.expert_weights_scale)
-        up = self._mm(T.FFN_UP, il, cur)                                         # [n_ff, n]
-        gate = self._mm(T.FFN_GATE, il, cur)
-        return self._mm(T.FFN_DOWN, il, ggml.ggml_swiglu_split(ctx, gate, up))
+        if cfg.manifest.is_moe and il >= cfg.n_layer_dense_lead:
+            out = build_moe_ffn(ctx, self.gf, cur, self._wt(T.FFN_GATE_INP, il), self._wt(T.FFN_UP_EXP, il),
+                                self._wt(T.FFN_GATE_EXP, il), self._wt(T.FFN_DOWN_EXP, il), cfg.n_expert_used,
+                                cfg.expert_weights_norm, cfg.expert_weights_scale, cfg.expert_gating_func,
+                                self._wt(T.FFN_EXP_PROBS_B, il, "bias"), cfg.n_expert_groups, cfg.n_group_used)
+            if cfg.n_expert_shared:
+                out = ggml.ggml_add(ctx, out, self._swiglu_ffn(il, cur, T.FFN_UP_SHEXP, T.FFN_GATE_SHEXP,
+                                                               T.FFN_DOWN_SHEXP))
+            return out
+        return self._swiglu_ffn(il, cur, T.FFN_UP, T.FFN_GATE, T.FFN_DOWN)
+
+    def _swiglu_ffn(self, il: int, cur, up_kind: T, gate_kind: T, down_kind: T):
+        """build_ffn(LLM_FFN_SILU, LLM_FFN_PAR): down(SiLU(gate(x)) * up(x)), ``[n_embd, n]``."""
+        up = self._mm(up_kind, il, cur)                                          # [n_ff, n]
+        gate = self._mm(gate_kind, il, cur)
+        return self._mm(down_kind, il, ggml.ggml_swiglu_split(self.ctx, gate, up))
 
     def _layer_llama(self, il: int, x):
         """llama / qwen2 / qwen3 / qwen3moe: attention (:meth:`_attn_llama`), then the dense or MoE
@@ -206,6 +226,21 @@ class StepGraph:
         ffn_inp = ggml.ggml_add(self.ctx, cur, x)
         cur = self._ffn(il, self._norm(ffn_inp, T.FFN_NORM, il))
         return ggml.ggml_add(self.ctx, cur, ffn_inp)
+
+    def _layer_deepseek2(self, il: int, x):
+        """deepseek2 (DeepSeek-V2/V3): multi-head latent attention in the absorbed form (``ggml_mla``;
+        the cache holds the latent + rope row, V is a view of it), then a dense FFN in the leading
+        blocks, routed plus shared experts in the others, each added to the residual."""
+        cfg, ctx = self.cfg, self.ctx
+        cur = self._norm(x, T.ATTN_NORM, il)                                     # [n_embd, n]
+        q, k, v = mla_qkv(self, il, cur)
+        cur = self._attn(il, q, k, v, cfg.attn_scale, v_in_k=True)               # [kv_lora_rank * n_head, n]
+        cur = mla_decompress(ctx, cur, self._wt(T.ATTN_V_B, il), cfg.n_head)     # [head_v * n_head, n]
+        cur = self._mm(T.ATTN_OUT, il, cur)                                      # [n_embd, n]
+        cur, x = self._select_out_rows(il, cur, x)
+        ffn_inp = ggml.ggml_add(ctx, cur, x)
+        cur = self._ffn(il, self._norm(ffn_inp, T.FFN_NORM, il))
+        return ggml.ggml_add(ctx, cur, ffn_inp)
 
     def _layer_phi3(self, il: int, x):
         """phi3: fused attn_qkv rows [Q; K; V], Q pre-scaled, fused ffn_up rows [gate; up]."""

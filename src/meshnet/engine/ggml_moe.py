@@ -1,8 +1,9 @@
 """Routed experts (mixture of experts) on ggml's own ops, as llama.cpp builds them.
 
-Mirrors ``llm_graph_context::build_moe_ffn`` (src/llama-graph.cpp) for softmax gating, the path
-qwen3moe takes: the same ops in the same order, so the router picks the experts llama.cpp picks and the
-weighted sum adds them up in its order. Every token's routing runs inside the graph (``ggml_argsort``,
+Mirrors ``llm_graph_context::build_moe_ffn`` (src/llama-graph.cpp) for softmax gating (qwen3moe) and
+sigmoid gating with a selection bias and expert groups (DeepSeek-V3's layout of deepseek2): the same ops
+in the same order, so the router picks the experts llama.cpp picks and the weighted sum adds them up in
+its order. Every token's routing runs inside the graph (``ggml_argsort``,
 ``ggml_get_rows``, ``ggml_mul_mat_id``); nothing loops over experts or tokens in Python.
 
 Shapes are in ggml order: ``[n_embd, n_tokens]`` is n_tokens rows of n_embd floats.
@@ -12,14 +13,17 @@ from __future__ import annotations
 
 import ggml
 
+from meshnet.model.hparams import GATING_SIGMOID, GATING_SOFTMAX
+
 # build_moe_ffn clamps the sum of the routing weights from below at the smallest normal F16, so that a
 # token whose k weights underflow divides by that instead of by zero.
 WEIGHTS_SUM_MIN = 6.103515625e-5
 
 
 def build_moe_ffn(ctx, gf, cur, gate_inp, up_exps, gate_exps, down_exps, n_expert_used: int,
-                  norm_w: bool, w_scale: float):
-    """The routed-expert FFN of one layer with softmax gating and SiLU-gated experts.
+                  norm_w: bool, w_scale: float, gating: int = GATING_SOFTMAX, exp_probs_b=None,
+                  n_groups: int = 0, n_group_used: int = 0):
+    """The routed-expert FFN of one layer with SiLU-gated experts.
 
     Args:
         ctx, gf: the graph's ggml context and graph (the routing weights are expanded into ``gf``
@@ -32,19 +36,31 @@ def build_moe_ffn(ctx, gf, cur, gate_inp, up_exps, gate_exps, down_exps, n_exper
         n_expert_used: k, the experts each token uses.
         norm_w: renormalise the k weights to sum to 1 (Qwen3-MoE's ``norm_topk_prob``).
         w_scale: factor on the weights; 0 or 1 means none (llama.cpp skips the op then).
+        gating: GATING_SOFTMAX or GATING_SIGMOID: router logits to scores (``probs``).
+        exp_probs_b: F32 ``[n_expert]`` added to the scores for the selection only (DeepSeek-V3's
+            ``exp_probs_b``); the weights stay the unbiased scores. None: no bias.
+        n_groups, n_group_used: with ``n_groups > 1`` the experts form that many equal groups; each
+            group is scored by the sum of its two best (biased) scores and only the experts of the best
+            ``n_group_used`` groups can be selected.
     Returns:
         F32 ``[n_embd, n_tokens]``: Σ_k w_k · down_k(SiLU(gate_k(x)) · up_k(x)), summed in the
-        order of the experts' probabilities, highest first.
+        order of the experts' selection scores, highest first.
     """
     n_embd, n_tokens = int(cur.contents.ne[0]), int(cur.contents.ne[1])
     n_expert = int(gate_inp.contents.ne[1])
     k = n_expert_used
 
     logits = ggml.ggml_mul_mat(ctx, gate_inp, cur)                          # [n_expert, n_tokens]
-    probs = ggml.ggml_soft_max(ctx, logits)                                 # [n_expert, n_tokens]
+    if gating == GATING_SIGMOID:
+        probs = ggml.ggml_sigmoid(ctx, logits)                              # [n_expert, n_tokens]
+    else:
+        probs = ggml.ggml_soft_max(ctx, logits)                             # [n_expert, n_tokens]
+    selection = probs if exp_probs_b is None else ggml.ggml_add(ctx, probs, exp_probs_b)
+    if n_groups > 1 and n_tokens > 0:
+        selection = _mask_groups(ctx, selection, n_expert, n_tokens, n_groups, n_group_used)
     # argsort descending, first k columns: llama.cpp's ggml_argsort_top_k (not ggml_top_k, a separate
     # op whose order of the k ids is not the probabilities' order, which the final sum depends on).
-    selected = ggml.ggml_argsort_top_k(ctx, probs, k)                       # I32 [k, n_tokens]
+    selected = ggml.ggml_argsort_top_k(ctx, selection, k)                   # I32 [k, n_tokens]
     weights = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, probs, 1, n_expert, n_tokens),
                                  selected)                                  # [1, k, n_tokens]
     if norm_w:
@@ -80,7 +96,25 @@ def build_moe_ffn(ctx, gf, cur, gate_inp, up_exps, gate_exps, down_exps, n_exper
     return out
 
 
+def _mask_groups(ctx, selection, n_expert: int, n_tokens: int, n_groups: int, n_group_used: int):
+    """Expert-group selection of build_moe_ffn (DeepSeek-V3's ``n_group`` / ``topk_group``): F32
+    ``[n_expert, n_tokens]`` scores -> the same with every expert outside the ``n_group_used`` best
+    groups set to -inf. A group's score is the sum of its two best scores."""
+    per = n_expert // n_groups
+    groups = ggml.ggml_reshape_3d(ctx, selection, per, n_groups, n_tokens)   # [per, n_groups, n]
+    top2 = ggml.ggml_argsort_top_k(ctx, groups, 2)                          # I32 [2, n_groups, n]
+    top2 = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_4d(ctx, groups, 1, per, n_groups, n_tokens),
+                              top2)                                         # [1, 2, n_groups, n]
+    scores = ggml.ggml_sum_rows(ctx, ggml.ggml_reshape_3d(ctx, top2, 2, n_groups, n_tokens))  # [1, n_groups, n]
+    scores = ggml.ggml_reshape_2d(ctx, scores, n_groups, n_tokens)
+    keep = ggml.ggml_argsort_top_k(ctx, scores, n_group_used)               # I32 [n_group_used, n]
+    kept = ggml.ggml_get_rows(ctx, groups, keep)                            # [per, n_group_used, n]
+    masked = ggml.ggml_set_rows(ctx, ggml.ggml_fill(ctx, groups, float("-inf")), kept, keep)
+    return ggml.ggml_reshape_2d(ctx, masked, n_expert, n_tokens)
+
+
 def moe_graph_nodes(n_expert_used: int) -> int:
-    """Graph nodes (tensors) one MoE FFN adds, with room to spare: the routing and the three expert
-    mat-muls take about 20, and each used expert a view and an add."""
-    return 32 + 2 * n_expert_used
+    """Graph nodes (tensors) one MoE FFN adds, with room to spare: the routing (expert groups and a
+    shared expert included) and the three expert mat-muls take about 40, and each used expert a view
+    and an add."""
+    return 48 + 2 * n_expert_used

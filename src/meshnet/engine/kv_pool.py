@@ -1,7 +1,9 @@
 """One stage's KV cache pool: the F16 K and V cells of every open session, counted in tokens.
 
-Layout, per layer of the range: K ``[n_embd_k_gqa, n_slots * n_ctx]`` and V ``[n_embd_v_gqa, n_slots *
-n_ctx]`` (ggml order). A session holds one slot and keeps position ``p`` in cell ``slot * n_ctx + p``, so
+Layout, per layer of the range: K ``[n_embd_k, n_slots * n_ctx]`` and V ``[n_embd_v, n_slots * n_ctx]``
+(ggml order), the widths the architecture's cache holds per token (``ModelConfig.n_embd_k_cache`` /
+``n_embd_v_cache``: K and V of every KV head; for multi-head latent attention a K cell of latent + rope
+part and no V tensor, V being a view of the K cells). A session holds one slot and keeps position ``p`` in cell ``slot * n_ctx + p``, so
 its attention reads the same cells in the same order as it would alone: that is what keeps a batched
 session's output equal to its solo output bit for bit (flash attention's online softmax depends on the
 order of the cells it visits).
@@ -81,7 +83,8 @@ class KVPool:
 
     Args:
         layers: the stage's layer range; ``k[il]``/``v[il]`` exist for each ``il`` in it.
-        n_embd_k, n_embd_v: K and V row widths (``n_embd_k_gqa``, ``n_embd_v_gqa``).
+        n_embd_k, n_embd_v: K and V row widths (``n_embd_k_cache``, ``n_embd_v_cache``); ``n_embd_v``
+            0: no V tensors (``v`` is empty; attention reads V from the K cells).
         n_ctx: cells per slot (a session's context length).
         n_slots: sessions the pool can hold at once (on a device, at most as many as ``kv_tokens`` fill:
             a device pool is allocated up front).
@@ -110,7 +113,8 @@ class KVPool:
         self.v: dict[int, object] = {}
         for il in range(layers.start, layers.end):
             self.k[il] = new_tensor(self.ctx, ggml.GGML_TYPE_F16, (n_embd_k, n_slots * n_ctx))
-            self.v[il] = new_tensor(self.ctx, ggml.GGML_TYPE_F16, (n_embd_v, n_slots * n_ctx))
+            if n_embd_v:
+                self.v[il] = new_tensor(self.ctx, ggml.GGML_TYPE_F16, (n_embd_v, n_slots * n_ctx))
         self._lock = threading.Lock()
         self._free_slots = list(range(n_slots))  # lowest first: the decode group spans the lowest slots
         self._reserved: dict[int, int] = {}  # slot -> cells reserved
@@ -133,7 +137,9 @@ class KVPool:
     def _map_pool(self) -> None:
         offsets, size = [], 0
         for il in range(self.layers.start, self.layers.end):
-            for t, row in ((self.k[il], self.row_k), (self.v[il], self.row_v)):
+            for t, row in ((self.k[il], self.row_k), (self.v.get(il), self.row_v)):
+                if t is None:
+                    continue
                 offsets.append((t, size, row * self.n_ctx))
                 size = _align_up(size + row * self.n_ctx * self.n_slots, PAGE)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)

@@ -33,15 +33,30 @@ class TensorSpec:
         required: refuse a file without it; an optional one is used when present.
         shape: expected dims in ggml order (ne0 first), each the name of a ``ModelConfig`` attribute;
             None: not checked (fused tensors whose size is a sum).
+        when: the name of a boolean ``ModelConfig`` attribute; the tensor belongs to the file only when
+            it is true (``has_q_lora``: q-LoRA instead of a plain ``attn_q``). None: always.
+        blocks: which blocks hold it: ``all``, ``lead`` (the first ``n_layer_dense_lead``, whose FFN is
+            dense) or ``moe`` (the others).
     """
 
     kind: T
     suffix: str = "weight"
     required: bool = True
     shape: tuple[str, ...] | None = None
+    when: str | None = None
+    blocks: str = "all"
 
     def name(self, layer: int | None = None) -> str:
         return tensor_name(self.kind, layer, self.suffix)
+
+    def applies(self, cfg, layer: int | None = None) -> bool:
+        """Whether a file of ``cfg`` has this tensor (in block ``layer``)."""
+        if self.when is not None and not getattr(cfg, self.when):
+            return False
+        if layer is None or self.blocks == "all":
+            return True
+        lead = layer < getattr(cfg, "n_layer_dense_lead", 0)
+        return lead if self.blocks == "lead" else not lead
 
 
 def _w(kind: T, *shape: str) -> TensorSpec:
@@ -63,11 +78,13 @@ class ArchManifest:
         layer: the ``StepGraph`` layer function that builds a block (``_layer_<layer>``).
         ffn: ``dense`` (SwiGLU / GeGLU on ffn_gate/up/down) or ``moe`` (routed experts,
             ``engine.ggml_moe``).
-        layer_tensors: the tensors of every block.
+        layer_tensors: the tensors of the blocks (each spec says which blocks, and under which
+            hyper-parameters, it applies to).
         global_tensors: the tensors outside the blocks; the head reads ``token_embd``, the tail
             ``output_norm`` and ``output`` (``token_embd`` again when ``output`` is absent: tied).
         moe_norm_weights: MoE only: renormalise the k routing weights to sum to 1 (llama.cpp's
-            ``norm_w`` argument of ``build_moe_ffn``, fixed per architecture in its graph).
+            ``norm_w`` argument of ``build_moe_ffn``) where the architecture's graph fixes it (deepseek2
+            reads it from the file: ``ModelConfig.expert_weights_norm``).
     """
 
     name: str
@@ -115,6 +132,40 @@ _MOE = (
     _w(T.FFN_DOWN_EXP, "n_ff_exp", "n_embd", "n_expert"),
 )
 
+
+def _ds(kind: T, *shape: str, when: str | None = None, blocks: str = "all", suffix: str = "weight",
+        required: bool = True) -> TensorSpec:
+    return TensorSpec(kind, suffix, required, shape, when, blocks)
+
+
+# DeepSeek-V2/V3 (llama_model_deepseek2::load_arch_tensors, absorbed MLA): attention with an optional
+# q-LoRA, the KV latent projection, and the per-head absorbed K and V decompressions; dense FFNs in the
+# leading blocks, routed experts with a selection bias and shared experts in the others.
+_DEEPSEEK2 = (
+    _ds(T.ATTN_NORM, "n_embd"),
+    _ds(T.ATTN_Q_A, "n_embd", "n_lora_q", when="has_q_lora"),
+    _ds(T.ATTN_Q_A_NORM, "n_lora_q", when="has_q_lora"),
+    _ds(T.ATTN_Q_B, "n_lora_q", "n_embd_q_mla", when="has_q_lora"),
+    _ds(T.ATTN_Q, "n_embd", "n_embd_q_mla", when="no_q_lora"),
+    _ds(T.ATTN_KV_A_MQA, "n_embd", "n_embd_k_cache"),
+    _ds(T.ATTN_KV_A_NORM, "n_lora_kv"),
+    _ds(T.ATTN_K_B, "n_embd_head_qk_nope", "n_lora_kv", "n_head"),
+    _ds(T.ATTN_V_B, "n_lora_kv", "n_embd_head_v_mla", "n_head"),
+    _ds(T.ATTN_OUT, "n_embd_o_mla", "n_embd"),
+    _ds(T.FFN_NORM, "n_embd"),
+    _ds(T.FFN_GATE, "n_embd", "n_ff", blocks="lead"),
+    _ds(T.FFN_UP, "n_embd", "n_ff", blocks="lead"),
+    _ds(T.FFN_DOWN, "n_ff", "n_embd", blocks="lead"),
+    _ds(T.FFN_GATE_INP, "n_embd", "n_expert", blocks="moe"),
+    _ds(T.FFN_EXP_PROBS_B, "n_expert", blocks="moe", suffix="bias", required=False),
+    _ds(T.FFN_GATE_EXP, "n_embd", "n_ff_exp", "n_expert", blocks="moe"),
+    _ds(T.FFN_UP_EXP, "n_embd", "n_ff_exp", "n_expert", blocks="moe"),
+    _ds(T.FFN_DOWN_EXP, "n_ff_exp", "n_embd", "n_expert", blocks="moe"),
+    _ds(T.FFN_GATE_SHEXP, "n_embd", "n_ff_shexp", blocks="moe"),
+    _ds(T.FFN_UP_SHEXP, "n_embd", "n_ff_shexp", blocks="moe"),
+    _ds(T.FFN_DOWN_SHEXP, "n_ff_shexp", "n_embd", blocks="moe"),
+)
+
 MANIFESTS: dict[str, ArchManifest] = {m.name: m for m in (
     ArchManifest("llama", gguf.MODEL_ARCH.LLAMA, ROPE_NORM, "llama", "dense",
                  _ATTN + (_opt_b(T.ATTN_OUT, "n_embd"),) + _FFN
@@ -133,6 +184,7 @@ MANIFESTS: dict[str, ArchManifest] = {m.name: m for m in (
                  _ATTN + _QK_NORM + (_w(T.ATTN_POST_NORM, "n_embd"), _w(T.FFN_PRE_NORM, "n_embd")) + _FFN_MATS
                  + (_w(T.FFN_POST_NORM, "n_embd"),),
                  _GLOBAL),
+    ArchManifest("deepseek2", gguf.MODEL_ARCH.DEEPSEEK2, ROPE_NORM, "deepseek2", "moe", _DEEPSEEK2, _GLOBAL),
 )}
 
 
@@ -156,9 +208,9 @@ def check_tensors(manifest: ArchManifest, cfg, tensors: Iterable[tuple[str, tupl
     """
     arch = manifest.name
     found = dict(tensors)
-    expected: dict[str, TensorSpec] = {s.name(): s for s in manifest.global_tensors}
+    expected: dict[str, TensorSpec] = {s.name(): s for s in manifest.global_tensors if s.applies(cfg)}
     for il in range(cfg.n_layer):
-        expected.update({s.name(il): s for s in manifest.layer_tensors})
+        expected.update({s.name(il): s for s in manifest.layer_tensors if s.applies(cfg, il)})
     for name, spec in expected.items():
         if spec.required and name not in found:
             raise GGUFError(f"{arch} GGUF is missing tensor {name!r}")

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 import gguf
+import numpy as np
 
 from meshnet.model.arch_manifest import ArchManifest, check_tensors, manifest_for
 from meshnet.model.gguf_file import GGUFError, array_length, tensor_name
@@ -16,6 +17,61 @@ from meshnet.model.gguf_file import GGUFError, array_length, tensor_name
 # llama.cpp hard-codes Gemma 3's sliding-window layer pattern (5 local : 1 global) and local RoPE base.
 GEMMA3_SWA_PATTERN = 6
 GEMMA3_ROPE_FREQ_BASE_SWA = 10000.0
+
+# llama.cpp's llama_expert_gating_func_type (src/llama-hparams.h): how router logits become scores.
+GATING_NONE, GATING_SOFTMAX, GATING_SIGMOID = 0, 1, 2
+# llama.cpp's YaRN defaults (llama_hparams): these are not read from the file.
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
+
+
+def _logf(x: np.float32) -> np.float32:
+    """C's ``logf``: the float32 nearest the exact logarithm."""
+    return np.float32(math.log(float(x)))
+
+
+def _get_mscale(scale: np.float32, mscale: np.float32) -> np.float32:
+    """llama.cpp's ``get_mscale`` in llama_context's constructor, in float32 as C computes it."""
+    f = np.float32
+    return f(1.0) if scale <= 1 else f(0.1) * mscale * _logf(scale) + f(1.0)
+
+
+def yarn_rope_params(arch: str, scaling_type: str, freq_scale: float, yarn_log_mul: float,
+                     rope_attn_factor: float) -> tuple[float, float]:
+    """The ``ext_factor`` and ``attn_factor`` llama.cpp hands ``ggml_rope_ext`` (llama_context's
+    constructor: ``cparams.yarn_ext_factor`` / ``cparams.yarn_attn_factor``), in float32.
+
+    Args:
+        scaling_type: ``rope.scaling.type`` ("yarn" turns YaRN's extrapolation mix on).
+        freq_scale: 1 / ``rope.scaling.factor`` as float32.
+        yarn_log_mul: ``rope.scaling.yarn_log_multiplier`` after llama.cpp's load-time division by 0.1
+            (deepseek2), else 0.
+        rope_attn_factor: ``rope.scaling.attn_factor`` (default 1).
+    """
+    f = np.float32
+    ext_factor, attn_factor = f(1.0 if scaling_type == "yarn" else 0.0), f(1.0)
+    if ext_factor != 0:
+        factor = f(1.0) / f(freq_scale)
+        if yarn_log_mul != 0:
+            mscale_all_dims = f(yarn_log_mul)
+            mscale = mscale_all_dims if arch == "deepseek2" and mscale_all_dims != 1 else f(1.0)
+            attn_factor = _get_mscale(factor, mscale) / _get_mscale(factor, mscale_all_dims)
+        else:
+            attn_factor = _get_mscale(factor, f(1.0))
+        # cancels the magnitude factor ggml's rope applies itself when ext_factor != 0
+        attn_factor = attn_factor * (f(1.0) / (f(1.0) + f(0.1) * _logf(factor)))
+    attn_factor = attn_factor * f(rope_attn_factor)
+    return float(ext_factor), float(attn_factor)
+
+
+def mla_kq_scale(attn_factor: float, freq_scale: float, yarn_log_mul: float, n_embd_head_k_mla: int) -> float:
+    """deepseek2's attention scale, pre-multiplied by YaRN's mscale² (llama_model_deepseek2::graph):
+    ``mscale = attn_factor_org * (1 + 0.1 * yarn_log_mul * ln(1/freq_scale))``, ``kq_scale = mscale² /
+    sqrt(n_embd_head_k_mla)``, where ``attn_factor_org`` undoes the rope's cancelling factor; float32."""
+    f = np.float32
+    lg = _logf(f(1.0) / f(freq_scale))
+    attn_factor_org = f(attn_factor) * (f(1.0) + f(0.1) * lg)
+    mscale = attn_factor_org * (f(1.0) + f(0.1) * f(yarn_log_mul) * lg)
+    return float(f(1.0) * mscale * mscale / np.sqrt(f(n_embd_head_k_mla)))
 
 
 def _field(reader: gguf.GGUFReader, key: str):
@@ -38,6 +94,21 @@ class ModelConfig:
         n_expert / n_expert_used: routed experts per MoE layer and how many each token uses (0: dense).
         n_ff_exp: hidden size of one expert (``expert_feed_forward_length``).
         expert_weights_scale: factor on the routing weights (0 or 1: none), as llama.cpp's ``w_scale``.
+        expert_weights_norm: renormalise the k routing weights to sum to 1 (``norm_w``).
+        expert_gating_func: GATING_SOFTMAX or GATING_SIGMOID (router logits to scores).
+        n_expert_groups / n_group_used: experts come in groups; only the best ``n_group_used`` groups
+            (by the sum of each group's top-2 scores) compete (0: no groups).
+        n_expert_shared: shared experts (always on) beside the routed ones; their FFN is
+            ``n_ff_exp * n_expert_shared`` wide.
+        n_layer_dense_lead: the first blocks have a dense FFN instead of experts (deepseek2).
+        n_lora_q: rank of the q-LoRA (``attn_q_a``/``attn_q_b``); 0: a plain ``attn_q`` (MLA only).
+        n_lora_kv: rank of MLA's compressed KV latent (0: not MLA).
+        n_embd_head_k_mla / n_embd_head_v_mla: MLA's per-head Q·K size (nope + rope) and value size as
+            the heads see them after decompression; in the absorbed form the cache instead holds
+            ``head_dim`` = n_lora_kv + n_rot per token and ``head_dim_v`` = n_lora_kv of it is V.
+        rope_ext_factor / rope_attn_factor: YaRN's extrapolation mix and magnitude factor as
+            llama.cpp passes them to ``ggml_rope_ext`` (0 and 1 without YaRN).
+        n_ctx_orig_yarn: the context YaRN scales from (``rope.scaling.original_context_length``).
     """
 
     architecture: str
@@ -65,6 +136,19 @@ class ModelConfig:
     n_expert_used: int = 0
     n_ff_exp: int = 0
     expert_weights_scale: float = 0.0
+    expert_weights_norm: bool = False
+    expert_gating_func: int = GATING_SOFTMAX
+    n_expert_groups: int = 0
+    n_group_used: int = 0
+    n_expert_shared: int = 0
+    n_layer_dense_lead: int = 0
+    n_lora_q: int = 0
+    n_lora_kv: int = 0
+    n_embd_head_k_mla: int = 0
+    n_embd_head_v_mla: int = 0
+    rope_ext_factor: float = 0.0
+    rope_attn_factor: float = 1.0
+    n_ctx_orig_yarn: int = 0
 
     @property
     def manifest(self) -> ArchManifest:
@@ -87,6 +171,48 @@ class ModelConfig:
     @property
     def n_embd_v_gqa(self) -> int:
         return self.head_dim_v * self.n_head_kv
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention in llama.cpp's absorbed form (``attn_k_b``/``attn_v_b``)."""
+        return self.n_lora_kv > 0
+
+    @property
+    def has_q_lora(self) -> bool:
+        return self.n_lora_q > 0
+
+    @property
+    def no_q_lora(self) -> bool:
+        return self.n_lora_q == 0
+
+    @property
+    def n_embd_head_qk_nope(self) -> int:
+        """MLA: the per-head Q·K dims without rope."""
+        return self.n_embd_head_k_mla - self.n_rot
+
+    @property
+    def n_embd_q_mla(self) -> int:
+        return self.n_embd_head_k_mla * self.n_head
+
+    @property
+    def n_embd_o_mla(self) -> int:
+        return self.n_embd_head_v_mla * self.n_head
+
+    @property
+    def n_ff_shexp(self) -> int:
+        return self.n_ff_exp * self.n_expert_shared
+
+    @property
+    def n_embd_k_cache(self) -> int:
+        """F16 values a token's K cell holds per layer: K of every KV head, or for MLA the normed
+        latent then the roped part (llama.cpp's KV cache for MLA: k of kv_lora_rank + n_rot)."""
+        return self.n_embd_k_gqa
+
+    @property
+    def n_embd_v_cache(self) -> int:
+        """F16 values a token's V cell holds per layer; 0 for MLA, whose V is the latent at the start
+        of the K cell (llama.cpp's cache has no V tensor then)."""
+        return 0 if self.is_mla else self.n_embd_v_gqa
 
     def is_swa(self, layer: int) -> bool:
         """True for sliding-window layers (llama.cpp ``hparams.is_swa``: ``il % pattern < pattern - 1``)."""
@@ -122,7 +248,31 @@ class ModelConfig:
             embd = next((t for t in reader.tensors if t.name == tensor_name(gguf.MODEL_TENSOR.TOKEN_EMBD)), None)
             n_vocab = int(embd.shape[1]) if embd is not None else 0  # no token_embd: check_tensors names it
         scaling_factor = float(opt(gguf.Keys.Rope.SCALING_FACTOR, 0.0) or 0.0)
-        freq_scale = 1.0 / scaling_factor if scaling_factor > 0 else 1.0
+        scaling_type = str(opt(gguf.Keys.Rope.SCALING_TYPE, "linear"))
+        # llama.cpp: float32 1/factor, and never scaled when the scaling type is "none"
+        freq_scale = float(np.float32(1.0) / np.float32(scaling_factor)) if scaling_factor > 0 else 1.0
+        if scaling_type == "none":
+            freq_scale = 1.0
+        mla = arch == "deepseek2"
+        # llama.cpp divides the converter's yarn_log_multiplier by 0.1 (deepseek2's load_arch_hparams)
+        yarn_log_mul = float(np.float32(opt(gguf.Keys.Rope.SCALING_YARN_LOG_MUL, 0.0)) / np.float32(0.1)) if mla else 0.0
+        ext_factor, rope_attn_factor = yarn_rope_params(arch, scaling_type, freq_scale, yarn_log_mul,
+                                                        float(opt(gguf.Keys.Rope.SCALING_ATTN_FACTOR, 1.0)))
+        n_rot = int(opt(gguf.Keys.Rope.DIMENSION_COUNT, head_dim))
+        n_lora_kv = n_embd_head_k_mla = n_embd_head_v_mla = n_lora_q = 0
+        if mla:
+            n_embd_head_k_mla = int(opt(gguf.Keys.Attention.KEY_LENGTH_MLA, 0))
+            n_embd_head_v_mla = int(opt(gguf.Keys.Attention.VALUE_LENGTH_MLA, 0))
+            if not (n_embd_head_k_mla and n_embd_head_v_mla):
+                raise GGUFError(f"{arch} GGUF has no attention.key_length_mla / value_length_mla: the legacy "
+                                f"attn_kv_b layout is not supported, only llama.cpp's absorbed MLA "
+                                f"(attn_k_b / attn_v_b; reconvert with a current convert_hf_to_gguf.py)")
+            n_lora_kv = int(req(gguf.Keys.Attention.KV_LORA_RANK))
+            n_lora_q = int(opt(gguf.Keys.Attention.Q_LORA_RANK, 0))
+            if n_embd_head_k_mla <= n_rot or head_dim != n_lora_kv + n_rot or head_dim_v != n_lora_kv:
+                raise GGUFError(f"{arch} GGUF has inconsistent MLA sizes: key_length {head_dim}, value_length "
+                                f"{head_dim_v}, kv_lora_rank {n_lora_kv}, rope dims {n_rot}, key_length_mla "
+                                f"{n_embd_head_k_mla}")
         gemma = arch == "gemma3"
         n_swa = int(opt(gguf.Keys.Attention.SLIDING_WINDOW, 0)) if gemma else 0
         # An MoE file may omit the dense feed_forward_length (llama.cpp does not require it).
@@ -132,6 +282,20 @@ class ModelConfig:
         n_expert_used = int(req(gguf.Keys.LLM.EXPERT_USED_COUNT)) if manifest.is_moe else 0
         if manifest.is_moe and not 0 < n_expert_used <= n_expert:
             raise GGUFError(f"{arch} GGUF has expert_used_count {n_expert_used} for expert_count {n_expert}")
+        n_groups = int(opt(gguf.Keys.LLM.EXPERT_GROUP_COUNT, 0)) if manifest.is_moe else 0
+        n_group_used = int(opt(gguf.Keys.LLM.EXPERT_GROUP_USED_COUNT, 0)) if manifest.is_moe else 0
+        if n_groups > 1 and not (n_expert % n_groups == 0 and 0 < n_group_used < n_groups
+                                 and n_expert // n_groups >= 2):
+            raise GGUFError(f"{arch} GGUF has expert_group_count {n_groups} with expert_group_used_count "
+                            f"{n_group_used} for expert_count {n_expert}")
+        # qwen3moe's graph always uses softmax and renormalises; deepseek2 reads both (softmax and no
+        # renormalisation when absent, as llama.cpp's loader defaults them)
+        gating = int(opt(gguf.Keys.LLM.EXPERT_GATING_FUNC, GATING_NONE)) if mla else GATING_SOFTMAX
+        gating = gating or GATING_SOFTMAX
+        if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
+            raise GGUFError(f"{arch} GGUF has expert_gating_func {gating}; supported: {GATING_SOFTMAX} (softmax), "
+                            f"{GATING_SIGMOID} (sigmoid)")
+        norm_w = bool(opt(gguf.Keys.LLM.EXPERT_WEIGHTS_NORM, False)) if mla else manifest.moe_norm_weights
         cfg = cls(
             architecture=arch,
             n_layer=int(req(gguf.Keys.LLM.BLOCK_COUNT)),
@@ -145,13 +309,14 @@ class ModelConfig:
             n_ctx_train=int(req(gguf.Keys.LLM.CONTEXT_LENGTH)),
             rms_eps=float(req(gguf.Keys.Attention.LAYERNORM_RMS_EPS)),
             rope_type=manifest.rope_type,
-            n_rot=int(opt(gguf.Keys.Rope.DIMENSION_COUNT, head_dim)),
+            n_rot=n_rot,
             rope_freq_base=float(opt(gguf.Keys.Rope.FREQ_BASE, 10000.0)),
             rope_freq_scale=freq_scale,
             rope_freq_base_swa=float(opt(gguf.Keys.Rope.FREQ_BASE_SWA, GEMMA3_ROPE_FREQ_BASE_SWA)),
             n_swa=n_swa,
             swa_pattern=int(opt(gguf.Keys.Attention.SLIDING_WINDOW_PATTERN, GEMMA3_SWA_PATTERN)) if gemma else 0,
-            attn_scale=float(opt(gguf.Keys.Attention.SCALE, 0.0) or 0.0) or 1.0 / math.sqrt(head_dim),
+            attn_scale=(mla_kq_scale(rope_attn_factor, freq_scale, yarn_log_mul, n_embd_head_k_mla) if mla else
+                        float(opt(gguf.Keys.Attention.SCALE, 0.0) or 0.0) or 1.0 / math.sqrt(head_dim)),
             embd_scale=math.sqrt(n_embd) if gemma else 1.0,
             tied_output=tied,
             n_expert=n_expert,
@@ -159,6 +324,19 @@ class ModelConfig:
             # llama.cpp: n_ff_exp, else n_ff / n_expert_used (llama_model_qwen3moe::load_arch_tensors)
             n_ff_exp=int(opt(gguf.Keys.LLM.EXPERT_FEED_FORWARD_LENGTH, n_ff // n_expert_used)) if n_expert else 0,
             expert_weights_scale=float(opt(gguf.Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0)),
+            expert_weights_norm=norm_w,
+            expert_gating_func=gating,
+            n_expert_groups=n_groups,
+            n_group_used=n_group_used,
+            n_expert_shared=int(opt(gguf.Keys.LLM.EXPERT_SHARED_COUNT, 0)) if manifest.is_moe else 0,
+            n_layer_dense_lead=int(opt(gguf.Keys.LLM.LEADING_DENSE_BLOCK_COUNT, 0)) if mla else 0,
+            n_lora_q=n_lora_q,
+            n_lora_kv=n_lora_kv,
+            n_embd_head_k_mla=n_embd_head_k_mla,
+            n_embd_head_v_mla=n_embd_head_v_mla,
+            rope_ext_factor=ext_factor,
+            rope_attn_factor=rope_attn_factor,
+            n_ctx_orig_yarn=int(opt(gguf.Keys.Rope.SCALING_ORIG_CTX_LEN, 0)),
         )
         check_tensors(manifest, cfg, ((t.name, tuple(int(d) for d in t.shape)) for t in reader.tensors))
         return cfg
