@@ -1,12 +1,14 @@
-"""tiny-qwen3moe over real node processes on loopback: split into 2, 3 and 4 stages (every layer boundary
-cut at least once), and a middle node killed mid-generation with a spare taking over, forwarded node to
-node and orchestrated by the client. Every run gives llama.cpp's greedy ids and the in-process run's."""
+"""The tiny MoE models over real node processes on loopback: tiny-qwen3moe split into 2, 3 and 4 stages
+(every layer boundary cut at least once), tiny-deepseek2 (MLA, a leading dense layer, grouped sigmoid
+routing, shared experts) into 2 and 4, and a middle node killed mid-generation with a spare taking over,
+forwarded node to node and orchestrated by the client. Every run gives llama.cpp's greedy ids and the
+in-process run's."""
 
 from __future__ import annotations
 
 import pytest
 
-from conftest import golden_exact, load_golden
+from conftest import golden_exact, load_golden, moe_model_path
 from golden_check import assert_greedy_matches
 from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import GREEDY
@@ -16,19 +18,23 @@ from meshnet.model.gguf_file import open_gguf
 from meshnet.tokenizer import GGUFTokenizer
 from solo_reference import SoloReference
 
-QWEN3MOE = "tiny-qwen3moe"
 N_GEN = 64
 
 
 @pytest.fixture(scope="module")
-def moe_tok(qwen3moe_path):
-    return GGUFTokenizer.from_gguf(str(qwen3moe_path))
+def moe_models():
+    """``get(name) -> (path, tokenizer, the in-process one-stage run of the golden prompts)``, what every
+    mesh run of that model must equal; each computed once for the module."""
+    cache = {}
 
+    def get(name: str):
+        if name not in cache:
+            path = moe_model_path(name)
+            tok = GGUFTokenizer.from_gguf(str(path))
+            cache[name] = path, tok, SoloReference(path, tok)
+        return cache[name]
 
-@pytest.fixture(scope="module")
-def moe_solo(qwen3moe_path, moe_tok):
-    """The in-process one-stage run of the golden prompts (2 threads), what every mesh run must equal."""
-    return SoloReference(qwen3moe_path, moe_tok)
+    return get
 
 
 def _generate(client, tok, prompt_ids, n: int = N_GEN, kill=None, after: int = 10) -> list[int]:
@@ -42,11 +48,14 @@ def _generate(client, tok, prompt_ids, n: int = N_GEN, kill=None, after: int = 1
 
 # Each layer boundary (1, 2, 3) is cut by at least one split, and the 4-stage one cuts them all; steps are
 # forwarded node to node (the client's default) except in the one orchestrated by the client hop by hop.
+# deepseek2 runs the two splits that cut every boundary between them (its layer 0 is the dense one).
 SPLITS = [
-    pytest.param(["0:2", "2:4"], True, id="2-stage-forwarded"),
-    pytest.param(["0:1", "1:3", "3:4"], True, id="3-stage-forwarded"),
-    pytest.param(["0:1", "1:3", "3:4"], False, id="3-stage-orchestrated"),
-    pytest.param(["0:1", "1:2", "2:3", "3:4"], True, id="4-stage-forwarded"),
+    pytest.param("tiny-qwen3moe", ["0:2", "2:4"], True, id="qwen3moe-2-stage-forwarded"),
+    pytest.param("tiny-qwen3moe", ["0:1", "1:3", "3:4"], True, id="qwen3moe-3-stage-forwarded"),
+    pytest.param("tiny-qwen3moe", ["0:1", "1:3", "3:4"], False, id="qwen3moe-3-stage-orchestrated"),
+    pytest.param("tiny-qwen3moe", ["0:1", "1:2", "2:3", "3:4"], True, id="qwen3moe-4-stage-forwarded"),
+    pytest.param("tiny-deepseek2", ["0:2", "2:4"], True, id="deepseek2-2-stage-forwarded"),
+    pytest.param("tiny-deepseek2", ["0:1", "1:2", "2:3", "3:4"], True, id="deepseek2-4-stage-forwarded"),
 ]
 
 
@@ -63,13 +72,14 @@ def _range_bytes(path, start: int, end: int, n_layer: int = 4) -> int:
     return total
 
 
-@pytest.mark.parametrize("ranges, forwarding", SPLITS)
-def test_qwen3moe_mesh_split_equals_golden_and_in_process(mesh, qwen3moe_path, moe_tok, moe_solo, ranges, forwarding):
+@pytest.mark.parametrize("name, ranges, forwarding", SPLITS)
+def test_moe_mesh_split_equals_golden_and_in_process(mesh, moe_models, name, ranges, forwarding):
     """64 greedy ids of every golden prompt through a mesh of node processes: the in-process run's, id for
     id, and llama.cpp's (every id with goldens made on these CPU features, else the golden's rule 3)."""
-    golden = load_golden(QWEN3MOE)
+    path, moe_tok, moe_solo = moe_models(name)
+    golden = load_golden(name)
     nodes = mesh.start_nodes([(f"{chr(97 + i)}-{r.replace(':', '-')}", r) for i, r in enumerate(ranges)],
-                             str(qwen3moe_path))
+                             str(path))
     client = MeshClient(mesh.tracker, forwarding=forwarding)
     for i, p in enumerate(golden["prompts"]):
         assert p["prompt_ids"] == moe_solo.prompt_ids(i)
@@ -81,24 +91,26 @@ def test_qwen3moe_mesh_split_equals_golden_and_in_process(mesh, qwen3moe_path, m
     assert [n.active_sessions() for n in nodes] == [0] * len(ranges)
     # What `meshnet nodes` shows per node: the bytes of its own range's tensors, no more.
     loads = [node_load(n.address, None, None, timeout_s=5) for n in nodes]
-    want = [_range_bytes(qwen3moe_path, *map(int, r.split(":"))) for r in ranges]
+    want = [_range_bytes(path, *map(int, r.split(":"))) for r in ranges]
     assert [x["weight_bytes"] for x in loads] == want
-    assert sum(want) == sum(int(t.n_bytes) for t in open_gguf(qwen3moe_path).tensors)
+    assert sum(want) == sum(int(t.n_bytes) for t in open_gguf(path).tensors)
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-deepseek2"])
 @pytest.mark.parametrize("forwarding", [True, False], ids=["forwarded", "orchestrated"])
-def test_qwen3moe_kill_middle_node_with_spare_equals_uninterrupted_run(mesh, qwen3moe_path, moe_tok, moe_solo,
-                                                                        forwarding):
+def test_moe_kill_middle_node_with_spare_equals_uninterrupted_run(mesh, moe_models, name, forwarding):
     """A 3-stage mesh 0:1, 1:3, 3:4 with a spare for 1:3: the middle node in the route dies after token 10;
-    the client fails over to the spare, replays the session, and the 64 ids equal the uninterrupted run."""
-    golden = load_golden(QWEN3MOE)
+    the client fails over to the spare, replays the session (deepseek2: its latent KV cells), and the 64
+    ids equal the uninterrupted run."""
+    path, moe_tok, moe_solo = moe_models(name)
+    golden = load_golden(name)
     nodes = mesh.start_nodes([("a-head", "0:1"), ("b-mid", "1:3"), ("c-spare", "1:3"), ("d-tail", "3:4")],
-                             str(qwen3moe_path))
+                             str(path))
     head, mid, spare, tail = nodes
     client = MeshClient(mesh.tracker, forwarding=forwarding)
     _, route = client.route()
     victim = mid if mid.node_id in {h.node_id for h in route} else spare
-    prompt = 1  # the long prompt: the replay re-runs its 149-token prefill on the spare
+    prompt = 1  # the long prompt: the replay re-runs its prefill on the spare
     out = _generate(client, moe_tok, moe_solo.prompt_ids(prompt), kill=victim.kill)
     assert out == moe_solo.greedy(prompt)
     assert_greedy_matches(golden, prompt, out, golden_exact())
