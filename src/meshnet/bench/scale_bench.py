@@ -235,9 +235,10 @@ def run_scale_bench(args: argparse.Namespace) -> int:
     if args.model:
         model = str(resolve_model(args.model))
     else:
-        from meshnet.bench.dense_model import ensure_llama_model
+        from meshnet.bench.dense_model import default_path, ensure_llama_model
 
-        print("[bench scale] writing the 7B-class model (first use only)", file=sys.stderr, flush=True)
+        if not default_path().exists():
+            print(f"[bench scale] writing the 7B-class model to {default_path()}", file=sys.stderr, flush=True)
         model = str(ensure_llama_model())
     cfg = ModelConfig.from_reader(open_gguf(model))
     prompt_ids = bench_prompt_ids(model, args.prompt_tokens)
