@@ -10,14 +10,15 @@ from gguf import GGMLQuantizationType as Q
 
 from meshnet.bench.engine_bench import format_table
 from meshnet.bench.llama_bench import llama_bench_argvs, summarize
-from meshnet.bench.moe_model import MoeShapes, random_blocks, write_moe_model
+from meshnet.bench.moe_model import MoeShapes, write_moe_model
+from meshnet.bench.random_gguf import random_blocks
 from meshnet.contract import LayerRange
 from meshnet.engine.ggml_engine import GgmlStage
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.hparams import ModelConfig
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q8_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q8_0])
 def test_random_blocks_dequantize_to_the_requested_rms(qtype):
     rng = np.random.default_rng(0)
     raw = random_blocks(rng, (4, 64, 768), qtype, rms=0.02)

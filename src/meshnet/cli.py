@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     from meshnet.bench.spec_bench import add_spec_bench_parser
 
     add_spec_bench_parser(bsub)
+    from meshnet.bench.scale_bench import add_scale_bench_parser
+
+    add_scale_bench_parser(bsub)
 
     from meshnet.node.runner import add_node_parser
     from meshnet.tracker.service import add_tracker_parser

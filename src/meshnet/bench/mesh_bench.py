@@ -141,6 +141,7 @@ class StartedNode:
     proc: subprocess.Popen
     address: str
     log: object  # the temporary file holding the node's stderr
+    ready_s: float = 0.0  # seconds from starting the process to its MESHNET_NODE_READY line
 
 
 def _stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
@@ -179,6 +180,7 @@ class NodeGroup:
             RuntimeError: a node exited or did not become ready in time (the message has its stderr tail).
         """
         lines: queue.Queue = queue.Queue()
+        t0 = time.monotonic()
         for spec in specs:
             cmd = [sys.executable, "-m", "meshnet.cli", "node", "--tracker", self.tracker, "--model",
                    self.model_path, "--layers", str(spec.layers), "--node-id", spec.node_id, "--threads",
@@ -193,6 +195,7 @@ class NodeGroup:
             threading.Thread(target=lambda p=proc, s=spec: lines.put((s.node_id, p.stdout.readline())),
                              daemon=True).start()
         ready: dict[str, str] = {}
+        took: dict[str, float] = {}
         deadline = time.monotonic() + NODE_START_TIMEOUT_S
         while len(ready) < len(specs):
             try:
@@ -207,7 +210,8 @@ class NodeGroup:
                                    f"{_tail(log)}")
             fields = dict(kv.split("=", 1) for kv in line.split()[1:])
             ready[nid] = fields["address"]
-        started = [StartedNode(s, p, ready[s.node_id], log) for s, p, log in self._pending]
+            took[nid] = time.monotonic() - t0
+        started = [StartedNode(s, p, ready[s.node_id], log, round(took[s.node_id], 3)) for s, p, log in self._pending]
         self.nodes += started
         self._pending = []
         return started
@@ -226,9 +230,11 @@ class NodeGroup:
         self.nodes, self._pending = [], []
 
 
-def _mesh(stack: ExitStack, model_path: str, n_ctx: int, specs: list[NodeSpec]) -> tuple[str, list[StartedNode]]:
-    """A tracker in this process plus node processes for ``specs``, all stopped when ``stack`` closes;
-    returns the tracker address and the nodes once the tracker has a route through all of them."""
+def _mesh(stack: ExitStack, model_path: str, n_ctx: int, specs: list[NodeSpec],
+          one_at_a_time: bool = False) -> tuple[str, list[StartedNode]]:
+    """A tracker in this process plus node processes for ``specs`` (started together, or each once the
+    one before is ready: then each node's ``ready_s`` is its load alone), all stopped when ``stack``
+    closes; returns the tracker address and the nodes once the tracker has a route through all of them."""
     from meshnet.tracker.service import serve_tracker
     from meshnet.up import wait_for_route
 
@@ -237,7 +243,7 @@ def _mesh(stack: ExitStack, model_path: str, n_ctx: int, specs: list[NodeSpec]) 
     tracker = f"127.0.0.1:{port}"
     group = NodeGroup(tracker, model_path, n_ctx)
     stack.callback(group.close)
-    nodes = group.start(specs)
+    nodes = [n for spec in specs for n in group.start([spec])] if one_at_a_time else group.start(specs)
     route = wait_for_route(tracker, ROUTE_TIMEOUT_S, expected_hops=len(specs), progress=False)
     got = [h.node_id for h in route.hops]
     if got != [s.node_id for s in specs]:

@@ -10,9 +10,9 @@ Q4_K for attn_q/k/output, token_embd and the gate/up experts, Q6_K for attn_v, t
 output head; or every matrix Q4_0 or Q8_0 (``--ftype q4_0|q8_0``).
 
 Speed depends on shapes and types, not on values, so the weights are written as random quantized blocks
-(uniform quants, a fixed scale per block chosen so that a matrix has RMS ``1/sqrt(n_in)``, as the golden
-tiny models' random weights have) instead of drawing and quantizing 2.5 billion Gaussians: the 1.4 GB
-file takes seconds to write, byte-for-byte the same for a seed. Norm weights are 1, the router Gaussian.
+(:func:`meshnet.bench.random_gguf.random_blocks`, RMS ``1/sqrt(n_in)`` as the golden tiny models' random
+weights have) instead of drawing and quantizing 2.5 billion Gaussians: the 1.4 GB file takes seconds to
+write, byte-for-byte the same for a seed. Norm weights are 1, the router Gaussian.
 
 usage: python -m meshnet.bench.moe_model [--out DIR] [--layers N] [--ftype q4_k_m|q4_0|q8_0]
        (prints the path; the default folder is ``$MESHNET_CACHE_DIR`` or ``~/.cache/meshnet``)
@@ -29,6 +29,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from meshnet.bench.random_gguf import bench_models_dir, copy_tokenizer, random_blocks
 from meshnet.model.bundled import resolve_model
 
 
@@ -62,55 +63,6 @@ FTYPES: dict[str, tuple[int, dict[str, Q]]] = {
          "down_exps"), Q.Q8_0)),
 }
 
-# Per type: (offsets of the F16 block scales, the RMS of a block's values in units of its scale with
-# uniformly random quant bytes). Q4_K: x = d*sc*q - dmin*m with 6-bit sc, m and 4-bit q, dmin = 7.5 d
-# (zero mean over blocks); Q6_K: x = d*sc*(q-32), int8 sc and 6-bit q; Q4_0: d*(q-8); Q8_0: d*q.
-_SCALE_RMS = {Q.Q4_K: 257.0, Q.Q6_K: 73.9 * 18.5, Q.Q4_0: 4.6, Q.Q8_0: 73.9}
-
-
-def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: Q, rms: float) -> np.ndarray:
-    """Random quantized rows of ``shape`` (numpy order, last dim = ggml's ne0) in ``qtype``.
-
-    Returns:
-        uint8 ``[*shape[:-1], bytes_per_row]`` as ``GGUFWriter.add_tensor(raw_dtype=qtype)`` takes it,
-        every block's scale(s) set so that the values' RMS is about ``rms``.
-    Raises:
-        ValueError: ``shape[-1]`` is not a multiple of the type's block size, or an unsupported type.
-    """
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    if shape[-1] % block:
-        raise ValueError(f"{qtype.name} needs rows of a multiple of {block}, not {shape[-1]}")
-    if qtype not in _SCALE_RMS:
-        raise ValueError(f"no random block layout for {qtype.name}")
-    n_blocks = shape[-1] // block
-    raw = rng.integers(0, 256, size=(*shape[:-1], n_blocks, size), dtype=np.uint8)
-    d = np.float16(rms / _SCALE_RMS[qtype])
-    if qtype == Q.Q4_K:
-        raw[..., 0:4] = np.frombuffer(np.array([d, np.float16(7.5 * float(d))], np.float16).tobytes(), np.uint8)
-    elif qtype == Q.Q6_K:
-        raw[..., 208:210] = np.frombuffer(d.tobytes(), np.uint8)
-    else:
-        raw[..., 0:2] = np.frombuffer(d.tobytes(), np.uint8)
-    return raw.reshape(*shape[:-1], n_blocks * size)
-
-
-def _copy_tokenizer(w: gguf.GGUFWriter, src: str) -> int:
-    """Copy every ``tokenizer.*`` field of GGUF ``src`` into ``w``; returns the vocabulary size."""
-    reader = gguf.GGUFReader(src)
-    n_vocab = 0
-    for key, field in reader.fields.items():
-        if not key.startswith("tokenizer."):
-            continue
-        value = field.contents()
-        if field.types[0] == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=field.types[-1])
-            if key == gguf.Keys.Tokenizer.LIST:
-                n_vocab = len(value)
-        else:
-            w.add_key_value(key, value, field.types[0])
-    return n_vocab
-
-
 def write_moe_model(path: Path, shapes: MoeShapes = MoeShapes(), ftype: str = "q4_k_m", seed: int = 30) -> Path:
     """Write the qwen3moe GGUF to ``path`` (see the module doc); returns ``path``.
 
@@ -140,7 +92,7 @@ def write_moe_model(path: Path, shapes: MoeShapes = MoeShapes(), ftype: str = "q
     w.add_expert_count(s.n_expert)
     w.add_expert_used_count(s.n_expert_used)
     w.add_expert_feed_forward_length(s.n_ff_exp)
-    n_vocab = _copy_tokenizer(w, str(resolve_model("smollm2")))
+    n_vocab = copy_tokenizer(w, str(resolve_model("smollm2")))
 
     def mat(name: str, role: str, *shape: int) -> None:  # numpy order: [..., n_out, n_in]
         w.add_tensor(name, random_blocks(rng, shape, types[role], 1.0 / np.sqrt(shape[-1])), raw_dtype=types[role])
@@ -175,10 +127,8 @@ def write_moe_model(path: Path, shapes: MoeShapes = MoeShapes(), ftype: str = "q
 
 
 def default_path(shapes: MoeShapes = MoeShapes(), ftype: str = "q4_k_m") -> Path:
-    """``<cache>/bench-models/qwen3moe-30b-a3b-shapes-<n_layer>L-<ftype>.gguf``; the cache is
-    ``$MESHNET_CACHE_DIR``, else ``$XDG_CACHE_HOME/meshnet`` (``~/.cache/meshnet``)."""
-    cache = os.environ.get("MESHNET_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "meshnet"
-    return Path(cache) / "bench-models" / f"qwen3moe-30b-a3b-shapes-{shapes.n_layer}L-{ftype}.gguf"
+    """``<cache>/bench-models/qwen3moe-30b-a3b-shapes-<n_layer>L-<ftype>.gguf`` (:func:`bench_models_dir`)."""
+    return bench_models_dir() / f"qwen3moe-30b-a3b-shapes-{shapes.n_layer}L-{ftype}.gguf"
 
 
 def main(argv: list[str] | None = None) -> None:
