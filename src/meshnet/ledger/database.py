@@ -10,6 +10,7 @@ SQLAlchemy's driver names. A URL naming a driver (``postgresql+psycopg2://...``)
 from __future__ import annotations
 
 import importlib.util
+import threading
 from pathlib import Path
 
 from sqlalchemy import create_engine, text
@@ -23,6 +24,8 @@ URL_HELP = ("SQLite: sqlite:///PATH; PostgreSQL: postgresql://USER:PASS@HOST:POR
 # pg_advisory_xact_lock key held while migrating, so trackers starting at once on an empty PostgreSQL
 # database migrate one after the other (the later one finds the schema current).
 _MIGRATION_LOCK = 0x6D6573686E6574  # "meshnet"
+# Alembic keeps the running migration's context in module globals: one migration at a time per process.
+_UPGRADE_LOCK = threading.Lock()
 
 
 class LedgerError(RuntimeError):
@@ -90,6 +93,11 @@ def upgrade(engine: Engine) -> None:
     Raises:
         LedgerError: the migration failed (the message names the database, its password masked).
     """
+    with _UPGRADE_LOCK:
+        _upgrade(engine)
+
+
+def _upgrade(engine: Engine) -> None:
     from alembic import command
 
     for attempt in range(2):
@@ -97,12 +105,15 @@ def upgrade(engine: Engine) -> None:
             with engine.begin() as conn:
                 if conn.dialect.name == "postgresql":
                     conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _MIGRATION_LOCK})
+                elif conn.dialect.name == "sqlite":
+                    # Python's sqlite3 commits each CREATE at once unless a transaction is open: take the
+                    # file's write lock first, so the migration is atomic and other processes wait for it.
+                    conn.exec_driver_sql("BEGIN IMMEDIATE")
                 command.upgrade(alembic_config(conn), "head")
             return
         except OperationalError as e:
-            # Two trackers creating a fresh SQLite file at once: the loser's CREATE fails; the second
-            # attempt finds the winner's version row and has nothing left to do. A PostgreSQL server that
-            # does not answer fails both attempts.
+            # A database busy for a moment gets a second try; one that does not answer (a server that
+            # is down, an SQLite file locked past its timeout) fails both.
             if attempt:
                 raise LedgerError(f"cannot migrate ledger {engine.url.render_as_string()}: {e.orig}") from None
         except SQLAlchemyError as e:
