@@ -32,7 +32,8 @@ install_postgres() {
   command -v apt-get >/dev/null || skip "PostgreSQL is not installed and there is no apt-get to install it"
   log "installing Debian's postgresql package"
   export DEBIAN_FRONTEND=noninteractive
-  local apt=(apt-get -q -y -o Dpkg::Use-Pty=0 -o Dpkg::Options::=--force-confold)
+  # Wait for another apt or dpkg run (up to 5 minutes) instead of failing on its lock.
+  local apt=(apt-get -q -y -o Dpkg::Use-Pty=0 -o Dpkg::Options::=--force-confold -o DPkg::Lock::Timeout=300)
   # A fresh machine may have no package lists yet: update them when the package is unknown.
   if ! apt-cache show postgresql >/dev/null 2>&1; then
     "${apt[@]}" update >/dev/null 2>&1 || skip "apt-get update failed (no network?)"

@@ -7,16 +7,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
 pg_dir=""
-cleanup() { if [ -n "$pg_dir" ]; then scripts/postgres.sh stop "$pg_dir"; fi; }
+cleanup() { if [ -n "$pg_dir" ]; then bash scripts/postgres.sh stop "$pg_dir"; fi; }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 if [ -z "${MESHNET_TEST_POSTGRES_URL:-}" ] && [ "${MESHNET_TEST_POSTGRES:-1}" != 0 ]; then
   pg_dir=$(mktemp -d "${TMPDIR:-/tmp}/meshnet-postgres.XXXXXX")
   started=$SECONDS
-  if url=$(scripts/postgres.sh start "$pg_dir"); then
+  if url=$(bash scripts/postgres.sh start "$pg_dir"); then
     export MESHNET_TEST_POSTGRES_URL="$url"
     echo "test.sh: PostgreSQL for the ledger tests at $url (ready in $((SECONDS - started)) s)"
   else
-    scripts/postgres.sh stop "$pg_dir"
+    bash scripts/postgres.sh stop "$pg_dir"
     pg_dir=""
   fi
 fi
