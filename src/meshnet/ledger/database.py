@@ -87,8 +87,10 @@ def alembic_config(connection: Connection):
 
 
 def upgrade(engine: Engine) -> None:
-    """Bring the database behind ``engine`` to the newest schema (Alembic ``upgrade head``), in one
-    transaction (on PostgreSQL, DDL is transactional: a failed migration leaves the database as it was).
+    """Bring the database behind ``engine`` to the newest schema (Alembic ``upgrade head``) in one
+    transaction that holds a lock other trackers wait for (PostgreSQL: an advisory lock; SQLite: the
+    file's write lock): a failed migration leaves the database as it was, and trackers starting at once
+    on an empty database migrate it once.
 
     Raises:
         LedgerError: the migration failed (the message names the database, its password masked).
