@@ -105,8 +105,9 @@ def test_migrations_build_the_declared_schema_on_an_empty_database(ledger_url):
 
 
 def test_each_revision_upgrades_to_head_and_downgrades_back(ledger_url):
-    """From every revision (and from an empty database) ``upgrade head`` reaches the declared schema and
-    keeps the rows already there; ``downgrade base`` then ``upgrade head`` round-trips."""
+    """From every revision (the first one: from an empty database) ``upgrade head`` reaches the declared
+    schema and a ledger that credits work; ``downgrade base`` leaves no table behind, and ``upgrade head``
+    builds it all again. A new revision joins the walk by itself."""
     engine = make_ledger_engine(ledger_url)
     try:
         with engine.connect() as conn:
