@@ -1,6 +1,25 @@
 #!/usr/bin/env bash
 # Quickstart 2: set up with test extras, then run the test suite (extra pytest arguments pass through).
+# The ledger tests also run against PostgreSQL: a throwaway server (scripts/postgres.sh, which installs
+# Debian's package when missing and it can) unless $MESHNET_TEST_POSTGRES_URL names a database already;
+# MESHNET_TEST_POSTGRES=0 runs them on SQLite only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
-exec .venv/bin/python -m pytest -q "$@"
+pg_dir=""
+cleanup() { if [ -n "$pg_dir" ]; then bash scripts/postgres.sh stop "$pg_dir"; fi; }
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+if [ -z "${MESHNET_TEST_POSTGRES_URL:-}" ] && [ "${MESHNET_TEST_POSTGRES:-1}" != 0 ]; then
+  pg_dir=$(mktemp -d "${TMPDIR:-/tmp}/meshnet-postgres.XXXXXX")
+  started=$SECONDS
+  if url=$(bash scripts/postgres.sh start "$pg_dir"); then
+    export MESHNET_TEST_POSTGRES_URL="$url"
+    echo "test.sh: PostgreSQL for the ledger tests at $url (ready in $((SECONDS - started)) s)"
+  else
+    bash scripts/postgres.sh stop "$pg_dir"
+    pg_dir=""
+  fi
+fi
+.venv/bin/python -m pytest -q "$@"

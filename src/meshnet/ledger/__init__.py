@@ -2,6 +2,8 @@
 
 * :mod:`meshnet.ledger.store`: the database (:class:`Ledger`), SQLite by default, PostgreSQL by URL,
   schema versioned by the Alembic migrations in ``migrations/``.
+* :mod:`meshnet.ledger.database`: the URL (``postgresql://`` gets the psycopg driver), the engine and
+  ``upgrade head``.
 * :mod:`meshnet.ledger.credit`: how much of a step is new work (pure functions).
 * :mod:`meshnet.ledger.reporting`: the node's and the client's reporters, which batch records, resend
   after a tracker outage, and rely on the tracker's idempotent keys.

@@ -1,8 +1,8 @@
 """The ledger: who did how much work, who received how many tokens, and which key each node id owns.
 
-Stored with SQLAlchemy, so any database it speaks works: an SQLite file by default
-(:func:`default_ledger_url`), PostgreSQL by URL (``postgresql+psycopg://user:pass@host/db``, with the
-driver installed). The schema is versioned by the Alembic migrations shipped in
+Stored with SQLAlchemy: an SQLite file by default (:func:`default_ledger_url`), PostgreSQL by URL
+(``postgresql://user:pass@host/db``, with the ``postgres`` extra installed; see
+:mod:`meshnet.ledger.database`). The schema is versioned by the Alembic migrations shipped in
 ``meshnet/ledger/migrations``; :class:`Ledger` runs ``upgrade head`` when it opens a database, so a
 tracker started on an old file brings it up to date and one restarted on the same file finds every
 balance where it left it.
@@ -25,20 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from sqlalchemy import and_, case, create_engine, func, select
-from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
-from sqlalchemy.pool import StaticPool
+from sqlalchemy import and_, case, func, select
+from sqlalchemy.exc import SQLAlchemyError
 
 from meshnet.ledger.credit import Rect, new_area
+from meshnet.ledger.database import LedgerError, make_ledger_engine, upgrade
 from meshnet.ledger.schema import deliveries, node_keys, work
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 MAX_ID_CHARS = 256  # session, client and node ids longer than this are refused (column width)
-
-
-class LedgerError(RuntimeError):
-    """The ledger database cannot be opened, migrated or written; the message names the URL's database."""
 
 
 def data_dir() -> Path:
@@ -151,60 +145,6 @@ class ClientBalance:
     client_id: str
     delivered_tokens: int
     sessions: int
-
-
-def _is_memory(url) -> bool:
-    return url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
-
-
-def make_ledger_engine(url: str) -> Engine:
-    """An engine for ``url``; creates an SQLite file's directory. In-memory SQLite shares one connection
-    between threads (each connection would otherwise see its own empty database).
-
-    Raises:
-        LedgerError: a malformed URL or a database driver that is not installed.
-    """
-    try:
-        u = make_url(url)
-        if u.get_backend_name() == "sqlite":
-            if _is_memory(u):
-                return create_engine(u, poolclass=StaticPool, connect_args={"check_same_thread": False})
-            Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-            # timeout: wait for another process's write lock instead of failing at once.
-            return create_engine(u, connect_args={"check_same_thread": False, "timeout": 30})
-        return create_engine(u, pool_pre_ping=True)
-    except (ArgumentError, NoSuchModuleError, ImportError) as e:
-        raise LedgerError(f"ledger URL {url!r}: {e} (SQLite: sqlite:///PATH; PostgreSQL: "
-                          "postgresql+psycopg://USER:PASS@HOST/DB with psycopg installed)") from None
-    except OSError as e:
-        raise LedgerError(f"ledger URL {url!r}: cannot create its directory: {e.strerror or e}") from None
-
-
-def upgrade(engine: Engine) -> None:
-    """Bring the database behind ``engine`` to the newest schema (Alembic ``upgrade head``).
-
-    Raises:
-        LedgerError: the migration failed (the message names the database).
-    """
-    from alembic import command
-    from alembic.config import Config
-
-    cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
-    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%"))
-    for attempt in range(2):
-        try:
-            with engine.begin() as conn:
-                cfg.attributes["connection"] = conn
-                command.upgrade(cfg, "head")
-            return
-        except OperationalError as e:
-            # Two trackers creating a fresh file at once: the loser's CREATE fails; the second attempt
-            # finds the winner's version row and has nothing left to do.
-            if attempt:
-                raise LedgerError(f"cannot migrate ledger {engine.url.render_as_string()}: {e.orig}") from None
-        except SQLAlchemyError as e:
-            raise LedgerError(f"cannot open or migrate ledger {engine.url.render_as_string()}: {e}") from None
 
 
 class Ledger:

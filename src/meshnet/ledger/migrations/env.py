@@ -1,6 +1,6 @@
 """Alembic environment for the ledger.
 
-Run by :func:`meshnet.ledger.store.upgrade` with an open connection in
+Run by :func:`meshnet.ledger.database.upgrade` with an open connection in
 ``config.attributes["connection"]`` (so an in-memory SQLite database is migrated on the connection that
 will use it); without one it connects to ``sqlalchemy.url`` from the config.
 """
