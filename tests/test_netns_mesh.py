@@ -192,8 +192,9 @@ def test_without_spare_a_healed_partition_and_dropped_connections_cost_time_not_
     reset_s = next(t["t"] for t in tokens if t["t"] > times["reset"]) - times["reset"]
     print(f"\nheal to the next token: {resumed_s:.2f} s; connections reset {dropped}, "
           f"{reset_s:.2f} s to the next token; failovers {done['failovers']}")
-    # The client held a connection to every node it sends steps to: all of them, or the head and the tail.
-    assert all(n >= 1 for n in ((dropped[1], dropped[3]) if forwarding else dropped[1:])), dropped
+    # The client held a connection to every node it sends steps to: all of them, or (forwarded) the head;
+    # its await connection to the tail may be between steps and not yet reopened when the reset comes.
+    assert all(n >= 1 for n in ((dropped[1],) if forwarding else dropped[1:])), dropped
     assert done["failovers"] >= 1  # the partition (a reset connection is failed over and replayed too)
     orphans = mesh.agent.ask("orphans")
     assert (orphans["pending"], orphans["released"]) == (0, 0)  # freed before the replay, not left behind
