@@ -219,6 +219,9 @@ def check_tensors(manifest: ArchManifest, cfg, tensors: Iterable[tuple[str, tupl
         if spec is None:
             raise GGUFError(f"{arch} GGUF has unexpected tensor {name!r}, which this engine's {arch} graph "
                             f"does not use")
+        if name in ("token_embd.weight", "output.weight") and (not dims or int(dims[0]) != cfg.n_embd):
+            raise GGUFError(f"{arch} GGUF tensor {name!r} has shape {list(dims)}, expected rows of n_embd "
+                            f"{cfg.n_embd}")
         if spec.shape is not None:
             want = tuple(int(getattr(cfg, d)) for d in spec.shape)
             if tuple(dims) != want:

@@ -74,6 +74,39 @@ def mla_kq_scale(attn_factor: float, freq_scale: float, yarn_log_mul: float, n_e
     return float(f(1.0) * mscale * mscale / np.sqrt(f(n_embd_head_k_mla)))
 
 
+# Blocks a model may have: far beyond any real one, small enough that checking them is instant.
+MAX_LAYERS = 4096
+
+
+def _scalar(key: str, v):
+    """``v`` when it is one number or string; GGUFError naming ``key`` for an array (a per-layer value
+    this engine does not support) or anything else."""
+    if not isinstance(v, (bool, int, float, str, np.integer, np.floating, np.bool_)):
+        raise GGUFError(f"GGUF key {key!r} holds {type(v).__name__} {str(v)[:60]}, expected one value "
+                        f"(per-layer values are not supported)")
+    return v
+
+
+def _check_ranges(cfg: "ModelConfig") -> None:
+    """GGUFError naming the first hyperparameter ggml's ops cannot run with (they would abort or hang at
+    the first step: ``ggml_rope_ext`` wants an even ``n_dims <= ne0``, ``ggml_rms_norm`` ``eps >= 0``)."""
+    a = cfg.architecture
+    if not 1 <= cfg.n_layer <= MAX_LAYERS:
+        raise GGUFError(f"{a} GGUF has block_count {cfg.n_layer}, expected 1..{MAX_LAYERS}")
+    if cfg.head_dim < 1 or cfg.head_dim_v < 1 and cfg.n_lora_kv == 0:
+        raise GGUFError(f"{a} GGUF has attention.key_length {cfg.head_dim} / value_length {cfg.head_dim_v}: "
+                        f"both must be >= 1")
+    rot_limit = cfg.head_dim
+    if cfg.n_rot < 0 or cfg.n_rot % 2 or cfg.n_rot > rot_limit:
+        raise GGUFError(f"{a} GGUF has rope.dimension_count {cfg.n_rot}: must be even and at most the head "
+                        f"size {rot_limit}")
+    if not (math.isfinite(cfg.rms_eps) and cfg.rms_eps >= 0):
+        raise GGUFError(f"{a} GGUF has attention.layer_norm_rms_epsilon {cfg.rms_eps}: must be a finite "
+                        f"number >= 0")
+    if cfg.n_ctx_train < 1:
+        raise GGUFError(f"{a} GGUF has context_length {cfg.n_ctx_train}: must be >= 1")
+
+
 def _field(reader: gguf.GGUFReader, key: str):
     f = reader.get_field(key)
     return None if f is None else f.contents()
@@ -230,17 +263,22 @@ class ModelConfig:
             v = _field(reader, key_fmt.format(arch=arch))
             if v is None:
                 raise GGUFError(f"GGUF is missing required key {key_fmt.format(arch=arch)!r}")
-            return v
+            return _scalar(key_fmt.format(arch=arch), v)
 
         def opt(key_fmt: str, default):
             v = _field(reader, key_fmt.format(arch=arch))
-            return default if v is None else v
+            return default if v is None else _scalar(key_fmt.format(arch=arch), v)
 
         n_embd = int(req(gguf.Keys.LLM.EMBEDDING_LENGTH))
         n_head = int(req(gguf.Keys.Attention.HEAD_COUNT))
+        if n_embd < 1 or n_head < 1:
+            raise GGUFError(f"{arch} GGUF has embedding_length {n_embd} and attention.head_count {n_head}: "
+                            f"both must be >= 1")
         n_head_kv = int(opt(gguf.Keys.Attention.HEAD_COUNT_KV, n_head))
         head_dim = int(opt(gguf.Keys.Attention.KEY_LENGTH, n_embd // n_head))
         head_dim_v = int(opt(gguf.Keys.Attention.VALUE_LENGTH, head_dim))
+        if head_dim < 1:
+            raise GGUFError(f"{arch} GGUF has attention.key_length {head_dim}: must be >= 1")
         n_vocab = int(opt(gguf.Keys.LLM.VOCAB_SIZE, array_length(reader, gguf.Keys.Tokenizer.LIST) or 0))
         names = {t.name for t in reader.tensors}
         tied = tensor_name(gguf.MODEL_TENSOR.OUTPUT) not in names
@@ -250,6 +288,9 @@ class ModelConfig:
         scaling_factor = float(opt(gguf.Keys.Rope.SCALING_FACTOR, 0.0) or 0.0)
         scaling_type = str(opt(gguf.Keys.Rope.SCALING_TYPE, "linear"))
         # llama.cpp: float32 1/factor, and never scaled when the scaling type is "none"
+        if not (math.isfinite(scaling_factor) and (scaling_factor == 0 or 1e-6 <= scaling_factor <= 1e6)):
+            raise GGUFError(f"{arch} GGUF has rope.scaling.factor {scaling_factor}: expected 0 (none) or a "
+                            f"finite factor in [1e-6, 1e6]")
         freq_scale = float(np.float32(1.0) / np.float32(scaling_factor)) if scaling_factor > 0 else 1.0
         if scaling_type == "none":
             freq_scale = 1.0
@@ -338,5 +379,10 @@ class ModelConfig:
             rope_attn_factor=rope_attn_factor,
             n_ctx_orig_yarn=int(opt(gguf.Keys.Rope.SCALING_ORIG_CTX_LEN, 0)),
         )
+        _check_ranges(cfg)
+        for t in reader.tensors:
+            # ggml multiplies F32 activations by norm weights only in F32 (binary ops abort otherwise)
+            if t.name.endswith("norm.weight") and int(t.tensor_type) != int(gguf.GGMLQuantizationType.F32):
+                raise GGUFError(f"{arch} GGUF tensor {t.name!r} is {t.tensor_type.name}, expected F32")
         check_tensors(manifest, cfg, ((t.name, tuple(int(d) for d in t.shape)) for t in reader.tensors))
         return cfg
