@@ -46,9 +46,27 @@ def split_prefix(path: str, split_no: int, split_count: int) -> str | None:
     return path[:-len(postfix)]
 
 
+# llama.cpp stores split.count as a u16: no set has more shards.
+MAX_SHARDS = 65535
+_INT_TYPES = {gguf.GGUFValueType.UINT8, gguf.GGUFValueType.INT8, gguf.GGUFValueType.UINT16,
+              gguf.GGUFValueType.INT16, gguf.GGUFValueType.UINT32, gguf.GGUFValueType.INT32,
+              gguf.GGUFValueType.UINT64, gguf.GGUFValueType.INT64}
+
+
 def _int(reader: gguf.GGUFReader, key: str) -> int | None:
+    """The integer ``key`` holds, None when absent. Raises GGUFError naming the key when it holds
+    anything but one integer (an array, a string)."""
     field = reader.get_field(key)
-    return None if field is None else int(field.parts[field.data[0]][0])
+    if field is None:
+        return None
+    if len(field.types) != 1 or field.types[0] not in _INT_TYPES or len(field.data) != 1:
+        raise GGUFError(f"GGUF key {key!r} holds {'/'.join(t.name for t in field.types)}, expected one integer")
+    return int(field.parts[field.data[0]][0])
+
+
+def _arch(reader: gguf.GGUFReader) -> str | None:
+    field = reader.get_field(gguf.Keys.General.ARCHITECTURE)
+    return None if field is None else str(field.contents())
 
 
 def split_info(reader: gguf.GGUFReader) -> tuple[int, int]:
@@ -110,6 +128,8 @@ def open_split(path: Path, named: gguf.GGUFReader, open_one: Callable[[Path], gg
             held by two shards, or fewer/more tensors than ``split.tensors.count`` promises.
     """
     no, count = split_info(named)
+    if count > MAX_SHARDS:
+        raise GGUFError(f"{path.name}: split.count {count} is over llama.cpp's limit of {MAX_SHARDS} shards")
     if not 0 <= no < count:
         raise GGUFError(f"{path.name}: split.no {no} is outside its split.count {count}")
     prefix = split_prefix(str(path), no, count)
@@ -119,7 +139,8 @@ def open_split(path: Path, named: gguf.GGUFReader, open_one: Callable[[Path], gg
     paths = tuple(Path(split_path(prefix, i, count)) for i in range(count))
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
-        raise GGUFError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing: {path.name} "
+        names = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise GGUFError(f"{names} {'is' if len(missing) == 1 else 'are'} missing: {path.name} "
                         f"is one of a {count}-file split set, and every shard must be beside it")
     shards = []
     for i, p in enumerate(paths):
@@ -135,6 +156,11 @@ def open_split(path: Path, named: gguf.GGUFReader, open_one: Callable[[Path], gg
         if s_no != i:
             raise GGUFError(f"{p.name} has split.no {s_no}, expected {i} (llama.cpp: invalid split file idx)")
         shards.append(shard)
+    archs = [_arch(shard) for shard in shards]
+    for p, arch in zip(paths, archs):
+        if arch is not None and archs[0] is not None and arch != archs[0]:
+            raise GGUFError(f"{p.name} declares architecture {arch!r} but {paths[0].name} {archs[0]!r}: the "
+                            "shards come from different models")
     held: dict[str, Path] = {}
     for p, shard in zip(paths, shards):
         for t in shard.tensors:
