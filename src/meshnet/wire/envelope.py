@@ -18,6 +18,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from meshnet.contract import (
+    MAX_LOGIT_BIAS,
     TENSOR_DTYPES,
     NamedTensor,
     SampledToken,
@@ -53,6 +54,11 @@ def sampling_to_pb(s: SamplingParams) -> pb.Sampling:
 
 
 def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
+    """The step's sampling parameters. Raises WireError (INVALID_ARGUMENT) for a ``logit_bias`` map over
+    :data:`MAX_LOGIT_BIAS` entries, before it is converted and sorted (a 6 MB map costs a node a second)."""
+    if len(m.logit_bias) > MAX_LOGIT_BIAS:
+        raise WireError(Status.INVALID_ARGUMENT, f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, "
+                                                 f"got {len(m.logit_bias)}")
     return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=m.top_p, min_p=m.min_p,
                           repetition_penalty=m.repetition_penalty, presence_penalty=m.presence_penalty,
                           frequency_penalty=m.frequency_penalty, penalty_last_n=m.penalty_last_n,
