@@ -17,43 +17,11 @@ import numpy as np
 import pytest
 
 from conftest import GOLDEN_DIR
+from gguf_rewrite import rewrite_gguf as rewrite
 
 LLAMA = GOLDEN_DIR / "models" / "tiny-llama-q8_0.gguf"
 V = gguf.GGUFValueType
 Q = gguf.GGMLQuantizationType
-
-
-def rewrite(src: Path, dst: Path, fields: dict | None = None, typed: dict | None = None, tensors=None) -> Path:
-    """``src`` copied to ``dst`` with ``fields`` ({key: value}) replaced or added (``typed[key]``: (type,
-    item type)) and each tensor passed through ``tensors(name, data, type) -> (data, type, raw_shape)``."""
-    fields, typed = fields or {}, typed or {}
-    r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(str(dst), r.get_field("general.architecture").contents())
-    done = set()
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        vt = f.types[0]
-        sub = f.types[-1] if vt == V.ARRAY else None
-        val = f.contents()
-        if key in fields:
-            done.add(key)
-            val = fields[key]
-            vt, sub = typed.get(key, (vt, sub))
-        w.add_key_value(key, val, vt, sub)
-    for key, val in fields.items():
-        if key not in done:
-            w.add_key_value(key, val, *typed[key])
-    for t in r.tensors:
-        data, tt, shape = t.data, t.tensor_type, t.data.shape
-        if tensors is not None:
-            data, tt, shape = tensors(t.name, t.data, t.tensor_type)
-        w.add_tensor(t.name, data, raw_shape=shape, raw_dtype=tt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
 
 
 def generate(model: Path) -> subprocess.CompletedProcess:

@@ -15,6 +15,7 @@ import gguf
 import pytest
 
 from conftest import GOLDEN_DIR
+from gguf_rewrite import rewrite_gguf
 from meshnet.bench.llama_server import find_tool
 from meshnet.model.gguf_split import SPLIT_COUNT
 
@@ -32,41 +33,13 @@ def first_shard(tmp_path_factory) -> Path:
         subprocess.run([str(SPLIT_TOOL), "--split", "--split-max-tensors", "15", str(LLAMA), str(out / "ll")],
                        check=True, capture_output=True, timeout=120)
     else:
-        reader = gguf.GGUFReader(LLAMA)
-        w = gguf.GGUFWriter(out / "ll.gguf", "llama", split_max_tensors=15)
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF.") or key == "general.architecture":
-                continue
-            vt = field.types[0]
-            w.add_key_value(key, field.contents(), vt, field.types[-1] if vt == V.ARRAY else None)
-        for t in reader.tensors:
-            w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+        rewrite_gguf(LLAMA, out / "ll.gguf", split_max_tensors=15)
     return out / "ll-00001-of-00003.gguf"
 
 
 def with_key(src: Path, dst: Path, key: str, value, vtype, sub=None) -> Path:
     """``src`` rewritten to ``dst`` with metadata ``key`` set to ``value`` of type ``vtype``."""
-    r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(str(dst), "llama")
-    for k, f in r.fields.items():
-        if k.startswith("GGUF.") or k == "general.architecture":
-            continue
-        vt = f.types[0]
-        if k == key:
-            w.add_key_value(k, value, vtype, sub)
-        else:
-            w.add_key_value(k, f.contents(), vt, f.types[-1] if vt == V.ARRAY else None)
-    for t in r.tensors:
-        w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
+    return rewrite_gguf(src, dst, {key: value}, {key: (vtype, sub)})
 
 
 def generate(model: Path) -> subprocess.CompletedProcess:

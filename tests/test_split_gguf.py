@@ -18,6 +18,7 @@ from pathlib import Path
 import gguf
 import pytest
 
+from gguf_rewrite import rewrite_gguf
 from meshnet.bench.llama_server import find_tool
 from meshnet.contract import LayerRange
 from meshnet.model.gguf_file import model_files, model_sha256, open_gguf, stage_tensor_names
@@ -54,20 +55,7 @@ def split_with_gguf_py(model: Path, prefix: Path) -> None:
     """The same set written by gguf-py's own splitting writer (``GGUFWriter(split_max_tensors=...)``):
     the metadata and split keys on the first shard, the split keys alone on the others, the tensors in
     file order, ``PREFIX-0000N-of-0000M.gguf``; for machines where llama.cpp's tools are not built."""
-    reader = gguf.GGUFReader(model)
-    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
-    w = gguf.GGUFWriter(prefix.with_name(prefix.name + ".gguf"), arch, split_max_tensors=MAX_TENSORS)
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
-            continue  # the header's own fields; the architecture the writer adds itself
-        vtype = field.types[0]
-        w.add_key_value(key, field.contents(), vtype, field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
-    for t in reader.tensors:
-        w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    rewrite_gguf(model, prefix.with_name(prefix.name + ".gguf"), split_max_tensors=MAX_TENSORS)
 
 
 @pytest.fixture(scope="module")
