@@ -24,7 +24,7 @@ from pathlib import Path
 
 
 from meshnet.bench.engine_bench import bench_prompt_ids
-from meshnet.bench.mesh_bench import NodeSpec, _decode_concurrently, _mesh
+from meshnet.bench.node_procs import NodeSpec, decode_concurrently, start_mesh
 from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import LayerRange
 from meshnet.proto import meshnet_pb2 as pb
@@ -142,20 +142,20 @@ def run_hostile_bench(args: argparse.Namespace) -> int:
     runs: dict[str, list[float]] = {"alone": [], "under_attack": []}
     memory: list[dict] = []
     with ExitStack() as stack:
-        tracker, nodes = _mesh(stack, model, 512, [NodeSpec("bench-target", LayerRange(0, n_layer), args.threads)])
+        tracker, nodes = start_mesh(stack, model, 512, [NodeSpec("bench-target", LayerRange(0, n_layer), args.threads)])
         node_pid = nodes[0].proc.pid
         address = _data_address(tracker)
         client = MeshClient(tracker, report_deliveries=False)
         stack.callback(client.close)
-        _decode_concurrently([client], prompt_ids, 4)  # warm-up
+        decode_concurrently([client], prompt_ids, 4)  # warm-up
         for r in range(args.rounds):
             for mode in (("alone", "under_attack") if r % 2 == 0 else ("under_attack", "alone")):
                 if mode == "alone":
-                    rate = _decode_concurrently([client], prompt_ids, args.decode_tokens)[0]
+                    rate = decode_concurrently([client], prompt_ids, args.decode_tokens)[0]
                 else:
                     before = _rss_mb(node_pid)
                     with Attack(address, args.connections) as attack:
-                        rate = _decode_concurrently([client], prompt_ids, args.decode_tokens)[0]
+                        rate = decode_concurrently([client], prompt_ids, args.decode_tokens)[0]
                         memory.append({"rss_mb_before": round(before, 1), "rss_mb_during": round(_rss_mb(node_pid), 1),
                                        "connections_opened": attack.opened})
                 runs[mode].append(round(rate, 2))

@@ -29,26 +29,23 @@ import argparse
 import json
 import os
 import platform
-import queue
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import grpc
 
 from meshnet.bench.engine_bench import RunTiming, bench_prompt_ids, greedy_run
+from meshnet.bench.node_procs import (NodeSpec, decode_compute_s, decode_concurrently, node_metrics, node_stubs,
+                                      start_mesh, stop_process)
 from meshnet.client.mesh_client import MeshClient
-from meshnet.contract import GREEDY, LayerRange, StepRequest
+from meshnet.contract import LayerRange, StepRequest
 from meshnet.local_mesh import plan_ranges
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
@@ -56,8 +53,6 @@ from meshnet.wire.security import SERVER_OPTIONS, open_channel
 
 GOAL_MESH_VS_SINGLE_DECODE = 0.85
 GOAL_PIPELINE_SPEEDUP = 1.6
-NODE_START_TIMEOUT_S = 180.0  # import + load + speed probe; generous because the machine may be busy
-ROUTE_TIMEOUT_S = 60.0
 RTT_CALLS = 300  # loopback round trips per reference figure
 _ECHO_METHOD = "/meshnet.bench.Echo/Echo"
 
@@ -124,153 +119,6 @@ class TimedMeshClient(MeshClient):
         return stage
 
 
-# ---- node processes ---------------------------------------------------------------------------------
-
-@dataclass
-class NodeSpec:
-    node_id: str
-    layers: LayerRange
-    threads: int
-    cpu: int | None = None
-    extra_args: tuple[str, ...] = ()  # more ``meshnet node`` arguments (e.g. ``--in-process-engine``)
-
-
-@dataclass
-class StartedNode:
-    spec: NodeSpec
-    proc: subprocess.Popen
-    address: str
-    log: object  # the temporary file holding the node's stderr
-    ready_s: float = 0.0  # seconds from starting the process to its MESHNET_NODE_READY line
-
-
-def _stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """SIGTERM (a node drains and deregisters), then SIGKILL if it is still there after ``timeout_s``."""
-    if proc.poll() is None:
-        try:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
-
-
-def _tail(log) -> str:
-    try:
-        log.seek(0)
-        return " | ".join(log.read().decode(errors="replace").strip().splitlines()[-5:])
-    except (OSError, ValueError):
-        return ""
-
-
-class NodeGroup:
-    """``meshnet node`` processes started in parallel; ``close()`` stops every one of them."""
-
-    def __init__(self, tracker: str, model_path: str, n_ctx: int) -> None:
-        self.tracker, self.model_path, self.n_ctx = tracker, model_path, n_ctx
-        self.nodes: list[StartedNode] = []
-        self._pending: list[tuple[NodeSpec, subprocess.Popen, object]] = []
-
-    def start(self, specs: list[NodeSpec]) -> list[StartedNode]:
-        """Start one node per spec and wait for each ``MESHNET_NODE_READY`` line.
-
-        Raises:
-            RuntimeError: a node exited or did not become ready in time (the message has its stderr tail).
-        """
-        lines: queue.Queue = queue.Queue()
-        t0 = time.monotonic()
-        for spec in specs:
-            cmd = [sys.executable, "-m", "meshnet.cli", "node", "--tracker", self.tracker, "--model",
-                   self.model_path, "--layers", str(spec.layers), "--node-id", spec.node_id, "--threads",
-                   str(spec.threads), "--n-ctx", str(self.n_ctx), "--drain-timeout", "2"]
-            if spec.cpu is not None:
-                cmd += ["--cpu", str(spec.cpu)]
-            cmd += list(spec.extra_args)
-            log = tempfile.TemporaryFile()
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True)
-            self._pending.append((spec, proc, log))
-            # readline() blocks; a reader thread per node lets the wait below have a deadline.
-            threading.Thread(target=lambda p=proc, s=spec: lines.put((s.node_id, p.stdout.readline())),
-                             daemon=True).start()
-        ready: dict[str, str] = {}
-        took: dict[str, float] = {}
-        deadline = time.monotonic() + NODE_START_TIMEOUT_S
-        while len(ready) < len(specs):
-            try:
-                nid, line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                late = [s.node_id for s, _, _ in self._pending if s.node_id not in ready]
-                raise RuntimeError(f"nodes {late} not ready after {NODE_START_TIMEOUT_S:.0f}s") from None
-            if not line.startswith("MESHNET_NODE_READY"):
-                spec, proc, log = next(x for x in self._pending if x[0].node_id == nid)
-                proc.wait(timeout=10)
-                raise RuntimeError(f"node {nid} ({spec.layers}) did not start (exit {proc.returncode}): "
-                                   f"{_tail(log)}")
-            fields = dict(kv.split("=", 1) for kv in line.split()[1:])
-            ready[nid] = fields["address"]
-            took[nid] = time.monotonic() - t0
-        started = [StartedNode(s, p, ready[s.node_id], log, round(took[s.node_id], 3)) for s, p, log in self._pending]
-        self.nodes += started
-        self._pending = []
-        return started
-
-    def close(self) -> None:
-        procs = [n.proc for n in self.nodes] + [p for _, p, _ in self._pending]
-        for p in procs:  # signal all first so they drain in parallel
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            _stop_process(p)
-        for n in self.nodes:
-            n.log.close()
-        for _, _, log in self._pending:
-            log.close()
-        self.nodes, self._pending = [], []
-
-
-def _mesh(stack: ExitStack, model_path: str, n_ctx: int, specs: list[NodeSpec],
-          one_at_a_time: bool = False) -> tuple[str, list[StartedNode]]:
-    """A tracker in this process plus node processes for ``specs`` (started together, or each once the
-    one before is ready: then each node's ``ready_s`` is its load alone), all stopped when ``stack``
-    closes; returns the tracker address and the nodes once the tracker has a route through all of them."""
-    from meshnet.tracker.service import serve_tracker
-    from meshnet.up import wait_for_route
-
-    server, port = serve_tracker("127.0.0.1", 0, heartbeat_interval_s=1.0)
-    stack.callback(lambda: server.stop(grace=0).wait())
-    tracker = f"127.0.0.1:{port}"
-    group = NodeGroup(tracker, model_path, n_ctx)
-    stack.callback(group.close)
-    nodes = [n for spec in specs for n in group.start([spec])] if one_at_a_time else group.start(specs)
-    route = wait_for_route(tracker, ROUTE_TIMEOUT_S, expected_hops=len(specs), progress=False)
-    got = [h.node_id for h in route.hops]
-    if got != [s.node_id for s in specs]:
-        raise RuntimeError(f"tracker routed {got}, expected {[s.node_id for s in specs]}")
-    return tracker, nodes
-
-
-def _metrics(stub: pb_grpc.NodeStub) -> pb.MetricsReply:
-    return stub.Metrics(pb.Empty(), timeout=5)
-
-
-def _decode_compute_s(before: pb.MetricsReply, after: pb.MetricsReply) -> float:
-    """Mean engine compute per decode step (seconds) between two Metrics readings of one node."""
-    steps = after.decode_tokens - before.decode_tokens
-    return (after.decode_seconds - before.decode_seconds) / steps if steps else 0.0
-
-
-def _node_stubs(stack: ExitStack, nodes: list[StartedNode]) -> list[pb_grpc.NodeStub]:
-    """A stub per node on its own channel (for Metrics), closed with ``stack``."""
-    stubs = []
-    for n in nodes:
-        ch = open_channel(n.address)
-        stack.callback(ch.close)
-        stubs.append(pb_grpc.NodeStub(ch))
-    return stubs
-
-
 # ---- loopback round-trip reference ------------------------------------------------------------------
 
 def _echo_child() -> None:
@@ -311,7 +159,7 @@ def loopback_rtt(stack: ExitStack, n_embd: int, node_address: str) -> dict:
             proc.stdin.close()  # the child's signal to stop serving
         except OSError:
             pass
-        _stop_process(proc, timeout_s=5)
+        stop_process(proc, timeout_s=5)
 
     stack.callback(stop)
     line = proc.stdout.readline()
@@ -349,31 +197,31 @@ def bench_single_process(model_path: str, n_layer: int, threads: int, n_ctx: int
             "compute_mean_ms": _ms(compute)}, runs[-1].tokens
 
 
-def bench_mesh(stack: ExitStack, model_path: str, n_layer: int, n_embd: int, stages: int, threads: int, n_ctx: int,
+def benchstart_mesh(stack: ExitStack, model_path: str, n_layer: int, n_embd: int, stages: int, threads: int, n_ctx: int,
                prompt_ids: list[int], n_decode: int, repeats: int) -> dict:
     """``stages`` node processes on loopback through a MeshClient: median TTFT (s), decode tokens/s, and
     per-hop decode RPC time, compute time and overhead (ms); plus the loopback round-trip reference."""
     ranges = plan_ranges(model_path, stages)  # the split `meshnet up` would use
     specs = [NodeSpec(f"bench-{i}-{r.start}-{r.end}", r, threads) for i, r in enumerate(ranges)]
-    tracker, nodes = _mesh(stack, model_path, n_ctx, specs)
+    tracker, nodes = start_mesh(stack, model_path, n_ctx, specs)
     client = TimedMeshClient(tracker)
     stack.callback(client.close)
-    stubs = _node_stubs(stack, nodes)
+    stubs = node_stubs(stack, nodes)
 
     greedy_run(client, prompt_ids, n_decode)  # warm-up: graphs, caches, channels
     for times in client.hop_decode_s.values():
         times.clear()
     # Counters after the warm-up; prefill and decode are counted apart, so the difference after the
     # measured runs is exactly their decode (and prefill) work on each node.
-    before = [_metrics(s) for s in stubs]
+    before = [node_metrics(s) for s in stubs]
     runs = [greedy_run(client, prompt_ids, n_decode) for _ in range(repeats)]
-    after = [_metrics(s) for s in stubs]
+    after = [node_metrics(s) for s in stubs]
 
     per_hop, hop_total = [], 0.0
     for i, (n, b, a) in enumerate(zip(nodes, before, after)):
         rpc = client.hop_decode_s.get(n.spec.node_id, [])
         steps = a.decode_tokens - b.decode_tokens
-        compute = _decode_compute_s(b, a)
+        compute = decode_compute_s(b, a)
         rpc_mean = statistics.fmean(rpc) if rpc else 0.0
         hop_total += rpc_mean
         per_hop.append({
@@ -402,45 +250,6 @@ def bench_mesh(stack: ExitStack, model_path: str, n_layer: int, n_embd: int, sta
     return result
 
 
-def _decode_concurrently(clients: list[MeshClient], prompt_ids: list[int], n_decode: int) -> tuple[float, float]:
-    """Prefill one session per client, then run every session's decode loop at once, one thread each.
-
-    Returns:
-        Aggregate decode tokens/s over the span from the first start to the last finish, and this
-        process's CPU seconds per decode token over that span (the client's cost).
-    """
-    sids = [f"bench-{uuid.uuid4().hex}" for _ in clients]
-    try:
-        first = []
-        for c, sid in zip(clients, sids):
-            res = c.step(StepRequest(sid, 0, 0, tuple(prompt_ids), sampling=GREEDY), decode=False)
-            if not res.ok:
-                raise RuntimeError(f"prefill failed: {res.status.value} {res.message}")
-            first.append(res.token.token_id)
-        go = threading.Barrier(len(clients))
-
-        def loop(i: int) -> tuple[float, float]:
-            c, sid, tok, pos = clients[i], sids[i], first[i], len(prompt_ids)
-            go.wait(timeout=30)
-            t0 = time.perf_counter()
-            for _ in range(n_decode):
-                res = c.step(StepRequest(sid, 0, pos, (tok,), sampling=GREEDY), decode=True)
-                if not res.ok:
-                    raise RuntimeError(f"decode failed: {res.status.value} {res.message}")
-                pos, tok = pos + 1, res.token.token_id
-            return t0, time.perf_counter()
-
-        c0 = time.process_time()
-        with ThreadPoolExecutor(len(clients)) as pool:
-            spans = list(pool.map(loop, range(len(clients))))
-        cpu = time.process_time() - c0
-        n = len(clients) * n_decode
-        return n / (max(e for _, e in spans) - min(s for s, _ in spans)), cpu / n
-    finally:
-        for c, sid in zip(clients, sids):
-            c.release(sid)
-
-
 def bench_pipeline(model_path: str, n_layer: int, n_ctx: int, prompt_ids: list[int], n_decode: int,
                    repeats: int) -> dict:
     """Two sessions on two pinned one-thread nodes (the layers split in two by decode cost, as
@@ -452,37 +261,37 @@ def bench_pipeline(model_path: str, n_layer: int, n_ctx: int, prompt_ids: list[i
     out: dict = {"sessions": 2, "threads_per_node": 1, "cpus": cpus, "layers": [str(r) for r in halves]}
     with ExitStack() as stack:
         specs = [NodeSpec(f"pipe-{i}-{r.start}-{r.end}", r, 1, cpu) for i, (r, cpu) in enumerate(zip(halves, cpus))]
-        tracker, nodes = _mesh(stack, model_path, n_ctx, specs)
+        tracker, nodes = start_mesh(stack, model_path, n_ctx, specs)
         clients = [MeshClient(tracker), MeshClient(tracker)]  # one per session thread, like two users
         for c in clients:
             stack.callback(c.close)
-        stubs = _node_stubs(stack, nodes)
-        _decode_concurrently(clients, prompt_ids, n_decode)  # warm-up
-        before = [_metrics(s) for s in stubs]
-        runs2 = [_decode_concurrently(clients, prompt_ids, n_decode) for _ in range(repeats)]
-        after = [_metrics(s) for s in stubs]
+        stubs = node_stubs(stack, nodes)
+        decode_concurrently(clients, prompt_ids, n_decode)  # warm-up
+        before = [node_metrics(s) for s in stubs]
+        runs2 = [decode_concurrently(clients, prompt_ids, n_decode) for _ in range(repeats)]
+        after = [node_metrics(s) for s in stubs]
     agg = [tps for tps, _ in runs2]
     out["aggregate_tokens_per_s"] = round(statistics.median(agg), 2)
     out["aggregate_runs_tokens_per_s"] = [round(x, 2) for x in agg]
     # Compute per decode token on each node while both sessions run: contention for memory bandwidth,
     # caches and the cores the client also needs shows up here.
-    out["node_compute_mean_ms"] = [_ms(_decode_compute_s(b, a)) for b, a in zip(before, after)]
+    out["node_compute_mean_ms"] = [_ms(decode_compute_s(b, a)) for b, a in zip(before, after)]
     out["client_cpu_ms_per_token"] = _ms(statistics.median(cpu for _, cpu in runs2))
     with ExitStack() as stack:  # the first mesh is fully stopped: nothing else competes for the cores
         spec = NodeSpec(f"whole-0-{n_layer}", LayerRange(0, n_layer), 1, cpus[0])
-        tracker, nodes = _mesh(stack, model_path, n_ctx, [spec])
+        tracker, nodes = start_mesh(stack, model_path, n_ctx, [spec])
         client = MeshClient(tracker)
         stack.callback(client.close)
-        stub, = _node_stubs(stack, nodes)
+        stub, = node_stubs(stack, nodes)
         greedy_run(client, prompt_ids, n_decode)  # warm-up
-        before = _metrics(stub)
+        before = node_metrics(stub)
         runs = [greedy_run(client, prompt_ids, n_decode) for _ in range(repeats)]
-        after = _metrics(stub)
+        after = node_metrics(stub)
     single = statistics.median(r.decode_tokens_per_s() for r in runs)
     out["single"] = {"sessions": 1, "layers": [f"0:{n_layer}"], "cpu": cpus[0], "threads": 1,
                      "decode_tokens_per_s": round(single, 2),
                      "decode_runs_tokens_per_s": [round(r.decode_tokens_per_s(), 2) for r in runs],
-                     "node_compute_mean_ms": _ms(_decode_compute_s(before, after)),
+                     "node_compute_mean_ms": _ms(decode_compute_s(before, after)),
                      "client_cpu_ms_per_token": _ms(statistics.median(r.decode_cpu_s / len(r.step_s) for r in runs))}
     return out
 
@@ -527,7 +336,7 @@ def run_mesh_bench(args: argparse.Namespace) -> int:
         print(f"[bench mesh] single process: {single['ttft_s']} s TTFT, {single['decode_tokens_per_s']} tok/s",
               file=sys.stderr)
         with ExitStack() as stack:
-            mesh = bench_mesh(stack, model, cfg.n_layer, cfg.n_embd, args.stages, args.threads, n_ctx,
+            mesh = benchstart_mesh(stack, model, cfg.n_layer, cfg.n_embd, args.stages, args.threads, n_ctx,
                               prompt_ids, args.decode_tokens, args.repeats)
         mesh["outputs_match_single_process"] = mesh.pop("tokens") == single_tokens
         result["mesh"] = mesh

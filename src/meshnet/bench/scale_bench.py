@@ -137,22 +137,22 @@ def bench_nodes(model: str, stages: int, threads: int, n_ctx: int, prompt_ids: l
     """``stages`` node processes on loopback (see the module doc): per node its layers, load seconds,
     memory (:func:`tree_memory`; the engine's weight and KV bytes from its Metrics RPC); the mesh's
     prefill and decode tokens/s and its greedy ids."""
-    from meshnet.bench.mesh_bench import NodeSpec, _mesh, _metrics, _node_stubs
+    from meshnet.bench.node_procs import NodeSpec, node_metrics, node_stubs, start_mesh
     from meshnet.client.mesh_client import MeshClient
     from meshnet.local_mesh import plan_ranges
 
     ranges = plan_ranges(model, stages)
     specs = [NodeSpec(f"scale-{i}-{r.start}-{r.end}", r, threads) for i, r in enumerate(ranges)]
     with ExitStack() as stack:
-        tracker, nodes = _mesh(stack, model, n_ctx, specs, one_at_a_time=True)
+        tracker, nodes = start_mesh(stack, model, n_ctx, specs, one_at_a_time=True)
         client = MeshClient(tracker)
         stack.callback(client.close)
-        stubs = _node_stubs(stack, nodes)
+        stubs = node_stubs(stack, nodes)
         greedy_run(client, prompt_ids, n_decode)  # warm-up: graphs, caches, channels
         runs = [(len(prompt_ids), greedy_run(client, prompt_ids, n_decode)) for _ in range(repeats)]
         per_node = []
         for n, stub in zip(nodes, stubs):
-            m = _metrics(stub)
+            m = node_metrics(stub)
             mem = tree_memory(n.proc.pid)
             mem["processes"] = {str(k): v for k, v in mem["processes"].items()}
             per_node.append({"node_id": n.spec.node_id, "layers": str(n.spec.layers), "load_s": n.ready_s,

@@ -21,7 +21,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from meshnet.bench.engine_bench import bench_prompt_ids
-from meshnet.bench.mesh_bench import NodeSpec, _decode_concurrently, _mesh
+from meshnet.bench.node_procs import NodeSpec, decode_concurrently, start_mesh
 from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import LayerRange
 
@@ -50,13 +50,13 @@ def _measure(model: str, mode: str, threads: int, n_layer: int, prompt_ids: list
     spec = NodeSpec(f"bench-{mode}", LayerRange(0, n_layer), threads, extra_args=MODES[mode])
     out = {}
     with ExitStack() as stack:
-        tracker, _ = _mesh(stack, model, n_ctx, [spec])
+        tracker, _ = start_mesh(stack, model, n_ctx, [spec])
         clients = [MeshClient(tracker, report_deliveries=False) for _ in range(max(cs))]
         for c in clients:
             stack.callback(c.close)
-        _decode_concurrently(clients[:1], prompt_ids, 4)  # warm-up: graphs for these shapes
+        decode_concurrently(clients[:1], prompt_ids, 4)  # warm-up: graphs for these shapes
         for c in cs:
-            out[c] = round(_decode_concurrently(clients[:c], prompt_ids, n_decode)[0], 2)
+            out[c] = round(decode_concurrently(clients[:c], prompt_ids, n_decode)[0], 2)
     return out
 
 
