@@ -19,7 +19,7 @@ from meshnet.contract import StepRequest
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.service import serve_tracker
-from meshnet.wire.security import open_channel
+from meshnet.wire.security import TlsConfig, open_channel
 
 HEARTBEAT_S = 0.3
 
@@ -30,6 +30,7 @@ class NodeProc:
     node_id: str
     address: str
     log_path: Path | None = None  # the node's stderr
+    tls_ca: str | None = None  # the CA its gRPC port is verified with (a mesh under TLS)
 
     def log_tail(self, lines: int = 40) -> str:
         """The last lines of the node's log (its stderr), for a failing test to say what the node did."""
@@ -38,7 +39,7 @@ class NodeProc:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stub(self, token: str | None = None) -> pb_grpc.NodeStub:
-        return pb_grpc.NodeStub(open_channel(self.address, token))
+        return pb_grpc.NodeStub(open_channel(self.address, token, self.tls_ca))
 
     def active_sessions(self) -> int:
         return self.stub().Health(pb.Empty(), timeout=5).active_sessions
@@ -77,12 +78,15 @@ class Mesh:
     """A tracker in this process plus node subprocesses; ``close()`` stops everything.
 
     ``heartbeat_s``: the nodes' heartbeat interval; the tracker drops a node silent for three of them
-    (a long one keeps a dead node listed, as on a real mesh in the seconds after it died)."""
+    (a long one keeps a dead node listed, as on a real mesh in the seconds after it died). ``tls``: the
+    tracker and every node serve TLS with this certificate, which is also the CA everyone verifies with."""
 
-    def __init__(self, join_token: str | None = None, heartbeat_s: float = HEARTBEAT_S, ledger=None) -> None:
-        self.join_token = join_token
+    def __init__(self, join_token: str | None = None, heartbeat_s: float = HEARTBEAT_S, ledger=None,
+                 tls: TlsConfig | None = None) -> None:
+        self.join_token, self.tls = join_token, tls
+        self.tls_ca = tls.cert if tls is not None else None
         self.server, self.port = serve_tracker("127.0.0.1", 0, heartbeat_interval_s=heartbeat_s,
-                                               join_token=join_token, ledger=ledger)
+                                               join_token=join_token, ledger=ledger, tls=tls)
         self.tracker = f"127.0.0.1:{self.port}"
         self.nodes: list[NodeProc] = []
         self.log_dir = Path(tempfile.mkdtemp(prefix="meshnet-test-nodes-"))  # each node's stderr
@@ -99,6 +103,8 @@ class Mesh:
         if self.join_token:
             env["MESHNET_JOIN_TOKEN"] = self.join_token
         named = ["--node-id", node_id] if node_id is not None else []
+        if self.tls is not None:
+            named += ["--tls-cert", self.tls.cert, "--tls-key", self.tls.key, "--tls-ca", self.tls.cert]
         proc = subprocess.Popen(
             [sys.executable, "-m", "meshnet.cli", "node", "--tracker", self.tracker, "--model", model,
              "--layers", layers, *named, "--threads", "1", *extra],
@@ -122,13 +128,13 @@ class Mesh:
                 tail = NodeProc(proc, str(nid), "", log_path).log_tail()
                 raise RuntimeError(f"node {nid} did not start: {line!r}; its log ends:\n{tail}")
             fields = dict(kv.split("=", 1) for kv in line.split()[1:])
-            started.append(NodeProc(proc, fields["node_id"], fields["address"], log_path))
+            started.append(NodeProc(proc, fields["node_id"], fields["address"], log_path, self.tls_ca))
         self.nodes += started
         self.wait_registered({n.node_id for n in started})
         return started
 
     def tracker_stub(self) -> pb_grpc.TrackerStub:
-        return pb_grpc.TrackerStub(open_channel(self.tracker, self.join_token))
+        return pb_grpc.TrackerStub(open_channel(self.tracker, self.join_token, self.tls_ca))
 
     def registered(self) -> set[str]:
         return {n.info.node_id for n in self.tracker_stub().ListNodes(pb.Empty(), timeout=5).nodes}

@@ -4,6 +4,7 @@ legitimate step still goes through while 1000 hostile connections are open."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -35,20 +36,29 @@ def _service() -> NodeService:
     return NodeService(eng, "mid", pb.ModelIdentity(sha256=MODEL.sha256))
 
 
-@pytest.fixture
-def serve():
-    """``serve(**limits) -> (server, "127.0.0.1:PORT")``: a data plane over a fake middle stage."""
+@contextlib.contextmanager
+def data_planes():
+    """``start(host, **limits) -> (server, "127.0.0.1:PORT")``: data planes over a fake middle stage
+    (``limits``: DataPlaneServer's keyword arguments), all stopped on exit."""
     servers = []
 
-    def start(**limits):
-        s = DataPlaneServer("127.0.0.1", 0, _service().run_step, TOKEN, **limits)
+    def start(host: str = "127.0.0.1", **limits):
+        s = DataPlaneServer(host, 0, _service().run_step, TOKEN, **limits)
         s.start()
         servers.append(s)
         return s, f"127.0.0.1:{s.port}"
 
-    yield start
-    for s in servers:
-        s.stop()
+    try:
+        yield start
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.fixture
+def serve():
+    with data_planes() as start:
+        yield start
 
 
 def _raw(address: str) -> socket.socket:

@@ -26,14 +26,21 @@ def _generate(client, tok, prompt_ids, n: int = N, kill=None, after: int = 8) ->
     return gen.result.generated_token_ids
 
 
-def test_forwarded_generation_equals_solo_and_the_client_keeps_no_hidden_states(mesh, tok, solo):
-    nodes = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
-    client = MeshClient(mesh.tracker, forwarding=True)
-    gen = Generation(client, tok, solo.prompt_ids(0), N, GREEDY, stop_at_eog=False)
+def generate_recording_steps(client: MeshClient, tok, prompt_ids, n: int) -> tuple[list[int], list]:
+    """Greedy ids of ``n`` tokens, and the steps the client recorded for the session (read before its
+    release at the end)."""
+    gen = Generation(client, tok, prompt_ids, n, GREEDY, stop_at_eog=False)
     steps = []
     for _ in gen:
         steps = client._sessions[next(iter(client._sessions))].steps
-    assert gen.result.generated_token_ids == solo.greedy(0, N)
+    return gen.result.generated_token_ids, steps
+
+
+def test_forwarded_generation_equals_solo_and_the_client_keeps_no_hidden_states(mesh, tok, solo):
+    nodes = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
+    client = MeshClient(mesh.tracker, forwarding=True)
+    ids, steps = generate_recording_steps(client, tok, solo.prompt_ids(0), N)
+    assert ids == solo.greedy(0, N)
     # Every step was forwarded: the client recorded token ids only, no hop's hidden states.
     assert len(steps) == N and {rec.through for rec in steps} == {1}
     assert all(x is None for rec in steps for x in rec.inputs)

@@ -2,15 +2,8 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
-
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
@@ -23,6 +16,7 @@ from meshnet.wire.security import (
     make_server,
     open_channel,
 )
+from tls_util import self_signed_cert
 
 TOKEN = "correct horse battery staple"
 
@@ -101,24 +95,7 @@ def test_interceptor_refuses_an_empty_token():
 
 @pytest.fixture(scope="module")
 def self_signed(tmp_path_factory) -> TlsConfig:
-    """A self-signed P-256 certificate for DNS:localhost and IP:127.0.0.1, valid for a day."""
-    d = tmp_path_factory.mktemp("tls")
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    cert_path, key_path = d / "cert.pem", d / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return TlsConfig(cert=str(cert_path), key=str(key_path))
+    return self_signed_cert(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture
@@ -151,15 +128,8 @@ def test_plaintext_client_cannot_talk_to_a_tls_tracker(tls_tracker):
 
 
 def test_tls_client_rejects_an_untrusted_certificate(tls_tracker, tmp_path):
-    other = tmp_path / "other-ca.pem"
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "someone else")])
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
-            .sign(key, hashes.SHA256()))
-    other.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    with open_channel(f"127.0.0.1:{tls_tracker}", join_token=TOKEN, tls_ca=str(other)) as channel, \
+    other = self_signed_cert(tmp_path, name="someone else").cert  # another CA: does not vouch for the tracker's
+    with open_channel(f"127.0.0.1:{tls_tracker}", join_token=TOKEN, tls_ca=other) as channel, \
             pytest.raises(grpc.RpcError) as ei:
         _ping(channel)
     assert ei.value.code() is grpc.StatusCode.UNAVAILABLE

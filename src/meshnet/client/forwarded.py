@@ -24,7 +24,7 @@ from meshnet.proto import meshnet_pb2 as pb
 
 def forwardable(hops: list[RemoteStage]) -> bool:
     """Whether a step can be forwarded along ``hops``: two hops or more, each on a data plane this client
-    uses (a relayed node, or any node under TLS, takes client-orchestrated steps)."""
+    uses (a relayed node takes client-orchestrated steps)."""
     return len(hops) > 1 and all(getattr(h, "forwards", False) for h in hops)
 
 

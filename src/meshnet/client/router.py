@@ -14,7 +14,7 @@ from meshnet.client.remote import RemoteStage
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane import ConnectionPool
-from meshnet.wire.security import open_channel
+from meshnet.wire.security import client_ssl_context, open_channel
 
 log = logging.getLogger("meshnet.client")
 
@@ -66,12 +66,12 @@ class Router:
             if ch is None:
                 ch = self._channels[hop.address] = open_channel(hop.address, self.join_token, self.tls_ca)
             pool = None
-            # The plain-TCP data plane carries no TLS: with a CA configured, steps stay on gRPC.
-            if hop.data_address and not self.tls_ca:
+            if hop.data_address:  # over TLS (verified with the same CA) when the mesh is
                 pool = self._pools.get(hop.data_address)
                 if pool is None:
+                    tls = client_ssl_context(self.tls_ca) if self.tls_ca else None
                     pool = self._pools[hop.data_address] = ConnectionPool(hop.data_address, self.join_token,
-                                                                          self.step_timeout_s)
+                                                                          self.step_timeout_s, tls)
         return RemoteStage(hop.node_id, hop.address, ch, self.step_timeout_s, data_pool=pool)
 
     def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0) -> tuple[int, list[RemoteStage]]:

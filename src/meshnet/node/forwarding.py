@@ -12,12 +12,14 @@ node failed without hearing from every hop. (A tail that is down answers nothing
 breaks or times out, and it probes the route's nodes.)
 
 Every node applies the same rules to a forwarded step as to a client's: the join token authenticates
-the connection, frames are validated before the engine sees them, epochs fence old steps.
+the connection, frames are validated before the engine sees them, epochs fence old steps. Under TLS a
+node dials the next one over TLS and verifies its certificate with the CA it verifies the tracker with.
 """
 
 from __future__ import annotations
 
 import collections
+import ssl
 import threading
 import time
 from typing import Callable
@@ -155,10 +157,11 @@ class Forwarder:
     Args:
         join_token: this node's join token (the next node checks it like a client's).
         timeout_s: how long connecting to and sending to a node may take, seconds.
+        tls: a client context verifying the next nodes' certificates (a mesh under TLS), or None.
     """
 
-    def __init__(self, join_token: str | None, timeout_s: float = 10.0) -> None:
-        self.join_token, self.timeout_s = join_token, timeout_s
+    def __init__(self, join_token: str | None, timeout_s: float = 10.0, tls: ssl.SSLContext | None = None) -> None:
+        self.join_token, self.timeout_s, self.tls = join_token, timeout_s, tls
         self._pools: dict[str, ConnectionPool] = {}
         self._lock = threading.Lock()
 
@@ -198,7 +201,7 @@ class Forwarder:
         with self._lock:
             pool = self._pools.get(address)
             if pool is None:
-                pool = self._pools[address] = ConnectionPool(address, self.join_token, self.timeout_s)
+                pool = self._pools[address] = ConnectionPool(address, self.join_token, self.timeout_s, self.tls)
             return pool
 
     def close(self) -> None:

@@ -41,7 +41,8 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane_server import DataPlaneServer
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
-from meshnet.wire.security import TlsConfig, add_port, make_server, open_channel
+from meshnet.wire.security import (TlsConfig, add_port, client_ssl_context, make_server, open_channel,
+                                   server_ssl_context)
 
 log = logging.getLogger("meshnet.node")
 
@@ -77,7 +78,9 @@ class Node:
             self.loaded = self.supervisor.info
         self.model = self.loaded.model
         self.decode_tokens_per_s = self.loaded.decode_tokens_per_s
-        self.service = NodeService(self.engine, self.node_id, self.model, cfg.join_token)
+        # Under TLS the node forwards steps over TLS, verifying its peers as clients verify it.
+        peer_tls = client_ssl_context(cfg.tls_ca) if cfg.tls is not None else None
+        self.service = NodeService(self.engine, self.node_id, self.model, cfg.join_token, peer_tls)
         # Completed steps wait here until the heartbeat loop reports them to the tracker's ledger.
         self.work = WorkReporter(self.node_id, self.model.sha256, self.loaded.caps.artifact.layers,
                                  sign=self.identity.sign)
@@ -106,11 +109,11 @@ class Node:
             pb_grpc.add_NodeServicer_to_server(self.service, self.server)
             self.port = add_port(self.server, f"{cfg.host}:{cfg.port}", cfg.tls)
             self.address = cfg.advertise or f"{cfg.host}:{self.port}"
-        # Steps also get a raw-TCP data plane (far cheaper per hop than gRPC); it has no TLS, so a node
-        # serving TLS keeps steps on gRPC.
-        if cfg.tls is None and cfg.data_plane and not cfg.relay:
+        # Steps also get a TCP data plane (far cheaper per hop than gRPC), over TLS when gRPC is.
+        if cfg.data_plane and not cfg.relay:
+            tls = server_ssl_context(cfg.tls) if cfg.tls is not None else None
             self.data_plane = DataPlaneServer(cfg.host, cfg.data_port, self.service.run_step, cfg.join_token,
-                                              run_forward=self.service.run_forward,
+                                              tls=tls, run_forward=self.service.run_forward,
                                               run_await=self.service.run_await, workers=cfg.max_sessions + 2)
             adv_host = (cfg.advertise or cfg.host).rsplit(":", 1)[0] if cfg.advertise else cfg.host
             self.data_address = f"{adv_host}:{self.data_plane.port}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import ssl
 import threading
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -59,7 +60,7 @@ class NodeService(pb_grpc.NodeServicer):
     finish; ``node_id`` and ``model`` fill in capabilities."""
 
     def __init__(self, engine: ShardEngine | WorkerEngine, node_id: str, model: pb.ModelIdentity,
-                 join_token: str | None = None) -> None:
+                 join_token: str | None = None, peer_tls: ssl.SSLContext | None = None) -> None:
         self.engine = engine
         self.node_id = node_id
         self.model = model
@@ -70,7 +71,7 @@ class NodeService(pb_grpc.NodeServicer):
         self._cv = threading.Condition()
         # Node-to-node forwarding (data plane only): where this node sends forwarded steps on, and, as a
         # tail, the outcomes its clients await.
-        self.forwarder = Forwarder(join_token)
+        self.forwarder = Forwarder(join_token, tls=peer_tls)
         self.awaited = AwaitedOutcomes(StepOutcome)
 
     # ---- steps -------------------------------------------------------------------------------

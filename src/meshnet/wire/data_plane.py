@@ -4,7 +4,8 @@ gRPC in Python costs about 0.5 ms per unary round trip on loopback, and more on 
 token crosses every hop of a route twice, so for a small model that is a large share of decode time.
 Steps therefore travel over persistent TCP connections (``TCP_NODELAY``) carrying the *same* protobuf
 envelope frames and replies as the gRPC ``Step`` call, each message prefixed by a 5-byte header.
-Control calls (capabilities, health, cancel, release) and everything when TLS is on stay on gRPC.
+Control calls (capabilities, health, cancel, release) stay on gRPC. A node serving TLS serves its data
+plane over TLS too (same certificate), and clients and forwarding nodes verify it with the mesh's CA.
 
 Message: ``<u32 length><u8 kind><payload>``; kinds below. A connection starts with one AUTH message
 carrying the join token (empty when none). A request is one or more ENVELOPE frames (``n_chunks``
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -94,10 +96,23 @@ def decode_error(payload: bytes) -> tuple[str, float | None, str]:
 class DataPlaneConnection:
     """One client connection to a node's data plane. Not shared between threads at the same time."""
 
-    def __init__(self, address: str, join_token: str | None, timeout_s: float) -> None:
+    def __init__(self, address: str, join_token: str | None, timeout_s: float,
+                 tls: ssl.SSLContext | None = None) -> None:
+        """Connect, and authenticate with ``join_token``; over TLS when ``tls`` (a client context that
+        checks the server's certificate against the host in ``address``) is given. Raises OSError
+        (``ssl.SSLError`` when the certificate does not verify) or DataPlaneError (a refused token)."""
         host, port = address.rsplit(":", 1)
-        self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        host = host.strip("[]")
+        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            try:
+                sock = tls.wrap_socket(sock, server_hostname=host)
+            except BaseException:
+                sock.close()
+                raise
+        self.sock = sock
+        self.tls = tls is not None
         send_message(self.sock, AUTH, (join_token or "").encode())
         kind, payload = recv_message(self.sock)
         if kind == ERROR:
@@ -113,9 +128,10 @@ class DataPlaneConnection:
         timeout = self.sock.gettimeout()
         try:
             self.sock.setblocking(False)
-            self.sock.recv(1, socket.MSG_PEEK)
+            # A byte read here is never given back (TLS cannot peek), so the connection is dropped then.
+            self.sock.recv(1)
             return False  # b"" (closed) or unexpected bytes
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return True  # nothing to read: open and quiet
         except OSError:
             return False
@@ -148,6 +164,15 @@ class DataPlaneConnection:
         socket buffers can fill while it waits on the other. Reading stops after the first ERROR
         answer (the node still answers the requests after it: the connection must then be closed).
         ``timeout_s`` bounds each send and each answer. Raises OSError or DataPlaneError."""
+        if self.tls:
+            # One TLS connection must not be written by one thread while another reads it (OpenSSL's
+            # objects are not safe for that): over TLS the requests take a round trip each.
+            answers = []
+            for frames in requests:
+                answers.append(self.call(frames, timeout_s))
+                if answers[-1][1] is not None:
+                    break
+            return answers
         failed: list[OSError] = []
 
         def send_all() -> None:
@@ -207,6 +232,8 @@ class DataPlaneConnection:
     def _await_reply(self, timeout_s: float, still_alive: Callable[[], bool], patience_s: float) -> None:
         """Block until the reply's first byte is readable; see :meth:`call`. Raises TimeoutError."""
         start = time.monotonic()
+        if self.tls and self.sock.pending():
+            return  # already decrypted, waiting in the TLS layer where select() cannot see it
         while not select.select([self.sock], [], [], timeout_s)[0]:
             waited = time.monotonic() - start
             if waited >= patience_s or not still_alive():
@@ -222,8 +249,9 @@ class DataPlaneConnection:
 class ConnectionPool:
     """Idle connections to one node, reused by whichever thread runs the next step there."""
 
-    def __init__(self, address: str, join_token: str | None, timeout_s: float) -> None:
-        self.address, self.join_token, self.timeout_s = address, join_token, timeout_s
+    def __init__(self, address: str, join_token: str | None, timeout_s: float,
+                 tls: ssl.SSLContext | None = None) -> None:
+        self.address, self.join_token, self.timeout_s, self.tls = address, join_token, timeout_s, tls
         self._idle: list[DataPlaneConnection] = []
         self._lock = threading.Lock()
 
@@ -235,7 +263,7 @@ class ConnectionPool:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
-                return DataPlaneConnection(self.address, self.join_token, timeout_s or self.timeout_s)
+                return DataPlaneConnection(self.address, self.join_token, timeout_s or self.timeout_s, self.tls)
             if conn.reusable():
                 return conn
             conn.close()

@@ -16,6 +16,11 @@ Python objects too). A connection streaming one-way FORWARD steps is not read wh
 awaiting a forwarded step's outcome (AWAIT) stays watched: the client hanging up, or sending anything
 before its answer, closes it and drops the await, so abandoned awaits hold no connection slot.
 
+With a TLS context every accepted connection is TLS: the handshake runs on the selector thread without
+blocking and must finish, with the join token, within ``auth_timeout_s``. Bytes TLS has already
+decrypted wait in the socket's TLS layer, where the selector cannot see them, so connections holding
+such bytes are read again on the next turn without waiting.
+
 Counters (``DataPlaneServer.stats``): ``accepted``, ``refused`` (over the cap, all authenticated),
 ``evicted`` (an unauthenticated connection replaced by a newer one), ``timed_out``, ``unauthenticated``
 (wrong token or not an AUTH message first), ``too_large`` and ``malformed`` (protocol violations after
@@ -29,6 +34,7 @@ import hmac
 import logging
 import selectors
 import socket
+import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -59,7 +65,7 @@ class _Conn:
     """One connection's state; touched only by the selector thread, or by the one worker running its step."""
 
     __slots__ = ("sock", "authed", "header", "body", "need", "kind", "frames", "n_frames", "request_bytes",
-                 "deadline", "busy", "cancel_await", "forwards", "paused")
+                 "deadline", "busy", "cancel_await", "forwards", "paused", "handshaking")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock = sock
@@ -78,6 +84,7 @@ class _Conn:
         self.cancel_await: Callable[[], None] | None = None
         self.forwards = 0  # its forwarded steps waiting for or on a worker
         self.paused = False  # not read until fewer than max_pending_forwards of them are left
+        self.handshaking = isinstance(sock, ssl.SSLSocket)  # the TLS handshake has not finished yet
 
 
 class _Refuse(Exception):
@@ -100,6 +107,8 @@ class DataPlaneServer:
             at most once, from any thread, with the awaited step's outcome, and may return a function
             that withdraws the await (called when the client hangs up first); None refuses AWAIT.
         join_token: the secret every connection's AUTH message must carry (None: an empty one).
+        tls: a server context (:func:`meshnet.wire.security.server_ssl_context`): every connection
+            speaks TLS; None: plain TCP.
         max_message_bytes: largest frame message accepted, bytes (header excluded).
         max_request_bytes: largest request (all its frames' messages together), bytes.
         max_connections: open connections at most (>= 1).
@@ -114,7 +123,9 @@ class DataPlaneServer:
     """
 
     def __init__(self, host: str, port: int, run_step: Callable, join_token: str | None = None, *,
-                 run_forward: Callable | None = None, run_await: Callable | None = None, max_message_bytes: int = MAX_MESSAGE_BYTES, max_request_bytes: int = MAX_REQUEST_BYTES,
+                 run_forward: Callable | None = None, run_await: Callable | None = None,
+                 tls: ssl.SSLContext | None = None,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, max_request_bytes: int = MAX_REQUEST_BYTES,
                  max_connections: int = 256, max_pending_forwards: int = MAX_PENDING_FORWARDS,
                  workers: int = 8, auth_timeout_s: float = 10.0,
                  read_timeout_s: float = 30.0, idle_timeout_s: float = 300.0) -> None:
@@ -126,6 +137,8 @@ class DataPlaneServer:
             if value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         self._token = (join_token or "").encode()
+        self._tls = tls
+        self._unread: set[_Conn] = set()  # TLS connections with decrypted bytes not read yet
         self._run_step, self._run_forward, self._run_await = run_step, run_forward, run_await
         self.max_message_bytes, self.max_request_bytes = max_message_bytes, max_request_bytes
         self.max_connections, self.max_pending_forwards = max_connections, max_pending_forwards
@@ -174,13 +187,18 @@ class DataPlaneServer:
     def _loop(self) -> None:
         next_sweep = time.monotonic() + _TICK_S
         while not self._stopping:
-            for key, _ in self._sel.select(timeout=_TICK_S):
+            for key, _ in self._sel.select(timeout=0 if self._unread else _TICK_S):
                 if key.data == "accept":
                     self._accept()
                 elif key.data == "wake":
                     self._drain_wake()
                 else:
+                    self._unread.discard(key.data)
                     self._read(key.data)
+            for c in list(self._unread):
+                self._unread.discard(c)
+                if id(c) in self._conns and not c.busy and not c.paused:
+                    self._read(c)
             now = time.monotonic()
             if now >= next_sweep:
                 self._sweep(now)
@@ -210,6 +228,12 @@ class DataPlaneServer:
                 self._close(oldest)
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                try:
+                    sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                except (OSError, ValueError):
+                    sock.close()
+                    continue
             c = _Conn(sock, time.monotonic() + self.auth_timeout_s)
             self._conns[id(c)] = c
             self._sel.register(sock, selectors.EVENT_READ, c)
@@ -218,6 +242,16 @@ class DataPlaneServer:
         if c.cancel_await is not None:
             self._read_awaiting(c)
             return
+        if c.handshaking:
+            try:
+                c.sock.do_handshake()
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                return  # more of the handshake to come (a stalled one meets the auth deadline)
+            except (OSError, ValueError):  # not TLS, or a certificate/protocol failure
+                self.stats["unauthenticated"] += 1
+                self._close(c)
+                return
+            c.handshaking = False
         try:
             for _ in range(8):  # at most 8 chunks per event: other connections get their turn
                 if c.body is None:
@@ -237,7 +271,8 @@ class DataPlaneServer:
                     c.body += data
                 if c.body is not None and len(c.body) == c.need and self._finish_message(c):
                     return  # handed to a worker
-        except (BlockingIOError, InterruptedError):
+            self._mark_unread(c)
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             pass
         except _Refuse as e:
             self.stats[e.stat] += 1
@@ -251,7 +286,7 @@ class DataPlaneServer:
         up; bytes break the protocol. Either way the await is withdrawn with the connection."""
         try:
             data = c.sock.recv(1)
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except OSError:
             data = b""
@@ -354,6 +389,7 @@ class DataPlaneServer:
                 c.paused = False
                 c.deadline = time.monotonic() + self.idle_timeout_s
                 self._sel.register(c.sock, selectors.EVENT_READ, c)
+                self._mark_unread(c)
         while self._answers:
             c, out = self._answers.popleft()
             if c.cancel_await is None or id(c) not in self._conns:
@@ -372,9 +408,16 @@ class DataPlaneServer:
                 continue
             c.deadline = time.monotonic() + self.idle_timeout_s
             self._sel.register(c.sock, selectors.EVENT_READ, c)
+            self._mark_unread(c)
+
+    def _mark_unread(self, c: _Conn) -> None:
+        """Read ``c`` again on the next turn if its TLS layer holds decrypted bytes."""
+        if isinstance(c.sock, ssl.SSLSocket) and not c.handshaking and c.sock.pending():
+            self._unread.add(c)
 
     def _close(self, c: _Conn) -> None:
         self._conns.pop(id(c), None)
+        self._unread.discard(c)
         if c.cancel_await is not None:
             cancel, c.cancel_await = c.cancel_await, None
             cancel()
