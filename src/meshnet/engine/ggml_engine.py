@@ -459,7 +459,8 @@ class GgmlEngine(ShardEngine):
         accepted = ids[first - req.position:end - req.position]
         if not accepted or last < end:
             return res
-        drafts = mtp_step(self.stage, kv, first, accepted, states[:len(accepted)], res.token.token_id,
+        sampled = res.tokens[kept] if req.verify else res.token  # the tail's token after the kept rows
+        drafts = mtp_step(self.stage, kv, first, accepted, states[:len(accepted)], sampled.token_id,
                           req.mtp_drafts)
         return replace(res, drafts=drafts)
 

@@ -114,7 +114,7 @@ def mtp_step(stage, kv, position: int, accepted: list[int], states: np.ndarray, 
     drafts = [int(np.argmax(logits))]
     pos = position + len(tokens)
     while len(drafts) < k and stage.sessions.ensure(kv, pos + 1):
-        logits, h = stage.mtp_rows(kv, pos, [drafts[-1]], h[None, :0], h)
+        logits, h = stage.mtp_rows(kv, pos, [drafts[-1]], h[None][:0], h)
         drafts.append(int(np.argmax(logits)))
         pos += 1
     return tuple(drafts)
