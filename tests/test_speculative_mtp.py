@@ -100,6 +100,7 @@ def test_a_model_without_nextn_refuses_mtp(deepseek2_path, mtp_path):
     assert speculation_from("mtp", 3, mtp_problem=None) == Speculation(3, mtp=True)
 
 
+@pytest.mark.long  # three node processes: about 18 s on two cores
 def test_mtp_mesh_with_failover_equals_plain(mesh, mtp_path, tok, plain_ids):
     """Node processes, forwarded steps, the MTP block on the tail; the head dies midway and a spare
     rebuilds its cells by replaying the session's steps (the tail rebuilds its MTP cells the same way)."""

@@ -221,9 +221,10 @@ def check_tensors(manifest: ArchManifest, cfg, tensors: Iterable[tuple[str, tupl
     arch = manifest.name
     found = dict(tensors)
     expected: dict[str, TensorSpec] = {s.name(): s for s in manifest.global_tensors if s.applies(cfg)}
-    for il in range(cfg.n_layer + cfg.n_nextn):
+    n_nextn = getattr(cfg, "n_nextn", 0)  # MTP blocks after the trunk: a block each, plus their nextn tensors
+    for il in range(cfg.n_layer + n_nextn):
         expected.update({s.name(il): s for s in manifest.layer_tensors if s.applies(cfg, il)})
-    for il in range(cfg.n_layer, cfg.n_layer + cfg.n_nextn):
+    for il in range(cfg.n_layer, cfg.n_layer + n_nextn):
         expected.update({s.name(il): s for s in _NEXTN})
     for name, spec in expected.items():
         if spec.required and name not in found:
