@@ -436,13 +436,11 @@ class EngineContractSuite:
         # The same engine still loads a valid range afterwards.
         assert engine.load(load_spec(LayerRange(0, n_layer))).ok
 
-    def test_reserved_hooks_are_not_implemented(self):
-        with pytest.raises(NotImplementedError):
-            MultiTokenPrediction(enabled=True, n_predict=2)
+    def test_reserved_hook_is_not_implemented(self):
         with pytest.raises(NotImplementedError):
             AuxiliaryState(enabled=True, kind="recurrent")
-        # Disabled, they are plain defaults.
-        assert not MultiTokenPrediction().enabled and not AuxiliaryState().enabled
+        # Disabled, it is a plain default; MTP is on by default (used where the file has the block).
+        assert not AuxiliaryState().enabled and MultiTokenPrediction().enabled
 
     # ---- sampling output -----------------------------------------------------------------------
     def test_top_logprobs_are_sorted_descending(self, chain: Chain, prompt_ids):

@@ -116,3 +116,20 @@ def test_the_golden_models_fit_their_manifests(folder):
             continue  # deepseek4: not built yet, refused by name (above)
         cfg = ModelConfig.from_reader(open_gguf(path))  # runs check_tensors
         assert cfg.manifest.name == arch
+
+
+def test_deepseek2_nextn_block_is_declared_after_the_trunk():
+    """A file with one MTP block: blk.{n_layer} is a whole MoE block plus nextn.eh_proj/enorm/hnorm (the
+    embed_tokens and shared_head tensors optional); without nextn_predict_layers it is unexpected."""
+    m = manifest_for("deepseek2")
+    mtp = SimpleNamespace(**{**vars(DS2), "n_nextn": 1, "n_embd_2": 64})
+    trunk = _deepseek2_tensors(DS2)
+    block = {k.replace("blk.1.", "blk.2."): v for k, v in trunk.items() if k.startswith("blk.1.")}
+    nextn = {"blk.2.nextn.eh_proj.weight": (64, 32), "blk.2.nextn.enorm.weight": (32,),
+             "blk.2.nextn.hnorm.weight": (32,)}
+    check_tensors(m, mtp, {**trunk, **block, **nextn}.items())
+    check_tensors(m, mtp, {**trunk, **block, **nextn, "blk.2.nextn.shared_head_norm.weight": (32,)}.items())
+    with pytest.raises(GGUFError, match="deepseek2 GGUF is missing tensor 'blk.2.nextn.hnorm.weight'"):
+        check_tensors(m, mtp, {**trunk, **block, **dict(list(nextn.items())[:2])}.items())
+    with pytest.raises(GGUFError, match="deepseek2 GGUF has unexpected tensor 'blk.2."):
+        check_tensors(m, DS2, {**trunk, **block, **nextn}.items())

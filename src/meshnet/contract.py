@@ -239,6 +239,9 @@ class StepRequest:
             drops the session's cells at ``position`` and after (the rejected rows of a verification
             step), then runs the step. Without it a position other than the session's length is refused
             (FAILED_PRECONDITION), so a client that lost count is never silently cut back.
+        mtp_drafts: on a tail that runs the model's next-token-prediction block, how many draft tokens
+            to propose after the step's token (``StepResult.drafts``; 0..:data:`MAX_DRAFT_TOKENS`). Other
+            stages and engines ignore it.
     """
 
     session_id: str
@@ -251,6 +254,7 @@ class StepRequest:
     reserve_tokens: int = 0
     verify: bool = False
     rollback: bool = False
+    mtp_drafts: int = 0
 
 
 @dataclass(frozen=True)
@@ -276,7 +280,8 @@ class StepResult:
     when ``status`` is OK; neither otherwise. ``message`` explains any non-OK status.
     ``retry_after_s`` is set with RESOURCE_EXHAUSTED. On the tail, a verification step
     (``StepRequest.verify``) also sets ``tokens``: the token sampled after each of its rows, in row
-    order (``token`` is the last of them).
+    order (``token`` is the last of them). ``drafts``: the tail's next-token-prediction drafts of the
+    tokens after ``token`` (``StepRequest.mtp_drafts``), for the next step to verify.
     """
 
     status: Status
@@ -286,6 +291,7 @@ class StepResult:
     n_past: int = 0  # tokens cached for the session after this step
     retry_after_s: float | None = None
     tokens: tuple[SampledToken, ...] = ()
+    drafts: tuple[int, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -294,15 +300,11 @@ class StepResult:
 
 @dataclass(frozen=True)
 class MultiTokenPrediction:
-    """Reserved hook: extra draft heads predicting several tokens per step. Not implemented: enabling
-    it is refused at construction."""
+    """Next-token-prediction (MTP) drafts: with ``enabled`` (the default) a tail stage whose GGUF
+    carries an MTP block (``nextn`` tensors) loads it and keeps its KV cells, so that steps asking for
+    ``StepRequest.mtp_drafts`` get them; False leaves the block's weights and cells out."""
 
-    enabled: bool = False
-    n_predict: int = 0
-
-    def __post_init__(self) -> None:
-        if self.enabled:
-            raise NotImplementedError("multi-token prediction is reserved and not implemented")
+    enabled: bool = True
 
 
 @dataclass(frozen=True)

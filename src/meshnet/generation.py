@@ -117,6 +117,7 @@ class Generation:
         # speed, and stays reproducible.
         self._adaptive = (speculation is not None and speculation.adaptive
                           and not (sampling.temperature > 0 and sampling.seed is not None))
+        self._mtp_drafts: tuple[int, ...] = ()  # the tail's MTP drafts after the last step's token
         self.session_id = session_id or uuid.uuid4().hex
         self.result = GenerationResult(prompt_token_ids=[int(t) for t in prompt_ids])
 
@@ -125,12 +126,17 @@ class Generation:
         """One step; the tail's token after its last row, or after each row of a verification step."""
         # The first step reserves the session's KV cells for its whole run: prompt plus budget.
         reserve = 0 if position else len(self.result.prompt_token_ids) + self.max_tokens
+        spec = self.speculation
+        mtp = 0
+        if spec is not None and spec.mtp:  # the tail drafts the next step's tokens after this one's
+            mtp = self._budget.choose(spec.draft_tokens) if self._adaptive else spec.draft_tokens
         req = StepRequest(self.session_id, epoch=0, position=position, token_ids=tuple(tokens),
                           sampling=self.sampling, step_id=step_id, reserve_tokens=reserve, verify=verify,
-                          rollback=rollback)
+                          rollback=rollback, mtp_drafts=mtp)
         res = self.client.step(req, decode)
         if not res.ok:
             raise GenerationError(res.status, res.message)
+        self._mtp_drafts = res.drafts
         assert res.token is not None
         if verify and len(res.tokens) != len(tokens):
             raise GenerationError(Status.FAILED_PRECONDITION, f"a verification step of {len(tokens)} rows "
@@ -145,6 +151,8 @@ class Generation:
         if spec is None:
             return []
         room = min(spec.draft_tokens, self.max_tokens - len(r.generated_token_ids) - 1)
+        if spec.mtp:
+            return list(self._mtp_drafts[:max(room, 0)])
         tokens = r.prompt_token_ids + r.generated_token_ids
         if spec.drafter is not None:
             k = self._budget.choose(room) if self._adaptive else room

@@ -17,7 +17,9 @@ all the lookup finds, since its tokens would otherwise depend on timings (the dr
 The draft source mirrors llama.cpp's ``ngram-simple`` speculative type (``llama-server --spec-type
 ngram-simple``: the last earlier occurrence of the current n-gram, and the tokens that followed it),
 itself prompt lookup decoding (github.com/apoorvumang/prompt-lookup-decoding; llama.cpp's
-``examples/lookup``). A draft model (:mod:`meshnet.draft_model`) is the other source.
+``examples/lookup``). A draft model (:mod:`meshnet.draft_model`) is another source; the model's own
+next-token-prediction block (``mtp``, :mod:`meshnet.engine.ggml_mtp`) the third: the tail returns its
+drafts with each step's token, and the next step verifies them.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 
 from meshnet.contract import MAX_DRAFT_TOKENS, SampledToken
 
-SPECULATIVE_KINDS = ("none", "ngram", "model")
+SPECULATIVE_KINDS = ("none", "ngram", "model", "mtp")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class Speculation:
     ngram_min: int = 2  # a lone recurring token predicts little (in prose, nearly nothing)
     adaptive: bool = True  # False: every round drafts all it finds (protocol tests; seeded sampled runs)
     drafter: object = field(default=None, compare=False)  # a ModelDrafter, shared by the generations
+    mtp: bool = False  # drafts from the model's next-token-prediction block, which the tail runs
 
     def validate(self) -> str | None:
         """None when usable, else a message naming the bad field."""
@@ -199,14 +202,17 @@ class SpeculationStats:
 
 
 def speculation_from(kind: str | None, draft_tokens: int | None, default: Speculation | None = None,
-                     drafter: object = None) -> Speculation | None:
+                     drafter: object = None, mtp_problem: str | None = "") -> Speculation | None:
     """The speculation a request or command line asks for: ``kind`` "ngram", "model" (drafts from
-    ``drafter``, else ``default``'s) or "none" (None: ``default``), with ``draft_tokens`` (None:
-    ``default``'s, else 10). Raises ValueError naming a bad kind or count, or "model" without a drafter."""
+    ``drafter``, else ``default``'s), "mtp" (the model's next-token-prediction block) or "none" (None:
+    ``default``), with ``draft_tokens`` (None: ``default``'s, else 10). ``mtp_problem``: why the model
+    cannot draft by MTP (see :func:`mtp_problem`), None when it can. Raises ValueError naming a bad kind
+    or count, "model" without a drafter, or "mtp" for a model without the block."""
     if kind is None:
         if default is None or draft_tokens is None:
             return default
-        kind = "model" if default.drafter is not None else "ngram"  # the default's kind, another count
+        kind = ("model" if default.drafter is not None else  # the default's kind, another count
+                "mtp" if default.mtp else "ngram")
     if kind not in SPECULATIVE_KINDS:
         raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_KINDS)}, got {kind!r}")
     if kind == "none":
@@ -217,7 +223,9 @@ def speculation_from(kind: str | None, draft_tokens: int | None, default: Specul
         if drafter is None:
             raise ValueError("speculative 'model' needs a draft model (meshnet api/generate --speculative "
                              "model --draft-model GGUF)")
-    spec = Speculation(k, drafter=drafter if kind == "model" else None)
+    if kind == "mtp" and mtp_problem is not None:
+        raise ValueError(f"speculative 'mtp' {mtp_problem or 'needs a model with next-token-prediction layers'}")
+    spec = Speculation(k, drafter=drafter if kind == "model" else None, mtp=kind == "mtp")
     problem = spec.validate()
     if problem is not None:
         raise ValueError(problem)
@@ -239,7 +247,22 @@ def speculation_from_args(args: argparse.Namespace, target_path: str) -> Specula
         from meshnet.draft_model import ModelDrafter
 
         drafter = ModelDrafter(args.draft_model, target_path)
-    return speculation_from(args.speculative, args.draft_tokens, drafter=drafter)
+    return speculation_from(args.speculative, args.draft_tokens, drafter=drafter,
+                            mtp_problem=mtp_problem(target_path) if args.speculative == "mtp" else None)
+
+
+def mtp_problem(path: str) -> str | None:
+    """Why the GGUF at ``path`` cannot draft by next-token prediction (a message naming the file and
+    what it lacks), or None when it carries an MTP block the engine runs. Raises what
+    :func:`meshnet.model.gguf_file.open_gguf` raises for an unreadable file."""
+    from meshnet.model.gguf_file import open_gguf
+    from meshnet.model.hparams import ModelConfig
+
+    cfg = ModelConfig.from_reader(open_gguf(path))
+    if cfg.n_nextn:
+        return None
+    return (f"needs a model with next-token-prediction layers: {path} ({cfg.architecture}) has no nextn "
+            f"tensors ({cfg.architecture}.nextn_predict_layers is absent or 0)")
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
@@ -247,7 +270,9 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative", choices=SPECULATIVE_KINDS, default="none",
                    help="ngram: draft tokens by prompt lookup in the session's own text; model: decode them "
-                        "with --draft-model; either way verified in one step (greedy output unchanged)")
+                        "with --draft-model; mtp: the model's own next-token-prediction layers (GGUFs with "
+                        "nextn tensors) draft them on the tail; any way verified in one step (greedy output "
+                        "unchanged)")
     g.add_argument("--draft-model", default=None,
                    help="GGUF (path or bundled name) with the model's vocabulary, run here to draft tokens")
     g.add_argument("--draft-tokens", type=int, default=None,

@@ -19,7 +19,7 @@ import grpc
 from tqdm import tqdm
 
 from meshnet.proto import meshnet_pb2 as pb
-from meshnet.speculative import add_speculation_args, speculation_from_args
+from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.supervisor import Supervisor
 from meshnet.wire.security import open_channel
@@ -135,6 +135,7 @@ def run_up(args: argparse.Namespace) -> int:
                                        max_concurrency=args.max_sessions,
                                        forwarding=not args.client_orchestrated)
             api_backend.speculation = speculation
+            api_backend.mtp_problem = mtp_problem(path)
             try:
                 api = (api_backend, *start_api_in_thread(api_backend, args.host, args.api_port))
                 api_url = f"http://{args.host}:{api[1].config.port}/v1"

@@ -190,7 +190,8 @@ class _Api:
     def _speculation(self, req) -> Speculation | None:
         """How the request's generations draft: its ``speculative`` / ``draft_tokens``, else the server's."""
         try:
-            return speculation_from(req.speculative, req.draft_tokens, self.backend.speculation)
+            return speculation_from(req.speculative, req.draft_tokens, self.backend.speculation,
+                                    mtp_problem=self.backend.mtp_problem)
         except ValueError as e:
             raise bad_request(str(e), "speculative") from None
 

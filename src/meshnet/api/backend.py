@@ -61,6 +61,8 @@ class ApiBackend:
         self.stage_metrics: Callable[[], list] | None = None
         # How generations draft tokens when a request does not say (``meshnet api --speculative``).
         self.speculation: Speculation | None = None
+        # Why the model cannot draft by next-token prediction (None: it can; see speculative.mtp_problem).
+        self.mtp_problem: str | None = "needs a model with next-token-prediction layers"
 
     def new_client(self) -> StepClient:
         """The client for one generation, wrapped so a busy stage is waited for instead of failing."""

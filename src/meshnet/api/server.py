@@ -59,12 +59,16 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
 
     from meshnet.model.bundled import resolve_model
 
-    speculation = speculation_from_args(args, str(resolve_model(args.model)))
+    from meshnet.speculative import mtp_problem
+
+    model_path = str(resolve_model(args.model))
+    speculation = speculation_from_args(args, model_path)
     if args.tracker:
         backend = mesh_backend(args.tracker, args.model, join_token=args.join_token, tls_ca=args.tls_ca,
                                name=args.name, max_concurrency=args.max_concurrency or 8,
                                forwarding=not args.client_orchestrated)
         backend.speculation = speculation
+        backend.mtp_problem = mtp_problem(model_path)
         return backend
     backend = local_backend(args.model, stages=args.stages, layers=args.layers, n_threads=args.threads,
                             n_ctx=args.n_ctx, name=args.name, progress=sys.stderr.isatty(),
@@ -73,6 +77,7 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
     if args.max_concurrency:
         backend.max_concurrency = min(backend.max_concurrency, args.max_concurrency)
     backend.speculation = speculation
+    backend.mtp_problem = mtp_problem(model_path)
     return backend
 
 

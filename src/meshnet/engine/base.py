@@ -291,6 +291,9 @@ class ShardEngine(ABC):
             return self._fail(Status.INVALID_ARGUMENT,
                               f"a verification step takes the last token and at most {MAX_DRAFT_TOKENS} "
                               f"draft tokens, got {n} tokens")
+        if not 0 <= req.mtp_drafts <= MAX_DRAFT_TOKENS:
+            return self._fail(Status.INVALID_ARGUMENT, f"mtp_drafts must be in [0, {MAX_DRAFT_TOKENS}], "
+                              f"got {req.mtp_drafts}")
         chunk = self._scheduler.chunk_tokens
         if req.verify and chunk and n > chunk:
             return self._fail(Status.INVALID_ARGUMENT, f"a verification step of {n} tokens exceeds the "

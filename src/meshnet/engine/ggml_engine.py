@@ -8,7 +8,7 @@ statuses, sampling on the tail.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import ggml
@@ -30,6 +30,8 @@ from meshnet.engine.scheduler import Chunk
 from meshnet.engine.ggml_backend import StageWeights, cpu_backend, release_cpu_backend, registry_devices
 from meshnet.engine.batch_layout import SPLIT_KV_MIN_CELLS, BatchShape, Segment, kv_length
 from meshnet.engine.ggml_graph import StepGraph
+from meshnet.engine.ggml_mtp import MtpGraph, mtp_shape, mtp_step
+from meshnet.speculative import accepted_prefix
 from meshnet.engine.kv_pool import KVPool, PoolFull
 from meshnet.engine.prefix_cache import PrefixCache, row_keys
 from meshnet.engine.stage_sessions import SessionKV, StageSessions
@@ -86,7 +88,7 @@ class GgmlStage:
 
     def __init__(self, path: str, layers: LayerRange, n_threads: int = 2, n_ctx: int = 0,
                  n_ubatch: int = 512, use_mmap: bool = True, backend=None, n_slots: int = 16,
-                 kv_tokens: int = 0, kv_budget_bytes: int = 0, prefix_cache: int = 0) -> None:
+                 kv_tokens: int = 0, kv_budget_bytes: int = 0, prefix_cache: int = 0, mtp: bool = True) -> None:
         reader = open_gguf(path)
         self.cfg = ModelConfig.from_reader(reader)
         if layers.end > self.cfg.n_layer:
@@ -100,19 +102,25 @@ class GgmlStage:
         on_host = backend is None
         self.backend = backend if backend is not None else cpu_backend(n_threads)
         self._cpu_user = on_host  # counted as a user of the shared CPU backend until close
-        selection = stage_tensor_names(reader, layers, self.cfg.n_layer)
+        # the tail runs the file's next-token-prediction block (``mtp``): its weights, and its KV cells
+        # as layer n_layer of the pool
+        self.has_mtp = bool(mtp and self.is_tail and self.cfg.n_nextn)
+        nextn = self.cfg.n_nextn if self.has_mtp else 0
+        selection = stage_tensor_names(reader, layers, self.cfg.n_layer, nextn)
         # Weights stay in plain buffers: the CPU backend's repacked layouts (CPU_REPACK) make a row's result
         # depend on how many rows share its mat-mul, which would make batched output differ from solo.
         self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=use_mmap)
         if not use_mmap:
             drop_pages(reader)  # the copies are what stays resident, not the file pages read to make them
-        self.pool = KVPool(layers, self.cfg.n_embd_k_cache, self.cfg.n_embd_v_cache, self.n_ctx, n_slots,
+        self.pool = KVPool(LayerRange(layers.start, layers.end + nextn), self.cfg.n_embd_k_cache, self.cfg.n_embd_v_cache, self.n_ctx, n_slots,
                            kv_tokens, self.backend, host=on_host, budget_bytes=kv_budget_bytes)
         self.sessions = StageSessions(self.pool, prefix_cache, self.n_ubatch, self.n_ctx, self.is_tail)
         self._graphs: OrderedDict[BatchShape, StepGraph] = OrderedDict()
         # ggml-python's binding of ggml_backend_cpu_buffer_type() truncates the pointer; ask the backend.
         self._galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self.backend))
         self._placed: StepGraph | None = None  # the graph whose tensors hold the allocator's buffer now
+        # on a tail with the MTP block: every given item's normed states of the last forward_batch
+        self.last_states: list[np.ndarray] = []
 
     def new_session(self, reserve_tokens: int = 0, prompt: list[int] | None = None) -> SessionKV:
         """Open a session (see :meth:`StageSessions.open`). Raises PoolFull."""
@@ -141,12 +149,12 @@ class GgmlStage:
                           items[i].n_out if self.is_tail else items[i].n_tokens) for i in seg)
         return BatchShape(len(dec), streams, n_kv_dec, segments), dec, seg
 
-    def _graph(self, shape: BatchShape) -> StepGraph:
+    def _graph(self, shape, make=None) -> StepGraph:
         g = self._graphs.get(shape)
         if g is not None:
             self._graphs.move_to_end(shape)
             return g
-        g = StepGraph(self.cfg, self.weights, self.pool, self.layers, shape)
+        g = make() if make is not None else StepGraph(self.cfg, self.weights, self.pool, self.layers, shape)
         self._graphs[shape] = g
         while len(self._graphs) > self.MAX_GRAPHS:
             old = self._graphs.popitem(last=False)[1]
@@ -192,14 +200,48 @@ class GgmlStage:
             n = (1 if k < shape.n_dec else items[i].n_out) if self.is_tail else items[i].n_tokens
             results[i] = out[row:row + n]
             row += n
-        if len(items) == len(given):
-            return results
+        states = g.states()
+        if states is not None:
+            per_item: list[np.ndarray | None] = [None] * len(items)
+            row = 0
+            for i in order:
+                per_item[i] = states[row:row + items[i].n_tokens]
+                row += items[i].n_tokens
+            self.last_states = self._joined(given, per_item)
+        return self._joined(given, results)
+
+    @staticmethod
+    def _joined(given: list[BatchItem], rows: list) -> list:
+        """Per-row-item arrays back as one array per given item (an item with ``rows_alone`` was split)."""
+        if len(rows) == len(given):
+            return rows
         joined, at = [], 0
         for it in given:  # the rows of a split item back in one array
             n = it.n_tokens if it.rows_alone else 1
-            joined.append(results[at] if n == 1 else np.concatenate(results[at:at + n], axis=0))
+            joined.append(rows[at] if n == 1 else np.concatenate(rows[at:at + n], axis=0))
             at += n
         return joined
+
+    def mtp_rows(self, kv: SessionKV, position: int, token_ids: list[int], states: np.ndarray,
+                 prev_state: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """Run the MTP block (:mod:`meshnet.engine.ggml_mtp`) over rows at ``position ..``: token ``i``
+        paired with the trunk state of the row before it (``prev_state`` float32 ``[n_embd]`` for the
+        first, zeros when None; ``states`` float32 ``[n - 1 or more, n_embd]`` for the others), in
+        micro-batches of ``n_ubatch``. Returns the last row's logits float32 ``[n_vocab]`` and block
+        state ``[n_embd]``. The cells up to ``position + n`` must be reserved."""
+        n = len(token_ids)
+        first = np.zeros(self.cfg.n_embd, np.float32) if prev_state is None else prev_state
+        h_in = np.concatenate([first[None, :], np.asarray(states[:n - 1], np.float32)], axis=0)
+        for start in range(0, n, self.n_ubatch):
+            end = min(n, start + self.n_ubatch)
+            key = ("mtp",) + mtp_shape(kv.slot, position + start, end - start, self.n_ctx)
+            g = self._graph(key, lambda: MtpGraph(self.cfg, self.weights, self.pool, *key[1:]))
+            if self._placed is not g:
+                g.place(self._galloc)
+                self._placed = g
+            logits, h = g.run_rows(self.backend, kv.slot, position + start,
+                                   np.asarray(token_ids[start:end], np.int32), h_in[start:end])
+        return logits[-1], h[-1]
 
     @staticmethod
     def _one_row_items(it: BatchItem) -> list[BatchItem]:
@@ -278,7 +320,8 @@ class GgmlEngine(ShardEngine):
                               # slots for kept sessions too: a full stage still keeps its prefixes
                               spec.use_mmap, n_slots=spec.max_sessions + spec.prefix_cache,
                               kv_tokens=spec.kv_tokens,
-                              kv_budget_bytes=spec.memory_budget_bytes, prefix_cache=spec.prefix_cache)
+                              kv_budget_bytes=spec.memory_budget_bytes, prefix_cache=spec.prefix_cache,
+                              mtp=spec.mtp.enabled)
         except (GGUFError, FileNotFoundError) as e:
             raise EngineError(Status.INVALID_ARGUMENT, str(e)) from None
         if self.stage is not None:
@@ -381,8 +424,13 @@ class GgmlEngine(ShardEngine):
             items.append(BatchItem(c.session.state.slot, c.req.position + c.start, tokens, hidden,
                                    rows_alone=c.req.verify))
         outs = stage.forward_batch(items) if items else []
-        for i, item, out in zip(run, items, outs):
+        for j, (i, item, out) in enumerate(zip(run, items, outs)):
             c = chunks[i]
+            if stage.has_mtp:  # the trunk states of the step's rows, for the MTP block once it is through
+                kv = c.session.state
+                if c.start == 0 or not kv.mtp_chunks:
+                    kv.mtp_chunks = [item.position]
+                kv.mtp_chunks.append(stage.last_states[j])
             if stage.sessions.keeps:  # what a kept session is matched by; nothing else reads it
                 stage.sessions.record(c.session.state, item.position, row_keys(item.token_ids, item.hidden),
                                       out if c.req.position == 0 else None, item.rows_alone)
@@ -392,7 +440,29 @@ class GgmlEngine(ShardEngine):
                 results[i] = StepResult(Status.OK)
             else:
                 results[i] = self._sampled(c, out)
+                if stage.has_mtp:
+                    results[i] = self._with_mtp(c, results[i])
         return results
+
+    def _with_mtp(self, c: Chunk, res: StepResult) -> StepResult:
+        """The tail's step result with the MTP block run over the step's kept rows (all of them, or a
+        verification step's accepted prefix: the rows up to the first draft it did not sample) and its
+        ``c.req.mtp_drafts`` drafts after the sampled token."""
+        kv, req = c.session.state, c.req
+        first, *chunks = kv.mtp_chunks
+        kv.mtp_chunks = []
+        states = np.concatenate(chunks, axis=0)
+        ids = [int(t) for t in req.token_ids]
+        kept = accepted_prefix(ids[1:], res.tokens) if req.verify else len(ids) - 1
+        last = first + len(states)  # the step's rows end here; a first step may start after reused rows
+        end = req.position + kept + 1
+        accepted = ids[first - req.position:end - req.position]
+        if not accepted or last < end:
+            return res
+        sampled = res.tokens[kept] if req.verify else res.token  # the tail's token after the kept rows
+        drafts = mtp_step(self.stage, kv, first, accepted, states[:len(accepted)], sampled.token_id,
+                          req.mtp_drafts)
+        return replace(res, drafts=drafts)
 
     @staticmethod
     def _sampled(c: Chunk, logits: np.ndarray) -> StepResult:

@@ -70,6 +70,10 @@ class StepGraph:
         self.is_head = layers.is_head()
         self.is_tail = layers.is_tail(cfg.n_layer)
         self.n_out = shape.n_out if self.is_tail else self.n_tokens
+        # a tail that runs the MTP block (its cells are layer n_layer of the pool) also returns the
+        # normed state of every row, which the block reads
+        self.keeps_state = self.is_tail and cfg.n_layer in pool.k
+        self.state_out = None
         per_layer = 48 + 16 * (len(shape.segments) + (1 if shape.n_dec else 0))
         if cfg.manifest.is_moe:
             per_layer += moe_graph_nodes(cfg.n_expert_used)
@@ -177,7 +181,7 @@ class StepGraph:
 
     def _select_out_rows(self, il: int, *xs):
         """On the model's last layer keep only the rows whose logits are wanted (llama.cpp inp_out_ids)."""
-        if il == self.cfg.n_layer - 1 and self.inp.out_ids is not None:
+        if il == self.cfg.n_layer - 1 and self.inp.out_ids is not None and not self.keeps_state:
             return tuple(ggml.ggml_get_rows(self.ctx, x, self.inp.out_ids) for x in xs)
         return xs
 
@@ -317,6 +321,12 @@ class StepGraph:
             x = layer(il, x)
         if self.is_tail:
             x = self._norm(x, T.OUTPUT_NORM)
+            if self.keeps_state:  # every row normed, then the logits rows (row by row the same values)
+                self.state_out = x
+                ggml.ggml_set_output(x)
+                ggml.ggml_build_forward_expand(self.gf, x)
+                if self.inp.out_ids is not None:
+                    x = ggml.ggml_get_rows(ctx, x, self.inp.out_ids)
             out_w = self._wt(T.OUTPUT) if self._wt(T.OUTPUT) is not None else self._wt(T.TOKEN_EMBD)
             x = ggml.ggml_mul_mat(ctx, out_w, x)                                  # [n_vocab, n_out]
         return x
@@ -390,6 +400,11 @@ class StepGraph:
             set_tensor(inp.out_ids, np.asarray(rows, dtype=np.int32))
         compute(backend, self.gf)
         return get_tensor(self.out)
+
+    def states(self) -> np.ndarray | None:
+        """After :meth:`run` on a tail that keeps them: float32 ``[n_tokens, n_embd]``, every row's state
+        after ``output_norm`` in batch order (llama.cpp's ``h_nextn``); None otherwise."""
+        return None if self.state_out is None else get_tensor(self.state_out)
 
     def free(self) -> None:
         if self.ctx:

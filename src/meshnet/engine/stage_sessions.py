@@ -30,6 +30,10 @@ class SessionKV:
     keys: list[int] = field(default_factory=list)
     hidden: list[np.ndarray] = field(default_factory=list)
     reused: int = 0
+    # on a tail with the MTP block: (position, trunk state) of the step's last kept row, which the
+    # block pairs with the next step's first token; and the states of the step's chunks so far
+    mtp_state: tuple[int, np.ndarray] | None = None
+    mtp_chunks: list[np.ndarray] = field(default_factory=list)
 
     def free(self) -> None:
         self.pool.release(self.slot)

@@ -166,6 +166,18 @@ _DEEPSEEK2 = (
     _ds(T.FFN_DOWN_SHEXP, "n_ff_shexp", "n_embd", blocks="moe"),
 )
 
+# The next-token-prediction block after the trunk (llama.cpp's ``layer.nextn`` of deepseek2): a whole
+# block of the trunk's kind plus these. Without embed_tokens / shared_head_* it reads token_embd, output
+# and output_norm.
+_NEXTN = (
+    _w(T.NEXTN_EH_PROJ, "n_embd_2", "n_embd"),
+    _w(T.NEXTN_ENORM, "n_embd"),
+    _w(T.NEXTN_HNORM, "n_embd"),
+    TensorSpec(T.NEXTN_EMBED_TOKENS, required=False, shape=("n_embd", "n_vocab")),
+    TensorSpec(T.NEXTN_SHARED_HEAD_HEAD, required=False, shape=("n_embd", "n_vocab")),
+    TensorSpec(T.NEXTN_SHARED_HEAD_NORM, required=False, shape=("n_embd",)),
+)
+
 MANIFESTS: dict[str, ArchManifest] = {m.name: m for m in (
     ArchManifest("llama", gguf.MODEL_ARCH.LLAMA, ROPE_NORM, "llama", "dense",
                  _ATTN + (_opt_b(T.ATTN_OUT, "n_embd"),) + _FFN
@@ -209,8 +221,11 @@ def check_tensors(manifest: ArchManifest, cfg, tensors: Iterable[tuple[str, tupl
     arch = manifest.name
     found = dict(tensors)
     expected: dict[str, TensorSpec] = {s.name(): s for s in manifest.global_tensors if s.applies(cfg)}
-    for il in range(cfg.n_layer):
+    n_nextn = getattr(cfg, "n_nextn", 0)  # MTP blocks after the trunk: a block each, plus their nextn tensors
+    for il in range(cfg.n_layer + n_nextn):
         expected.update({s.name(il): s for s in manifest.layer_tensors if s.applies(cfg, il)})
+    for il in range(cfg.n_layer, cfg.n_layer + n_nextn):
+        expected.update({s.name(il): s for s in _NEXTN})
     for name, spec in expected.items():
         if spec.required and name not in found:
             raise GGUFError(f"{arch} GGUF is missing tensor {name!r}")

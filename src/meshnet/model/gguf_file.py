@@ -251,23 +251,26 @@ class StageTensors:
     total_bytes: int
 
 
-def stage_tensor_names(reader: gguf.GGUFReader, layers: LayerRange, n_layer: int) -> StageTensors:
+def stage_tensor_names(reader: gguf.GGUFReader, layers: LayerRange, n_layer: int, nextn: int = 0) -> StageTensors:
     """Select the tensors for ``layers``: ``blk.{i}.*`` for each owned layer, ``token_embd`` on the
     head, and ``output_norm`` plus ``output`` on the tail (``token_embd`` instead of ``output`` when
-    the model is tied and has no ``output.weight``).
+    the model is tied and has no ``output.weight``). ``nextn`` > 0: the tail also takes the ``nextn``
+    next-token-prediction blocks after the trunk, and ``token_embd`` (which they read unless they have
+    ``nextn.embed_tokens``).
 
     Raises:
         GGUFError: a tensor type the ggml kernels do not run (names it and the supported ones).
     """
     by_name = {t.name: t for t in reader.tensors}
     wanted: list[str] = []
-    prefixes = tuple(f"blk.{i}." for i in range(layers.start, layers.end))
+    tail = layers.is_tail(n_layer)
+    prefixes = tuple(f"blk.{i}." for i in range(layers.start, layers.end + (nextn if tail else 0)))
     wanted += [n for n in by_name if n.startswith(prefixes)]
     embd = tensor_name(gguf.MODEL_TENSOR.TOKEN_EMBD)
     out = tensor_name(gguf.MODEL_TENSOR.OUTPUT)
-    if layers.is_head():
+    if layers.is_head() or (tail and nextn):
         wanted.append(embd)
-    if layers.is_tail(n_layer):
+    if tail:
         wanted.append(tensor_name(gguf.MODEL_TENSOR.OUTPUT_NORM))
         wanted.append(out if out in by_name else embd)
     names = tuple(dict.fromkeys(n for n in wanted if n in by_name))

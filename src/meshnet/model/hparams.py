@@ -182,6 +182,9 @@ class ModelConfig:
     rope_ext_factor: float = 0.0
     rope_attn_factor: float = 1.0
     n_ctx_orig_yarn: int = 0
+    # next-token-prediction (MTP) blocks stored after the trunk: ``blk.{n_layer}`` ..; ``block_count``
+    # counts them, ``n_layer`` does not (llama.cpp's ``n_layer_all`` and ``n_layer()``)
+    n_nextn: int = 0
 
     @property
     def manifest(self) -> ArchManifest:
@@ -234,6 +237,11 @@ class ModelConfig:
     @property
     def n_ff_shexp(self) -> int:
         return self.n_ff_exp * self.n_expert_shared
+
+    @property
+    def n_embd_2(self) -> int:
+        """Width of the MTP block's input before ``nextn.eh_proj``: token embedding and trunk state."""
+        return 2 * self.n_embd
 
     @property
     def n_embd_k_cache(self) -> int:
@@ -337,9 +345,15 @@ class ModelConfig:
             raise GGUFError(f"{arch} GGUF has expert_gating_func {gating}; supported: {GATING_SOFTMAX} (softmax), "
                             f"{GATING_SIGMOID} (sigmoid)")
         norm_w = bool(opt(gguf.Keys.LLM.EXPERT_WEIGHTS_NORM, False)) if mla else manifest.moe_norm_weights
+        n_nextn = int(opt(gguf.Keys.LLM.NEXTN_PREDICT_LAYERS, 0))
+        if n_nextn and not (mla and n_nextn == 1):
+            # llama.cpp's graph_mtp runs one MTP block, of deepseek2 (GLM-4.5 / DeepSeek-V3) files only
+            raise GGUFError(f"{arch} GGUF has nextn_predict_layers {n_nextn}; this engine runs 1 "
+                            f"next-token-prediction block, in deepseek2 files only")
         cfg = cls(
             architecture=arch,
-            n_layer=int(req(gguf.Keys.LLM.BLOCK_COUNT)),
+            n_layer=int(req(gguf.Keys.LLM.BLOCK_COUNT)) - n_nextn,
+            n_nextn=n_nextn,
             n_embd=n_embd,
             n_head=n_head,
             n_head_kv=n_head_kv,

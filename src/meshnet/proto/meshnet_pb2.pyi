@@ -61,7 +61,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., n_top_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("major", "minor", "session_id", "epoch", "position", "step_id", "decode", "token_ids", "sampling", "dtype", "shape", "byte_order", "crc32", "total_bytes", "chunk_index", "n_chunks", "payload", "reserve_tokens", "next_hops", "failure", "verify", "rollback")
+    __slots__ = ("major", "minor", "session_id", "epoch", "position", "step_id", "decode", "token_ids", "sampling", "dtype", "shape", "byte_order", "crc32", "total_bytes", "chunk_index", "n_chunks", "payload", "reserve_tokens", "next_hops", "failure", "verify", "rollback", "mtp_drafts")
     MAJOR_FIELD_NUMBER: _ClassVar[int]
     MINOR_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class Envelope(_message.Message):
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    MTP_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     major: int
     minor: int
     session_id: str
@@ -106,7 +107,8 @@ class Envelope(_message.Message):
     failure: HopFailure
     verify: bool
     rollback: bool
-    def __init__(self, major: _Optional[int] = ..., minor: _Optional[int] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., position: _Optional[int] = ..., step_id: _Optional[int] = ..., decode: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., byte_order: _Optional[str] = ..., crc32: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_index: _Optional[int] = ..., n_chunks: _Optional[int] = ..., payload: _Optional[bytes] = ..., reserve_tokens: _Optional[int] = ..., next_hops: _Optional[_Iterable[_Union[ForwardHop, _Mapping]]] = ..., failure: _Optional[_Union[HopFailure, _Mapping]] = ..., verify: _Optional[bool] = ..., rollback: _Optional[bool] = ...) -> None: ...
+    mtp_drafts: int
+    def __init__(self, major: _Optional[int] = ..., minor: _Optional[int] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., position: _Optional[int] = ..., step_id: _Optional[int] = ..., decode: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., byte_order: _Optional[str] = ..., crc32: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_index: _Optional[int] = ..., n_chunks: _Optional[int] = ..., payload: _Optional[bytes] = ..., reserve_tokens: _Optional[int] = ..., next_hops: _Optional[_Iterable[_Union[ForwardHop, _Mapping]]] = ..., failure: _Optional[_Union[HopFailure, _Mapping]] = ..., verify: _Optional[bool] = ..., rollback: _Optional[bool] = ..., mtp_drafts: _Optional[int] = ...) -> None: ...
 
 class ForwardHop(_message.Message):
     __slots__ = ("node_id", "data_address")
@@ -147,7 +149,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("n_past", "has_token", "token_id", "logprob", "top", "hidden", "failure", "tokens")
+    __slots__ = ("n_past", "has_token", "token_id", "logprob", "top", "hidden", "failure", "tokens", "drafts")
     N_PAST_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +158,7 @@ class StepReply(_message.Message):
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
     n_past: int
     has_token: bool
     token_id: int
@@ -164,7 +167,8 @@ class StepReply(_message.Message):
     hidden: Envelope
     failure: HopFailure
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
-    def __init__(self, n_past: _Optional[int] = ..., has_token: _Optional[bool] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., hidden: _Optional[_Union[Envelope, _Mapping]] = ..., failure: _Optional[_Union[HopFailure, _Mapping]] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ...) -> None: ...
+    drafts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, n_past: _Optional[int] = ..., has_token: _Optional[bool] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., hidden: _Optional[_Union[Envelope, _Mapping]] = ..., failure: _Optional[_Union[HopFailure, _Mapping]] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., drafts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("token_id", "logprob", "top")

@@ -112,7 +112,7 @@ def request_to_frames(req: StepRequest, decode: bool, max_frame: int = MAX_FRAME
     header = pb.Envelope(session_id=req.session_id, epoch=req.epoch, position=req.position, step_id=req.step_id,
                          decode=decode, token_ids=list(req.token_ids), sampling=sampling_to_pb(req.sampling),
                          reserve_tokens=req.reserve_tokens, verify=req.verify, rollback=req.rollback,
-                         next_hops=list(next_hops))
+                         mtp_drafts=req.mtp_drafts, next_hops=list(next_hops))
     return tensor_frames(header, req.hidden, max_frame)
 
 
@@ -184,7 +184,8 @@ def frames_to_request(frames: Iterable[pb.Envelope]) -> tuple[StepRequest, bool]
     req = StepRequest(session_id=h.session_id, epoch=int(h.epoch), position=int(h.position),
                       token_ids=tuple(int(t) for t in h.token_ids), hidden=hidden,
                       sampling=sampling_from_pb(h.sampling), step_id=int(h.step_id),
-                      reserve_tokens=int(h.reserve_tokens), verify=bool(h.verify), rollback=bool(h.rollback))
+                      reserve_tokens=int(h.reserve_tokens), verify=bool(h.verify), rollback=bool(h.rollback),
+                      mtp_drafts=int(h.mtp_drafts))
     return req, bool(h.decode)
 
 
@@ -203,7 +204,8 @@ def result_to_replies(req: StepRequest, res: StepResult, max_frame: int = MAX_FR
         t = res.token
         return [pb.StepReply(n_past=res.n_past, has_token=True, token_id=t.token_id, logprob=t.logprob,
                              top=_top_to_pb(t), tokens=[pb.SampledToken(token_id=x.token_id, logprob=x.logprob,
-                                                                         top=_top_to_pb(x)) for x in res.tokens])]
+                                                                         top=_top_to_pb(x)) for x in res.tokens],
+                             drafts=list(res.drafts))]
     header = pb.Envelope(session_id=req.session_id, epoch=req.epoch, position=req.position, step_id=req.step_id)
     return [pb.StepReply(n_past=res.n_past, hidden=f) for f in tensor_frames(header, res.hidden, max_frame)]
 
@@ -214,7 +216,8 @@ def replies_to_result(replies: Iterable[pb.StepReply]) -> StepResult:
     first = next(it)
     if first.has_token:
         return StepResult(Status.OK, token=_token_from_pb(first), n_past=int(first.n_past),
-                          tokens=tuple(_token_from_pb(t) for t in first.tokens))
+                          tokens=tuple(_token_from_pb(t) for t in first.tokens),
+                          drafts=tuple(int(d) for d in first.drafts))
 
     def frames() -> Iterator[pb.Envelope]:
         yield first.hidden
