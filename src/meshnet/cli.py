@@ -171,12 +171,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     if args.tracker:
         from meshnet.client.mesh_client import MeshClient
-        from meshnet.model.gguf_file import model_sha256
+        from meshnet.model.manifest import model_id
         from meshnet.up import wait_for_route
 
         if args.wait:
             wait_for_route(args.tracker, args.wait, args.join_token, progress=sys.stderr.isatty())
-        chain = MeshClient(args.tracker, model_sha256=model_sha256(path), join_token=args.join_token,
+        chain = MeshClient(args.tracker, model_sha256=model_id(path), join_token=args.join_token,
                            tls_ca=args.tls_ca, forwarding=not args.client_orchestrated)
         _, hops, n_ctx = chain.route_with_context()
         ranges = [f"{h.node_id}@{h.address}" for h in hops]
