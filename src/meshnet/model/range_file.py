@@ -122,3 +122,14 @@ def range_file_name(manifest: ModelManifest, start: int, end: int) -> str:
     """``<name>-<id12>-L<start>-<end>.gguf``: one file per model and range in a models directory."""
     stem = "".join(c if c.isalnum() or c in "-_." else "_" for c in manifest.name)[:48] or "model"
     return f"{stem}-{manifest.id[:12]}-L{start}-{end}.gguf"
+
+
+def write_metadata_file(manifest: ModelManifest, path: str | os.PathLike) -> Path:
+    """A range-only file holding no tensors: the model's metadata (tokenizer, chat template, hyper-
+    parameters) and tensor list, for a client that tokenizes without the weights. Written atomically."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + f".{os.getpid()}.tmp")
+    tmp.write_bytes(layout(manifest, ()).header)
+    os.replace(tmp, p)
+    return p
