@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from concurrent import futures
 
 import grpc
@@ -22,6 +23,7 @@ from meshnet.node.fetch import FetchError, fetch_range
 from meshnet.node.tensor_source import TensorSource
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from mesh_util import Mesh, run_generate
 
 MIDDLE = LayerRange(10, 20)
@@ -162,5 +164,49 @@ def test_a_node_fetching_the_middle_third_generates_what_whole_file_nodes_do(smo
         assert json.loads(fetched_run.stdout.splitlines()[-1])["generated_token_ids"] == ids
         proc.kill()
         proc.wait(timeout=10)
+    finally:
+        mesh.close()
+
+
+def test_the_tracker_keeps_a_manifest_only_under_its_own_id(smollm2_path):
+    mesh = Mesh()
+    try:
+        t = mesh.tracker_stub()
+        m = model_manifest(smollm2_path)
+        with pytest.raises(grpc.RpcError) as e:
+            t.GetManifest(pb.ManifestRequest(model=m.id), timeout=5)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as e:
+            t.PublishManifest(pb.ModelManifest(model_id="0" * 64, manifest=m.compressed()), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not the model id" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            t.PublishManifest(pb.ModelManifest(model_id=m.id, manifest=b"not zlib"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        t.PublishManifest(pb.ModelManifest(model_id=m.id, manifest=m.compressed()), timeout=5)
+        by_name = t.GetManifest(pb.ManifestRequest(model=m.name.upper()), timeout=5)
+        assert by_name.model_id == m.id and by_name.manifest == m.compressed()
+        assert t.GetManifest(pb.ManifestRequest(), timeout=5).model_id == m.id  # the only one
+    finally:
+        mesh.close()
+
+
+def test_a_node_fetching_from_a_corrupting_peer_exits_naming_the_tensor_and_never_registers(
+        smollm2_path, tmp_path, peer):
+    mesh = Mesh(heartbeat_s=30)  # the peer registered by hand sends no heartbeats
+    try:
+        m = model_manifest(smollm2_path)
+        t = mesh.tracker_stub()
+        t.PublishManifest(pb.ModelManifest(model_id=m.id, manifest=m.compressed()), timeout=5)
+        _, address = peer(_Peer(smollm2_path, corrupt="blk.15.attn_q.weight"))
+        t.Register(pb.NodeInfo(node_id="liar", address=address, layers=pb.LayerRange(start=0, end=30),
+                               model=pb.ModelIdentity(sha256=m.id, architecture="llama", n_layer=30),
+                               protocol_major=PROTOCOL_MAJOR, protocol_minor=PROTOCOL_MINOR), timeout=5)
+        proc = mesh.spawn_node("10:20", "f", "missing.gguf", "--fetch", m.id, "--models-dir", str(tmp_path),
+                               stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2
+        assert "tensor 'blk.15.attn_q.weight' whose bytes hash to" in err and "MESHNET_NODE_READY" not in out
+        assert mesh.registered() == {"liar"}
+        assert not list(tmp_path.glob("*.gguf"))
     finally:
         mesh.close()
