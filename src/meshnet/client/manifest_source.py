@@ -20,13 +20,21 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.security import open_channel
 
-DEFAULT_CACHE = Path(os.path.expanduser("~")) / ".cache" / "meshnet" / "models"
+
+
+def models_dir() -> Path:
+    """``<cache>/models`` (the cache as :func:`meshnet.backends.lanes.cache_dir`): where metadata files and
+    fetched range-only files go by default."""
+    from meshnet.backends.lanes import cache_dir
+
+    return cache_dir() / "models"
 
 
 def metadata_gguf(tracker: str, model: str, join_token: str | None = None, tls_ca: str | None = None,
-                  cache_dir: str | os.PathLike = DEFAULT_CACHE) -> tuple[Path, str]:
+                  cache_dir: str | os.PathLike | None = None) -> tuple[Path, str]:
     """``(path of a tensor-less GGUF of the model's metadata, model id)`` for ``model`` (an id or a
-    ``general.name``; empty: the tracker's only model), written once per id into ``cache_dir``.
+    ``general.name``; empty: the tracker's only model), written once per id into ``cache_dir``
+    (default :func:`models_dir`).
 
     Raises:
         ValueError: the tracker knows no such model (or several by that name), or its manifest does
@@ -40,7 +48,7 @@ def metadata_gguf(tracker: str, model: str, join_token: str | None = None, tls_c
         raise ValueError(f"tracker {tracker}: {e.details() or e.code().name}") from None
     except GGUFError as e:
         raise ValueError(f"tracker {tracker}: the manifest of {model!r} does not verify: {e}") from None
-    path = Path(cache_dir) / f"{manifest.id}.meta.gguf"
+    path = Path(cache_dir or models_dir()) / f"{manifest.id}.meta.gguf"
     if not path.is_file():
         write_metadata_file(manifest, path)
     return path, manifest.id

@@ -221,8 +221,9 @@ def add_node_parser(sub) -> None:
     p.add_argument("--fetch", default=None, metavar="MODEL",
                    help="no model file here: fetch only the tensors of --layers (a model id or general.name the "
                         "tracker knows) from nodes serving it into a range-only GGUF in --models-dir, then serve it")
-    p.add_argument("--models-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "meshnet", "models"),
-                   help="where --fetch writes (and resumes) range-only files; default %(default)s")
+    p.add_argument("--models-dir", default=None,
+                   help="where --fetch writes (and resumes) range-only files; default $MESHNET_CACHE_DIR/models "
+                        "(~/.cache/meshnet/models)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = any free port")
     p.add_argument("--advertise", default=None, help="address others dial (default HOST:PORT)")
@@ -279,12 +280,13 @@ def add_node_parser(sub) -> None:
 def _fetch_layers(args: argparse.Namespace) -> str:
     """``--fetch``: the path of the range-only file for ``--layers``, fetched (or resumed) first.
     Raises ValueError (FetchError) naming what is missing or which tensor did not verify."""
+    from meshnet.client.manifest_source import models_dir
     from meshnet.node.fetch import fetch_from_tracker
 
     if not args.tracker or not args.layers:
         raise ValueError("--fetch needs --tracker (which knows the model) and --layers (what to fetch)")
     tracker = pb_grpc.TrackerStub(open_channel(args.tracker, args.join_token, args.tls_ca))
-    result = fetch_from_tracker(tracker, args.fetch, LayerRange.parse(args.layers), args.models_dir,
+    result = fetch_from_tracker(tracker, args.fetch, LayerRange.parse(args.layers), args.models_dir or models_dir(),
                                 lambda address: open_channel(address, args.join_token, args.tls_ca))
     log.info("layers %s of model %s: %s (%d of %d tensor bytes fetched now)", args.layers, result.model_id,
              result.path, result.bytes_moved, result.range_bytes)
