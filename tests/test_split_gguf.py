@@ -7,7 +7,6 @@ from gguf-py's splitting writer, which a test checks writes the same layout as t
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,7 +20,8 @@ import pytest
 from gguf_rewrite import rewrite_gguf
 from meshnet.bench.llama_server import find_tool
 from meshnet.contract import LayerRange
-from meshnet.model.gguf_file import model_files, model_sha256, open_gguf, stage_tensor_names
+from meshnet.model.gguf_file import model_files, open_gguf, stage_tensor_names
+from meshnet.model.manifest import model_id
 from meshnet.model.gguf_split import SPLIT_COUNT, SPLIT_NO, SPLIT_TENSORS_COUNT, shard_groups, split_path
 
 SPLIT_TOOL = find_tool("llama-gguf-split")
@@ -106,14 +106,9 @@ def test_split_set_generates_what_the_single_file_does(split_dir, smollm2_path):
 
 
 def test_identity_is_the_same_whichever_shard_is_named(split_dir, smollm2_path):
-    ids = {model_sha256(shard(split_dir, i)) for i in range(N_SHARDS)}
-    assert len(ids) == 1
-    h = hashlib.sha256()
-    for i in range(N_SHARDS):
-        h.update(shard(split_dir, i).read_bytes())
-    assert ids == {h.hexdigest()}  # sha256 over the shards' bytes in order
+    ids = {model_id(shard(split_dir, i)) for i in range(N_SHARDS)}
+    assert ids == {model_id(smollm2_path)}  # the manifest's id: the single file's too
     assert model_files(shard(split_dir, 2)) == tuple(shard(split_dir, i) for i in range(N_SHARDS))
-    assert model_sha256(smollm2_path) == hashlib.sha256(smollm2_path.read_bytes()).hexdigest()
 
 
 @pytest.mark.parametrize("use_mmap", [True, False])

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="after the text, print one JSON object with token ids, text and timings")
     gen.add_argument("--tracker", default=None,
                      help="HOST:PORT of a running mesh's tracker (default: run the stages in this process)")
+    gen.add_argument("--model-id", default=None, metavar="ID_OR_NAME",
+                     help="with --tracker, instead of a local --model: the model's id or general.name; the "
+                          "tokenizer and chat template come from the tracker's manifest")
     gen.add_argument("--wait", type=float, default=0.0,
                      help="with --tracker: seconds to wait for a complete route before giving up")
     gen.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
@@ -157,7 +160,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    path = str(resolve_model(args.model))
+    model_id = None
+    if args.model_id is not None:
+        if not args.tracker:
+            print("error: --model-id needs --tracker (the tracker holds the model's manifest)", file=sys.stderr)
+            return 2
+        from meshnet.client.manifest_source import metadata_gguf
+
+        path, model_id = metadata_gguf(args.tracker, args.model_id, args.join_token, args.tls_ca)
+        path = str(path)
+    else:
+        path = str(resolve_model(args.model))
     speculation = speculation_from_args(args, path)  # ValueError: exit status 2
     ranges = plan_ranges(path, args.stages, args.layers)
     tok = GGUFTokenizer.from_gguf(path)
@@ -171,12 +184,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     if args.tracker:
         from meshnet.client.mesh_client import MeshClient
-        from meshnet.model.gguf_file import model_sha256
+        from meshnet.model.manifest import model_manifest
         from meshnet.up import wait_for_route
 
         if args.wait:
             wait_for_route(args.tracker, args.wait, args.join_token, progress=sys.stderr.isatty())
-        chain = MeshClient(args.tracker, model_sha256=model_sha256(path), join_token=args.join_token,
+        chain = MeshClient(args.tracker, model_sha256=model_id or model_manifest(path).id, join_token=args.join_token,
                            tls_ca=args.tls_ca, forwarding=not args.client_orchestrated)
         _, hops, n_ctx = chain.route_with_context()
         ranges = [f"{h.node_id}@{h.address}" for h in hops]
@@ -188,7 +201,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: the prompt has {len(prompt_ids)} tokens but the context holds {n_ctx}; "
               "shorten it or raise --n-ctx", file=sys.stderr)
         return 2
-    print(f"[meshnet] {args.model}: {len(ranges)} stage(s) {', '.join(str(r) for r in ranges)}, "
+    print(f"[meshnet] {args.model_id or args.model}: {len(ranges)} stage(s) {', '.join(str(r) for r in ranges)}, "
           f"{len(prompt_ids)} prompt tokens", file=sys.stderr)
     gen = Generation(chain, tok, prompt_ids, min(args.max_tokens, n_ctx - len(prompt_ids)), sampling,
                      stop_at_eog=not args.ignore_eos, speculation=speculation)

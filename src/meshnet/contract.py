@@ -87,7 +87,8 @@ def split_layers(n_layer: int, n_stages: int) -> list[LayerRange]:
 
 @dataclass(frozen=True)
 class ArtifactId:
-    """Exact identity of what a stage serves: the GGUF file's sha256 (hex) and its layer range."""
+    """Exact identity of what a stage serves: the model id (hex sha256 of its manifest, see
+    :mod:`meshnet.model.manifest`) and its layer range."""
 
     sha256: str
     layers: LayerRange
@@ -326,7 +327,7 @@ class LoadSpec:
 
     Attributes:
         path: the GGUF file.
-        artifact: expected sha256 and layer range; ``sha256=""`` accepts whatever the file hashes to.
+        artifact: expected sha256 and layer range; ``sha256=""`` accepts whatever model the file holds.
         n_threads: CPU threads for compute.
         n_ctx: context length in tokens per session (0 = the model's trained length, capped at 4096).
         n_ubatch: prefill micro-batch size in tokens.

@@ -15,14 +15,15 @@ from typing import Sequence
 import gguf
 
 from meshnet.contract import LayerRange
-from meshnet.model.gguf_file import tensor_name
+from meshnet.model.gguf_file import model_tensors, tensor_name
 
 
 def layer_costs(reader: gguf.GGUFReader, n_layer: int) -> tuple[list[int], int]:
     """Weight elements per layer ``[n_layer]`` and the tail's extra (output norm and projection)."""
     costs = [0] * n_layer
-    by_name = {t.name: t for t in reader.tensors}
-    for t in reader.tensors:
+    tensors = model_tensors(reader)  # the whole model's, also for a range-only file
+    by_name = {t.name: t for t in tensors}
+    for t in tensors:
         if t.name.startswith("blk."):
             il = int(t.name.split(".")[1])
             if 0 <= il < n_layer:

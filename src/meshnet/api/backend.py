@@ -164,19 +164,20 @@ def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = 
     ``forwarding``: node-to-node steps where the route allows (see :class:`MeshClient`).
 
     The GGUF must be readable here too: the API tokenizes and renders chat templates itself, and routes
-    only to nodes serving a file with the same sha256.
+    only to nodes serving the same model id (:func:`meshnet.model.manifest.model_id`).
 
     Raises:
         ModelNotFound: unknown model name or missing package.
     """
     from meshnet.client.mesh_client import MeshClient, context_length
     from meshnet.model.bundled import resolve_model
-    from meshnet.model.gguf_file import model_sha256, open_gguf
+    from meshnet.model.gguf_file import open_gguf
+    from meshnet.model.manifest import model_id
     from meshnet.model.hparams import ModelConfig
 
     path = str(resolve_model(model))
     tok = GGUFTokenizer.from_gguf(path)
-    client = MeshClient(tracker, model_sha256=model_sha256(path), join_token=join_token, tls_ca=tls_ca,
+    client = MeshClient(tracker, model_sha256=model_id(path), join_token=join_token, tls_ca=tls_ca,
                         step_timeout_s=step_timeout_s, forwarding=forwarding)
     # Until a route has been seen, assume the engines' default context (the model's, capped at 4096).
     from meshnet.engine.ggml_engine import DEFAULT_MAX_CTX

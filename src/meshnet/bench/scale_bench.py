@@ -227,7 +227,7 @@ def run_scale_bench(args: argparse.Namespace) -> int:
     from meshnet.bench.greedy_parity import compare_greedy, llama_cpp_greedy
     from meshnet.bench.llama_bench import llama_bench_reference
     from meshnet.model.bundled import resolve_model
-    from meshnet.model.gguf_file import model_sha256, open_gguf
+    from meshnet.model.gguf_file import open_gguf, sha256_file
     from meshnet.model.hparams import ModelConfig
 
     if min(args.stages, args.repeats, args.decode_tokens, args.prompt_tokens, args.parity_tokens) < 1:
@@ -244,7 +244,7 @@ def run_scale_bench(args: argparse.Namespace) -> int:
     prompt_ids = bench_prompt_ids(model, args.prompt_tokens)
     n_ctx = 512 if len(prompt_ids) + max(args.decode_tokens, args.parity_tokens) + 1 <= 512 else 0
     result: dict = {
-        "benchmark": "scale", "path": model, "sha256": model_sha256(model), "bytes": os.path.getsize(model),
+        "benchmark": "scale", "path": model, "sha256": sha256_file(model), "bytes": os.path.getsize(model),
         "architecture": cfg.architecture, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
         "stages": args.stages, "threads": args.threads, "prompt_tokens": len(prompt_ids),
         "decode_tokens": args.decode_tokens, "parity_tokens": args.parity_tokens, "repeats": args.repeats,

@@ -36,7 +36,8 @@ from meshnet.engine.kv_pool import KVPool, PoolFull
 from meshnet.engine.prefix_cache import PrefixCache, row_keys
 from meshnet.engine.stage_sessions import SessionKV, StageSessions
 from meshnet.layer_split import layer_costs, pipeline_depth
-from meshnet.model.gguf_file import GGUFError, drop_pages, model_sha256, open_gguf, stage_tensor_names
+from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, stage_tensor_names
+from meshnet.model.manifest import model_id
 from meshnet.model.hparams import ModelConfig
 from meshnet.sampling import sample
 
@@ -309,12 +310,12 @@ class GgmlEngine(ShardEngine):
         if problem is not None:
             raise EngineError(Status.INVALID_ARGUMENT, problem)
         try:
-            sha = model_sha256(spec.path)
+            sha = model_id(spec.path)  # a range-only file's held tensors are verified here
         except (GGUFError, FileNotFoundError) as e:
             raise EngineError(Status.INVALID_ARGUMENT, str(e)) from None
         if spec.artifact.sha256 and spec.artifact.sha256 != sha:
             raise EngineError(Status.INVALID_ARGUMENT,
-                              f"{spec.path} has sha256 {sha}, expected {spec.artifact.sha256}")
+                              f"{spec.path} holds model {sha}, expected {spec.artifact.sha256}")
         try:
             stage = GgmlStage(spec.path, spec.artifact.layers, spec.n_threads, spec.n_ctx, spec.n_ubatch,
                               # slots for kept sessions too: a full stage still keeps its prefixes

@@ -199,29 +199,25 @@ def drop_pages(reader) -> None:
             mm.madvise(mmap.MADV_DONTNEED)
 
 
-_HASH_CACHE: dict[tuple[tuple[str, int, int], ...], str] = {}
-
-
 def _stat_key(path: str | os.PathLike) -> tuple[str, int, int]:
     st = os.stat(path)
     return os.path.realpath(path), st.st_size, st.st_mtime_ns
 
 
-def _sha256_files(paths) -> str:
-    key = tuple(_stat_key(p) for p in paths)
-    if key not in _HASH_CACHE:
-        h = hashlib.sha256()
-        for path in paths:
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
-        _HASH_CACHE[key] = h.hexdigest()
-    return _HASH_CACHE[key]
+_HASH_CACHE: dict[tuple[str, int, int], str] = {}
 
 
 def sha256_file(path: str | os.PathLike) -> str:
-    """Hex sha256 of the file's bytes; cached per (path, size, mtime) within the process."""
-    return _sha256_files((path,))
+    """Hex sha256 of the file's bytes (what benchmark records name a file by; a model's identity is
+    :func:`meshnet.model.manifest.model_id`); cached per (path, size, mtime) within the process."""
+    key = _stat_key(path)
+    if key not in _HASH_CACHE:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        _HASH_CACHE[key] = h.hexdigest()
+    return _HASH_CACHE[key]
 
 
 def model_files(path: str | os.PathLike) -> tuple[Path, ...]:
@@ -230,11 +226,14 @@ def model_files(path: str | os.PathLike) -> tuple[Path, ...]:
     return tuple(getattr(open_gguf(path), "paths", (Path(path),)))
 
 
-def model_sha256(path: str | os.PathLike) -> str:
-    """The model's identity (hex): sha256 over the bytes of its files in order (:func:`model_files`), so
-    a single file's is its own sha256, and a split set's is the same whichever shard ``path`` names.
-    Computed once per process for the same files (path, size, mtime). Raises as :func:`open_gguf`."""
-    return _sha256_files(model_files(path))
+def model_tensors(reader) -> tuple:
+    """The model's whole tensor list (each with ``name``, ``tensor_type``, ``shape`` ne0-first and
+    ``n_bytes``): the reader's tensors, or for a range-only file the list it carries (it holds only
+    some of them; see :mod:`meshnet.model.manifest`). Raises GGUFError when that list is malformed."""
+    from meshnet.model.manifest import listed_tensors
+
+    listed = listed_tensors(reader)
+    return tuple(reader.tensors) if listed is None else listed
 
 
 def tensor_name(kind: gguf.MODEL_TENSOR, layer: int | None = None, suffix: str = "weight") -> str:
@@ -251,29 +250,42 @@ class StageTensors:
     total_bytes: int
 
 
-def stage_tensor_names(reader: gguf.GGUFReader, layers: LayerRange, n_layer: int, nextn: int = 0) -> StageTensors:
-    """Select the tensors for ``layers``: ``blk.{i}.*`` for each owned layer, ``token_embd`` on the
-    head, and ``output_norm`` plus ``output`` on the tail (``token_embd`` instead of ``output`` when
-    the model is tied and has no ``output.weight``). ``nextn`` > 0: the tail also takes the ``nextn``
-    next-token-prediction blocks after the trunk, and ``token_embd`` (which they read unless they have
-    ``nextn.embed_tokens``).
-
-    Raises:
-        GGUFError: a tensor type the ggml kernels do not run (names it and the supported ones).
-    """
-    by_name = {t.name: t for t in reader.tensors}
-    wanted: list[str] = []
+def range_tensor_names(tensors, layers: LayerRange, n_layer: int, nextn: int = 0) -> tuple[str, ...]:
+    """The names, among ``tensors`` (anything with ``.name``), that ``layers`` reads: ``blk.{i}.*`` for
+    each owned layer, ``token_embd`` on the head, and ``output_norm`` plus ``output`` on the tail
+    (``token_embd`` instead of ``output`` when the model is tied and has no ``output.weight``).
+    ``nextn`` > 0: the tail also takes the ``nextn`` next-token-prediction blocks after the trunk, and
+    ``token_embd`` (which they read unless they have ``nextn.embed_tokens``)."""
+    present = [t.name for t in tensors]
+    names = set(present)
     tail = layers.is_tail(n_layer)
     prefixes = tuple(f"blk.{i}." for i in range(layers.start, layers.end + (nextn if tail else 0)))
-    wanted += [n for n in by_name if n.startswith(prefixes)]
+    wanted = [n for n in present if n.startswith(prefixes)]
     embd = tensor_name(gguf.MODEL_TENSOR.TOKEN_EMBD)
     out = tensor_name(gguf.MODEL_TENSOR.OUTPUT)
     if layers.is_head() or (tail and nextn):
         wanted.append(embd)
     if tail:
         wanted.append(tensor_name(gguf.MODEL_TENSOR.OUTPUT_NORM))
-        wanted.append(out if out in by_name else embd)
-    names = tuple(dict.fromkeys(n for n in wanted if n in by_name))
+        wanted.append(out if out in names else embd)
+    return tuple(dict.fromkeys(n for n in wanted if n in names))
+
+
+def stage_tensor_names(reader: gguf.GGUFReader, layers: LayerRange, n_layer: int, nextn: int = 0) -> StageTensors:
+    """Select the tensors for ``layers`` (:func:`range_tensor_names`); for a range-only file from the
+    model's whole tensor list (:func:`model_tensors`).
+
+    Raises:
+        GGUFError: a tensor type the ggml kernels do not run (names it and the supported ones), or a
+            range-only file that lacks one of the selected tensors (names it).
+    """
+    by_name = {t.name: t for t in model_tensors(reader)}
+    names = range_tensor_names(by_name.values(), layers, n_layer, nextn)
+    held = {t.name for t in reader.tensors}
+    absent = [n for n in names if n not in held]
+    if absent:
+        raise GGUFError(f"this range-only GGUF lacks tensor {absent[0]!r}, which layers {layers} need"
+                        + (f" (and {len(absent) - 1} more)" if len(absent) > 1 else ""))
     for n in names:
         t = by_name[n]
         if t.tensor_type not in SUPPORTED_TENSOR_TYPES:

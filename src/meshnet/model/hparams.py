@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 
 from meshnet.model.arch_manifest import ArchManifest, check_tensors, manifest_for
-from meshnet.model.gguf_file import GGUFError, array_length, tensor_name
+from meshnet.model.gguf_file import GGUFError, array_length, model_tensors, tensor_name
 
 # llama.cpp hard-codes Gemma 3's sliding-window layer pattern (5 local : 1 global) and local RoPE base.
 GEMMA3_SWA_PATTERN = 6
@@ -288,10 +288,11 @@ class ModelConfig:
         if head_dim < 1:
             raise GGUFError(f"{arch} GGUF has attention.key_length {head_dim}: must be >= 1")
         n_vocab = int(opt(gguf.Keys.LLM.VOCAB_SIZE, array_length(reader, gguf.Keys.Tokenizer.LIST) or 0))
-        names = {t.name for t in reader.tensors}
+        tensors = model_tensors(reader)  # a range-only file: the whole model's list it carries
+        names = {t.name for t in tensors}
         tied = tensor_name(gguf.MODEL_TENSOR.OUTPUT) not in names
         if n_vocab == 0:
-            embd = next((t for t in reader.tensors if t.name == tensor_name(gguf.MODEL_TENSOR.TOKEN_EMBD)), None)
+            embd = next((t for t in tensors if t.name == tensor_name(gguf.MODEL_TENSOR.TOKEN_EMBD)), None)
             n_vocab = int(embd.shape[1]) if embd is not None else 0  # no token_embd: check_tensors names it
         scaling_factor = float(opt(gguf.Keys.Rope.SCALING_FACTOR, 0.0) or 0.0)
         scaling_type = str(opt(gguf.Keys.Rope.SCALING_TYPE, "linear"))
@@ -394,9 +395,9 @@ class ModelConfig:
             n_ctx_orig_yarn=int(opt(gguf.Keys.Rope.SCALING_ORIG_CTX_LEN, 0)),
         )
         _check_ranges(cfg)
-        for t in reader.tensors:
+        for t in tensors:
             # ggml multiplies F32 activations by norm weights only in F32 (binary ops abort otherwise)
             if t.name.endswith("norm.weight") and int(t.tensor_type) != int(gguf.GGMLQuantizationType.F32):
                 raise GGUFError(f"{arch} GGUF tensor {t.name!r} is {t.tensor_type.name}, expected F32")
-        check_tensors(manifest, cfg, ((t.name, tuple(int(d) for d in t.shape)) for t in reader.tensors))
+        check_tensors(manifest, cfg, ((t.name, tuple(int(d) for d in t.shape)) for t in tensors))
         return cfg

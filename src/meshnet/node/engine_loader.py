@@ -31,8 +31,10 @@ def pin_to_cpu(cpu: int) -> None:
     os.sched_setaffinity(0, {cpu})
 
 
-def build_engine(cfg: NodeConfig) -> tuple[ShardEngine, pb.ModelIdentity]:
-    """Load the engine for ``cfg``. Raises ValueError with the engine's message on a bad model/range."""
+def build_engine(cfg: NodeConfig) -> tuple[ShardEngine, pb.ModelIdentity, bytes]:
+    """Load the engine for ``cfg``: the engine, the model identity it registers, and the model's
+    compressed manifest (:meth:`meshnet.model.manifest.ModelManifest.compressed`; empty for the fake).
+    Raises ValueError with the engine's message on a bad model/range."""
     if cfg.engine == "fake":
         from meshnet.engine.fake import FakeEngine, FakeModel
 
@@ -42,16 +44,18 @@ def build_engine(cfg: NodeConfig) -> tuple[ShardEngine, pb.ModelIdentity]:
         out = eng.load(LoadSpec(path="", artifact=ArtifactId(model.sha256, layers), max_sessions=cfg.max_sessions))
         if not out.ok:
             raise ValueError(out.message)
-        return eng, pb.ModelIdentity(sha256=model.sha256, architecture="fake", n_layer=model.n_layer)
+        return eng, pb.ModelIdentity(sha256=model.sha256, architecture="fake", n_layer=model.n_layer), b""
     from meshnet.engine.ggml_engine import GgmlEngine
     from meshnet.model.bundled import resolve_model
-    from meshnet.model.gguf_file import model_sha256, open_gguf
+    from meshnet.model.gguf_file import open_gguf
+    from meshnet.model.manifest import model_manifest
     from meshnet.model.hparams import ModelConfig
 
     path = str(resolve_model(cfg.model))
     mcfg = ModelConfig.from_reader(open_gguf(path))
     layers = cfg.layers or split_layers(mcfg.n_layer, max(1, cfg.stages_hint))[cfg.stage_index]
-    sha = model_sha256(path)
+    manifest = model_manifest(path)  # hashes every tensor once; the engine's load finds it cached
+    sha = manifest.id
     if cfg.backend != "cpu":
         from meshnet.backends.lanes import require_certified
         from meshnet.backends.placement import AcceleratorEngine
@@ -66,7 +70,8 @@ def build_engine(cfg: NodeConfig) -> tuple[ShardEngine, pb.ModelIdentity]:
                             prefix_cache=cfg.prefix_cache, decode_groups=cfg.decode_groups))
     if not out.ok:
         raise ValueError(out.message)
-    return eng, pb.ModelIdentity(sha256=sha, architecture=mcfg.architecture, n_layer=mcfg.n_layer)
+    return eng, pb.ModelIdentity(sha256=sha, architecture=mcfg.architecture, n_layer=mcfg.n_layer), \
+        manifest.compressed()
 
 
 def measure_decode_speed(engine: ShardEngine, steps: int = 8) -> float:
@@ -105,6 +110,7 @@ class LoadedEngine:
         decode_tokens_per_s: the speed probe's result (tokens/s; 0 when it failed).
         device: the engine's device description (``ShardEngine.device``-style dict), None without one.
         device_index: which of the lane's devices.
+        manifest: the model's compressed manifest, published to the tracker (empty: none, the fake).
     """
 
     caps: Capabilities
@@ -112,6 +118,7 @@ class LoadedEngine:
     decode_tokens_per_s: float
     device: dict | None = None
     device_index: int = 0
+    manifest: bytes = b""
 
 
 def load_engine(cfg: NodeConfig, generation: int = 0) -> tuple[ShardEngine, LoadedEngine]:
@@ -130,10 +137,10 @@ def load_engine(cfg: NodeConfig, generation: int = 0) -> tuple[ShardEngine, Load
         faults, workers = parse_fault_spec(cfg.fault)
         if workers and generation >= workers:
             faults = None
-    engine, model = build_engine(cfg)
+    engine, model, manifest = build_engine(cfg)
     speed = measure_decode_speed(engine)
     if faults is not None:
         engine.set_faults(faults)  # after the probe: its steps are not the ones a fault counts
     info = LoadedEngine(engine.capabilities(), model, speed, getattr(engine, "device", None) or None,
-                        getattr(engine, "device_index", 0))
+                        getattr(engine, "device_index", 0), manifest)
     return engine, info

@@ -37,16 +37,19 @@ class Membership:
         load: ``(active_sessions, decode_tokens_per_s)`` for a heartbeat (0 tokens/s = unchanged).
         work: completed steps, flushed to the tracker's ledger with each heartbeat.
         on_refused: called with ``"CODE: details"`` when the tracker refuses the node for good.
+        manifest: the model's manifest, published before every registration (a restarted tracker has
+            lost it; the tracker keeps the first copy of an id), None for a model without one (the fake).
     """
 
     def __init__(self, tracker: pb_grpc.TrackerStub, identity: NodeIdentity, node_id: str,
                  info: Callable[[], pb.NodeInfo], load: Callable[[], tuple[int, float]], work: WorkReporter,
-                 on_refused: Callable[[str], None]) -> None:
+                 on_refused: Callable[[str], None], manifest: pb.ModelManifest | None = None) -> None:
         self.tracker, self.identity, self.node_id = tracker, identity, node_id
         self._info, self._load, self.work, self._on_refused = info, load, work, on_refused
         self.registered = threading.Event()  # set while the tracker knows this node
         self.refusal: str | None = None  # why the tracker refused this node for good, or None
         self.leaving = False  # set by deregister: the loop must not register again
+        self.manifest = manifest
 
     def run(self, stop: threading.Event) -> None:
         """Register, then heartbeat until ``stop`` or :meth:`deregister`; re-register whenever the
@@ -55,6 +58,7 @@ class Membership:
         while not stop.is_set() and not self.leaving:
             try:
                 if not registered:
+                    self._publish()
                     reply = self.tracker.Register(self.identity.sign(self._info()), timeout=5)
                     interval, registered, warned = max(0.05, reply.heartbeat_interval_s), True, False
                     self.registered.set()
@@ -77,6 +81,19 @@ class Membership:
             if not registered:
                 self.registered.clear()
             stop.wait(interval)
+
+    def _publish(self) -> None:
+        """Publish the manifest; a tracker without manifests (UNIMPLEMENTED) still routes by id."""
+        if self.manifest is None:
+            return
+        try:
+            self.tracker.PublishManifest(self.manifest, timeout=10)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            log.warning("the tracker keeps no manifests (%s); nodes and clients without the file cannot "
+                        "fetch this model through it", e.details())
+            self.manifest = None
 
     def deregister(self) -> None:
         """Report finished work and leave the tracker (best effort, a few seconds at most). A refused

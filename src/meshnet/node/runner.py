@@ -81,6 +81,11 @@ class Node:
         # Under TLS the node forwards steps over TLS, verifying its peers as clients verify it.
         peer_tls = client_ssl_context(cfg.tls_ca) if cfg.tls is not None else None
         self.service = NodeService(self.engine, self.node_id, self.model, cfg.join_token, peer_tls)
+        if self.loaded.manifest:
+            from meshnet.model.bundled import resolve_model
+            from meshnet.node.tensor_source import TensorSource
+
+            self.service.tensors = TensorSource(str(resolve_model(cfg.model)), self.model.sha256)
         # Completed steps wait here until the heartbeat loop reports them to the tracker's ledger.
         self.work = WorkReporter(self.node_id, self.model.sha256, self.loaded.caps.artifact.layers,
                                  sign=self.identity.sign)
@@ -89,8 +94,10 @@ class Node:
         if cfg.tracker:
             self.service.on_step = self.work.record
             tracker = pb_grpc.TrackerStub(open_channel(cfg.tracker, cfg.join_token, cfg.tls_ca))
+            manifest = pb.ModelManifest(model_id=self.model.sha256, manifest=self.loaded.manifest) \
+                if self.loaded.manifest else None
             self.membership = Membership(tracker, self.identity, self.node_id, self.info, self._load, self.work,
-                                         self._refused)
+                                         self._refused, manifest)
             if cfg.relay:
                 self.relay = RelayLink(tracker, self.identity, self.node_id, self.service,
                                        self.membership.registered, cfg.max_sessions)
@@ -214,6 +221,12 @@ def add_node_parser(sub) -> None:
     p.add_argument("--tracker", default=None, help="HOST:PORT of the tracker")
     p.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
     p.add_argument("--layers", default=None, help="half-open range START:END, e.g. 0:15")
+    p.add_argument("--fetch", default=None, metavar="MODEL",
+                   help="no model file here: fetch only the tensors of --layers (a model id or general.name the "
+                        "tracker knows) from nodes serving it into a range-only GGUF in --models-dir, then serve it")
+    p.add_argument("--models-dir", default=None,
+                   help="where --fetch writes (and resumes) range-only files; default $MESHNET_CACHE_DIR/models "
+                        "(~/.cache/meshnet/models)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 = any free port")
     p.add_argument("--advertise", default=None, help="address others dial (default HOST:PORT)")
@@ -267,6 +280,24 @@ def add_node_parser(sub) -> None:
     p.set_defaults(func=run_node)
 
 
+def _fetch_layers(args: argparse.Namespace) -> str:
+    """``--fetch``: the path of the range-only file for ``--layers``, fetched (or resumed) first.
+    Raises ValueError (FetchError) naming what is missing or which tensor did not verify."""
+    from meshnet.client.manifest_source import models_dir
+    from meshnet.node.fetch import fetch_from_tracker
+
+    if not args.tracker or not args.layers:
+        raise ValueError("--fetch needs --tracker (which knows the model) and --layers (what to fetch)")
+    tracker = pb_grpc.TrackerStub(open_channel(args.tracker, args.join_token, args.tls_ca))
+    result = fetch_from_tracker(tracker, args.fetch, LayerRange.parse(args.layers), args.models_dir or models_dir(),
+                                lambda address: open_channel(address, args.join_token, args.tls_ca))
+    log.info("layers %s of model %s: %s (%d of %d tensor bytes fetched now)", args.layers, result.model_id,
+             result.path, result.bytes_moved, result.range_bytes)
+    print(f"MESHNET_FETCHED path={result.path} bytes_moved={result.bytes_moved} range_bytes={result.range_bytes}",
+          flush=True)
+    return str(result.path)
+
+
 def run_node(args: argparse.Namespace) -> int:
     backend = getattr(args, "backend", "cpu")
     device = getattr(args, "device", 0)
@@ -288,7 +319,14 @@ def run_node(args: argparse.Namespace) -> int:
         pin_to_cpu(cpu)  # before loading, so the engine's threads start pinned
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     tls = TlsConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
-    cfg = NodeConfig(model=args.model, layers=LayerRange.parse(args.layers) if args.layers else None,
+    model = args.model
+    if getattr(args, "fetch", None):
+        try:
+            model = _fetch_layers(args)
+        except ValueError as e:  # FetchError too: nothing registered, the part file kept for a resume
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    cfg = NodeConfig(model=model, layers=LayerRange.parse(args.layers) if args.layers else None,
                      tracker=args.tracker, host=args.host, port=args.port, advertise=args.advertise,
                      node_id=args.node_id, engine=args.engine, threads=args.threads, n_ctx=args.n_ctx,
                      max_sessions=args.max_sessions, kv_tokens=args.kv_tokens,

@@ -20,6 +20,7 @@ import grpc
 
 from meshnet.contract import Status, StepRequest, StepResult
 from meshnet.engine.base import ShardEngine
+from meshnet.node.tensor_source import TensorRequestError, TensorSource
 from meshnet.node.forwarding import AwaitedOutcomes, Forwarder, await_key, next_hops_error
 from meshnet.node.worker_wire import EngineUnavailable
 
@@ -73,6 +74,8 @@ class NodeService(pb_grpc.NodeServicer):
         # tail, the outcomes its clients await.
         self.forwarder = Forwarder(join_token, tls=peer_tls)
         self.awaited = AwaitedOutcomes(StepOutcome)
+        # The model's stored tensors, for peers that fetch their layers (None: a model without a file).
+        self.tensors: TensorSource | None = None
 
     # ---- steps -------------------------------------------------------------------------------
     def run_step(self, frames) -> StepOutcome:
@@ -224,6 +227,14 @@ class NodeService(pb_grpc.NodeServicer):
         m = self.engine.metrics()
         fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}
         return pb.MetricsReply(**fields)
+
+    def FetchTensors(self, request, context):
+        if self.tensors is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this node serves no model file to fetch from")
+        try:
+            yield from self.tensors.chunks(request)
+        except TensorRequestError as e:
+            context.abort(grpc.StatusCode[e.code], f"FetchTensors: {e}")
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no step is running (for draining); True if idle before the timeout."""

@@ -283,6 +283,26 @@ class MetricsReply(_message.Message):
     kv_tokens_kept: int
     def __init__(self, prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., active_sessions: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., errors: _Optional[_Mapping[str, int]] = ..., kv_tokens_held: _Optional[int] = ..., kv_tokens_reserved: _Optional[int] = ..., kv_tokens_capacity: _Optional[int] = ..., iterations: _Optional[int] = ..., batch_rows: _Optional[int] = ..., max_batch_rows: _Optional[int] = ..., waiting_steps: _Optional[int] = ..., queue_seconds: _Optional[float] = ..., queued_steps: _Optional[int] = ..., kv_tokens_kept: _Optional[int] = ...) -> None: ...
 
+class TensorRequest(_message.Message):
+    __slots__ = ("model_id", "names")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("name", "offset", "total_bytes", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    total_bytes: int
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class DeviceInfo(_message.Message):
     __slots__ = ("name", "description", "type", "memory_total_bytes", "index", "cpu_features")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -430,6 +450,20 @@ class NodeStatus(_message.Message):
     last_heartbeat_age_s: float
     signed: bool
     def __init__(self, info: _Optional[_Union[NodeInfo, _Mapping]] = ..., active_sessions: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., signed: _Optional[bool] = ...) -> None: ...
+
+class ModelManifest(_message.Message):
+    __slots__ = ("model_id", "manifest")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    manifest: bytes
+    def __init__(self, model_id: _Optional[str] = ..., manifest: _Optional[bytes] = ...) -> None: ...
+
+class ManifestRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class WorkItem(_message.Message):
     __slots__ = ("session_id", "position", "n_tokens", "decode", "layers", "model_sha256")

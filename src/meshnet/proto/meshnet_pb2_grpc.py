@@ -69,6 +69,11 @@ class NodeStub:
                 request_serializer=meshnet_dot_proto_dot_meshnet__pb2.Empty.SerializeToString,
                 response_deserializer=meshnet_dot_proto_dot_meshnet__pb2.MetricsReply.FromString,
                 _registered_method=True)
+        self.FetchTensors = channel.unary_stream(
+                '/meshnet.v1.Node/FetchTensors',
+                request_serializer=meshnet_dot_proto_dot_meshnet__pb2.TensorRequest.SerializeToString,
+                response_deserializer=meshnet_dot_proto_dot_meshnet__pb2.TensorChunk.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -118,6 +123,15 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchTensors(self, request, context):
+        """The stored bytes of the named tensors of the model this node serves, each as chunks of at most
+        1 MiB in offset order; tensors the node does not hold are skipped. FAILED_PRECONDITION when the node
+        serves another model, INVALID_ARGUMENT for a request naming a tensor twice or over 65536 names.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -155,6 +169,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Metrics,
                     request_deserializer=meshnet_dot_proto_dot_meshnet__pb2.Empty.FromString,
                     response_serializer=meshnet_dot_proto_dot_meshnet__pb2.MetricsReply.SerializeToString,
+            ),
+            'FetchTensors': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchTensors,
+                    request_deserializer=meshnet_dot_proto_dot_meshnet__pb2.TensorRequest.FromString,
+                    response_serializer=meshnet_dot_proto_dot_meshnet__pb2.TensorChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -356,6 +375,33 @@ class Node:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def FetchTensors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/meshnet.v1.Node/FetchTensors',
+            meshnet_dot_proto_dot_meshnet__pb2.TensorRequest.SerializeToString,
+            meshnet_dot_proto_dot_meshnet__pb2.TensorChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class TrackerStub:
     """Missing associated documentation comment in .proto file."""
@@ -390,6 +436,16 @@ class TrackerStub:
                 '/meshnet.v1.Tracker/ListNodes',
                 request_serializer=meshnet_dot_proto_dot_meshnet__pb2.Empty.SerializeToString,
                 response_deserializer=meshnet_dot_proto_dot_meshnet__pb2.NodeList.FromString,
+                _registered_method=True)
+        self.PublishManifest = channel.unary_unary(
+                '/meshnet.v1.Tracker/PublishManifest',
+                request_serializer=meshnet_dot_proto_dot_meshnet__pb2.ModelManifest.SerializeToString,
+                response_deserializer=meshnet_dot_proto_dot_meshnet__pb2.Empty.FromString,
+                _registered_method=True)
+        self.GetManifest = channel.unary_unary(
+                '/meshnet.v1.Tracker/GetManifest',
+                request_serializer=meshnet_dot_proto_dot_meshnet__pb2.ManifestRequest.SerializeToString,
+                response_deserializer=meshnet_dot_proto_dot_meshnet__pb2.ModelManifest.FromString,
                 _registered_method=True)
         self.ReportWork = channel.unary_unary(
                 '/meshnet.v1.Tracker/ReportWork',
@@ -453,6 +509,21 @@ class TrackerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListNodes(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishManifest(self, request, context):
+        """Manifests: a node publishes its model's before registering (the tracker checks the id and keeps the
+        first copy); nodes without the model and clients without the file read it back. GetManifest is
+        NOT_FOUND for an unknown model, FAILED_PRECONDITION when a name matches several.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetManifest(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -526,6 +597,16 @@ def add_TrackerServicer_to_server(servicer, server):
                     servicer.ListNodes,
                     request_deserializer=meshnet_dot_proto_dot_meshnet__pb2.Empty.FromString,
                     response_serializer=meshnet_dot_proto_dot_meshnet__pb2.NodeList.SerializeToString,
+            ),
+            'PublishManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishManifest,
+                    request_deserializer=meshnet_dot_proto_dot_meshnet__pb2.ModelManifest.FromString,
+                    response_serializer=meshnet_dot_proto_dot_meshnet__pb2.Empty.SerializeToString,
+            ),
+            'GetManifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetManifest,
+                    request_deserializer=meshnet_dot_proto_dot_meshnet__pb2.ManifestRequest.FromString,
+                    response_serializer=meshnet_dot_proto_dot_meshnet__pb2.ModelManifest.SerializeToString,
             ),
             'ReportWork': grpc.unary_unary_rpc_method_handler(
                     servicer.ReportWork,
@@ -693,6 +774,60 @@ class Tracker:
             '/meshnet.v1.Tracker/ListNodes',
             meshnet_dot_proto_dot_meshnet__pb2.Empty.SerializeToString,
             meshnet_dot_proto_dot_meshnet__pb2.NodeList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshnet.v1.Tracker/PublishManifest',
+            meshnet_dot_proto_dot_meshnet__pb2.ModelManifest.SerializeToString,
+            meshnet_dot_proto_dot_meshnet__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetManifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshnet.v1.Tracker/GetManifest',
+            meshnet_dot_proto_dot_meshnet__pb2.ManifestRequest.SerializeToString,
+            meshnet_dot_proto_dot_meshnet__pb2.ModelManifest.FromString,
             options,
             channel_credentials,
             insecure,

@@ -58,7 +58,7 @@ class NodeRecord:
     Attributes:
         node_id: unique id chosen by the node.
         address: ``host:port`` of the node's gRPC service.
-        model_sha256: sha256 (hex) of the GGUF file the node serves a part of.
+        model_sha256: id of the model the node serves a part of (hex sha256 of its manifest).
         architecture: e.g. ``"llama"``.
         n_layer: layers in the whole model.
         layers: the half-open range ``[start, end)`` the node serves.

@@ -38,6 +38,7 @@ from meshnet.contract import LayerRange
 from meshnet.membership.auth import AuthError, Authenticator
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.tracker.manifests import ManifestFull, ManifestNotFound, ManifestRefused, ManifestStore
 from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry, RegisteredNode
 from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayHub
 from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
@@ -150,6 +151,7 @@ class TrackerService(pb_grpc.TrackerServicer):
         # Nodes that deregistered, kept a while so the work they finish while draining is still credited.
         self._departed: dict[str, tuple[NodeRecord, float]] = {}
         self.relays = RelayHub()
+        self.manifests = ManifestStore()
 
     def _authenticate(self, method: str, node_id: str, message, bind: bool = False) -> None:
         try:
@@ -239,6 +241,27 @@ class TrackerService(pb_grpc.TrackerServicer):
             model=pb.ModelIdentity(sha256=head.model_sha256, architecture=head.architecture, n_layer=head.n_layer),
             hops=[pb.Hop(node_id=h.node_id, address=h.address, data_address=h.data_address, relayed=h.relayed,
                          layers=pb.LayerRange(start=h.layers.start, end=h.layers.end)) for h in hops])
+
+    @_rpc
+    def PublishManifest(self, request: pb.ModelManifest, context) -> pb.Empty:
+        if not request.model_id:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "PublishManifest: model_id is empty")
+        try:
+            self.manifests.publish(request.model_id, request.manifest)
+        except ManifestRefused as e:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"PublishManifest: {e}") from None
+        except ManifestFull as e:
+            raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"PublishManifest: {e}") from None
+        return pb.Empty()
+
+    @_rpc
+    def GetManifest(self, request: pb.ManifestRequest, context) -> pb.ModelManifest:
+        try:
+            model_id, blob = self.manifests.get(request.model)
+        except ManifestNotFound as e:
+            code = grpc.StatusCode.FAILED_PRECONDITION if e.ambiguous else grpc.StatusCode.NOT_FOUND
+            raise _Refusal(code, f"GetManifest: {e}") from None
+        return pb.ModelManifest(model_id=model_id, manifest=blob)
 
     @_rpc
     def ListNodes(self, request: pb.Empty, context) -> pb.NodeList:

@@ -1,0 +1,62 @@
+"""What a node hands a peer that fetches its layers: the stored bytes of named tensors of its model.
+
+Served by ``Node.FetchTensors`` (:class:`meshnet.node.service.NodeService`) from the node's own file(s),
+memory-mapped (a single file, a split set or a range-only file alike), in chunks of at most
+:data:`CHUNK_BYTES`, so no message comes near gRPC's limit whatever the tensor's size. The fetching
+side verifies every tensor against the model manifest (:mod:`meshnet.node.fetch`).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from meshnet.model.gguf_file import drop_pages, open_gguf
+from meshnet.proto import meshnet_pb2 as pb
+
+CHUNK_BYTES = 1 << 20
+MAX_NAMES = 65536  # a 235B MoE has ~20k tensors
+
+
+class TensorRequestError(ValueError):
+    """A request this node cannot answer. ``code``: the gRPC status code name to answer with."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class TensorSource:
+    """The tensors of the model stored at ``path`` (whose id is ``model_id``)."""
+
+    def __init__(self, path: str, model_id: str) -> None:
+        self.path, self.model_id = path, model_id
+
+    def chunks(self, request: pb.TensorRequest) -> Iterator[pb.TensorChunk]:
+        """The chunks of each requested tensor this node holds, in request order, offsets ascending.
+
+        Raises:
+            TensorRequestError: another model (FAILED_PRECONDITION), or a request naming a tensor twice
+                or more than :data:`MAX_NAMES` tensors (INVALID_ARGUMENT).
+        """
+        if request.model_id != self.model_id:
+            raise TensorRequestError("FAILED_PRECONDITION", f"this node serves model {self.model_id}, not "
+                                                            f"{request.model_id or '(empty)'}")
+        names = list(request.names)
+        if len(names) > MAX_NAMES:
+            raise TensorRequestError("INVALID_ARGUMENT", f"{len(names)} tensors asked; at most {MAX_NAMES}")
+        if len(set(names)) != len(names):
+            raise TensorRequestError("INVALID_ARGUMENT", "a tensor is named twice")
+        reader = open_gguf(self.path)
+        held = {t.name: t for t in reader.tensors}
+        try:
+            for name in names:
+                t = held.get(name)
+                if t is None:
+                    continue
+                flat = t.data.reshape(-1).view("u1")  # the stored bytes, whatever the type
+                total = int(flat.nbytes)
+                for off in range(0, total, CHUNK_BYTES):
+                    yield pb.TensorChunk(name=name, offset=off, total_bytes=total,
+                                         data=flat[off:off + CHUNK_BYTES].tobytes())
+        finally:
+            drop_pages(reader)  # the pages read for a peer are not this node's working set

@@ -1,0 +1,212 @@
+"""Model identity by manifest, and nodes that fetch only their layers (SmolLM2-135M, 30 layers).
+
+In-process peers serve tensors through :class:`meshnet.node.tensor_source.TensorSource` (a corrupting
+and an interrupting variant beside the honest one); the mesh test runs real node processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from concurrent import futures
+
+import grpc
+import pytest
+
+from gguf_rewrite import rewrite_gguf
+from meshnet.contract import LayerRange
+from meshnet.model.gguf_file import GGUFError, open_gguf, range_tensor_names
+from meshnet.model.manifest import model_id, model_manifest
+from meshnet.model.range_file import write_metadata_file
+from meshnet.node.fetch import FetchError, fetch_range
+from meshnet.node.tensor_source import TensorSource
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
+from mesh_util import Mesh, run_generate
+
+MIDDLE = LayerRange(10, 20)
+
+
+class _Peer(pb_grpc.NodeServicer):
+    """FetchTensors from a file; ``corrupt``: flip one byte of that tensor; ``stop_after``: end the
+    stream (UNAVAILABLE) after that many whole tensors."""
+
+    def __init__(self, path, corrupt: str | None = None, stop_after: int | None = None):
+        self.source = TensorSource(str(path), model_id(path))
+        self.corrupt, self.stop_after = corrupt, stop_after
+
+    def FetchTensors(self, request, context):
+        sent = set()
+        for c in self.source.chunks(request):
+            if self.stop_after is not None and c.name not in sent and len(sent) == self.stop_after:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "peer went away")
+            sent.add(c.name)
+            if c.name == self.corrupt and c.offset == 0:
+                c = pb.TensorChunk(name=c.name, offset=c.offset, total_bytes=c.total_bytes,
+                                   data=bytes([c.data[0] ^ 1]) + c.data[1:])
+            yield c
+
+
+@pytest.fixture
+def peer():
+    servers = []
+
+    def start(servicer) -> tuple[str, str]:
+        server = grpc.server(futures.ThreadPoolExecutor(4))
+        pb_grpc.add_NodeServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return ("peer", f"127.0.0.1:{port}")
+
+    yield start
+    for s in servers:
+        s.stop(0)
+
+
+def _fetch(path, dest, peers, layers=MIDDLE):
+    return fetch_range(model_manifest(path), layers, dest, peers, grpc.insecure_channel, progress=False)
+
+
+def _range_bytes(path, layers) -> int:
+    m = model_manifest(path)
+    by = m.by_name()
+    return sum(by[n].n_bytes for n in range_tensor_names(m.tensors, layers, 30))
+
+
+def test_one_id_for_a_single_file_a_split_set_a_range_only_file_and_a_metadata_file(
+        smollm2_path, tmp_path, peer):
+    rewrite_gguf(smollm2_path, tmp_path / "m.gguf", split_max_tensors=80)
+    shards = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert len(shards) == 4
+    got = _fetch(smollm2_path, tmp_path / "models", [peer(_Peer(smollm2_path))])
+    meta = write_metadata_file(model_manifest(smollm2_path), tmp_path / "meta.gguf")
+    single = model_id(smollm2_path)
+    assert {model_id(shards[0]), model_id(shards[3]), model_id(got.path), model_id(meta)} == {single}
+    assert got.model_id == single
+    held = {t.name for t in open_gguf(got.path).tensors}
+    assert len(held) == 90 and all(n.startswith(tuple(f"blk.{i}." for i in range(10, 20))) for n in held)
+
+
+def test_a_third_of_the_layers_moves_a_fraction_of_the_file(smollm2_path, tmp_path, peer):
+    got = _fetch(smollm2_path, tmp_path, [peer(_Peer(smollm2_path))])
+    size = os.path.getsize(smollm2_path)
+    assert got.bytes_moved == got.range_bytes == _range_bytes(smollm2_path, MIDDLE) == 22_164_480
+    assert got.bytes_moved / size <= 0.36  # 0.225 of the file
+    assert os.path.getsize(got.path) < 0.25 * size
+    # Fetched again: the file is complete and verifies, nothing moves.
+    assert _fetch(smollm2_path, tmp_path, [peer(_Peer(smollm2_path))]).bytes_moved == 0
+
+
+def test_a_peer_whose_bytes_do_not_verify_is_refused_naming_the_tensor(smollm2_path, tmp_path, peer):
+    bad = "blk.12.ffn_up.weight"
+    with pytest.raises(FetchError, match=f"tensor '{bad}' whose bytes hash to .* refused"):
+        _fetch(smollm2_path, tmp_path, [peer(_Peer(smollm2_path, corrupt=bad))])
+    assert not list(tmp_path.glob("*.gguf"))  # only the .part: nothing a node could load
+    # An honest peer after it completes the range, fetching only what was not verified.
+    got = _fetch(smollm2_path, tmp_path, [peer(_Peer(smollm2_path))])
+    assert model_id(got.path) == model_id(smollm2_path)
+
+
+def test_an_interrupted_fetch_resumes_and_moves_only_what_is_missing(smollm2_path, tmp_path, peer):
+    with pytest.raises(FetchError, match="UNAVAILABLE: peer went away"):
+        _fetch(smollm2_path, tmp_path, [peer(_Peer(smollm2_path, stop_after=40))])
+    m = model_manifest(smollm2_path)
+    by = m.by_name()
+    names = range_tensor_names(m.tensors, MIDDLE, 30)
+    first = sum(by[n].n_bytes for n in names[:40])
+    got = _fetch(smollm2_path, tmp_path, [peer(_Peer(smollm2_path))])
+    assert got.bytes_moved == got.range_bytes - first == 12_812_544
+
+
+def test_a_truncated_range_only_file_fails_at_start_naming_the_tensor(smollm2_path, tmp_path, peer):
+    from meshnet.engine.ggml_engine import GgmlEngine
+    from meshnet.contract import ArtifactId, LoadSpec
+
+    got = _fetch(smollm2_path, tmp_path, [peer(_Peer(smollm2_path))])
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(got.path.read_bytes()[:-300_000])
+    out = GgmlEngine().load(LoadSpec(path=str(cut), artifact=ArtifactId("", MIDDLE)))
+    assert not out.ok and "truncated GGUF: tensor 'blk.19." in out.message
+    flipped = bytearray(got.path.read_bytes())
+    flipped[-100] ^= 1
+    (tmp_path / "flip.gguf").write_bytes(bytes(flipped))
+    with pytest.raises(GGUFError, match=r"flip.gguf: tensor 'blk\.19\.[a-z_.]+' is corrupt"):
+        model_id(tmp_path / "flip.gguf")
+
+
+def test_a_node_fetching_the_middle_third_generates_what_whole_file_nodes_do(smollm2_path, tmp_path):
+    mesh = Mesh()
+    try:
+        a, b, c = mesh.start_nodes([("a", "0:10"), ("b", "10:20"), ("c", "20:30")], str(smollm2_path),
+                                   "--in-process-engine")
+        args = ("--max-tokens", "8", "--ignore-eos")
+        whole = run_generate(mesh.tracker, "The capital of France is", "--model", str(smollm2_path), *args)
+        assert whole.returncode == 0, whole.stderr
+        ids = json.loads(whole.stdout.splitlines()[-1])["generated_token_ids"]
+        assert len(ids) == 8
+        mid = model_id(smollm2_path)
+        proc = mesh.spawn_node("10:20", "f", "missing.gguf", "--in-process-engine", "--fetch",
+                               "smollm2 135M 8k Lc100K Mix1 Ep2", "--models-dir", str(tmp_path))
+        fetched = proc.stdout.readline()
+        assert fetched.startswith("MESHNET_FETCHED"), fetched
+        moved = int(dict(kv.split("=", 1) for kv in fetched.split()[1:])["bytes_moved"])
+        assert moved == 22_164_480 and moved / os.path.getsize(smollm2_path) <= 0.36
+        assert proc.stdout.readline().startswith("MESHNET_NODE_READY")
+        b.proc.terminate()  # drains and deregisters: the route's middle must be the fetched node
+        b.proc.wait(timeout=30)
+        mesh.wait_registered({"a", "c", "f"})
+        assert mesh.registered() == {"a", "c", "f"}
+        fetched_run = run_generate(mesh.tracker, "The capital of France is", "--model-id", mid, *args)
+        assert fetched_run.returncode == 0, fetched_run.stderr
+        assert json.loads(fetched_run.stdout.splitlines()[-1])["generated_token_ids"] == ids
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        mesh.close()
+
+
+def test_the_tracker_keeps_a_manifest_only_under_its_own_id(smollm2_path):
+    mesh = Mesh()
+    try:
+        t = mesh.tracker_stub()
+        m = model_manifest(smollm2_path)
+        with pytest.raises(grpc.RpcError) as e:
+            t.GetManifest(pb.ManifestRequest(model=m.id), timeout=5)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as e:
+            t.PublishManifest(pb.ModelManifest(model_id="0" * 64, manifest=m.compressed()), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not the model id" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            t.PublishManifest(pb.ModelManifest(model_id=m.id, manifest=b"not zlib"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        t.PublishManifest(pb.ModelManifest(model_id=m.id, manifest=m.compressed()), timeout=5)
+        by_name = t.GetManifest(pb.ManifestRequest(model=m.name.upper()), timeout=5)
+        assert by_name.model_id == m.id and by_name.manifest == m.compressed()
+        assert t.GetManifest(pb.ManifestRequest(), timeout=5).model_id == m.id  # the only one
+    finally:
+        mesh.close()
+
+
+def test_a_node_fetching_from_a_corrupting_peer_exits_naming_the_tensor_and_never_registers(
+        smollm2_path, tmp_path, peer):
+    mesh = Mesh(heartbeat_s=30)  # the peer registered by hand sends no heartbeats
+    try:
+        m = model_manifest(smollm2_path)
+        t = mesh.tracker_stub()
+        t.PublishManifest(pb.ModelManifest(model_id=m.id, manifest=m.compressed()), timeout=5)
+        _, address = peer(_Peer(smollm2_path, corrupt="blk.15.attn_q.weight"))
+        t.Register(pb.NodeInfo(node_id="liar", address=address, layers=pb.LayerRange(start=0, end=30),
+                               model=pb.ModelIdentity(sha256=m.id, architecture="llama", n_layer=30),
+                               protocol_major=PROTOCOL_MAJOR, protocol_minor=PROTOCOL_MINOR), timeout=5)
+        proc = mesh.spawn_node("10:20", "f", "missing.gguf", "--fetch", m.id, "--models-dir", str(tmp_path),
+                               stderr=subprocess.PIPE)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2
+        assert "tensor 'blk.15.attn_q.weight' whose bytes hash to" in err and "MESHNET_NODE_READY" not in out
+        assert mesh.registered() == {"liar"}
+        assert not list(tmp_path.glob("*.gguf"))
+    finally:
+        mesh.close()
