@@ -18,7 +18,8 @@ import grpc
 from meshnet.contract import StepRequest
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.tracker.service import serve_tracker
+from meshnet.dashboard.server import start_dashboard
+from meshnet.tracker.service import start_tracker
 from meshnet.wire.security import open_channel
 
 HEARTBEAT_S = 0.3
@@ -77,12 +78,15 @@ class Mesh:
     """A tracker in this process plus node subprocesses; ``close()`` stops everything.
 
     ``heartbeat_s``: the nodes' heartbeat interval; the tracker drops a node silent for three of them
-    (a long one keeps a dead node listed, as on a real mesh in the seconds after it died)."""
+    (a long one keeps a dead node listed, as on a real mesh in the seconds after it died).
+    ``dashboard``: also serve the tracker's web dashboard (its address in ``self.dashboard.url``)."""
 
-    def __init__(self, join_token: str | None = None, heartbeat_s: float = HEARTBEAT_S, ledger=None) -> None:
+    def __init__(self, join_token: str | None = None, heartbeat_s: float = HEARTBEAT_S, ledger=None,
+                 dashboard: bool = False) -> None:
         self.join_token = join_token
-        self.server, self.port = serve_tracker("127.0.0.1", 0, heartbeat_interval_s=heartbeat_s,
-                                               join_token=join_token, ledger=ledger)
+        self.server, self.port, self.service = start_tracker("127.0.0.1", 0, heartbeat_interval_s=heartbeat_s,
+                                                             join_token=join_token, ledger=ledger)
+        self.dashboard = start_dashboard(self.service) if dashboard else None
         self.tracker = f"127.0.0.1:{self.port}"
         self.nodes: list[NodeProc] = []
         self.log_dir = Path(tempfile.mkdtemp(prefix="meshnet-test-nodes-"))  # each node's stderr
@@ -145,6 +149,8 @@ class Mesh:
             if n.proc.poll() is None:
                 n.proc.kill()
                 n.proc.wait(timeout=10)
+        if self.dashboard is not None:
+            self.dashboard.stop()
         self.server.stop(grace=0).wait()
         shutil.rmtree(self.log_dir, ignore_errors=True)
 

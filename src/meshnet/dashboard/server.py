@@ -29,7 +29,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from meshnet import __version__
 from meshnet.dashboard.state import dashboard_state
 
-TICK_S = 0.2  # how often the event stream looks for changes, seconds
+TICK_S = 0.1  # how often the event stream looks for changes, seconds
 REFRESH_S = 1.0  # an event at least this often, seconds (heartbeat ages and charts move on)
 
 
