@@ -112,10 +112,11 @@ class Mesh:
         proc.meshnet_log = log_path  # type: ignore[attr-defined]
         return proc
 
-    def start_nodes(self, specs: list[tuple[str | None, str]], model: str = "smollm2", *extra: str) -> list[NodeProc]:
-        """Start one node per (node_id, layers) in parallel and wait until each is serving (node_id None:
-        the node picks its own id)."""
-        procs = [(nid, self.spawn_node(layers, nid, model, *extra)) for nid, layers in specs]
+    def start_nodes(self, specs: list[tuple], model: str = "smollm2", *extra: str) -> list[NodeProc]:
+        """Start one node per ``(node_id, layers)`` or ``(node_id, layers, more_args)`` in parallel and wait
+        until each is serving (node_id None: the node picks its own id; ``more_args`` follow ``extra``)."""
+        procs = [(nid, self.spawn_node(layers, nid, model, *extra, *(more[0] if more else ())))
+                 for nid, layers, *more in specs]
         started = []
         for nid, proc in procs:
             line = proc.stdout.readline()

@@ -1,6 +1,7 @@
 """The tracker's dashboard in a real browser: headless Chromium (Debian's ``chromium`` package, driven by
 Playwright; scripts/test.sh installs the package when it can) against a live loopback mesh of a tracker and
-four fake-engine node processes ([0, 10), [10, 20) twice, one of them relayed, [20, 30)).
+three fake-engine node processes heartbeating every second: ``a-head`` [0, 20), ``r-relay`` [10, 20)
+(relayed: a replica of part of the head's range) and ``c-tail`` [20, 30).
 
 Screenshots land in ``test-artifacts/dashboard/`` (gitignored); the run prints where. The tests share one
 mesh and one page and run in file order: the last one kills a node.
@@ -10,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 
 from mesh_util import Mesh, greedy_steps
 import meshnet
+from meshnet.cli import main as cli_main
 from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import StepRequest
 from meshnet.ledger.cli import ledger_dict
@@ -27,8 +27,8 @@ from meshnet.proto import meshnet_pb2 as pb
 
 CHROMIUM = os.environ.get("MESHNET_TEST_CHROMIUM_PATH", "/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts" / "dashboard"
-HEARTBEAT_S = 0.5
-NODES = [("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")]
+HEARTBEAT_S = 1.0
+NODES = [("a-head", "0:20"), ("r-relay", "10:20", ("--relay",)), ("c-tail", "20:30")]
 FAKE = ("--engine", "fake", "--in-process-engine")
 
 
@@ -49,7 +49,6 @@ def mesh():
     m = Mesh(heartbeat_s=HEARTBEAT_S, dashboard=True)
     try:
         m.start_nodes(NODES, "smollm2", *FAKE)
-        m.start_nodes([("r-relay", "10:20")], "smollm2", *FAKE, "--relay")
         yield m
     finally:
         m.close()
@@ -102,17 +101,15 @@ def _runs(page) -> list[list]:
         "rect.run", "els => els.map(e => [+e.dataset.start, +e.dataset.end, +e.dataset.replicas])")
 
 
-def test_layer_map_matches_meshnet_nodes_json(mesh, page):
-    out = subprocess.run([sys.executable, "-m", "meshnet.cli", "nodes", "--tracker", mesh.tracker, "--json",
-                          "--no-load"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    listed = json.loads(out.stdout)["nodes"]
+def test_layer_map_matches_meshnet_nodes_json(mesh, page, capsys):
+    # The command's own entry point, in this process (a second Python start costs seconds on a busy machine).
+    assert cli_main(["nodes", "--tracker", mesh.tracker, "--json", "--no-load"]) == 0
+    listed = json.loads(capsys.readouterr().out)["nodes"]
     expected = {(n["node_id"], *n["layers"], n["relay"] == "relayed") for n in listed}
-    assert expected == {("a-head", 0, 10, False), ("b-mid", 10, 20, False), ("r-relay", 10, 20, True),
-                        ("c-tail", 20, 30, False)}
+    assert expected == {("a-head", 0, 20, False), ("r-relay", 10, 20, True), ("c-tail", 20, 30, False)}
     got, _ = _eventually(lambda: _bars(page), lambda: expected)
     assert got == expected
-    assert _runs(page) == [[0, 10, 1], [10, 20, 2], [20, 30, 1]]  # the relayed replica doubles [10, 20)
+    assert _runs(page) == [[0, 10, 1], [10, 20, 2], [20, 30, 1]]  # the relayed node doubles [10, 20)
     assert page.locator("rect.run.gap").count() == 0
     version = page.text_content("#nodes-table tr[data-node-id='a-head'] td:nth-child(7)")
     assert version == f"{meshnet.__version__} (protocol {listed[0]['protocol']})"
@@ -121,10 +118,10 @@ def test_layer_map_matches_meshnet_nodes_json(mesh, page):
 
 def test_relayed_node_is_marked(page):
     assert page.get_attribute("rect.node-bar[data-node-id='r-relay']", "stroke-dasharray") == "4 2"
-    assert page.get_attribute("rect.node-bar[data-node-id='b-mid']", "stroke-dasharray") == "none"
+    assert page.get_attribute("rect.node-bar[data-node-id='a-head']", "stroke-dasharray") == "none"
     reach = {nid: page.text_content(f"#nodes-table tr[data-node-id='{nid}'] td:last-child")
-             for nid in ("a-head", "b-mid", "r-relay", "c-tail")}
-    assert reach == {"a-head": "direct", "b-mid": "direct", "r-relay": "relayed", "c-tail": "direct"}
+             for nid in ("a-head", "r-relay", "c-tail")}
+    assert reach == {"a-head": "direct", "r-relay": "relayed", "c-tail": "direct"}
     assert page.locator("#maps text", has_text="r-relay (relayed)").count() == 1
 
 
@@ -139,7 +136,7 @@ def test_open_session_and_its_route_appear_then_leave(mesh, page):
         row = page.locator("#sessions-table tr[data-session-id='dash-open']")
         row.wait_for(timeout=5000)
         assert row.locator("td.route").text_content() == route
-        assert [h.node_id for h in hops][0::2] == ["a-head", "c-tail"]
+        assert (hops[0].node_id, hops[-1].node_id) == ("a-head", "c-tail")
         assert row.locator("td:nth-child(2)").text_content() == client.client_id
         _shot(page, "02-open-session")
         client.release("dash-open")
@@ -189,8 +186,8 @@ def test_ledger_balances_match_the_trackers_ledger(mesh, page):
     got, want = _eventually(lambda: _page_ledger(page), lambda: _tracker_ledger(mesh))
     assert got == want
     credited = {row[0] for row in want["nodes"]}
-    # The generations of the tests before ran through the head, the tail and one [10, 20) replica.
-    assert {"a-head", "c-tail"} <= credited and credited & {"b-mid", "r-relay"}
+    # The generations of the tests before ran through the head and the tail (each session's route).
+    assert {"a-head", "c-tail"} <= credited
     assert sum(int(c[1]) for c in want["clients"]) >= 41  # 1 + 40 tokens delivered
     _shot(page, "04-ledger")
 
@@ -202,6 +199,7 @@ def test_killed_node_leaves_a_gap_within_three_heartbeats(mesh, page):
     victim.kill()
     page.wait_for_selector("rect.run.gap[data-start='20'][data-end='30']", timeout=10_000)
     elapsed = time.monotonic() - t0
+    print(f"the gap appeared {elapsed:.2f} s after the kill")
     _shot(page, "05-gap")
     assert elapsed < 3 * HEARTBEAT_S, f"the gap took {elapsed:.2f} s to appear"
     assert page.locator("#maps text", has_text="gap [20, 30)").count() >= 1
