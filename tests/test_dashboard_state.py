@@ -174,3 +174,31 @@ def test_http_endpoints_serve_the_page_and_the_state():
         assert 'id="maps"' in page.text and "api/events" in page.text
         assert http.post("/api/state").status_code == 405
         assert http.get("/api/nothing").status_code == 404
+
+
+def test_dashboard_port_options_and_a_busy_port(capsys):
+    import argparse
+    import socket
+
+    from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
+    from meshnet.tracker.service import start_tracker
+
+    assert [dashboard_port_problem(p) for p in (-1, 0, 7780, 65535)] == [None] * 4
+    assert dashboard_port_problem(-2) == "--dashboard-port must be -1 (none) or in 0..65535, got -2"
+    assert dashboard_port_problem(70000) == "--dashboard-port must be -1 (none) or in 0..65535, got 70000"
+    parser = argparse.ArgumentParser()
+    add_dashboard_args(parser)
+    assert (parser.parse_args([]).dashboard_port, parser.parse_args([]).dashboard_host) == (7780, "127.0.0.1")
+    server, _, service = start_tracker()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        try:
+            args = parser.parse_args(["--dashboard-port", str(port)])
+            # The tracker goes on without its dashboard, saying why.
+            assert dashboard_from_args(service, args, "tracker:") is None
+            assert f"tracker: no dashboard: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+            assert dashboard_from_args(service, parser.parse_args(["--dashboard-port", "-1"]), "x") is None
+        finally:
+            server.stop(None)
