@@ -2,10 +2,14 @@
 # Quickstart 2: set up with test extras, then run the test suite (extra pytest arguments pass through).
 # The ledger tests also run against PostgreSQL: a throwaway server (scripts/postgres.sh, which installs
 # Debian's package when missing and it can) unless $MESHNET_TEST_POSTGRES_URL names a database already;
-# MESHNET_TEST_POSTGRES=0 runs them on SQLite only.
+# MESHNET_TEST_POSTGRES=0 runs them on SQLite only. The dashboard's browser tests use Debian's chromium
+# (scripts/chromium.sh installs it when missing and it can; MESHNET_TEST_CHROMIUM=0 skips that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
+if [ "${MESHNET_TEST_CHROMIUM:-1}" != 0 ]; then
+  bash scripts/chromium.sh || true  # exit 3: no Chromium here; the browser tests skip saying why
+fi
 pg_dir=""
 cleanup() { if [ -n "$pg_dir" ]; then bash scripts/postgres.sh stop "$pg_dir"; fi; }
 trap cleanup EXIT

@@ -18,7 +18,8 @@ import grpc
 from meshnet.contract import StepRequest
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.tracker.service import serve_tracker
+from meshnet.dashboard.server import start_dashboard
+from meshnet.tracker.service import start_tracker
 from meshnet.wire.security import TlsConfig, open_channel
 
 HEARTBEAT_S = 0.3
@@ -79,14 +80,16 @@ class Mesh:
 
     ``heartbeat_s``: the nodes' heartbeat interval; the tracker drops a node silent for three of them
     (a long one keeps a dead node listed, as on a real mesh in the seconds after it died). ``tls``: the
-    tracker and every node serve TLS with this certificate, which is also the CA everyone verifies with."""
+    tracker and every node serve TLS with this certificate, which is also the CA everyone verifies with.
+    ``dashboard``: also serve the tracker's web dashboard (its address in ``self.dashboard.url``)."""
 
     def __init__(self, join_token: str | None = None, heartbeat_s: float = HEARTBEAT_S, ledger=None,
-                 tls: TlsConfig | None = None) -> None:
+                 tls: TlsConfig | None = None, dashboard: bool = False) -> None:
         self.join_token, self.tls = join_token, tls
         self.tls_ca = tls.cert if tls is not None else None
-        self.server, self.port = serve_tracker("127.0.0.1", 0, heartbeat_interval_s=heartbeat_s,
-                                               join_token=join_token, ledger=ledger, tls=tls)
+        self.server, self.port, self.service = start_tracker("127.0.0.1", 0, heartbeat_interval_s=heartbeat_s,
+                                                             join_token=join_token, ledger=ledger, tls=tls)
+        self.dashboard = start_dashboard(self.service) if dashboard else None
         self.tracker = f"127.0.0.1:{self.port}"
         self.nodes: list[NodeProc] = []
         self.log_dir = Path(tempfile.mkdtemp(prefix="meshnet-test-nodes-"))  # each node's stderr
@@ -114,10 +117,11 @@ class Mesh:
         proc.meshnet_log = log_path  # type: ignore[attr-defined]
         return proc
 
-    def start_nodes(self, specs: list[tuple[str | None, str]], model: str = "smollm2", *extra: str) -> list[NodeProc]:
-        """Start one node per (node_id, layers) in parallel and wait until each is serving (node_id None:
-        the node picks its own id)."""
-        procs = [(nid, self.spawn_node(layers, nid, model, *extra)) for nid, layers in specs]
+    def start_nodes(self, specs: list[tuple], model: str = "smollm2", *extra: str) -> list[NodeProc]:
+        """Start one node per ``(node_id, layers)`` or ``(node_id, layers, more_args)`` in parallel and wait
+        until each is serving (node_id None: the node picks its own id; ``more_args`` follow ``extra``)."""
+        procs = [(nid, self.spawn_node(layers, nid, model, *extra, *(more[0] if more else ())))
+                 for nid, layers, *more in specs]
         started = []
         for nid, proc in procs:
             line = proc.stdout.readline()
@@ -151,6 +155,8 @@ class Mesh:
             if n.proc.poll() is None:
                 n.proc.kill()
                 n.proc.wait(timeout=10)
+        if self.dashboard is not None:
+            self.dashboard.stop()
         self.server.stop(grace=0).wait()
         shutil.rmtree(self.log_dir, ignore_errors=True)
 

@@ -110,11 +110,18 @@ def test_join_token_required_by_tracker_and_nodes(smollm2_path):
 def test_meshnet_up_then_generate_through_the_mesh(solo, tmp_path):
     port = free_port()
     up = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "up", "--stages", "3", "--port", str(port),
-                           "--api-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                           "--api-port", "0", "--dashboard-port", "0"], stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)
     try:
         line = up.stdout.readline()
         assert line.startswith("MESHNET_UP_READY"), line
-        api_url = dict(kv.split("=", 1) for kv in line.split()[1:])["api"]
+        ready = dict(kv.split("=", 1) for kv in line.split()[1:])
+        api_url = ready["api"]
+        # The dashboard it links to maps the three nodes' ranges over the model's 30 layers, no gap.
+        with urllib.request.urlopen(ready["dashboard"] + "api/state", timeout=10) as r:
+            (layer_map,) = json.loads(r.read())["maps"]
+        assert [(run["start"], run["end"], len(run["nodes"])) for run in layer_map["runs"]] == \
+            [(0, 12, 1), (12, 25, 1), (25, 30, 1)]
         proc = subprocess.run([sys.executable, "-m", "meshnet.cli", "generate", "--tracker", f"127.0.0.1:{port}",
                                "--temperature", "0", "--max-tokens", "16", "--json", PROMPTS[0]],
                               capture_output=True, text=True, timeout=120)

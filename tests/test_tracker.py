@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import signal
 import subprocess
 import sys
 import threading
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -19,7 +21,8 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry
 from meshnet.tracker.routing import NodeRecord
-from meshnet.tracker.service import add_tracker_parser, serve_tracker
+from meshnet.tracker.cli import add_tracker_parser
+from meshnet.tracker.service import serve_tracker
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from meshnet.wire.security import open_channel
 
@@ -313,16 +316,22 @@ def test_run_tracker_serves_until_sigterm():
     """The CLI entry prints where it listens, serves, and exits 0 on SIGTERM."""
     src = str(Path(__file__).resolve().parents[1] / "src")
     code = ("import argparse, sys\n"
-            "from meshnet.tracker.service import add_tracker_parser\n"
+            "from meshnet.tracker.cli import add_tracker_parser\n"
             "p = argparse.ArgumentParser(); add_tracker_parser(p.add_subparsers(dest='command'))\n"
             "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n")
     env = {**os.environ, "PYTHONPATH": src, "MESHNET_JOIN_TOKEN": ""}
-    proc = subprocess.Popen([sys.executable, "-c", code, "tracker", "--port", "0"], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", code, "tracker", "--port", "0", "--heartbeat", "0.7",
+                             "--dashboard-port", "0", "--ledger", "sqlite://"], env=env,
                             stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stderr.readline()
         assert line.startswith("tracker listening on 127.0.0.1:"), line
         port = int(line.strip().rsplit(":", 1)[1])
+        line = proc.stderr.readline()
+        assert line.startswith("tracker: dashboard on http://127.0.0.1:"), line
+        with urllib.request.urlopen(line.split()[-1] + "api/state", timeout=5) as r:
+            state = json.loads(r.read())
+        assert (state["nodes"], state["tracker"]["heartbeat_interval_s"]) == ([], 0.7)
         with open_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.TrackerStub(channel)
             assert stub.Heartbeat(pb.HeartbeatRequest(node_id="x"), timeout=5).known is False

@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_scale_bench_parser(bsub)
 
     from meshnet.node.runner import add_node_parser
-    from meshnet.tracker.service import add_tracker_parser
+    from meshnet.tracker.cli import add_tracker_parser
     from meshnet.up import add_up_parser
 
     from meshnet.api.server import add_api_parser

@@ -18,6 +18,7 @@ import time
 import grpc
 from tqdm import tqdm
 
+from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
@@ -48,6 +49,7 @@ def add_up_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a complete route")
     p.add_argument("--api-port", type=int, default=8000,
                    help="serve the OpenAI-compatible API on this port (0 = any free port, -1 = no API)")
+    add_dashboard_args(p)
     add_speculation_args(p)  # the API's default; a request may say otherwise
     p.set_defaults(func=run_up)
 
@@ -87,16 +89,22 @@ def run_up(args: argparse.Namespace) -> int:
     from meshnet.local_mesh import plan_ranges
     from meshnet.model.bundled import resolve_model
     from meshnet.tracker.registry import Registry
-    from meshnet.tracker.service import serve_tracker
+    from meshnet.tracker.service import start_tracker
 
+    problem = dashboard_port_problem(args.dashboard_port)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     path = str(resolve_model(args.model))
     ranges = plan_ranges(path, args.stages)
     speculation = speculation_from_args(args, path) if args.api_port >= 0 else None  # ValueError: status 2
     registry = Registry(args.heartbeat)
-    server, port = serve_tracker(args.host, args.port, join_token=args.join_token, registry=registry)
+    server, port, service = start_tracker(args.host, args.port, join_token=args.join_token, registry=registry)
     tracker = f"{args.host}:{port}"
     print(f"[meshnet up] tracker on {tracker}; starting {len(ranges)} nodes: "
           f"{', '.join(str(r) for r in ranges)}", file=sys.stderr, flush=True)
+    # Up before the nodes: the map shows them arrive.
+    dashboard = dashboard_from_args(service, args, "[meshnet up]")
     env = dict(os.environ)
     if args.join_token:
         env["MESHNET_JOIN_TOKEN"] = args.join_token
@@ -144,9 +152,12 @@ def run_up(args: argparse.Namespace) -> int:
                 api_backend.close()
                 print(f"[meshnet up] no API: cannot listen on {args.host}:{args.api_port} ({e}); "
                       "pass --api-port 0 for any free port", file=sys.stderr, flush=True)
-        print(f"MESHNET_UP_READY tracker={tracker}" + (f" api={api_url}" if api_url else ""), flush=True)
+        print(f"MESHNET_UP_READY tracker={tracker}" + (f" api={api_url}" if api_url else "")
+              + (f" dashboard={dashboard.url}" if dashboard else ""), flush=True)
         print(f"[meshnet up] try: meshnet generate --tracker {tracker} \"Hello\"   (Ctrl-C stops the mesh)",
               file=sys.stderr, flush=True)
+        if dashboard:
+            print(f"[meshnet up] watch it: {dashboard.url}", file=sys.stderr, flush=True)
         # The supervisor restarts nodes that exit; only a signal ends the mesh.
         while not stop.wait(0.5):
             pass
@@ -163,5 +174,7 @@ def run_up(args: argparse.Namespace) -> int:
             api[0].close()
         print("[meshnet up] stopping nodes", file=sys.stderr)
         supervisor.stop(timeout_s=15)
+        if dashboard is not None:
+            dashboard.stop()
         server.stop(grace=1).wait()
     return code

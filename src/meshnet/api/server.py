@@ -98,10 +98,19 @@ def run_api(args: argparse.Namespace) -> int:
 def start_api_in_thread(backend: ApiBackend, host: str = "127.0.0.1", port: int = 8000,
                         max_body_bytes: int = MAX_BODY_BYTES, log_level: str = "warning",
                         startup_timeout_s: float = 30.0) -> tuple[uvicorn.Server, threading.Thread]:
-    """Serve ``create_app(backend)`` with uvicorn in a daemon thread; returns once it accepts connections.
+    """Serve ``create_app(backend)`` with uvicorn in a daemon thread; see :func:`serve_app_in_thread`."""
+    return serve_app_in_thread(create_app(backend, max_body_bytes=max_body_bytes), host, port, log_level,
+                               startup_timeout_s, name="meshnet-api")
+
+
+def serve_app_in_thread(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+                        startup_timeout_s: float = 30.0, name: str = "meshnet-http"
+                        ) -> tuple[uvicorn.Server, threading.Thread]:
+    """Serve the ASGI ``app`` with uvicorn in a daemon thread; returns once it accepts connections.
 
     Args:
         port: TCP port; 0 picks a free one. The bound port is in ``server.config.port`` on return.
+        name: the thread's name, followed by the port.
     Returns:
         ``(server, thread)``; stop with :func:`stop_api`.
     Raises:
@@ -118,19 +127,18 @@ def start_api_in_thread(backend: ApiBackend, host: str = "127.0.0.1", port: int 
         raise
     sock.set_inheritable(True)
     bound = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(backend, max_body_bytes=max_body_bytes), host=host, port=bound,
-                            log_level=log_level, timeout_graceful_shutdown=5, lifespan="off")
+    config = uvicorn.Config(app, host=host, port=bound, log_level=log_level, timeout_graceful_shutdown=5,
+                            lifespan="off")
     server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"meshnet-api-{bound}",
-                              daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"{name}-{bound}", daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout_s
     while not server.started:
         if not thread.is_alive():
-            raise RuntimeError(f"the API server on {host}:{bound} exited during startup")
+            raise RuntimeError(f"the HTTP server on {host}:{bound} exited during startup")
         if time.monotonic() > deadline:
             server.should_exit = True
-            raise RuntimeError(f"the API server on {host}:{bound} did not start in {startup_timeout_s:.0f}s")
+            raise RuntimeError(f"the HTTP server on {host}:{bound} did not start in {startup_timeout_s:.0f}s")
         time.sleep(0.02)
     return server, thread
 

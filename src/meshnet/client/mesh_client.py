@@ -25,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+from meshnet.client.activity import ActivityReporter
 from meshnet.client.deadline import DeadlinePolicy, HopClocks
 from meshnet.client.forwarded import forwardable, run_forwarded
 from meshnet.client.orphans import OrphanReleaser
@@ -70,12 +71,15 @@ class MeshClient:
             replayed during failover delivers nothing) to the tracker's ledger, in the background.
         forwarding: forward steps node to node where the route allows (every hop on a data plane);
             client-orchestrated steps otherwise.
+        report_activity: report open sessions, their routes, tokens and time to first token to the
+            tracker for its dashboard (:mod:`meshnet.client.activity`), in the background.
     """
 
     def __init__(self, tracker: str, model_sha256: str = "", join_token: str | None = None,
                  tls_ca: str | None = None, step_timeout_s: float = 60.0, failover_deadline_s: float = 8.0,
                  client_id: str | None = None, report_deliveries: bool = True,
-                 step_deadline: DeadlinePolicy | None = None, forwarding: bool = True) -> None:
+                 step_deadline: DeadlinePolicy | None = None, forwarding: bool = True,
+                 report_activity: bool = True) -> None:
         self.failover_deadline_s = failover_deadline_s
         self.forwarding = forwarding
         self.router = Router(tracker, model_sha256, join_token, tls_ca, step_timeout_s)
@@ -87,6 +91,8 @@ class MeshClient:
         self.orphans = OrphanReleaser()
         self.client_id = client_id or new_client_id()
         self.deliveries = DeliveryReporter(self.router.tracker, self.client_id, model_sha256) if report_deliveries else None
+        self.activity = ActivityReporter(self.router.tracker, self.client_id, model_sha256,
+                                         self._routes) if report_activity else None
 
     # ---- routing -----------------------------------------------------------------------------
     def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0) -> tuple[int, list[RemoteStage]]:
@@ -134,7 +140,14 @@ class MeshClient:
         if log_ is None:
             if decode or req.position != 0:
                 return StepResult(Status.NOT_FOUND, f"session {req.session_id!r} is not open on this client")
-            epoch, hops = self.route()
+            if self.activity is not None:
+                self.activity.opened(req.session_id)
+            try:
+                epoch, hops = self.route()
+            except BaseException:
+                if self.activity is not None:
+                    self.activity.ended(req.session_id)
+                raise
             log_ = self._sessions[req.session_id] = SessionLog(req.session_id, epoch, hops)
         deadline: float | None = None
         forward = False  # whether the last attempt was forwarded (which hops ran it is then unknown)
@@ -162,13 +175,17 @@ class MeshClient:
                 if result.ok:
                     log_.steps.append(RecordedStep(replace(req, hidden=None), decode, list(step_inputs),
                                                    through=1 if forward else len(log_.hops)))
+                    # The position of the token this step delivers (see below for verification steps).
+                    delivered_at = req.position + (1 if req.verify else len(req.token_ids))
                     if result.token is not None and self.deliveries is not None:
                         # Tokens before this step's first position were kept (the last verification
                         # step's accepted drafts among them); of this step's, the one sampled after its
                         # last row, or after a verification step's first (the one kept whatever the
                         # drafts). A generation that ends on accepted drafts leaves those uncounted.
                         self.deliveries.delivered_through(req.session_id, req.position)
-                        self.deliveries.delivered(req.session_id, req.position + (1 if req.verify else len(req.token_ids)))
+                        self.deliveries.delivered(req.session_id, delivered_at)
+                    if result.token is not None and self.activity is not None:
+                        self.activity.delivered(req.session_id, delivered_at)
                 else:
                     self._abandon(log_)
                 return result
@@ -203,6 +220,8 @@ class MeshClient:
                 self._release_or_orphan(hop, session_id, log_.epoch + 1, unconditional=not fence)
         if self.deliveries is not None:
             self.deliveries.session_ended(session_id)
+        if self.activity is not None:
+            self.activity.ended(session_id)
 
     def close(self) -> None:
         for sid in list(self._sessions):
@@ -210,9 +229,15 @@ class MeshClient:
         self.orphans.close()
         if self.deliveries is not None:
             self.deliveries.close()
+        if self.activity is not None:
+            self.activity.close()
         self.router.close()
 
     # ---- internals ---------------------------------------------------------------------------
+    def _routes(self) -> dict:
+        """``{session_id: (epoch, hops)}`` of the sessions open now (what the activity report lists)."""
+        return {sid: (log_.epoch, list(log_.hops)) for sid, log_ in list(self._sessions.items())}
+
     def _run(self, log_: SessionLog, req: StepRequest, decode: bool, start: int,
              inputs: list[NamedTensor | None]) -> StepResult:
         """Run ``req`` through hops ``start..`` feeding hop ``start`` with ``inputs[start]``; fills in

@@ -96,7 +96,8 @@ def _load_cells(load: dict | None) -> tuple[str, str, str, str]:
 def nodes_dict(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) -> dict:
     """The reply as plain data: ``{"nodes": [...]}`` (what ``--json`` prints); speed in tokens/s,
     heartbeat age in seconds; ``address`` is the node's gRPC HOST:PORT, ``data_address`` its step data
-    plane's ("" when it has none: relayed, TLS or ``--no-data-plane``)."""
+    plane's ("" when it has none: relayed, TLS or ``--no-data-plane``); ``version`` the node's meshnet
+    release ("" from an older node), ``protocol`` its wire protocol ``MAJOR.MINOR``."""
     return {"nodes": [{"node_id": s.info.node_id, "address": s.info.address, "data_address": s.info.data_address,
                        "layers": [s.info.layers.start, s.info.layers.end], "n_layer": s.info.model.n_layer,
                        "model_sha256": s.info.model.sha256, "backend": s.info.backend,
@@ -105,6 +106,7 @@ def nodes_dict(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) 
                        "device": device_dict(s.info) if s.info.HasField("device") else None,
                        "free_memory_bytes": s.info.free_memory_bytes,
                        "last_heartbeat_age_s": s.last_heartbeat_age_s, "signed": s.signed,
+                       "version": s.info.version, "protocol": f"{s.info.protocol_major}.{s.info.protocol_minor}",
                        "load": (loads or {}).get(s.info.node_id)}
                       for s in reply.nodes]}
 

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 
+from meshnet import __version__
 from meshnet.contract import LayerRange
 from meshnet.engine.kv_pool import available_memory_bytes
 from meshnet.ledger.reporting import WorkReporter
@@ -141,7 +142,8 @@ class Node:
                            engine=c.engine, backend=c.backend, protocol_major=PROTOCOL_MAJOR,
                            protocol_minor=PROTOCOL_MINOR, free_memory_bytes=free,
                            decode_tokens_per_s=self.decode_tokens_per_s, max_sessions=c.max_sessions,
-                           data_address=self.data_address, relayed=self.cfg.relay, device=self._device_info())
+                           data_address=self.data_address, relayed=self.cfg.relay, device=self._device_info(),
+                           version=__version__)
 
     def _device_info(self) -> pb.DeviceInfo | None:
         """The engine's device as registered (None for an engine without one, e.g. the fake)."""

@@ -320,7 +320,7 @@ class DeviceInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., type: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., index: _Optional[int] = ..., cpu_features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "address", "model", "layers", "engine", "backend", "protocol_major", "protocol_minor", "free_memory_bytes", "decode_tokens_per_s", "max_sessions", "data_address", "relayed", "device", "public_key", "signature", "timestamp")
+    __slots__ = ("node_id", "address", "model", "layers", "engine", "backend", "protocol_major", "protocol_minor", "free_memory_bytes", "decode_tokens_per_s", "max_sessions", "data_address", "relayed", "device", "version", "public_key", "signature", "timestamp")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +335,7 @@ class NodeInfo(_message.Message):
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
@@ -352,10 +353,11 @@ class NodeInfo(_message.Message):
     data_address: str
     relayed: bool
     device: DeviceInfo
+    version: str
     public_key: bytes
     signature: bytes
     timestamp: float
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ..., max_sessions: _Optional[int] = ..., data_address: _Optional[str] = ..., relayed: _Optional[bool] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., timestamp: _Optional[float] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ..., max_sessions: _Optional[int] = ..., data_address: _Optional[str] = ..., relayed: _Optional[bool] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., version: _Optional[str] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("heartbeat_interval_s", "ttl_s")
@@ -568,6 +570,36 @@ class LedgerReply(_message.Message):
     nodes: _containers.RepeatedCompositeFieldContainer[NodeBalance]
     clients: _containers.RepeatedCompositeFieldContainer[ClientBalance]
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeBalance, _Mapping]]] = ..., clients: _Optional[_Iterable[_Union[ClientBalance, _Mapping]]] = ...) -> None: ...
+
+class SessionActivity(_message.Message):
+    __slots__ = ("session_id", "epoch", "hops", "tokens", "age_s")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HOPS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    hops: _containers.RepeatedCompositeFieldContainer[Hop]
+    tokens: int
+    age_s: float
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., hops: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., tokens: _Optional[int] = ..., age_s: _Optional[float] = ...) -> None: ...
+
+class ActivityReport(_message.Message):
+    __slots__ = ("client_id", "model_sha256", "sessions", "generated_tokens", "ttft_s", "version")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    model_sha256: str
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionActivity]
+    generated_tokens: int
+    ttft_s: _containers.RepeatedScalarFieldContainer[float]
+    version: str
+    def __init__(self, client_id: _Optional[str] = ..., model_sha256: _Optional[str] = ..., sessions: _Optional[_Iterable[_Union[SessionActivity, _Mapping]]] = ..., generated_tokens: _Optional[int] = ..., ttft_s: _Optional[_Iterable[float]] = ..., version: _Optional[str] = ...) -> None: ...
 
 class RelayDown(_message.Message):
     __slots__ = ("call_id", "kind", "frames", "session_id", "epoch")

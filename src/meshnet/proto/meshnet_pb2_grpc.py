@@ -462,6 +462,11 @@ class TrackerStub:
                 request_serializer=meshnet_dot_proto_dot_meshnet__pb2.Empty.SerializeToString,
                 response_deserializer=meshnet_dot_proto_dot_meshnet__pb2.LedgerReply.FromString,
                 _registered_method=True)
+        self.ReportActivity = channel.unary_unary(
+                '/meshnet.v1.Tracker/ReportActivity',
+                request_serializer=meshnet_dot_proto_dot_meshnet__pb2.ActivityReport.SerializeToString,
+                response_deserializer=meshnet_dot_proto_dot_meshnet__pb2.Empty.FromString,
+                _registered_method=True)
         self.Relay = channel.stream_stream(
                 '/meshnet.v1.Tracker/Relay',
                 request_serializer=meshnet_dot_proto_dot_meshnet__pb2.RelayUp.SerializeToString,
@@ -548,6 +553,14 @@ class TrackerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportActivity(self, request, context):
+        """Clients report their open sessions, routes, tokens and time to first token (the dashboard's view);
+        INVALID_ARGUMENT names a malformed report.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Relay(self, request_iterator, context):
         """Relay: a node that cannot accept connections opens Relay after registering (first RelayUp carries
         its signed hello) and answers the calls the tracker pushes down. Clients reach such a node with
@@ -622,6 +635,11 @@ def add_TrackerServicer_to_server(servicer, server):
                     servicer.GetLedger,
                     request_deserializer=meshnet_dot_proto_dot_meshnet__pb2.Empty.FromString,
                     response_serializer=meshnet_dot_proto_dot_meshnet__pb2.LedgerReply.SerializeToString,
+            ),
+            'ReportActivity': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportActivity,
+                    request_deserializer=meshnet_dot_proto_dot_meshnet__pb2.ActivityReport.FromString,
+                    response_serializer=meshnet_dot_proto_dot_meshnet__pb2.Empty.SerializeToString,
             ),
             'Relay': grpc.stream_stream_rpc_method_handler(
                     servicer.Relay,
@@ -909,6 +927,33 @@ class Tracker:
             '/meshnet.v1.Tracker/GetLedger',
             meshnet_dot_proto_dot_meshnet__pb2.Empty.SerializeToString,
             meshnet_dot_proto_dot_meshnet__pb2.LedgerReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportActivity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshnet.v1.Tracker/ReportActivity',
+            meshnet_dot_proto_dot_meshnet__pb2.ActivityReport.SerializeToString,
+            meshnet_dot_proto_dot_meshnet__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,6 +51,7 @@ class RegisteredNode:
         free_memory_bytes: what the node reported at registration (0 = not reported).
         device: the device the node computes on as it registered it (``{"name", "description",
             "type", "memory_total_bytes", "index", "cpu_features"}``, memory in bytes); None when it registered none.
+        version: the node's meshnet release as it registered it ("" = not said: an older node).
     """
 
     record: NodeRecord
@@ -59,6 +60,7 @@ class RegisteredNode:
     protocol_minor: int
     free_memory_bytes: int = 0
     device: dict | None = None
+    version: str = ""
 
 
 @dataclass
@@ -69,6 +71,7 @@ class _Entry:
     protocol_minor: int
     free_memory_bytes: int
     device: dict | None = None
+    version: str = ""
 
 
 class Registry:
@@ -95,7 +98,7 @@ class Registry:
     # ---- membership ----------------------------------------------------------------------------------
 
     def register(self, record: NodeRecord, protocol_major: int, protocol_minor: int,
-                 free_memory_bytes: int = 0, device: dict | None = None) -> None:
+                 free_memory_bytes: int = 0, device: dict | None = None, version: str = "") -> None:
         """Add ``record``, replacing an entry with the same node id that has expired or has the same address
         (the node re-registering, or restarted on its port: it leaves no ghost).
 
@@ -126,7 +129,7 @@ class Registry:
                     f"(if that node has just died, its entry expires in {self.ttl_s - age:.1f} s)",
                     record.node_id, live.record.address)
             self._entries[record.node_id] = _Entry(record, now, protocol_major, protocol_minor,
-                                                   max(int(free_memory_bytes), 0), device)
+                                                   max(int(free_memory_bytes), 0), device, version)
 
     def heartbeat(self, node_id: str, active_sessions: int, decode_tokens_per_s: float) -> bool:
         """Record that ``node_id`` is alive, with its current load and (if > 0) a fresh speed.
@@ -175,7 +178,7 @@ class Registry:
         with self._lock:
             now = self._sweep()
             return [RegisteredNode(e.record, max(now - e.last_seen, 0.0), e.protocol_major, e.protocol_minor,
-                                   e.free_memory_bytes, e.device)
+                                   e.free_memory_bytes, e.device, e.version)
                     for e in (self._entries[k] for k in sorted(self._entries))]
 
     def _sweep(self) -> float:

@@ -16,18 +16,13 @@ stream open (its first message a signed hello); clients reach it through ``Relay
 Ledger: nodes report completed steps (ReportWork), clients delivered tokens (ReportDelivery); both are
 stored once per key in the tracker's :class:`~meshnet.ledger.store.Ledger`, read back with GetLedger.
 
-CLI: ``meshnet tracker [--host H] [--port 7700] [--heartbeat S] [--join-token T] [--tls-cert C --tls-key K]
-[--ledger URL] [--require-signatures]`` (see :func:`add_tracker_parser`).
+The ``meshnet tracker`` command is :mod:`meshnet.tracker.cli`; its dashboard, :mod:`meshnet.dashboard`.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
-import os
-import signal
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -38,20 +33,21 @@ from meshnet.contract import LayerRange
 from meshnet.membership.auth import AuthError, Authenticator
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.tracker.activity import ActivityBoard
 from meshnet.tracker.manifests import ManifestFull, ManifestNotFound, ManifestRefused, ManifestStore
 from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry, RegisteredNode
 from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayHub
 from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
-from meshnet.wire.security import JOIN_TOKEN_ENV, TlsConfig, add_port, format_address, make_server
+from meshnet.wire.security import TlsConfig, add_port, format_address, make_server
 
 if TYPE_CHECKING:  # the ledger pulls in SQLAlchemy: imported when a tracker starts, not with the CLI
     from meshnet.ledger.store import Ledger
 
-DEFAULT_PORT = 7700
 _UINT64_MAX = (1 << 64) - 1
 _DEFAULT_MAX_SESSIONS = NodeRecord.__dataclass_fields__["max_sessions"].default
 # Seconds a deregistered node may still report work: its drain (30 s by default) with margin.
 _DEPARTED_S = 300.0
+_MAX_VERSION_CHARS = 64
 
 
 class _Refusal(Exception):
@@ -101,6 +97,10 @@ def record_from_info(info: pb.NodeInfo) -> NodeRecord:
     if not (speed >= 0 and math.isfinite(speed)):
         raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                        f"Register: {who} has decode_tokens_per_s={speed}; expected a finite number >= 0")
+    if len(info.version) > _MAX_VERSION_CHARS:
+        raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"Register: {who} has a version string of {len(info.version)} characters "
+                       f"(at most {_MAX_VERSION_CHARS})")
     return NodeRecord(node_id=info.node_id, address=info.address, model_sha256=info.model.sha256,
                       architecture=info.model.architecture, n_layer=n_layer, layers=LayerRange(start, end),
                       engine=info.engine or "ggml", backend=info.backend or "cpu", decode_tokens_per_s=speed,
@@ -117,7 +117,7 @@ def info_from_status(s: RegisteredNode) -> pb.NodeInfo:
                        backend=r.backend, protocol_major=s.protocol_major, protocol_minor=s.protocol_minor,
                        free_memory_bytes=s.free_memory_bytes, decode_tokens_per_s=r.decode_tokens_per_s,
                        max_sessions=max(r.max_sessions, 0), data_address=r.data_address, relayed=r.relayed,
-                       device=pb.DeviceInfo(**s.device) if s.device else None)
+                       device=pb.DeviceInfo(**s.device) if s.device else None, version=s.version)
 
 
 def device_dict(info: pb.NodeInfo) -> dict:
@@ -151,6 +151,7 @@ class TrackerService(pb_grpc.TrackerServicer):
         # Nodes that deregistered, kept a while so the work they finish while draining is still credited.
         self._departed: dict[str, tuple[NodeRecord, float]] = {}
         self.relays = RelayHub()
+        self.activity = ActivityBoard()  # clients' sessions, tokens/s and TTFT, for the dashboard
         self.manifests = ManifestStore()
 
     def _authenticate(self, method: str, node_id: str, message, bind: bool = False) -> None:
@@ -173,7 +174,8 @@ class TrackerService(pb_grpc.TrackerServicer):
             try:
                 self.registry.register(record, request.protocol_major, request.protocol_minor,
                                        free_memory_bytes=request.free_memory_bytes,
-                                       device=device_dict(request) if request.HasField("device") else None)
+                                       device=device_dict(request) if request.HasField("device") else None,
+                                       version=request.version)
             except ProtocolMismatch as e:
                 raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"Register: {e}") from None
             except NodeIdInUse as e:
@@ -265,10 +267,18 @@ class TrackerService(pb_grpc.TrackerServicer):
 
     @_rpc
     def ListNodes(self, request: pb.Empty, context) -> pb.NodeList:
+        return self.node_list()
+
+    def node_list(self) -> pb.NodeList:
+        """Every live node as ListNodes answers (the dashboard reads the same)."""
         return pb.NodeList(nodes=[
             pb.NodeStatus(info=info_from_status(s), active_sessions=s.record.active_sessions,
                           last_heartbeat_age_s=s.last_heartbeat_age_s, signed=self.auth.is_bound(s.record.node_id))
             for s in self.registry.statuses()])
+
+    def relay_attached(self, node_id: str) -> bool:
+        """Whether relayed node ``node_id`` has its relay stream open (routing skips it otherwise)."""
+        return self.relays.attached(node_id)
 
     @_rpc
     def ReportWork(self, request: pb.WorkReport, context) -> pb.WorkReportReply:
@@ -311,6 +321,13 @@ class TrackerService(pb_grpc.TrackerServicer):
 
         return ledger_reply(self.ledger)
 
+    @_rpc
+    def ReportActivity(self, request: pb.ActivityReport, context) -> pb.Empty:
+        try:
+            self.activity.record(request)
+        except ValueError as e:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"ReportActivity: {e}") from None
+        return pb.Empty()
 
     # ---- relay -------------------------------------------------------------------------------------
     def Relay(self, request_iterator, context):
@@ -396,6 +413,16 @@ def serve_tracker(host: str = "127.0.0.1", port: int = 0, heartbeat_interval_s: 
                   join_token: str | None = None, tls: TlsConfig | None = None,
                   registry: Registry | None = None, ledger: "Ledger | str | None" = None,
                   require_signatures: bool = False) -> tuple[grpc.Server, int]:
+    """Start a tracker server in background threads; as :func:`start_tracker`, without the service."""
+    server, bound, _ = start_tracker(host, port, heartbeat_interval_s, join_token, tls, registry, ledger,
+                                     require_signatures)
+    return server, bound
+
+
+def start_tracker(host: str = "127.0.0.1", port: int = 0, heartbeat_interval_s: float = 2.0,
+                  join_token: str | None = None, tls: TlsConfig | None = None,
+                  registry: Registry | None = None, ledger: "Ledger | str | None" = None,
+                  require_signatures: bool = False) -> tuple[grpc.Server, int, TrackerService]:
     """Start a tracker server in background threads.
 
     Args:
@@ -411,7 +438,8 @@ def serve_tracker(host: str = "127.0.0.1", port: int = 0, heartbeat_interval_s: 
         require_signatures: refuse unsigned node messages even for ids no key is bound to.
 
     Returns:
-        ``(server, bound_port)``; stop it with ``server.stop(grace)``.
+        ``(server, bound_port, service)``; stop it with ``server.stop(grace)``. ``service`` is what the
+        dashboard (:func:`meshnet.dashboard.server.start_dashboard`) reads.
 
     Raises:
         RuntimeError: the address cannot be bound; ValueError: bad interval or unreadable TLS files;
@@ -433,86 +461,4 @@ def serve_tracker(host: str = "127.0.0.1", port: int = 0, heartbeat_interval_s: 
         server.stop(None)
         raise
     server.start()
-    return server, bound
-
-
-def add_tracker_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``tracker`` subcommand to ``subparsers`` (``set_defaults(func=run_tracker)``)."""
-    p = subparsers.add_parser("tracker", help="run the tracker: node registry and route planner",
-                              description="Run the tracker: nodes register and heartbeat here, clients ask it "
-                                          "for a route (a chain of nodes covering every layer).")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s; "
-                                                       "0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s; 0 = any free port)")
-    p.add_argument("--heartbeat", type=float, default=2.0, metavar="SECONDS",
-                   help="heartbeat interval nodes are told to use; a node silent for 3 intervals leaves "
-                        "routing (default %(default)s)")
-    p.add_argument("--join-token", default=None,
-                   help=f"refuse callers without this shared secret (default: ${JOIN_TOKEN_ENV}, if set)")
-    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS (needs --tls-key)")
-    p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
-    p.add_argument("--ledger", default=None, metavar="URL",
-                   help="SQLAlchemy URL of the ledger database (work credited to nodes, tokens charged to "
-                        "clients, node keys): sqlite:///PATH or postgresql+psycopg://USER:PASS@HOST/DB; "
-                        "default sqlite:///$XDG_DATA_HOME/meshnet/ledger.db (~/.local/share/meshnet/ledger.db); "
-                        "sqlite:// keeps it in memory")
-    p.add_argument("--require-signatures", action="store_true",
-                   help="refuse nodes that do not sign their messages (older nodes); by default an unsigned "
-                        "node is accepted unless its id belongs to a key")
-    p.set_defaults(func=run_tracker)
-    return p
-
-
-def run_tracker(args: argparse.Namespace) -> int:
-    """CLI entry: serve until SIGINT/SIGTERM, then stop cleanly. Returns the exit code (0, or 2 for bad
-    arguments / an address that cannot be bound)."""
-    if (args.tls_cert is None) != (args.tls_key is None):
-        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
-        return 2
-    if not (args.heartbeat > 0 and math.isfinite(args.heartbeat)):
-        print(f"error: --heartbeat must be a positive number of seconds, got {args.heartbeat}", file=sys.stderr)
-        return 2
-    if not 0 <= args.port <= 65535:
-        print(f"error: --port must be in 0..65535, got {args.port}", file=sys.stderr)
-        return 2
-    token = args.join_token or os.environ.get(JOIN_TOKEN_ENV) or None
-    tls = TlsConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
-    from meshnet.ledger.store import Ledger, LedgerError, default_ledger_url
-
-    ledger_url = getattr(args, "ledger", None) or default_ledger_url()
-    try:
-        ledger = Ledger(ledger_url)
-    except LedgerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        server, port = serve_tracker(args.host, args.port, args.heartbeat, join_token=token, tls=tls, ledger=ledger,
-                                     require_signatures=getattr(args, "require_signatures", False))
-    except (RuntimeError, ValueError) as e:
-        ledger.close()
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-    stop = threading.Event()
-    previous: dict[int, object] = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda *_: stop.set())
-    print(f"tracker listening on {format_address(args.host, port)}", file=sys.stderr, flush=True)
-    print(f"tracker: ledger {ledger.display_url}", file=sys.stderr, flush=True)
-    extras = [x for x in ("TLS" if tls else "", "join token required" if token else "",
-                          "signatures required" if getattr(args, "require_signatures", False) else "") if x]
-    if extras:
-        print(f"tracker: {', '.join(extras)}", file=sys.stderr, flush=True)
-    try:
-        while not stop.wait(0.5):  # a timed wait lets signal handlers run promptly
-            pass
-    except KeyboardInterrupt:
-        pass
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        server.stop(grace=1.0).wait()
-        ledger.close()
-    print("tracker stopped", file=sys.stderr, flush=True)
-    return 0
+    return server, bound, service

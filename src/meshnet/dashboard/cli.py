@@ -1,0 +1,48 @@
+"""The dashboard's command-line options, shared by ``meshnet tracker`` and ``meshnet up`` (kept free of
+FastAPI and uvicorn, which load only when a dashboard starts)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshnet.dashboard.server import Dashboard
+
+DEFAULT_PORT = 7780
+
+
+def add_dashboard_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_PORT) -> None:
+    """``--dashboard-port`` and ``--dashboard-host`` on the argparse parser ``p``."""
+    p.add_argument("--dashboard-port", type=int, default=default_port, metavar="PORT",
+                   help="serve the web dashboard (layer map, nodes, sessions, tokens/s, ledger) over HTTP on this "
+                        "port (default %(default)s; 0 = any free port, -1 = no dashboard)")
+    p.add_argument("--dashboard-host", default="127.0.0.1", metavar="HOST",
+                   help="address the dashboard listens on (default %(default)s: this machine only; it needs no "
+                        "join token, so expose it deliberately)")
+
+
+def dashboard_port_problem(port: int) -> str | None:
+    """None when ``port`` is a valid ``--dashboard-port``, else the error message to print."""
+    if port == -1 or 0 <= port <= 65535:
+        return None
+    return f"--dashboard-port must be -1 (none) or in 0..65535, got {port}"
+
+
+def dashboard_from_args(service, args, who: str) -> "Dashboard | None":
+    """Start the dashboard ``args`` ask for (checked with :func:`dashboard_port_problem` first; None with
+    ``--dashboard-port -1``); when its port cannot be bound, say so on stderr (prefixed ``who``) and go on
+    without it: the mesh matters more than its view."""
+    if args.dashboard_port == -1:
+        return None
+    from meshnet.dashboard.server import start_dashboard
+
+    try:
+        dashboard = start_dashboard(service, args.dashboard_host, args.dashboard_port)
+    except (OSError, RuntimeError) as e:
+        print(f"{who} no dashboard: cannot listen on {args.dashboard_host}:{args.dashboard_port} ({e}); "
+              "pass --dashboard-port 0 for any free port", file=sys.stderr, flush=True)
+        return None
+    print(f"{who} dashboard on {dashboard.url}", file=sys.stderr, flush=True)
+    return dashboard

@@ -1,0 +1,111 @@
+"""``meshnet tracker``: serve the tracker (:mod:`meshnet.tracker.service`) and its web dashboard
+(:mod:`meshnet.dashboard`) until SIGINT/SIGTERM.
+
+``meshnet tracker [--host H] [--port 7700] [--heartbeat S] [--join-token T] [--tls-cert C --tls-key K]
+[--ledger URL] [--require-signatures] [--dashboard-port 7780] [--dashboard-host 127.0.0.1]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import sys
+import threading
+
+from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
+from meshnet.tracker.service import start_tracker
+from meshnet.wire.security import JOIN_TOKEN_ENV, TlsConfig, format_address
+
+DEFAULT_PORT = 7700
+
+
+def add_tracker_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``tracker`` subcommand to ``subparsers`` (``set_defaults(func=run_tracker)``)."""
+    p = subparsers.add_parser("tracker", help="run the tracker: node registry and route planner",
+                              description="Run the tracker: nodes register and heartbeat here, clients ask it "
+                                          "for a route (a chain of nodes covering every layer).")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s; "
+                                                       "0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s; 0 = any free port)")
+    p.add_argument("--heartbeat", type=float, default=2.0, metavar="SECONDS",
+                   help="heartbeat interval nodes are told to use; a node silent for 3 intervals leaves "
+                        "routing (default %(default)s)")
+    p.add_argument("--join-token", default=None,
+                   help=f"refuse callers without this shared secret (default: ${JOIN_TOKEN_ENV}, if set)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS (needs --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
+    p.add_argument("--ledger", default=None, metavar="URL",
+                   help="SQLAlchemy URL of the ledger database (work credited to nodes, tokens charged to "
+                        "clients, node keys): sqlite:///PATH or postgresql+psycopg://USER:PASS@HOST/DB; "
+                        "default sqlite:///$XDG_DATA_HOME/meshnet/ledger.db (~/.local/share/meshnet/ledger.db); "
+                        "sqlite:// keeps it in memory")
+    p.add_argument("--require-signatures", action="store_true",
+                   help="refuse nodes that do not sign their messages (older nodes); by default an unsigned "
+                        "node is accepted unless its id belongs to a key")
+    add_dashboard_args(p)
+    p.set_defaults(func=run_tracker)
+    return p
+
+
+def run_tracker(args: argparse.Namespace) -> int:
+    """CLI entry: serve until SIGINT/SIGTERM, then stop cleanly. Returns the exit code (0, or 2 for bad
+    arguments / an address that cannot be bound)."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    if not (args.heartbeat > 0 and math.isfinite(args.heartbeat)):
+        print(f"error: --heartbeat must be a positive number of seconds, got {args.heartbeat}", file=sys.stderr)
+        return 2
+    if not 0 <= args.port <= 65535:
+        print(f"error: --port must be in 0..65535, got {args.port}", file=sys.stderr)
+        return 2
+    problem = dashboard_port_problem(args.dashboard_port)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    token = args.join_token or os.environ.get(JOIN_TOKEN_ENV) or None
+    tls = TlsConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
+    from meshnet.ledger.store import Ledger, LedgerError, default_ledger_url
+
+    ledger_url = getattr(args, "ledger", None) or default_ledger_url()
+    try:
+        ledger = Ledger(ledger_url)
+    except LedgerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        server, port, service = start_tracker(args.host, args.port, args.heartbeat, join_token=token, tls=tls,
+                                              ledger=ledger, require_signatures=getattr(args, "require_signatures", False))
+    except (RuntimeError, ValueError) as e:
+        ledger.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    stop = threading.Event()
+    previous: dict[int, object] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    print(f"tracker listening on {format_address(args.host, port)}", file=sys.stderr, flush=True)
+    dashboard = dashboard_from_args(service, args, "tracker:")
+    print(f"tracker: ledger {ledger.display_url}", file=sys.stderr, flush=True)
+    extras = [x for x in ("TLS" if tls else "", "join token required" if token else "",
+                          "signatures required" if getattr(args, "require_signatures", False) else "") if x]
+    if extras:
+        print(f"tracker: {', '.join(extras)}", file=sys.stderr, flush=True)
+    try:
+        while not stop.wait(0.5):  # a timed wait lets signal handlers run promptly
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if dashboard is not None:
+            dashboard.stop()
+        server.stop(grace=1.0).wait()
+        ledger.close()
+    print("tracker stopped", file=sys.stderr, flush=True)
+    return 0
