@@ -60,6 +60,8 @@ class _SamplingFields(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None  # token id (string) -> bias in [-100, 100]
+    # {"type": "text" | "json_object" | "json_schema", ...}: checked by meshnet.api.structured
+    response_format: dict[str, Any] | None = None
     user: str | None = None  # accepted, ignored
     metadata: dict[str, Any] | None = None  # accepted, ignored
     store: bool | None = None  # accepted, ignored
@@ -107,7 +109,6 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None  # refused unless "none"
     functions: list[Any] | None = None  # refused unless empty
     function_call: Any = None  # refused unless "none"
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
     parallel_tool_calls: bool | None = None  # accepted, ignored
     modalities: list[str] | None = None  # only ["text"]
     reasoning_effort: str | None = None  # accepted, ignored
