@@ -16,24 +16,13 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from api_served import served_api  # noqa: E402
 from meshnet.api.backend import local_backend  # noqa: E402
+from meshnet.bench.structured_bench import PERSON  # noqa: E402
 from meshnet.chat_template import chat_prompt_ids  # noqa: E402
 from meshnet.contract import MAX_GRAMMAR_BYTES, Grammar, SamplingParams  # noqa: E402
 from meshnet.generation import generate  # noqa: E402
 from meshnet.speculative import Speculation  # noqa: E402
 
-# Required string, integer, enum and bounded array: the shape. Bounded strings and integer keep a
-# sampled document short (the grammar admits no free whitespace).
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 32},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "color": {"enum": ["red", "green", "blue"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 1, "maxItems": 3},
-    },
-    "required": ["name", "age", "color", "tags"],
-    "additionalProperties": False,
-}
+# Required string, integer, enum and bounded array (the shape), as the structured bench asks for.
 PERSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 ASK = [{"role": "user", "content": "Describe a person as JSON with name, age, color and tags."}]
 PLAIN = "The capital of France is"
