@@ -49,7 +49,8 @@ from meshnet.api.schemas import (
     Usage,
 )
 from meshnet.api.sse import DONE, ChatChunks, CompletionChunks, event, sse
-from meshnet.api.structured import response_grammar
+from meshnet.api.structured import grammar_for, response_grammar
+from meshnet.api.tools import ToolPlan, plan_tools, tool_calls_from, tools_system_message
 from meshnet.api.validation import logit_bias, parse_body, repetition_penalty, validation_error
 from meshnet.contract import Grammar, SamplingParams
 from meshnet.speculative import Speculation, speculation_from
@@ -362,18 +363,27 @@ class _Api:
             raise bad_request("max_tokens and max_completion_tokens differ; give one", "max_tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self._common_checks(req)
-        if req.tools or req.functions:
-            raise bad_request("tools and function calling are not supported", "tools", "unsupported_parameter")
-        if req.tool_choice not in (None, "none") or req.function_call not in (None, "none"):
-            raise bad_request("tool_choice is not supported", "tool_choice", "unsupported_parameter")
+        if req.functions or req.function_call not in (None, "none"):
+            raise bad_request("functions and function_call are not supported; use tools", "functions",
+                              "unsupported_parameter")
+        plan = plan_tools(req.tools, req.tool_choice)
+        if plan.mode != "none" and req.stream:
+            raise bad_request("streaming with tools is not supported; set stream false or tool_choice 'none'",
+                              "stream", "unsupported_parameter")
+        if plan.schema is not None and req.response_format and req.response_format.get("type") != "text":
+            raise bad_request("response_format cannot be combined with a required or named tool_choice (both "
+                              "constrain the answer)", "response_format")
         if req.modalities and req.modalities != ["text"]:
             raise bad_request("only the text modality is supported", "modalities", "unsupported_parameter")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if not req.messages:
             raise bad_request("messages is empty: a chat needs at least one message", "messages", "empty_messages")
-        prompt_ids = await anyio.to_thread.run_sync(self._chat_prompt, req)
+        prompt_ids = await anyio.to_thread.run_sync(self._chat_prompt, req, plan)
         grammar = await self._grammar(req)
+        if plan.schema is not None:
+            grammar = await anyio.to_thread.run_sync(
+                lambda: grammar_for(plan.schema, self.backend.grammars, "tools"))
         budget = self._budget(prompt_ids, max_tokens, "messages")
         n_top = req.top_logprobs or 0
         stops = tuple(_stops(req.stop))
@@ -394,8 +404,11 @@ class _Api:
             pieces, run = await self._run_whole(job, request, t0, i == 0)
             completion_tokens += run.completion_tokens
             text = "".join(p.text for p in pieces)
-            choices.append(ChatChoice(index=i, message=ChatResponseMessage(content=text),
-                                      finish_reason=run.finish_reason,
+            calls = tool_calls_from(text, plan) if run.finish_reason == "stop" else None
+            message = ChatResponseMessage(content=None, tool_calls=calls) if calls else \
+                ChatResponseMessage(content=text)
+            choices.append(ChatChoice(index=i, message=message,
+                                      finish_reason="tool_calls" if calls else run.finish_reason,
                                       logprobs=self._chat_logprobs(pieces) if req.logprobs else None))
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                       total_tokens=prompt_tokens + completion_tokens)
@@ -403,10 +416,14 @@ class _Api:
                                       usage=usage)
         return JSONResponse(body.model_dump())
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        from meshnet.chat_template import chat_prompt_ids
+    def _chat_prompt(self, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+        from meshnet.chat_template import chat_prompt_ids, template_has_tools
 
+        tools = plan.prompt_tools()
         messages = []
+        if tools and not template_has_tools(self.backend.tokenizer.chat_template):
+            messages.append(tools_system_message(tools))
+            tools = None
         for m in req.messages:
             d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
             if isinstance(m.content, list):
@@ -418,7 +435,7 @@ class _Api:
                     d[key] = getattr(m, key)
             messages.append(d)
         try:
-            return chat_prompt_ids(self.backend.tokenizer, messages)
+            return chat_prompt_ids(self.backend.tokenizer, messages, tools=tools)
         except ValueError as e:  # invalid messages or a template error (ChatTemplateError)
             raise bad_request(str(e), "messages", "invalid_messages") from None
 
