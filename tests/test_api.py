@@ -266,7 +266,7 @@ def _error(r, status: int, param: str | None = "any") -> dict:
     ("/v1/completions", b'{"prompt": "x", "model": "gpt-4"}', "model"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}', "top_logprobs"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
-     "tools"),
+     "tools.0"),
 ])
 def test_bad_requests_are_400(backend, http, path, body, param):
     before = _engines(backend)[0].metrics().prefill_tokens

@@ -9,8 +9,8 @@ import pytest
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from api_served import served_api  # noqa: E402
 from meshnet.api.backend import local_backend  # noqa: E402
-from meshnet.api.server import start_api_in_thread, stop_api  # noqa: E402
 from meshnet.contract import SamplingParams  # noqa: E402
 from meshnet.generation import generate  # noqa: E402
 from meshnet.speculative import Speculation  # noqa: E402
@@ -24,12 +24,8 @@ REPEATING = "a b c d e f g a b c d e f g a b c d e f g a b c"
 
 @pytest.fixture(scope="module")
 def served(smollm2_path):
-    backend = local_backend(str(smollm2_path), n_ctx=512, max_sessions=2, name="smollm2")
-    server, thread = start_api_in_thread(backend, "127.0.0.1", 0)
-    base = f"http://127.0.0.1:{server.config.port}"
-    with httpx.Client(base_url=base, timeout=120) as http:
-        yield backend, http, openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
-    stop_api(server, thread)
+    with served_api(local_backend(str(smollm2_path), n_ctx=512, max_sessions=2, name="smollm2")) as served:
+        yield served
 
 
 def _complete(http, **body) -> dict:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 if TYPE_CHECKING:  # imported lazily at run time: rendering alone needs no GGUF machinery
@@ -121,7 +122,7 @@ def _join_text_parts(parts: list[Any], index: int) -> str:
 
 
 def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_token: str,
-                add_generation_prompt: bool = True) -> str:
+                add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
     """Render a Hugging Face style chat template.
 
     Args:
@@ -129,6 +130,8 @@ def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_toke
         messages: chat messages, validated and flattened by :func:`normalize_messages`.
         bos_token, eos_token: texts exposed to the template as ``bos_token`` / ``eos_token``.
         add_generation_prompt: ask the template to open the assistant's turn.
+        tools: OpenAI-shaped tools, exposed to the template as ``tools`` (templates that support tool
+            calling render them); None leaves ``tools`` undefined.
 
     Returns:
         The prompt text (control tokens still spelled out, e.g. ``"<|im_start|>"``).
@@ -143,16 +146,24 @@ def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_toke
     msgs = normalize_messages(messages)
     compiled = _compile(template)
     try:
+        extra = {} if tools is None else {"tools": tools}
         return compiled.render(messages=msgs, bos_token=bos_token, eos_token=eos_token,
-                               add_generation_prompt=add_generation_prompt)
+                               add_generation_prompt=add_generation_prompt, **extra)
     except ChatTemplateError:
         raise
     except jinja2.TemplateError as e:
         raise ChatTemplateError(f"chat template failed to render: {e}") from e
 
 
+def template_has_tools(template: str | None) -> bool:
+    """Whether a chat template reads the ``tools`` variable (so it renders tools itself)."""
+    if not template:
+        return False
+    return "tools" in jinja2.meta.find_undeclared_variables(_compile(template).environment.parse(template))
+
+
 def chat_prompt_ids(tok: "GGUFTokenizer", messages: list[dict], *, template: str | None = None,
-                    add_generation_prompt: bool = True) -> list[int]:
+                    add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
     """Render ``messages`` with the model's chat template and tokenize the result.
 
     Control-token text in the rendering (``"<|im_start|>"``, ``"<start_of_turn>"``) becomes those
@@ -166,6 +177,7 @@ def chat_prompt_ids(tok: "GGUFTokenizer", messages: list[dict], *, template: str
         messages: chat messages (see :func:`normalize_messages`).
         template: Jinja source overriding ``tok.chat_template``.
         add_generation_prompt: open the assistant's turn at the end.
+        tools: OpenAI-shaped tools for a template that renders them (see :func:`render_chat`).
 
     Returns:
         Prompt token ids.
@@ -180,7 +192,7 @@ def chat_prompt_ids(tok: "GGUFTokenizer", messages: list[dict], *, template: str
     bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
     eos_text = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
     text = render_chat(template, messages, bos_token=bos_text, eos_token=eos_text,
-                       add_generation_prompt=add_generation_prompt)
+                       add_generation_prompt=add_generation_prompt, tools=tools)
     if tok.add_bos and bos_text and text.startswith(bos_text):
         text = text[len(bos_text):]
     return tok.encode(text, add_bos=tok.add_bos, parse_special=True, add_eos=False)

@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     from meshnet.bench.scale_bench import add_scale_bench_parser
 
     add_scale_bench_parser(bsub)
+    from meshnet.bench.structured_bench import add_structured_bench_parser
+
+    add_structured_bench_parser(bsub)
 
     from meshnet.node.runner import add_node_parser
     from meshnet.tracker.cli import add_tracker_parser

@@ -140,6 +140,30 @@ class NamedTensor:
 
 
 @dataclass(frozen=True)
+class Grammar:
+    """A constraint on the generated tokens: their text must be a JSON document valid under
+    ``json_schema`` (the schema as JSON text, at most :data:`MAX_GRAMMAR_BYTES` UTF-8 bytes), enforced by
+    the tail with :mod:`meshnet.grammar`. ``start`` is the session position of the first constrained token
+    (the prompt's length): tokens before it are the prompt, the ones from it on are matched, so a tail
+    given a session's tokens again (a failover replay, a rollback) rebuilds the matcher's state from them."""
+
+    json_schema: str
+    start: int = 0
+
+    def validate(self) -> str | None:
+        """None when usable, else a message naming the bad field (the schema itself is checked by
+        :mod:`meshnet.grammar`, which needs the vocabulary)."""
+        size = len(self.json_schema.encode("utf-8"))
+        if size == 0:
+            return "grammar json_schema is empty"
+        if size > MAX_GRAMMAR_BYTES:
+            return f"grammar json_schema is {size} bytes, more than the limit of {MAX_GRAMMAR_BYTES}"
+        if self.start < 0:
+            return f"grammar start must be >= 0, got {self.start}"
+        return None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How the tail picks the next token. ``temperature == 0`` is greedy (argmax, lowest id on ties).
 
@@ -151,6 +175,9 @@ class SamplingParams:
     each id once, biases in
     ``[-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT]``: each bias is added to its token's logit; ``-100`` bans the
     token and ``+100`` selects it exclusively (among the tokens biased ``+100``), as OpenAI documents.
+
+    ``grammar``: when set, only tokens the grammar allows are candidates (before the logit bias and the
+    rest of the chain); None = unconstrained.
     """
 
     temperature: float = 0.0
@@ -164,6 +191,7 @@ class SamplingParams:
     seed: int | None = None
     n_top_logprobs: int = 0  # how many top log-probs to return with each sampled token
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending; () = none
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         # canonical form, whatever order (or mapping) the caller gave: pairs sorted by token id
@@ -202,7 +230,7 @@ class SamplingParams:
         if bad:
             lim = f"{LOGIT_BIAS_LIMIT:g}"
             return f"logit_bias of token {bad[0][0]} must be in [-{lim}, {lim}], got {bad[0][1]}"
-        return None
+        return self.grammar.validate() if self.grammar is not None else None
 
 
 GREEDY = SamplingParams()
@@ -211,6 +239,10 @@ GREEDY = SamplingParams()
 LOGIT_BIAS_LIMIT = 100.0
 # Tokens one request may bias (each travels in every frame of every step's header).
 MAX_LOGIT_BIAS = 1024
+
+# UTF-8 bytes of a grammar's JSON schema: it travels in the header of every frame of every step, and the
+# tail compiles it; 32 KiB holds a schema with dozens of tools' parameters.
+MAX_GRAMMAR_BYTES = 32 * 1024
 
 # Draft tokens one verification step may carry (its rows stay far below ggml's flash-attention tile of
 # 64 query rows, and a step's cells stay within one prefill micro-batch).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Protocol, Sequence
 
 from meshnet.contract import SampledToken, SamplingParams, StepRequest, StepResult, Status
@@ -91,6 +91,7 @@ class Generation:
         tokenizer: for stop tokens and streaming text.
         prompt_ids: token ids ``[n_prompt]`` (BOS already applied).
         max_tokens: upper bound on generated tokens (>= 1).
+        sampling: the tail's sampling; its grammar (if any) is made to start after the prompt.
         stop_at_eog: stop after any end-of-generation token (not included in the text).
         speculation: draft tokens by n-gram lookup and verify them a round at a time (see
             :mod:`meshnet.speculative`); None decodes one token a step.
@@ -109,6 +110,8 @@ class Generation:
         if speculation is not None and (problem := speculation.validate()) is not None:
             raise ValueError(problem)
         self.client, self.tokenizer = client, tokenizer
+        if sampling.grammar is not None:  # the grammar constrains what follows the prompt
+            sampling = replace(sampling, grammar=replace(sampling.grammar, start=len(prompt_ids)))
         self.sampling, self.max_tokens, self.stop_at_eog = sampling, max_tokens, stop_at_eog
         self.speculation = speculation
         self._budget = DraftBudget(speculation.draft_tokens) if speculation is not None else None

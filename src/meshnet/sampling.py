@@ -1,5 +1,11 @@
 """Next-token sampling on the tail stage: llama.cpp's default sampler chain over one row of logits.
 
+A grammar's mask (``allowed``, from :class:`meshnet.grammar.SessionGrammar`) comes first: a token it does
+not allow gets a ``-inf`` logit, so the chain below works on the allowed tokens only (llama.cpp's
+``common_sampler`` applies its grammar before the chain too, in effect). When the logit bias would leave no
+allowed token (it bans or forces only tokens the grammar refuses), the grammar wins: the chain then runs on
+the allowed tokens without the bias.
+
 The chain, in order, mirrors llama.cpp (``common/sampling.cpp`` defaults, samplers from
 ``src/llama-sampling.cpp``):
 
@@ -56,7 +62,7 @@ _CDF_BLOCK = 512
 
 
 def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], position: int,
-           draft: int | None = None) -> SampledToken:
+           draft: int | None = None, allowed: np.ndarray | None = None) -> SampledToken:
     """Pick the token at ``position`` from one row of raw logits; a pure function, no global state.
 
     With ``draft`` (a speculative draft token proposed for ``position``), a sampled pick follows the
@@ -77,6 +83,7 @@ def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], p
             the random draw uses ``np.random.default_rng([seed, position])`` (negative seeds are taken
             modulo 2**64), so a step replayed after a failover draws the same token; with ``seed=None``
             it uses fresh OS entropy.
+        allowed: bool ``[n_vocab]``, the tokens a grammar allows here (at least one); None = all.
 
     Returns:
         :class:`SampledToken`: the chosen id, its log-prob under ``log_softmax(logits)`` of the raw logits,
@@ -84,8 +91,9 @@ def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], p
 
     Raises:
         ValueError: ``logits`` is not a non-empty 1-D array, ``params.validate()`` fails, ``position`` is
-            negative, a penalised history id or a biased token id is outside ``[0, n_vocab)``, or
-            ``params.logit_bias`` leaves no token with a finite logit.
+            negative, a penalised history id or a biased token id is outside ``[0, n_vocab)``,
+            ``params.logit_bias`` leaves no token with a finite logit, ``allowed`` is not ``[n_vocab]`` or
+            leaves none.
     """
     raw = np.asarray(logits, dtype=np.float32)
     if raw.ndim != 1 or raw.shape[0] == 0:
@@ -103,7 +111,7 @@ def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], p
     np.exp(e_raw, out=e_raw)
     lse = float(mx) + math.log(float(e_raw.sum(dtype=np.float64)))
 
-    pen = _apply_penalties(_apply_logit_bias(raw, params, n_vocab), params, history, n_vocab)
+    pen = _apply_penalties(_constrained(raw, params, n_vocab, allowed), params, history, n_vocab)
     if params.temperature == 0:
         token = int(np.argmax(pen))  # greedy; first (lowest id) maximum on exact ties
     else:
@@ -116,6 +124,26 @@ def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], p
         ids = _top_ids(raw, params.n_top_logprobs)
         top = tuple(TokenLogprob(int(i), float(raw[i]) - lse) for i in ids)
     return SampledToken(token_id=token, logprob=float(raw[token]) - lse, top=top)
+
+
+def _constrained(raw: np.ndarray, params: SamplingParams, n_vocab: int,
+                 allowed: np.ndarray | None) -> np.ndarray:
+    """The logits the penalties start from: ``raw`` biased, then masked by ``allowed`` (the grammar's
+    tokens); a copy, or ``raw`` itself when there is neither a bias nor a mask."""
+    if allowed is None:
+        return _apply_logit_bias(raw, params, n_vocab)
+    if allowed.shape != (n_vocab,):
+        raise ValueError(f"the grammar's mask has shape {allowed.shape}, expected ({n_vocab},)")
+    try:
+        biased = _apply_logit_bias(raw, params, n_vocab)
+    except ValueError:
+        biased = raw  # the bias bans every token; the grammar's mask decides below
+    out = np.where(allowed, biased, np.float32(-np.inf))
+    if not np.isfinite(out.max()):  # the bias left no allowed token: the grammar wins over it
+        out = np.where(allowed, raw, np.float32(-np.inf))
+        if not np.isfinite(out.max()):
+            raise ValueError("the grammar allows no token with a finite logit")
+    return out
 
 
 def _apply_logit_bias(logits: np.ndarray, params: SamplingParams, n_vocab: int) -> np.ndarray:

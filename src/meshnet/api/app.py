@@ -49,8 +49,10 @@ from meshnet.api.schemas import (
     Usage,
 )
 from meshnet.api.sse import DONE, ChatChunks, CompletionChunks, event, sse
+from meshnet.api.structured import grammar_for, response_grammar
+from meshnet.api.tools import ToolPlan, plan_tools, tool_calls_from, tools_system_message
 from meshnet.api.validation import logit_bias, parse_body, repetition_penalty, validation_error
-from meshnet.contract import SamplingParams
+from meshnet.contract import Grammar, SamplingParams
 from meshnet.speculative import Speculation, speculation_from
 
 log = logging.getLogger("meshnet.api")
@@ -169,7 +171,20 @@ class _Api:
                               f"{self.backend.model_name!r}", "model", "model_not_found")
         _stops(req.stop)  # refuses too many
 
-    def _sampling(self, req, n_top: int, index: int) -> SamplingParams:
+    async def _grammar(self, req) -> Grammar | None:
+        """The grammar the request's ``response_format`` asks for (compiled off the event loop: a new
+        schema takes milliseconds); 400 for a bad one, or one combined with ``ignore_eos`` (the grammar
+        ends the answer with an end-of-generation token once the document is complete)."""
+        grammar = None
+        if req.response_format:
+            grammar = await anyio.to_thread.run_sync(
+                lambda: response_grammar(req.response_format, self.backend.grammars))
+        if grammar is not None and req.ignore_eos:
+            raise bad_request("ignore_eos cannot be combined with a JSON response_format: the answer ends "
+                              "when the JSON document is complete", "ignore_eos")
+        return grammar
+
+    def _sampling(self, req, n_top: int, index: int, grammar: Grammar | None = None) -> SamplingParams:
         """SamplingParams for choice ``index`` (seeded choices use ``seed + index``); OpenAI's defaults
         for absent fields (temperature 1, no filters, no penalties)."""
         def pick(value, default):
@@ -181,7 +196,8 @@ class _Api:
                             presence_penalty=pick(req.presence_penalty, 0.0),
                             frequency_penalty=pick(req.frequency_penalty, 0.0),
                             seed=None if req.seed is None else req.seed + index, n_top_logprobs=n_top,
-                            logit_bias=logit_bias(req.logit_bias, self.backend.tokenizer.n_vocab))
+                            logit_bias=logit_bias(req.logit_bias, self.backend.tokenizer.n_vocab),
+                            grammar=grammar)
         problem = sp.validate()
         if problem:
             raise bad_request(problem)
@@ -232,12 +248,14 @@ class _Api:
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
         prompts = await anyio.to_thread.run_sync(self._completion_prompts, req.prompt)
+        grammar = await self._grammar(req)
         n_top = req.logprobs or 0
         jobs = []
         for p_ids in prompts:
             budget = self._budget(p_ids, req.max_tokens, "prompt")
             for _ in range(req.n or 1):
-                jobs.append(GenJob(p_ids, budget, self._sampling(req, n_top, len(jobs)), tuple(_stops(req.stop)),
+                jobs.append(GenJob(p_ids, budget, self._sampling(req, n_top, len(jobs), grammar),
+                                   tuple(_stops(req.stop)),
                                    speculation=self._speculation(req), ignore_eos=bool(req.ignore_eos)))
         await self._check_route()
         prompt_tokens = sum(len(p) for p in prompts)
@@ -346,26 +364,34 @@ class _Api:
             raise bad_request("max_tokens and max_completion_tokens differ; give one", "max_tokens")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         self._common_checks(req)
-        if req.tools or req.functions:
-            raise bad_request("tools and function calling are not supported", "tools", "unsupported_parameter")
-        if req.tool_choice not in (None, "none") or req.function_call not in (None, "none"):
-            raise bad_request("tool_choice is not supported", "tool_choice", "unsupported_parameter")
-        if req.response_format and req.response_format.get("type") != "text":
-            raise bad_request("only response_format {\"type\": \"text\"} is supported", "response_format",
+        if req.functions or req.function_call not in (None, "none"):
+            raise bad_request("functions and function_call are not supported; use tools", "functions",
                               "unsupported_parameter")
+        plan = plan_tools(req.tools, req.tool_choice)
+        if plan.mode != "none" and req.stream:
+            raise bad_request("streaming with tools is not supported; set stream false or tool_choice 'none'",
+                              "stream", "unsupported_parameter")
+        if plan.schema is not None and req.response_format and req.response_format.get("type") != "text":
+            raise bad_request("response_format cannot be combined with a required or named tool_choice (both "
+                              "constrain the answer)", "response_format")
         if req.modalities and req.modalities != ["text"]:
             raise bad_request("only the text modality is supported", "modalities", "unsupported_parameter")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if not req.messages:
             raise bad_request("messages is empty: a chat needs at least one message", "messages", "empty_messages")
-        prompt_ids = await anyio.to_thread.run_sync(self._chat_prompt, req)
+        prompt_ids = await anyio.to_thread.run_sync(self._chat_prompt, req, plan)
+        grammar = await self._grammar(req)
+        if plan.schema is not None:
+            grammar = await anyio.to_thread.run_sync(
+                lambda: grammar_for(plan.schema, self.backend.grammars, "tools"))
         budget = self._budget(prompt_ids, max_tokens, "messages")
         n_top = req.top_logprobs or 0
         stops = tuple(_stops(req.stop))
         ignore_eos = bool(req.ignore_eos)
-        jobs = [GenJob(prompt_ids, budget, self._sampling(req, n_top, i), stops, stop_at_control=not ignore_eos,
-                       speculation=self._speculation(req), ignore_eos=ignore_eos) for i in range(req.n or 1)]
+        jobs = [GenJob(prompt_ids, budget, self._sampling(req, n_top, i, grammar), stops,
+                       stop_at_control=not ignore_eos, speculation=self._speculation(req), ignore_eos=ignore_eos)
+                for i in range(req.n or 1)]
         await self._check_route()
         prompt_tokens = len(prompt_ids)  # counted once, however many choices, as OpenAI does
         self.metrics.prompt_tokens.inc(prompt_tokens)
@@ -379,8 +405,11 @@ class _Api:
             pieces, run = await self._run_whole(job, request, t0, i == 0)
             completion_tokens += run.completion_tokens
             text = "".join(p.text for p in pieces)
-            choices.append(ChatChoice(index=i, message=ChatResponseMessage(content=text),
-                                      finish_reason=run.finish_reason,
+            calls = tool_calls_from(text, plan) if run.finish_reason == "stop" else None
+            message = ChatResponseMessage(content=None, tool_calls=calls) if calls else \
+                ChatResponseMessage(content=text)
+            choices.append(ChatChoice(index=i, message=message,
+                                      finish_reason="tool_calls" if calls else run.finish_reason,
                                       logprobs=self._chat_logprobs(pieces) if req.logprobs else None))
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                       total_tokens=prompt_tokens + completion_tokens)
@@ -388,10 +417,14 @@ class _Api:
                                       usage=usage)
         return JSONResponse(body.model_dump())
 
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        from meshnet.chat_template import chat_prompt_ids
+    def _chat_prompt(self, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+        from meshnet.chat_template import chat_prompt_ids, template_has_tools
 
+        tools = plan.prompt_tools()
         messages = []
+        if tools and not template_has_tools(self.backend.tokenizer.chat_template):
+            messages.append(tools_system_message(tools))
+            tools = None
         for m in req.messages:
             d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
             if isinstance(m.content, list):
@@ -403,7 +436,7 @@ class _Api:
                     d[key] = getattr(m, key)
             messages.append(d)
         try:
-            return chat_prompt_ids(self.backend.tokenizer, messages)
+            return chat_prompt_ids(self.backend.tokenizer, messages, tools=tools)
         except ValueError as e:  # invalid messages or a template error (ChatTemplateError)
             raise bad_request(str(e), "messages", "invalid_messages") from None
 

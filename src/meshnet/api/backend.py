@@ -16,6 +16,7 @@ from typing import Callable
 
 from meshnet.contract import Status, StepRequest, StepResult
 from meshnet.generation import StepClient
+from meshnet.grammar import GrammarCompiler
 from meshnet.speculative import Speculation
 from meshnet.tokenizer import GGUFTokenizer
 
@@ -63,6 +64,17 @@ class ApiBackend:
         self.speculation: Speculation | None = None
         # Why the model cannot draft by next-token prediction (None: it can; see speculative.mtp_problem).
         self.mtp_problem: str | None = "needs a model with next-token-prediction layers"
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler for the served vocabulary, which checks a request's schema before any node
+        runs (built on first use: half a second)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.tokenizer.n_vocab)
+            return self._grammars
 
     def new_client(self) -> StepClient:
         """The client for one generation, wrapped so a busy stage is waited for instead of failing."""

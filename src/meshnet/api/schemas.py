@@ -3,7 +3,7 @@
 Requests are validated strictly: JSON types must match exactly (``"max_tokens": "5"`` or ``true`` is an
 error, an integer is accepted where a number is expected) and unknown top-level fields are refused, as
 OpenAI's own API does. Fields OpenAI defines that have no meaning here (``user``, ``store``, ...) are
-accepted and ignored; fields whose behaviour we do not implement (``tools``, ``echo``, ...) are accepted by
+accepted and ignored; fields whose behaviour we do not implement (``functions``, ``echo``, ...) are accepted by
 the schema only so the application can refuse them with a message naming them.
 
 Ranges follow OpenAI: ``temperature`` 0..2, ``top_p`` (0, 1], penalties -2..2, completions ``logprobs``
@@ -61,6 +61,8 @@ class _SamplingFields(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None  # token id (string) -> bias in [-100, 100]
+    # {"type": "text" | "json_object" | "json_schema", ...}: checked by meshnet.api.structured
+    response_format: dict[str, Any] | None = None
     user: str | None = None  # accepted, ignored
     metadata: dict[str, Any] | None = None  # accepted, ignored
     store: bool | None = None  # accepted, ignored
@@ -104,11 +106,10 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name for max_tokens
-    tools: list[Any] | None = None  # refused unless empty
-    tool_choice: Any = None  # refused unless "none"
+    tools: list[Any] | None = None  # checked by meshnet.api.tools
+    tool_choice: Any = None  # "none", "auto", "required" or {"type": "function", "function": {"name"}}
     functions: list[Any] | None = None  # refused unless empty
     function_call: Any = None  # refused unless "none"
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}
     parallel_tool_calls: bool | None = None  # accepted, ignored
     modalities: list[str] | None = None  # only ["text"]
     reasoning_effort: str | None = None  # accepted, ignored
@@ -166,15 +167,16 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # {"id", "type": "function", "function": {"name", "arguments"}}
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class ChatCompletionResponse(BaseModel):

@@ -63,6 +63,7 @@ class Session:
     cancelled: bool = False
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False  # a step of it is queued or running; the next one waits, release waits too
+    grammar: Any = None  # on the tail, its SessionGrammar while its steps carry a grammar
 
 
 class ShardEngine(ABC):
@@ -151,6 +152,11 @@ class ShardEngine(ABC):
         """Stages in a pipeline of ranges like this one (for ``decode_groups`` 0): the model's layers over
         the range's; engines that know the layers' costs weigh them instead."""
         return math.ceil(caps.n_layer / caps.artifact.layers.n_layers)
+
+    def _grammar_compiler(self) -> Any:
+        """The :class:`~meshnet.grammar.GrammarCompiler` for the model's vocabulary (on a tail), or None
+        when this engine has no vocabulary to compile grammars for (its steps with one are refused)."""
+        return None
 
     def _kv_bytes(self) -> int:
         return 0
@@ -375,7 +381,47 @@ class ShardEngine(ABC):
                               "rollback)")
         return s
 
+    def _grammar_problem(self, req: StepRequest) -> StepResult | None:
+        """On the tail, refuse a step whose grammar cannot be compiled (INVALID_ARGUMENT naming why);
+        called outside the lock: a new schema takes milliseconds to compile."""
+        grammar = req.sampling.grammar
+        if grammar is None or self._caps is None or not self._caps.is_tail:
+            return None
+        compiler = self._grammar_compiler()
+        if compiler is None:
+            return self._fail(Status.INVALID_ARGUMENT, f"the {self._caps.engine} engine cannot enforce a grammar")
+        try:
+            compiler.compile(grammar.json_schema)
+        except ValueError as e:  # GrammarError
+            return self._fail(Status.INVALID_ARGUMENT, str(e))
+        return None
+
+    def _follow_grammar(self, session: Session, req: StepRequest) -> StepResult | None:
+        """Bring the session's grammar matcher to the tokens before the step's first sample (a replay or a
+        rollback rebuilds or rewinds it); INVALID_ARGUMENT when a token the step sends, other than a
+        verification step's drafts, is one the grammar does not allow."""
+        grammar = req.sampling.grammar
+        if grammar is None or not self._caps.is_tail:
+            session.grammar = None
+            return None
+        try:
+            if session.grammar is None or session.grammar.grammar != grammar:
+                session.grammar = self._grammar_compiler().session(grammar)
+            ids = [int(t) for t in req.token_ids]
+            history = session.token_ids + (ids[:1] if req.verify else ids)
+            ok = session.grammar.follow(history)
+        except ValueError as e:  # GrammarError
+            return self._fail(Status.INVALID_ARGUMENT, str(e))
+        if grammar.start + ok < len(history):
+            at = grammar.start + ok
+            return self._fail(Status.INVALID_ARGUMENT, f"token {history[at]} at position {at} is not allowed "
+                              f"by the step's grammar")
+        return None
+
     def _step(self, req: StepRequest, decode: bool) -> StepResult:
+        bad = self._grammar_problem(req)
+        if bad is not None:
+            return bad
         with self._lock:
             # One step per session at a time: a second one waits for the first, then is checked
             # against the position it left.
@@ -396,7 +442,8 @@ class ShardEngine(ABC):
             session.busy = True
         t0 = time.perf_counter()
         try:
-            result = self._scheduler.submit(session, req, *self._reused(session, req))
+            result = self._follow_grammar(session, req) or \
+                self._scheduler.submit(session, req, *self._reused(session, req))
         finally:
             with self._lock:
                 session.busy = False

@@ -21,6 +21,7 @@ from meshnet.contract import (
     LayerRange,
     LoadSpec,
     NamedTensor,
+    SampledToken,
     StepRequest,
     StepResult,
     Status,
@@ -36,10 +37,12 @@ from meshnet.engine.kv_pool import KVPool, PoolFull
 from meshnet.engine.prefix_cache import PrefixCache, row_keys
 from meshnet.engine.stage_sessions import SessionKV, StageSessions
 from meshnet.layer_split import layer_costs, pipeline_depth
+from meshnet.grammar import GrammarCompiler
 from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, stage_tensor_names
-from meshnet.model.manifest import model_id
 from meshnet.model.hparams import ModelConfig
+from meshnet.model.manifest import model_id
 from meshnet.sampling import sample
+from meshnet.tokenizer import GGUFTokenizer
 
 # Context per session when the caller does not choose one: the model's own, capped so that a default
 # session's KV cache stays small on ordinary machines.
@@ -304,6 +307,7 @@ class GgmlEngine(ShardEngine):
     def __init__(self) -> None:
         super().__init__()
         self.stage: GgmlStage | None = None
+        self._grammars: GrammarCompiler | None = None  # built on the first step with a grammar
 
     def _load(self, spec: LoadSpec) -> Capabilities:
         problem = spec.validate()
@@ -327,7 +331,7 @@ class GgmlEngine(ShardEngine):
             raise EngineError(Status.INVALID_ARGUMENT, str(e)) from None
         if self.stage is not None:
             self.stage.close()
-        self.stage = stage
+        self.stage, self._grammars = stage, None
         cfg = stage.cfg
         return Capabilities(engine="ggml", backend="cpu", architecture=cfg.architecture,
                             artifact=ArtifactId(sha, spec.artifact.layers), n_layer=cfg.n_layer,
@@ -465,15 +469,32 @@ class GgmlEngine(ShardEngine):
                           req.mtp_drafts)
         return replace(res, drafts=drafts)
 
+    def _grammar_compiler(self) -> GrammarCompiler | None:
+        with self._lock:
+            if self._grammars is None and self.stage is not None and self.stage.is_tail:
+                self._grammars = GrammarCompiler(GGUFTokenizer.from_gguf(self._spec.path), self.stage.cfg.n_vocab)
+            return self._grammars
+
     @staticmethod
     def _sampled(c: Chunk, logits: np.ndarray) -> StepResult:
         """The tail's result of a step whose last chunk gave ``logits`` (float32 ``[n_out, n_vocab]``): the
         token after its last row, or in a verification step after each row (row ``i``'s draft being
-        token ``i + 1``; :func:`meshnet.sampling.sample` applies the rejection rule to it)."""
-        req, done = c.req, c.session.token_ids
+        token ``i + 1``; :func:`meshnet.sampling.sample` applies the rejection rule to it), each among the
+        tokens the session's grammar allows after that row when the step carries one."""
+        req, done, grammar = c.req, c.session.token_ids, c.session.grammar
         ids = [int(t) for t in req.token_ids]
         n = len(ids)
-        first = 0 if req.verify else n - 1
-        tokens = tuple(sample(logits[r - n], req.sampling, done + ids[:r + 1], req.position + r + 1,
-                              ids[r + 1] if r + 1 < n else None) for r in range(first, n))
-        return StepResult(Status.OK, token=tokens[-1], tokens=tokens if req.verify else ())
+        tokens: list[SampledToken] = []
+        for r in range(0 if req.verify else n - 1, n):
+            history = done + ids[:r + 1]
+            allowed = None
+            if grammar is not None:
+                if grammar.grammar.start + grammar.follow(history) < len(history):
+                    # draft ids[r] breaks the grammar, so row r - 1 (masked) rejected it: the rows from
+                    # here are never read, and get row r - 1's token
+                    tokens += tokens[-1:] * (n - r)
+                    break
+                allowed = grammar.allowed()
+            tokens.append(sample(logits[r - n], req.sampling, history, req.position + r + 1,
+                                 ids[r + 1] if r + 1 < n else None, allowed))
+        return StepResult(Status.OK, token=tokens[-1], tokens=tuple(tokens) if req.verify else ())

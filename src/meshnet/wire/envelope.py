@@ -19,6 +19,7 @@ import numpy as np
 
 from meshnet.contract import (
     MAX_LOGIT_BIAS,
+    Grammar,
     TENSOR_DTYPES,
     NamedTensor,
     SampledToken,
@@ -50,20 +51,28 @@ def sampling_to_pb(s: SamplingParams) -> pb.Sampling:
                        repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
                        frequency_penalty=s.frequency_penalty, penalty_last_n=s.penalty_last_n,
                        has_seed=s.seed is not None, seed=(s.seed or 0) % (1 << 64),
-                       n_top_logprobs=s.n_top_logprobs, logit_bias=dict(s.logit_bias))
+                       n_top_logprobs=s.n_top_logprobs, logit_bias=dict(s.logit_bias),
+                       grammar=None if s.grammar is None else pb.Grammar(json_schema=s.grammar.json_schema,
+                                                                         start=s.grammar.start))
 
 
 def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
     """The step's sampling parameters. Raises WireError (INVALID_ARGUMENT) for a ``logit_bias`` map over
-    :data:`MAX_LOGIT_BIAS` entries, before it is converted and sorted (a 6 MB map costs a node a second)."""
+    :data:`MAX_LOGIT_BIAS` entries, before it is converted and sorted (a 6 MB map costs a node a second),
+    or a grammar's schema over :data:`~meshnet.contract.MAX_GRAMMAR_BYTES`."""
     if len(m.logit_bias) > MAX_LOGIT_BIAS:
         raise WireError(Status.INVALID_ARGUMENT, f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, "
                                                  f"got {len(m.logit_bias)}")
+    grammar = None
+    if m.HasField("grammar"):
+        grammar = Grammar(m.grammar.json_schema, int(m.grammar.start))
+        if (problem := grammar.validate()) is not None:
+            raise WireError(Status.INVALID_ARGUMENT, problem)
     return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=m.top_p, min_p=m.min_p,
                           repetition_penalty=m.repetition_penalty, presence_penalty=m.presence_penalty,
                           frequency_penalty=m.frequency_penalty, penalty_last_n=m.penalty_last_n,
                           seed=int(m.seed) if m.has_seed else None, n_top_logprobs=m.n_top_logprobs,
-                          logit_bias=tuple(sorted(m.logit_bias.items())))
+                          logit_bias=tuple(sorted(m.logit_bias.items())), grammar=grammar)
 
 
 def tensor_frames(header: pb.Envelope, tensor: NamedTensor | None,

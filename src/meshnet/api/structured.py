@@ -1,0 +1,82 @@
+"""OpenAI's ``response_format`` as the :class:`~meshnet.contract.Grammar` a generation's sampling carries:
+``{"type": "text"}`` (none), ``{"type": "json_object"}`` (any JSON object) and ``{"type": "json_schema",
+"json_schema": {"name", "schema", "strict", "description"}}``. The schema is compiled here, against the
+served vocabulary, so a schema the grammar library cannot enforce is a 400 naming why before any node runs.
+``strict`` is accepted either way: the schema is always enforced."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from meshnet.api.errors import bad_request
+from meshnet.contract import Grammar
+from meshnet.grammar import GrammarCompiler, GrammarError, schema_text
+
+# OpenAI's rule for a response format's name.
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
+# json_object: OpenAI promises a JSON object, nothing more.
+ANY_OBJECT = {"type": "object"}
+
+
+def response_grammar(fmt: dict[str, Any] | None, compiler: GrammarCompiler) -> Grammar | None:
+    """The grammar ``fmt`` asks for, or None for text.
+
+    Raises:
+        ApiError: 400 with ``param`` ``response_format``: an unknown type, a malformed ``json_schema``
+            object, a schema that is not an object, over
+            :data:`~meshnet.contract.MAX_GRAMMAR_BYTES`, or one the grammar
+            library refuses (its message says which keyword or value).
+    """
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        _only(fmt, {"type"}, "response_format")
+        return None
+    if kind == "json_object":
+        _only(fmt, {"type"}, "response_format")
+        return grammar_for(ANY_OBJECT, compiler, "response_format")
+    if kind != "json_schema":
+        raise bad_request(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                          "response_format")
+    _only(fmt, {"type", "json_schema"}, "response_format")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request("response_format.json_schema must be an object with 'name' and 'schema'",
+                          "response_format.json_schema")
+    _only(spec, _JSON_SCHEMA_KEYS, "response_format.json_schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise bad_request("response_format.json_schema.name must be 1-64 letters, digits, '_' or '-', "
+                          f"got {name!r}", "response_format.json_schema.name")
+    if "strict" in spec and not isinstance(spec["strict"], bool | None):
+        raise bad_request("response_format.json_schema.strict must be a boolean",
+                          "response_format.json_schema.strict")
+    return grammar_for(spec.get("schema", {}), compiler, "response_format.json_schema.schema")
+
+
+def grammar_for(schema: Any, compiler: GrammarCompiler, param: str) -> Grammar:
+    """A compiled, enforceable grammar for the JSON schema ``schema`` (a decoded JSON value).
+
+    Raises:
+        ApiError: 400 naming ``param``: not an object, over the size limit, or refused by the library.
+    """
+    try:
+        text = schema_text(schema)
+        grammar = Grammar(text)
+        if (problem := grammar.validate()) is not None:
+            raise GrammarError(problem.replace("grammar json_schema", "the JSON schema"))
+        compiler.compile(text)
+    except GrammarError as e:
+        raise bad_request(f"{param}: {e}", param, "invalid_schema") from None
+    return grammar
+
+
+def _only(obj: dict[str, Any], keys: set[str], param: str) -> None:
+    extra = sorted(set(obj) - keys)
+    if extra:
+        raise bad_request(f"{param} has unknown field {extra[0]!r} (expected {', '.join(sorted(keys))})",
+                          f"{param}.{extra[0]}")
+

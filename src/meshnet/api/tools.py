@@ -1,0 +1,138 @@
+"""Chat ``tools`` and ``tool_choice``: what the prompt shows the model, which grammar constrains its answer,
+and the answer read back as OpenAI ``tool_calls``.
+
+* ``"none"`` (or no tools): the tools are not shown; a plain answer.
+* ``"auto"``: the tools go to the chat template (``tools``, as Hugging Face templates read them); a template
+  that never mentions ``tools`` gets them in a system message instead. The answer is read as tool calls when
+  it is ``<tool_call>{"name", "arguments"}</tool_call>`` blocks (the Hermes format Qwen 2.5 and SmolLM3
+  templates teach) or one bare ``{"name", "arguments"}`` object naming a tool; otherwise it is content.
+* ``"required"``: the answer is constrained to a JSON array of ``{"name", "parameters"}`` calls, each a
+  declared tool with arguments valid under its schema (vLLM's schema for ``required``).
+* ``{"type": "function", "function": {"name"}}``: the answer is constrained to that tool's arguments.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from meshnet.api.errors import bad_request
+
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_NO_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one chat request uses its tools: ``mode`` ("none", "auto", "required", "named"), the tools in
+    OpenAI's shape (``{"type": "function", "function": {...}}``), the named tool, and the JSON schema that
+    constrains the answer (None: unconstrained)."""
+
+    mode: str
+    tools: tuple[dict, ...] = ()
+    named: str | None = None
+    schema: dict | None = None
+
+    def prompt_tools(self) -> list[dict] | None:
+        """The tools the prompt shows (None for ``"none"``)."""
+        return None if self.mode == "none" or not self.tools else list(self.tools)
+
+
+def plan_tools(tools: list[Any] | None, tool_choice: Any) -> ToolPlan:
+    """Check ``tools`` / ``tool_choice`` and plan their use.
+
+    Raises:
+        ApiError: 400 naming the field: a tool that is not ``{"type": "function", "function": {"name", ...}}``,
+            a bad or repeated name, parameters that are not an object, an unknown ``tool_choice``, a named
+            function that is not among the tools, or ``required`` / a named function without tools.
+    """
+    checked = tuple(_tool(t, i) for i, t in enumerate(tools or ()))
+    names = [t["function"]["name"] for t in checked]
+    if len(set(names)) < len(names):
+        raise bad_request("tools name a function twice", "tools")
+    choice = tool_choice if tool_choice is not None else ("auto" if checked else "none")
+    if choice == "none":
+        return ToolPlan("none", checked)
+    if not checked:
+        raise bad_request(f"tool_choice {json.dumps(choice)} needs tools", "tool_choice")
+    if choice == "auto":
+        return ToolPlan("auto", checked)
+    if choice == "required":
+        calls = [{"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                 "parameters": _parameters(t)}, "required": ["name", "parameters"]}
+                 for t in checked]
+        return ToolPlan("required", checked, schema={"type": "array", "minItems": 1,
+                                                     "items": {"type": "object", "anyOf": calls}})
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    if name is None:
+        raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                          "\"function\": {\"name\": ...}}", "tool_choice")
+    if name not in names:
+        raise bad_request(f"tool_choice names function {name!r}, which is not among the tools", "tool_choice")
+    return ToolPlan("named", checked, named=name, schema=_parameters(checked[names.index(name)]))
+
+
+def tools_system_message(tools: list[dict]) -> dict:
+    """The system message that shows ``tools`` to a model whose chat template has no place for them."""
+    listed = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
+    return {"role": "system", "content": "You can call these functions:\n" + listed + "\nTo call one, answer "
+            "with <tool_call>{\"name\": NAME, \"arguments\": {...}}</tool_call> and nothing else."}
+
+
+def tool_calls_from(text: str, plan: ToolPlan) -> list[dict] | None:
+    """The answer ``text`` as OpenAI tool calls (``{"id", "type": "function", "function": {"name",
+    "arguments"}}``, arguments as JSON text), or None when it holds none (content, then)."""
+    if plan.mode == "named":
+        return [_call(plan.named, json.loads(text))]
+    if plan.mode == "required":
+        return [_call(c["name"], c["parameters"]) for c in json.loads(text)]
+    if plan.mode != "auto":
+        return None
+    names = {t["function"]["name"] for t in plan.tools}
+    found = _HERMES.findall(text) or [text.strip()]
+    calls = []
+    for raw in found:
+        try:
+            obj = json.loads(raw)
+        except ValueError:
+            return None
+        if not (isinstance(obj, dict) and obj.get("name") in names):
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):  # some templates teach arguments as JSON text
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return None
+        if not isinstance(args, dict):
+            return None
+        calls.append(_call(obj["name"], args))
+    return calls or None
+
+
+def _call(name: str, arguments: Any) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+def _tool(tool: Any, i: int) -> dict:
+    fn = tool.get("function") if isinstance(tool, dict) else None
+    if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(fn, dict)):
+        raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", ...}}}}",
+                          f"tools.{i}")
+    if not isinstance(fn.get("name"), str) or not _NAME.fullmatch(fn["name"]):
+        raise bad_request(f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-', got "
+                          f"{fn.get('name')!r}", f"tools.{i}.function.name")
+    if "parameters" in fn and not isinstance(fn["parameters"], dict):
+        raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
+                          f"tools.{i}.function.parameters")
+    return tool
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or _NO_PARAMETERS

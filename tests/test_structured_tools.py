@@ -1,0 +1,95 @@
+"""Chat ``tools`` / ``tool_choice`` on the bundled SmolLM2 through the ``openai`` client: ``required`` and a named
+function constrain the answer to tool calls (OpenAI's shape, ``finish_reason`` "tool_calls", arguments valid
+under the tool's schema); ``auto`` reads Hermes ``<tool_call>`` blocks or a bare call object; templates that
+read ``tools`` render them; malformed tools are 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+
+from api_served import served_api  # noqa: E402
+from meshnet.api.backend import local_backend  # noqa: E402
+from meshnet.api.tools import plan_tools, tool_calls_from  # noqa: E402
+from meshnet.chat_template import render_chat, template_has_tools  # noqa: E402
+
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                            "parameters": WEATHER_PARAMS}}
+TIME = {"type": "function", "function": {"name": "get_time", "description": "Current time in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_path):
+    with served_api(local_backend(str(smollm2_path), n_ctx=1024, max_sessions=2, name="smollm2"), 300) as s:
+        yield s
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_required_and_named_tool_choice_answer_with_tool_calls(served, choice):
+    _, _, client = served
+    out = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                         temperature=0, max_tokens=100)
+    c = out.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    call = c.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER_PARAMS)
+    assert args["city"] == "Paris"
+
+
+def test_none_and_auto_without_a_call_answer_with_content(served):
+    _, _, client = served
+    for choice in ("none", "auto"):
+        out = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice=choice,
+                                             temperature=0, max_tokens=12)
+        assert out.choices[0].message.content and out.choices[0].message.tool_calls is None
+        assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_auto_reads_hermes_blocks_and_bare_calls():
+    plan = plan_tools([WEATHER, TIME], "auto")
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>')
+    calls = tool_calls_from(text, plan)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "celsius"}), ("get_time", {"city": "Oslo"})]
+    bare = tool_calls_from(' {"name": "get_time", "arguments": {"city": "Lima"}}', plan)
+    assert json.loads(bare[0]["function"]["arguments"]) == {"city": "Lima"}
+    assert tool_calls_from("It is sunny in Oslo.", plan) is None
+    assert tool_calls_from('{"name": "launch_rocket", "arguments": {}}', plan) is None  # not a declared tool
+
+
+def test_a_template_that_reads_tools_renders_them(tok):
+    template = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
+                "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")
+    assert template_has_tools(template) and not template_has_tools(tok.chat_template)
+    text = render_chat(template, ASK, bos_token="", eos_token="", tools=[WEATHER, TIME])
+    assert text == "<tools>get_weather;get_time;</tools>[user]What is the weather in Paris?"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_tools_are_400_naming_the_field(served, body, param):
+    _, http, _ = served
+    r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
