@@ -8,7 +8,7 @@ from typing import Callable
 import numpy as np
 
 from meshnet.contract import LayerRange, split_layers
-from meshnet.engine.ggml_engine import GgmlStage
+from meshnet.engine.ggml_stage import GgmlStage
 from meshnet.tokenizer import GGUFTokenizer
 
 N_GEN = 64

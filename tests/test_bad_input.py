@@ -9,7 +9,8 @@ import pytest
 
 from conftest import GOLDEN_DIR
 from meshnet.contract import ArtifactId, LayerRange, LoadSpec, Status
-from meshnet.engine.ggml_engine import GgmlEngine, GgmlStage
+from meshnet.engine.ggml_engine import GgmlEngine
+from meshnet.engine.ggml_stage import GgmlStage
 from meshnet.model.gguf_file import GGUFError
 
 TINY = GOLDEN_DIR / "models" / "tiny-llama-q8_0.gguf"

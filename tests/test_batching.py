@@ -11,7 +11,8 @@ import pytest
 from conftest import GOLDEN_SET, golden_exact, load_golden
 from golden_check import assert_greedy_matches
 from meshnet.contract import GREEDY, ArtifactId, LayerRange, LoadSpec, Status, StepRequest
-from meshnet.engine.ggml_engine import GgmlEngine, GgmlStage
+from meshnet.engine.ggml_engine import GgmlEngine
+from meshnet.engine.ggml_stage import GgmlStage
 from meshnet.generation import generate
 from meshnet.local_mesh import load_local_chain, plan_ranges
 from solo_reference import PROMPTS
@@ -88,7 +89,7 @@ def test_a_deep_decode_gives_the_same_logits_in_any_batch_and_slot(smollm2_path)
     solo decode does); in a multi-stream call it would round differently (measured: logits 0.53 apart at
     depth 300). The stage attends such a row on its own, so its logits are the same bits whether it runs
     alone in slot 0, alone in slot 3, or beside three shallow decodes."""
-    from meshnet.engine.ggml_engine import BatchItem
+    from meshnet.engine.ggml_stage import BatchItem
 
     stage = GgmlStage(str(smollm2_path), LayerRange(0, 30), n_threads=2, n_ctx=1024, n_slots=4)
     rng = np.random.default_rng(7)

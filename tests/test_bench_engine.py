@@ -13,7 +13,7 @@ from meshnet.bench.llama_bench import llama_bench_argvs, summarize
 from meshnet.bench.moe_model import MoeShapes, write_moe_model
 from meshnet.bench.random_gguf import random_blocks
 from meshnet.contract import LayerRange
-from meshnet.engine.ggml_engine import GgmlStage
+from meshnet.engine.ggml_stage import GgmlStage
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.hparams import ModelConfig
 

@@ -16,7 +16,7 @@ from meshnet.bench.dense_model import LlamaShapes, ensure_llama_model, write_lla
 from meshnet.bench.greedy_parity import compare_greedy, llama_cpp_greedy, stages_greedy
 from meshnet.bench.llama_server import find_tool
 from meshnet.contract import LayerRange
-from meshnet.engine.ggml_engine import GgmlStage
+from meshnet.engine.ggml_stage import GgmlStage
 from meshnet.model.gguf_file import open_gguf
 from meshnet.model.hparams import ModelConfig
 

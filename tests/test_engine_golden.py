@@ -16,7 +16,7 @@ import pytest
 from conftest import GOLDEN_SET, TINY_MODELS, golden_exact, load_golden
 from golden_check import N_GEN, assert_greedy_matches, check_against_golden, cpu_stage, forward
 from meshnet.contract import LayerRange, split_layers
-from meshnet.engine.ggml_engine import GgmlStage
+from meshnet.engine.ggml_stage import GgmlStage
 
 # Gemma 3 270M prompts whose 64 greedy ids equal llama.cpp's, per golden set (see the test).
 GEMMA_FULL_MATCH = {"top": (0, 3), "avx512": (1, 3)}

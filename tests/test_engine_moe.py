@@ -14,7 +14,7 @@ import pytest
 from conftest import golden_exact, load_golden, moe_model_path
 from golden_check import N_GEN, assert_greedy_matches, check_against_golden, cpu_stage, forward
 from meshnet.contract import GREEDY, LayerRange
-from meshnet.engine.ggml_engine import BatchItem
+from meshnet.engine.ggml_stage import BatchItem
 from meshnet.generation import generate
 from meshnet.layer_split import layer_costs
 from meshnet.local_mesh import load_local_chain, plan_ranges

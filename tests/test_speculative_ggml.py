@@ -10,7 +10,7 @@ import pytest
 from meshnet.bench.spec_bench import PROMPTS
 from meshnet.chat_template import chat_prompt_ids
 from meshnet.contract import GREEDY, LayerRange, SamplingParams, StepRequest
-from meshnet.engine.ggml_engine import BatchItem, GgmlStage
+from meshnet.engine.ggml_stage import BatchItem, GgmlStage
 import meshnet.generation as generation
 from meshnet.generation import Generation, generate
 from meshnet.local_mesh import load_local_chain

@@ -9,7 +9,7 @@ of the rejected drafts before it runs. One step then yields between 1 and ``k + 
 Greedy output is the same token for token as decoding one token a step: the tail's token after row ``i``
 is the argmax given the tokens before it, which are the accepted ones, and the engine computes each row of
 a verification step with the bits a one-token decode of it gives (see
-:meth:`meshnet.engine.ggml_engine.GgmlStage.forward_batch`). Sampled requests speculate with the
+:meth:`meshnet.engine.ggml_stage.GgmlStage.forward_batch`). Sampled requests speculate with the
 rejection rule of speculative sampling (:func:`meshnet.sampling.sample`): the same distribution, not
 the same tokens as without drafts (the random draws are spent differently). A seeded sampled run drafts
 all the lookup finds, since its tokens would otherwise depend on timings (the draft budget's).

@@ -32,27 +32,23 @@ from meshnet.api.metrics import ApiMetrics
 from meshnet.api.middleware import BodyLimitAndMetrics
 from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece
 from meshnet.api.schemas import (
-    MAX_STOP,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatLogprobs,
     ChatResponseMessage,
-    ChatTokenLogprob,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ModelCard,
     ModelList,
-    TopLogprob,
     Usage,
 )
 from meshnet.api.sse import DONE, ChatChunks, CompletionChunks, event, sse
 from meshnet.api.structured import grammar_for, response_grammar
 from meshnet.api.tools import ToolPlan, plan_tools, tool_calls_from, tools_system_message
-from meshnet.api.validation import logit_bias, parse_body, repetition_penalty, validation_error
-from meshnet.contract import Grammar, SamplingParams
+from meshnet.api.logprobs import chat_logprobs, completion_logprobs
+from meshnet.api.validation import parse_body, sampling_params, stop_sequences, token_budget, validation_error
+from meshnet.contract import Grammar
 from meshnet.speculative import Speculation, speculation_from
 
 log = logging.getLogger("meshnet.api")
@@ -169,7 +165,7 @@ class _Api:
         if req.model is not None and req.model != self.backend.model_name:
             raise bad_request(f"model {req.model!r} is not served here; this server serves "
                               f"{self.backend.model_name!r}", "model", "model_not_found")
-        _stops(req.stop)  # refuses too many
+        stop_sequences(req.stop)  # refuses too many
 
     async def _grammar(self, req) -> Grammar | None:
         """The grammar the request's ``response_format`` asks for (compiled off the event loop: a new
@@ -184,25 +180,6 @@ class _Api:
                               "when the JSON document is complete", "ignore_eos")
         return grammar
 
-    def _sampling(self, req, n_top: int, index: int, grammar: Grammar | None = None) -> SamplingParams:
-        """SamplingParams for choice ``index`` (seeded choices use ``seed + index``); OpenAI's defaults
-        for absent fields (temperature 1, no filters, no penalties)."""
-        def pick(value, default):
-            return default if value is None else value
-
-        sp = SamplingParams(temperature=pick(req.temperature, 1.0), top_k=pick(req.top_k, 0),
-                            top_p=pick(req.top_p, 1.0), min_p=pick(req.min_p, 0.0),
-                            repetition_penalty=pick(repetition_penalty(req), 1.0),
-                            presence_penalty=pick(req.presence_penalty, 0.0),
-                            frequency_penalty=pick(req.frequency_penalty, 0.0),
-                            seed=None if req.seed is None else req.seed + index, n_top_logprobs=n_top,
-                            logit_bias=logit_bias(req.logit_bias, self.backend.tokenizer.n_vocab),
-                            grammar=grammar)
-        problem = sp.validate()
-        if problem:
-            raise bad_request(problem)
-        return sp
-
     def _speculation(self, req) -> Speculation | None:
         """How the request's generations draft: its ``speculative`` / ``draft_tokens``, else the server's."""
         try:
@@ -210,19 +187,6 @@ class _Api:
                                     mtp_problem=self.backend.mtp_problem)
         except ValueError as e:
             raise bad_request(str(e), "speculative") from None
-
-    def _budget(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
-        """Generated-token budget: ``max_tokens`` capped by what the context still holds. A prompt that
-        does not fit is refused here, before any node is asked for anything."""
-        n_ctx = self.backend.n_ctx
-        if not prompt_ids:
-            raise bad_request("the prompt is empty", param, "empty_prompt")
-        if len(prompt_ids) > n_ctx:
-            raise bad_request(f"This model's maximum context length is {n_ctx} tokens, but the prompt has "
-                              f"{len(prompt_ids)} tokens. Shorten the prompt.", param, "context_length_exceeded")
-        # The last generated token is never fed back, so positions 0 .. n_ctx - 1 allow one extra token.
-        room = n_ctx - len(prompt_ids) + 1
-        return room if max_tokens is None else min(max_tokens, room)
 
     async def _check_route(self) -> None:
         from meshnet.client.mesh_client import MeshUnavailable
@@ -252,10 +216,10 @@ class _Api:
         n_top = req.logprobs or 0
         jobs = []
         for p_ids in prompts:
-            budget = self._budget(p_ids, req.max_tokens, "prompt")
+            budget = token_budget(self.backend.n_ctx, p_ids, req.max_tokens, "prompt")
             for _ in range(req.n or 1):
-                jobs.append(GenJob(p_ids, budget, self._sampling(req, n_top, len(jobs), grammar),
-                                   tuple(_stops(req.stop)),
+                jobs.append(GenJob(p_ids, budget, sampling_params(req, self.backend.tokenizer.n_vocab, n_top, len(jobs), grammar),
+                                   tuple(stop_sequences(req.stop)),
                                    speculation=self._speculation(req), ignore_eos=bool(req.ignore_eos)))
         await self._check_route()
         prompt_tokens = sum(len(p) for p in prompts)
@@ -272,7 +236,7 @@ class _Api:
             completion_tokens += run.completion_tokens
             text = "".join(p.text for p in pieces)
             choices.append(CompletionChoice(index=i, text=text, finish_reason=run.finish_reason,
-                                            logprobs=self._completion_logprobs(pieces) if want_logprobs else None))
+                                            logprobs=completion_logprobs(self.backend.tokenizer, pieces) if want_logprobs else None))
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                       total_tokens=prompt_tokens + completion_tokens)
         body = CompletionResponse(id=rid, created=created, model=self.backend.model_name, choices=choices,
@@ -303,26 +267,12 @@ class _Api:
                 out.append(list(p))
         return out
 
-    def _completion_logprobs(self, pieces: list[Piece]) -> CompletionLogprobs:
-        lp = CompletionLogprobs()
-        tok = self.backend.tokenizer
-        for piece in pieces:
-            for t, offset in piece.tokens:
-                lp.tokens.append(_token_str(tok, t.token_id))
-                lp.token_logprobs.append(t.logprob)
-                top: dict[str, float] = {}
-                for alt in t.top:
-                    top.setdefault(_token_str(tok, alt.token_id), alt.logprob)
-                lp.top_logprobs.append(top)
-                lp.text_offset.append(offset)
-        return lp
-
     def _stream_completion(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
                                  want_logprobs: bool, include_usage: bool, t0: float) -> AsyncIterator[str]:
         chunks = CompletionChunks(rid, created, self.backend.model_name)
 
         def on_piece(i: int, piece: Piece) -> list[str]:
-            lp = self._completion_logprobs([piece]) if want_logprobs and piece.tokens else None
+            lp = completion_logprobs(self.backend.tokenizer, [piece]) if want_logprobs and piece.tokens else None
             return [chunks.text(i, piece.text, lp, piece.finish_reason)]
 
         return self._stream_choices(jobs, t0, prompt_tokens, include_usage, lambda i: [], on_piece, chunks.usage)
@@ -385,11 +335,11 @@ class _Api:
         if plan.schema is not None:
             grammar = await anyio.to_thread.run_sync(
                 lambda: grammar_for(plan.schema, self.backend.grammars, "tools"))
-        budget = self._budget(prompt_ids, max_tokens, "messages")
+        budget = token_budget(self.backend.n_ctx, prompt_ids, max_tokens, "messages")
         n_top = req.top_logprobs or 0
-        stops = tuple(_stops(req.stop))
+        stops = tuple(stop_sequences(req.stop))
         ignore_eos = bool(req.ignore_eos)
-        jobs = [GenJob(prompt_ids, budget, self._sampling(req, n_top, i, grammar), stops,
+        jobs = [GenJob(prompt_ids, budget, sampling_params(req, self.backend.tokenizer.n_vocab, n_top, i, grammar), stops,
                        stop_at_control=not ignore_eos, speculation=self._speculation(req), ignore_eos=ignore_eos)
                 for i in range(req.n or 1)]
         await self._check_route()
@@ -410,7 +360,7 @@ class _Api:
                 ChatResponseMessage(content=text)
             choices.append(ChatChoice(index=i, message=message,
                                       finish_reason="tool_calls" if calls else run.finish_reason,
-                                      logprobs=self._chat_logprobs(pieces) if req.logprobs else None))
+                                      logprobs=chat_logprobs(self.backend.tokenizer, pieces) if req.logprobs else None))
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                       total_tokens=prompt_tokens + completion_tokens)
         body = ChatCompletionResponse(id=rid, created=created, model=self.backend.model_name, choices=choices,
@@ -440,16 +390,6 @@ class _Api:
         except ValueError as e:  # invalid messages or a template error (ChatTemplateError)
             raise bad_request(str(e), "messages", "invalid_messages") from None
 
-    def _chat_logprobs(self, pieces: list[Piece]) -> ChatLogprobs:
-        tok = self.backend.tokenizer
-        content = []
-        for piece in pieces:
-            for t, _ in piece.tokens:
-                content.append(ChatTokenLogprob(
-                    **_top_entry(tok, t.token_id, t.logprob),
-                    top_logprobs=[TopLogprob(**_top_entry(tok, a.token_id, a.logprob)) for a in t.top]))
-        return ChatLogprobs(content=content)
-
     def _stream_chat(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
                            want_logprobs: bool, include_usage: bool, t0: float) -> AsyncIterator[str]:
         chunks = ChatChunks(rid, created, self.backend.model_name)
@@ -457,7 +397,7 @@ class _Api:
         def on_piece(i: int, piece: Piece) -> list[str]:
             events = []
             if piece.text or piece.tokens:
-                events.append(chunks.content(i, piece.text, self._chat_logprobs([piece]) if want_logprobs else None))
+                events.append(chunks.content(i, piece.text, chat_logprobs(self.backend.tokenizer, [piece]) if want_logprobs else None))
             if piece.finish_reason is not None:
                 events.append(chunks.finish(i, piece.finish_reason))
             return events
@@ -479,24 +419,3 @@ class _Api:
             raise ApiError(499, "the client closed the connection", code="client_closed") from None
         finally:
             await run.aclose()
-
-
-# ---- helpers -------------------------------------------------------------------------------------
-
-
-def _stops(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else list(stop)
-    if len(stops) > MAX_STOP:
-        raise bad_request(f"at most {MAX_STOP} stop sequences are allowed, got {len(stops)}", "stop")
-    return [s for s in stops if s]
-
-
-def _token_str(tok, token_id: int) -> str:
-    return tok.token_bytes(token_id).decode("utf-8", errors="replace")
-
-
-def _top_entry(tok, token_id: int, logprob: float) -> dict:
-    raw = tok.token_bytes(token_id)
-    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}

@@ -192,7 +192,7 @@ def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = 
     client = MeshClient(tracker, model_sha256=model_id(path), join_token=join_token, tls_ca=tls_ca,
                         step_timeout_s=step_timeout_s, forwarding=forwarding)
     # Until a route has been seen, assume the engines' default context (the model's, capped at 4096).
-    from meshnet.engine.ggml_engine import DEFAULT_MAX_CTX
+    from meshnet.engine.ggml_stage import DEFAULT_MAX_CTX
 
     state = {"n_ctx": min(ModelConfig.from_reader(open_gguf(path)).n_ctx_train, DEFAULT_MAX_CTX), "hops": ()}
     lock = threading.Lock()

@@ -1,6 +1,7 @@
 """Request bodies into the API's schemas, and pydantic's complaints into one OpenAI-style 400 that names the
 parameter (``messages.0.content``) and what is wrong with it; the checks of sampling fields that need more
-than a type and a range (aliases, ``logit_bias``)."""
+than a type and a range (aliases, ``logit_bias``, stop sequences), and the request's sampling parameters
+and token budget."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from meshnet.api.errors import ApiError, bad_request
-from meshnet.contract import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS
+from meshnet.api.schemas import MAX_STOP
+from meshnet.contract import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, Grammar, SamplingParams
 
 _TOKEN_KEY = re.compile(r"[0-9]{1,10}")
 
@@ -112,3 +114,46 @@ def logit_bias(raw: dict[str, float] | None, n_vocab: int) -> tuple[tuple[int, f
     if sum(b <= -LOGIT_BIAS_LIMIT for b in pairs.values()) >= n_vocab:
         raise bad_request("logit_bias bans every token of the vocabulary", "logit_bias")
     return tuple(sorted(pairs.items()))
+
+
+def stop_sequences(stop: str | list[str] | None) -> list[str]:
+    """The request's ``stop`` as a list without empty strings. Raises ApiError (400) beyond MAX_STOP."""
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > MAX_STOP:
+        raise bad_request(f"at most {MAX_STOP} stop sequences are allowed, got {len(stops)}", "stop")
+    return [s for s in stops if s]
+
+
+def sampling_params(req, n_vocab: int, n_top: int, index: int, grammar: Grammar | None = None) -> SamplingParams:
+    """SamplingParams for choice ``index`` of ``req`` (seeded choices use ``seed + index``); OpenAI's
+    defaults for absent fields (temperature 1, no filters, no penalties). Raises ApiError (400)."""
+    def pick(value, default):
+        return default if value is None else value
+
+    sp = SamplingParams(temperature=pick(req.temperature, 1.0), top_k=pick(req.top_k, 0),
+                        top_p=pick(req.top_p, 1.0), min_p=pick(req.min_p, 0.0),
+                        repetition_penalty=pick(repetition_penalty(req), 1.0),
+                        presence_penalty=pick(req.presence_penalty, 0.0),
+                        frequency_penalty=pick(req.frequency_penalty, 0.0),
+                        seed=None if req.seed is None else req.seed + index, n_top_logprobs=n_top,
+                        logit_bias=logit_bias(req.logit_bias, n_vocab), grammar=grammar)
+    problem = sp.validate()
+    if problem:
+        raise bad_request(problem)
+    return sp
+
+
+def token_budget(n_ctx: int, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
+    """Generated-token budget: ``max_tokens`` capped by what a context of ``n_ctx`` tokens still holds.
+    A prompt that does not fit (or is empty) is refused here (400 naming ``param``), before any node is
+    asked for anything."""
+    if not prompt_ids:
+        raise bad_request("the prompt is empty", param, "empty_prompt")
+    if len(prompt_ids) > n_ctx:
+        raise bad_request(f"This model's maximum context length is {n_ctx} tokens, but the prompt has "
+                          f"{len(prompt_ids)} tokens. Shorten the prompt.", param, "context_length_exceeded")
+    # The last generated token is never fed back, so positions 0 .. n_ctx - 1 allow one extra token.
+    room = n_ctx - len(prompt_ids) + 1
+    return room if max_tokens is None else min(max_tokens, room)

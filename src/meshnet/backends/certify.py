@@ -230,7 +230,7 @@ def certify(lane: str, model_path: str | None = None, n_threads: int = 2, device
         return CertResult(lane, False, "skipped", f"ggml-python cannot be loaded: {load_error}")
 
     from meshnet.contract import LayerRange
-    from meshnet.engine.ggml_engine import GgmlStage
+    from meshnet.engine.ggml_stage import GgmlStage
     from meshnet.model.gguf_file import open_gguf, sha256_file
     from meshnet.model.hparams import ModelConfig
 

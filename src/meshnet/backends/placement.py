@@ -1,6 +1,6 @@
 """A layer range, its KV caches and its compute on an accelerator device.
 
-:class:`AcceleratorStage` is :class:`~meshnet.engine.ggml_engine.GgmlStage` with two differences: its
+:class:`AcceleratorStage` is :class:`~meshnet.engine.ggml_stage.GgmlStage` with two differences: its
 backend is the lane's device (``accelerator_backend``), and its weights are copied into device memory
 (a GPU cannot compute on the host's memory map of the GGUF file). KV caches and graph buffers are
 allocated by that backend, so they live on the device too. The graphs are the CPU engine's own
@@ -23,7 +23,8 @@ import dataclasses
 from meshnet.contract import Capabilities, LayerRange, LoadSpec, Status
 from meshnet.engine.base import EngineError
 from meshnet.engine.ggml_backend import BackendUnavailable, accelerator_backend, accelerator_devices, device_memory
-from meshnet.engine.ggml_engine import GgmlEngine, GgmlStage
+from meshnet.engine.ggml_engine import GgmlEngine
+from meshnet.engine.ggml_stage import GgmlStage
 from meshnet.model.gguf_file import GGUFError
 
 

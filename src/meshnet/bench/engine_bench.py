@@ -106,7 +106,7 @@ def _rss_child(model: str, layers: str, threads: int, n_tokens: int) -> None:
     import numpy as np
 
     from meshnet.contract import LayerRange
-    from meshnet.engine.ggml_engine import GgmlStage
+    from meshnet.engine.ggml_stage import GgmlStage
 
     def rss() -> int:
         for line in Path("/proc/self/status").read_text().splitlines():

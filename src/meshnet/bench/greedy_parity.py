@@ -25,7 +25,7 @@ N_TOP = 5  # log-probabilities compared per step
 
 
 def stages_greedy(stages: Sequence, prompt_ids: Sequence[int], n_tokens: int, n_top: int = N_TOP) -> dict:
-    """Greedy generation through in-process :class:`~meshnet.engine.ggml_engine.GgmlStage` objects
+    """Greedy generation through in-process :class:`~meshnet.engine.ggml_stage.GgmlStage` objects
     chained in order (head first, tail last), on fresh sessions freed at the end.
 
     Returns:

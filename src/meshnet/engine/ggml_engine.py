@@ -1,24 +1,19 @@
-"""The real engine: a GGUF layer range computed with ggml's CPU kernels.
+"""The real engine: a GGUF layer range computed with ggml's CPU kernels, behind the shard-engine contract.
 
-``GgmlStage`` is the compute core (weights, per-session KV caches, graphs) and can be used directly to
-read logits (the parity tests do). ``GgmlEngine`` wraps it in the shard-engine contract: sessions,
-statuses, sampling on the tail.
+``GgmlEngine`` wraps :class:`~meshnet.engine.ggml_stage.GgmlStage` (the compute core: weights, KV pool,
+graphs) in the contract: sessions, statuses, batched iterations, sampling on the tail.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass, replace
-from typing import Callable
+from dataclasses import replace
 
-import ggml
 import numpy as np
 
 from meshnet.backends.cpu_features import ggml_cpu_features
 from meshnet.contract import (
     ArtifactId,
     Capabilities,
-    LayerRange,
     LoadSpec,
     NamedTensor,
     SampledToken,
@@ -27,278 +22,20 @@ from meshnet.contract import (
     Status,
 )
 from meshnet.engine.base import RETRY_AFTER_S, EngineError, Session, ShardEngine
+from meshnet.engine.ggml_backend import registry_devices
+from meshnet.engine.ggml_mtp import mtp_step
+from meshnet.engine.ggml_stage import BatchItem, GgmlStage
+from meshnet.engine.kv_pool import PoolFull
+from meshnet.engine.prefix_cache import row_keys
 from meshnet.engine.scheduler import Chunk
-from meshnet.engine.ggml_backend import StageWeights, cpu_backend, release_cpu_backend, registry_devices
-from meshnet.engine.batch_layout import SPLIT_KV_MIN_CELLS, BatchShape, Segment, kv_length
-from meshnet.engine.ggml_graph import StepGraph
-from meshnet.engine.ggml_mtp import MtpGraph, mtp_shape, mtp_step
-from meshnet.speculative import accepted_prefix
-from meshnet.engine.kv_pool import KVPool, PoolFull
-from meshnet.engine.prefix_cache import PrefixCache, row_keys
-from meshnet.engine.stage_sessions import SessionKV, StageSessions
-from meshnet.layer_split import layer_costs, pipeline_depth
+from meshnet.engine.stage_sessions import SessionKV
 from meshnet.grammar import GrammarCompiler
-from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, stage_tensor_names
-from meshnet.model.hparams import ModelConfig
+from meshnet.layer_split import layer_costs, pipeline_depth
+from meshnet.model.gguf_file import GGUFError, open_gguf
 from meshnet.model.manifest import model_id
 from meshnet.sampling import sample
+from meshnet.speculative import accepted_prefix
 from meshnet.tokenizer import GGUFTokenizer
-
-# Context per session when the caller does not choose one: the model's own, capped so that a default
-# session's KV cache stays small on ordinary machines.
-DEFAULT_MAX_CTX = 4096
-
-
-@dataclass
-class BatchItem:
-    """One session's part of an iteration: tokens at ``position ..`` of the session in pool ``slot``.
-
-    ``token_ids`` int32 ``[n]`` on the head, ``hidden`` float32 ``[n, n_embd]`` elsewhere; on the tail
-    the last ``n_out`` rows give logits. ``rows_alone``: every row is attended in a call of its own, the
-    call it would get as a one-token decode (a verification step: its rows then give the bits that
-    decoding them one by one gives, see :meth:`GgmlStage.forward_batch`), and on the tail every row gives
-    logits."""
-
-    slot: int
-    position: int
-    token_ids: np.ndarray | None = None
-    hidden: np.ndarray | None = None
-    n_out: int = 1
-    rows_alone: bool = False
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.token_ids) if self.token_ids is not None else len(self.hidden)
-
-
-class GgmlStage:
-    """Layers ``[start, end)`` of a GGUF model, loaded as stored into a ggml CPU backend, with one KV pool
-    for all its sessions.
-
-    ``backend`` replaces the CPU backend (an accelerator's, from ``accelerator_backend``); a device
-    cannot compute on the host's memory map, so it goes with ``use_mmap=False``. ``n_slots`` sessions of
-    ``n_ctx`` tokens fit in the pool, of which ``kv_tokens`` cells may be reserved at once; 0 derives it
-    from ``kv_budget_bytes``, or when that is 0 too from half the memory available now (never more than
-    ``n_slots * n_ctx``).
-
-    Raises (constructor):
-        FileNotFoundError: no such file.
-        GGUFError: not GGUF, truncated, unsupported architecture or tensor type, or a layer range
-            outside the model.
-    """
-
-    # Graphs kept for reuse (least recently used dropped first); decode graphs come back every step.
-    MAX_GRAPHS = 24
-
-    def __init__(self, path: str, layers: LayerRange, n_threads: int = 2, n_ctx: int = 0,
-                 n_ubatch: int = 512, use_mmap: bool = True, backend=None, n_slots: int = 16,
-                 kv_tokens: int = 0, kv_budget_bytes: int = 0, prefix_cache: int = 0, mtp: bool = True) -> None:
-        reader = open_gguf(path)
-        self.cfg = ModelConfig.from_reader(reader)
-        if layers.end > self.cfg.n_layer:
-            raise GGUFError(f"layer range [{layers.start}, {layers.end}) is outside the model, which has "
-                            f"{self.cfg.n_layer} layers [0, {self.cfg.n_layer})")
-        self.layers = layers
-        self.is_head = layers.is_head()
-        self.is_tail = layers.is_tail(self.cfg.n_layer)
-        self.n_ctx = n_ctx or min(self.cfg.n_ctx_train, DEFAULT_MAX_CTX)
-        self.n_ubatch = max(1, n_ubatch)
-        on_host = backend is None
-        self.backend = backend if backend is not None else cpu_backend(n_threads)
-        self._cpu_user = on_host  # counted as a user of the shared CPU backend until close
-        # the tail runs the file's next-token-prediction block (``mtp``): its weights, and its KV cells
-        # as layer n_layer of the pool
-        self.has_mtp = bool(mtp and self.is_tail and self.cfg.n_nextn)
-        nextn = self.cfg.n_nextn if self.has_mtp else 0
-        selection = stage_tensor_names(reader, layers, self.cfg.n_layer, nextn)
-        # Weights stay in plain buffers: the CPU backend's repacked layouts (CPU_REPACK) make a row's result
-        # depend on how many rows share its mat-mul, which would make batched output differ from solo.
-        self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=use_mmap)
-        if not use_mmap:
-            drop_pages(reader)  # the copies are what stays resident, not the file pages read to make them
-        self.pool = KVPool(LayerRange(layers.start, layers.end + nextn), self.cfg.n_embd_k_cache, self.cfg.n_embd_v_cache, self.n_ctx, n_slots,
-                           kv_tokens, self.backend, host=on_host, budget_bytes=kv_budget_bytes)
-        self.sessions = StageSessions(self.pool, prefix_cache, self.n_ubatch, self.n_ctx, self.is_tail)
-        self._graphs: OrderedDict[BatchShape, StepGraph] = OrderedDict()
-        # ggml-python's binding of ggml_backend_cpu_buffer_type() truncates the pointer; ask the backend.
-        self._galloc = ggml.ggml_gallocr_new(ggml.ggml_backend_get_default_buffer_type(self.backend))
-        self._placed: StepGraph | None = None  # the graph whose tensors hold the allocator's buffer now
-        # on a tail with the MTP block: every given item's normed states of the last forward_batch
-        self.last_states: list[np.ndarray] = []
-
-    def new_session(self, reserve_tokens: int = 0, prompt: list[int] | None = None) -> SessionKV:
-        """Open a session (see :meth:`StageSessions.open`). Raises PoolFull."""
-        return self.sessions.open(reserve_tokens, prompt)
-
-    @property
-    def prefix_cache(self) -> PrefixCache:
-        """The finished sessions this stage keeps for their prefixes."""
-        return self.sessions.kept
-
-    def shape_of(self, items: list[BatchItem]) -> tuple[BatchShape, list[int], list[int]]:
-        """The graph shape of an iteration; also the indices of its decode items and its segment items
-        (rows go decodes first, then segments, each group in the given order). A decode reading
-        :data:`SPLIT_KV_MIN_CELLS` cells or more is a segment of one row: attended alone, as alone."""
-        dec = [i for i, it in enumerate(items) if it.n_tokens == 1 and (not self.is_tail or it.n_out == 1)
-               and not it.rows_alone and kv_length(it.position + 1, self.n_ctx) < SPLIT_KV_MIN_CELLS]
-        decodes = set(dec)
-        seg = [i for i in range(len(items)) if i not in decodes]
-        streams = n_kv_dec = 0
-        if dec:
-            top = max(items[i].slot for i in dec) + 1
-            streams = min(self.pool.n_slots, 1 << (top - 1).bit_length())
-            n_kv_dec = max(kv_length(items[i].position + 1, self.n_ctx) for i in dec)
-        segments = tuple((items[i].slot, items[i].n_tokens, kv_length(items[i].position + items[i].n_tokens,
-                                                                        self.n_ctx),
-                          items[i].n_out if self.is_tail else items[i].n_tokens) for i in seg)
-        return BatchShape(len(dec), streams, n_kv_dec, segments), dec, seg
-
-    def _graph(self, shape, make=None) -> StepGraph:
-        g = self._graphs.get(shape)
-        if g is not None:
-            self._graphs.move_to_end(shape)
-            return g
-        g = make() if make is not None else StepGraph(self.cfg, self.weights, self.pool, self.layers, shape)
-        self._graphs[shape] = g
-        while len(self._graphs) > self.MAX_GRAPHS:
-            old = self._graphs.popitem(last=False)[1]
-            if old is self._placed:
-                self._placed = None
-            old.free()
-        return g
-
-    def forward_batch(self, items: list[BatchItem]) -> list[np.ndarray]:
-        """Run one iteration: every item's tokens through the range in one graph.
-
-        Items must belong to distinct sessions. Returns, per item in the given order, float32
-        ``[n, n_embd]`` hidden states or, on the tail, ``[n_out, n_vocab]`` logits (``[n, n_vocab]`` for
-        an item with ``rows_alone``).
-
-        An item with ``rows_alone`` becomes one segment of one row per token (their K and V rows are all
-        written before any attention reads the cache, so row ``i`` sees rows ``< i`` of its step). That is
-        what makes a verification step exact: ggml's CPU flash attention rounds a call of several query
-        rows (row by row) differently from one row over :data:`SPLIT_KV_MIN_CELLS` cells or more (split
-        across threads), the call a deep decode makes alone; attended one by one, each row takes the
-        path, and gives the bits, of the decode it stands for.
-        """
-        given = items
-        items = [one for it in items for one in self._one_row_items(it)]
-        shape, dec, seg = self.shape_of(items)
-        order = dec + seg
-        g = self._graph(shape)
-        tokens = hidden = None
-        if self.is_head:
-            tokens = np.concatenate([np.asarray(items[i].token_ids, dtype=np.int32) for i in order])
-        else:
-            hidden = np.concatenate([np.asarray(items[i].hidden, dtype=np.float32) for i in order])
-        segments = [Segment(items[i].slot, items[i].position, items[i].n_tokens, shape.segments[k][2],
-                            shape.segments[k][3]) for k, i in enumerate(seg)]
-        if self._placed is not g:
-            g.place(self._galloc)
-            self._placed = g
-        out = g.run(self.backend, [(items[i].slot, items[i].position) for i in dec], segments,
-                    tokens, hidden)
-        results: list[np.ndarray | None] = [None] * len(items)
-        row = 0
-        for k, i in enumerate(order):
-            n = (1 if k < shape.n_dec else items[i].n_out) if self.is_tail else items[i].n_tokens
-            results[i] = out[row:row + n]
-            row += n
-        states = g.states()
-        if states is not None:
-            per_item: list[np.ndarray | None] = [None] * len(items)
-            row = 0
-            for i in order:
-                per_item[i] = states[row:row + items[i].n_tokens]
-                row += items[i].n_tokens
-            self.last_states = self._joined(given, per_item)
-        return self._joined(given, results)
-
-    @staticmethod
-    def _joined(given: list[BatchItem], rows: list) -> list:
-        """Per-row-item arrays back as one array per given item (an item with ``rows_alone`` was split)."""
-        if len(rows) == len(given):
-            return rows
-        joined, at = [], 0
-        for it in given:  # the rows of a split item back in one array
-            n = it.n_tokens if it.rows_alone else 1
-            joined.append(rows[at] if n == 1 else np.concatenate(rows[at:at + n], axis=0))
-            at += n
-        return joined
-
-    def mtp_rows(self, kv: SessionKV, position: int, token_ids: list[int], states: np.ndarray,
-                 prev_state: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """Run the MTP block (:mod:`meshnet.engine.ggml_mtp`) over rows at ``position ..``: token ``i``
-        paired with the trunk state of the row before it (``prev_state`` float32 ``[n_embd]`` for the
-        first, zeros when None; ``states`` float32 ``[n - 1 or more, n_embd]`` for the others), in
-        micro-batches of ``n_ubatch``. Returns the last row's logits float32 ``[n_vocab]`` and block
-        state ``[n_embd]``. The cells up to ``position + n`` must be reserved."""
-        n = len(token_ids)
-        first = np.zeros(self.cfg.n_embd, np.float32) if prev_state is None else prev_state
-        h_in = np.concatenate([first[None, :], np.asarray(states[:n - 1], np.float32)], axis=0)
-        for start in range(0, n, self.n_ubatch):
-            end = min(n, start + self.n_ubatch)
-            key = ("mtp",) + mtp_shape(kv.slot, position + start, end - start, self.n_ctx)
-            g = self._graph(key, lambda: MtpGraph(self.cfg, self.weights, self.pool, *key[1:]))
-            if self._placed is not g:
-                g.place(self._galloc)
-                self._placed = g
-            logits, h = g.run_rows(self.backend, kv.slot, position + start,
-                                   np.asarray(token_ids[start:end], np.int32), h_in[start:end])
-        return logits[-1], h[-1]
-
-    @staticmethod
-    def _one_row_items(it: BatchItem) -> list[BatchItem]:
-        """An item with ``rows_alone`` as one-row items (still marked, so none joins the decode rows)."""
-        if not it.rows_alone or it.n_tokens == 1:
-            return [it]
-        return [BatchItem(it.slot, it.position + r, None if it.token_ids is None else it.token_ids[r:r + 1],
-                          None if it.hidden is None else it.hidden[r:r + 1], 1, rows_alone=True)
-                for r in range(it.n_tokens)]
-
-    def forward(self, kv: SessionKV, position: int, token_ids: np.ndarray | None = None,
-                hidden: np.ndarray | None = None, all_logits: bool = False,
-                should_stop: Callable[[], bool] = lambda: False) -> np.ndarray | None:
-        """Run one session's tokens at ``position ..`` through the range alone, in micro-batches of
-        ``n_ubatch`` tokens.
-
-        Args:
-            token_ids: int ``[n]`` on the head; hidden: float32 ``[n, n_embd]`` elsewhere.
-            all_logits: on the tail, return logits for every token instead of the last only.
-            should_stop: checked between micro-batches; True aborts and returns None.
-        Returns:
-            ``[n, n_embd]`` float32 hidden states, or on the tail float32 logits ``[n, n_vocab]``
-            (all_logits) or ``[1, n_vocab]``.
-        """
-        n = len(token_ids) if token_ids is not None else len(hidden)
-        outs = []
-        for start in range(0, n, self.n_ubatch):
-            if should_stop():
-                return None
-            end = min(n, start + self.n_ubatch)
-            item = BatchItem(kv.slot, position + start,
-                             None if token_ids is None else np.asarray(token_ids[start:end], dtype=np.int32),
-                             None if hidden is None else hidden[start:end],
-                             n_out=(end - start) if all_logits else 1)
-            out = self.forward_batch([item])[0]
-            if not self.is_tail or all_logits or end == n:
-                outs.append(out)
-        return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)
-
-    def close(self) -> None:
-        """Free the weights', graphs' and pool's ggml handles (the shared backend stays for other stages)."""
-        for g in self._graphs.values():
-            g.free()
-        self._graphs.clear()
-        self.sessions.close()
-        if self._galloc:
-            ggml.ggml_gallocr_free(self._galloc)
-            self._galloc = None
-        self.pool.free()
-        self.weights.free()
-        if self._cpu_user:
-            release_cpu_backend()
-            self._cpu_user = False
 
 
 class GgmlEngine(ShardEngine):

@@ -11,7 +11,7 @@ import grpc
 
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.tracker.service import device_dict
+from meshnet.tracker.node_info import device_dict
 from meshnet.wire.security import JOIN_TOKEN_ENV, open_channel
 
 

@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from meshnet.contract import LayerRange
 from meshnet.membership.auth import AuthError, Authenticator
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.activity import ActivityBoard
 from meshnet.tracker.manifests import ManifestFull, ManifestNotFound, ManifestRefused, ManifestStore
-from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry, RegisteredNode
+from meshnet.tracker.node_info import device_dict, info_from_status, record_from_info
+from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry
 from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayHub
 from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
 from meshnet.wire.security import TlsConfig, add_port, format_address, make_server
@@ -44,10 +44,8 @@ if TYPE_CHECKING:  # the ledger pulls in SQLAlchemy: imported when a tracker sta
     from meshnet.ledger.store import Ledger
 
 _UINT64_MAX = (1 << 64) - 1
-_DEFAULT_MAX_SESSIONS = NodeRecord.__dataclass_fields__["max_sessions"].default
 # Seconds a deregistered node may still report work: its drain (30 s by default) with margin.
 _DEPARTED_S = 300.0
-_MAX_VERSION_CHARS = 64
 
 
 class _Refusal(Exception):
@@ -73,59 +71,6 @@ def _rpc(method):
         context.abort(code, message)
 
     return wrapper
-
-
-def record_from_info(info: pb.NodeInfo) -> NodeRecord:
-    """The NodeRecord a NodeInfo describes.
-
-    Raises:
-        _Refusal: INVALID_ARGUMENT naming the bad field (empty id/address/model, bad layer range).
-    """
-    who = f"node {info.node_id!r}" if info.node_id else "node"
-    if not info.node_id.strip():
-        raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "Register: node_id is empty")
-    if not info.address.strip():
-        raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {who} has an empty address (expected host:port)")
-    if not info.model.sha256.strip():
-        raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {who} has an empty model sha256")
-    n_layer, start, end = info.model.n_layer, info.layers.start, info.layers.end
-    if n_layer == 0 or start >= end or end > n_layer:
-        raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                       f"Register: {who} has bad layer range [{start}, {end}) for a model of {n_layer} layers; "
-                       "expected 0 <= start < end <= n_layer")
-    speed = info.decode_tokens_per_s
-    if not (speed >= 0 and math.isfinite(speed)):
-        raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                       f"Register: {who} has decode_tokens_per_s={speed}; expected a finite number >= 0")
-    if len(info.version) > _MAX_VERSION_CHARS:
-        raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                       f"Register: {who} has a version string of {len(info.version)} characters "
-                       f"(at most {_MAX_VERSION_CHARS})")
-    return NodeRecord(node_id=info.node_id, address=info.address, model_sha256=info.model.sha256,
-                      architecture=info.model.architecture, n_layer=n_layer, layers=LayerRange(start, end),
-                      engine=info.engine or "ggml", backend=info.backend or "cpu", decode_tokens_per_s=speed,
-                      # 0 = the node did not say: assume the engines' default limit
-                      max_sessions=info.max_sessions or _DEFAULT_MAX_SESSIONS, data_address=info.data_address,
-                      relayed=info.relayed)
-
-
-def info_from_status(s: RegisteredNode) -> pb.NodeInfo:
-    r = s.record
-    return pb.NodeInfo(node_id=r.node_id, address=r.address,
-                       model=pb.ModelIdentity(sha256=r.model_sha256, architecture=r.architecture, n_layer=r.n_layer),
-                       layers=pb.LayerRange(start=r.layers.start, end=r.layers.end), engine=r.engine,
-                       backend=r.backend, protocol_major=s.protocol_major, protocol_minor=s.protocol_minor,
-                       free_memory_bytes=s.free_memory_bytes, decode_tokens_per_s=r.decode_tokens_per_s,
-                       max_sessions=max(r.max_sessions, 0), data_address=r.data_address, relayed=r.relayed,
-                       device=pb.DeviceInfo(**s.device) if s.device else None, version=s.version)
-
-
-def device_dict(info: pb.NodeInfo) -> dict:
-    """``info.device`` as plain data: ``{"name", "description", "type", "memory_total_bytes", "index",
-    "cpu_features"}``."""
-    d = info.device
-    return {"name": d.name, "description": d.description, "type": d.type,
-            "memory_total_bytes": d.memory_total_bytes, "index": d.index, "cpu_features": list(d.cpu_features)}
 
 
 class TrackerService(pb_grpc.TrackerServicer):
@@ -162,7 +107,10 @@ class TrackerService(pb_grpc.TrackerServicer):
 
     @_rpc
     def Register(self, request: pb.NodeInfo, context) -> pb.RegisterReply:
-        record = record_from_info(request)
+        try:
+            record = record_from_info(request)
+        except ValueError as e:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         # Check, bind and register as one step: two keys racing for a new id cannot both win it, and a
         # refused registration leaves no entry behind.
         with self._register_lock:

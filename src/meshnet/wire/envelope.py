@@ -32,7 +32,10 @@ from meshnet.contract import (
 from meshnet.proto import meshnet_pb2 as pb
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+# Minor versions add fields a node of an older minor ignores (protobuf drops unknown fields), so a client
+# must not rely on them there. 1: forwarding (Envelope.next_hops, AWAIT), speculative verify/rollback,
+# logit_bias, grammar (Sampling 12, 13), MTP drafts (Envelope 26, StepReply 13), manifests, NodeInfo.version.
+PROTOCOL_MINOR = 1
 # Payload bytes per frame: large prompts stream in frames of 1 MiB (gRPC's default limit is 4 MiB).
 MAX_FRAME_BYTES = 1 << 20
 

@@ -1,0 +1,65 @@
+"""A node's registration (``pb.NodeInfo``) as the tracker's frozen :class:`NodeRecord` and back: the one
+protobuf mapper for node records, with the checks a registration must pass."""
+
+from __future__ import annotations
+
+import math
+
+from meshnet.contract import LayerRange
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.tracker.registry import RegisteredNode
+from meshnet.tracker.routing import NodeRecord
+
+_DEFAULT_MAX_SESSIONS = NodeRecord.__dataclass_fields__["max_sessions"].default
+_MAX_VERSION_CHARS = 64
+
+
+def record_from_info(info: pb.NodeInfo) -> NodeRecord:
+    """The NodeRecord a NodeInfo describes.
+
+    Raises:
+        ValueError: naming the bad field (empty id/address/model, bad layer range, speed, version); the
+            tracker answers it INVALID_ARGUMENT.
+    """
+    who = f"node {info.node_id!r}" if info.node_id else "node"
+    if not info.node_id.strip():
+        raise ValueError("Register: node_id is empty")
+    if not info.address.strip():
+        raise ValueError(f"Register: {who} has an empty address (expected host:port)")
+    if not info.model.sha256.strip():
+        raise ValueError(f"Register: {who} has an empty model sha256")
+    n_layer, start, end = info.model.n_layer, info.layers.start, info.layers.end
+    if n_layer == 0 or start >= end or end > n_layer:
+        raise ValueError(f"Register: {who} has bad layer range [{start}, {end}) for a model of {n_layer} layers; "
+                       "expected 0 <= start < end <= n_layer")
+    speed = info.decode_tokens_per_s
+    if not (speed >= 0 and math.isfinite(speed)):
+        raise ValueError(f"Register: {who} has decode_tokens_per_s={speed}; expected a finite number >= 0")
+    if len(info.version) > _MAX_VERSION_CHARS:
+        raise ValueError(f"Register: {who} has a version string of {len(info.version)} characters "
+                       f"(at most {_MAX_VERSION_CHARS})")
+    return NodeRecord(node_id=info.node_id, address=info.address, model_sha256=info.model.sha256,
+                      architecture=info.model.architecture, n_layer=n_layer, layers=LayerRange(start, end),
+                      engine=info.engine or "ggml", backend=info.backend or "cpu", decode_tokens_per_s=speed,
+                      # 0 = the node did not say: assume the engines' default limit
+                      max_sessions=info.max_sessions or _DEFAULT_MAX_SESSIONS, data_address=info.data_address,
+                      relayed=info.relayed)
+
+
+def info_from_status(s: RegisteredNode) -> pb.NodeInfo:
+    r = s.record
+    return pb.NodeInfo(node_id=r.node_id, address=r.address,
+                       model=pb.ModelIdentity(sha256=r.model_sha256, architecture=r.architecture, n_layer=r.n_layer),
+                       layers=pb.LayerRange(start=r.layers.start, end=r.layers.end), engine=r.engine,
+                       backend=r.backend, protocol_major=s.protocol_major, protocol_minor=s.protocol_minor,
+                       free_memory_bytes=s.free_memory_bytes, decode_tokens_per_s=r.decode_tokens_per_s,
+                       max_sessions=max(r.max_sessions, 0), data_address=r.data_address, relayed=r.relayed,
+                       device=pb.DeviceInfo(**s.device) if s.device else None, version=s.version)
+
+
+def device_dict(info: pb.NodeInfo) -> dict:
+    """``info.device`` as plain data: ``{"name", "description", "type", "memory_total_bytes", "index",
+    "cpu_features"}``."""
+    d = info.device
+    return {"name": d.name, "description": d.description, "type": d.type,
+            "memory_total_bytes": d.memory_total_bytes, "index": d.index, "cpu_features": list(d.cpu_features)}
