@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 
 from meshnet.model.arch_manifest import ArchManifest, check_tensors, manifest_for
-from meshnet.model.dsv4_params import GATING_SQRT_SOFTPLUS, Dsv4Params, read_dsv4
+from meshnet.model.dsv4_params import GATING_SQRT_SOFTPLUS, Dsv4Params, read_dsv4  # noqa: F401 (re-exported)
 from meshnet.model.gguf_file import GGUFError, array_length, model_tensors, tensor_name
 
 # llama.cpp hard-codes Gemma 3's sliding-window layer pattern (5 local : 1 global) and local RoPE base.
@@ -271,10 +271,10 @@ class ModelConfig:
         return (self.n_embd,) if self.dsv4 is None else (self.dsv4.n_hc, self.n_embd)
 
     def needs_token_ids(self, layers) -> bool:
-        """Whether a stage holding ``layers`` (a LayerRange) needs its step's token ids beyond embedding
-        them: the head does, and so does any stage with a hash-routed block (DeepSeek-V4's first
+        """Whether a stage holding ``layers`` (a LayerRange) computes with its step's token ids besides
+        embedding them on the head: it holds a hash-routed block (DeepSeek-V4's first
         ``hash_layer_count`` blocks pick their experts by token id)."""
-        return layers.start == 0 or (self.dsv4 is not None and layers.start < self.dsv4.n_hash_layers)
+        return self.dsv4 is not None and layers.start < self.dsv4.n_hash_layers
 
     def is_swa(self, layer: int) -> bool:
         """True for sliding-window layers (llama.cpp ``hparams.is_swa``: ``il % pattern < pattern - 1``)."""
