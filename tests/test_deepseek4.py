@@ -198,3 +198,18 @@ def test_a_hash_routed_stage_refuses_steps_without_token_ids_or_of_the_wrong_wid
     flat = NamedTensor.from_numpy("hidden", np.zeros((3, 8), np.float32))  # one stream: not V4's residual
     out = eng.prefill(StepRequest("s", 0, 0, (5, 6, 7), hidden=flat))
     assert out.status is Status.INVALID_ARGUMENT and "expected (3, 4, 8) for 3 tokens" in out.message
+
+
+def test_the_envelope_carries_the_hyper_connection_residual_and_token_ids_across_frames():
+    """A V4 boundary activation [n_tokens, 4, n_embd] (tiny-deepseek4's widths, split over several
+    frames) comes back with its shape, bytes and the step's token ids: what a forwarding node re-sends
+    (``replace(req, hidden=...)``) and a relay passes on as frames."""
+    from meshnet.wire.envelope import frames_to_request, request_to_frames
+
+    rows = np.arange(3 * 4 * 64, dtype=np.float32).reshape(3, 4, 64)
+    req = StepRequest("s", 2, 5, (11, 12, 13), hidden=NamedTensor.from_numpy("hidden", rows))
+    frames = request_to_frames(req, False, max_frame=1000)
+    assert len(frames) == 4  # 3072 bytes in frames of 1000
+    back, decode = frames_to_request(frames)
+    assert not decode and back.token_ids == (11, 12, 13) and back.hidden.shape == (3, 4, 64)
+    assert np.array_equal(back.hidden.to_numpy(), rows)
