@@ -29,6 +29,8 @@ def _qwen3moe_tensors() -> dict[str, tuple[int, ...]]:
 
 def test_every_manifest_tensor_is_one_gguf_lists_for_the_architecture():
     for m in MANIFESTS.values():
+        if m.gguf_arch is None:
+            continue  # deepseek4: gguf 0.19.0 has no table; its names are llama-arch.cpp's (tested below)
         assert gguf.MODEL_ARCH_NAMES[m.gguf_arch] == m.name
         allowed = set(gguf.MODEL_TENSORS[m.gguf_arch])
         for s in m.layer_tensors + m.global_tensors:
@@ -100,9 +102,9 @@ def test_deepseek2_blocks_and_q_lora_choose_their_tensors():
 
 
 def test_unknown_architectures_are_refused_with_the_supported_list():
-    with pytest.raises(GGUFError, match="unsupported architecture 'deepseek4'; supported: deepseek2, gemma3, "
-                                        "llama, phi3, qwen2, qwen3, qwen3moe"):
-        manifest_for("deepseek4")
+    with pytest.raises(GGUFError, match="unsupported architecture 'mamba'; supported: deepseek2, deepseek4, "
+                                        "gemma3, llama, phi3, qwen2, qwen3, qwen3moe"):
+        manifest_for("mamba")
 
 
 @pytest.mark.parametrize("folder", ["models", "models-moe"])
@@ -112,8 +114,6 @@ def test_the_golden_models_fit_their_manifests(folder):
         pytest.skip(f"no models in {GOLDEN_DIR / folder}")
     for path in paths:
         arch = open_gguf(path).get_field(gguf.Keys.General.ARCHITECTURE).contents()
-        if arch not in MANIFESTS:
-            continue  # deepseek4: not built yet, refused by name (above)
         cfg = ModelConfig.from_reader(open_gguf(path))  # runs check_tensors
         assert cfg.manifest.name == arch
 

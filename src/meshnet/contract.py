@@ -259,7 +259,8 @@ class StepRequest:
         position: index of the first token of this step in the session (equals the tokens already cached).
         token_ids: the step's token ids ``[n_tokens]``. The head embeds them; every stage keeps them so
             the tail can apply repetition penalties.
-        hidden: ``[n_tokens, n_embd]`` f32 hidden states from the previous stage; None on the head.
+        hidden: ``[n_tokens, n_embd]`` f32 hidden states from the previous stage (``[n_tokens, *dims]``
+            for a residual of other dims: ``Capabilities.hidden_row_shape``); None on the head.
         sampling: used by the tail only.
         step_id: caller's monotonically increasing step counter (for logs and the ledger).
         reserve_tokens: on the step that opens a session, the KV cells it will need at most (its prompt
@@ -417,6 +418,17 @@ class Capabilities:
     is_tail: bool
     fixture: bool = False  # True for test fixtures that are not a real model
     max_sessions: int = 16
+    # One token's activation at this stage's input boundary (dims after n_tokens); () is (n_embd,).
+    # DeepSeek-V4's hyper-connections make it (n_hc, n_embd).
+    residual_dims: tuple[int, ...] = ()
+    # The stage computes with its step's token ids besides embedding them (hash-routed MoE blocks):
+    # a step whose hidden states come without them is refused.
+    needs_token_ids: bool = False
+
+    @property
+    def hidden_row_shape(self) -> tuple[int, ...]:
+        """Dims of one token's hidden states as this stage takes and passes them on."""
+        return self.residual_dims or (self.n_embd,)
 
 
 @dataclass(frozen=True)

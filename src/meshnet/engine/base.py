@@ -291,6 +291,11 @@ class ShardEngine(ABC):
         if caps is None:
             return self._fail(Status.FAILED_PRECONDITION, "engine not loaded")
         n = len(req.token_ids)
+        if n == 0 and caps.needs_token_ids and req.hidden is not None:
+            return self._fail(Status.INVALID_ARGUMENT,
+                              f"stage {caps.artifact.layers} picks experts by token id (hash-routed blocks) "
+                              f"and the step carries hidden states of shape {req.hidden.shape} without "
+                              f"their token ids")
         if n == 0:
             return self._fail(Status.INVALID_ARGUMENT, "no tokens in the step")
         if req.verify and n > MAX_DRAFT_TOKENS + 1:
@@ -327,9 +332,12 @@ class ShardEngine(ABC):
             problem = req.hidden.validate()
             if problem is None and req.hidden.dtype != "f32":
                 problem = f"hidden states must be f32, got {req.hidden.dtype}"
-            if problem is None and req.hidden.shape != (n, caps.n_embd):
-                problem = (f"hidden states have shape {req.hidden.shape}, expected ({n}, {caps.n_embd}) "
-                           f"for {n} tokens")
+            want = (n, *caps.hidden_row_shape)
+            if problem is None and req.hidden.shape != want:
+                problem = f"hidden states have shape {req.hidden.shape}, expected {want} for {n} tokens"
+                if caps.needs_token_ids and req.hidden.shape[1:] == want[1:]:
+                    problem += (": this stage picks experts by token id (hash-routed blocks) and needs "
+                                "one token id per row")
             if problem is not None:
                 return self._fail(Status.INVALID_ARGUMENT, problem)
         if caps.is_tail:

@@ -74,7 +74,9 @@ class GgmlEngine(ShardEngine):
                             artifact=ArtifactId(sha, spec.artifact.layers), n_layer=cfg.n_layer,
                             n_embd=cfg.n_embd, n_vocab=cfg.n_vocab, n_ctx=stage.n_ctx,
                             is_head=stage.is_head, is_tail=stage.is_tail, fixture=False,
-                            max_sessions=spec.max_sessions)
+                            max_sessions=spec.max_sessions,
+                            residual_dims=() if cfg.dsv4 is None else cfg.residual_shape,
+                            needs_token_ids=cfg.needs_token_ids(spec.artifact.layers))
 
     @property
     def device(self) -> dict | None:

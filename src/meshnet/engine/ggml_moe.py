@@ -1,7 +1,8 @@
 """Routed experts (mixture of experts) on ggml's own ops, as llama.cpp builds them.
 
-Mirrors ``llm_graph_context::build_moe_ffn`` (src/llama-graph.cpp) for softmax gating (qwen3moe) and
-sigmoid gating with a selection bias and expert groups (DeepSeek-V3's layout of deepseek2): the same ops
+Mirrors ``llm_graph_context::build_moe_ffn`` (src/llama-graph.cpp) for softmax gating (qwen3moe),
+sigmoid gating with a selection bias and expert groups (DeepSeek-V3's layout of deepseek2), and
+DeepSeek-V4's sqrt-softplus gating, hash routing (experts given per token) and clamped SwiGLU: the same ops
 in the same order, so the router picks the experts llama.cpp picks and the weighted sum adds them up in
 its order. Every token's routing runs inside the graph (``ggml_argsort``,
 ``ggml_get_rows``, ``ggml_mul_mat_id``); nothing loops over experts or tokens in Python.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import ggml
 
-from meshnet.model.hparams import GATING_SIGMOID, GATING_SOFTMAX
+from meshnet.model.hparams import GATING_SIGMOID, GATING_SOFTMAX, GATING_SQRT_SOFTPLUS
 
 # build_moe_ffn clamps the sum of the routing weights from below at the smallest normal F16, so that a
 # token whose k weights underflow divides by that instead of by zero.
@@ -22,7 +23,7 @@ WEIGHTS_SUM_MIN = 6.103515625e-5
 
 def build_moe_ffn(ctx, gf, cur, gate_inp, up_exps, gate_exps, down_exps, n_expert_used: int,
                   norm_w: bool, w_scale: float, gating: int = GATING_SOFTMAX, exp_probs_b=None,
-                  n_groups: int = 0, n_group_used: int = 0):
+                  n_groups: int = 0, n_group_used: int = 0, selected=None, swiglu_limit: float = 0.0):
     """The routed-expert FFN of one layer with SiLU-gated experts.
 
     Args:
@@ -36,12 +37,18 @@ def build_moe_ffn(ctx, gf, cur, gate_inp, up_exps, gate_exps, down_exps, n_exper
         n_expert_used: k, the experts each token uses.
         norm_w: renormalise the k weights to sum to 1 (Qwen3-MoE's ``norm_topk_prob``).
         w_scale: factor on the weights; 0 or 1 means none (llama.cpp skips the op then).
-        gating: GATING_SOFTMAX or GATING_SIGMOID: router logits to scores (``probs``).
+        gating: GATING_SOFTMAX, GATING_SIGMOID or GATING_SQRT_SOFTPLUS: router logits to scores
+            (``probs``).
         exp_probs_b: F32 ``[n_expert]`` added to the scores for the selection only (DeepSeek-V3's
             ``exp_probs_b``); the weights stay the unbiased scores. None: no bias.
         n_groups, n_group_used: with ``n_groups > 1`` the experts form that many equal groups; each
             group is scored by the sum of its two best (biased) scores and only the experts of the best
             ``n_group_used`` groups can be selected.
+        selected: I32 ``[k, n_tokens]`` experts chosen outside the router (DeepSeek-V4's hash-routed
+            blocks: ``ffn_gate_tid2eid`` rows of the tokens); the weights are still the router's scores
+            of those experts. None: top-k of the scores.
+        swiglu_limit: > 1e-6 clamps the experts' SwiGLU as llama.cpp's ``ggml_swiglu_clamp`` (gate at most
+            the limit, up within ±limit); 0: plain SwiGLU.
     Returns:
         F32 ``[n_embd, n_tokens]``: Σ_k w_k · down_k(SiLU(gate_k(x)) · up_k(x)), summed in the
         order of the experts' selection scores, highest first.
@@ -53,6 +60,8 @@ def build_moe_ffn(ctx, gf, cur, gate_inp, up_exps, gate_exps, down_exps, n_exper
     logits = ggml.ggml_mul_mat(ctx, gate_inp, cur)                          # [n_expert, n_tokens]
     if gating == GATING_SIGMOID:
         probs = ggml.ggml_sigmoid(ctx, logits)                              # [n_expert, n_tokens]
+    elif gating == GATING_SQRT_SOFTPLUS:
+        probs = ggml.ggml_sqrt(ctx, ggml.ggml_softplus(ctx, logits))        # [n_expert, n_tokens]
     else:
         probs = ggml.ggml_soft_max(ctx, logits)                             # [n_expert, n_tokens]
     selection = probs if exp_probs_b is None else ggml.ggml_add(ctx, probs, exp_probs_b)
@@ -60,7 +69,8 @@ def build_moe_ffn(ctx, gf, cur, gate_inp, up_exps, gate_exps, down_exps, n_exper
         selection = _mask_groups(ctx, selection, n_expert, n_tokens, n_groups, n_group_used)
     # argsort descending, first k columns: llama.cpp's ggml_argsort_top_k (not ggml_top_k, a separate
     # op whose order of the k ids is not the probabilities' order, which the final sum depends on).
-    selected = ggml.ggml_argsort_top_k(ctx, selection, k)                   # I32 [k, n_tokens]
+    if selected is None:
+        selected = ggml.ggml_argsort_top_k(ctx, selection, k)               # I32 [k, n_tokens]
     weights = ggml.ggml_get_rows(ctx, ggml.ggml_reshape_3d(ctx, probs, 1, n_expert, n_tokens),
                                  selected)                                  # [1, k, n_tokens]
     if norm_w:
@@ -76,7 +86,7 @@ def build_moe_ffn(ctx, gf, cur, gate_inp, up_exps, gate_exps, down_exps, n_exper
     x = ggml.ggml_reshape_3d(ctx, cur, n_embd, 1, n_tokens)                 # one row shared by the k experts
     up = ggml.ggml_mul_mat_id(ctx, up_exps, x, selected)                    # [n_ff_exp, k, n_tokens]
     gate = ggml.ggml_mul_mat_id(ctx, gate_exps, x, selected)                # [n_ff_exp, k, n_tokens]
-    act = ggml.ggml_swiglu_split(ctx, gate, up)
+    act = swiglu(ctx, gate, up, swiglu_limit)
     experts = ggml.ggml_mul_mat_id(ctx, down_exps, act, selected)           # [n_embd, k, n_tokens]
     experts = ggml.ggml_mul(ctx, experts, weights)
     ggml.ggml_build_forward_expand(gf, experts)
@@ -94,6 +104,17 @@ def build_moe_ffn(ctx, gf, cur, gate_inp, up_exps, gate_exps, down_exps, n_exper
     if k == 1:
         out = ggml.ggml_cont(ctx, out)  # a view is not contiguous; the residual add wants a tensor
     return out
+
+
+def swiglu(ctx, gate, up, limit: float = 0.0):
+    """SiLU(gate) · up, F32, same shapes. With ``limit`` > 1e-6 the inputs are clamped first as in
+    ggml's ``swiglu_clamp`` kernel (ops.cpp: ``gate = min(gate, limit)``, ``up = clamp(up, -limit,
+    limit)``), which ggml-python 0.0.45 lacks; the SiLU then runs in ggml's vectorised swiglu rather than
+    the kernel's scalar ``expf``, which may differ in the last bit."""
+    if limit > 1e-6:
+        gate = ggml.ggml_clamp(ctx, gate, float("-inf"), limit)
+        up = ggml.ggml_clamp(ctx, up, -limit, limit)
+    return ggml.ggml_swiglu_split(ctx, gate, up)
 
 
 def _mask_groups(ctx, selection, n_expert: int, n_tokens: int, n_groups: int, n_group_used: int):

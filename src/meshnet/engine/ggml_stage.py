@@ -76,6 +76,8 @@ class GgmlStage:
                  kv_tokens: int = 0, kv_budget_bytes: int = 0, prefix_cache: int = 0, mtp: bool = True) -> None:
         reader = open_gguf(path)
         self.cfg = ModelConfig.from_reader(reader)
+        if self.cfg.manifest.not_run:
+            raise GGUFError(self.cfg.manifest.not_run)
         if layers.end > self.cfg.n_layer:
             raise GGUFError(f"layer range [{layers.start}, {layers.end}) is outside the model, which has "
                             f"{self.cfg.n_layer} layers [0, {self.cfg.n_layer})")

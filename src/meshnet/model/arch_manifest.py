@@ -11,6 +11,7 @@ tensor is refused at load with its name, before any stage hands ggml a tensor th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Iterable
 
 import gguf
@@ -28,18 +29,20 @@ class TensorSpec:
     """One tensor of a layer (``blk.{i}.<name>.<suffix>``) or of the whole model.
 
     Attributes:
-        kind: gguf's name for it (its GGUF name comes from ``gguf.TENSOR_NAMES``).
+        kind: gguf's name for it (its GGUF name comes from ``gguf.TENSOR_NAMES``), or for a tensor gguf
+            does not know (deepseek4's) its GGUF name pattern from llama-arch.cpp, ``blk.{bid}.<name>``.
         suffix: ``weight`` or ``bias``.
         required: refuse a file without it; an optional one is used when present.
-        shape: expected dims in ggml order (ne0 first), each the name of a ``ModelConfig`` attribute;
-            None: not checked (fused tensors whose size is a sum).
+        shape: expected dims in ggml order (ne0 first), each the name of a ``ModelConfig`` attribute
+            (dotted: ``dsv4.hc_dim``); None: not checked (fused tensors whose size is a sum).
         when: the name of a boolean ``ModelConfig`` attribute; the tensor belongs to the file only when
             it is true (``has_q_lora``: q-LoRA instead of a plain ``attn_q``). None: always.
         blocks: which blocks hold it: ``all``, ``lead`` (the first ``n_layer_dense_lead``, whose FFN is
-            dense) or ``moe`` (the others).
+            dense) or ``moe`` (the others); DeepSeek-V4's ``hash`` / ``routed`` (hash-routed blocks or
+            not), ``csa`` / ``hca`` (compression ratio 4 / 128).
     """
 
-    kind: T
+    kind: T | str
     suffix: str = "weight"
     required: bool = True
     shape: tuple[str, ...] | None = None
@@ -47,6 +50,8 @@ class TensorSpec:
     blocks: str = "all"
 
     def name(self, layer: int | None = None) -> str:
+        if isinstance(self.kind, str):
+            return (self.kind.format(bid=layer) if layer is not None else self.kind) + "." + self.suffix
         return tensor_name(self.kind, layer, self.suffix)
 
     def applies(self, cfg, layer: int | None = None) -> bool:
@@ -55,8 +60,18 @@ class TensorSpec:
             return False
         if layer is None or self.blocks == "all":
             return True
-        lead = layer < getattr(cfg, "n_layer_dense_lead", 0)
-        return lead if self.blocks == "lead" else not lead
+        return _BLOCKS[self.blocks](cfg, layer)
+
+
+# Which blocks a TensorSpec's ``blocks`` selects (cfg, layer) -> bool.
+_BLOCKS = {
+    "lead": lambda cfg, il: il < getattr(cfg, "n_layer_dense_lead", 0),
+    "moe": lambda cfg, il: il >= getattr(cfg, "n_layer_dense_lead", 0),
+    "hash": lambda cfg, il: cfg.dsv4.is_hash(il),
+    "routed": lambda cfg, il: not cfg.dsv4.is_hash(il),
+    "csa": lambda cfg, il: cfg.dsv4.ratio(il) == 4,
+    "hca": lambda cfg, il: cfg.dsv4.ratio(il) == 128,
+}
 
 
 def _w(kind: T, *shape: str) -> TensorSpec:
@@ -85,16 +100,25 @@ class ArchManifest:
         moe_norm_weights: MoE only: renormalise the k routing weights to sum to 1 (llama.cpp's
             ``norm_w`` argument of ``build_moe_ffn``) where the architecture's graph fixes it (deepseek2
             reads it from the file: ``ModelConfig.expert_weights_norm``).
+        token_id_blocks: the ``blocks`` selector of the blocks that need the step's token ids besides
+            the head's embedding (deepseek4: ``hash``); None: none do.
+        residual: how wide the residual stream, the activation between stages, is per token: ``n_embd``
+            or ``dsv4.hc_dim`` (``ModelConfig.residual_shape`` gives its dims).
+        not_run: why this engine loads the file's configuration but cannot run its graph yet (one
+            line); empty: it runs.
     """
 
     name: str
-    gguf_arch: gguf.MODEL_ARCH
+    gguf_arch: gguf.MODEL_ARCH | None
     rope_type: int
     layer: str
     ffn: str
     layer_tensors: tuple[TensorSpec, ...]
     global_tensors: tuple[TensorSpec, ...]
     moe_norm_weights: bool = False
+    token_id_blocks: str | None = None
+    residual: str = "n_embd"
+    not_run: str = ""
 
     @property
     def is_moe(self) -> bool:
@@ -133,7 +157,7 @@ _MOE = (
 )
 
 
-def _ds(kind: T, *shape: str, when: str | None = None, blocks: str = "all", suffix: str = "weight",
+def _ds(kind: T | str, *shape: str, when: str | None = None, blocks: str = "all", suffix: str = "weight",
         required: bool = True) -> TensorSpec:
     return TensorSpec(kind, suffix, required, shape, when, blocks)
 
@@ -178,6 +202,55 @@ _NEXTN = (
     TensorSpec(T.NEXTN_SHARED_HEAD_NORM, required=False, shape=("n_embd",)),
 )
 
+# DeepSeek-V4 (llama_model_deepseek4::load_arch_tensors in llama.cpp src/models/deepseek4.cpp, names from
+# src/llama-arch.cpp; gguf 0.19.0 has no deepseek4). Hyper-connection mixes before attention and FFN,
+# q-LoRA attention with one shared K=V head, sinks and a grouped low-rank output; compressors on the
+# compressed blocks (the lightning indexer's on ratio-4 blocks); routed experts, hash-routed by token id in
+# the first ``hash_layer_count`` blocks, plus a shared expert.
+_V4_HC = tuple(_ds(f"blk.{{bid}}.hc_{part}_{what}", *shape) for part in ("attn", "ffn") for what, shape in (
+    ("fn", ("dsv4.hc_dim", "dsv4.hc_mix")), ("base", ("dsv4.hc_mix",)), ("scale", ("dsv4.three",))))
+_V4_COMPRESSOR = tuple(
+    _ds(f"blk.{{bid}}.{pre}_{what}", *shape, blocks=blocks)
+    for pre, blocks, width, ratio, norm in (
+        ("attn_compressor", "csa", "dsv4.comp_csa", "dsv4.csa_ratio", "head_dim"),
+        ("attn_compressor", "hca", "head_dim", "dsv4.hca_ratio", "head_dim"),
+        ("indexer_compressor", "csa", "dsv4.indexer_comp", "dsv4.csa_ratio", "dsv4.indexer_head_dim"))
+    for what, shape in (("kv", ("n_embd", width)), ("gate", ("n_embd", width)), ("ape", (width, ratio)),
+                        ("norm", (norm,))))
+_DEEPSEEK4 = (
+    _ds(T.ATTN_NORM, "n_embd"),
+    _ds(T.ATTN_SINKS, "n_head"),
+    _ds(T.ATTN_Q_A, "n_embd", "n_lora_q"),
+    _ds(T.ATTN_Q_A_NORM, "n_lora_q"),
+    _ds(T.ATTN_Q_B, "n_lora_q", "n_embd_q"),
+    _ds("blk.{bid}.attn_kv", "n_embd", "head_dim"),
+    _ds(T.ATTN_KV_A_NORM, "head_dim"),
+    _ds("blk.{bid}.attn_output_a", "dsv4.wo_a_in", "dsv4.wo_a_out"),
+    _ds("blk.{bid}.attn_output_b", "dsv4.wo_a_out", "n_embd"),
+    *_V4_HC,
+    *_V4_COMPRESSOR,
+    _ds(T.INDEXER_PROJ, "n_embd", "dsv4.indexer_n_head", blocks="csa"),
+    _ds(T.INDEXER_ATTN_Q_B, "n_lora_q", "dsv4.indexer_q", blocks="csa"),
+    _ds(T.FFN_NORM, "n_embd"),
+    _ds(T.FFN_GATE_INP, "n_embd", "n_expert"),
+    _ds("blk.{bid}.ffn_gate_tid2eid", "n_expert_used", "n_vocab", blocks="hash"),
+    _ds(T.FFN_EXP_PROBS_B, "n_expert", blocks="routed", suffix="bias"),
+    _ds(T.FFN_GATE_EXP, "n_embd", "n_ff_exp", "n_expert"),
+    _ds(T.FFN_UP_EXP, "n_embd", "n_ff_exp", "n_expert"),
+    _ds(T.FFN_DOWN_EXP, "n_ff_exp", "n_embd", "n_expert"),
+    _ds(T.FFN_GATE_SHEXP, "n_embd", "n_ff_shexp"),
+    _ds(T.FFN_UP_SHEXP, "n_embd", "n_ff_shexp"),
+    _ds(T.FFN_DOWN_SHEXP, "n_ff_shexp", "n_embd"),
+)
+_DEEPSEEK4_GLOBAL = (
+    _w(T.TOKEN_EMBD),
+    _w(T.OUTPUT_NORM, "n_embd"),
+    _w(T.OUTPUT),  # never tied (llama.cpp loads it without TENSOR_NOT_REQUIRED)
+    _ds("output_hc_fn", "dsv4.hc_dim", "dsv4.n_hc"),
+    _ds("output_hc_base", "dsv4.n_hc"),
+    _ds("output_hc_scale", "dsv4.one"),
+)
+
 MANIFESTS: dict[str, ArchManifest] = {m.name: m for m in (
     ArchManifest("llama", gguf.MODEL_ARCH.LLAMA, ROPE_NORM, "llama", "dense",
                  _ATTN + (_opt_b(T.ATTN_OUT, "n_embd"),) + _FFN
@@ -197,6 +270,11 @@ MANIFESTS: dict[str, ArchManifest] = {m.name: m for m in (
                  + (_w(T.FFN_POST_NORM, "n_embd"),),
                  _GLOBAL),
     ArchManifest("deepseek2", gguf.MODEL_ARCH.DEEPSEEK2, ROPE_NORM, "deepseek2", "moe", _DEEPSEEK2, _GLOBAL),
+    ArchManifest("deepseek4", None, ROPE_NORM, "deepseek4", "moe", _DEEPSEEK4, _DEEPSEEK4_GLOBAL,
+                 token_id_blocks="hash", residual="dsv4.hc_dim",
+                 not_run="deepseek4 is not run by this engine yet: its hyper-connection mixes, sliding-window "
+                         "attention with sinks and compressed KV caches (ratio 4 with the lightning indexer, "
+                         "ratio 128) are not built"),
 )}
 
 
@@ -238,7 +316,7 @@ def check_tensors(manifest: ArchManifest, cfg, tensors: Iterable[tuple[str, tupl
             raise GGUFError(f"{arch} GGUF tensor {name!r} has shape {list(dims)}, expected rows of n_embd "
                             f"{cfg.n_embd}")
         if spec.shape is not None:
-            want = tuple(int(getattr(cfg, d)) for d in spec.shape)
+            want = tuple(int(attrgetter(d)(cfg)) for d in spec.shape)
             if tuple(dims) != want:
                 raise GGUFError(f"{arch} GGUF tensor {name!r} has shape {list(dims)}, expected {list(want)} "
                                 f"({', '.join(spec.shape)})")

@@ -12,6 +12,7 @@ import gguf
 import numpy as np
 
 from meshnet.model.arch_manifest import ArchManifest, check_tensors, manifest_for
+from meshnet.model.dsv4_params import GATING_SQRT_SOFTPLUS, Dsv4Params, read_dsv4  # noqa: F401 (re-exported)
 from meshnet.model.gguf_file import GGUFError, array_length, model_tensors, tensor_name
 
 # llama.cpp hard-codes Gemma 3's sliding-window layer pattern (5 local : 1 global) and local RoPE base.
@@ -112,6 +113,12 @@ def _field(reader: gguf.GGUFReader, key: str):
     return None if f is None else f.contents()
 
 
+def _array(reader: gguf.GGUFReader, key: str) -> list | None:
+    """A per-layer key as a list (one value: a one-element list); None when absent."""
+    v = _field(reader, key)
+    return None if v is None else list(v) if isinstance(v, (list, tuple)) else [v]
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the forward graph needs to know about the whole model.
@@ -185,6 +192,8 @@ class ModelConfig:
     # next-token-prediction (MTP) blocks stored after the trunk: ``blk.{n_layer}`` ..; ``block_count``
     # counts them, ``n_layer`` does not (llama.cpp's ``n_layer_all`` and ``n_layer()``)
     n_nextn: int = 0
+    # DeepSeek-V4's own hyper-parameters (hyper-connections, compressed attention, hash routing)
+    dsv4: Dsv4Params | None = None
 
     @property
     def manifest(self) -> ArchManifest:
@@ -255,6 +264,18 @@ class ModelConfig:
         of the K cell (llama.cpp's cache has no V tensor then)."""
         return 0 if self.is_mla else self.n_embd_v_gqa
 
+    @property
+    def residual_shape(self) -> tuple[int, ...]:
+        """One token's residual stream, the activation that crosses a stage boundary: ``(n_embd,)``, or
+        ``(n_hc, n_embd)`` with DeepSeek-V4's hyper-connections (``n_hc`` streams of n_embd)."""
+        return (self.n_embd,) if self.dsv4 is None else (self.dsv4.n_hc, self.n_embd)
+
+    def needs_token_ids(self, layers) -> bool:
+        """Whether a stage holding ``layers`` (a LayerRange) computes with its step's token ids besides
+        embedding them on the head: it holds a hash-routed block (DeepSeek-V4's first
+        ``hash_layer_count`` blocks pick their experts by token id)."""
+        return self.dsv4 is not None and layers.start < self.dsv4.n_hash_layers
+
     def is_swa(self, layer: int) -> bool:
         """True for sliding-window layers (llama.cpp ``hparams.is_swa``: ``il % pattern < pattern - 1``)."""
         return self.n_swa > 0 and self.swa_pattern > 0 and layer % self.swa_pattern < self.swa_pattern - 1
@@ -303,7 +324,7 @@ class ModelConfig:
         freq_scale = float(np.float32(1.0) / np.float32(scaling_factor)) if scaling_factor > 0 else 1.0
         if scaling_type == "none":
             freq_scale = 1.0
-        mla = arch == "deepseek2"
+        mla, dsv4 = arch == "deepseek2", arch == "deepseek4"
         # llama.cpp divides the converter's yarn_log_multiplier by 0.1 (deepseek2's load_arch_hparams)
         yarn_log_mul = float(np.float32(opt(gguf.Keys.Rope.SCALING_YARN_LOG_MUL, 0.0)) / np.float32(0.1)) if mla else 0.0
         ext_factor, rope_attn_factor = yarn_rope_params(arch, scaling_type, freq_scale, yarn_log_mul,
@@ -324,7 +345,7 @@ class ModelConfig:
                                 f"{head_dim_v}, kv_lora_rank {n_lora_kv}, rope dims {n_rot}, key_length_mla "
                                 f"{n_embd_head_k_mla}")
         gemma = arch == "gemma3"
-        n_swa = int(opt(gguf.Keys.Attention.SLIDING_WINDOW, 0)) if gemma else 0
+        n_swa = int(opt(gguf.Keys.Attention.SLIDING_WINDOW, 0)) if gemma or dsv4 else 0
         # An MoE file may omit the dense feed_forward_length (llama.cpp does not require it).
         ff_key = gguf.Keys.LLM.FEED_FORWARD_LENGTH
         n_ff = int(opt(ff_key, 0) if manifest.is_moe else req(ff_key))
@@ -342,10 +363,17 @@ class ModelConfig:
         # renormalisation when absent, as llama.cpp's loader defaults them)
         gating = int(opt(gguf.Keys.LLM.EXPERT_GATING_FUNC, GATING_NONE)) if mla else GATING_SOFTMAX
         gating = gating or GATING_SOFTMAX
-        if gating not in (GATING_SOFTMAX, GATING_SIGMOID):
+        v4 = None
+        if dsv4:  # its own keys, checked by read_dsv4 (sqrt-softplus gating among them)
+            n_lora_q = int(req(gguf.Keys.Attention.Q_LORA_RANK))
+            v4 = read_dsv4(arch, int(req(gguf.Keys.LLM.BLOCK_COUNT)),
+                           dict(n_embd=n_embd, head_dim=head_dim, n_head=n_head, n_expert_used=n_expert_used),
+                           req, opt, lambda key: _array(reader, key.format(arch=arch)))
+            gating = GATING_SQRT_SOFTPLUS
+        elif gating not in (GATING_SOFTMAX, GATING_SIGMOID):
             raise GGUFError(f"{arch} GGUF has expert_gating_func {gating}; supported: {GATING_SOFTMAX} (softmax), "
                             f"{GATING_SIGMOID} (sigmoid)")
-        norm_w = bool(opt(gguf.Keys.LLM.EXPERT_WEIGHTS_NORM, False)) if mla else manifest.moe_norm_weights
+        norm_w = bool(opt(gguf.Keys.LLM.EXPERT_WEIGHTS_NORM, False)) if mla or dsv4 else manifest.moe_norm_weights
         n_nextn = int(opt(gguf.Keys.LLM.NEXTN_PREDICT_LAYERS, 0))
         if n_nextn and not (mla and n_nextn == 1):
             # llama.cpp's graph_mtp runs one MTP block, of deepseek2 (GLM-4.5 / DeepSeek-V3) files only
@@ -393,6 +421,7 @@ class ModelConfig:
             rope_ext_factor=ext_factor,
             rope_attn_factor=rope_attn_factor,
             n_ctx_orig_yarn=int(opt(gguf.Keys.Rope.SCALING_ORIG_CTX_LEN, 0)),
+            dsv4=v4,
         )
         _check_ranges(cfg)
         for t in tensors:

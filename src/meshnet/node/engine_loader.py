@@ -85,7 +85,7 @@ def measure_decode_speed(engine: ShardEngine, steps: int = 8) -> float:
 
     caps = engine.capabilities()
     sid = f"speed-probe-{uuid.uuid4().hex}"
-    hidden = None if caps.is_head else NamedTensor.from_numpy("hidden", np.zeros((1, caps.n_embd), np.float32))
+    hidden = None if caps.is_head else NamedTensor.from_numpy("hidden", np.zeros((1, *caps.hidden_row_shape), np.float32))
     if not engine.prefill(StepRequest(sid, 0, 0, (1,), hidden=hidden)).ok:
         engine.release(sid)
         return 0.0
