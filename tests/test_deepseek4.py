@@ -200,6 +200,16 @@ def test_a_hash_routed_stage_refuses_steps_without_token_ids_or_of_the_wrong_wid
     assert out.status is Status.INVALID_ARGUMENT and "expected (3, 4, 8) for 3 tokens" in out.message
 
 
+def test_capabilities_over_grpc_declare_the_residual_shape_and_the_token_id_need():
+    from meshnet.node.service import NodeService
+    from meshnet.proto import meshnet_pb2 as pb
+
+    eng = _HashRoutedFake()
+    assert eng.load(LoadSpec("fake", ArtifactId("", LayerRange(1, 4)))).ok
+    caps = NodeService(eng, "mid", pb.ModelIdentity(sha256="x")).GetCapabilities(pb.Empty(), None)
+    assert list(caps.residual_dims) == [4, 8] and caps.needs_token_ids
+
+
 def test_the_envelope_carries_the_hyper_connection_residual_and_token_ids_across_frames():
     """A V4 boundary activation [n_tokens, 4, n_embd] (tiny-deepseek4's widths, split over several
     frames) comes back with its shape, bytes and the step's token ids: what a forwarding node re-sends

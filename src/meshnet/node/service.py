@@ -216,7 +216,8 @@ class NodeService(pb_grpc.NodeServicer):
                                engine=c.engine, backend=c.backend, n_embd=c.n_embd, n_vocab=c.n_vocab,
                                n_ctx=c.n_ctx, is_head=c.is_head, is_tail=c.is_tail, fixture=c.fixture,
                                max_sessions=c.max_sessions, protocol_major=PROTOCOL_MAJOR,
-                               protocol_minor=PROTOCOL_MINOR)
+                               protocol_minor=PROTOCOL_MINOR, residual_dims=list(c.residual_dims),
+                               needs_token_ids=c.needs_token_ids)
 
     def Health(self, request, context):
         h = self.engine.health()

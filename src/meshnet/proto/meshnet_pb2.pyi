@@ -203,7 +203,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("node_id", "model", "layers", "engine", "backend", "n_embd", "n_vocab", "n_ctx", "is_head", "is_tail", "fixture", "max_sessions", "protocol_major", "protocol_minor")
+    __slots__ = ("node_id", "model", "layers", "engine", "backend", "n_embd", "n_vocab", "n_ctx", "is_head", "is_tail", "fixture", "max_sessions", "protocol_major", "protocol_minor", "residual_dims", "needs_token_ids")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +218,8 @@ class Capabilities(_message.Message):
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_MAJOR_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_MINOR_FIELD_NUMBER: _ClassVar[int]
+    RESIDUAL_DIMS_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     model: ModelIdentity
     layers: LayerRange
@@ -232,7 +234,9 @@ class Capabilities(_message.Message):
     max_sessions: int
     protocol_major: int
     protocol_minor: int
-    def __init__(self, node_id: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., fixture: _Optional[bool] = ..., max_sessions: _Optional[int] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ...) -> None: ...
+    residual_dims: _containers.RepeatedScalarFieldContainer[int]
+    needs_token_ids: bool
+    def __init__(self, node_id: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., fixture: _Optional[bool] = ..., max_sessions: _Optional[int] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., residual_dims: _Optional[_Iterable[int]] = ..., needs_token_ids: _Optional[bool] = ...) -> None: ...
 
 class HealthReply(_message.Message):
     __slots__ = ("healthy", "active_sessions", "draining", "message")
