@@ -52,7 +52,7 @@ def test_llama_writer_is_deterministic_and_gguf_py_reads_the_shapes(tmp_path, sm
     assert (types["blk.0.attn_q.weight"], types["output.weight"]) == (Q.Q4_0, Q.Q8_0)
 
 
-@pytest.mark.slow
+@pytest.mark.long  # writes a 1.3 GB model on a fresh machine, then 25 s of compute
 def test_small_variant_greedy_ids_match_across_stages_and_llama_cpp(smollm2_path):
     """The 8-layer variant of the real shapes (1.3 GB, written once into the bench models folder): 32
     greedy ids with clear margins, bit-equal in 1 and 3 stages, and equal to llama.cpp's."""

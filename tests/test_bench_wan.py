@@ -131,7 +131,7 @@ def test_report_puts_the_model_beside_each_figure_and_checks_greedy_identity():
 
 
 @pytest.mark.netns
-@pytest.mark.slow
+@pytest.mark.long  # 17 s; the netns mesh tests cover forwarding across namespaces in the default run
 def test_wan_bench_runs_across_namespaces_and_the_rtt_costs_the_legs(tmp_path):
     from meshnet.netem.namespaces import NetnsUnavailable, probe
 

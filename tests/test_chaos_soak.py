@@ -116,7 +116,7 @@ def _seed(default: int | None) -> int:
     return default if default is not None else random.SystemRandom().randrange(1 << 31)
 
 
-@pytest.mark.slow
+@pytest.mark.long  # 70 s; the failover tests cover each fault on its own in the default run
 @pytest.mark.timeout(300)
 def test_chaos_soak_one_minute(tmp_path, tok, solo):
     run_soak(tmp_path, tok, solo, 60.0, _seed(1414))
