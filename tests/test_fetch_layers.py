@@ -186,6 +186,10 @@ def test_the_tracker_keeps_a_manifest_only_under_its_own_id(smollm2_path):
         by_name = t.GetManifest(pb.ManifestRequest(model=m.name.upper()), timeout=5)
         assert by_name.model_id == m.id and by_name.manifest == m.compressed()
         assert t.GetManifest(pb.ManifestRequest(), timeout=5).model_id == m.id  # the only one
+        with pytest.raises(grpc.RpcError) as e:  # a name nobody serves: the error lists what is known
+            t.GetManifest(pb.ManifestRequest(model="llama-7b"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert e.value.details().endswith(f"known: {m.name} ({m.id[:12]})")
     finally:
         mesh.close()
 

@@ -82,8 +82,10 @@ class ManifestStore:
                 raise ManifestNotFound(f"{len(self._by_id)} models are known; name one",
                                        ambiguous=bool(self._by_id))
             hits = [(mid, e) for mid, e in self._by_id.items() if e.name and e.name.lower() == model.lower()]
+            known = [f"{e.name or '(unnamed)'} ({mid[:12]})" for mid, e in list(self._by_id.items())[:5]]
         if not hits:
-            raise ManifestNotFound(f"no manifest for model {model!r}: no node serving it has published one")
+            raise ManifestNotFound(f"no manifest for model {model!r}: no node serving it has published one"
+                                   + (f"; known: {', '.join(known)}" if known else ""))
         if len(hits) > 1:
             raise ManifestNotFound(f"{len(hits)} models are named {model!r}: "
                                    f"{', '.join(mid for mid, _ in hits)}; give an id", ambiguous=True)
