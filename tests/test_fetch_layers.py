@@ -162,6 +162,25 @@ def test_a_node_fetching_the_middle_third_generates_what_whole_file_nodes_do(smo
         fetched_run = run_generate(mesh.tracker, "The capital of France is", "--model-id", mid, *args)
         assert fetched_run.returncode == 0, fetched_run.stderr
         assert json.loads(fetched_run.stdout.splitlines()[-1])["generated_token_ids"] == ids
+        # `meshnet api --model-id` without the file: the same text, under the model's general.name
+        from fastapi.testclient import TestClient
+
+        from meshnet.api.app import create_app
+        from meshnet.api.server import build_backend
+        from meshnet.cli import build_parser
+        from meshnet.tokenizer import GGUFTokenizer
+
+        api_args = build_parser().parse_args(["api", "--tracker", mesh.tracker, "--model-id", mid])
+        backend = build_backend(api_args)
+        try:
+            with TestClient(create_app(backend)) as http:
+                assert http.get("/v1/models").json()["data"][0]["id"] == "Smollm2 135M 8k Lc100K Mix1 Ep2"
+                r = http.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 8,
+                                                       "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == GGUFTokenizer.from_gguf(str(smollm2_path)).decode(ids)
+        finally:
+            backend.close()
         proc.kill()
         proc.wait(timeout=10)
     finally:

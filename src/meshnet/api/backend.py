@@ -162,7 +162,7 @@ def local_backend(model: str = "smollm2", stages: int | None = None, layers: str
     tok = GGUFTokenizer.from_gguf(path)
     caps = [s.capabilities() for s in chain.stages]
     desc = [f"in-process {c.artifact.layers}" for c in caps]
-    backend = ApiBackend(lambda: chain, tok, name or _model_name(model), min(c.n_ctx for c in caps),
+    backend = ApiBackend(lambda: chain, tok, name or served_name(model), min(c.n_ctx for c in caps),
                          check_route=lambda: desc, max_concurrency=min(c.max_sessions for c in caps))
     backend.chain = chain  # type: ignore[attr-defined]  # tests read the engines' health through it
     backend.stage_metrics = lambda: [(str(c.artifact.layers), s.metrics()) for c, s in zip(caps, chain.stages)]
@@ -219,13 +219,14 @@ def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = 
         check_route()
     except Exception as e:  # the mesh may come up after the API; /health reports it meanwhile
         log.info("no route yet: %s", e)
-    backend = ApiBackend(lambda: client, tok, name or _model_name(model), n_ctx, check_route=check_route,
+    backend = ApiBackend(lambda: client, tok, name or served_name(model), n_ctx, check_route=check_route,
                          max_concurrency=max_concurrency)
     backend.closers.append(client.close)
     return backend
 
 
-def _model_name(model: str) -> str:
+def served_name(model: str) -> str:
+    """What clients call the model: the bundled name, or the file's stem."""
     from meshnet.model.bundled import BUNDLED
 
     return model if model in BUNDLED else Path(model).stem

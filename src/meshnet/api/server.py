@@ -27,6 +27,9 @@ def add_api_parser(sub) -> None:
                    help="HOST:PORT of the mesh's tracker (default: run the stages in this process)")
     p.add_argument("--model", default="smollm2",
                    help="GGUF path or bundled name; the file must be readable here (tokenizer, chat template)")
+    p.add_argument("--model-id", default=None, metavar="ID_OR_NAME",
+                   help="with --tracker, instead of --model: no file here; the model the tracker knows by this "
+                        "id or general.name (tokenizer and chat template from its manifest)")
     p.add_argument("--name", default=None, help="the model id clients use (default: the bundled name or "
                                                 "the file's stem)")
     p.add_argument("--host", default="127.0.0.1")
@@ -55,17 +58,26 @@ def add_api_parser(sub) -> None:
 
 def build_backend(args: argparse.Namespace) -> ApiBackend:
     """The backend ``meshnet api`` serves: a mesh through ``--tracker``, else stages in this process."""
-    from meshnet.api.backend import local_backend, mesh_backend
+    from meshnet.api.backend import local_backend, mesh_backend, served_name
 
     from meshnet.model.bundled import resolve_model
 
     from meshnet.speculative import mtp_problem
 
-    model_path = str(resolve_model(args.model))
+    name = args.name
+    if args.model_id is not None:
+        if not args.tracker:
+            raise ValueError("--model-id needs --tracker (the tracker holds the model's manifest)")
+        from meshnet.client.manifest_source import metadata_gguf, model_name_of
+
+        path, _ = metadata_gguf(args.tracker, args.model_id, args.join_token, args.tls_ca)
+        model_path, name = str(path), name or model_name_of(path) or args.model_id
+    else:
+        model_path = str(resolve_model(args.model))
     speculation = speculation_from_args(args, model_path)
     if args.tracker:
-        backend = mesh_backend(args.tracker, args.model, join_token=args.join_token, tls_ca=args.tls_ca,
-                               name=args.name, max_concurrency=args.max_concurrency or 8,
+        backend = mesh_backend(args.tracker, model_path, join_token=args.join_token, tls_ca=args.tls_ca,
+                               name=name or served_name(args.model), max_concurrency=args.max_concurrency or 8,
                                forwarding=not args.client_orchestrated)
         backend.speculation = speculation
         backend.mtp_problem = mtp_problem(model_path)

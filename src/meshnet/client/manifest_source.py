@@ -52,3 +52,11 @@ def metadata_gguf(tracker: str, model: str, join_token: str | None = None, tls_c
     if not path.is_file():
         write_metadata_file(manifest, path)
     return path, manifest.id
+
+
+def model_name_of(path: str | os.PathLike) -> str | None:
+    """``general.name`` of the GGUF at ``path`` (None when it has none)."""
+    from meshnet.model.gguf_file import open_gguf
+
+    field = open_gguf(str(path)).fields.get("general.name")
+    return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
