@@ -16,7 +16,7 @@ from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.node.service import NodeService
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.wire.envelope import PROTOCOL_MAJOR, WireError, frames_to_request, request_to_frames
+from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR, WireError, frames_to_request, request_to_frames
 from meshnet.wire.security import open_channel
 
 MODEL = FakeModel()
@@ -85,7 +85,7 @@ def _mutations():
         ("bad checksum", bad_crc, grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
         ("corrupted payload", flipped_byte, grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
         ("newer major", newer_major, grpc.StatusCode.FAILED_PRECONDITION,
-         f"version {PROTOCOL_MAJOR + 1}.0 is newer than this node's {PROTOCOL_MAJOR}.0"),
+         f"version {PROTOCOL_MAJOR + 1}.{PROTOCOL_MINOR} is newer than this node's {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"),
         ("byte order", byte_order, grpc.StatusCode.INVALID_ARGUMENT, "byte order 'big'"),
     ]
 
