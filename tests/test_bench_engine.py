@@ -57,6 +57,8 @@ def test_llama_bench_argvs_and_summary():
     argvs = llama_bench_argvs("/bin/llama-bench", "m.gguf", n_prompt=128, n_gen=64, threads=2, repeats=3)
     common = ["/bin/llama-bench", "-m", "m.gguf", "-t", "2", "-fa", "on", "-r", "3", "-o", "json"]
     assert argvs == [[*common, "-p", "128", "-n", "0"], [*common, "-p", "0", "-n", "64", "-d", "128"]]
+    plain = llama_bench_argvs("/bin/llama-bench", "m.gguf", 128, 64, 2, 3, repack=False)
+    assert [a[len(common):len(common) + 2] for a in plain] == [["--repack", "0"]] * 2
     tests = [{"n_prompt": 128, "n_gen": 0, "n_depth": 0, "avg_ts": 101.234, "samples_ts": [100.0, 102.5]},
              {"n_prompt": 0, "n_gen": 64, "n_depth": 128, "avg_ts": 20.5, "samples_ts": [20.0, 21.0],
               "build_commit": "abc"}]

@@ -7,6 +7,10 @@ of ``n_gen`` single-token decodes at depth ``n_prompt`` (``-d``; a depth applies
 hence two runs). ``-fa on`` as meshnet's kernels (flash attention, F16 KV), ``-r`` repeats after
 llama-bench's own warm-up run. It runs as a subprocess: its ggml must never share a process with
 ggml-python's, and without ``LD_LIBRARY_PATH`` (the binaries are static).
+
+llama-bench repacks weights for the CPU by default (Q4_0, Q4_K, ... into interleaved layouts); meshnet
+does not, because a repacked mat-mul's rows depend on how many rows share it (batched output would
+differ from solo). ``repack=False`` (``--repack 0``) measures llama.cpp on the kernels meshnet uses.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from meshnet.openmp import competitor_env
 
 
 def llama_bench_argvs(bench: Path, model: str, n_prompt: int, n_gen: int, threads: int,
-                      repeats: int) -> list[list[str]]:
+                      repeats: int, repack: bool = True) -> list[list[str]]:
     """The two llama-bench command lines (see the module doc), JSON on stdout."""
     common = [str(bench), "-m", model, "-t", str(threads), "-fa", "on", "-r", str(repeats), "-o", "json"]
+    if not repack:
+        common += ["--repack", "0"]
     return [[*common, "-p", str(n_prompt), "-n", "0"],
             [*common, "-p", "0", "-n", str(n_gen), "-d", str(n_prompt)]]
 
@@ -41,7 +47,7 @@ def summarize(tests: list[dict], n_prompt: int, n_gen: int) -> dict:
 
 
 def llama_bench_reference(model: str, n_prompt: int, n_gen: int, threads: int, repeats: int,
-                          timeout_s: float = 1800.0) -> dict:
+                          timeout_s: float = 1800.0, repack: bool = True) -> dict:
     """llama-bench's prefill and decode tokens/s on ``model`` (:func:`summarize`), or ``{"skipped":
     reason}`` when the tool is missing, fails or outlives ``timeout_s`` (the reason holds its stderr's
     tail)."""
@@ -51,7 +57,8 @@ def llama_bench_reference(model: str, n_prompt: int, n_gen: int, threads: int, r
                            "`python -m meshnet.bench.llama_server`"}
     env = {k: v for k, v in competitor_env().items() if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD")}
     tests: list[dict] = []
-    for argv in llama_bench_argvs(bench, model, n_prompt, n_gen, threads, repeats):
+    argvs = llama_bench_argvs(bench, model, n_prompt, n_gen, threads, repeats, repack)
+    for argv in argvs:
         try:
             out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -59,5 +66,4 @@ def llama_bench_reference(model: str, n_prompt: int, n_gen: int, threads: int, r
         if out.returncode != 0:
             return {"skipped": f"llama-bench exited with {out.returncode}: {out.stderr.strip()[-500:]}"}
         tests += json.loads(out.stdout)
-    return {"command": [" ".join(a) for a in llama_bench_argvs(bench, model, n_prompt, n_gen, threads, repeats)],
-            **summarize(tests, n_prompt, n_gen)}
+    return {"command": [" ".join(a) for a in argvs], "repack": repack, **summarize(tests, n_prompt, n_gen)}
