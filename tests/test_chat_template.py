@@ -172,3 +172,12 @@ def test_gemma_chat_prompt_ids(gemma_path):
     assert ids[:2] == [2, 105] and ids.count(2) == 1
     assert ids.count(105) == 2 and ids.count(106) == 1
     assert tok.decode(ids, skip_special=False) == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
+
+
+def test_python_errors_inside_a_template_are_template_errors():
+    # A template that concatenates content fails on a tool-call message's null content with a TypeError.
+    t = "{% for m in messages %}{{ '[' + m['role'] + ']' + m['content'] }}{% endfor %}"
+    with pytest.raises(ChatTemplateError, match="can only concatenate str"):
+        _render(t, [{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
+    with pytest.raises(ChatTemplateError, match="division"):
+        _render("{{ 1 // 0 }}")

@@ -202,3 +202,26 @@ def test_dashboard_port_options_and_a_busy_port(capsys):
             assert dashboard_from_args(service, parser.parse_args(["--dashboard-port", "-1"]), "x") is None
         finally:
             server.stop(None)
+
+
+def test_a_client_flooding_ttft_keeps_the_history_bounded():
+    # One client may report as often as it likes: 4096 TTFTs per report must not grow the tracker's
+    # memory (and /api/state) without bound within the chart's 120 s.
+    from meshnet.tracker.activity import MAX_TTFT_HISTORY, MAX_TTFT_PER_REPORT
+
+    now = [1000.0]
+    board = ActivityBoard(lambda: now[0])
+    for i in range(3 * MAX_TTFT_HISTORY // MAX_TTFT_PER_REPORT + 1):
+        board.record(pb.ActivityReport(client_id="flood", ttft_s=[0.5 + i] * MAX_TTFT_PER_REPORT))
+    series = board.snapshot()["ttft_series"]
+    assert len(series) == MAX_TTFT_HISTORY and series[-1] == [1000.0, 0.5 + i]  # the newest kept
+
+
+def test_report_activity_refuses_a_route_too_long_or_hop_ids_too_long():
+    from meshnet.tracker.activity import MAX_HOPS, check_report
+
+    hop = pb.Hop(node_id="n", address="a")
+    long_route = pb.ActivityReport(client_id="c", sessions=[pb.SessionActivity(session_id="s", hops=[hop] * (MAX_HOPS + 1))])
+    assert check_report(long_route) == f"session 's' has {MAX_HOPS + 1} hops (at most {MAX_HOPS})"
+    fat = pb.ActivityReport(client_id="c", sessions=[pb.SessionActivity(session_id="s", hops=[pb.Hop(node_id="n" * 300)])])
+    assert check_report(fat) == "session 's' has a hop whose node_id or address is over 256 characters"

@@ -233,3 +233,26 @@ def test_a_node_fetching_from_a_corrupting_peer_exits_naming_the_tensor_and_neve
         assert not list(tmp_path.glob("*.gguf"))
     finally:
         mesh.close()
+
+
+@pytest.mark.parametrize("canonical, words", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"metadata": {}, "tensors": [{"name": "t", "type": "F32", "shape": [1e999], "sha256": "x"}]}', "malformed"),
+    (b'{"metadata": {}, "tensors": [{"name": "t", "type": "F32", "shape": [-4], "sha256": "x"}]}', "malformed"),
+])
+def test_publish_manifest_refuses_a_hostile_manifest_as_invalid_argument(canonical, words):
+    import hashlib
+    import zlib
+
+    from meshnet.tracker.service import serve_tracker
+    from meshnet.wire.security import open_channel
+
+    server, port = serve_tracker("127.0.0.1", 0)
+    try:
+        t = pb_grpc.TrackerStub(open_channel(f"127.0.0.1:{port}"))
+        with pytest.raises(grpc.RpcError) as e:
+            t.PublishManifest(pb.ModelManifest(model_id=hashlib.sha256(canonical).hexdigest(),
+                                               manifest=zlib.compress(canonical)), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
+    finally:
+        server.stop(None)

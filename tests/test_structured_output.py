@@ -122,6 +122,9 @@ def test_ngram_speculation_keeps_the_constrained_greedy_answer(served):
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
         f"field_{i:05d}": {"type": "string"} for i in range(2000)}}}}, "response_format.json_schema.schema",
      f"limit of {MAX_GRAMMAR_BYTES}"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}},
+     "response_format.json_schema.schema", "admits no document"),
     ({"type": "json_schema", "json_schema": {"schema": PERSON}}, "response_format.json_schema.name", "name"),
     ({"type": "json_schema"}, "response_format.json_schema", "json_schema must be an object"),
     ({"type": "xml"}, "response_format", "'xml'"),

@@ -14,8 +14,8 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from api_served import served_api  # noqa: E402
 from meshnet.api.backend import local_backend  # noqa: E402
-from meshnet.api.tools import plan_tools, tool_calls_from  # noqa: E402
-from meshnet.chat_template import render_chat, template_has_tools  # noqa: E402
+from meshnet.api.tools import plan_tools, tool_calls_from, tools_system_message  # noqa: E402
+from meshnet.chat_template import chat_prompt_ids, render_chat, template_has_tools  # noqa: E402
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -93,3 +93,50 @@ def test_bad_tools_are_400_naming_the_field(served, body, param):
     r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_a_stop_sequence_that_cuts_the_constrained_call_answers_with_content(served, choice):
+    # The grammar makes the answer a call, but a stop sequence may end it first: the cut text is content
+    # (finish_reason "stop"), not a 500 from parsing half a JSON document.
+    _, http, _ = served
+    r = http.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER], "tool_choice": choice,
+                                                "stop": ["city"], "max_tokens": 40, "temperature": 0})
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["finish_reason"] == "stop" and c["message"]["tool_calls"] is None
+    assert c["message"]["content"].startswith("[{" if choice == "required" else "{") and "city" not in \
+        c["message"]["content"]
+
+
+CALLED = {"id": "call_1", "type": "function",
+          "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}
+
+
+def test_a_tool_round_trip_renders_on_a_template_without_tool_calls(served, tok):
+    # OpenAI's follow-up shape: the assistant's call with content null, then the tool's answer. SmolLM2's
+    # template concatenates content, so the call is shown as the Hermes block the system message teaches.
+    _, http, _ = served
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [CALLED]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"}]
+    r = http.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER], "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    shown = ASK + [{"role": "assistant", "content": '<tool_call>{"name": "get_weather", "arguments": '
+                    '{"city": "Paris", "unit": "celsius"}}</tool_call>'},
+                   {"role": "tool", "content": "18 C, sunny"}]
+    want = chat_prompt_ids(tok, [tools_system_message([WEATHER])] + shown)
+    assert r.json()["usage"]["prompt_tokens"] == len(want)
+
+
+@pytest.mark.parametrize("calls", [[5], [{"type": "function", "function": 3}],
+                                   [{"type": "function", "function": {"name": "f", "arguments": "not json"}}],
+                                   [{"type": "function", "function": {"arguments": "{}"}}]])
+def test_malformed_tool_calls_in_messages_are_400(served, calls):
+    _, http, _ = served
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": calls}]
+    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "messages.1.tool_calls.0"

@@ -151,7 +151,8 @@ def render_chat(template: str, messages: list[dict], *, bos_token: str, eos_toke
                                add_generation_prompt=add_generation_prompt, **extra)
     except ChatTemplateError:
         raise
-    except jinja2.TemplateError as e:
+    except (jinja2.TemplateError, TypeError, ArithmeticError, LookupError, AttributeError) as e:
+        # Python errors too: the template's own operations on the messages ('+' on a null content)
         raise ChatTemplateError(f"chat template failed to render: {e}") from e
 
 

@@ -110,6 +110,12 @@ class GrammarCompiler:
         problem = llguidance.LLMatcher.validate_grammar(grammar, self._ll)
         if problem:
             raise GrammarError(f"the JSON schema cannot be enforced: {problem}")
+        # A schema can compile yet admit no document (two $defs that only refer to each other): its
+        # matcher fails on the first mask, and every answer would be the empty text.
+        matcher = llguidance.LLMatcher(self._ll, grammar, log_level=0)
+        fill_next_token_bitmask(matcher, allocate_token_bitmask(1, self.n_vocab))
+        if matcher.is_error():
+            raise GrammarError("the JSON schema admits no document (no first token is allowed)")
         with self._lock:
             self._compiled[json_schema] = grammar
             while len(self._compiled) > _CACHED:

@@ -45,7 +45,7 @@ from meshnet.api.schemas import (
 )
 from meshnet.api.sse import DONE, ChatChunks, CompletionChunks, event, sse
 from meshnet.api.structured import grammar_for, response_grammar
-from meshnet.api.tools import ToolPlan, plan_tools, tool_calls_from, tools_system_message
+from meshnet.api.tools import ToolPlan, hermes_calls_text, plan_tools, tool_calls_from, tools_system_message
 from meshnet.api.logprobs import chat_logprobs, completion_logprobs
 from meshnet.api.validation import parse_body, sampling_params, stop_sequences, token_budget, validation_error
 from meshnet.contract import Grammar
@@ -375,7 +375,10 @@ class _Api:
         if tools and not template_has_tools(self.backend.tokenizer.chat_template):
             messages.append(tools_system_message(tools))
             tools = None
-        for m in req.messages:
+        # A template that never reads tool_calls (SmolLM2's) would drop an earlier call, or fail on its
+        # null content: the call is shown as the Hermes block the tools' system message teaches.
+        template_reads_tool_calls = "tool_calls" in (self.backend.tokenizer.chat_template or "")
+        for i, m in enumerate(req.messages):
             d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
             if isinstance(m.content, list):
                 d["content"] = [p.model_dump(exclude_none=True) for p in m.content]
@@ -384,6 +387,11 @@ class _Api:
             for key in ("name", "tool_calls", "tool_call_id"):
                 if getattr(m, key) is not None:
                     d[key] = getattr(m, key)
+            if m.tool_calls:
+                calls = hermes_calls_text(m.tool_calls, f"messages.{i}.tool_calls")  # checked either way
+                if not template_reads_tool_calls:
+                    d["content"] = "\n".join(p for p in (d["content"], calls) if p)
+                    del d["tool_calls"]
             messages.append(d)
         try:
             return chat_prompt_ids(self.backend.tokenizer, messages, tools=tools)

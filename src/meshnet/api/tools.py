@@ -87,10 +87,15 @@ def tools_system_message(tools: list[dict]) -> dict:
 def tool_calls_from(text: str, plan: ToolPlan) -> list[dict] | None:
     """The answer ``text`` as OpenAI tool calls (``{"id", "type": "function", "function": {"name",
     "arguments"}}``, arguments as JSON text), or None when it holds none (content, then)."""
-    if plan.mode == "named":
-        return [_call(plan.named, json.loads(text))]
-    if plan.mode == "required":
-        return [_call(c["name"], c["parameters"]) for c in json.loads(text)]
+    if plan.mode in ("named", "required"):
+        # The grammar makes the whole answer a call, but a stop sequence can end it early: cut text is content.
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            return None
+        if plan.mode == "named":
+            return [_call(plan.named, doc)]
+        return [_call(c["name"], c["parameters"]) for c in doc]
     if plan.mode != "auto":
         return None
     names = {t["function"]["name"] for t in plan.tools}
@@ -113,6 +118,31 @@ def tool_calls_from(text: str, plan: ToolPlan) -> list[dict] | None:
             return None
         calls.append(_call(obj["name"], args))
     return calls or None
+
+
+def hermes_calls_text(tool_calls: list[Any], param: str) -> str:
+    """An assistant message's OpenAI ``tool_calls`` as the ``<tool_call>{"name", "arguments"}</tool_call>``
+    blocks :func:`tools_system_message` teaches, for a chat template that never reads ``tool_calls``.
+
+    Raises:
+        ApiError: 400 naming ``param.i`` for a call that is not ``{"function": {"name": str, "arguments":
+            JSON text or object}}``.
+    """
+    blocks = []
+    for i, call in enumerate(tool_calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        args = fn.get("arguments", "{}") if isinstance(fn, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                args = None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(args, dict)):
+            raise bad_request(f"{param}[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": str, "
+                              "\"arguments\": a JSON object as text}}}}", f"{param}.{i}")
+        blocks.append("<tool_call>" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
+                      + "</tool_call>")
+    return "\n".join(blocks)
 
 
 def _call(name: str, arguments: Any) -> dict:

@@ -70,9 +70,11 @@ class ManifestTensor:
     @classmethod
     def decode(cls, d: dict) -> "ManifestTensor":
         try:
-            return cls(str(d["name"]), gguf.GGMLQuantizationType[d["type"]], tuple(int(x) for x in d["shape"]),
-                       str(d["sha256"]))
-        except (KeyError, TypeError, ValueError) as e:
+            shape = tuple(int(x) for x in d["shape"])
+            if any(n < 0 for n in shape):
+                raise ValueError(f"negative dimension in shape {shape}")
+            return cls(str(d["name"]), gguf.GGMLQuantizationType[d["type"]], shape, str(d["sha256"]))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise GGUFError(f"manifest tensor entry {d!r:.120} is malformed ({e!r})") from None
 
 
@@ -116,6 +118,8 @@ class ModelManifest:
                 raise TypeError("metadata must be an object and tensors a list")
         except (ValueError, KeyError, TypeError) as e:
             raise GGUFError(f"not a model manifest ({e})") from None
+        except RecursionError:  # '[[[[...' inflated from a few bytes
+            raise GGUFError("not a model manifest (JSON nested too deeply)") from None
         return cls(meta, tuple(sorted((ManifestTensor.decode(t) for t in tensors), key=lambda t: t.name)))
 
     @classmethod

@@ -29,6 +29,10 @@ MAX_CLIENTS = 1024
 MAX_SESSIONS_PER_REPORT = 4096
 MAX_TTFT_PER_REPORT = 4096
 MAX_ID_CHARS = 256
+MAX_HOPS = 256
+# TTFTs kept for the chart, newest last: without a bound one client reporting many times a second could
+# grow the history (and every /api/state) without limit within HISTORY_S.
+MAX_TTFT_HISTORY = 10_000
 
 
 def check_report(report: pb.ActivityReport) -> str | None:
@@ -49,6 +53,10 @@ def check_report(report: pb.ActivityReport) -> str | None:
             return f"a session id is empty or over {MAX_ID_CHARS} characters"
         if not (s.age_s >= 0 and math.isfinite(s.age_s)):
             return f"session {s.session_id!r} has age_s={s.age_s}; expected finite seconds >= 0"
+        if len(s.hops) > MAX_HOPS:
+            return f"session {s.session_id!r} has {len(s.hops)} hops (at most {MAX_HOPS})"
+        if any(len(h.node_id) > MAX_ID_CHARS or len(h.address) > MAX_ID_CHARS for h in s.hops):
+            return f"session {s.session_id!r} has a hop whose node_id or address is over {MAX_ID_CHARS} characters"
     return None
 
 
@@ -64,7 +72,7 @@ class ActivityBoard:
         self._lock = threading.Lock()
         self._clients: dict[str, tuple[float, pb.ActivityReport]] = {}  # id -> (time heard, last report)
         self._buckets: deque[list] = deque()  # [whole second, tokens], oldest first
-        self._ttft: deque[tuple[float, float]] = deque()  # (time, seconds), oldest first
+        self._ttft: deque[tuple[float, float]] = deque(maxlen=MAX_TTFT_HISTORY)  # (time, seconds), oldest first
 
     def record(self, report: pb.ActivityReport) -> None:
         """Take ``report`` (checked with :func:`check_report` first). Raises ValueError naming the problem."""
