@@ -81,7 +81,7 @@ def next_token_table(rng: np.random.Generator, n_vocab: int) -> np.ndarray:
     return succ
 
 
-def _output_rows(rng: np.random.Generator, embd_raw: np.ndarray, embd_type: Q, pred: np.ndarray, init: Init,
+def output_rows(rng: np.random.Generator, embd_raw: np.ndarray, embd_type: Q, pred: np.ndarray, init: Init,
                  out_type: Q) -> np.ndarray:
     """The quantized output projection (uint8 rows of ``out_type``): row j = token ``pred[j]``'s
     embedding scaled to RMS ``init.table``, plus noise of RMS ``init.out_noise``; drawn in chunks of rows."""
@@ -147,7 +147,7 @@ def write_llama_model(path: Path, shapes: LlamaShapes = LlamaShapes(), ftype: st
         succ = next_token_table(rng, n_vocab)
         pred = np.empty_like(succ)
         pred[succ] = np.arange(n_vocab)
-        return _output_rows(rng, made.pop("embd"), embd_type, pred, init, out_type)
+        return output_rows(rng, made.pop("embd"), embd_type, pred, init, out_type)
 
     E, F, kv = s.n_embd, s.n_ff, s.n_head_kv * head_dim
     plan.append(("token_embd.weight", embd_type, (n_vocab, E), embd))

@@ -6,13 +6,16 @@ count (``n_layer``, default 4) and the vocabulary (SmolLM2's, 49152, copied with
 bundled model so that ``meshnet bench engine`` can tokenize its prompt) differ.
 
 Tensor types follow llama.cpp's Q4_K_M mix for this model (``--ftype q4_k_m``, the file most people run):
-Q4_K for attn_q/k/output, token_embd and the gate/up experts, Q6_K for attn_v, the down experts and the
-output head; or every matrix Q4_0 or Q8_0 (``--ftype q4_0|q8_0``).
+Q4_K for attn_q/k/output, token_embd and the gate/up experts, Q6_K for attn_v and the down experts; or every
+matrix Q4_0 or Q8_0 (``--ftype q4_0|q8_0``). The output head is Q8_0 in every mix: it carries a next-token
+table (below), drawn as floats, and gguf-py quantizes Q8_0 but not Q6_K.
 
 Speed depends on shapes and types, not on values, so the weights are written as random quantized blocks
 (:func:`meshnet.bench.random_gguf.random_blocks`, RMS ``1/sqrt(n_in)`` as the golden tiny models' random
 weights have) instead of drawing and quantizing 2.5 billion Gaussians: the 1.4 GB file takes seconds to
-write, byte-for-byte the same for a seed. Norm weights are 1, the router Gaussian.
+write, byte-for-byte the same for a seed. Norm weights are 1, the router Gaussian. As in the 7B-class
+dense file (:mod:`meshnet.bench.dense_model`), the output projection carries a next-token table, so that
+greedy ids have clear margins and can be compared with llama.cpp's token for token.
 
 usage: python -m meshnet.bench.moe_model [--out DIR] [--layers N] [--ftype q4_k_m|q4_0|q8_0]
        (prints the path; the default folder is ``$MESHNET_CACHE_DIR`` or ``~/.cache/meshnet``)
@@ -29,6 +32,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from meshnet.bench.dense_model import Init, next_token_table, output_rows
 from meshnet.bench.random_gguf import bench_models_dir, copy_tokenizer, random_blocks
 from meshnet.model.bundled import resolve_model
 
@@ -52,12 +56,12 @@ class MoeShapes:
 
 # Tensor role -> type, per --ftype; llama.cpp's Q4_K_M picks (llama_tensor_get_type) for qwen3moe.
 FTYPES: dict[str, tuple[int, dict[str, Q]]] = {
-    "q4_k_m": (gguf.LlamaFileType.MOSTLY_Q4_K_M, dict(token_embd=Q.Q4_K, output=Q.Q6_K, attn_q=Q.Q4_K,
+    "q4_k_m": (gguf.LlamaFileType.MOSTLY_Q4_K_M, dict(token_embd=Q.Q4_K, output=Q.Q8_0, attn_q=Q.Q4_K,
                                                       attn_k=Q.Q4_K, attn_v=Q.Q6_K, attn_output=Q.Q4_K,
                                                       gate_exps=Q.Q4_K, up_exps=Q.Q4_K, down_exps=Q.Q6_K)),
     "q4_0": (gguf.LlamaFileType.MOSTLY_Q4_0, dict.fromkeys(
-        ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "gate_exps", "up_exps",
-         "down_exps"), Q.Q4_0)),
+        ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "gate_exps", "up_exps", "down_exps"),
+        Q.Q4_0) | {"output": Q.Q8_0}),
     "q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, dict.fromkeys(
         ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "gate_exps", "up_exps",
          "down_exps"), Q.Q8_0)),
@@ -101,9 +105,14 @@ def write_moe_model(path: Path, shapes: MoeShapes = MoeShapes(), ftype: str = "q
         w.add_tensor(name, np.ones(n, np.float32))
 
     E, HD, NE, FF = s.n_embd, s.head_dim, s.n_expert, s.n_ff_exp
-    mat("token_embd.weight", "token_embd", n_vocab, E)
+    embd = random_blocks(rng, (n_vocab, E), types["token_embd"], Init.embd)
+    w.add_tensor("token_embd.weight", embd, raw_dtype=types["token_embd"])
     ones("output_norm.weight", E)
-    mat("output.weight", "output", n_vocab, E)
+    succ = next_token_table(rng, n_vocab)
+    pred = np.empty_like(succ)
+    pred[succ] = np.arange(n_vocab)
+    w.add_tensor("output.weight", output_rows(rng, embd, types["token_embd"], pred, Init(), types["output"]),
+                 raw_dtype=types["output"])
     for i in range(s.n_layer):
         p = f"blk.{i}."
         ones(p + "attn_norm.weight", E)
@@ -128,7 +137,7 @@ def write_moe_model(path: Path, shapes: MoeShapes = MoeShapes(), ftype: str = "q
 
 def default_path(shapes: MoeShapes = MoeShapes(), ftype: str = "q4_k_m") -> Path:
     """``<cache>/bench-models/qwen3moe-30b-a3b-shapes-<n_layer>L-<ftype>.gguf`` (:func:`bench_models_dir`)."""
-    return bench_models_dir() / f"qwen3moe-30b-a3b-shapes-{shapes.n_layer}L-{ftype}.gguf"
+    return bench_models_dir() / f"qwen3moe-30b-a3b-shapes-{shapes.n_layer}L-{ftype}-nt.gguf"
 
 
 def main(argv: list[str] | None = None) -> None:
