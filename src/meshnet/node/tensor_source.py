@@ -38,14 +38,17 @@ class TensorSource:
             TensorRequestError: another model (FAILED_PRECONDITION), or a request naming a tensor twice
                 or more than :data:`MAX_NAMES` tensors (INVALID_ARGUMENT).
         """
+        # what the request names is echoed clipped: gRPC drops a reply whose error details pass 16 KiB
         if request.model_id != self.model_id:
             raise TensorRequestError("FAILED_PRECONDITION", f"this node serves model {self.model_id}, not "
-                                                            f"{request.model_id or '(empty)'}")
+                                                            f"{request.model_id!r:.80}")
         names = list(request.names)
         if len(names) > MAX_NAMES:
             raise TensorRequestError("INVALID_ARGUMENT", f"{len(names)} tensors asked; at most {MAX_NAMES}")
-        if len(set(names)) != len(names):
-            raise TensorRequestError("INVALID_ARGUMENT", "a tensor is named twice")
+        seen: set[str] = set()
+        twice = next((n for n in names if n in seen or seen.add(n)), None)
+        if twice is not None:
+            raise TensorRequestError("INVALID_ARGUMENT", f"tensor {twice!r:.80} is named twice")
         reader = open_gguf(self.path)
         held = {t.name: t for t in reader.tensors}
         try:
