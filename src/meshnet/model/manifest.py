@@ -170,17 +170,21 @@ def metadata_of(reader) -> dict:
 
 def listed_tensors(reader) -> tuple[ManifestTensor, ...] | None:
     """The full tensor list a range-only file carries (None for any other file). Raises GGUFError when
-    the key does not hold one."""
+    the key does not hold one, or names a tensor twice."""
     field = reader.get_field(MANIFEST_TENSORS_KEY)
     if field is None:
         return None
     try:
         entries = json.loads(bytes(field.parts[field.data[0]]).decode())
-    except (ValueError, IndexError) as e:
+    except (ValueError, IndexError, RecursionError) as e:  # RecursionError: arrays nested too deep to parse
         raise GGUFError(f"GGUF key {MANIFEST_TENSORS_KEY!r} does not hold a JSON tensor list ({e})") from None
     if not isinstance(entries, list):
         raise GGUFError(f"GGUF key {MANIFEST_TENSORS_KEY!r} does not hold a JSON tensor list")
-    return tuple(sorted((ManifestTensor.decode(e) for e in entries), key=lambda t: t.name))
+    listed = tuple(sorted((ManifestTensor.decode(e) for e in entries), key=lambda t: t.name))
+    twice = next((a.name for a, b in zip(listed, listed[1:]) if a.name == b.name), None)
+    if twice is not None:
+        raise GGUFError(f"GGUF key {MANIFEST_TENSORS_KEY!r} lists tensor {twice!r} twice")
+    return listed
 
 
 def check_held(reader, listed: tuple[ManifestTensor, ...], where: str) -> None:
@@ -192,7 +196,8 @@ def check_held(reader, listed: tuple[ManifestTensor, ...], where: str) -> None:
         if m is None:
             raise GGUFError(f"{where}: tensor {t.name!r} is not in the model manifest it carries")
         if t.tensor_type != m.tensor_type or tuple(int(d) for d in t.shape) != m.shape:
-            raise GGUFError(f"{where}: tensor {t.name!r} is {t.tensor_type.name} {list(t.shape)}, the manifest "
+            held = [int(d) for d in t.shape]
+            raise GGUFError(f"{where}: tensor {t.name!r} is {t.tensor_type.name} {held}, the manifest "
                             f"says {m.tensor_type.name} {list(m.shape)}")
 
 
