@@ -38,6 +38,9 @@ PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 1
 # Payload bytes per frame: large prompts stream in frames of 1 MiB (gRPC's default limit is 4 MiB).
 MAX_FRAME_BYTES = 1 << 20
+# A session id is a client's uuid (32 hex digits); a far longer one is refused before any stage echoes it
+# in an error, whose details gRPC drops past 16 KiB (the caller then sees RESOURCE_EXHAUSTED, not why).
+MAX_SESSION_ID_CHARS = 256
 
 
 class WireError(Exception):
@@ -145,8 +148,9 @@ def assemble(frames: Iterable[pb.Envelope]) -> tuple[pb.Envelope, bytes]:
     """Join an envelope's frames; returns the first frame (the header) and the whole payload.
 
     Raises:
-        WireError: version skew, frames out of order or from different steps, a bad checksum, an
-            unknown dtype, a zero dimension or a shape that disagrees with the byte count.
+        WireError: version skew, a session id over :data:`MAX_SESSION_ID_CHARS`, frames out of order or
+            from different steps, a bad checksum, an unknown dtype, a zero dimension or a shape that
+            disagrees with the byte count.
     """
     header: pb.Envelope | None = None
     parts: list[bytes] = []
@@ -156,6 +160,9 @@ def assemble(frames: Iterable[pb.Envelope]) -> tuple[pb.Envelope, bytes]:
             header = f
             if f.n_chunks < 1:
                 raise WireError(Status.INVALID_ARGUMENT, "envelope declares 0 frames")
+            if len(f.session_id) > MAX_SESSION_ID_CHARS:
+                raise WireError(Status.INVALID_ARGUMENT, f"session_id of {len(f.session_id)} characters; at "
+                                                         f"most {MAX_SESSION_ID_CHARS}")
         elif (f.session_id, f.step_id) != (header.session_id, header.step_id):
             raise WireError(Status.INVALID_ARGUMENT, "frames of different steps were interleaved")
         if f.chunk_index != len(parts) or f.n_chunks != header.n_chunks:
