@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -31,6 +32,10 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 
 log = logging.getLogger("meshnet.fetch")
+# A peer serves few fetches at once (meshnet.node.tensor_source.MAX_FETCHES): nodes joining together
+# wait their turn rather than fail.
+BUSY_RETRY_S = 1.0
+BUSY_WAIT_S = 600.0
 
 
 class FetchError(ValueError):
@@ -109,7 +114,8 @@ def fetch_range(manifest: ModelManifest, layers: LayerRange, models_dir: str | o
 
     Args:
         peers: ``(node_id, address)`` of nodes serving the model, tried in order; each is asked for
-            the tensors still missing.
+            the tensors still missing. A peer at its limit of concurrent fetches (RESOURCE_EXHAUSTED) is
+            asked again after the others, every :data:`BUSY_RETRY_S` for up to :data:`BUSY_WAIT_S`.
         open_channel: a gRPC channel to an address (join token and TLS as the mesh requires).
         progress: a tqdm bar of bytes on stderr (default: when stderr is a terminal; log lines otherwise).
     Raises:
@@ -140,10 +146,10 @@ def fetch_range(manifest: ModelManifest, layers: LayerRange, models_dir: str | o
         show = sys.stderr.isatty() if progress is None else progress
         bar = tqdm(total=total, initial=held, unit="B", unit_scale=True, desc=f"fetch layers {layers}",
                    disable=not show, file=sys.stderr)
-        moved, failures = 0, []
-        for node_id, address in peers:
-            if not missing:
-                break
+        moved, failures, queue = 0, [], list(peers)
+        busy_until = time.monotonic() + BUSY_WAIT_S
+        while queue and missing:
+            node_id, address = queue.pop(0)
             rx = _Receiver(fd, lay, set(missing), bar)
             channel = open_channel(address)
             call = pb_grpc.NodeStub(channel).FetchTensors(pb.TensorRequest(model_id=manifest.id, names=missing))
@@ -154,7 +160,11 @@ def fetch_range(manifest: ModelManifest, layers: LayerRange, models_dir: str | o
             except FetchError as e:
                 failures.append(str(e))
             except grpc.RpcError as e:
-                failures.append(f"peer {node_id} ({address}): {e.code().name}: {e.details()}")
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < busy_until:
+                    queue.append((node_id, address))
+                    time.sleep(BUSY_RETRY_S)
+                else:
+                    failures.append(f"peer {node_id} ({address}): {e.code().name}: {e.details()}")
             finally:
                 call.cancel()
                 channel.close()

@@ -8,6 +8,7 @@ side verifies every tensor against the model manifest (:mod:`meshnet.node.fetch`
 
 from __future__ import annotations
 
+import threading
 from typing import Iterator
 
 from meshnet.model.gguf_file import drop_pages, open_gguf
@@ -15,6 +16,9 @@ from meshnet.proto import meshnet_pb2 as pb
 
 CHUNK_BYTES = 1 << 20
 MAX_NAMES = 65536  # a 235B MoE has ~20k tensors
+# Each stream holds one of the node's gRPC workers for as long as its client takes to read it (a slow link,
+# or a peer that stops reading): more at once would leave none for Step, Health and the other calls.
+MAX_FETCHES = 2
 
 
 class TensorRequestError(ValueError):
@@ -26,17 +30,20 @@ class TensorRequestError(ValueError):
 
 
 class TensorSource:
-    """The tensors of the model stored at ``path`` (whose id is ``model_id``)."""
+    """The tensors of the model stored at ``path`` (whose id is ``model_id``), to at most ``max_fetches``
+    streams at once."""
 
-    def __init__(self, path: str, model_id: str) -> None:
-        self.path, self.model_id = path, model_id
+    def __init__(self, path: str, model_id: str, max_fetches: int = MAX_FETCHES) -> None:
+        self.path, self.model_id, self.max_fetches = path, model_id, max_fetches
+        self._slots = threading.BoundedSemaphore(max_fetches)
 
     def chunks(self, request: pb.TensorRequest) -> Iterator[pb.TensorChunk]:
         """The chunks of each requested tensor this node holds, in request order, offsets ascending.
 
         Raises:
             TensorRequestError: another model (FAILED_PRECONDITION), or a request naming a tensor twice
-                or more than :data:`MAX_NAMES` tensors (INVALID_ARGUMENT).
+                or more than :data:`MAX_NAMES` tensors (INVALID_ARGUMENT), or ``max_fetches`` streams
+                already being served (RESOURCE_EXHAUSTED; the fetching side tries its next peer).
         """
         # what the request names is echoed clipped: gRPC drops a reply whose error details pass 16 KiB
         if request.model_id != self.model_id:
@@ -49,9 +56,13 @@ class TensorSource:
         twice = next((n for n in names if n in seen or seen.add(n)), None)
         if twice is not None:
             raise TensorRequestError("INVALID_ARGUMENT", f"tensor {twice!r:.80} is named twice")
-        reader = open_gguf(self.path)
-        held = {t.name: t for t in reader.tensors}
+        if not self._slots.acquire(blocking=False):
+            raise TensorRequestError("RESOURCE_EXHAUSTED", f"this node is serving {self.max_fetches} fetches "
+                                                           f"already, its limit; fetch from another peer or later")
+        reader = None
         try:
+            reader = open_gguf(self.path)
+            held = {t.name: t for t in reader.tensors}
             for name in names:
                 t = held.get(name)
                 if t is None:
@@ -62,4 +73,6 @@ class TensorSource:
                     yield pb.TensorChunk(name=name, offset=off, total_bytes=total,
                                          data=flat[off:off + CHUNK_BYTES].tobytes())
         finally:
-            drop_pages(reader)  # the pages read for a peer are not this node's working set
+            self._slots.release()
+            if reader is not None:
+                drop_pages(reader)  # the pages read for a peer are not this node's working set
