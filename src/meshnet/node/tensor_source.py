@@ -36,6 +36,18 @@ class TensorSource:
     def __init__(self, path: str, model_id: str, max_fetches: int = MAX_FETCHES) -> None:
         self.path, self.model_id, self.max_fetches = path, model_id, max_fetches
         self._slots = threading.BoundedSemaphore(max_fetches)
+        self._held: dict | None = None  # tensor name -> the file's tensor, read from the header once
+        self._reader = None
+        self._lock = threading.Lock()
+
+    def _tensors(self):
+        """``(reader, {name: tensor})`` of the node's file, opened on the first fetch and kept (the header
+        of a large model lists tens of thousands of tensors; each fetch used to parse it again)."""
+        with self._lock:
+            if self._held is None:
+                self._reader = open_gguf(self.path)
+                self._held = {t.name: t for t in self._reader.tensors}
+            return self._reader, self._held
 
     def chunks(self, request: pb.TensorRequest) -> Iterator[pb.TensorChunk]:
         """The chunks of each requested tensor this node holds, in request order, offsets ascending.
@@ -61,8 +73,7 @@ class TensorSource:
                                                            f"already, its limit; fetch from another peer or later")
         reader = None
         try:
-            reader = open_gguf(self.path)
-            held = {t.name: t for t in reader.tensors}
+            reader, held = self._tensors()
             for name in names:
                 t = held.get(name)
                 if t is None:
