@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 
 from conftest import GOLDEN_DIR, golden_exact, load_golden
-from meshnet.backends import ACCELERATOR_LANES, LANE_NAMES, lanes
+from meshnet.backends import ACCELERATOR_LANES, LANE_NAMES, installed, lanes, toolchain
 from meshnet.backends.certify import certify
 from meshnet.backends.errors import BackendUnavailable
+from meshnet.backends.lane_table import LANES
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "scripts" / "build_ggml_lane.sh"
@@ -51,13 +52,13 @@ def _env(cache_dir: Path, **extra) -> dict:
 
 
 def _lib_installed(lane: str) -> bool:
-    d = lanes.ggml_lib_dir()
+    d = installed.ggml_lib_dir()
     return d is not None and any((d / f"{p}{LIB[lane]}{s}").is_file()
                                  for p, s in (("lib", ".so"), ("lib", ".dylib"), ("", ".dll")))
 
 
 def _cuda_headers_present() -> bool:
-    return any((Path(d) / "cublas_v2.h").is_file() for d in lanes._cuda_include_dirs())
+    return any((Path(d) / "cublas_v2.h").is_file() for d in toolchain._cuda_include_dirs())
 
 
 def expected_skip_reason(lane: str) -> str | None:
@@ -87,10 +88,10 @@ def expected_skip_reason(lane: str) -> str | None:
 # ---- the lane table and the probe -------------------------------------------------------------------
 
 def test_each_lane_adds_exactly_one_switch_to_the_cpu_default():
-    assert tuple(lanes.LANES) == LANE_NAMES == ("cpu", "cuda", "rocm", "vulkan", "metal")
-    assert lanes.LANES["cpu"].cmake_switch is None
+    assert tuple(LANES) == LANE_NAMES == ("cpu", "cuda", "rocm", "vulkan", "metal")
+    assert LANES["cpu"].cmake_switch is None
     for lane in ACCELERATOR_LANES:
-        assert lanes.LANES[lane].cmake_switch == SWITCH[lane]
+        assert LANES[lane].cmake_switch == SWITCH[lane]
 
 
 @pytest.mark.parametrize("lane", ACCELERATOR_LANES)
@@ -102,7 +103,7 @@ def test_accelerator_lane_is_skipped_with_the_exact_reason(lane):
     assert rep.certification is None and rep.state != "certified"
     expected = expected_skip_reason(lane)
     if lane == "cuda" and shutil.which("nvcc") and not _cuda_headers_present():
-        expected = f"cublas_v2.h (cuBLAS) is not under {', '.join(lanes._cuda_include_dirs())}"
+        expected = f"cublas_v2.h (cuBLAS) is not under {', '.join(toolchain._cuda_include_dirs())}"
     if expected is None:
         pytest.skip(f"this machine has enough of the {lane} toolchain that PATH alone cannot predict the reason")
     assert rep.state == "skipped"
@@ -111,7 +112,7 @@ def test_accelerator_lane_is_skipped_with_the_exact_reason(lane):
     assert rep.cmake_switch == SWITCH[lane]
     assert rep.ggml_python_version == "0.0.45"
     # Versions of every tool the lane uses are recorded, None for the absent ones.
-    for tool in (*lanes.LANES[lane].build_tools, lanes.LANES[lane].device_tool):
+    for tool in (*LANES[lane].build_tools, LANES[lane].device_tool):
         if tool:
             assert (rep.versions[tool] is None) == (shutil.which(tool) is None)
 
@@ -132,13 +133,13 @@ def test_vulkan_headers_too_old_for_ggml_are_named_with_their_version(tmp_path, 
     monkeypatch.setenv("VULKAN_SDK", str(old))
     expected = (f"the Vulkan headers under {old / 'include'} (1.3.239) lack VK_EXT_layer_settings, which "
                 "ggml-vulkan needs: set VULKAN_SDK to a Vulkan SDK with headers 1.3.272 or newer")
-    assert expected in lanes.toolchain_problems("vulkan")
+    assert expected in toolchain.toolchain_problems("vulkan")
     assert lanes.probe_lane("vulkan").versions["vulkan-headers"] == "1.3.239"
 
     new = _fake_vulkan_headers(tmp_path / "new", 4, 309, layer_settings=True)
     monkeypatch.setenv("VULKAN_SDK", str(new))
-    assert not any("Vulkan headers" in p for p in lanes.toolchain_problems("vulkan"))
-    assert lanes.vulkan_headers_version(new / "include") == "1.4.309"
+    assert not any("Vulkan headers" in p for p in toolchain.toolchain_problems("vulkan"))
+    assert toolchain.vulkan_headers_version(new / "include") == "1.4.309"
 
 
 def test_nvcc_version_is_recorded_when_present():
@@ -165,7 +166,7 @@ def test_cpu_lane_certified_by_a_real_logit_comparison_with_llama_cpp(cache_dir)
 
     rec = json.loads((cache_dir / "certifications.json").read_text())["entries"][res.key]
     assert rec["max_dev"] == res.max_dev and rec["passed"] is True
-    assert rec["lib_sha256"] == lanes.lib_sha256()
+    assert rec["lib_sha256"] == installed.lib_sha256()
 
     after = lanes.probe_lane("cpu")
     assert after.state == "certified"
@@ -176,7 +177,7 @@ def test_cpu_lane_certified_by_a_real_logit_comparison_with_llama_cpp(cache_dir)
 @needs_golden
 def test_a_certification_holds_only_for_the_libraries_it_tested(monkeypatch):
     assert certify("cpu", str(TINY)).passed
-    monkeypatch.setattr(lanes, "lib_sha256", lambda: "0" * 64)  # as if ggml-python were rebuilt
+    monkeypatch.setattr(installed, "lib_sha256", lambda: "0" * 64)  # as if ggml-python were rebuilt
     rep = lanes.probe_lane("cpu")
     assert rep.state == "built" and "not certified" in rep.reason
 
@@ -219,7 +220,7 @@ def test_uncertified_accelerators_are_refused_and_cannot_certify(lane):
 def test_device_placement_refuses_a_missing_backend(lane):
     from meshnet.engine.ggml_backend import accelerator_backend, registry_backends
 
-    names = lanes.LANES[lane].registry_names
+    names = LANES[lane].registry_names
     if any(n in registry_backends() for n in names):
         pytest.skip(f"this ggml-python has the {lane} backend")
     with pytest.raises(BackendUnavailable) as e:
@@ -360,7 +361,7 @@ def test_build_script_refuses_cuda_without_nvcc(cache_dir, tmp_path):
 
 @pytest.mark.parametrize("lane", ACCELERATOR_LANES)
 def test_build_script_gives_the_probe_reason(lane, cache_dir, tmp_path):
-    problem = lanes.build_problem(lane)
+    problem = toolchain.build_problem(lane)
     if problem is None:
         pytest.skip(f"the {lane} lane can be built here; not building it in a test")
     proc = _build("--venv", str(tmp_path / "venv"), lane, env=_env(cache_dir))
@@ -393,7 +394,7 @@ def test_build_script_dry_run_adds_exactly_one_switch(lane, cache_dir):
     env = 'HIPCXX="$(hipconfig -l)/clang" HIP_PATH="$(hipconfig -R)" ' if lane == "rocm" else ""
     assert cmd == (f"{env}CMAKE_ARGS={SWITCH[lane]} /opt/lane-venv/bin/python -m pip install --force-reinstall "
                    "--no-deps --no-cache-dir --no-binary ggml-python ggml-python==0.0.45")
-    problem = lanes.build_problem(lane)
+    problem = toolchain.build_problem(lane)
     if problem:
         assert f"here it would refuse: {problem}" in proc.stderr
 
@@ -409,7 +410,7 @@ def test_build_script_pins_the_project_ggml_python():
     (["--venv", "/no/such/venv", "cpu"], 2, "no virtual environment at /no/such/venv"),
 ])
 def test_build_script_usage_errors(args, status, message, cache_dir):
-    if args[-1:] == ["cpu"] and lanes.build_problem("cpu"):
+    if args[-1:] == ["cpu"] and toolchain.build_problem("cpu"):
         pytest.skip("no C++ compiler here")
     proc = _build(*args, env=_env(cache_dir))
     assert proc.returncode == status and message in proc.stderr
@@ -418,8 +419,8 @@ def test_build_script_usage_errors(args, status, message, cache_dir):
 def test_build_record_checks_the_backend_is_really_there(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "prefix", str(tmp_path))
     assert lanes.main(["record", "cpu", "--cmake-args", "", "--command", "pip install ..."]) == 0
-    rec = lanes.build_record()
-    assert rec["lane"] == "cpu" and rec["stale"] is False and rec["lib_sha256"] == lanes.lib_sha256()
+    rec = installed.build_record()
+    assert rec["lane"] == "cpu" and rec["stale"] is False and rec["lib_sha256"] == installed.lib_sha256()
     assert lanes.probe_lane("cpu").build_options["recorded_build"]["command"] == "pip install ..."
     if not _lib_installed("cuda"):
         assert lanes.main(["record", "cuda", "--cmake-args=-DGGML_CUDA=on"]) == 4

@@ -3,8 +3,11 @@
 A *lane* is one way of building ggml-python: ``cpu`` (the default build) or one accelerator backend
 (``cuda``, ``rocm``, ``vulkan``, ``metal``), each adding exactly one CMake switch to the default.
 
-* :mod:`meshnet.backends.lanes`: the lane table and ``probe_lane`` (available / built / certified /
-  skipped, with the exact reason).
+* :mod:`meshnet.backends.lane_table`: the lane table (switch, tools, device check, platform).
+* :mod:`meshnet.backends.lanes`: ``probe_lane`` (available / built / certified / skipped, with the
+  exact reason), from :mod:`~meshnet.backends.toolchain` (tools and devices before ggml is built),
+  :mod:`~meshnet.backends.installed` (the ggml-python installed here) and
+  :mod:`~meshnet.backends.certifications` (self-test results on record).
 * :mod:`meshnet.backends.certify`: the self-test that compares a lane's logits with a reference on a
   golden model; only a passed self-test lets a node advertise an accelerator.
 * :mod:`meshnet.backends.placement`: a layer range and its KV caches on an accelerator device.

@@ -14,7 +14,7 @@
 
 The token sequence is llama.cpp's own path: each golden prompt as one batch, then 8 single-token decode
 steps with the golden's greedy ids, so prefill and decode kernels both run. The result is recorded in
-``certifications.json`` (see :mod:`meshnet.backends.lanes`) keyed by lane, the sha256 of ggml's
+``certifications.json`` (see :mod:`meshnet.backends.certifications`) keyed by lane, the sha256 of ggml's
 libraries, the host and the device, so a rebuild or another device needs a new self-test.
 """
 
@@ -28,7 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from meshnet.backends import ACCELERATOR_LANES, LANE_NAMES
+from meshnet.backends import certifications, installed
 from meshnet.backends import lanes as lanes_mod
+from meshnet.backends.errors import BackendUnavailable
 from meshnet.backends.golden_sets import golden_root, running_golden_set
 
 TINY_GOLDEN_MODEL = "tiny-llama-q8_0"
@@ -225,7 +227,7 @@ def certify(lane: str, model_path: str | None = None, n_threads: int = 2, device
         probe = lanes_mod.probe_lane(lane)
         if probe.state not in ("built", "certified") or not probe.devices:
             return CertResult(lane, False, "skipped", probe.reason)
-    runtime, load_error = lanes_mod._ggml_runtime()
+    runtime, load_error = installed.ggml_runtime()
     if runtime is None:
         return CertResult(lane, False, "skipped", f"ggml-python cannot be loaded: {load_error}")
 
@@ -267,7 +269,7 @@ def certify(lane: str, model_path: str | None = None, n_threads: int = 2, device
             reference = "the CPU backend"
             try:
                 acc = AcceleratorStage(path, whole, lane, device_index, n_ctx=n_ctx)
-            except lanes_mod.BackendUnavailable as e:
+            except BackendUnavailable as e:
                 return CertResult(lane, False, "skipped", e.reason)
             device = acc.device
             try:
@@ -282,16 +284,16 @@ def certify(lane: str, model_path: str | None = None, n_threads: int = 2, device
         cpu_stage.close()
 
     desc = device["description"] or device["name"]
-    key = lanes_mod.certification_key(lane, desc)
+    key = certifications.certification_key(lane, desc)
     result = CertResult(
         lane=lane, passed=ok, state="certified" if ok else "failed", reason=summary, model=path,
         model_sha256=sha, reference=reference, max_dev=max_dev, mean_dev=mean_dev,
         logit_atol=tol["logit_atol"], logit_mean_atol=tol["logit_mean_atol"],
         margin_threshold=tol["margin_threshold"], n_values=len(cmp["devs"]), n_positions=cmp["positions"],
         top1_checked=cmp["top1_checked"], top1_mismatches=cmp["top1_mismatches"],
-        seconds=round(time.perf_counter() - t0, 3), lib_sha256=lanes_mod.lib_sha256(),
+        seconds=round(time.perf_counter() - t0, 3), lib_sha256=installed.lib_sha256(),
         ggml_version=runtime["version"], device=device, key=key,
         certified_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     if record:
-        lanes_mod.save_certification(key, result.to_dict())
+        certifications.save_certification(key, result.to_dict())
     return result

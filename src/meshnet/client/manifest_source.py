@@ -23,9 +23,9 @@ from meshnet.wire.security import open_channel
 
 
 def models_dir() -> Path:
-    """``<cache>/models`` (the cache as :func:`meshnet.backends.lanes.cache_dir`): where metadata files and
+    """``<cache>/models`` (the cache as :func:`meshnet.backends.certifications.cache_dir`): where metadata files and
     fetched range-only files go by default."""
-    from meshnet.backends.lanes import cache_dir
+    from meshnet.backends.certifications import cache_dir
 
     return cache_dir() / "models"
 
