@@ -17,7 +17,8 @@ from meshnet.node.service import NodeService, StepOutcome
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.wire.data_plane import (AUTH, AWAIT, ERROR, FORWARD, HEADER, DataPlaneConnection, decode_error,
                                      encode_messages, recv_message)
-from meshnet.wire.data_plane_server import FRAME_CHARGE, DataPlaneServer
+from meshnet.wire.data_plane_conn import FRAME_CHARGE
+from meshnet.wire.data_plane_server import DataPlaneServer
 from meshnet.wire.envelope import request_to_frames
 
 

@@ -1,25 +1,24 @@
 """The node side of the step data plane: one selector thread for every connection, a bounded step pool.
 
-The port is open to whoever can reach it, so nothing a peer announces is trusted before it has shown
-the join token: before authentication a connection holds a 5-byte header buffer and at most
-``MAX_AUTH_BYTES`` of token; after it, a message's bytes are buffered only as they arrive (so a length
-announced and never sent costs nothing), up to ``max_message_bytes`` per frame and
-``max_request_bytes`` per request. Silent connections are closed (``auth_timeout_s`` to authenticate,
-``read_timeout_s`` of silence inside a request, ``idle_timeout_s`` between requests), and at most
-``max_connections`` are open at once: a new one beyond that replaces the oldest connection that has not
-authenticated yet, or is refused when every connection has. Steps run on ``workers`` threads; reading
-and writing never block the selector thread, whose loop costs no thread per connection.
+The port is open to whoever can reach it, so nothing a peer announces is trusted before it has shown the
+join token (the rules each message must meet: :mod:`meshnet.wire.data_plane_conn`); after it, a message's
+bytes are buffered only as they arrive (so a length announced and never sent costs nothing), up to
+``max_message_bytes`` per frame and ``max_request_bytes`` per request. Silent connections are closed
+(``auth_timeout_s`` to authenticate, ``read_timeout_s`` of silence inside a request, ``idle_timeout_s``
+between requests), and at most ``max_connections`` are open at once: a new one beyond that replaces the
+oldest connection that has not authenticated yet, or is refused when every connection has. Steps run on
+``workers`` threads; reading and writing never block the selector thread, whose loop costs no thread per
+connection.
 
-Every frame counts at least ``FRAME_CHARGE`` bytes toward ``max_request_bytes`` (empty frames cost
-Python objects too). A connection streaming one-way FORWARD steps is not read while
-``max_pending_forwards`` of its steps wait or run (TCP backpressure on the sender). A connection
-awaiting a forwarded step's outcome (AWAIT) stays watched: the client hanging up, or sending anything
-before its answer, closes it and drops the await, so abandoned awaits hold no connection slot.
+A connection streaming one-way FORWARD steps is not read while ``max_pending_forwards`` of its steps wait
+or run (TCP backpressure on the sender). A connection awaiting a forwarded step's outcome (AWAIT) stays
+watched: the client hanging up, or sending anything before its answer, closes it and drops the await, so
+abandoned awaits hold no connection slot.
 
 With a TLS context every accepted connection is TLS: the handshake runs on the selector thread without
-blocking and must finish, with the join token, within ``auth_timeout_s``. Bytes TLS has already
-decrypted wait in the socket's TLS layer, where the selector cannot see them, so connections holding
-such bytes are read again on the next turn without waiting.
+blocking and must finish, with the join token, within ``auth_timeout_s``. Bytes TLS has already decrypted
+wait in the socket's TLS layer, where the selector cannot see them, so connections holding such bytes are
+read again on the next turn without waiting.
 
 Counters (``DataPlaneServer.stats``): ``accepted``, ``refused`` (over the cap, all authenticated),
 ``evicted`` (an unauthenticated connection replaced by a newer one), ``timed_out``, ``unauthenticated``
@@ -45,54 +44,17 @@ from google.protobuf.message import DecodeError
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.wire.data_plane import (AUTH, AWAIT, ENVELOPE, ERROR, FORWARD, HEADER, MAX_MESSAGE_BYTES, REPLY,
                                      encode_error, encode_messages)
+from meshnet.wire.data_plane_conn import Conn, Refuse, send_now
 
 log = logging.getLogger("meshnet.data_plane")
 
-MAX_AUTH_BYTES = 4096  # a join token is a short secret; nothing longer is read before it is checked
 # All frames of one request: a later stage's prefill input is n_tokens x n_embd f32 hidden states,
 # e.g. 16k tokens x 4096 = 256 MiB.
 MAX_REQUEST_BYTES = 256 << 20
 _RECV_CHUNK = 256 << 10  # bytes read per call: memory grows with what has arrived, in these steps
 _TICK_S = 0.25  # how often deadlines are checked
-# Bytes a frame counts toward max_request_bytes at least: a request announcing 2**30 chunks of empty
-# frames is refused after max_request_bytes / FRAME_CHARGE of them (real frames carry up to 1 MiB).
-FRAME_CHARGE = 4096
 # Forwarded steps of one connection waiting or running at most before it is not read any more.
 MAX_PENDING_FORWARDS = 32
-
-
-class _Conn:
-    """One connection's state; touched only by the selector thread, or by the one worker running its step."""
-
-    __slots__ = ("sock", "authed", "header", "body", "need", "kind", "frames", "n_frames", "request_bytes",
-                 "deadline", "busy", "cancel_await", "forwards", "paused", "handshaking")
-
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
-        self.sock = sock
-        self.authed = False
-        self.header = bytearray()
-        self.body: bytearray | None = None  # the message being read, once its header is known
-        self.need = 0
-        self.kind = 0  # of the message being read
-        self.frames: list[pb.Envelope] = []
-        self.n_frames = 1
-        self.request_bytes = 0
-        self.deadline = deadline
-        self.busy = False  # a worker owns the socket (its step runs, or its reply is being sent)
-        # Awaiting a forwarded step's outcome: drops the await (None: not awaiting). The socket stays
-        # registered meanwhile, so a hang-up is seen at once.
-        self.cancel_await: Callable[[], None] | None = None
-        self.forwards = 0  # its forwarded steps waiting for or on a worker
-        self.paused = False  # not read until fewer than max_pending_forwards of them are left
-        self.handshaking = isinstance(sock, ssl.SSLSocket)  # the TLS handshake has not finished yet
-
-
-class _Refuse(Exception):
-    """Close the connection after sending ``code``/``message`` as an ERROR; ``stat`` names the counter."""
-
-    def __init__(self, stat: str, code: str, message: str) -> None:
-        super().__init__(message)
-        self.stat, self.code, self.message = stat, code, message
 
 
 class DataPlaneServer:
@@ -138,8 +100,11 @@ class DataPlaneServer:
                 raise ValueError(f"{name} must be > 0, got {value}")
         self._token = (join_token or "").encode()
         self._tls = tls
-        self._unread: set[_Conn] = set()  # TLS connections with decrypted bytes not read yet
+        self._unread: set[Conn] = set()  # TLS connections with decrypted bytes not read yet
         self._run_step, self._run_forward, self._run_await = run_step, run_forward, run_await
+        # message kinds accepted after authentication
+        self._kinds = frozenset({ENVELOPE} | ({FORWARD} if run_forward is not None else set())
+                                | ({AWAIT} if run_await is not None else set()))
         self.max_message_bytes, self.max_request_bytes = max_message_bytes, max_request_bytes
         self.max_connections, self.max_pending_forwards = max_connections, max_pending_forwards
         self.auth_timeout_s, self.read_timeout_s, self.idle_timeout_s = auth_timeout_s, read_timeout_s, idle_timeout_s
@@ -153,10 +118,10 @@ class DataPlaneServer:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, "accept")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._conns: dict[int, _Conn] = {}  # by id(); insertion order = age, for eviction
-        self._done: collections.deque[tuple[_Conn, bool]] = collections.deque()  # (conn, keep) from workers
-        self._answers: collections.deque[tuple[_Conn, object]] = collections.deque()  # awaits answered
-        self._forwards_done: collections.deque[_Conn] = collections.deque()  # a forwarded step of conn ran
+        self._conns: dict[int, Conn] = {}  # by id(); insertion order = age, for eviction
+        self._done: collections.deque[tuple[Conn, bool]] = collections.deque()  # (conn, keep) from workers
+        self._answers: collections.deque[tuple[Conn, object]] = collections.deque()  # awaits answered
+        self._forwards_done: collections.deque[Conn] = collections.deque()  # a forwarded step of conn ran
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="data-plane-step")
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="data-plane", daemon=True)
@@ -219,7 +184,7 @@ class DataPlaneServer:
                 oldest = next((c for c in self._conns.values() if not c.authed), None)
                 if oldest is None:
                     self.stats["refused"] += 1
-                    _send_now(sock, ERROR, encode_error(
+                    send_now(sock, ERROR, encode_error(
                         "RESOURCE_EXHAUSTED", f"the data plane is at its limit of {self.max_connections} "
                                               f"connections (max_connections)"))
                     sock.close()
@@ -234,11 +199,11 @@ class DataPlaneServer:
                 except (OSError, ValueError):
                     sock.close()
                     continue
-            c = _Conn(sock, time.monotonic() + self.auth_timeout_s)
+            c = Conn(sock, time.monotonic() + self.auth_timeout_s)
             self._conns[id(c)] = c
             self._sel.register(sock, selectors.EVENT_READ, c)
 
-    def _read(self, c: _Conn) -> None:
+    def _read(self, c: Conn) -> None:
         if c.cancel_await is not None:
             self._read_awaiting(c)
             return
@@ -266,7 +231,7 @@ class DataPlaneServer:
                 if c.body is None:
                     c.header += data
                     if len(c.header) == HEADER.size:
-                        self._start_message(c)
+                        c.start_message(self._kinds, self.max_message_bytes, self.max_request_bytes)
                 else:
                     c.body += data
                 if c.body is not None and len(c.body) == c.need and self._finish_message(c):
@@ -274,14 +239,14 @@ class DataPlaneServer:
             self._mark_unread(c)
         except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             pass
-        except _Refuse as e:
+        except Refuse as e:
             self.stats[e.stat] += 1
-            _send_now(c.sock, ERROR, encode_error(e.code, e.message))
+            send_now(c.sock, ERROR, encode_error(e.code, e.message))
             self._close(c)
         except OSError:
             self._close(c)
 
-    def _read_awaiting(self, c: _Conn) -> None:
+    def _read_awaiting(self, c: Conn) -> None:
         """A client awaiting an outcome sends nothing until it is answered: end of stream means it gave
         up; bytes break the protocol. Either way the await is withdrawn with the connection."""
         try:
@@ -292,46 +257,26 @@ class DataPlaneServer:
             data = b""
         if data:
             self.stats["malformed"] += 1
-            _send_now(c.sock, ERROR, encode_error("INVALID_ARGUMENT", "a message arrived before the awaited "
+            send_now(c.sock, ERROR, encode_error("INVALID_ARGUMENT", "a message arrived before the awaited "
                                                                       "step's outcome was answered"))
         self._close(c)
 
-    def _start_message(self, c: _Conn) -> None:
-        n, kind = HEADER.unpack(c.header)
-        c.header = bytearray()
-        if not c.authed:
-            if kind != AUTH or n > MAX_AUTH_BYTES:
-                raise _Refuse("unauthenticated", "UNAUTHENTICATED", "missing or wrong join token")
-        elif not (kind == ENVELOPE or (kind == FORWARD and self._run_forward is not None)
-                  or (kind == AWAIT and self._run_await is not None)) or (c.frames and kind != c.kind):
-            raise _Refuse("malformed", "INVALID_ARGUMENT", f"expected an envelope frame, got message kind {kind}")
-        elif n > self.max_message_bytes:
-            raise _Refuse("too_large", "INVALID_ARGUMENT",
-                          f"a frame of {n} bytes exceeds the data plane's limit of {self.max_message_bytes} "
-                          f"bytes per frame (max_message_bytes); send smaller frames")
-        elif c.request_bytes + max(n, FRAME_CHARGE) > self.max_request_bytes:
-            raise _Refuse("too_large", "INVALID_ARGUMENT",
-                          f"the request reaches {c.request_bytes + max(n, FRAME_CHARGE)} bytes (each frame "
-                          f"counting at least {FRAME_CHARGE}), over the data plane's limit of "
-                          f"{self.max_request_bytes} bytes per request (max_request_bytes)")
-        c.body, c.need, c.kind = bytearray(), n, kind
-
-    def _finish_message(self, c: _Conn) -> bool:
+    def _finish_message(self, c: Conn) -> bool:
         """A whole message is in ``c.body``; returns True when a complete request went to a worker."""
         body, c.body = bytes(c.body), None
         if not c.authed:
             if not hmac.compare_digest(body, self._token):
-                raise _Refuse("unauthenticated", "UNAUTHENTICATED", "missing or wrong join token")
+                raise Refuse("unauthenticated", "UNAUTHENTICATED", "missing or wrong join token")
             c.authed = True
             c.deadline = time.monotonic() + self.idle_timeout_s
-            if not _send_now(c.sock, AUTH, b""):
+            if not send_now(c.sock, AUTH, b""):
                 raise OSError("could not answer the authentication")
             return False
         if c.kind == AWAIT:
             try:
                 awaited = pb.AwaitStep.FromString(body)
             except DecodeError as e:
-                raise _Refuse("malformed", "INVALID_ARGUMENT", f"undecodable await: {e}") from None
+                raise Refuse("malformed", "INVALID_ARGUMENT", f"undecodable await: {e}") from None
             # Still read meanwhile (see _read_awaiting); the answer is sent once the selector thread
             # has taken the connection back from the await.
             c.cancel_await = lambda: None
@@ -340,17 +285,9 @@ class DataPlaneServer:
             if c.cancel_await is not None and callable(cancel):
                 c.cancel_await = cancel
             return True
-        try:
-            f = pb.Envelope.FromString(body)
-        except DecodeError as e:
-            raise _Refuse("malformed", "INVALID_ARGUMENT", f"undecodable envelope frame: {e}") from None
-        if not c.frames:
-            c.n_frames = max(1, f.n_chunks)
-        c.frames.append(f)
-        c.request_bytes += max(len(body), FRAME_CHARGE)
-        if len(c.frames) < c.n_frames:
+        frames = c.take_frame(body)
+        if frames is None:
             return False
-        frames, c.frames, c.request_bytes = c.frames, [], 0
         self.stats["steps"] += 1
         if c.kind == FORWARD:
             # One way: the connection goes on being read, so the sender can stream the next step at once,
@@ -366,7 +303,7 @@ class DataPlaneServer:
         self._pool.submit(self._serve, c, frames)
         return True
 
-    def _hand_over(self, c: _Conn) -> None:
+    def _hand_over(self, c: Conn) -> None:
         """A worker owns ``c`` until its answer is sent: not read meanwhile."""
         c.busy = True
         self._sel.unregister(c.sock)
@@ -410,12 +347,12 @@ class DataPlaneServer:
             self._sel.register(c.sock, selectors.EVENT_READ, c)
             self._mark_unread(c)
 
-    def _mark_unread(self, c: _Conn) -> None:
+    def _mark_unread(self, c: Conn) -> None:
         """Read ``c`` again on the next turn if its TLS layer holds decrypted bytes."""
         if isinstance(c.sock, ssl.SSLSocket) and not c.handshaking and c.sock.pending():
             self._unread.add(c)
 
-    def _close(self, c: _Conn) -> None:
+    def _close(self, c: Conn) -> None:
         self._conns.pop(id(c), None)
         self._unread.discard(c)
         if c.cancel_await is not None:
@@ -436,7 +373,7 @@ class DataPlaneServer:
 
     # ---- a worker thread -------------------------------------------------------------------------
 
-    def _serve(self, c: _Conn, frames: list[pb.Envelope]) -> None:
+    def _serve(self, c: Conn, frames: list[pb.Envelope]) -> None:
         try:
             out = self._run_step(frames)
         except Exception:  # a failing step must not kill the server
@@ -446,7 +383,7 @@ class DataPlaneServer:
             return
         self._answer(c, out)
 
-    def _forwarded(self, c: _Conn, frames: list[pb.Envelope]) -> None:
+    def _forwarded(self, c: Conn, frames: list[pb.Envelope]) -> None:
         try:
             self._run_forward(frames)
         except Exception:
@@ -455,12 +392,12 @@ class DataPlaneServer:
             self._forwards_done.append(c)
             self._wake()
 
-    def _answered(self, c: _Conn, out) -> None:
+    def _answered(self, c: Conn, out) -> None:
         """The awaited outcome is here (any thread): the selector thread sends it, unless the client left."""
         self._answers.append((c, out))
         self._wake()
 
-    def _answer(self, c: _Conn, out) -> None:
+    def _answer(self, c: Conn, out) -> None:
         """Send ``out`` (a StepOutcome) on ``c`` and hand the connection back to the selector thread."""
         keep = False
         try:
@@ -479,12 +416,3 @@ class DataPlaneServer:
             log.exception("data plane answer failed")
         self._done.append((c, keep))
         self._wake()
-
-
-def _send_now(sock: socket.socket, kind: int, payload: bytes) -> bool:
-    """Send one small message without blocking; False when it did not fit the socket's buffer at once."""
-    data = encode_messages(kind, (payload,))
-    try:
-        return sock.send(data) == len(data)
-    except OSError:
-        return False

@@ -1,0 +1,116 @@
+"""One step data-plane connection as the node's server sees it, and the rules each message it sends
+must meet before its bytes are buffered (the server: :mod:`meshnet.wire.data_plane_server`).
+
+Before authentication a connection holds a 5-byte header buffer and at most ``MAX_AUTH_BYTES`` of
+token. After it, every frame counts at least ``FRAME_CHARGE`` bytes toward the server's
+``max_request_bytes`` (empty frames cost Python objects too), and a request's frames must all be of
+one message kind.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from typing import Callable
+
+from google.protobuf.message import DecodeError
+
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.wire.data_plane import AUTH, HEADER, encode_messages
+
+MAX_AUTH_BYTES = 4096  # a join token is a short secret; nothing longer is read before it is checked
+# Bytes a frame counts toward max_request_bytes at least: a request announcing 2**30 chunks of empty
+# frames is refused after max_request_bytes / FRAME_CHARGE of them (real frames carry up to 1 MiB).
+FRAME_CHARGE = 4096
+
+
+class Conn:
+    """One connection's state; touched only by the selector thread, or by the one worker running its step."""
+
+    __slots__ = ("sock", "authed", "header", "body", "need", "kind", "frames", "n_frames", "request_bytes",
+                 "deadline", "busy", "cancel_await", "forwards", "paused", "handshaking")
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.authed = False
+        self.header = bytearray()
+        self.body: bytearray | None = None  # the message being read, once its header is known
+        self.need = 0
+        self.kind = 0  # of the message being read
+        self.frames: list[pb.Envelope] = []
+        self.n_frames = 1
+        self.request_bytes = 0
+        self.deadline = deadline
+        self.busy = False  # a worker owns the socket (its step runs, or its reply is being sent)
+        # Awaiting a forwarded step's outcome: drops the await (None: not awaiting). The socket stays
+        # registered meanwhile, so a hang-up is seen at once.
+        self.cancel_await: Callable[[], None] | None = None
+        self.forwards = 0  # its forwarded steps waiting for or on a worker
+        self.paused = False  # not read until fewer than max_pending_forwards of them are left
+        self.handshaking = isinstance(sock, ssl.SSLSocket)  # the TLS handshake has not finished yet
+
+    def start_message(self, kinds: frozenset[int], max_message_bytes: int, max_request_bytes: int) -> None:
+        """The 5-byte header is in ``self.header``: check it and get ready to buffer the message.
+
+        Args:
+            kinds: the message kinds accepted after authentication (ENVELOPE, and FORWARD / AWAIT where
+                the server runs them).
+            max_message_bytes, max_request_bytes: the server's limits per frame and per request, bytes.
+        Raises:
+            Refuse: not AUTH first, a token over ``MAX_AUTH_BYTES``, a kind not in ``kinds`` or unlike the
+                request's earlier frames, or a frame or request over its limit.
+        """
+        n, kind = HEADER.unpack(self.header)
+        self.header = bytearray()
+        if not self.authed:
+            if kind != AUTH or n > MAX_AUTH_BYTES:
+                raise Refuse("unauthenticated", "UNAUTHENTICATED", "missing or wrong join token")
+        elif kind not in kinds or (self.frames and kind != self.kind):
+            raise Refuse("malformed", "INVALID_ARGUMENT", f"expected an envelope frame, got message kind {kind}")
+        elif n > max_message_bytes:
+            raise Refuse("too_large", "INVALID_ARGUMENT",
+                         f"a frame of {n} bytes exceeds the data plane's limit of {max_message_bytes} "
+                         f"bytes per frame (max_message_bytes); send smaller frames")
+        elif self.request_bytes + max(n, FRAME_CHARGE) > max_request_bytes:
+            raise Refuse("too_large", "INVALID_ARGUMENT",
+                         f"the request reaches {self.request_bytes + max(n, FRAME_CHARGE)} bytes (each frame "
+                         f"counting at least {FRAME_CHARGE}), over the data plane's limit of "
+                         f"{max_request_bytes} bytes per request (max_request_bytes)")
+        self.body, self.need, self.kind = bytearray(), n, kind
+
+    def take_frame(self, body: bytes) -> list[pb.Envelope] | None:
+        """Add one envelope frame (its serialized bytes); the request's frames once all ``n_chunks`` of
+        them are here (and the connection is ready for the next request), else None.
+
+        Raises:
+            Refuse: the frame does not decode.
+        """
+        try:
+            f = pb.Envelope.FromString(body)
+        except DecodeError as e:
+            raise Refuse("malformed", "INVALID_ARGUMENT", f"undecodable envelope frame: {e}") from None
+        if not self.frames:
+            self.n_frames = max(1, f.n_chunks)
+        self.frames.append(f)
+        self.request_bytes += max(len(body), FRAME_CHARGE)
+        if len(self.frames) < self.n_frames:
+            return None
+        frames, self.frames, self.request_bytes = self.frames, [], 0
+        return frames
+
+
+class Refuse(Exception):
+    """Close the connection after sending ``code``/``message`` as an ERROR; ``stat`` names the counter."""
+
+    def __init__(self, stat: str, code: str, message: str) -> None:
+        super().__init__(message)
+        self.stat, self.code, self.message = stat, code, message
+
+
+def send_now(sock: socket.socket, kind: int, payload: bytes) -> bool:
+    """Send one small message without blocking; False when it did not fit the socket's buffer at once."""
+    data = encode_messages(kind, (payload,))
+    try:
+        return sock.send(data) == len(data)
+    except OSError:
+        return False
