@@ -7,10 +7,11 @@ import time
 
 import numpy as np
 
-from meshnet.contract import MAX_LOGIT_BIAS, ArtifactId, LayerRange, LoadSpec, NamedTensor, StepRequest
+from meshnet.contract import ArtifactId, LayerRange, LoadSpec, NamedTensor, StepRequest
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.node.service import NodeService
 from meshnet.proto import meshnet_pb2 as pb
+from meshnet.sampling_params import MAX_LOGIT_BIAS
 from meshnet.wire.envelope import request_to_frames
 
 N_ENTRIES = 600_000  # about 6.6 MB of frame: under the data plane's 8 MiB frame limit

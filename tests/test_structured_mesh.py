@@ -15,12 +15,13 @@ from meshnet.chain import LocalChain
 from meshnet.chat_template import chat_prompt_ids
 from meshnet.client.mesh_client import MeshClient
 from meshnet.client.remote import RemoteStage
-from meshnet.contract import MAX_GRAMMAR_BYTES, Grammar, LayerRange, SamplingParams, Status, StepRequest
+from meshnet.contract import LayerRange, Status, StepRequest
 from meshnet.generation import Generation, generate
 from meshnet.local_mesh import load_local_chain
 from meshnet.node.service import NodeService
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.sampling_params import MAX_GRAMMAR_BYTES, Grammar, SamplingParams
 from meshnet.wire.envelope import request_to_frames
 from meshnet.wire.security import open_channel
 from test_structured_output import ASK, PERSON

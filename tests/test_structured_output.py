@@ -18,8 +18,8 @@ from api_served import served_api  # noqa: E402
 from meshnet.api.backend import local_backend  # noqa: E402
 from meshnet.bench.structured_bench import PERSON  # noqa: E402
 from meshnet.chat_template import chat_prompt_ids  # noqa: E402
-from meshnet.contract import MAX_GRAMMAR_BYTES, Grammar, SamplingParams  # noqa: E402
 from meshnet.generation import generate  # noqa: E402
+from meshnet.sampling_params import MAX_GRAMMAR_BYTES, Grammar, SamplingParams  # noqa: E402
 from meshnet.speculative import Speculation  # noqa: E402
 
 # Required string, integer, enum and bounded array (the shape), as the structured bench asks for.

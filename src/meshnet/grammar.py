@@ -24,7 +24,7 @@ import llguidance
 import numpy as np
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-from meshnet.contract import Grammar
+from meshnet.sampling_params import Grammar
 from meshnet.tokenizer import GGUFTokenizer
 
 __all__ = ["GrammarCompiler", "GrammarError", "SessionGrammar", "schema_text"]

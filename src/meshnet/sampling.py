@@ -50,7 +50,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from meshnet.contract import LOGIT_BIAS_LIMIT, SampledToken, SamplingParams, TokenLogprob
+from meshnet.contract import SampledToken, TokenLogprob
+from meshnet.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams
 
 __all__ = ["sample"]
 

@@ -48,7 +48,7 @@ from meshnet.api.structured import grammar_for, response_grammar
 from meshnet.api.tools import ToolPlan, hermes_calls_text, plan_tools, tool_calls_from, tools_system_message
 from meshnet.api.logprobs import chat_logprobs, completion_logprobs
 from meshnet.api.validation import parse_body, sampling_params, stop_sequences, token_budget, validation_error
-from meshnet.contract import Grammar
+from meshnet.sampling_params import Grammar
 from meshnet.speculative import Speculation, speculation_from
 
 log = logging.getLogger("meshnet.api")

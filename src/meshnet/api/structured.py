@@ -1,4 +1,4 @@
-"""OpenAI's ``response_format`` as the :class:`~meshnet.contract.Grammar` a generation's sampling carries:
+"""OpenAI's ``response_format`` as the :class:`~meshnet.sampling_params.Grammar` a generation's sampling carries:
 ``{"type": "text"}`` (none), ``{"type": "json_object"}`` (any JSON object) and ``{"type": "json_schema",
 "json_schema": {"name", "schema", "strict", "description"}}``. The schema is compiled here, against the
 served vocabulary, so a schema the grammar library cannot enforce is a 400 naming why before any node runs.
@@ -10,8 +10,8 @@ import re
 from typing import Any
 
 from meshnet.api.errors import bad_request
-from meshnet.contract import Grammar
 from meshnet.grammar import GrammarCompiler, GrammarError, schema_text
+from meshnet.sampling_params import Grammar
 
 # OpenAI's rule for a response format's name.
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -26,7 +26,7 @@ def response_grammar(fmt: dict[str, Any] | None, compiler: GrammarCompiler) -> G
     Raises:
         ApiError: 400 with ``param`` ``response_format``: an unknown type, a malformed ``json_schema``
             object, a schema that is not an object, over
-            :data:`~meshnet.contract.MAX_GRAMMAR_BYTES`, or one the grammar
+            :data:`~meshnet.sampling_params.MAX_GRAMMAR_BYTES`, or one the grammar
             library refuses (its message says which keyword or value).
     """
     if fmt is None:

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from meshnet.api.errors import ApiError, bad_request
 from meshnet.api.schemas import MAX_STOP
-from meshnet.contract import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, Grammar, SamplingParams
+from meshnet.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, Grammar, SamplingParams
 
 _TOKEN_KEY = re.compile(r"[0-9]{1,10}")
 
@@ -87,7 +87,7 @@ def repetition_penalty(req: Any) -> float | None:
 
 def logit_bias(raw: dict[str, float] | None, n_vocab: int) -> tuple[tuple[int, float], ...]:
     """OpenAI's ``logit_bias`` (token id as a decimal string -> bias) as the ``(token_id, bias)`` pairs of
-    :attr:`meshnet.contract.SamplingParams.logit_bias`, ids ascending; ``()`` for None or ``{}``.
+    :attr:`meshnet.sampling_params.SamplingParams.logit_bias`, ids ascending; ``()`` for None or ``{}``.
 
     Args:
         raw: the request's map; values are numbers (the schema checked their type).

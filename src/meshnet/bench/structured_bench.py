@@ -81,7 +81,7 @@ def _check(answer: dict, validator) -> tuple[bool, str]:
 def _speeds(backend, rounds: int) -> dict:
     """Median decode tokens/s on one prompt, constrained (the schema) and not (64 tokens, EOS ignored)."""
     from meshnet.chat_template import chat_prompt_ids
-    from meshnet.contract import Grammar, SamplingParams
+    from meshnet.sampling_params import Grammar, SamplingParams
     from meshnet.generation import generate
 
     tok = backend.tokenizer

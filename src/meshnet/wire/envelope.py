@@ -18,18 +18,16 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from meshnet.contract import (
-    MAX_LOGIT_BIAS,
-    Grammar,
     TENSOR_DTYPES,
     NamedTensor,
     SampledToken,
-    SamplingParams,
     Status,
     StepRequest,
     StepResult,
     TokenLogprob,
 )
 from meshnet.proto import meshnet_pb2 as pb
+from meshnet.sampling_params import MAX_LOGIT_BIAS, Grammar, SamplingParams
 
 PROTOCOL_MAJOR = 1
 # Minor versions add fields a node of an older minor ignores (protobuf drops unknown fields), so a client
@@ -65,7 +63,7 @@ def sampling_to_pb(s: SamplingParams) -> pb.Sampling:
 def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
     """The step's sampling parameters. Raises WireError (INVALID_ARGUMENT) for a ``logit_bias`` map over
     :data:`MAX_LOGIT_BIAS` entries, before it is converted and sorted (a 6 MB map costs a node a second),
-    or a grammar's schema over :data:`~meshnet.contract.MAX_GRAMMAR_BYTES`."""
+    or a grammar's schema over :data:`~meshnet.sampling_params.MAX_GRAMMAR_BYTES`."""
     if len(m.logit_bias) > MAX_LOGIT_BIAS:
         raise WireError(Status.INVALID_ARGUMENT, f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, "
                                                  f"got {len(m.logit_bias)}")
