@@ -30,6 +30,7 @@ from meshnet.api.backend import ApiBackend
 from meshnet.api.errors import ApiError, bad_request
 from meshnet.api.metrics import ApiMetrics
 from meshnet.api.middleware import BodyLimitAndMetrics
+from meshnet.api.prompts import chat_prompt, completion_prompts
 from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece
 from meshnet.api.schemas import (
     ChatChoice,
@@ -45,7 +46,7 @@ from meshnet.api.schemas import (
 )
 from meshnet.api.sse import DONE, ChatChunks, CompletionChunks, event, sse
 from meshnet.api.structured import grammar_for, response_grammar
-from meshnet.api.tools import ToolPlan, hermes_calls_text, plan_tools, tool_calls_from, tools_system_message
+from meshnet.api.tools import plan_tools, tool_calls_from
 from meshnet.api.logprobs import chat_logprobs, completion_logprobs
 from meshnet.api.validation import parse_body, sampling_params, stop_sequences, token_budget, validation_error
 from meshnet.sampling_params import Grammar
@@ -211,7 +212,7 @@ class _Api:
             raise bad_request("best_of is not supported (only best_of == n)", "best_of", "unsupported_parameter")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
-        prompts = await anyio.to_thread.run_sync(self._completion_prompts, req.prompt)
+        prompts = await anyio.to_thread.run_sync(completion_prompts, self.backend.tokenizer, req.prompt)
         grammar = await self._grammar(req)
         n_top = req.logprobs or 0
         jobs = []
@@ -242,30 +243,6 @@ class _Api:
         body = CompletionResponse(id=rid, created=created, model=self.backend.model_name, choices=choices,
                                   usage=usage)
         return JSONResponse(body.model_dump())
-
-    def _completion_prompts(self, prompt: Any) -> list[list[int]]:
-        tok = self.backend.tokenizer
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        if not prompt:
-            raise bad_request("prompt is empty", "prompt", "empty_prompt")
-        if isinstance(prompt[0], int):
-            prompt = [prompt]
-        out = []
-        for p in prompt:
-            if isinstance(p, str):
-                if not p:
-                    raise bad_request("prompt is empty", "prompt", "empty_prompt")
-                # Control-token text in a raw prompt ("<|im_start|>") becomes those tokens, as llama.cpp's
-                # server does, so hand-rendered chat prompts work.
-                out.append(self.backend.tokenizer.encode(p, parse_special=True))
-            else:
-                bad = [t for t in p if not 0 <= t < tok.n_vocab]
-                if bad:
-                    raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {tok.n_vocab})",
-                                      "prompt", "invalid_token")
-                out.append(list(p))
-        return out
 
     def _stream_completion(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
                                  want_logprobs: bool, include_usage: bool, t0: float) -> AsyncIterator[str]:
@@ -330,7 +307,7 @@ class _Api:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if not req.messages:
             raise bad_request("messages is empty: a chat needs at least one message", "messages", "empty_messages")
-        prompt_ids = await anyio.to_thread.run_sync(self._chat_prompt, req, plan)
+        prompt_ids = await anyio.to_thread.run_sync(chat_prompt, self.backend.tokenizer, req, plan)
         grammar = await self._grammar(req)
         if plan.schema is not None:
             grammar = await anyio.to_thread.run_sync(
@@ -366,37 +343,6 @@ class _Api:
         body = ChatCompletionResponse(id=rid, created=created, model=self.backend.model_name, choices=choices,
                                       usage=usage)
         return JSONResponse(body.model_dump())
-
-    def _chat_prompt(self, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
-        from meshnet.chat_template import chat_prompt_ids, template_has_tools
-
-        tools = plan.prompt_tools()
-        messages = []
-        if tools and not template_has_tools(self.backend.tokenizer.chat_template):
-            messages.append(tools_system_message(tools))
-            tools = None
-        # A template that never reads tool_calls (SmolLM2's) would drop an earlier call, or fail on its
-        # null content: the call is shown as the Hermes block the tools' system message teaches.
-        template_reads_tool_calls = "tool_calls" in (self.backend.tokenizer.chat_template or "")
-        for i, m in enumerate(req.messages):
-            d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
-            if isinstance(m.content, list):
-                d["content"] = [p.model_dump(exclude_none=True) for p in m.content]
-            else:
-                d["content"] = m.content
-            for key in ("name", "tool_calls", "tool_call_id"):
-                if getattr(m, key) is not None:
-                    d[key] = getattr(m, key)
-            if m.tool_calls:
-                calls = hermes_calls_text(m.tool_calls, f"messages.{i}.tool_calls")  # checked either way
-                if not template_reads_tool_calls:
-                    d["content"] = "\n".join(p for p in (d["content"], calls) if p)
-                    del d["tool_calls"]
-            messages.append(d)
-        try:
-            return chat_prompt_ids(self.backend.tokenizer, messages, tools=tools)
-        except ValueError as e:  # invalid messages or a template error (ChatTemplateError)
-            raise bad_request(str(e), "messages", "invalid_messages") from None
 
     def _stream_chat(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
                            want_logprobs: bool, include_usage: bool, t0: float) -> AsyncIterator[str]:

@@ -1,0 +1,86 @@
+"""A request's prompt as token ids: a completion's ``prompt`` (text or ids, one or many) and a chat's
+``messages`` rendered with the model's chat template, tools included."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshnet.api.errors import bad_request
+from meshnet.api.schemas import ChatCompletionRequest
+from meshnet.api.tools import ToolPlan, hermes_calls_text, tools_system_message
+from meshnet.tokenizer import GGUFTokenizer
+
+
+def completion_prompts(tok: GGUFTokenizer, prompt: Any) -> list[list[int]]:
+    """The token ids of each prompt of a completion request.
+
+    Args:
+        tok: the model's tokenizer.
+        prompt: the request's ``prompt``: a string, a list of strings, a list of token ids, or a list
+            of such lists.
+    Returns:
+        One ``list[int]`` per prompt.
+    Raises:
+        ApiError: 400 ``empty_prompt`` for an empty prompt, ``invalid_token`` for an id outside
+            ``[0, n_vocab)``.
+    """
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise bad_request("prompt is empty", "prompt", "empty_prompt")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            if not p:
+                raise bad_request("prompt is empty", "prompt", "empty_prompt")
+            # Control-token text in a raw prompt ("<|im_start|>") becomes those tokens, as llama.cpp's
+            # server does, so hand-rendered chat prompts work.
+            out.append(tok.encode(p, parse_special=True))
+        else:
+            bad = [t for t in p if not 0 <= t < tok.n_vocab]
+            if bad:
+                raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {tok.n_vocab})",
+                                  "prompt", "invalid_token")
+            out.append(list(p))
+    return out
+
+
+def chat_prompt(tok: GGUFTokenizer, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+    """The token ids of a chat request's messages, rendered with the model's chat template (tools in
+    the template when it reads them, else as a system message).
+
+    Raises:
+        ApiError: 400 ``invalid_messages`` for messages the template refuses, or a malformed earlier
+            tool call.
+    """
+    from meshnet.chat_template import chat_prompt_ids, template_has_tools
+
+    tools = plan.prompt_tools()
+    messages = []
+    if tools and not template_has_tools(tok.chat_template):
+        messages.append(tools_system_message(tools))
+        tools = None
+    # A template that never reads tool_calls (SmolLM2's) would drop an earlier call, or fail on its
+    # null content: the call is shown as the Hermes block the tools' system message teaches.
+    template_reads_tool_calls = "tool_calls" in (tok.chat_template or "")
+    for i, m in enumerate(req.messages):
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+        if isinstance(m.content, list):
+            d["content"] = [p.model_dump(exclude_none=True) for p in m.content]
+        else:
+            d["content"] = m.content
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(m, key) is not None:
+                d[key] = getattr(m, key)
+        if m.tool_calls:
+            calls = hermes_calls_text(m.tool_calls, f"messages.{i}.tool_calls")  # checked either way
+            if not template_reads_tool_calls:
+                d["content"] = "\n".join(p for p in (d["content"], calls) if p)
+                del d["tool_calls"]
+        messages.append(d)
+    try:
+        return chat_prompt_ids(tok, messages, tools=tools)
+    except ValueError as e:  # invalid messages or a template error (ChatTemplateError)
+        raise bad_request(str(e), "messages", "invalid_messages") from None
