@@ -16,7 +16,7 @@ exactly rounded element by element, so a row's value does not depend on how many
   depends on every earlier row that reached that layer, so a stage that lost its state computes
   different outputs. Applying ``[a, b)`` then ``[b, c)`` equals applying ``[a, c)``.
 * tail: logits ``[n_vocab]`` are a PRNG stream seeded by ``blake2b(last hidden row || position)``; greedy
-  takes their argmax (lowest id on ties). See :meth:`FakeEngine._sample` for the sampling chain.
+  takes their argmax (lowest id on ties). See :mod:`meshnet.engine.fake_sampler` for the sampling chain.
 
 Fault injection (:class:`~meshnet.engine.fake_faults.FakeFaults`) is opt-in and can change at run time with
 :meth:`FakeEngine.set_faults`.
@@ -25,7 +25,6 @@ Fault injection (:class:`~meshnet.engine.fake_faults.FakeFaults`) is opt-in and 
 from __future__ import annotations
 
 import hashlib
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,10 +42,10 @@ from meshnet.contract import (
     Status,
     StepRequest,
     StepResult,
-    TokenLogprob,
 )
 from meshnet.engine.base import EngineError, Session, ShardEngine
 from meshnet.engine.fake_faults import FakeCrash, FakeFaults, crash
+from meshnet.engine.fake_sampler import sample_fake
 
 _DIGEST = 64  # blake2b digest size used for every chain state: 16 floats' worth of bits
 _CANCEL_POLL_S = 0.002  # how often a delayed step looks at its session's cancel flag
@@ -107,16 +106,6 @@ def _blake(*parts: bytes) -> bytes:
     for p in parts:
         h.update(p)
     return h.digest()
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    m = np.max(x)
-    return x - m - np.log(np.sum(np.exp(x - m)))
-
-
-def _softmax(x: np.ndarray) -> np.ndarray:
-    e = np.exp(x - np.max(x))
-    return e / np.sum(e)
 
 
 class FakeEngine(ShardEngine):
@@ -354,74 +343,9 @@ class FakeEngine(ShardEngine):
 
     def _sample(self, last_row: np.ndarray, position: int, history: list[int],
                 sp: SamplingParams, draft: int | None = None) -> SampledToken:
-        """Pick the token for ``position`` (the index of the token being predicted).
-
-        The chain follows llama.cpp's order: penalties over the last ``penalty_last_n`` tokens of
-        ``history``, then greedy argmax when ``temperature == 0``; otherwise top-k, top-p, min-p,
-        temperature and one draw. The draw's uniform number depends only on ``(seed, position)`` when
-        ``seed`` is set, else it is not reproducible. The returned log-prob and top log-probs are of the
-        model's distribution before penalties and filters, sorted descending (lowest id first on ties).
-        """
-        logits = self._logits(last_row, position)
-        logprobs = _log_softmax(logits)
-        work = self._penalize(logits.copy(), history, sp)
-        if sp.temperature == 0:
-            token = int(np.argmax(work))
-        else:
-            ids = np.lexsort((np.arange(work.size), -work))  # descending logit, then ascending id
-            vals = work[ids]
-            if 0 < sp.top_k < ids.size:
-                ids, vals = ids[:sp.top_k], vals[:sp.top_k]
-            if sp.top_p < 1.0:
-                keep = int(np.searchsorted(np.cumsum(_softmax(vals)), sp.top_p)) + 1
-                ids, vals = ids[:keep], vals[:keep]
-            if sp.min_p > 0.0:
-                p = _softmax(vals)
-                keep = max(1, int(np.count_nonzero(p >= sp.min_p * p[0])))
-                ids, vals = ids[:keep], vals[:keep]
-            p = _softmax(vals / sp.temperature)
-            hit = np.flatnonzero(ids == draft) if draft is not None else ()
-            if len(hit) and self._uniform(sp.seed, position, "draft") < p[hit[0]]:
-                return self._picked(draft, logprobs, sp)  # the draft kept: the rejection rule of sample()
-            if len(hit):
-                p[hit[0]] = 0.0  # rejected: draw from the rest
-            cum = np.cumsum(p)
-            u = self._uniform(sp.seed, position)
-            idx = min(int(np.searchsorted(cum, u * cum[-1], side="right")), ids.size - 1)
-            token = int(ids[idx])
-        return self._picked(token, logprobs, sp)
-
-    @staticmethod
-    def _picked(token: int, logprobs: np.ndarray, sp: SamplingParams) -> SampledToken:
-        top: tuple[TokenLogprob, ...] = ()
-        if sp.n_top_logprobs:
-            best = np.lexsort((np.arange(logprobs.size), -logprobs))[:sp.n_top_logprobs]
-            top = tuple(TokenLogprob(int(i), float(logprobs[i])) for i in best)
-        return SampledToken(token, float(logprobs[token]), top)
-
-    @staticmethod
-    def _penalize(logits: np.ndarray, history: list[int], sp: SamplingParams) -> np.ndarray:
-        """llama.cpp's repetition/presence/frequency penalties over the recent tokens, in place."""
-        if sp.repetition_penalty == 1.0 and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0:
-            return logits
-        if sp.penalty_last_n == 0 or not history:
-            return logits
-        window = history if sp.penalty_last_n < 0 else history[-sp.penalty_last_n:]
-        counts = np.bincount(np.asarray(window, dtype=np.int64), minlength=logits.size)
-        seen = counts > 0
-        rep = sp.repetition_penalty
-        logits[seen] = np.where(logits[seen] > 0, logits[seen] / rep, logits[seen] * rep)
-        logits -= counts * sp.frequency_penalty + seen * sp.presence_penalty
-        return logits
-
-    @staticmethod
-    def _uniform(seed: int | None, position: int, salt: str = "") -> float:
-        """A uniform draw in ``[0, 1)``: a function of ``(seed, position, salt)``, or fresh randomness
-        without seed."""
-        if seed is None:
-            return random.random()
-        d = hashlib.blake2b(f"{seed}:{position}{salt}".encode(), digest_size=8).digest()
-        return (int.from_bytes(d, "little") >> 11) * 2.0 ** -53
+        """Pick the token for ``position`` (the index of the token being predicted) from the fake logits
+        of ``last_row`` with :func:`~meshnet.engine.fake_sampler.sample_fake`."""
+        return sample_fake(self._logits(last_row, position), position, history, sp, draft)
 
 
 __all__ = ["FakeCrash", "FakeEngine", "FakeFaults", "FakeModel"]
