@@ -8,7 +8,8 @@ changed one (their KV caches are intact), and replays the recorded steps from th
 prompt as the same prefill batch, then each generated token as its own decode step. Where the new
 route serves the same layer ranges, every replayed hop takes the inputs recorded for it, so the hops
 replay at the same time. Same inputs, same kernels, same batch shapes: the rebuilt KV cache is
-bit-identical, so greedy output equals an uninterrupted run token for token.
+bit-identical, so greedy output equals an uninterrupted run token for token (the replay:
+:mod:`meshnet.client.replay`).
 
 With ``forwarding`` on, a step whose route allows it is forwarded instead (:mod:`meshnet.client.forwarded`):
 the client sends token ids to the head and gets the token from the tail, and records no hidden states,
@@ -22,14 +23,14 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from meshnet.client.activity import ActivityReporter
 from meshnet.client.deadline import DeadlinePolicy, HopClocks
 from meshnet.client.forwarded import forwardable, run_forwarded
 from meshnet.client.orphans import OrphanReleaser
-from meshnet.client.session_log import RecordedStep, SessionLog, same_ranges
+from meshnet.client.replay import SessionLost, first_changed_hop, replay
+from meshnet.client.session_log import RecordedStep, SessionLog
 from meshnet.client.remote import RemoteStage, StageFailure
 from meshnet.client.router import MeshUnavailable, Router
 from meshnet.ledger.reporting import DeliveryReporter, new_client_id
@@ -40,11 +41,6 @@ log = logging.getLogger("meshnet.client")
 # How long the release at a session's end waits for each hop (seconds) before the orphan releaser
 # takes the hop over: the generation's caller should not wait on a stopped node.
 RELEASE_WAIT_S = 1.0
-
-
-class SessionLost(StageFailure):
-    """A node answered NOT_FOUND for a session this client has run steps of: it serves, but lost the
-    session's KV cache (its engine worker restarted, or it freed the session as idle)."""
 
 
 def context_length(hops: list[RemoteStage]) -> int:
@@ -329,14 +325,7 @@ class MeshClient:
                                           f"route exists ({e})") from None
                 time.sleep(0.25)
         old = log_.hops
-        first = 0  # the replay starts at the first hop that changed (a restarted node counts as changed)
-        # ... and no later than the last hop whose inputs were recorded (of a forwarded step: the head's),
-        # nor than the head when the failed step was forwarded (any hop before the failure may have run it).
-        recorded = 1 if from_head else min((rec.through for rec in log_.steps), default=len(old))
-        last = len(old) if recorded >= len(old) else recorded - 1
-        while (first < min(last, len(hops), log_.intact) and old[first].node_id == hops[first].node_id
-               and old[first].node_id not in exclude and old[first].node_id not in lost):
-            first += 1
+        first, recorded = first_changed_hop(log_, hops, exclude, lost, from_head)
         # Hops before `first` keep their caches; the replay starts at hop `first`'s input boundary.
         # Tiling guarantees the new hop `first` starts where the old one did, whose inputs we recorded.
         # Every hop the replay reaches may hold an older copy of the session (a node back at its old
@@ -364,52 +353,6 @@ class MeshClient:
         log_.epoch, log_.hops, log_.intact = epoch, hops, first
         log.info("session %s: epoch %d, replaying %d steps on hops %d..%d", log_.session_id, epoch,
                  len(log_.steps), first, len(hops) - 1)
-        if same_ranges(old[first:], hops[first:]) and recorded >= len(old):
-            self._replay_in_parallel(log_, first)
-        else:
-            # Hop by hop: what one hop answers is the next one's input.
-            inputs = [rec.inputs[first] if first < len(rec.inputs) else None for rec in log_.steps]
-            for i in range(first, len(hops)):
-                for rec, x in zip(log_.steps, inputs):
-                    rec.inputs = (rec.inputs + [None] * len(hops))[:len(hops)]
-                    rec.inputs[i] = x
-                inputs = [res.hidden for res in self._replay_hop(log_, i)]
-            for rec in log_.steps:
-                rec.through = len(hops)
+        replay(log_, old, first, recorded, self._abandon)
         log_.intact = len(hops)
         return first
-
-    def _replay_in_parallel(self, log_: SessionLog, first: int) -> None:
-        """Replay the recorded steps on hops ``first..`` all at once, each hop from the inputs recorded
-        for it (what the hop before it produced, bit for bit the same on any node with the same
-        kernels), so a replay costs the slowest hop's time rather than the sum of every hop's. Raises
-        StageFailure (the first hop that failed) or MeshUnavailable (a refused step)."""
-
-        n = len(log_.hops) - first
-        if n == 1:
-            self._replay_hop(log_, first)
-            return
-        with ThreadPoolExecutor(n, thread_name_prefix="meshnet-replay") as pool:
-            futures = [pool.submit(self._replay_hop, log_, i) for i in range(first, len(log_.hops))]
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            raise next((e for e in errors if isinstance(e, StageFailure)), errors[0])
-
-    def _replay_hop(self, log_: SessionLog, i: int) -> list[StepResult]:
-        """Replay every recorded step on hop ``i`` from the inputs recorded for it, in one round trip
-        (:meth:`RemoteStage.replay`); returns the hop's results. Raises StageFailure (SessionLost when
-        its engine restarted meanwhile) or MeshUnavailable (a refused step)."""
-        hop = log_.hops[i]
-        results = hop.replay([(replace(rec.req, epoch=log_.epoch, hidden=rec.inputs[i]), rec.decode)
-                              for rec in log_.steps])
-        for res in results:
-            if res.status is Status.NOT_FOUND:  # its engine restarted during the replay
-                raise SessionLost(hop.node_id, hop.address, "NOT_FOUND", res.message)
-            self._check_replayed(log_, res)
-        return results
-
-    def _check_replayed(self, log_: SessionLog, res: StepResult) -> None:
-        """A replayed step a node refused ends the session (its hops may disagree now)."""
-        if not res.ok:
-            self._abandon(log_)
-            raise MeshUnavailable(f"session {log_.session_id}: replay refused: {res.status.value} {res.message}")

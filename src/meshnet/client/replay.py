@@ -1,0 +1,108 @@
+"""Rebuilding a session's KV caches on a changed route: where the replay starts, and the replay itself.
+
+After a failover the hops before the first changed one keep their caches (:func:`first_changed_hop`); the
+recorded steps are replayed from that hop on (:func:`replay`): the prompt as the same prefill batch,
+then each generated token as its own decode step. Where the new route serves the same layer ranges,
+every replayed hop takes the inputs recorded for it, so the hops replay at the same time; otherwise hop
+by hop, each one's answers the next one's inputs. Same inputs, same kernels, same batch shapes: the
+rebuilt cache is bit-identical. The routing around failed nodes is :class:`~meshnet.client.mesh_client.MeshClient`'s.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Callable
+
+from meshnet.client.remote import RemoteStage, StageFailure
+from meshnet.client.router import MeshUnavailable
+from meshnet.client.session_log import SessionLog, same_ranges
+from meshnet.contract import Status, StepResult
+
+
+class SessionLost(StageFailure):
+    """A node answered NOT_FOUND for a session this client has run steps of: it serves, but lost the
+    session's KV cache (its engine worker restarted, or it freed the session as idle)."""
+
+
+def first_changed_hop(log_: SessionLog, hops: list[RemoteStage], exclude: set[str], lost: set[str],
+                      from_head: bool) -> tuple[int, int]:
+    """Where the replay on the new route ``hops`` starts: ``(first, recorded)``.
+
+    ``first`` is the index of the first hop that changed from ``log_.hops`` (a node in ``exclude`` or
+    ``lost``, restarted or not, counts as changed), no later than the intact hops (``log_.intact``) nor
+    than the last hop whose inputs were recorded (of a forwarded step: the head's), nor than the head
+    when the failed step was forwarded (``from_head``: any hop before the failure may have run it).
+    ``recorded`` is how many leading hops have every recorded step's inputs.
+    """
+    old = log_.hops
+    first = 0
+    recorded = 1 if from_head else min((rec.through for rec in log_.steps), default=len(old))
+    last = len(old) if recorded >= len(old) else recorded - 1
+    while (first < min(last, len(hops), log_.intact) and old[first].node_id == hops[first].node_id
+           and old[first].node_id not in exclude and old[first].node_id not in lost):
+        first += 1
+    return first, recorded
+
+
+def replay(log_: SessionLog, old: list[RemoteStage], first: int, recorded: int,
+           abandon: Callable[[SessionLog], None]) -> None:
+    """Replay ``log_``'s recorded steps on its (new) hops ``first..``: all hops at once when they serve the
+    ranges of ``old`` (the route before) and every step's inputs were recorded for them (``recorded``),
+    else hop by hop, recording each hop's inputs as the hop before produces them.
+
+    Raises:
+        StageFailure: a hop failed (:class:`SessionLost` when its engine restarted meanwhile).
+        MeshUnavailable: a node refused a replayed step; ``abandon(log_)`` has ended the session first.
+    """
+    hops = log_.hops
+    if same_ranges(old[first:], hops[first:]) and recorded >= len(old):
+        _replay_in_parallel(log_, first, abandon)
+        return
+    # Hop by hop: what one hop answers is the next one's input.
+    inputs = [rec.inputs[first] if first < len(rec.inputs) else None for rec in log_.steps]
+    for i in range(first, len(hops)):
+        for rec, x in zip(log_.steps, inputs):
+            rec.inputs = (rec.inputs + [None] * len(hops))[:len(hops)]
+            rec.inputs[i] = x
+        inputs = [res.hidden for res in _replay_hop(log_, i, abandon)]
+    for rec in log_.steps:
+        rec.through = len(hops)
+
+
+def _replay_in_parallel(log_: SessionLog, first: int, abandon: Callable[[SessionLog], None]) -> None:
+    """Replay the recorded steps on hops ``first..`` all at once, each hop from the inputs recorded
+    for it (what the hop before it produced, bit for bit the same on any node with the same
+    kernels), so a replay costs the slowest hop's time rather than the sum of every hop's. Raises
+    StageFailure (the first hop that failed) or MeshUnavailable (a refused step)."""
+
+    n = len(log_.hops) - first
+    if n == 1:
+        _replay_hop(log_, first, abandon)
+        return
+    with ThreadPoolExecutor(n, thread_name_prefix="meshnet-replay") as pool:
+        futures = [pool.submit(_replay_hop, log_, i, abandon) for i in range(first, len(log_.hops))]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        raise next((e for e in errors if isinstance(e, StageFailure)), errors[0])
+
+
+def _replay_hop(log_: SessionLog, i: int, abandon: Callable[[SessionLog], None]) -> list[StepResult]:
+    """Replay every recorded step on hop ``i`` from the inputs recorded for it, in one round trip
+    (:meth:`RemoteStage.replay`); returns the hop's results. Raises StageFailure (SessionLost when
+    its engine restarted meanwhile) or MeshUnavailable (a refused step)."""
+    hop = log_.hops[i]
+    results = hop.replay([(replace(rec.req, epoch=log_.epoch, hidden=rec.inputs[i]), rec.decode)
+                          for rec in log_.steps])
+    for res in results:
+        if res.status is Status.NOT_FOUND:  # its engine restarted during the replay
+            raise SessionLost(hop.node_id, hop.address, "NOT_FOUND", res.message)
+        _check_replayed(log_, res, abandon)
+    return results
+
+
+def _check_replayed(log_: SessionLog, res: StepResult, abandon: Callable[[SessionLog], None]) -> None:
+    """A replayed step a node refused ends the session (its hops may disagree now)."""
+    if not res.ok:
+        abandon(log_)
+        raise MeshUnavailable(f"session {log_.session_id}: replay refused: {res.status.value} {res.message}")
