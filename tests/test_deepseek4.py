@@ -1,6 +1,6 @@
-"""DeepSeek-V4 (deepseek4): the tiny golden model's configuration and tensor table load; the engine refuses
-to run it with a one-line reason naming what it does not build yet; hash routing, the declared token-id
-need and the hyper-connection boundary shape."""
+"""DeepSeek-V4 (deepseek4): the tiny golden model's configuration and tensor table load, the engine's pool
+holds its compressed-cache state, hash routing, the declared token-id need and the hyper-connection
+boundary shape."""
 
 from __future__ import annotations
 
@@ -74,12 +74,26 @@ def test_manifest_tensors_by_block(v4_path, v4_cfg):
         check_tensors(v4_cfg.manifest, v4_cfg, dict(tensors, **{"blk.2.attn_compressor_kv.weight": (64, 128)}).items())
 
 
-def test_engine_refuses_to_run_it_naming_what_is_missing(v4_path):
+def test_engine_loads_it_and_its_pool_holds_the_v4_state(v4_path):
+    """The engine runs deepseek4: one K=V cell per token and block (no V tensor), and beside it on the
+    compressed blocks the compressor's F32 cells per token and its F16 compressed rows per block (ratio 4
+    also the indexer's), reserved and released with the session's cells."""
     eng = GgmlEngine()
     out = eng.load(LoadSpec(str(v4_path), ArtifactId("", LayerRange(0, 4))))
-    assert out.status is Status.INVALID_ARGUMENT
-    assert out.message.startswith("deepseek4 is not run by this engine yet") and "\n" not in out.message
-    assert "compressed KV caches" in out.message
+    assert out.status is Status.OK, out.message
+    pool = eng.stage.pool
+    assert pool.v == {} and sorted(pool.k) == [0, 1, 2, 3]
+    assert sorted(pool.aux) == [(2, "comp"), (2, "lid"), (2, "lid_state_kv"), (2, "lid_state_score"),
+                                (2, "state_kv"), (2, "state_score"), (3, "comp"), (3, "state_kv"),
+                                (3, "state_score")]
+    n_ctx = eng.stage.n_ctx
+    # compressed rows: one per 4 (128) positions of each slot, plus the scratch row
+    assert int(pool.aux[2, "comp"].contents.ne[1]) == pool.n_slots * n_ctx // 4 + 1
+    assert int(pool.aux[3, "comp"].contents.ne[1]) == pool.n_slots * -(-n_ctx // 128) + 1
+    # per token: 4 F16 K cells of 128, compressor cells of 2 x 256 + 2 x 128 (block 2) and 2 x 128
+    # (block 3) F32, and the compressed rows' share
+    assert pool.bytes_per_token == 4 * 2 * 128 + 4 * (512 + 256 + 256) + 2 * 128 // 4 + 2 * 64 // 4 + 2 * 128 // 128
+    eng.stage.close()
 
 
 def _host_graph(tensors: dict, inputs: dict, build):
