@@ -23,11 +23,13 @@ def forward(stages, sessions, position, ids, all_logits=False) -> np.ndarray:
     """Run token ``ids`` at ``position`` through the chain; the tail's logits ``[n, n_vocab]`` (last
     row only unless ``all_logits``)."""
     x = None
+    tokens = np.asarray(ids, dtype=np.int32)
     for st, kv in zip(stages, sessions):
         if st.is_head:
-            x = st.forward(kv, position, token_ids=np.asarray(ids, dtype=np.int32), all_logits=all_logits)
-        else:
-            x = st.forward(kv, position, hidden=x, all_logits=all_logits)
+            x = st.forward(kv, position, token_ids=tokens, all_logits=all_logits)
+        else:  # a stage that picks experts by token id (DeepSeek-V4's hash-routed blocks) gets them too
+            x = st.forward(kv, position, token_ids=tokens if st.needs_tokens else None, hidden=x,
+                           all_logits=all_logits)
     return x
 
 

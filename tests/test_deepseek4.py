@@ -1,6 +1,6 @@
-"""DeepSeek-V4 (deepseek4): the tiny golden model's configuration and tensor table load; the engine refuses
-to run it with a one-line reason naming what it does not build yet; hash routing, the declared token-id
-need and the hyper-connection boundary shape."""
+"""DeepSeek-V4 (deepseek4): the tiny golden model's configuration and tensor table load, the engine's pool
+holds its compressed-cache state, hash routing, the declared token-id need and the hyper-connection
+boundary shape."""
 
 from __future__ import annotations
 
@@ -74,12 +74,26 @@ def test_manifest_tensors_by_block(v4_path, v4_cfg):
         check_tensors(v4_cfg.manifest, v4_cfg, dict(tensors, **{"blk.2.attn_compressor_kv.weight": (64, 128)}).items())
 
 
-def test_engine_refuses_to_run_it_naming_what_is_missing(v4_path):
+def test_engine_loads_it_and_its_pool_holds_the_v4_state(v4_path):
+    """The engine runs deepseek4: one K=V cell per token and block (no V tensor), and beside it on the
+    compressed blocks the compressor's F32 cells per token and its F16 compressed rows per block (ratio 4
+    also the indexer's), reserved and released with the session's cells."""
     eng = GgmlEngine()
     out = eng.load(LoadSpec(str(v4_path), ArtifactId("", LayerRange(0, 4))))
-    assert out.status is Status.INVALID_ARGUMENT
-    assert out.message.startswith("deepseek4 is not run by this engine yet") and "\n" not in out.message
-    assert "compressed KV caches" in out.message
+    assert out.status is Status.OK, out.message
+    pool = eng.stage.pool
+    assert pool.v == {} and sorted(pool.k) == [0, 1, 2, 3]
+    assert sorted(pool.aux) == [(2, "comp"), (2, "lid"), (2, "lid_state_kv"), (2, "lid_state_score"),
+                                (2, "state_kv"), (2, "state_score"), (3, "comp"), (3, "state_kv"),
+                                (3, "state_score")]
+    n_ctx = eng.stage.n_ctx
+    # compressed rows: one per 4 (128) positions of each slot, plus the scratch row
+    assert int(pool.aux[2, "comp"].contents.ne[1]) == pool.n_slots * n_ctx // 4 + 1
+    assert int(pool.aux[3, "comp"].contents.ne[1]) == pool.n_slots * -(-n_ctx // 128) + 1
+    # per token: 4 F16 K cells of 128, compressor cells of 2 x 256 + 2 x 128 (block 2) and 2 x 128
+    # (block 3) F32, and the compressed rows' share
+    assert pool.bytes_per_token == 4 * 2 * 128 + 4 * (512 + 256 + 256) + 2 * 128 // 4 + 2 * 64 // 4 + 2 * 128 // 128
+    eng.stage.close()
 
 
 def _host_graph(tensors: dict, inputs: dict, build):
@@ -223,3 +237,59 @@ def test_the_envelope_carries_the_hyper_connection_residual_and_token_ids_across
     back, decode = frames_to_request(frames)
     assert not decode and back.token_ids == (11, 12, 13) and back.hidden.shape == (3, 4, 64)
     assert np.array_equal(back.hidden.to_numpy(), rows)
+
+
+def _v4_stage(v4_path, layers=LayerRange(0, 4)):
+    from golden_check import cpu_stage
+
+    return cpu_stage(v4_path, layers)
+
+
+def test_rollback_rewrites_the_compressed_state(v4_path):
+    """Rows past a rollback point leave compressor cells and compressed rows behind (here garbage tokens
+    at 120..139 complete block 0 of the ratio-128 cache and five ratio-4 blocks); re-running the real
+    tokens from 120 rewrites them, and the logits equal a fresh session's bit for bit."""
+    from conftest import load_golden
+
+    ids = np.asarray(load_golden(DEEPSEEK4)["prompts"][1]["prompt_ids"], np.int32)  # 157 tokens
+    st = _v4_stage(v4_path)
+    fresh = st.new_session()  # the same calls without the detour
+    st.forward(fresh, 0, token_ids=ids[:120])
+    want = st.forward(fresh, 120, token_ids=ids[120:], all_logits=True)
+    fresh.free()
+    kv = st.new_session()
+    st.forward(kv, 0, token_ids=ids[:120])
+    st.forward(kv, 120, token_ids=np.arange(1000, 1020, dtype=np.int32))
+    got = st.forward(kv, 120, token_ids=ids[120:], all_logits=True)
+    np.testing.assert_array_equal(got, want)
+    st.close()
+
+
+def test_two_layers_match_the_float64_reference_per_stream(v4_path, golden_dir):
+    """Blocks 0-1 (hash-routed, uncompressed: window attention with sinks) on the 157-token prompt against
+    make_moe_goldens.py's float64 pass: every stream of every row within 1% of the residual's largest
+    value (the MXFP4/Q8_0 experts quantize their activations to 8 bits, the reference does not)."""
+    import sys
+    import types
+
+    from conftest import load_golden
+
+    sys.modules.setdefault("llama_cpp", types.SimpleNamespace(Llama=None))  # only its runs need llama.cpp
+    sys.path.insert(0, str(golden_dir))
+    try:
+        import make_moe_goldens as mmg
+    finally:
+        sys.path.pop(0)
+    ids = np.asarray(load_golden(DEEPSEEK4)["prompts"][1]["prompt_ids"], np.int32)
+    ref = mmg.MoERef(str(v4_path))
+    ref.L = 2
+    streams = []
+    post = ref.hc_post
+    ref.hc_post = lambda *a: streams.append(post(*a)) or streams[-1]
+    ref.forward_deepseek4(ids)
+    st = _v4_stage(v4_path, LayerRange(0, 2))
+    out = st.forward(st.new_session(), 0, token_ids=ids)
+    st.close()
+    assert out.shape == streams[-1].shape == (157, 4, 64)
+    dev = np.abs(out - streams[-1]).max(axis=(0, 2)) / np.abs(streams[-1]).max()
+    assert (dev < 0.01).all(), dev

@@ -1,6 +1,7 @@
 """The tiny MoE models over real node processes on loopback: tiny-qwen3moe split into 2, 3 and 4 stages
 (every layer boundary cut at least once), tiny-deepseek2 (MLA, a leading dense layer, grouped sigmoid
-routing, shared experts) into 2 and 4, and a middle node killed mid-generation with a spare taking over,
+routing, shared experts) and tiny-deepseek4 (hyper-connections, hash routing, compressed caches) into 2
+and 4, and a middle node killed mid-generation with a spare taking over,
 forwarded node to node and orchestrated by the client. Every run gives llama.cpp's greedy ids and the
 in-process run's."""
 
@@ -56,6 +57,11 @@ SPLITS = [
     pytest.param("tiny-qwen3moe", ["0:1", "1:2", "2:3", "3:4"], True, id="qwen3moe-4-stage-forwarded"),
     pytest.param("tiny-deepseek2", ["0:2", "2:4"], True, id="deepseek2-2-stage-forwarded"),
     pytest.param("tiny-deepseek2", ["0:1", "1:2", "2:3", "3:4"], True, id="deepseek2-4-stage-forwarded"),
+    # deepseek4: hash-routed blocks 0-2 past the head (their stages get the token ids), the compressed
+    # blocks 2 (ratio 4) and 3 (ratio 128) on either side of a cut, 4 streams across every boundary
+    pytest.param("tiny-deepseek4", ["0:2", "2:4"], True, id="deepseek4-2-stage-forwarded", marks=pytest.mark.long),
+    pytest.param("tiny-deepseek4", ["0:1", "1:2", "2:3", "3:4"], True, id="deepseek4-4-stage-forwarded",
+                 marks=pytest.mark.long),
 ]
 
 
@@ -96,12 +102,15 @@ def test_moe_mesh_split_equals_golden_and_in_process(mesh, moe_models, name, ran
     assert sum(want) == sum(int(t.n_bytes) for t in open_gguf(path).tensors)
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3moe", "tiny-deepseek2"])
-@pytest.mark.parametrize("forwarding", [True, False], ids=["forwarded", "orchestrated"])
+@pytest.mark.parametrize("name, forwarding", [
+    pytest.param(name, fwd, id=f"{'forwarded' if fwd else 'orchestrated'}-{name}",
+                 marks=[pytest.mark.long] if (name, fwd) == ("tiny-deepseek4", False) else [])
+    for name in ("tiny-qwen3moe", "tiny-deepseek2", "tiny-deepseek4") for fwd in (True, False)])
 def test_moe_kill_middle_node_with_spare_equals_uninterrupted_run(mesh, moe_models, name, forwarding):
     """A 3-stage mesh 0:1, 1:3, 3:4 with a spare for 1:3: the middle node in the route dies after token 10;
-    the client fails over to the spare, replays the session (deepseek2: its latent KV cells), and the 64
-    ids equal the uninterrupted run."""
+    the client fails over to the spare, replays the session (deepseek2: its latent KV cells; deepseek4:
+    the K=V cells, and block 2's compressor cells, compressed rows and indexer rows, which the spare
+    rebuilds from the replayed steps), and the 64 ids equal the uninterrupted run."""
     path, moe_tok, moe_solo = moe_models(name)
     golden = load_golden(name)
     nodes = mesh.start_nodes([("a-head", "0:1"), ("b-mid", "1:3"), ("c-spare", "1:3"), ("d-tail", "3:4")],

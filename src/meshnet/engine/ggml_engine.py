@@ -160,9 +160,9 @@ class GgmlEngine(ShardEngine):
                 continue
             run.append(i)
             tokens = hidden = None
-            if stage.is_head:
+            if stage.needs_tokens:  # the head, or a stage with hash-routed blocks (DeepSeek-V4)
                 tokens = np.asarray(c.req.token_ids[c.start:c.end], dtype=np.int32)
-            else:
+            if not stage.is_head:
                 hidden = c.req.hidden.to_numpy()[c.start:c.end]
             # a verification step's rows are attended one by one, as the decodes they stand for
             items.append(BatchItem(c.session.state.slot, c.req.position + c.start, tokens, hidden,

@@ -14,7 +14,7 @@ Shapes are written in ggml order: ``[n_embd, n_tokens]`` is n_tokens rows of n_e
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import ggml
 import gguf
@@ -30,6 +30,9 @@ from meshnet.engine.ggml_backend import (
     new_tensor,
     set_tensor,
 )
+from meshnet.engine.ggml_dsv4 import dsv4_graph_nodes, dsv4_layer, hc_expand, hc_head
+from meshnet.engine.ggml_dsv4_attn import make_inputs as dsv4_make_inputs
+from meshnet.engine.ggml_dsv4_attn import set_inputs as dsv4_set_inputs
 from meshnet.engine.ggml_mla import mla_decompress, mla_qkv
 from meshnet.engine.ggml_moe import build_moe_ffn, moe_graph_nodes
 from meshnet.engine.kv_pool import KVPool
@@ -52,6 +55,7 @@ class _Inputs:
     seg_masks: list
     seg_masks_swa: list
     out_ids: object | None
+    extra: list = field(default_factory=list)  # DeepSeek-V4's masks and compressor indices
 
 
 class StepGraph:
@@ -79,6 +83,10 @@ class StepGraph:
             per_layer += moe_graph_nodes(cfg.n_expert_used)
         if cfg.is_mla:
             per_layer += 32
+        if cfg.dsv4 is not None:
+            per_layer += dsv4_graph_nodes(cfg.dsv4.n_hc, cfg.dsv4.sinkhorn_iters) + 64 * len(shape.segments)
+        self.needs_tokens = self.is_head or cfg.needs_token_ids(layers)
+        self.dsv4_inp = None
         size = 256 + layers.n_layers * per_layer
         self.ctx = new_meta_context(size, size)
         self.gf = ggml.ggml_new_graph_custom(self.ctx, size, False)
@@ -246,6 +254,11 @@ class StepGraph:
         cur = self._ffn(il, self._norm(ffn_inp, T.FFN_NORM, il))
         return ggml.ggml_add(ctx, cur, ffn_inp)
 
+    def _layer_deepseek4(self, il: int, x):
+        """deepseek4 (DeepSeek-V4): hyper-connection streams around V4 attention and the routed FFN
+        (:mod:`meshnet.engine.ggml_dsv4`); the streams ``[n_embd, n_hc, n]`` in and out."""
+        return dsv4_layer(self, il, x)
+
     def _layer_phi3(self, il: int, x):
         """phi3: fused attn_qkv rows [Q; K; V], Q pre-scaled, fused ffn_up rows [gate; up]."""
         cfg, ctx, n = self.cfg, self.ctx, self.n_tokens
@@ -292,14 +305,16 @@ class StepGraph:
     def _build(self):
         cfg, ctx, n, shape = self.cfg, self.ctx, self.n_tokens, self.shape
         swa = [cfg.is_swa(il) for il in range(self.layers.start, self.layers.end)]
-        plain, windowed = not all(swa), any(swa)
+        # DeepSeek-V4 builds its own masks (window plus compressed rows; ggml_dsv4_attn)
+        plain, windowed = (not all(swa), any(swa)) if cfg.dsv4 is None else (False, False)
         want_rows = self.is_tail and self.n_out < n
         dec_mask_shape = (shape.n_kv_dec, MASK_ROW_PAD, 1, shape.dec_streams)
         seg_shapes = [(n_kv, pad_to(n_seg, MASK_ROW_PAD)) for _, n_seg, n_kv, _ in shape.segments]
         # An input no node reads gets no buffer, so each mask exists only if some layer uses it.
+        width = cfg.n_embd * (cfg.dsv4.n_hc if cfg.dsv4 is not None else 1)
         self.inp = _Inputs(
-            tokens=self._input(ggml.GGML_TYPE_I32, (n,)) if self.is_head else None,
-            hidden=None if self.is_head else self._input(ggml.GGML_TYPE_F32, (cfg.n_embd, n)),
+            tokens=self._input(ggml.GGML_TYPE_I32, (n,)) if self.needs_tokens else None,
+            hidden=None if self.is_head else self._input(ggml.GGML_TYPE_F32, (width, n)),
             pos=self._input(ggml.GGML_TYPE_I32, (n,)),
             kv_idx=self._input(ggml.GGML_TYPE_I64, (n,)),
             dec_gather=self._input(ggml.GGML_TYPE_I32, (shape.dec_streams,)) if shape.n_dec else None,
@@ -310,15 +325,31 @@ class StepGraph:
             seg_masks_swa=[self._input(ggml.GGML_TYPE_F16, s) if windowed else None for s in seg_shapes],
             out_ids=self._input(ggml.GGML_TYPE_I32, (self.n_out,)) if want_rows else None,
         )
+        if cfg.dsv4 is not None:
+            self.dsv4_inp = dsv4_make_inputs(self)
+            self.inp.extra = self.dsv4_inp.tensors()
         if self.is_head:
             x = ggml.ggml_get_rows(ctx, self._wt(T.TOKEN_EMBD), self.inp.tokens)  # [n_embd, n]
             if cfg.embd_scale != 1.0:
                 x = ggml.ggml_scale(ctx, x, cfg.embd_scale)
+            if cfg.dsv4 is not None:
+                x = hc_expand(ctx, x, cfg.dsv4.n_hc)                                # [n_embd, n_hc, n]
         else:
             x = self.inp.hidden
+            if cfg.dsv4 is not None:
+                x = ggml.ggml_reshape_3d(ctx, x, cfg.n_embd, cfg.dsv4.n_hc, n)
         layer = getattr(self, f"_layer_{cfg.manifest.layer}")
         for il in range(self.layers.start, self.layers.end):
             x = layer(il, x)
+        if cfg.dsv4 is not None:  # the streams flat: what crosses a boundary, or the tail's head mix
+            if self.is_tail:
+                if self.inp.out_ids is not None:
+                    flat = ggml.ggml_reshape_2d(ctx, x, cfg.n_embd * cfg.dsv4.n_hc, n)
+                    x = ggml.ggml_reshape_3d(ctx, ggml.ggml_get_rows(ctx, flat, self.inp.out_ids),
+                                             cfg.n_embd, cfg.dsv4.n_hc, self.n_out)
+                x = hc_head(self, x)
+            else:
+                x = ggml.ggml_reshape_2d(ctx, x, cfg.n_embd * cfg.dsv4.n_hc, n)
         if self.is_tail:
             x = self._norm(x, T.OUTPUT_NORM)
             if self.keeps_state:  # every row normed, then the logits rows (row by row the same values)
@@ -392,6 +423,8 @@ class StepGraph:
             for t, n_swa in ((inp.seg_masks[i], 0), (inp.seg_masks_swa[i], cfg.n_swa)):
                 if t is not None:
                     set_tensor(t, build_mask(seg_pos, seg.n_kv, n_swa))
+        if self.dsv4_inp is not None:
+            dsv4_set_inputs(self.dsv4_inp, segments, cfg.n_swa, pool.n_ctx, pool.n_slots)
         if inp.out_ids is not None:
             rows, row = list(range(shape.n_dec)), shape.n_dec
             for seg in segments:

@@ -17,6 +17,7 @@ import numpy as np
 from meshnet.contract import LayerRange
 from meshnet.engine.batch_layout import SPLIT_KV_MIN_CELLS, BatchShape, Segment, kv_length
 from meshnet.engine.ggml_backend import StageWeights, cpu_backend, release_cpu_backend
+from meshnet.engine.ggml_dsv4_attn import aux_caches
 from meshnet.engine.ggml_graph import StepGraph
 from meshnet.engine.ggml_mtp import MtpGraph, mtp_shape
 from meshnet.engine.kv_pool import KVPool
@@ -99,8 +100,11 @@ class GgmlStage:
         self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=use_mmap)
         if not use_mmap:
             drop_pages(reader)  # the copies are what stays resident, not the file pages read to make them
+        # DeepSeek-V4's compressor cells and compressed rows live in the pool beside the KV cells
+        aux = aux_caches(self.cfg, layers) if self.cfg.dsv4 is not None else None
         self.pool = KVPool(LayerRange(layers.start, layers.end + nextn), self.cfg.n_embd_k_cache, self.cfg.n_embd_v_cache, self.n_ctx, n_slots,
-                           kv_tokens, self.backend, host=on_host, budget_bytes=kv_budget_bytes)
+                           kv_tokens, self.backend, host=on_host, budget_bytes=kv_budget_bytes, aux=aux)
+        self.needs_tokens = self.is_head or self.cfg.needs_token_ids(layers)
         self.sessions = StageSessions(self.pool, prefix_cache, self.n_ubatch, self.n_ctx, self.is_tail)
         self._graphs: OrderedDict[BatchShape, StepGraph] = OrderedDict()
         # ggml-python's binding of ggml_backend_cpu_buffer_type() truncates the pointer; ask the backend.
@@ -122,8 +126,10 @@ class GgmlStage:
         """The graph shape of an iteration; also the indices of its decode items and its segment items
         (rows go decodes first, then segments, each group in the given order). A decode reading
         :data:`SPLIT_KV_MIN_CELLS` cells or more is a segment of one row: attended alone, as alone."""
+        # DeepSeek-V4 attends every item as a segment (its compressed caches have no multi-stream view)
         dec = [i for i, it in enumerate(items) if it.n_tokens == 1 and (not self.is_tail or it.n_out == 1)
-               and not it.rows_alone and kv_length(it.position + 1, self.n_ctx) < SPLIT_KV_MIN_CELLS]
+               and not it.rows_alone and kv_length(it.position + 1, self.n_ctx) < SPLIT_KV_MIN_CELLS
+               and self.cfg.dsv4 is None]
         decodes = set(dec)
         seg = [i for i in range(len(items)) if i not in decodes]
         streams = n_kv_dec = 0
@@ -170,10 +176,13 @@ class GgmlStage:
         order = dec + seg
         g = self._graph(shape)
         tokens = hidden = None
-        if self.is_head:
+        if self.needs_tokens:
+            if any(items[i].token_ids is None for i in order):
+                raise ValueError(f"stage {self.layers} picks experts by token id and needs every row's token id")
             tokens = np.concatenate([np.asarray(items[i].token_ids, dtype=np.int32) for i in order])
-        else:
-            hidden = np.concatenate([np.asarray(items[i].hidden, dtype=np.float32) for i in order])
+        if not self.is_head:  # [n, n_embd], or [n, n_hc, n_embd] with hyper-connections: rows flat
+            hidden = np.concatenate([np.asarray(items[i].hidden, dtype=np.float32).reshape(items[i].n_tokens, -1)
+                                     for i in order])
         segments = [Segment(items[i].slot, items[i].position, items[i].n_tokens, shape.segments[k][2],
                             shape.segments[k][3]) for k, i in enumerate(seg)]
         if self._placed is not g:
@@ -186,6 +195,8 @@ class GgmlStage:
         for k, i in enumerate(order):
             n = (1 if k < shape.n_dec else items[i].n_out) if self.is_tail else items[i].n_tokens
             results[i] = out[row:row + n]
+            if not self.is_tail and self.cfg.dsv4 is not None:
+                results[i] = results[i].reshape(n, *self.cfg.residual_shape)
             row += n
         states = g.states()
         if states is not None:

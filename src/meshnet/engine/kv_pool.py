@@ -26,6 +26,7 @@ import ctypes
 import mmap
 import os
 import threading
+from dataclasses import dataclass
 
 import ggml
 
@@ -77,6 +78,25 @@ def _align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+@dataclass(frozen=True)
+class AuxCache:
+    """Per-session state a layer keeps beside its KV cells (DeepSeek-V4's compressor cells and compressed
+    rows): ``width`` values of ggml type ``gtype`` per row, one row per ``ratio`` positions of a slot
+    (``ceil(n_ctx / ratio)`` rows a slot), plus one scratch row after the last slot's that writes of no
+    row go to. Row ``i`` of slot ``s`` covers positions ``[i * ratio, (i + 1) * ratio)``."""
+
+    name: str
+    gtype: int
+    width: int
+    ratio: int = 1
+
+    def rows_per_slot(self, n_ctx: int) -> int:
+        return -(-n_ctx // self.ratio)
+
+    def row_bytes(self) -> int:
+        return int(ggml.ggml_row_size(self.gtype, self.width))
+
+
 class KVPool:
     """K and V cells of ``n_slots`` sessions of up to ``n_ctx`` tokens each, of which at most ``kv_tokens``
     cells are reserved at once.
@@ -92,34 +112,46 @@ class KVPool:
             is 0 too from half the memory available now. Never more than ``n_slots * n_ctx``.
         backend: the ggml backend; ``host=True`` (the CPU) maps the pool lazily, otherwise it is one
             backend buffer.
+        aux: per layer, the :class:`AuxCache` tensors it keeps beside its cells (``aux[il, name]``); they
+            are reserved, copied, released and zeroed with the slot's cells.
     Raises:
         MemoryError: the map or buffer could not be made.
     """
 
     def __init__(self, layers: LayerRange, n_embd_k: int, n_embd_v: int, n_ctx: int, n_slots: int,
-                 kv_tokens: int, backend, host: bool = True, budget_bytes: int = 0) -> None:
+                 kv_tokens: int, backend, host: bool = True, budget_bytes: int = 0,
+                 aux: dict[int, tuple[AuxCache, ...]] | None = None) -> None:
         if n_slots < 1 or n_ctx < 1:
             raise ValueError(f"a KV pool needs n_slots >= 1 and n_ctx >= 1, got {n_slots} and {n_ctx}")
+        aux = aux or {}
         self.row_k, self.row_v = 2 * n_embd_k, 2 * n_embd_v  # F16 bytes per cell
-        self.bytes_per_token = self.token_bytes(layers.n_layers, n_embd_k, n_embd_v)
+        self.bytes_per_token = self.token_bytes(layers.n_layers, n_embd_k, n_embd_v) + sum(
+            -(-c.row_bytes() // c.ratio) for caches in aux.values() for c in caches)
         if not kv_tokens:
             kv_tokens = max(1, (budget_bytes or available_memory_bytes() // 2) // self.bytes_per_token)
         if not host:
             n_slots = max(1, min(n_slots, -(-kv_tokens // n_ctx)))
         self.layers, self.n_ctx, self.n_slots = layers, n_ctx, n_slots
         self.kv_tokens = min(kv_tokens, n_slots * n_ctx)
-        self.ctx = new_meta_context(2 * layers.n_layers + 1)
+        self.ctx = new_meta_context(2 * layers.n_layers + 1 + sum(len(c) for c in aux.values()))
         self.k: dict[int, object] = {}
         self.v: dict[int, object] = {}
+        self.aux: dict[tuple[int, str], object] = {}
+        self._aux_specs: dict[tuple[int, str], AuxCache] = {}
         for il in range(layers.start, layers.end):
             self.k[il] = new_tensor(self.ctx, ggml.GGML_TYPE_F16, (n_embd_k, n_slots * n_ctx))
             if n_embd_v:
                 self.v[il] = new_tensor(self.ctx, ggml.GGML_TYPE_F16, (n_embd_v, n_slots * n_ctx))
+            for c in aux.get(il, ()):
+                rows = n_slots * c.rows_per_slot(n_ctx) + (1 if c.ratio > 1 else 0)
+                self.aux[il, c.name] = new_tensor(self.ctx, c.gtype, (c.width, rows))
+                self._aux_specs[il, c.name] = c
         self._lock = threading.Lock()
         self._free_slots = list(range(n_slots))  # lowest first: the decode group spans the lowest slots
         self._reserved: dict[int, int] = {}  # slot -> cells reserved
         self._map: mmap.mmap | None = None
-        self._regions: list[tuple[int, int]] = []  # (offset in the map, bytes per slot) per K/V tensor
+        # (offset in the map, bytes per slot, bytes per row, positions per row) per K / V / aux tensor
+        self._regions: list[tuple[int, int, int, int]] = []
         if host:
             self._map_pool()
         else:
@@ -137,11 +169,14 @@ class KVPool:
     def _map_pool(self) -> None:
         offsets, size = [], 0
         for il in range(self.layers.start, self.layers.end):
-            for t, row in ((self.k[il], self.row_k), (self.v.get(il), self.row_v)):
+            tensors = [(self.k[il], self.row_k, 1), (self.v.get(il), self.row_v, 1)]
+            tensors += [(self.aux[key], c.row_bytes(), c.ratio) for key, c in self._aux_specs.items() if key[0] == il]
+            for t, row, ratio in tensors:
                 if t is None:
                     continue
-                offsets.append((t, size, row * self.n_ctx))
-                size = _align_up(size + row * self.n_ctx * self.n_slots, PAGE)
+                per_slot = row * -(-self.n_ctx // ratio)
+                offsets.append((t, size, per_slot, row, ratio))
+                size = _align_up(size + ggml.ggml_nbytes(t), PAGE)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
         # One inaccessible page on each side: the kernel merges adjacent anonymous mappings of the same
         # kind (another stage's pool, say) into one, whose Rss in /proc/self/smaps would count both.
@@ -154,9 +189,9 @@ class KVPool:
         self.buffer = cpu_buffer_from_ptr(self._base, size)
         if not self.buffer:
             raise MemoryError("could not wrap the KV pool's memory map in a ggml buffer")
-        for t, off, per_slot in offsets:
+        for t, off, per_slot, row, ratio in offsets:
             ggml.ggml_backend_tensor_alloc(self.buffer, t, ctypes.c_void_p(self._base + off))
-            self._regions.append((off, per_slot))
+            self._regions.append((off, per_slot, row, ratio))
 
     # ---- reservations ------------------------------------------------------------------------
     def acquire(self, reserve_tokens: int, high: bool = False) -> int:
@@ -205,11 +240,12 @@ class KVPool:
 
     def copy_cells(self, src: int, dst: int, n_cells: int) -> None:
         """Copy the first ``n_cells`` cells (positions ``[0, n_cells)``) of every layer's K and V from slot
-        ``src`` to slot ``dst``. Host pools only."""
+        ``src`` to slot ``dst``, and of its auxiliary state the rows whose positions all lie among them.
+        Host pools only."""
         assert self._map is not None, "copy_cells needs a host pool"
-        for off, per_slot in self._regions:
-            row = per_slot // self.n_ctx  # bytes per cell of this K or V tensor
-            ctypes.memmove(self._base + off + dst * per_slot, self._base + off + src * per_slot, n_cells * row)
+        for off, per_slot, row, ratio in self._regions:
+            ctypes.memmove(self._base + off + dst * per_slot, self._base + off + src * per_slot,
+                           n_cells // ratio * row)
 
     def release(self, slot: int) -> None:
         """Close ``slot``: its reservation returns to the pool and its cells to zero (pages handed back to
@@ -225,7 +261,7 @@ class KVPool:
     def _zero_slot(self, slot: int) -> None:
         if self._map is None:
             return  # device pools: cells are overwritten before any unmasked read
-        for off, per_slot in self._regions:
+        for off, per_slot, _, _ in self._regions:
             start, end = off + slot * per_slot, off + (slot + 1) * per_slot
             a, b = _align_up(start, PAGE), end // PAGE * PAGE
             if a >= b:

@@ -271,10 +271,7 @@ MANIFESTS: dict[str, ArchManifest] = {m.name: m for m in (
                  _GLOBAL),
     ArchManifest("deepseek2", gguf.MODEL_ARCH.DEEPSEEK2, ROPE_NORM, "deepseek2", "moe", _DEEPSEEK2, _GLOBAL),
     ArchManifest("deepseek4", None, ROPE_NORM, "deepseek4", "moe", _DEEPSEEK4, _DEEPSEEK4_GLOBAL,
-                 token_id_blocks="hash", residual="dsv4.hc_dim",
-                 not_run="deepseek4 is not run by this engine yet: its hyper-connection mixes, sliding-window "
-                         "attention with sinks and compressed KV caches (ratio 4 with the lightning indexer, "
-                         "ratio 128) are not built"),
+                 token_id_blocks="hash", residual="dsv4.hc_dim"),
 )}
 
 

@@ -31,6 +31,9 @@ SUPPORTED_TENSOR_TYPES = frozenset({
     gguf.GGMLQuantizationType.Q5_1, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q2_K,
     gguf.GGMLQuantizationType.Q3_K, gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K,
     gguf.GGMLQuantizationType.Q6_K,
+    # DeepSeek-V4's routed experts (ggml's MXFP4 kernels) and its hash-routing tables (I32 expert ids,
+    # read by get_rows only)
+    gguf.GGMLQuantizationType.MXFP4, gguf.GGMLQuantizationType.I32,
 })
 
 
@@ -252,7 +255,7 @@ class StageTensors:
 
 def range_tensor_names(tensors, layers: LayerRange, n_layer: int, nextn: int = 0) -> tuple[str, ...]:
     """The names, among ``tensors`` (anything with ``.name``), that ``layers`` reads: ``blk.{i}.*`` for
-    each owned layer, ``token_embd`` on the head, and ``output_norm`` plus ``output`` on the tail
+    each owned layer, ``token_embd`` on the head, and ``output_norm`` plus ``output`` (and DeepSeek-V4's ``output_hc_*``) on the tail
     (``token_embd`` instead of ``output`` when the model is tied and has no ``output.weight``).
     ``nextn`` > 0: the tail also takes the ``nextn`` next-token-prediction blocks after the trunk, and
     ``token_embd`` (which they read unless they have ``nextn.embed_tokens``)."""
@@ -267,6 +270,7 @@ def range_tensor_names(tensors, layers: LayerRange, n_layer: int, nextn: int = 0
         wanted.append(embd)
     if tail:
         wanted.append(tensor_name(gguf.MODEL_TENSOR.OUTPUT_NORM))
+        wanted += [n for n in present if n.startswith("output_hc_")]  # DeepSeek-V4's last stream mix
         wanted.append(out if out in names else embd)
     return tuple(dict.fromkeys(n for n in wanted if n in names))
 

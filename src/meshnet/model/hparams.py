@@ -261,8 +261,9 @@ class ModelConfig:
     @property
     def n_embd_v_cache(self) -> int:
         """F16 values a token's V cell holds per layer; 0 for MLA, whose V is the latent at the start
-        of the K cell (llama.cpp's cache has no V tensor then)."""
-        return 0 if self.is_mla else self.n_embd_v_gqa
+        of the K cell (llama.cpp's cache has no V tensor then), and for DeepSeek-V4, whose one KV head
+        serves as K and V."""
+        return 0 if self.is_mla or self.dsv4 is not None else self.n_embd_v_gqa
 
     @property
     def residual_shape(self) -> tuple[int, ...]:
