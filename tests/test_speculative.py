@@ -22,7 +22,7 @@ from meshnet.contract import (
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.generation import Generation
 from meshnet.sampling import sample
-from meshnet.speculative import DraftBudget, Speculation, accepted_prefix, ngram_draft, speculation_from
+from meshnet.speculative import DraftBudget, DraftCosts, Speculation, accepted_prefix, ngram_draft, speculation_from
 from meshnet.wire.envelope import frames_to_request, replies_to_result, request_to_frames, result_to_replies
 
 PROMPT = (11, 22, 33, 44, 55, 66, 77, 88)
@@ -214,6 +214,26 @@ def test_draft_budget_drafts_only_where_drafts_pay_for_themselves():
     for _ in range(60):  # old misses fade while nothing is drafted: longer drafts are tried again
         wan.observe(0, 0, 0.060)
     assert wan.choose(8) >= 2
+
+
+def test_generations_of_one_client_share_what_steps_cost():
+    """The step costs one budget measured (a plain step, then a probe) are the next budget's start: over a
+    60 ms link with 2 ms draft rows it drafts from its first round, without measuring again, while its
+    acceptance starts from the prior (the text is another)."""
+    costs = DraftCosts()
+    first = DraftBudget(8, costs)
+    assert first.choose(8) == 0
+    first.observe(0, 0, 0.060)
+    assert first.choose(8) == DraftBudget.PROBE
+    first.observe(2, 2, 0.064)
+    assert costs.t0 == 0.060 and abs(costs.c - 0.002) < 1e-12
+    second = DraftBudget(8, costs)
+    assert second.chances == (0.5, 0.5)
+    picked = second.choose(8)
+    assert picked > DraftBudget.PROBE  # a real pick (E(k) / t(k) best at 4 drafts here), not a probe
+    second.observe(picked, 0, 0.060 + picked * 0.004)
+    assert abs(costs.c - (0.7 * 0.002 + 0.3 * 0.004)) < 1e-12  # updated for every generation after it
+    assert DraftBudget(8).t0 is None  # a budget without shared costs measures for itself
 
 
 def test_a_budget_that_stopped_drafting_probes_again_ever_less_often():

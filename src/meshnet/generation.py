@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator, Protocol, Sequence
 
 from meshnet.contract import SampledToken, SamplingParams, StepRequest, StepResult, Status
-from meshnet.speculative import DraftBudget, Speculation, accepted_prefix, ngram_draft
+from meshnet.speculative import DraftBudget, DraftCosts, Speculation, accepted_prefix, ngram_draft
 from meshnet.tokenizer import GGUFTokenizer
 
 
@@ -95,6 +95,8 @@ class Generation:
         stop_at_eog: stop after any end-of-generation token (not included in the text).
         speculation: draft tokens by n-gram lookup and verify them a round at a time (see
             :mod:`meshnet.speculative`); None decodes one token a step.
+        draft_costs: the step costs ``client``'s earlier generations measured, which this one starts
+            from and updates (None: measured afresh).
     Raises:
         ValueError: ``max_tokens`` < 1, an empty prompt or a bad ``speculation``.
         GenerationError (during iteration): a stage answered with a non-OK status.
@@ -102,7 +104,8 @@ class Generation:
 
     def __init__(self, client: StepClient, tokenizer: GGUFTokenizer, prompt_ids: Sequence[int],
                  max_tokens: int, sampling: SamplingParams = SamplingParams(), stop_at_eog: bool = True,
-                 session_id: str | None = None, speculation: Speculation | None = None) -> None:
+                 session_id: str | None = None, speculation: Speculation | None = None,
+                 draft_costs: DraftCosts | None = None) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if not prompt_ids:
@@ -114,7 +117,7 @@ class Generation:
             sampling = replace(sampling, grammar=replace(sampling.grammar, start=len(prompt_ids)))
         self.sampling, self.max_tokens, self.stop_at_eog = sampling, max_tokens, stop_at_eog
         self.speculation = speculation
-        self._budget = DraftBudget(speculation.draft_tokens) if speculation is not None else None
+        self._budget = DraftBudget(speculation.draft_tokens, draft_costs) if speculation is not None else None
         # The budget picks drafts from measured times; a seeded sampled token at a drafted position spends
         # its draw on the acceptance test, so a seeded run drafts all it finds, whatever the machine's
         # speed, and stays reproducible.

@@ -82,9 +82,23 @@ def ngram_draft(tokens: Sequence[int], k: int, ngram_max: int = 3, ngram_min: in
     return []
 
 
+@dataclass
+class DraftCosts:
+    """What steps cost on one client's routes, learnt by every generation that drafts through it: ``t0``
+    seconds of a plain decode step, ``c`` seconds a draft row adds to a step (None until measured; moving
+    averages). They are properties of the route and its links, not of the text, so a new generation
+    starts from them instead of spending its first rounds measuring (one round without drafts, one
+    probe): across a 25 ms link those rounds are a sizeable share of a short answer. Shared by the
+    generations of an API server or a benchmark client; plain float assignments, so threads may update
+    it without a lock (a lost update costs one sample of a moving average)."""
+
+    t0: float | None = None
+    c: float | None = None
+
+
 class DraftBudget:
     """How many draft tokens a round carries: the count with the most expected tokens per second, from
-    the generation's own figures (one budget per generation).
+    the generation's own acceptance and the client's step costs (one budget per generation).
 
     Drafts are right in runs (a copied passage goes on until the text departs from it), so the model
     has two chances: ``p1`` that a round's first draft is kept, ``q`` that a draft after a kept one is.
@@ -92,8 +106,9 @@ class DraftBudget:
     plus the tail's own token) and takes ``t(k) = t0 + k * c``: ``t0`` a plain decode step's time, ``c``
     what a draft row adds. ``k`` maximises ``E(k) / t(k)`` over ``0 .. min(k_max, drafts found)``. The
     chances are counts of this generation's rounds, decaying by :data:`DECAY` a round, with a prior of
-    one in two; ``t0`` and ``c`` are moving averages of the measured steps (the first round with drafts
-    found carries :data:`PROBE` of them, to measure ``c``). A budget that stopped drafting probes again
+    one in two; ``t0`` and ``c`` are moving averages of the measured steps, kept in a :class:`DraftCosts`
+    that the generations of one client share (until they are known, the first round measures ``t0`` and
+    the first round with drafts found carries :data:`PROBE` of them, to measure ``c``). A budget that stopped drafting probes again
     after :data:`REPROBE` rounds that could have drafted, then after twice as many each time it still does
     not pay: one slow step measured in a probe does not stop drafting for good, and where drafts never pay
     the probes cost ever less.
@@ -107,14 +122,23 @@ class DraftBudget:
     PROBE = 2  # drafts of the first verification step, which measures a draft row's cost
     REPROBE = 8  # rounds declining drafts before another probe (doubling while drafts do not pay, to 256)
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: int, costs: DraftCosts | None = None) -> None:
         self.k = k
         # [kept, tried] of first drafts and of drafts after a kept one
         self.first, self.then = [0.0, 0.0], [0.0, 0.0]
-        self.t0: float | None = None  # seconds of a plain decode step
-        self.c: float | None = None  # seconds a draft row adds
+        self.costs = costs if costs is not None else DraftCosts()
         self._declined, self._reprobe_after = 0, self.REPROBE  # rounds that drafted nothing though they could
         self._probing = False  # the round chosen last is a probe: its draft row's cost replaces c
+
+    @property
+    def t0(self) -> float | None:
+        """Seconds of a plain decode step (the shared :class:`DraftCosts`')."""
+        return self.costs.t0
+
+    @property
+    def c(self) -> float | None:
+        """Seconds a draft row adds to a step (the shared :class:`DraftCosts`')."""
+        return self.costs.c
 
     @property
     def chances(self) -> tuple[float, float]:
@@ -162,11 +186,12 @@ class DraftBudget:
             if kept:  # after each kept draft but the last, one more was tried (and kept unless it ended)
                 self.then[0] += kept - 1
                 self.then[1] += kept if kept < drafted else kept - 1
+        costs, t0, c = self.costs, self.costs.t0, self.costs.c
         if drafted == 0:
-            self.t0 = seconds if self.t0 is None else 0.8 * self.t0 + 0.2 * seconds
-        elif self.t0 is not None:
-            row = max(0.0, (seconds - self.t0) / drafted)
-            self.c = row if self.c is None or self._probing else 0.7 * self.c + 0.3 * row
+            costs.t0 = seconds if t0 is None else 0.8 * t0 + 0.2 * seconds
+        elif t0 is not None:
+            row = max(0.0, (seconds - t0) / drafted)
+            costs.c = row if c is None or self._probing else 0.7 * c + 0.3 * row
             self._probing = False
 
 

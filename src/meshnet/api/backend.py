@@ -17,7 +17,7 @@ from typing import Callable
 from meshnet.contract import Status, StepRequest, StepResult
 from meshnet.generation import StepClient
 from meshnet.grammar import GrammarCompiler
-from meshnet.speculative import Speculation
+from meshnet.speculative import DraftCosts, Speculation
 from meshnet.tokenizer import GGUFTokenizer
 
 log = logging.getLogger("meshnet.api")
@@ -62,6 +62,8 @@ class ApiBackend:
         self.stage_metrics: Callable[[], list] | None = None
         # How generations draft tokens when a request does not say (``meshnet api --speculative``).
         self.speculation: Speculation | None = None
+        # Step costs the server's drafting generations learn together (one route's, whatever the text).
+        self.draft_costs = DraftCosts()
         # Why the model cannot draft by next-token prediction (None: it can; see speculative.mtp_problem).
         self.mtp_problem: str | None = "needs a model with next-token-prediction layers"
         self._grammars: GrammarCompiler | None = None

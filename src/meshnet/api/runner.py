@@ -264,7 +264,8 @@ class ChoiceRun:
         self.metrics.add_active(1)
         client = self.backend.new_client()
         gen = Generation(client, self.tokenizer, self.job.prompt_ids, self.job.max_tokens, self.job.sampling,
-                         stop_at_eog=not self.job.ignore_eos, speculation=self.job.speculation)
+                         stop_at_eog=not self.job.ignore_eos, speculation=self.job.speculation,
+                         draft_costs=self.backend.draft_costs)
         self._driver = _Driver(gen, client, asyncio.get_running_loop())
 
     async def next_piece(self) -> Piece | None:

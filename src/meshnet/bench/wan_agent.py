@@ -3,10 +3,11 @@ host's network namespace and driven over stdin/stdout in JSON lines (the protoco
 :class:`meshnet.netem.netns_mesh.Agent`: each command carries an ``id`` and gets one reply).
 
 - ``{"op": "nodes"}`` -> ``{"nodes": {node id: active sessions}}`` as the tracker lists them
-- ``{"op": "measure", "mode": M, "prompt_ids": [...], "n": N, "repeats": R}`` -> ``{"runs": [{"ttft_s",
+- ``{"op": "measure", "mode": M, "prompt_ids": [...], "n": N, "repeats": R[, "link": L]}`` -> ``{"runs": [{"ttft_s",
   "decode_tokens_per_s", "ids", "failovers"[, "tokens_per_round", "drafted", "accepted"]}, ...]}``: R greedy generations of N tokens through a
   MeshClient configured for mode M (one client per mode, kept across commands so that its connections
-  stay open), without stopping at end-of-generation.
+  stay open), without stopping at end-of-generation. Drafting generations of one mode over links
+  ``L`` (the bench's RTT) share their step costs (:class:`DraftCosts`), as a server's do.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from meshnet.generation import Generation
 from meshnet.model.bundled import resolve_model
 from meshnet.netem.netns_mesh import listed_nodes
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.speculative import Speculation
+from meshnet.speculative import DraftCosts, Speculation
 from meshnet.tokenizer import GGUFTokenizer
 from meshnet.wire.security import open_channel
 
@@ -32,6 +33,7 @@ class WanAgent:
         self.tracker = pb_grpc.TrackerStub(open_channel(tracker, None))
         self.tok = GGUFTokenizer.from_gguf(str(resolve_model("smollm2")))
         self.clients: dict[str, MeshClient] = {}
+        self.costs: dict[tuple[str, str], DraftCosts] = {}  # (mode, links): what the drafting learnt
 
     def client(self, mode: str) -> MeshClient:
         if mode not in self.clients:
@@ -40,15 +42,18 @@ class WanAgent:
                                             report_deliveries=False, **opts)
         return self.clients[mode]
 
-    def measure(self, mode: str, prompt_ids: list[int], n: int, repeats: int) -> list[dict]:
+    def measure(self, mode: str, prompt_ids: list[int], n: int, repeats: int, link: object = None) -> list[dict]:
         """``repeats`` greedy generations through :class:`Generation`, the loop the CLI and the API run;
         in the n-gram mode with drafts (:class:`Speculation`), each run then also says how many tokens
-        a decode round gave on average (``tokens_per_round``: the latency model divides the legs by it)."""
+        a decode round gave on average (``tokens_per_round``: the latency model divides the legs by it).
+        ``link``: which links the mesh has now (the step costs learnt are theirs)."""
         client, runs = self.client(mode), []
         speculation = Speculation() if mode == NGRAM else None
+        costs = self.costs.setdefault((mode, json.dumps(link)), DraftCosts())
         for _ in range(repeats):
             failovers = client.failovers
-            gen = Generation(client, self.tok, prompt_ids, n, GREEDY, stop_at_eog=False, speculation=speculation)
+            gen = Generation(client, self.tok, prompt_ids, n, GREEDY, stop_at_eog=False, speculation=speculation,
+                             draft_costs=costs)
             for _ in gen:
                 pass
             r = gen.result
@@ -67,7 +72,8 @@ class WanAgent:
         if op == "nodes":
             return {"nodes": listed_nodes(self.tracker)}
         if op == "measure":
-            return {"runs": self.measure(cmd["mode"], cmd["prompt_ids"], cmd["n"], cmd.get("repeats", 1))}
+            return {"runs": self.measure(cmd["mode"], cmd["prompt_ids"], cmd["n"], cmd.get("repeats", 1),
+                                         cmd.get("link"))}
         raise ValueError(f"unknown op {op!r}")
 
     def close(self) -> None:

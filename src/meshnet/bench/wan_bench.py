@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from meshnet.bench import llama_rpc
-from meshnet.bench.wan_model import LLAMA_RPC, MESHNET_MODES, parse_modes, parse_rtts, tensor_split
+from meshnet.bench.wan_model import LLAMA_RPC, MESHNET_MODES, NGRAM, parse_modes, parse_rtts, tensor_split
 from meshnet.bench.wan_report import analyze, format_table, rtt_key
 
 PROMPTS = {
@@ -79,7 +79,7 @@ def _measure_meshnet(mesh, mode: str, prompts: dict[str, list[int]], rtt_ms: flo
         # Generous: every token can cost the slowest mode's six legs at this RTT, plus compute.
         timeout_s = 120 + args.repeats * args.max_tokens * (0.2 + 0.004 * rtt_ms)
         runs = mesh.agent.ask("measure", timeout_s, mode=mode, prompt_ids=ids, n=args.max_tokens,
-                              repeats=args.repeats)["runs"]
+                              repeats=args.repeats, link=rtt_ms)["runs"]
         out[name] = _median_figure(runs)
         print(f"[bench wan] RTT {rtt_ms:g} ms {mode} {name}: {out[name]['decode_tokens_per_s']:.1f} tok/s, "
               f"TTFT {out[name]['ttft_s'] * 1000:.0f} ms", file=sys.stderr)
@@ -149,6 +149,9 @@ def run_wan_bench(args: argparse.Namespace) -> int:
             split = tensor_split([(r.start, r.end) for r in ranges], ranges[-1].end)
             for rtt in rtts:
                 mesh.set_all_links(delay_s=rtt / 2000.0, **link)
+                if NGRAM in live:  # as a server that has been running: its drafting knows these links' step costs
+                    mesh.agent.ask("measure", 60 + 0.1 * rtt, mode=NGRAM, prompt_ids=prompts["repetitive"], n=8,
+                                   repeats=1, link=rtt)
                 for m in live:
                     fig = (_measure_llama(mesh, tools, endpoints, split, model, prompts, rtt, args) if m == LLAMA_RPC
                            else _measure_meshnet(mesh, m, prompts, rtt, args))
