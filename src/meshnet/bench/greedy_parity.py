@@ -24,13 +24,21 @@ import numpy as np
 N_TOP = 5  # log-probabilities compared per step
 
 
-def stages_greedy(stages: Sequence, prompt_ids: Sequence[int], n_tokens: int, n_top: int = N_TOP) -> dict:
+def stages_greedy(stages: Sequence, prompt_ids: Sequence[int], n_tokens: int, n_top: int = N_TOP,
+                  never: Sequence[int] = ()) -> dict:
     """Greedy generation through in-process :class:`~meshnet.engine.ggml_stage.GgmlStage` objects
     chained in order (head first, tail last), on fresh sessions freed at the end.
 
+    A stage past the head that picks experts by token id (DeepSeek-V4's hash-routed blocks,
+    ``needs_tokens``) gets the step's token ids beside the hidden states. ``never``: ids that are not
+    picked (the tokenizer's end-of-generation ids, to match :func:`llama_cpp_greedy`, whose
+    ``ignore_eos`` sets their logits to -inf before sampling); the log-probabilities and margins still
+    come from the raw logits, as llama-server reports them.
+
     Returns:
         ``{"tokens": [n_tokens ids], "top_logprobs": [[[id, logprob] x n_top] per step], "margins":
-        [top-1 minus top-2 raw logit per step]}``; log-probabilities from the float32 logits in float64.
+        [top-1 minus top-2 raw logit per step, ``never`` ids left out]}``; log-probabilities from the
+        float32 logits in float64.
     """
     kvs = [st.new_session() for st in stages]
     try:
@@ -39,16 +47,19 @@ def stages_greedy(stages: Sequence, prompt_ids: Sequence[int], n_tokens: int, n_
         for _ in range(n_tokens):
             x = stages[0].forward(kvs[0], pos, token_ids=step)  # [n, n_embd] or, one stage, [1, n_vocab]
             for st, kv in zip(stages[1:], kvs[1:]):
-                x = st.forward(kv, pos, hidden=x)
+                x = st.forward(kv, pos, token_ids=step if st.needs_tokens else None, hidden=x)
             logits = x[-1].astype(np.float64)  # [n_vocab]
             order = np.argsort(-logits, kind="stable")[:n_top]
             shifted = logits - logits[order[0]]
             logprobs = shifted - np.log(np.exp(shifted).sum())
-            tokens.append(int(order[0]))
+            allowed = logits.copy()
+            allowed[list(never)] = -np.inf
+            first, second = np.argsort(-allowed, kind="stable")[:2]
+            tokens.append(int(first))
             tops.append([[int(i), float(logprobs[i])] for i in order])
-            margins.append(float(logits[order[0]] - logits[order[1]]))
+            margins.append(float(allowed[first] - allowed[second]))
             pos += len(step)
-            step = np.asarray([order[0]], dtype=np.int32)
+            step = np.asarray([first], dtype=np.int32)
     finally:
         for kv in kvs:
             kv.free()

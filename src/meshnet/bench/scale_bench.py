@@ -102,6 +102,7 @@ def _single_child(model: str, threads: int, n_ctx: int, prompt_ids: list[int], n
     """Child process: the one-process figures of the module doc, printed as one JSON line."""
     from meshnet.bench.greedy_parity import stages_greedy
     from meshnet.local_mesh import load_local_chain, plan_ranges
+    from meshnet.tokenizer import GGUFTokenizer
 
     before = proc_memory(os.getpid())
     t0 = time.perf_counter()
@@ -111,7 +112,9 @@ def _single_child(model: str, threads: int, n_ctx: int, prompt_ids: list[int], n
     greedy_run(chain, prompt_ids, n_decode)  # warm-up: graphs and caches
     runs = [(len(prompt_ids), greedy_run(chain, prompt_ids, n_decode)) for _ in range(repeats)]
     engine = chain.stages[0]
-    parity = stages_greedy([engine.stage], prompt_ids, parity_tokens)
+    # llama_cpp_greedy's server ignores end-of-generation tokens; so does the comparison's side here
+    parity = stages_greedy([engine.stage], prompt_ids, parity_tokens,
+                           never=sorted(GGUFTokenizer.from_gguf(model).eog_ids))
     m = engine.metrics()
     print(json.dumps({"layers": [str(r) for r in ranges], "threads": threads, "load_s": round(load_s, 3),
                       **_timings(runs), "tokens": runs[-1][1].tokens, "parity": parity,
