@@ -267,6 +267,8 @@ class LoadSpec:
             ``memory_budget_bytes``, else from half the memory available; at most
             ``(max_sessions + prefix_cache) * n_ctx``: kept sessions have slots of their own).
         use_mmap: map the weights from the file instead of copying them (llama.cpp's default).
+        repack: on the CPU, keep mat-mul weights in ggml's repacked layouts where those kernels give each
+            row the bits it gets alone (llama.cpp repacks by default; see :mod:`meshnet.engine.cpu_repack`).
         prefix_cache: finished sessions whose KV cells a stage keeps for new prompts that start with the
             same tokens (exact reuse: :mod:`meshnet.engine.prefix_cache`); 0 keeps none.
         decode_groups: groups the open sessions' decode steps are split into, taking turns (see
@@ -284,6 +286,7 @@ class LoadSpec:
     memory_budget_bytes: int = 0
     kv_tokens: int = 0
     use_mmap: bool = True
+    repack: bool = True
     prefix_cache: int = 4
     decode_groups: int = 1
     mtp: MultiTokenPrediction = MultiTokenPrediction()

@@ -89,6 +89,15 @@ def greedy_run(client, prompt_ids: list[int], n_decode: int) -> RunTiming:
     return RunTiming(ttft, decode_s, steps, tokens, decode_cpu_s)
 
 
+def _close(chain) -> None:
+    """Free a measured chain's stages: a stage left open still counts as a user of the shared CPU
+    backend, and while several do, graphs run on the shared compute thread (ggml_backend.compute): the
+    next configuration would be measured slower than it runs alone."""
+    for engine in chain.stages:
+        if getattr(engine, "stage", None) is not None:
+            engine.stage.close()
+
+
 def time_chain(chain, prompt_ids: list[int], n_decode: int, repeats: int) -> dict:
     """Median prefill and decode tokens/s of greedy runs on a LocalChain (after one warm-up run)."""
     greedy_run(chain, prompt_ids, n_decode)  # warms caches and builds graphs
@@ -151,7 +160,7 @@ def format_table(result: dict) -> str:
         rows.append(("llama-bench", ref))
     plain = result.get("llama_cpp_no_repack", {})
     if "decode_tokens_per_s" in plain:
-        rows.append(("llama-bench --repack 0 (meshnet's kernels)", plain))
+        rows.append(("llama-bench --repack 0", plain))
     lines = [f"{'':44} {'prefill t/s':>12} {'decode t/s':>11} {'prefill x':>10} {'decode x':>9}"]
     for name, r in rows:
         ratios = ["", ""]
@@ -181,20 +190,22 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         "repeats": args.repeats, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "meshnet": {},
     }
-    for n_stages in (1, args.stages):
+    for n_stages in sorted({1, args.stages}):
         ranges = plan_ranges(model, n_stages)
-        chain = load_local_chain(model, ranges, n_threads=args.threads, n_ctx=n_ctx, progress=False)
+        # No prefix reuse: every run prefills its whole prompt, as llama-bench's prompt test does (a kept
+        # session would serve the repeated prompt from its cells).
+        chain = load_local_chain(model, ranges, n_threads=args.threads, n_ctx=n_ctx, progress=False, prefix_cache=0)
         key = f"{n_stages}_stage" + ("s" if n_stages > 1 else "")
         result["meshnet"][key] = {"layers": [str(r) for r in ranges],
                                   **time_chain(chain, prompt_ids, args.decode_tokens, args.repeats)}
         print(f"[bench] {key}: {result['meshnet'][key]}", file=sys.stderr)
-        del chain
+        _close(chain)
     if backend != "cpu":
         from meshnet.backends.placement import AcceleratorEngine
 
         ranges = plan_ranges(model, 1)
         chain = load_local_chain(model, ranges, n_threads=args.threads, n_ctx=n_ctx, progress=False,
-                                 engine_factory=lambda: AcceleratorEngine(backend))
+                                 engine_factory=lambda: AcceleratorEngine(backend), prefix_cache=0)
         result["accelerator"] = {"backend": backend, "device": chain.stages[0].device,
                                  "layers": [str(r) for r in ranges],
                                  **time_chain(chain, prompt_ids, args.decode_tokens, args.repeats)}

@@ -186,7 +186,8 @@ def bench_single_process(model_path: str, n_layer: int, threads: int, n_ctx: int
     """One in-process stage [0, n_layer): median TTFT (s) and decode tokens/s; also the greedy tokens."""
     from meshnet.local_mesh import load_local_chain
 
-    chain = load_local_chain(model_path, [LayerRange(0, n_layer)], n_threads=threads, n_ctx=n_ctx, progress=False)
+    chain = load_local_chain(model_path, [LayerRange(0, n_layer)], n_threads=threads, n_ctx=n_ctx, progress=False,
+                             prefix_cache=0)
     greedy_run(chain, prompt_ids, n_decode)  # warm-up: graphs and caches
     engine = chain.stages[0]
     before = engine.metrics()

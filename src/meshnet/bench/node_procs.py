@@ -88,7 +88,8 @@ class NodeGroup:
         for spec in specs:
             cmd = [sys.executable, "-m", "meshnet.cli", "node", "--tracker", self.tracker, "--model",
                    self.model_path, "--layers", str(spec.layers), "--node-id", spec.node_id, "--threads",
-                   str(spec.threads), "--n-ctx", str(self.n_ctx), "--drain-timeout", "2"]
+                   str(spec.threads), "--n-ctx", str(self.n_ctx), "--drain-timeout", "2",
+                   "--prefix-cache", "0"]  # every run prefills its whole prompt, as llama.cpp's benches do
             if spec.cpu is not None:
                 cmd += ["--cpu", str(spec.cpu)]
             cmd += list(spec.extra_args)

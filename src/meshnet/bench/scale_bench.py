@@ -107,7 +107,8 @@ def _single_child(model: str, threads: int, n_ctx: int, prompt_ids: list[int], n
     before = proc_memory(os.getpid())
     t0 = time.perf_counter()
     ranges = plan_ranges(model, 1)
-    chain = load_local_chain(model, ranges, n_threads=threads, n_ctx=n_ctx, progress=False)
+    chain = load_local_chain(model, ranges, n_threads=threads, n_ctx=n_ctx, progress=False,
+                             prefix_cache=0)
     load_s = time.perf_counter() - t0
     greedy_run(chain, prompt_ids, n_decode)  # warm-up: graphs and caches
     runs = [(len(prompt_ids), greedy_run(chain, prompt_ids, n_decode)) for _ in range(repeats)]

@@ -8,6 +8,7 @@ Weights are copied once from the memory-mapped GGUF into one backend buffer in t
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -84,6 +85,23 @@ def check_ggml_libraries() -> None:
                    f"first step. Remove that folder from LD_LIBRARY_PATH / LD_PRELOAD")
 
 
+_log = logging.getLogger("meshnet.ggml")
+_last_level = [ggml.GGML_LOG_LEVEL_NONE]  # what a GGML_LOG_LEVEL_CONT message continues
+
+
+@ggml.ggml_log_callback
+def _ggml_log(level: int, text: bytes, user_data) -> None:
+    """ggml's messages into Python's logging: warnings and errors at their level, the rest (debug
+    chatter such as one line per repacked tensor) at DEBUG, instead of ggml's default of all on stderr."""
+    if level == ggml.GGML_LOG_LEVEL_CONT:
+        level = _last_level[0]
+    _last_level[0] = level
+    msg = (text or b"").decode(errors="replace").rstrip("\n")
+    if msg:
+        _log.log(logging.ERROR if level == ggml.GGML_LOG_LEVEL_ERROR else
+                 logging.WARNING if level == ggml.GGML_LOG_LEVEL_WARN else logging.DEBUG, "%s", msg)
+
+
 def cpu_backend(n_threads: int):
     """The process's ggml CPU backend for ``n_threads`` threads, shared by every stage in the process.
 
@@ -99,6 +117,7 @@ def cpu_backend(n_threads: int):
         _cpu_stages += 1
         if not _cpu_ready:
             check_ggml_libraries()
+            ggml.ggml_log_set(_ggml_log, None)
             ggml.ggml_cpu_init()
             _cpu_ready = True
         backend = _backends.get(n_threads)
@@ -220,6 +239,7 @@ class StageWeights:
             self.tensors[name] = t
         self.nbytes = sum(int(by_name[n].n_bytes) for n in names)
         self.buffers: list = []
+        self._more_ctx: list = []  # contexts of tensors moved into other buffers (``adopt``)
         if use_mmap:
             for shard, held in shard_groups(reader, names):
                 buffer = cpu_buffer_from_ptr(shard.data.ctypes.data, len(shard.data))
@@ -247,13 +267,22 @@ class StageWeights:
     def get(self, name: str):
         return self.tensors.get(name)
 
+    def adopt(self, ctx, buffer, tensors: dict[str, object]) -> None:
+        """Serve ``tensors`` (made in ``ctx``, their data in ``buffer``: copies of some of the stage's
+        weights in another layout, see :mod:`meshnet.engine.cpu_repack`) instead of the ones of the same
+        names; ``ctx`` and ``buffer`` are freed with the rest."""
+        self._more_ctx.append(ctx)
+        self.buffers.append(buffer)
+        self.tensors.update(tensors)
+
     def free(self) -> None:
         for buffer in self.buffers:
             ggml.ggml_backend_buffer_free(buffer)  # for a mapped buffer this frees only ggml's handle
         self.buffers = []
-        if self.ctx:
-            ggml.ggml_free(self.ctx)
-            self.ctx = None
+        for ctx in [self.ctx, *self._more_ctx]:
+            if ctx:
+                ggml.ggml_free(ctx)
+        self.ctx, self._more_ctx = None, []
 
 
 # ---- accelerator devices (CUDA, ROCm, Vulkan, Metal) ----------------------------------------------

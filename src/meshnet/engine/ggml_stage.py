@@ -16,6 +16,7 @@ import numpy as np
 
 from meshnet.contract import LayerRange
 from meshnet.engine.batch_layout import SPLIT_KV_MIN_CELLS, BatchShape, Segment, kv_length
+from meshnet.engine.cpu_repack import repack_weights
 from meshnet.engine.ggml_backend import StageWeights, cpu_backend, release_cpu_backend
 from meshnet.engine.ggml_dsv4_attn import aux_caches
 from meshnet.engine.ggml_graph import StepGraph
@@ -25,6 +26,11 @@ from meshnet.engine.prefix_cache import PrefixCache
 from meshnet.engine.stage_sessions import SessionKV, StageSessions
 from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, stage_tensor_names
 from meshnet.model.hparams import ModelConfig
+
+# Weights only ever multiplied as whole 2-D matrices (``ggml_mul_mat``), which may be repacked; embeddings
+# (read by get_rows, also as a tied output) and weights the graphs view or reshape stay as stored.
+REPACKABLE = frozenset({"attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                        "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "output"})
 
 # Context per session when the caller does not choose one: the model's own, capped so that a default
 # session's KV cache stays small on ordinary machines.
@@ -74,7 +80,8 @@ class GgmlStage:
 
     def __init__(self, path: str, layers: LayerRange, n_threads: int = 2, n_ctx: int = 0,
                  n_ubatch: int = 512, use_mmap: bool = True, backend=None, n_slots: int = 16,
-                 kv_tokens: int = 0, kv_budget_bytes: int = 0, prefix_cache: int = 0, mtp: bool = True) -> None:
+                 kv_tokens: int = 0, kv_budget_bytes: int = 0, prefix_cache: int = 0, mtp: bool = True,
+                 repack: bool = True) -> None:
         reader = open_gguf(path)
         self.cfg = ModelConfig.from_reader(reader)
         if self.cfg.manifest.not_run:
@@ -95,10 +102,11 @@ class GgmlStage:
         self.has_mtp = bool(mtp and self.is_tail and self.cfg.n_nextn)
         nextn = self.cfg.n_nextn if self.has_mtp else 0
         selection = stage_tensor_names(reader, layers, self.cfg.n_layer, nextn)
-        # Weights stay in plain buffers: the CPU backend's repacked layouts (CPU_REPACK) make a row's result
-        # depend on how many rows share its mat-mul, which would make batched output differ from solo.
         self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=use_mmap)
-        if not use_mmap:
+        # On the CPU, mat-mul weights of the types whose repacked kernels keep each row's bits whatever
+        # shares its batch move into the backend's repacked layout, as llama.cpp's do (cpu_repack).
+        self.repacked = repack_weights(self.weights, reader, REPACKABLE) if on_host and repack else []
+        if not use_mmap or self.repacked:
             drop_pages(reader)  # the copies are what stays resident, not the file pages read to make them
         # DeepSeek-V4's compressor cells and compressed rows live in the pool beside the KV cells
         aux = aux_caches(self.cfg, layers) if self.cfg.dsv4 is not None else None

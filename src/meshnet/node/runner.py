@@ -263,6 +263,9 @@ def add_node_parser(sub) -> None:
     p.add_argument("--max-sessions", type=int, default=16)
     p.add_argument("--kv-tokens", type=int, default=0,
                    help="KV cells sessions may reserve at once (0 = half the memory available)")
+    p.add_argument("--no-repack", dest="repack", action="store_false",
+                   help="keep every weight as stored (by default Q4_0 / IQ4_NL mat-mul weights take ggml's repacked CPU "
+                        "layout, as llama.cpp's do, where this CPU's kernels give each row the bits it gets alone)")
     p.add_argument("--prefix-cache", type=int, default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
     p.add_argument("--decode-groups", type=int, default=0,
                    help="groups the sessions' decode steps are split into, taking turns so that every stage "
@@ -332,7 +335,7 @@ def run_node(args: argparse.Namespace) -> int:
                      tracker=args.tracker, host=args.host, port=args.port, advertise=args.advertise,
                      node_id=args.node_id, engine=args.engine, threads=args.threads, n_ctx=args.n_ctx,
                      max_sessions=args.max_sessions, kv_tokens=args.kv_tokens,
-                     prefix_cache=args.prefix_cache, decode_groups=args.decode_groups, idle_timeout_s=args.idle_timeout,
+                     prefix_cache=args.prefix_cache, repack=args.repack, decode_groups=args.decode_groups, idle_timeout_s=args.idle_timeout,
                      drain_timeout_s=args.drain_timeout, join_token=args.join_token, tls=tls, tls_ca=args.tls_ca,
                      data_plane=not args.no_data_plane, data_port=args.data_port,
                      cpu=cpu, backend=backend, device_index=device, identity=getattr(args, "identity", None),
