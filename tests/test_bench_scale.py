@@ -29,7 +29,7 @@ def _sha256(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.slow
+@pytest.mark.long  # four writes of a 49152-token vocabulary: 18 s; the bench's own test below writes one
 def test_llama_writer_is_deterministic_and_gguf_py_reads_the_shapes(tmp_path, smollm2_path):
     a = write_llama_model(tmp_path / "a.gguf", TINY, "q4_1", seed=3)
     b = write_llama_model(tmp_path / "b.gguf", TINY, "q4_1", seed=3)
