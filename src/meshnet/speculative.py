@@ -108,10 +108,10 @@ class DraftBudget:
     chances are counts of this generation's rounds, decaying by :data:`DECAY` a round, with a prior of
     one in two; ``t0`` and ``c`` are moving averages of the measured steps, kept in a :class:`DraftCosts`
     that the generations of one client share (until they are known, the first round measures ``t0`` and
-    the first round with drafts found carries :data:`PROBE` of them, to measure ``c``). A budget that stopped drafting probes again
-    after :data:`REPROBE` rounds that could have drafted, then after twice as many each time it still does
-    not pay: one slow step measured in a probe does not stop drafting for good, and where drafts never pay
-    the probes cost ever less.
+    the first round with drafts found carries :data:`PROBE` of them, to measure ``c``). A budget that
+    stopped drafting probes again after :data:`REPROBE` rounds that could have drafted, then after twice as
+    many each time it still does not pay: one slow step measured in a probe does not stop drafting for
+    good, and where drafts never pay the probes cost ever less.
 
     Why a cost model: a draft row is not free on a CPU (for SmolLM2 on two cores, about half a decode
     step, the batch being compute-bound), so in one process drafts pay only where most are right;
