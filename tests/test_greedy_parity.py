@@ -7,7 +7,7 @@ import pytest
 
 from conftest import load_golden, moe_model_path
 from golden_check import cpu_stage
-from meshnet.bench.greedy_parity import stages_greedy
+from meshnet.bench.greedy_parity import aligned_top_logprobs, stages_greedy
 from meshnet.contract import LayerRange
 
 N_TOKENS = 4
@@ -47,3 +47,12 @@ def test_ids_left_out_never_win_but_keep_their_log_probabilities():
     assert held["top_logprobs"] == free["top_logprobs"] and held["top_logprobs"][0][0][0] == banned
     # the margin is the runner-up's lead over the third (logit differences equal log-probability ones)
     assert held["margins"][0] == pytest.approx(free["top_logprobs"][0][1][1] - third[1], abs=1e-6)
+
+
+def test_llama_servers_probabilities_are_placed_by_the_token_they_are_for():
+    """An entry short (the server listed 2 entries for 3 tokens, the first one missing): the entries go to
+    the tokens they name, and the first token has nothing to compare."""
+    probs = [{"id": 7, "top_logprobs": [{"id": 7, "logprob": -0.1}]},
+             {"id": 9, "top_logprobs": [{"id": 9, "logprob": -0.2}, {"id": 3, "logprob": -2.0}]}]
+    assert aligned_top_logprobs([5, 7, 9], probs) == [[], [[7, -0.1]], [[9, -0.2], [3, -2.0]]]
+    assert aligned_top_logprobs([7, 9], probs) == [[[7, -0.1]], [[9, -0.2], [3, -2.0]]]

@@ -99,10 +99,23 @@ def llama_cpp_greedy(model: str, prompt_ids: Sequence[int], n_tokens: int, threa
         out = r.json()
     finally:
         srv.stop()
-    probs = out["completion_probabilities"]
-    return {"tokens": [int(t) for t in out["tokens"]],
-            "top_logprobs": [[[int(t["id"]), float(t["logprob"])] for t in p["top_logprobs"]] for p in probs],
+    tokens = [int(t) for t in out["tokens"]]
+    return {"tokens": tokens, "top_logprobs": aligned_top_logprobs(tokens, out["completion_probabilities"]),
             "server_argv": srv.argv}
+
+
+def aligned_top_logprobs(tokens: list[int], probs: list[dict]) -> list[list[list]]:
+    """llama-server's ``completion_probabilities`` as one ``[[id, logprob], ...]`` list per generated token.
+
+    Each entry names the token it is for (``id``); the server sometimes lists one entry fewer than it
+    generated, so entries are placed by that id (at the first offset where every entry's id is its
+    token's), not by position. A token without an entry gets ``[]`` (nothing to compare).
+    """
+    tops = [[[int(t["id"]), float(t["logprob"])] for t in p["top_logprobs"]] for p in probs]
+    for offset in range(len(tokens) - len(probs) + 1):
+        if all(int(p["id"]) == tokens[k + offset] for k, p in enumerate(probs)):
+            return [[]] * offset + tops + [[]] * (len(tokens) - len(probs) - offset)
+    return (tops + [[]] * len(tokens))[:len(tokens)]  # ids do not line up: by position, as listed
 
 
 def compare_greedy(ours: dict, ref: dict) -> dict:
