@@ -33,7 +33,7 @@ class WanAgent:
         self.tracker = pb_grpc.TrackerStub(open_channel(tracker, None))
         self.tok = GGUFTokenizer.from_gguf(str(resolve_model("smollm2")))
         self.clients: dict[str, MeshClient] = {}
-        self.costs: dict[tuple[str, str], DraftCosts] = {}  # (mode, links): what the drafting learnt
+        self.costs: dict[tuple[str, object], DraftCosts] = {}  # (mode, links): what the drafting learnt
 
     def client(self, mode: str) -> MeshClient:
         if mode not in self.clients:
@@ -49,7 +49,7 @@ class WanAgent:
         ``link``: which links the mesh has now (the step costs learnt are theirs)."""
         client, runs = self.client(mode), []
         speculation = Speculation() if mode == NGRAM else None
-        costs = self.costs.setdefault((mode, json.dumps(link)), DraftCosts())
+        costs = self.costs.setdefault((mode, link), DraftCosts())
         for _ in range(repeats):
             failovers = client.failovers
             gen = Generation(client, self.tok, prompt_ids, n, GREEDY, stop_at_eog=False, speculation=speculation,

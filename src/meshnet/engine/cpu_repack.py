@@ -1,7 +1,7 @@
 """Weights in the CPU backend's repacked layouts, for the types whose repacked kernels keep a row's bits.
 
 ggml's CPU backend offers an extra buffer type, ``CPU_REPACK`` (``ggml-cpu/repack.cpp``): a weight set
-into it is rearranged into interleaved blocks (Q4_0 as ``q4_0_8x8`` on AVX2 and AVX-512) that its GEMM
+into it is rearranged into interleaved blocks (Q4_0 as ``q4_0_8x8`` on AVX2 and AVX512) that its GEMM
 kernels multiply against several activation rows at once. llama.cpp puts every weight the buffer type
 supports there by default (``llama_model_loader`` with the device's extra buffer types; ``--no-repack``
 turns it off); on a 7B-shaped Q4_0 model llama-bench runs prefill 2.3x and decode 1.4x faster with it.
@@ -9,7 +9,7 @@ turns it off); on a 7B-shaped Q4_0 model llama-bench runs prefill 2.3x and decod
 Meshnet needs more than speed from a kernel: a session's row must come out with the same bits whatever
 shares its mat-mul (other sessions' rows, a prefill chunk, verification rows, a replay's prefill), or
 batched and failed-over output would drift from the solo run. Repacked kernels differ there: measured on
-AVX-512, Q4_0 and IQ4_NL give every row of batches of 1-128 rows the bits it gets alone; Q4_K does not
+AVX512, Q4_0 and IQ4_NL give every row of batches of 1-128 rows the bits it gets alone; Q4_K does not
 from 4 rows on (its GEMM path rounds differently from its GEMV path). Kernels differ by CPU, so
 :func:`invariant_types` checks each candidate on this machine, once per process, with a small probe, and only the types that pass are repacked. Only 2-D mat-mul weights move (the token
 embedding is read by ``get_rows``, which repacked buffers do not serve).

@@ -38,7 +38,7 @@ import numpy as np
 
 from meshnet.engine.batch_layout import MASK_ROW_PAD, build_mask, pad_to
 from meshnet.engine.ggml_backend import new_tensor, set_tensor
-from meshnet.engine.kv_pool import AuxCache
+from meshnet.engine.kv_pool import AuxCache, rows_per_slot
 from meshnet.model.dsv4_params import CSA_RATIO
 from meshnet.model.hparams import YARN_BETA_FAST, YARN_BETA_SLOW
 
@@ -95,7 +95,7 @@ class Dsv4Inputs:
 
 def n_blocks(n_kv: int, ratio: int, n_ctx: int) -> int:
     """Compressed rows a segment reading ``n_kv`` raw cells attends over (masked past the visible)."""
-    return max(1, min(-(-n_ctx // ratio), -(-n_kv // ratio)))
+    return max(1, min(rows_per_slot(n_ctx, ratio), -(-n_kv // ratio)))
 
 
 def make_inputs(g) -> Dsv4Inputs:
@@ -129,7 +129,7 @@ def set_inputs(inputs: Dsv4Inputs, segments, n_swa: int, n_ctx: int, n_slots: in
         pos = np.arange(seg.position, seg.position + seg.n_tokens, dtype=np.int32)
         set_tensor(t, build_mask(pos, seg.n_kv, n_swa)[:seg.n_tokens].astype(np.float32))
     for r, ri in inputs.ratios.items():
-        bps = -(-n_ctx // r)
+        bps = rows_per_slot(n_ctx, r)
         ape, prev, cur, mask, write, bpos = [], [], [], [], [], []
         for seg in segments:
             pos = np.arange(seg.position, seg.position + seg.n_tokens)
@@ -159,7 +159,6 @@ def set_inputs(inputs: Dsv4Inputs, segments, n_swa: int, n_ctx: int, n_slots: in
             nb = int(t.contents.ne[0])
             vis = np.arange(nb)[None, :] < ((pos + 1) // r)[:, None]
             set_tensor(t, np.where(vis, 0.0, -np.inf).astype(np.float32))
-
 
 
 # ---- graph -------------------------------------------------------------------------------------
@@ -238,7 +237,7 @@ def _index_scores(g, il: int, qr, cur, lid, ri: RatioInputs):
     q = ggml.ggml_mul_mat(ctx, g._wt(T.INDEXER_ATTN_Q_B, il), qr)
     q = rope_tail(g, ggml.ggml_reshape_3d(ctx, q, d, nh, n), g.inp.pos, rope_params(cfg, True))
     wts = ggml.ggml_scale(ctx, ggml.ggml_mul_mat(ctx, g._wt(T.INDEXER_PROJ, il), cur), 1.0 / math.sqrt(d * nh))
-    bps = -(-g._pool.n_ctx // CSA_RATIO)
+    bps = rows_per_slot(g._pool.n_ctx, CSA_RATIO)
     out, row = [], 0
     for (slot, n_seg, _, _), vis in zip(g.shape.segments, ri.vis):
         nb = int(vis.contents.ne[0])
@@ -298,7 +297,7 @@ def dsv4_attention(g, il: int, cur):
         mask = g.dsv4_inp.raw[i]                                                     # F32 [n_kv, n_seg]
         if comp is not None:
             nb = int(sel_masks[i].contents.ne[0])
-            bps = -(-pool.n_ctx // ratio)
+            bps = rows_per_slot(pool.n_ctx, ratio)
             rows = ggml.ggml_view_3d(ctx, comp, hd, nb, 1, comp.contents.nb[1], comp.contents.nb[1] * nb,
                                      slot * bps * comp.contents.nb[1])
             k_all = ggml.ggml_concat(ctx, k_all, rows, 1)                           # raw window, then compressed

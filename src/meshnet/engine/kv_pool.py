@@ -78,6 +78,12 @@ def _align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def rows_per_slot(n_ctx: int, ratio: int) -> int:
+    """Rows a slot of ``n_ctx`` cells has in a tensor with one row per ``ratio`` positions (K and V: 1;
+    a compressed cache: one per block); slot ``s``'s rows start at row ``s * rows_per_slot``."""
+    return -(-n_ctx // ratio)
+
+
 @dataclass(frozen=True)
 class AuxCache:
     """Per-session state a layer keeps beside its KV cells (DeepSeek-V4's compressor cells and compressed
@@ -89,9 +95,6 @@ class AuxCache:
     gtype: int
     width: int
     ratio: int = 1
-
-    def rows_per_slot(self, n_ctx: int) -> int:
-        return -(-n_ctx // self.ratio)
 
     def row_bytes(self) -> int:
         return int(ggml.ggml_row_size(self.gtype, self.width))
@@ -143,7 +146,7 @@ class KVPool:
             if n_embd_v:
                 self.v[il] = new_tensor(self.ctx, ggml.GGML_TYPE_F16, (n_embd_v, n_slots * n_ctx))
             for c in aux.get(il, ()):
-                rows = n_slots * c.rows_per_slot(n_ctx) + (1 if c.ratio > 1 else 0)
+                rows = n_slots * rows_per_slot(n_ctx, c.ratio) + (1 if c.ratio > 1 else 0)
                 self.aux[il, c.name] = new_tensor(self.ctx, c.gtype, (c.width, rows))
                 self._aux_specs[il, c.name] = c
         self._lock = threading.Lock()
@@ -174,7 +177,7 @@ class KVPool:
             for t, row, ratio in tensors:
                 if t is None:
                     continue
-                per_slot = row * -(-self.n_ctx // ratio)
+                per_slot = row * rows_per_slot(self.n_ctx, ratio)
                 offsets.append((t, size, per_slot, row, ratio))
                 size = _align_up(size + ggml.ggml_nbytes(t), PAGE)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
