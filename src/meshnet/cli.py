@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--prompt-tokens", type=int, default=128)
     be.add_argument("--decode-tokens", type=int, default=64)
     be.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
+    be.add_argument("--rounds", type=int, default=1,
+                    help="measure the single stage and llama-bench this many times in turn; ratios are the "
+                         "median of the rounds' (for machines whose speed drifts)")
     be.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
     be.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "rocm", "vulkan", "metal"],
                     help="also measure this accelerator lane beside the CPU (it must be certified here)")

@@ -5,7 +5,9 @@ Method (mirrors the golden README's reference speed): a ``--prompt-tokens`` prom
 ``--decode-tokens`` single-token greedy decode steps; the median of ``--repeats`` runs after one
 warm-up. The reference is llama.cpp's C++ ``llama-bench`` on the same file and threads
 (:mod:`meshnet.bench.llama_bench`: prompt test, then generation at the prompt's depth), in its own
-process because its ggml and ggml-python's must never share one.
+process because its ggml and ggml-python's must never share one. With ``--rounds`` N > 1 the single stage
+and llama-bench are measured N times in turn and each ratio is the median of the rounds' ratios: on a
+machine whose speed drifts (a shared VM), two figures taken minutes apart compare the machine with itself.
 """
 
 from __future__ import annotations
@@ -137,6 +139,27 @@ def _rss_child(model: str, layers: str, threads: int, n_tokens: int) -> None:
                       "weight_bytes": st.weights.nbytes, "kv_bytes": st.pool.resident_bytes()}))
 
 
+def _speed_child(model: str, threads: int, n_ctx: int, prompt_tokens: int, n_decode: int, repeats: int) -> None:
+    """Child process: the single stage's :func:`time_chain` figures as JSON on stdout."""
+    from meshnet.local_mesh import load_local_chain, plan_ranges
+
+    ranges = plan_ranges(model, 1)
+    chain = load_local_chain(model, ranges, n_threads=threads, n_ctx=n_ctx, progress=False, prefix_cache=0)
+    print(json.dumps({"layers": [str(r) for r in ranges],
+                      **time_chain(chain, bench_prompt_ids(model, prompt_tokens), n_decode, repeats)}))
+
+
+def measure_speed_fresh(model: str, threads: int, n_ctx: int, prompt_tokens: int, n_decode: int,
+                        repeats: int) -> dict:
+    """:func:`time_chain`'s figures for the whole model as one stage, in a fresh process: a stage loaded
+    again in a process that already ran one decodes 10-20% slower (measured on Qwen3-MoE shapes)."""
+    out = subprocess.run([sys.executable, "-c", "import sys; from meshnet.bench.engine_bench import _speed_child; "
+                          "_speed_child(sys.argv[1], *map(int, sys.argv[2:]))",
+                          model, str(threads), str(n_ctx), str(prompt_tokens), str(n_decode), str(repeats)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def measure_rss(model: str, layers: str, threads: int, n_tokens: int = 128) -> dict:
     """Resident memory of a fresh process holding only ``layers`` after an ``n_tokens`` prefill
     (bytes, from /proc on Linux). ``rss_for_range_bytes`` excludes the interpreter and imports."""
@@ -147,6 +170,18 @@ def measure_rss(model: str, layers: str, threads: int, n_tokens: int = 128) -> d
     d = json.loads(out.stdout.strip().splitlines()[-1])
     d["rss_for_range_bytes"] = d["rss_bytes"] - d["rss_before_load_bytes"]
     return d
+
+
+def _llama_ratios(one: dict, result: dict) -> dict:
+    """A single stage's figures over llama-bench's (repacked, and ``--repack 0``) from one round."""
+    out = {}
+    for key, suffix in (("llama_cpp", ""), ("llama_cpp_no_repack", "_no_repack")):
+        ref = result[key]
+        if "decode_tokens_per_s" in ref:
+            for what in ("decode", "prefill"):
+                out[f"1_stage_vs_llama_cpp{suffix}_{what}"] = round(
+                    one[f"{what}_tokens_per_s"] / ref[f"{what}_tokens_per_s"], 3)
+    return out
 
 
 def format_table(result: dict) -> str:
@@ -170,6 +205,10 @@ def format_table(result: dict) -> str:
                      f"{ratios[0]:>10} {ratios[1]:>9}")
     if "skipped" in ref:
         lines.append(f"llama-bench skipped: {ref['skipped']}")
+    if "rounds" in result:
+        r = result["ratios"]
+        lines.append(f"(figures of the last of {len(result['rounds'])} rounds; median of the rounds' ratios: "
+                     f"prefill {r.get('1_stage_vs_llama_cpp_prefill')}x, decode {r.get('1_stage_vs_llama_cpp_decode')}x)")
     return "\n".join(lines)
 
 
@@ -190,16 +229,22 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         "repeats": args.repeats, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "meshnet": {},
     }
-    for n_stages in sorted({1, args.stages}):
+
+    def measure(n_stages: int) -> dict:
         ranges = plan_ranges(model, n_stages)
         # No prefix reuse: every run prefills its whole prompt, as llama-bench's prompt test does (a kept
         # session would serve the repeated prompt from its cells).
         chain = load_local_chain(model, ranges, n_threads=args.threads, n_ctx=n_ctx, progress=False, prefix_cache=0)
+        try:
+            return {"layers": [str(r) for r in ranges],
+                    **time_chain(chain, prompt_ids, args.decode_tokens, args.repeats)}
+        finally:
+            _close(chain)
+
+    for n_stages in sorted({1, args.stages}):
         key = f"{n_stages}_stage" + ("s" if n_stages > 1 else "")
-        result["meshnet"][key] = {"layers": [str(r) for r in ranges],
-                                  **time_chain(chain, prompt_ids, args.decode_tokens, args.repeats)}
+        result["meshnet"][key] = measure(n_stages)
         print(f"[bench] {key}: {result['meshnet'][key]}", file=sys.stderr)
-        _close(chain)
     if backend != "cpu":
         from meshnet.backends.placement import AcceleratorEngine
 
@@ -231,16 +276,20 @@ def run_engine_bench(args: argparse.Namespace) -> int:
     if args.no_llama_cpp:
         result["llama_cpp"] = result["llama_cpp_no_repack"] = {"skipped": "--no-llama-cpp"}
     else:
-        # As users run it (weights repacked), and on the kernels meshnet uses (see llama_bench).
-        for key, repack in (("llama_cpp", True), ("llama_cpp_no_repack", False)):
-            result[key] = llama_bench_reference(model, len(prompt_ids), args.decode_tokens, args.threads,
-                                                args.repeats, repack=repack)
-    for key, suffix in (("llama_cpp", ""), ("llama_cpp_no_repack", "_no_repack")):
-        ref = result[key]
-        if "decode_tokens_per_s" in ref:
-            for what in ("decode", "prefill"):
-                result["ratios"][f"1_stage_vs_llama_cpp{suffix}_{what}"] = round(
-                    one[f"{what}_tokens_per_s"] / ref[f"{what}_tokens_per_s"], 3)
+        rounds = []
+        for r in range(max(1, getattr(args, "rounds", 1))):
+            if r:
+                one = result["meshnet"]["1_stage"] = measure_speed_fresh(
+                    model, args.threads, n_ctx, args.prompt_tokens, args.decode_tokens, args.repeats)
+                print(f"[bench] round {r + 1}: 1_stage: {one}", file=sys.stderr)
+            # As users run it (weights repacked), and on the kernels meshnet uses (see llama_bench).
+            for key, repack in (("llama_cpp", True), ("llama_cpp_no_repack", False)):
+                result[key] = llama_bench_reference(model, len(prompt_ids), args.decode_tokens, args.threads,
+                                                    args.repeats, repack=repack)
+            rounds.append(_llama_ratios(one, result))
+        result["ratios"].update({k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]})
+        if len(rounds) > 1:
+            result["rounds"] = rounds
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -10,9 +10,13 @@ Meshnet needs more than speed from a kernel: a session's row must come out with 
 shares its mat-mul (other sessions' rows, a prefill chunk, verification rows, a replay's prefill), or
 batched and failed-over output would drift from the solo run. Repacked kernels differ there: measured on
 AVX512, Q4_0 and IQ4_NL give every row of batches of 1-128 rows the bits it gets alone; Q4_K does not
-from 4 rows on (its GEMM path rounds differently from its GEMV path). Kernels differ by CPU, so
-:func:`invariant_types` checks each candidate on this machine, once per process, with a small probe, and only the types that pass are repacked. Only 2-D mat-mul weights move (the token
-embedding is read by ``get_rows``, which repacked buffers do not serve).
+from 4 rows on (its GEMM path rounds differently from its GEMV path). Expert weights are another matter:
+the repacked ``mul_mat_id`` (``forward_mul_mat_id`` in ``repack.cpp``) multiplies each row by GEMV alone,
+so Q4_K and MXFP4 experts keep rows' bits too (measured the same way, at 1 and 2 threads). Kernels differ
+by CPU, so :func:`invariant_types` checks each candidate on this machine, once per process and op, with a
+small probe, and only the types that pass are repacked. Only mat-mul weights move: 2-D ones multiplied by
+``mul_mat`` and 3-D expert stacks multiplied by ``mul_mat_id`` (the token embedding is read by
+``get_rows``, which repacked buffers do not serve).
 """
 
 from __future__ import annotations
@@ -23,15 +27,21 @@ import threading
 import ggml
 import numpy as np
 
-from meshnet.engine.ggml_backend import get_tensor, new_meta_context, new_tensor, set_tensor
+from meshnet.engine.ggml_backend import new_meta_context, new_tensor, set_tensor
 
-# Types with repacked kernels here that may keep rows' bits; the probe decides per machine. Q4_K is left
-# out: its repacked GEMM gives rows other bits than its GEMV (measured from 4 rows on).
-CANDIDATE_TYPES = (ggml.GGML_TYPE_Q4_0, ggml.GGML_TYPE_IQ4_NL)
+# Types with repacked kernels here that may keep rows' bits, per op; the probe decides per machine. Q4_K
+# is left out of mul_mat: its repacked GEMM gives rows other bits than its GEMV (measured from 4 rows on).
+CANDIDATE_TYPES = {
+    "mul_mat": (ggml.GGML_TYPE_Q4_0, ggml.GGML_TYPE_IQ4_NL),
+    "mul_mat_id": (ggml.GGML_TYPE_Q4_0, ggml.GGML_TYPE_IQ4_NL, ggml.GGML_TYPE_Q4_K, ggml.GGML_TYPE_MXFP4),
+}
 PROBE_BATCHES = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33)  # GEMM tiles of 4 and 8 rows, and their remainders
+# The mul_mat_id probe: experts in the stack, and experts each row uses (every expert gets several rows
+# in the larger batches, which is where a GEMM path would show).
+PROBE_EXPERTS, PROBE_USED = 8, 2
 
 _lock = threading.Lock()
-_verdicts: dict[int, bool] = {}  # ggml type -> rows keep their bits
+_verdicts: dict[tuple[str, int], bool] = {}  # (op, ggml type) -> rows keep their bits
 
 
 def repack_buffer_type():
@@ -51,17 +61,32 @@ def repack_buffer_type():
     return None
 
 
+def _op_of(weight) -> str:
+    """The op a mat-mul weight is multiplied by: ``mul_mat`` (2-D) or ``mul_mat_id`` (a 3-D expert stack)."""
+    return "mul_mat_id" if ggml.ggml_n_dims(weight) == 3 else "mul_mat"
+
+
+def _product(ctx, weight, x, ids=None):
+    """``mul_mat(weight, x)``, or ``mul_mat_id(weight, x, ids)`` with ``ids`` for an expert stack."""
+    return ggml.ggml_mul_mat(ctx, weight, x) if ids is None else ggml.ggml_mul_mat_id(ctx, weight, x, ids)
+
+
 def supports(dev, buft, weight) -> bool:
-    """Whether ``dev`` runs ``mul_mat(weight, x)`` with ``weight`` in ``buft``: the check llama.cpp's
-    ``weight_buft_supported`` makes (the weight on a dummy buffer of the type, then ``supports_op``)."""
+    """Whether ``dev`` runs ``weight``'s product (``mul_mat``, or ``mul_mat_id`` for a 3-D expert stack)
+    with ``weight`` in ``buft``: the check llama.cpp's ``weight_buft_supported`` makes (the weight on a
+    dummy buffer of the type, then ``supports_op``)."""
     ne = weight.contents.ne
     ctx = new_meta_context(4)
     dummy = ggml.ggml_backend_buft_alloc_buffer(buft, 0)
     old = weight.contents.buffer
     try:
         weight.contents.buffer = dummy
-        x = new_tensor(ctx, ggml.GGML_TYPE_F32, (int(ne[0]), 1))
-        return bool(ggml.ggml_backend_dev_supports_op(dev, ggml.ggml_mul_mat(ctx, weight, x)))
+        if _op_of(weight) == "mul_mat":
+            x, ids = new_tensor(ctx, ggml.GGML_TYPE_F32, (int(ne[0]), 1)), None
+        else:
+            x = new_tensor(ctx, ggml.GGML_TYPE_F32, (int(ne[0]), 1, 1))
+            ids = new_tensor(ctx, ggml.GGML_TYPE_I32, (1, 1))
+        return bool(ggml.ggml_backend_dev_supports_op(dev, _product(ctx, weight, x, ids)))
     finally:
         weight.contents.buffer = old
         ggml.ggml_backend_buffer_free(dummy)
@@ -77,48 +102,63 @@ def _quantized(gtype: int, w: np.ndarray) -> np.ndarray:
     return out
 
 
-def _mul_mat(backend, weight, x: np.ndarray) -> np.ndarray:
-    """``weight @ x.T``: float32 ``[n, rows]`` for ``x`` float32 ``[n, k]``, one graph on ``backend``
-    (computed on the calling thread)."""
+def _mul_mat(backend, weight, x: np.ndarray, ids: np.ndarray | None = None) -> np.ndarray:
+    """``weight @ x.T``: float32 ``[n, rows]`` for ``x`` float32 ``[n, k]``; for an expert stack ``weight``
+    ``[k, rows, n_expert]`` with ``ids`` int32 ``[n, n_used]``, each row times its experts: float32
+    ``[n, n_used * rows]``. One graph on ``backend`` (computed on the calling thread)."""
     ctx = new_meta_context(4, 16)
     try:
-        xt = new_tensor(ctx, ggml.GGML_TYPE_F32, (x.shape[1], x.shape[0]))
-        y = ggml.ggml_mul_mat(ctx, weight, xt)
+        n, k = x.shape
+        xt = new_tensor(ctx, ggml.GGML_TYPE_F32, (k, n) if ids is None else (k, 1, n))
+        it = None if ids is None else new_tensor(ctx, ggml.GGML_TYPE_I32, (ids.shape[1], n))
+        y = _product(ctx, weight, xt, it)
         graph = ggml.ggml_new_graph_custom(ctx, 16, False)
         ggml.ggml_build_forward_expand(graph, y)
         buf = ggml.ggml_backend_alloc_ctx_tensors(ctx, backend)
         try:
             set_tensor(xt, x)
+            if it is not None:
+                set_tensor(it, ids)
             if ggml.ggml_backend_graph_compute(backend, graph) != ggml.GGML_STATUS_SUCCESS:
                 raise RuntimeError("ggml failed to compute the repack probe")
-            return get_tensor(y)
+            out = np.empty(int(ggml.ggml_nbytes(y)) // 4, np.float32)
+            ggml.ggml_backend_tensor_get(y, out.ctypes.data_as(ctypes.c_void_p), 0, out.nbytes)
+            return out.reshape(n, -1)
         finally:
             ggml.ggml_backend_buffer_free(buf)
     finally:
         ggml.ggml_free(ctx)
 
 
-def rows_keep_their_bits(gtype: int, backend, buft, k: int = 256, rows: int = 32) -> bool:
-    """Probe: a ``[rows, k]`` weight of ``gtype`` in ``buft``, multiplied by batches of
-    :data:`PROBE_BATCHES` activation rows on ``backend``; True when every row of every batch has the bits
-    it has alone. False when the type cannot be placed there.
+def rows_keep_their_bits(gtype: int, backend, buft, op: str = "mul_mat", k: int = 256, rows: int = 32) -> bool:
+    """Probe: a ``[rows, k]`` weight of ``gtype`` in ``buft`` (for ``op`` ``mul_mat_id`` a stack of
+    :data:`PROBE_EXPERTS` such experts, each row using :data:`PROBE_USED` of them), multiplied by batches
+    of :data:`PROBE_BATCHES` activation rows on ``backend``; True when every row of every batch has the
+    bits it has alone. False when the type cannot be placed there.
 
     Raises:
         RuntimeError: ggml failed to compute a probe graph."""
     rng = np.random.default_rng(7)
-    data = _quantized(gtype, (rng.standard_normal((rows, k)) * 0.05).astype(np.float32))
+    n_exp = PROBE_EXPERTS if op == "mul_mat_id" else 1
+    data = _quantized(gtype, (rng.standard_normal((rows * n_exp, k)) * 0.05).astype(np.float32))
     ctx = new_meta_context(2)
     buf = None
     try:
-        weight = new_tensor(ctx, gtype, (k, rows))
+        weight = new_tensor(ctx, gtype, (k, rows) if op == "mul_mat" else (k, rows, n_exp))
         buf = ggml.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
         if not buf or ggml.ggml_nbytes(weight) != data.nbytes:
             return False
         set_tensor(weight, data)
         x = rng.standard_normal((max(PROBE_BATCHES), k)).astype(np.float32)
-        alone = [_mul_mat(backend, weight, x[i:i + 1])[0] for i in range(len(x))]
+        ids = None if op == "mul_mat" else np.stack(
+            [rng.choice(n_exp, PROBE_USED, replace=False) for _ in range(len(x))]).astype(np.int32)
+
+        def product(lo: int, hi: int) -> np.ndarray:
+            return _mul_mat(backend, weight, x[lo:hi], None if ids is None else ids[lo:hi])
+
+        alone = [product(i, i + 1)[0] for i in range(len(x))]
         for n in PROBE_BATCHES:
-            out = _mul_mat(backend, weight, x[:n])
+            out = product(0, n)
             if any(out[i].tobytes() != alone[i].tobytes() for i in range(n)):
                 return False
         return True
@@ -128,16 +168,16 @@ def rows_keep_their_bits(gtype: int, backend, buft, k: int = 256, rows: int = 32
         ggml.ggml_free(ctx)
 
 
-def invariant_types(buft) -> set[int]:
-    """The :data:`CANDIDATE_TYPES` whose repacked mat-muls keep every row's bits on this machine; probed
-    once per process on a CPU backend of its own with one thread. One thread, because ggml's CPU backend
+def invariant_types(buft, op: str = "mul_mat") -> set[int]:
+    """The :data:`CANDIDATE_TYPES` of ``op`` (``mul_mat`` or ``mul_mat_id``) whose repacked products keep
+    every row's bits on this machine; probed once per process on a CPU backend of its own with one thread. One thread, because ggml's CPU backend
     parallelises a graph with an OpenMP team that belongs to the thread starting it: a probe run on the
     stages' shared backend from the loading thread would leave a second team beside the scheduler's, and
     decoding then ran at half speed (SmolLM2, 2 threads: 65 instead of 130 tokens/s). The thread count
     does not change the verdict: the repacked kernels split a mat-mul between threads by weight rows, each
     result computed whole by one thread (measured the same at 1 and 2 threads)."""
     with _lock:
-        todo = [t for t in CANDIDATE_TYPES if t not in _verdicts]
+        todo = [t for t in CANDIDATE_TYPES[op] if (op, t) not in _verdicts]
         if todo:
             backend = ggml.ggml_backend_cpu_init()
             if not backend:
@@ -145,16 +185,17 @@ def invariant_types(buft) -> set[int]:
             try:
                 ggml.ggml_backend_cpu_set_n_threads(backend, 1)
                 for t in todo:
-                    _verdicts[t] = rows_keep_their_bits(t, backend, buft)
+                    _verdicts[op, t] = rows_keep_their_bits(t, backend, buft, op)
             finally:
                 ggml.ggml_backend_free(backend)
-        return {t for t in CANDIDATE_TYPES if _verdicts[t]}
+        return {t for t in CANDIDATE_TYPES[op] if _verdicts[op, t]}
 
 
 def repack_weights(weights, reader, kinds: frozenset[str]) -> list[str]:
-    """Move the 2-D weights of ``weights`` (a :class:`~meshnet.engine.ggml_backend.StageWeights`) of the
-    ``kinds`` (``blk.N.<kind>.weight`` or ``<kind>.weight``) whose type :func:`invariant_types` passes and
-    whose mat-mul the CPU backend supports repacked into one ``CPU_REPACK`` buffer (the data is copied
+    """Move the mat-mul weights of ``weights`` (a :class:`~meshnet.engine.ggml_backend.StageWeights`) of
+    the ``kinds`` (``blk.N.<kind>.weight`` or ``<kind>.weight``: 2-D ones, and 3-D expert stacks) whose
+    type :func:`invariant_types` passes for their op and whose product the CPU backend supports repacked
+    into one ``CPU_REPACK`` buffer (the data is copied
     and rearranged from ``reader``'s tensors). Returns the names moved (none without ``CPU_REPACK``).
 
     Raises:
@@ -164,11 +205,10 @@ def repack_weights(weights, reader, kinds: frozenset[str]) -> list[str]:
     if found is None:
         return []
     dev, buft = found
-    types = invariant_types(buft)
     by_name = {t.name: t for t in reader.tensors}
     names = [n for n, t in weights.tensors.items()
-             if n.removesuffix(".weight").rsplit(".", 1)[-1] in kinds and int(t.contents.type) in types
-             and ggml.ggml_n_dims(t) == 2 and supports(dev, buft, t)]
+             if n.removesuffix(".weight").rsplit(".", 1)[-1] in kinds and ggml.ggml_n_dims(t) in (2, 3)
+             and int(t.contents.type) in invariant_types(buft, _op_of(t)) and supports(dev, buft, t)]
     if not names:
         return []
     ctx = new_meta_context(len(names) + 1)

@@ -27,10 +27,12 @@ from meshnet.engine.stage_sessions import SessionKV, StageSessions
 from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, stage_tensor_names
 from meshnet.model.hparams import ModelConfig
 
-# Weights only ever multiplied as whole 2-D matrices (``ggml_mul_mat``), which may be repacked; embeddings
-# (read by get_rows, also as a tied output) and weights the graphs view or reshape stay as stored.
+# Weights only ever multiplied whole, as 2-D matrices (``ggml_mul_mat``) or expert stacks
+# (``ggml_mul_mat_id``), which may be repacked; embeddings (read by get_rows, also as a tied output) and
+# weights the graphs view or reshape stay as stored.
 REPACKABLE = frozenset({"attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
-                        "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "output"})
+                        "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "output",
+                        "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"})
 
 # Context per session when the caller does not choose one: the model's own, capped so that a default
 # session's KV cache stays small on ordinary machines.
