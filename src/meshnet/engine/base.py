@@ -4,8 +4,9 @@ A concrete engine implements four hooks: ``_load`` (read weights for the range),
 one session's KV cells), ``_forward`` (run the owned layers for one step) and ``_free_state``; an engine
 that computes several sessions at once also overrides ``_forward_batch`` (one iteration of the
 :class:`~meshnet.engine.scheduler.StepScheduler`). Everything the contract promises about statuses —
-cache misses, stale epochs, positions, cancellation, session limits, malformed input — is decided here,
-once, before any state changes and before a step joins a batch, so every engine behaves alike and one
+cache misses, stale epochs, positions, cancellation, session limits, malformed input — is decided here
+(the checks of the request itself and of its grammar in :mod:`meshnet.engine.step_validation`), once,
+before any state changes and before a step joins a batch, so every engine behaves alike and one
 session's bad step never reaches the others' iteration.
 """
 
@@ -22,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from meshnet.contract import (
-    MAX_DRAFT_TOKENS,
     Capabilities,
     NamedTensor,
     Health,
@@ -34,6 +34,7 @@ from meshnet.contract import (
     Status,
 )
 from meshnet.engine.scheduler import Chunk, Job, StepScheduler
+from meshnet.engine.step_validation import follow_grammar, grammar_problem, request_problem
 
 # Suggested client back-off when the stage is at its session or memory limit.
 RETRY_AFTER_S = 0.5
@@ -286,66 +287,6 @@ class ShardEngine(ABC):
         self._errors[status.value] = self._errors.get(status.value, 0) + 1
         return StepResult(status=status, message=message, **kw)
 
-    def _check_request(self, req: StepRequest, decode: bool) -> StepResult | None:
-        caps = self._caps
-        if caps is None:
-            return self._fail(Status.FAILED_PRECONDITION, "engine not loaded")
-        n = len(req.token_ids)
-        if n == 0 and caps.needs_token_ids and req.hidden is not None:
-            return self._fail(Status.INVALID_ARGUMENT,
-                              f"stage {caps.artifact.layers} picks experts by token id (hash-routed blocks) "
-                              f"and the step carries hidden states of shape {req.hidden.shape} without "
-                              f"their token ids")
-        if n == 0:
-            return self._fail(Status.INVALID_ARGUMENT, "no tokens in the step")
-        if req.verify and n > MAX_DRAFT_TOKENS + 1:
-            return self._fail(Status.INVALID_ARGUMENT,
-                              f"a verification step takes the last token and at most {MAX_DRAFT_TOKENS} "
-                              f"draft tokens, got {n} tokens")
-        if not 0 <= req.mtp_drafts <= MAX_DRAFT_TOKENS:
-            return self._fail(Status.INVALID_ARGUMENT, f"mtp_drafts must be in [0, {MAX_DRAFT_TOKENS}], "
-                              f"got {req.mtp_drafts}")
-        chunk = self._scheduler.chunk_tokens
-        if req.verify and chunk and n > chunk:
-            return self._fail(Status.INVALID_ARGUMENT, f"a verification step of {n} tokens exceeds the "
-                              f"stage's micro-batch of {chunk} tokens")
-        if decode and n != 1 and not req.verify:
-            return self._fail(Status.INVALID_ARGUMENT, f"decode takes exactly 1 token (or the last token "
-                              f"and its drafts in a verification step), got {n}")
-        if req.position < 0:
-            return self._fail(Status.INVALID_ARGUMENT, f"negative position {req.position}")
-        bad = [t for t in req.token_ids if not 0 <= int(t) < caps.n_vocab]
-        if bad:
-            return self._fail(Status.INVALID_ARGUMENT,
-                              f"token id {bad[0]} outside the vocabulary [0, {caps.n_vocab})")
-        if req.position + n > caps.n_ctx:
-            return self._fail(Status.INVALID_ARGUMENT,
-                              f"{req.position + n} tokens exceed the context length {caps.n_ctx} "
-                              f"(position {req.position} + {n} new tokens)")
-        if caps.is_head:
-            if req.hidden is not None:
-                return self._fail(Status.INVALID_ARGUMENT, "the head stage takes token ids, not hidden states")
-        else:
-            if req.hidden is None:
-                return self._fail(Status.INVALID_ARGUMENT,
-                                  f"stage {caps.artifact.layers} needs hidden states from the previous stage")
-            problem = req.hidden.validate()
-            if problem is None and req.hidden.dtype != "f32":
-                problem = f"hidden states must be f32, got {req.hidden.dtype}"
-            want = (n, *caps.hidden_row_shape)
-            if problem is None and req.hidden.shape != want:
-                problem = f"hidden states have shape {req.hidden.shape}, expected {want} for {n} tokens"
-                if caps.needs_token_ids and req.hidden.shape[1:] == want[1:]:
-                    problem += (": this stage picks experts by token id (hash-routed blocks) and needs "
-                                "one token id per row")
-            if problem is not None:
-                return self._fail(Status.INVALID_ARGUMENT, problem)
-        if caps.is_tail:
-            problem = req.sampling.validate(caps.n_vocab)
-            if problem is not None:
-                return self._fail(Status.INVALID_ARGUMENT, problem)
-        return None
-
     def _session_for(self, req: StepRequest, decode: bool) -> Session | StepResult:
         """Find or create the session; every refusal happens before any state changes."""
         assert self._caps is not None and self._spec is not None
@@ -389,55 +330,18 @@ class ShardEngine(ABC):
                               "rollback)")
         return s
 
-    def _grammar_problem(self, req: StepRequest) -> StepResult | None:
-        """On the tail, refuse a step whose grammar cannot be compiled (INVALID_ARGUMENT naming why);
-        called outside the lock: a new schema takes milliseconds to compile."""
-        grammar = req.sampling.grammar
-        if grammar is None or self._caps is None or not self._caps.is_tail:
-            return None
-        compiler = self._grammar_compiler()
-        if compiler is None:
-            return self._fail(Status.INVALID_ARGUMENT, f"the {self._caps.engine} engine cannot enforce a grammar")
-        try:
-            compiler.compile(grammar.json_schema)
-        except ValueError as e:  # GrammarError
-            return self._fail(Status.INVALID_ARGUMENT, str(e))
-        return None
-
-    def _follow_grammar(self, session: Session, req: StepRequest) -> StepResult | None:
-        """Bring the session's grammar matcher to the tokens before the step's first sample (a replay or a
-        rollback rebuilds or rewinds it); INVALID_ARGUMENT when a token the step sends, other than a
-        verification step's drafts, is one the grammar does not allow."""
-        grammar = req.sampling.grammar
-        if grammar is None or not self._caps.is_tail:
-            session.grammar = None
-            return None
-        try:
-            if session.grammar is None or session.grammar.grammar != grammar:
-                session.grammar = self._grammar_compiler().session(grammar)
-            ids = [int(t) for t in req.token_ids]
-            history = session.token_ids + (ids[:1] if req.verify else ids)
-            ok = session.grammar.follow(history)
-        except ValueError as e:  # GrammarError
-            return self._fail(Status.INVALID_ARGUMENT, str(e))
-        if grammar.start + ok < len(history):
-            at = grammar.start + ok
-            return self._fail(Status.INVALID_ARGUMENT, f"token {history[at]} at position {at} is not allowed "
-                              f"by the step's grammar")
-        return None
-
     def _step(self, req: StepRequest, decode: bool) -> StepResult:
-        bad = self._grammar_problem(req)
-        if bad is not None:
-            return bad
+        problem = grammar_problem(req, self._caps, self._grammar_compiler)
+        if problem is not None:
+            return self._fail(*problem)
         with self._lock:
             # One step per session at a time: a second one waits for the first, then is checked
             # against the position it left.
             while (waiting := self._sessions.get(req.session_id)) is not None and waiting.busy:
                 self._idle.wait()
-            bad = self._check_request(req, decode)
-            if bad is not None:
-                return bad
+            problem = request_problem(req, self._caps, decode, self._scheduler.chunk_tokens)
+            if problem is not None:
+                return self._fail(*problem)
             found = self._session_for(req, decode)
             if isinstance(found, StepResult):
                 return found
@@ -450,7 +354,8 @@ class ShardEngine(ABC):
             session.busy = True
         t0 = time.perf_counter()
         try:
-            result = self._follow_grammar(session, req) or \
+            problem = follow_grammar(session, req, self._caps.is_tail, self._grammar_compiler)
+            result = self._fail(*problem) if problem is not None else \
                 self._scheduler.submit(session, req, *self._reused(session, req))
         finally:
             with self._lock:

@@ -1,10 +1,8 @@
 """The forward graph of one layer range, built with ggml the way llama.cpp builds it.
 
-Mirrors llama.cpp's graphs (src/models/*.cpp, ``llm_build_llama``, ``llm_build_qwen2``,
-``llm_build_qwen3``, ``llm_build_qwen3moe``, ``llm_build_phi3``, ``llm_build_gemma3_iswa``,
-``llama_model_deepseek2::graph``) and its ``llm_graph_context`` helpers: ``build_norm`` (RMS norm then
-gain), ``build_ffn`` (fused SwiGLU / GeGLU), ``build_moe_ffn`` (routed experts, in ``ggml_moe``), MLA's
-query absorption and value decompression (``ggml_mla``), and ``build_attn``
+Mirrors llama.cpp's graphs (src/models/*.cpp): the inputs, the embedding, the blocks (each
+architecture's in :mod:`meshnet.engine.ggml_layers`) and the tail's output norm and head, with the
+``llm_graph_context`` helpers the blocks share: ``build_norm`` (RMS norm then gain) and ``build_attn``
 with a KV cache written by ``ggml_set_rows`` and read through ``ggml_flash_attn_ext`` (F16 cache, F32
 precision). Using the same ggml ops in the same order on weights in their stored types is what makes
 the logits equal llama.cpp's bit for bit.
@@ -30,11 +28,11 @@ from meshnet.engine.ggml_backend import (
     new_tensor,
     set_tensor,
 )
-from meshnet.engine.ggml_dsv4 import dsv4_graph_nodes, dsv4_layer, hc_expand, hc_head
+from meshnet.engine.ggml_dsv4 import dsv4_graph_nodes, hc_expand, hc_head
 from meshnet.engine.ggml_dsv4_attn import make_inputs as dsv4_make_inputs
 from meshnet.engine.ggml_dsv4_attn import set_inputs as dsv4_set_inputs
-from meshnet.engine.ggml_mla import mla_decompress, mla_qkv
-from meshnet.engine.ggml_moe import build_moe_ffn, moe_graph_nodes
+from meshnet.engine.ggml_layers import LAYERS
+from meshnet.engine.ggml_moe import moe_graph_nodes
 from meshnet.engine.kv_pool import KVPool
 from meshnet.model.gguf_file import tensor_name as _tn
 from meshnet.model.hparams import YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig
@@ -193,115 +191,6 @@ class StepGraph:
             return tuple(ggml.ggml_get_rows(self.ctx, x, self.inp.out_ids) for x in xs)
         return xs
 
-    def _attn_llama(self, il: int, x):
-        """The attention block of llama / qwen2 (q/k/v biases) / qwen3 and qwen3moe (per-head q/k RMS
-        norm): ``x`` ``[n_embd, n]`` -> (attention output, residual), both ``[n_embd, n_out]`` (fewer rows
-        on the model's last layer, see :meth:`_select_out_rows`)."""
-        cfg, ctx, n = self.cfg, self.ctx, self.n_tokens
-        cur = self._norm(x, T.ATTN_NORM, il)                                     # [n_embd, n]
-        q = ggml.ggml_reshape_3d(ctx, self._mm(T.ATTN_Q, il, cur), cfg.head_dim, cfg.n_head, n)
-        k = ggml.ggml_reshape_3d(ctx, self._mm(T.ATTN_K, il, cur), cfg.head_dim, cfg.n_head_kv, n)
-        v = ggml.ggml_reshape_3d(ctx, self._mm(T.ATTN_V, il, cur), cfg.head_dim_v, cfg.n_head_kv, n)
-        if self._wt(T.ATTN_Q_NORM, il) is not None:
-            q = self._norm(q, T.ATTN_Q_NORM, il)
-            k = self._norm(k, T.ATTN_K_NORM, il)
-        q, k = self._rope(q, il), self._rope(k, il)
-        cur = self._mm(T.ATTN_OUT, il, self._attn(il, q, k, v, cfg.attn_scale))  # [n_embd, n]
-        return self._select_out_rows(il, cur, x)
-
-    def _ffn(self, il: int, cur):
-        """The FFN of the architecture's manifest on ``cur`` ``[n_embd, n]`` (after ``ffn_norm``):
-        llama.cpp's build_ffn (SwiGLU on ffn_gate/up/down; also deepseek2's leading dense blocks) or
-        build_moe_ffn (routed experts), plus the shared experts' SwiGLU FFN where the file has them."""
-        cfg, ctx = self.cfg, self.ctx
-        if cfg.manifest.is_moe and il >= cfg.n_layer_dense_lead:
-            out = build_moe_ffn(ctx, self.gf, cur, self._wt(T.FFN_GATE_INP, il), self._wt(T.FFN_UP_EXP, il),
-                                self._wt(T.FFN_GATE_EXP, il), self._wt(T.FFN_DOWN_EXP, il), cfg.n_expert_used,
-                                cfg.expert_weights_norm, cfg.expert_weights_scale, cfg.expert_gating_func,
-                                self._wt(T.FFN_EXP_PROBS_B, il, "bias"), cfg.n_expert_groups, cfg.n_group_used)
-            if cfg.n_expert_shared:
-                out = ggml.ggml_add(ctx, out, self._swiglu_ffn(il, cur, T.FFN_UP_SHEXP, T.FFN_GATE_SHEXP,
-                                                               T.FFN_DOWN_SHEXP))
-            return out
-        return self._swiglu_ffn(il, cur, T.FFN_UP, T.FFN_GATE, T.FFN_DOWN)
-
-    def _swiglu_ffn(self, il: int, cur, up_kind: T, gate_kind: T, down_kind: T):
-        """build_ffn(LLM_FFN_SILU, LLM_FFN_PAR): down(SiLU(gate(x)) * up(x)), ``[n_embd, n]``."""
-        up = self._mm(up_kind, il, cur)                                          # [n_ff, n]
-        gate = self._mm(gate_kind, il, cur)
-        return self._mm(down_kind, il, ggml.ggml_swiglu_split(self.ctx, gate, up))
-
-    def _layer_llama(self, il: int, x):
-        """llama / qwen2 / qwen3 / qwen3moe: attention (:meth:`_attn_llama`), then the dense or MoE
-        FFN (:meth:`_ffn`), each added to the residual."""
-        cur, x = self._attn_llama(il, x)
-        ffn_inp = ggml.ggml_add(self.ctx, cur, x)
-        cur = self._ffn(il, self._norm(ffn_inp, T.FFN_NORM, il))
-        return ggml.ggml_add(self.ctx, cur, ffn_inp)
-
-    def _layer_deepseek2(self, il: int, x):
-        """deepseek2 (DeepSeek-V2/V3): multi-head latent attention in the absorbed form (``ggml_mla``;
-        the cache holds the latent + rope row, V is a view of it), then a dense FFN in the leading
-        blocks, routed plus shared experts in the others, each added to the residual."""
-        cfg, ctx = self.cfg, self.ctx
-        cur = self._norm(x, T.ATTN_NORM, il)                                     # [n_embd, n]
-        q, k, v = mla_qkv(self, il, cur)
-        cur = self._attn(il, q, k, v, cfg.attn_scale, v_in_k=True)               # [kv_lora_rank * n_head, n]
-        cur = mla_decompress(ctx, cur, self._wt(T.ATTN_V_B, il), cfg.n_head)     # [head_v * n_head, n]
-        cur = self._mm(T.ATTN_OUT, il, cur)                                      # [n_embd, n]
-        cur, x = self._select_out_rows(il, cur, x)
-        ffn_inp = ggml.ggml_add(ctx, cur, x)
-        cur = self._ffn(il, self._norm(ffn_inp, T.FFN_NORM, il))
-        return ggml.ggml_add(ctx, cur, ffn_inp)
-
-    def _layer_deepseek4(self, il: int, x):
-        """deepseek4 (DeepSeek-V4): hyper-connection streams around V4 attention and the routed FFN
-        (:mod:`meshnet.engine.ggml_dsv4`); the streams ``[n_embd, n_hc, n]`` in and out."""
-        return dsv4_layer(self, il, x)
-
-    def _layer_phi3(self, il: int, x):
-        """phi3: fused attn_qkv rows [Q; K; V], Q pre-scaled, fused ffn_up rows [gate; up]."""
-        cfg, ctx, n = self.cfg, self.ctx, self.n_tokens
-        cur = self._norm(x, T.ATTN_NORM, il)
-        qkv = self._mm(T.ATTN_QKV, il, cur)                                      # [n_embd + 2*n_embd_gqa, n]
-        f4 = 4  # sizeof(float)
-        nb1 = qkv.contents.nb[1]
-        q = ggml.ggml_view_3d(ctx, qkv, cfg.head_dim, cfg.n_head, n, cfg.head_dim * f4, nb1, 0)
-        k = ggml.ggml_view_3d(ctx, qkv, cfg.head_dim, cfg.n_head_kv, n, cfg.head_dim * f4, nb1,
-                              f4 * cfg.head_dim * cfg.n_head)
-        v = ggml.ggml_view_3d(ctx, qkv, cfg.head_dim, cfg.n_head_kv, n, cfg.head_dim * f4, nb1,
-                              f4 * (cfg.head_dim * cfg.n_head + cfg.n_embd_k_gqa))
-        q, k = self._rope(q, il), self._rope(k, il)
-        q = ggml.ggml_scale(ctx, q, cfg.attn_scale)
-        cur = self._mm(T.ATTN_OUT, il, self._attn(il, q, k, v, 1.0))
-        cur, x = self._select_out_rows(il, cur, x)
-        residual = ggml.ggml_add(ctx, cur, x)
-        cur = self._norm(residual, T.FFN_NORM, il)
-        cur = ggml.ggml_swiglu(ctx, self._mm(T.FFN_UP, il, cur))                 # [n_ff, n]
-        cur = self._mm(T.FFN_DOWN, il, cur)
-        return ggml.ggml_add(ctx, residual, cur)
-
-    def _layer_gemma3(self, il: int, x):
-        """gemma3: q/k RMS norm, Q pre-scaled, post-attention and post-FFN norms, GeGLU(tanh)."""
-        cfg, ctx, n = self.cfg, self.ctx, self.n_tokens
-        cur = self._norm(x, T.ATTN_NORM, il)
-        q = ggml.ggml_reshape_3d(ctx, self._mm(T.ATTN_Q, il, cur), cfg.head_dim, cfg.n_head, n)
-        k = ggml.ggml_reshape_3d(ctx, self._mm(T.ATTN_K, il, cur), cfg.head_dim, cfg.n_head_kv, n)
-        v = ggml.ggml_reshape_3d(ctx, self._mm(T.ATTN_V, il, cur), cfg.head_dim_v, cfg.n_head_kv, n)
-        q = self._rope(self._norm(q, T.ATTN_Q_NORM, il), il)
-        k = self._rope(self._norm(k, T.ATTN_K_NORM, il), il)
-        q = ggml.ggml_scale(ctx, q, cfg.attn_scale)
-        cur = self._mm(T.ATTN_OUT, il, self._attn(il, q, k, v, 1.0))
-        cur, x = self._select_out_rows(il, cur, x)
-        cur = self._norm(cur, T.ATTN_POST_NORM, il)
-        sa_out = ggml.ggml_add(ctx, cur, x)
-        cur = self._norm(sa_out, T.FFN_NORM, il)
-        up = self._mm(T.FFN_UP, il, cur)
-        gate = self._mm(T.FFN_GATE, il, cur)
-        cur = self._mm(T.FFN_DOWN, il, ggml.ggml_geglu_split(ctx, gate, up))
-        cur = self._norm(cur, T.FFN_POST_NORM, il)
-        return ggml.ggml_add(ctx, cur, sa_out)
-
     def _build(self):
         cfg, ctx, n, shape = self.cfg, self.ctx, self.n_tokens, self.shape
         swa = [cfg.is_swa(il) for il in range(self.layers.start, self.layers.end)]
@@ -338,9 +227,9 @@ class StepGraph:
             x = self.inp.hidden
             if cfg.dsv4 is not None:
                 x = ggml.ggml_reshape_3d(ctx, x, cfg.n_embd, cfg.dsv4.n_hc, n)
-        layer = getattr(self, f"_layer_{cfg.manifest.layer}")
+        layer = LAYERS[cfg.manifest.layer]
         for il in range(self.layers.start, self.layers.end):
-            x = layer(il, x)
+            x = layer(self, il, x)
         if cfg.dsv4 is not None:  # the streams flat: what crosses a boundary, or the tail's head mix
             if self.is_tail:
                 if self.inp.out_ids is not None:

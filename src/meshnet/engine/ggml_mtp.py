@@ -24,6 +24,7 @@ from meshnet.contract import LayerRange
 from meshnet.engine.batch_layout import MASK_ROW_PAD, BatchShape, build_mask, kv_length, pad_to
 from meshnet.engine.ggml_backend import compute, get_tensor, set_tensor
 from meshnet.engine.ggml_graph import StepGraph, _Inputs
+from meshnet.engine.ggml_layers import layer_deepseek2
 from meshnet.engine.kv_pool import KVPool
 from meshnet.model.hparams import ModelConfig
 
@@ -55,7 +56,7 @@ class MtpGraph(StepGraph):
         e = self._norm(e, T.NEXTN_ENORM, il)                                      # [n_embd, n]
         h = self._norm(self.inp.hidden, T.NEXTN_HNORM, il)
         cur = ggml.ggml_mul_mat(ctx, self._wt(T.NEXTN_EH_PROJ, il), ggml.ggml_concat(ctx, e, h, 0))
-        cur = self._layer_deepseek2(il, cur)                                      # [n_embd, n]
+        cur = layer_deepseek2(self, il, cur)                                      # [n_embd, n]
         if self._wt(T.NEXTN_SHARED_HEAD_NORM, il) is not None:
             cur = self._norm(cur, T.NEXTN_SHARED_HEAD_NORM, il)
         else:

@@ -90,7 +90,7 @@ class ArchManifest:
         name: ``general.architecture``.
         gguf_arch: the architecture in gguf-py's tables (``MODEL_TENSORS``).
         rope_type: ROPE_NORM or ROPE_NEOX.
-        layer: the ``StepGraph`` layer function that builds a block (``_layer_<layer>``).
+        layer: the function that builds a block (``engine.ggml_layers.LAYERS``: ``layer_<layer>``).
         ffn: ``dense`` (SwiGLU / GeGLU on ffn_gate/up/down) or ``moe`` (routed experts,
             ``engine.ggml_moe``).
         layer_tensors: the tensors of the blocks (each spec says which blocks, and under which
