@@ -40,7 +40,7 @@ from meshnet.engine.batch_layout import MASK_ROW_PAD, build_mask, pad_to
 from meshnet.engine.ggml_backend import new_tensor, set_tensor
 from meshnet.engine.kv_pool import AuxCache, rows_per_slot
 from meshnet.model.dsv4_params import CSA_RATIO
-from meshnet.model.hparams import YARN_BETA_FAST, YARN_BETA_SLOW
+from meshnet.model.rope_scaling import YARN_BETA_FAST, YARN_BETA_SLOW
 
 T = gguf.MODEL_TENSOR
 F32 = 4

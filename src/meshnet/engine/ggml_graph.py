@@ -35,7 +35,8 @@ from meshnet.engine.ggml_layers import LAYERS
 from meshnet.engine.ggml_moe import moe_graph_nodes
 from meshnet.engine.kv_pool import KVPool
 from meshnet.model.gguf_file import tensor_name as _tn
-from meshnet.model.hparams import YARN_BETA_FAST, YARN_BETA_SLOW, ModelConfig
+from meshnet.model.hparams import ModelConfig
+from meshnet.model.rope_scaling import YARN_BETA_FAST, YARN_BETA_SLOW
 
 T = gguf.MODEL_TENSOR
 

@@ -14,6 +14,7 @@ import numpy as np
 from meshnet.model.arch_manifest import ArchManifest, check_tensors, manifest_for
 from meshnet.model.dsv4_params import GATING_SQRT_SOFTPLUS, Dsv4Params, read_dsv4  # noqa: F401 (re-exported)
 from meshnet.model.gguf_file import GGUFError, array_length, model_tensors, tensor_name
+from meshnet.model.rope_scaling import mla_kq_scale, read_rope_scaling
 
 # llama.cpp hard-codes Gemma 3's sliding-window layer pattern (5 local : 1 global) and local RoPE base.
 GEMMA3_SWA_PATTERN = 6
@@ -21,59 +22,6 @@ GEMMA3_ROPE_FREQ_BASE_SWA = 10000.0
 
 # llama.cpp's llama_expert_gating_func_type (src/llama-hparams.h): how router logits become scores.
 GATING_NONE, GATING_SOFTMAX, GATING_SIGMOID = 0, 1, 2
-# llama.cpp's YaRN defaults (llama_hparams): these are not read from the file.
-YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
-
-
-def _logf(x: np.float32) -> np.float32:
-    """C's ``logf``: the float32 nearest the exact logarithm."""
-    return np.float32(math.log(float(x)))
-
-
-def _get_mscale(scale: np.float32, mscale: np.float32) -> np.float32:
-    """llama.cpp's ``get_mscale`` in llama_context's constructor, in float32 as C computes it."""
-    f = np.float32
-    return f(1.0) if scale <= 1 else f(0.1) * mscale * _logf(scale) + f(1.0)
-
-
-def yarn_rope_params(arch: str, scaling_type: str, freq_scale: float, yarn_log_mul: float,
-                     rope_attn_factor: float) -> tuple[float, float]:
-    """The ``ext_factor`` and ``attn_factor`` llama.cpp hands ``ggml_rope_ext`` (llama_context's
-    constructor: ``cparams.yarn_ext_factor`` / ``cparams.yarn_attn_factor``), in float32.
-
-    Args:
-        scaling_type: ``rope.scaling.type`` ("yarn" turns YaRN's extrapolation mix on).
-        freq_scale: 1 / ``rope.scaling.factor`` as float32.
-        yarn_log_mul: ``rope.scaling.yarn_log_multiplier`` after llama.cpp's load-time division by 0.1
-            (deepseek2), else 0.
-        rope_attn_factor: ``rope.scaling.attn_factor`` (default 1).
-    """
-    f = np.float32
-    ext_factor, attn_factor = f(1.0 if scaling_type == "yarn" else 0.0), f(1.0)
-    if ext_factor != 0:
-        factor = f(1.0) / f(freq_scale)
-        if yarn_log_mul != 0:
-            mscale_all_dims = f(yarn_log_mul)
-            mscale = mscale_all_dims if arch == "deepseek2" and mscale_all_dims != 1 else f(1.0)
-            attn_factor = _get_mscale(factor, mscale) / _get_mscale(factor, mscale_all_dims)
-        else:
-            attn_factor = _get_mscale(factor, f(1.0))
-        # cancels the magnitude factor ggml's rope applies itself when ext_factor != 0
-        attn_factor = attn_factor * (f(1.0) / (f(1.0) + f(0.1) * _logf(factor)))
-    attn_factor = attn_factor * f(rope_attn_factor)
-    return float(ext_factor), float(attn_factor)
-
-
-def mla_kq_scale(attn_factor: float, freq_scale: float, yarn_log_mul: float, n_embd_head_k_mla: int) -> float:
-    """deepseek2's attention scale, pre-multiplied by YaRN's mscale² (llama_model_deepseek2::graph):
-    ``mscale = attn_factor_org * (1 + 0.1 * yarn_log_mul * ln(1/freq_scale))``, ``kq_scale = mscale² /
-    sqrt(n_embd_head_k_mla)``, where ``attn_factor_org`` undoes the rope's cancelling factor; float32."""
-    f = np.float32
-    lg = _logf(f(1.0) / f(freq_scale))
-    attn_factor_org = f(attn_factor) * (f(1.0) + f(0.1) * lg)
-    mscale = attn_factor_org * (f(1.0) + f(0.1) * f(yarn_log_mul) * lg)
-    return float(f(1.0) * mscale * mscale / np.sqrt(f(n_embd_head_k_mla)))
-
 
 # Blocks a model may have: far beyond any real one, small enough that checking them is instant.
 MAX_LAYERS = 4096
@@ -316,20 +264,8 @@ class ModelConfig:
         if n_vocab == 0:
             embd = next((t for t in tensors if t.name == tensor_name(gguf.MODEL_TENSOR.TOKEN_EMBD)), None)
             n_vocab = int(embd.shape[1]) if embd is not None else 0  # no token_embd: check_tensors names it
-        scaling_factor = float(opt(gguf.Keys.Rope.SCALING_FACTOR, 0.0) or 0.0)
-        scaling_type = str(opt(gguf.Keys.Rope.SCALING_TYPE, "linear"))
-        # llama.cpp: float32 1/factor, and never scaled when the scaling type is "none"
-        if not (math.isfinite(scaling_factor) and (scaling_factor == 0 or 1e-6 <= scaling_factor <= 1e6)):
-            raise GGUFError(f"{arch} GGUF has rope.scaling.factor {scaling_factor}: expected 0 (none) or a "
-                            f"finite factor in [1e-6, 1e6]")
-        freq_scale = float(np.float32(1.0) / np.float32(scaling_factor)) if scaling_factor > 0 else 1.0
-        if scaling_type == "none":
-            freq_scale = 1.0
+        rope = read_rope_scaling(arch, opt)
         mla, dsv4 = arch == "deepseek2", arch == "deepseek4"
-        # llama.cpp divides the converter's yarn_log_multiplier by 0.1 (deepseek2's load_arch_hparams)
-        yarn_log_mul = float(np.float32(opt(gguf.Keys.Rope.SCALING_YARN_LOG_MUL, 0.0)) / np.float32(0.1)) if mla else 0.0
-        ext_factor, rope_attn_factor = yarn_rope_params(arch, scaling_type, freq_scale, yarn_log_mul,
-                                                        float(opt(gguf.Keys.Rope.SCALING_ATTN_FACTOR, 1.0)))
         n_rot = int(opt(gguf.Keys.Rope.DIMENSION_COUNT, head_dim))
         n_lora_kv = n_embd_head_k_mla = n_embd_head_v_mla = n_lora_q = 0
         if mla:
@@ -396,12 +332,12 @@ class ModelConfig:
             rope_type=manifest.rope_type,
             n_rot=n_rot,
             rope_freq_base=float(opt(gguf.Keys.Rope.FREQ_BASE, 10000.0)),
-            rope_freq_scale=freq_scale,
+            rope_freq_scale=rope.freq_scale,
             rope_freq_base_swa=float(opt(gguf.Keys.Rope.FREQ_BASE_SWA, GEMMA3_ROPE_FREQ_BASE_SWA)),
             n_swa=n_swa,
             swa_pattern=int(opt(gguf.Keys.Attention.SLIDING_WINDOW_PATTERN, GEMMA3_SWA_PATTERN)) if gemma else 0,
-            attn_scale=(mla_kq_scale(rope_attn_factor, freq_scale, yarn_log_mul, n_embd_head_k_mla) if mla else
-                        float(opt(gguf.Keys.Attention.SCALE, 0.0) or 0.0) or 1.0 / math.sqrt(head_dim)),
+            attn_scale=(mla_kq_scale(rope.attn_factor, rope.freq_scale, rope.yarn_log_mul, n_embd_head_k_mla)
+                        if mla else float(opt(gguf.Keys.Attention.SCALE, 0.0) or 0.0) or 1.0 / math.sqrt(head_dim)),
             embd_scale=math.sqrt(n_embd) if gemma else 1.0,
             tied_output=tied,
             n_expert=n_expert,
@@ -419,8 +355,8 @@ class ModelConfig:
             n_lora_kv=n_lora_kv,
             n_embd_head_k_mla=n_embd_head_k_mla,
             n_embd_head_v_mla=n_embd_head_v_mla,
-            rope_ext_factor=ext_factor,
-            rope_attn_factor=rope_attn_factor,
+            rope_ext_factor=rope.ext_factor,
+            rope_attn_factor=rope.attn_factor,
             n_ctx_orig_yarn=int(opt(gguf.Keys.Rope.SCALING_ORIG_CTX_LEN, 0)),
             dsv4=v4,
         )

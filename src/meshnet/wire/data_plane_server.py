@@ -7,8 +7,8 @@ bytes are buffered only as they arrive (so a length announced and never sent cos
 (``auth_timeout_s`` to authenticate, ``read_timeout_s`` of silence inside a request, ``idle_timeout_s``
 between requests), and at most ``max_connections`` are open at once: a new one beyond that replaces the
 oldest connection that has not authenticated yet, or is refused when every connection has. Steps run on
-``workers`` threads; reading and writing never block the selector thread, whose loop costs no thread per
-connection.
+``workers`` threads (:mod:`meshnet.wire.data_plane_steps`); reading and writing never block the selector
+thread, whose loop costs no thread per connection.
 
 A connection streaming one-way FORWARD steps is not read while ``max_pending_forwards`` of its steps wait
 or run (TCP backpressure on the sender). A connection awaiting a forwarded step's outcome (AWAIT) stays
@@ -36,15 +36,14 @@ import socket
 import ssl
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from google.protobuf.message import DecodeError
 
 from meshnet.proto import meshnet_pb2 as pb
-from meshnet.wire.data_plane import (AUTH, AWAIT, ENVELOPE, ERROR, FORWARD, HEADER, MAX_MESSAGE_BYTES, REPLY,
-                                     encode_error, encode_messages)
+from meshnet.wire.data_plane import AUTH, AWAIT, ENVELOPE, ERROR, FORWARD, HEADER, MAX_MESSAGE_BYTES, encode_error
 from meshnet.wire.data_plane_conn import Conn, Refuse, send_now
+from meshnet.wire.data_plane_steps import StepPool
 
 log = logging.getLogger("meshnet.data_plane")
 
@@ -101,7 +100,7 @@ class DataPlaneServer:
         self._token = (join_token or "").encode()
         self._tls = tls
         self._unread: set[Conn] = set()  # TLS connections with decrypted bytes not read yet
-        self._run_step, self._run_forward, self._run_await = run_step, run_forward, run_await
+        self._run_await = run_await
         # message kinds accepted after authentication
         self._kinds = frozenset({ENVELOPE} | ({FORWARD} if run_forward is not None else set())
                                 | ({AWAIT} if run_await is not None else set()))
@@ -119,10 +118,7 @@ class DataPlaneServer:
         self._sel.register(self._listener, selectors.EVENT_READ, "accept")
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._conns: dict[int, Conn] = {}  # by id(); insertion order = age, for eviction
-        self._done: collections.deque[tuple[Conn, bool]] = collections.deque()  # (conn, keep) from workers
-        self._answers: collections.deque[tuple[Conn, object]] = collections.deque()  # awaits answered
-        self._forwards_done: collections.deque[Conn] = collections.deque()  # a forwarded step of conn ran
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="data-plane-step")
+        self._steps = StepPool(workers, run_step, run_forward, read_timeout_s, self._wake)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="data-plane", daemon=True)
 
@@ -139,7 +135,7 @@ class DataPlaneServer:
         self._wake()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._steps.shutdown()
         for c in list(self._conns.values()):
             c.sock.close()
         self._conns.clear()
@@ -281,7 +277,7 @@ class DataPlaneServer:
             # has taken the connection back from the await.
             c.cancel_await = lambda: None
             c.deadline = time.monotonic() + self.idle_timeout_s
-            cancel = self._run_await(awaited, lambda out: self._answered(c, out))
+            cancel = self._run_await(awaited, lambda out: self._steps.answered(c, out))
             if c.cancel_await is not None and callable(cancel):
                 c.cancel_await = cancel
             return True
@@ -293,14 +289,14 @@ class DataPlaneServer:
             # One way: the connection goes on being read, so the sender can stream the next step at once,
             # until too many of its steps wait.
             c.forwards += 1
-            self._pool.submit(self._forwarded, c, frames)
+            self._steps.forward(c, frames)
             if c.forwards >= self.max_pending_forwards:
                 c.paused = True
                 self._sel.unregister(c.sock)
                 return True
             return False
         self._hand_over(c)
-        self._pool.submit(self._serve, c, frames)
+        self._steps.serve(c, frames)
         return True
 
     def _hand_over(self, c: Conn) -> None:
@@ -319,26 +315,26 @@ class DataPlaneServer:
                 pass
         except (BlockingIOError, InterruptedError):
             pass
-        while self._forwards_done:
-            c = self._forwards_done.popleft()
+        while self._steps.forwards_done:
+            c = self._steps.forwards_done.popleft()
             c.forwards -= 1
             if c.paused and c.forwards < self.max_pending_forwards and id(c) in self._conns:
                 c.paused = False
                 c.deadline = time.monotonic() + self.idle_timeout_s
                 self._sel.register(c.sock, selectors.EVENT_READ, c)
                 self._mark_unread(c)
-        while self._answers:
-            c, out = self._answers.popleft()
+        while self._steps.answers:
+            c, out = self._steps.answers.popleft()
             if c.cancel_await is None or id(c) not in self._conns:
                 continue  # the client hung up meanwhile: nobody to answer
             c.cancel_await = None
             self._hand_over(c)
             try:
-                self._pool.submit(self._answer, c, out)
+                self._steps.answer(c, out)
             except RuntimeError:  # the server is stopping
                 pass
-        while self._done:
-            c, keep = self._done.popleft()
+        while self._steps.done:
+            c, keep = self._steps.done.popleft()
             c.busy = False
             if not keep:
                 self._close(c)
@@ -370,49 +366,3 @@ class DataPlaneServer:
             self._wake_w.send(b"x")
         except (BlockingIOError, OSError):
             pass  # a wake-up is already pending (or the server is closing)
-
-    # ---- a worker thread -------------------------------------------------------------------------
-
-    def _serve(self, c: Conn, frames: list[pb.Envelope]) -> None:
-        try:
-            out = self._run_step(frames)
-        except Exception:  # a failing step must not kill the server
-            log.exception("data plane step failed")
-            self._done.append((c, False))
-            self._wake()
-            return
-        self._answer(c, out)
-
-    def _forwarded(self, c: Conn, frames: list[pb.Envelope]) -> None:
-        try:
-            self._run_forward(frames)
-        except Exception:
-            log.exception("forwarded step failed")
-        finally:
-            self._forwards_done.append(c)
-            self._wake()
-
-    def _answered(self, c: Conn, out) -> None:
-        """The awaited outcome is here (any thread): the selector thread sends it, unless the client left."""
-        self._answers.append((c, out))
-        self._wake()
-
-    def _answer(self, c: Conn, out) -> None:
-        """Send ``out`` (a StepOutcome) on ``c`` and hand the connection back to the selector thread."""
-        keep = False
-        try:
-            if out.code != "OK":
-                data = encode_messages(ERROR, (encode_error(out.code, out.message, out.retry_after_s),))
-            else:
-                data = encode_messages(REPLY, (r.SerializeToString() for r in out.replies))
-            # The worker owns the socket until it hands it back: a blocking send, bounded like a read.
-            c.sock.settimeout(self.read_timeout_s)
-            c.sock.sendall(data)
-            c.sock.setblocking(False)
-            keep = True
-        except OSError:
-            pass  # the client went away or stopped reading
-        except Exception:
-            log.exception("data plane answer failed")
-        self._done.append((c, keep))
-        self._wake()
