@@ -182,6 +182,9 @@ def test_openai_client_sends_logit_bias_and_extra_body(served):
     ({"repeat_penalty": "1.1"}, "repeat_penalty"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"ignore_eos": 1}, "ignore_eos"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_k": 2**31}, "top_k"),
+    ({"top_k": 10**12}, "top_k"),
 ])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_bad_values_are_400_naming_the_field(served, path, body, param):
@@ -192,3 +195,21 @@ def test_bad_values_are_400_naming_the_field(served, path, body, param):
     err = r.json()["error"]
     assert err["param"] == param, err
     assert err["type"] == "invalid_request_error"
+
+
+def test_top_k_is_capped_at_the_wires_int32(served):
+    """``top_k`` crosses the wire as int32: a larger one is a 400 naming it (it used to pass the in-process
+    API and be a 500 behind a mesh, where the step header could not hold it); the cap itself is served,
+    and keeps every token, so greedy output is unchanged."""
+    from meshnet.sampling_params import MAX_INT32
+
+    _, http, _ = served
+    for path, base in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", {"messages": SHORT_ANSWER})):
+        r = http.post(path, json={**base, "max_tokens": 2, "top_k": 10**12})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "top_k" and str(MAX_INT32) in err["message"], err
+    assert _complete(http, top_k=MAX_INT32)["text"] == _complete(http)["text"]
+    assert "top_k must be in [0, 2147483647]" in SamplingParams(top_k=2**31).validate()
+    assert "penalty_last_n must be in [-1, 2147483647]" in SamplingParams(penalty_last_n=2**31).validate()
+    assert SamplingParams(top_k=MAX_INT32, penalty_last_n=MAX_INT32).validate() is None

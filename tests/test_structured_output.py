@@ -128,6 +128,7 @@ def test_ngram_speculation_keeps_the_constrained_greedy_answer(served):
     ({"type": "json_schema", "json_schema": {"schema": PERSON}}, "response_format.json_schema.name", "name"),
     ({"type": "json_schema"}, "response_format.json_schema", "json_schema must be an object"),
     ({"type": "xml"}, "response_format", "'xml'"),
+    ({}, "response_format", "response_format.type must be"),  # no type: refused, not taken for text
 ])
 def test_bad_schemas_are_400_naming_what_is_wrong(served, fmt, param, words):
     _, http, _ = served

@@ -139,4 +139,8 @@ def test_malformed_tool_calls_in_messages_are_400(served, calls):
     messages = ASK + [{"role": "assistant", "content": None, "tool_calls": calls}]
     r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == "messages.1.tool_calls.0"
+    err = r.json()["error"]
+    assert err["param"] == "messages.1.tool_calls.0"
+    # the shape it names has balanced braces (the message used to end in four)
+    assert err["message"].endswith('"arguments": a JSON object as text}}'), err
+    assert err["message"].count("{") == err["message"].count("}"), err

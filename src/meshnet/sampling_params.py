@@ -19,6 +19,10 @@ MAX_LOGIT_BIAS = 1024
 # tail compiles it; 32 KiB holds a schema with dozens of tools' parameters.
 MAX_GRAMMAR_BYTES = 32 * 1024
 
+# Largest ``top_k`` / ``penalty_last_n``: the step header carries them as int32 (any ``top_k`` at or over the
+# vocabulary's size keeps every token anyway).
+MAX_INT32 = 2**31 - 1
+
 
 @dataclass(frozen=True)
 class Grammar:
@@ -84,8 +88,8 @@ class SamplingParams:
         a ``logit_bias`` token id outside ``[0, n_vocab)`` is one too."""
         if not self.temperature >= 0:
             return f"temperature must be >= 0, got {self.temperature}"
-        if self.top_k < 0:
-            return f"top_k must be >= 0, got {self.top_k}"
+        if not 0 <= self.top_k <= MAX_INT32:
+            return f"top_k must be in [0, {MAX_INT32}], got {self.top_k}"
         if not 0 < self.top_p <= 1:
             return f"top_p must be in (0, 1], got {self.top_p}"
         if not 0 <= self.min_p <= 1:
@@ -94,8 +98,8 @@ class SamplingParams:
             return f"repetition_penalty must be > 0, got {self.repetition_penalty}"
         if self.n_top_logprobs < 0 or self.n_top_logprobs > 20:
             return f"n_top_logprobs must be in [0, 20], got {self.n_top_logprobs}"
-        if self.penalty_last_n < -1:
-            return f"penalty_last_n must be >= -1, got {self.penalty_last_n}"
+        if not -1 <= self.penalty_last_n <= MAX_INT32:
+            return f"penalty_last_n must be in [-1, {MAX_INT32}], got {self.penalty_last_n}"
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             return f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"
         ids = [t for t, _ in self.logit_bias]

@@ -173,7 +173,7 @@ class _Api:
         schema takes milliseconds); 400 for a bad one, or one combined with ``ignore_eos`` (the grammar
         ends the answer with an end-of-generation token once the document is complete)."""
         grammar = None
-        if req.response_format:
+        if req.response_format is not None:  # {} is refused (no type), not taken for text
             grammar = await anyio.to_thread.run_sync(
                 lambda: response_grammar(req.response_format, self.backend.grammars))
         if grammar is not None and req.ignore_eos:

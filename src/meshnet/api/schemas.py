@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from meshnet.contract import MAX_DRAFT_TOKENS
+from meshnet.sampling_params import MAX_INT32
 
 # Largest ``n`` (choices per prompt) one request may ask for; each choice is a full generation.
 MAX_N = 16
@@ -42,7 +43,7 @@ class _SamplingFields(_Strict):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # default 1.0
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)  # default 1.0 (off)
-    top_k: int | None = Field(default=None, ge=0)  # default 0 (off)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_INT32)  # default 0 (off); int32 on the wire
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # default 0.0 (off)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # default 1.0 (off)
     repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # llama-server's name for the same

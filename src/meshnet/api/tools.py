@@ -139,7 +139,7 @@ def hermes_calls_text(tool_calls: list[Any], param: str) -> str:
                 args = None
         if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(args, dict)):
             raise bad_request(f"{param}[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": str, "
-                              "\"arguments\": a JSON object as text}}}}", f"{param}.{i}")
+                              "\"arguments\": a JSON object as text}}", f"{param}.{i}")
         blocks.append("<tool_call>" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
                       + "</tool_call>")
     return "\n".join(blocks)
