@@ -70,6 +70,7 @@ FTYPES: dict[str, tuple[int, Q, Q, Q]] = {
     "q4_1": (gguf.LlamaFileType.MOSTLY_Q4_1, Q.Q4_1, Q.Q4_1, Q.Q4_1),
     "q4_0": (gguf.LlamaFileType.MOSTLY_Q4_0, Q.Q4_0, Q.Q4_0, Q.Q8_0),
     "q8_0": (gguf.LlamaFileType.MOSTLY_Q8_0, Q.Q8_0, Q.Q8_0, Q.Q8_0),
+    "q4_k": (gguf.LlamaFileType.MOSTLY_Q4_K_S, Q.Q4_K, Q.Q4_K, Q.Q8_0),
 }
 
 

@@ -12,8 +12,12 @@ batched and failed-over output would drift from the solo run. Repacked kernels d
 AVX512, Q4_0 and IQ4_NL give every row of batches of 1-128 rows the bits it gets alone; Q4_K does not
 from 4 rows on (its GEMM path rounds differently from its GEMV path). Expert weights are another matter:
 the repacked ``mul_mat_id`` (``forward_mul_mat_id`` in ``repack.cpp``) multiplies each row by GEMV alone,
-so Q4_K and MXFP4 experts keep rows' bits too (measured the same way, at 1 and 2 threads). Kernels differ
-by CPU, so :func:`invariant_types` checks each candidate on this machine, once per process and op, with a
+so Q4_K and MXFP4 experts keep rows' bits too (measured the same way, at 1 and 2 threads). A matrix of
+such a type (Q4_K) is therefore kept as a stack of two experts, its first and second half of rows (the same
+bytes), and multiplied by ``mul_mat_id`` with every row choosing both (:func:`mul_mat`): row by row, as
+llama.cpp's repacked GEMV does a decode row, and 1.1-1.4x faster than the plain Q4_K kernel at 1-128 rows
+(a 4096 x 2048 matrix, 2 threads). Two, because the repacked ``mul_mat_id`` takes 3-D stacks only (a
+stack of one is 2-D to ggml). Kernels differ by CPU, so :func:`invariant_types` checks each candidate on this machine, once per process and op, with a
 small probe, and only the types that pass are repacked. Only mat-mul weights move: 2-D ones multiplied by
 ``mul_mat`` and 3-D expert stacks multiplied by ``mul_mat_id`` (the token embedding is read by
 ``get_rows``, which repacked buffers do not serve).
@@ -71,17 +75,38 @@ def _product(ctx, weight, x, ids=None):
     return ggml.ggml_mul_mat(ctx, weight, x) if ids is None else ggml.ggml_mul_mat_id(ctx, weight, x, ids)
 
 
-def supports(dev, buft, weight) -> bool:
-    """Whether ``dev`` runs ``weight``'s product (``mul_mat``, or ``mul_mat_id`` for a 3-D expert stack)
-    with ``weight`` in ``buft``: the check llama.cpp's ``weight_buft_supported`` makes (the weight on a
-    dummy buffer of the type, then ``supports_op``)."""
+def mul_mat(ctx, w, x):
+    """``ggml_mul_mat(ctx, w, x)`` for a weight ``w`` ``[k, rows]``, also when :func:`repack_weights` keeps
+    ``w`` as a stack of its two halves of rows (``w.row_halves``): then ``mul_mat_id`` with every row of
+    ``x`` choosing experts 0 and 1, so that each row is multiplied on its own, and the two halves of the
+    result, in order, are the rows of the product. ``x`` float32 ``[k, n, ...]``; returns float32
+    ``[rows, n, ...]`` either way. The expert ids are made in the graph (no input tensor): ``(0, 1)`` for
+    every row, by sorting ``arange(2)`` repeated to ``[2, n]``."""
+    if not getattr(w, "row_halves", False):
+        return ggml.ggml_mul_mat(ctx, w, x)
+    ne = [int(x.contents.ne[i]) for i in range(4)]
+    n = ne[1] * ne[2] * ne[3]
+    if not ggml.ggml_is_contiguous(x):
+        x = ggml.ggml_cont(ctx, x)
+    x3 = ggml.ggml_reshape_3d(ctx, x, ne[0], 1, n)
+    shape = ggml.ggml_view_2d(ctx, x3, 2, n, x3.contents.nb[2], 0)                  # any [2, n]
+    ids = ggml.ggml_argsort(ctx, ggml.ggml_repeat(ctx, ggml.ggml_arange(ctx, 0.0, 2.0, 1.0), shape),
+                            ggml.GGML_SORT_ORDER_ASC)                                # int32 [2, n]: 0, 1
+    y = ggml.ggml_mul_mat_id(ctx, w, x3, ids)                                       # [rows / 2, 2, n]
+    return ggml.ggml_reshape_4d(ctx, y, 2 * int(w.contents.ne[1]), ne[1], ne[2], ne[3])
+
+
+def supports(dev, buft, weight, op: str | None = None) -> bool:
+    """Whether ``dev`` runs ``weight``'s product ``op`` (default: ``mul_mat``, or ``mul_mat_id`` for a 3-D
+    expert stack) with ``weight`` in ``buft``: the check llama.cpp's ``weight_buft_supported`` makes (the
+    weight on a dummy buffer of the type, then ``supports_op``)."""
     ne = weight.contents.ne
     ctx = new_meta_context(4)
     dummy = ggml.ggml_backend_buft_alloc_buffer(buft, 0)
     old = weight.contents.buffer
     try:
         weight.contents.buffer = dummy
-        if _op_of(weight) == "mul_mat":
+        if (op or _op_of(weight)) == "mul_mat":
             x, ids = new_tensor(ctx, ggml.GGML_TYPE_F32, (int(ne[0]), 1)), None
         else:
             x = new_tensor(ctx, ggml.GGML_TYPE_F32, (int(ne[0]), 1, 1))
@@ -191,11 +216,26 @@ def invariant_types(buft, op: str = "mul_mat") -> set[int]:
         return {t for t in CANDIDATE_TYPES[op] if _verdicts[op, t]}
 
 
+def _supports_halves(dev, buft, weight) -> bool:
+    """Whether ``dev`` runs ``mul_mat_id`` over the 2-D ``weight`` kept in ``buft`` as a stack of its two
+    halves of rows (an even number of them)."""
+    ne = weight.contents.ne
+    if int(ne[1]) % 2:
+        return False
+    ctx = new_meta_context(1)
+    try:
+        halves = new_tensor(ctx, int(weight.contents.type), (int(ne[0]), int(ne[1]) // 2, 2))
+        return supports(dev, buft, halves, "mul_mat_id")
+    finally:
+        ggml.ggml_free(ctx)
+
+
 def repack_weights(weights, reader, kinds: frozenset[str]) -> list[str]:
     """Move the mat-mul weights of ``weights`` (a :class:`~meshnet.engine.ggml_backend.StageWeights`) of
     the ``kinds`` (``blk.N.<kind>.weight`` or ``<kind>.weight``: 2-D ones, and 3-D expert stacks) whose
-    type :func:`invariant_types` passes for their op and whose product the CPU backend supports repacked
-    into one ``CPU_REPACK`` buffer (the data is copied
+    type :func:`invariant_types` passes for their op (a 2-D weight whose type passes for ``mul_mat_id``
+    only becomes a stack of its two halves of rows, which the graphs multiply with :func:`mul_mat`) and whose product
+    the CPU backend supports repacked into one ``CPU_REPACK`` buffer (the data is copied
     and rearranged from ``reader``'s tensors). Returns the names moved (none without ``CPU_REPACK``).
 
     Raises:
@@ -206,17 +246,27 @@ def repack_weights(weights, reader, kinds: frozenset[str]) -> list[str]:
         return []
     dev, buft = found
     by_name = {t.name: t for t in reader.tensors}
-    names = [n for n, t in weights.tensors.items()
-             if n.removesuffix(".weight").rsplit(".", 1)[-1] in kinds and ggml.ggml_n_dims(t) in (2, 3)
-             and int(t.contents.type) in invariant_types(buft, _op_of(t)) and supports(dev, buft, t)]
+    shapes = {}  # name -> the repacked tensor's shape (ggml order)
+    for n, t in weights.tensors.items():
+        if n.removesuffix(".weight").rsplit(".", 1)[-1] not in kinds:
+            continue
+        shape, gtype = tuple(int(d) for d in by_name[n].shape), int(t.contents.type)
+        if len(shape) == 3 and gtype in invariant_types(buft, "mul_mat_id") and supports(dev, buft, t, "mul_mat_id"):
+            shapes[n] = shape
+        elif len(shape) == 2 and gtype in invariant_types(buft, "mul_mat") and supports(dev, buft, t):
+            shapes[n] = shape
+        elif len(shape) == 2 and gtype in invariant_types(buft, "mul_mat_id") and _supports_halves(dev, buft, t):
+            shapes[n] = (shape[0], shape[1] // 2, 2)  # its halves of rows as two experts (see mul_mat)
+    names = list(shapes)
     if not names:
         return []
     ctx = new_meta_context(len(names) + 1)
     moved = {}
     for name in names:
-        rt = by_name[name]
-        t = new_tensor(ctx, int(rt.tensor_type), tuple(int(d) for d in rt.shape))
+        t = new_tensor(ctx, int(by_name[name].tensor_type), shapes[name])
         ggml.ggml_set_name(t, name.encode())
+        if len(by_name[name].shape) == 2 and len(shapes[name]) == 3:
+            t.row_halves = True  # read by mul_mat: this ctypes object is what the graphs get
         moved[name] = t
     buf = ggml.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
     if not buf:

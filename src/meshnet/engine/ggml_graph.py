@@ -20,6 +20,7 @@ import numpy as np
 
 from meshnet.contract import LayerRange
 from meshnet.engine.batch_layout import MASK_ROW_PAD, BatchShape, Segment, build_mask, decode_mask, pad_to
+from meshnet.engine.cpu_repack import mul_mat
 from meshnet.engine.ggml_backend import (
     StageWeights,
     compute,
@@ -109,7 +110,7 @@ class StepGraph:
         return ggml.ggml_mul(self.ctx, ggml.ggml_rms_norm(self.ctx, x, self.cfg.rms_eps), self._wt(kind, il))
 
     def _mm(self, kind: T, il: int | None, x):
-        y = ggml.ggml_mul_mat(self.ctx, self._wt(kind, il), x)
+        y = mul_mat(self.ctx, self._wt(kind, il), x)
         b = self._wt(kind, il, "bias")
         return y if b is None else ggml.ggml_add(self.ctx, y, b)
 
@@ -249,7 +250,7 @@ class StepGraph:
                 if self.inp.out_ids is not None:
                     x = ggml.ggml_get_rows(ctx, x, self.inp.out_ids)
             out_w = self._wt(T.OUTPUT) if self._wt(T.OUTPUT) is not None else self._wt(T.TOKEN_EMBD)
-            x = ggml.ggml_mul_mat(ctx, out_w, x)                                  # [n_vocab, n_out]
+            x = mul_mat(ctx, out_w, x)                                            # [n_vocab, n_out]
         return x
 
     # ---- execution ---------------------------------------------------------------------------

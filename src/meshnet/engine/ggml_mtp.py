@@ -22,6 +22,7 @@ import numpy as np
 
 from meshnet.contract import LayerRange
 from meshnet.engine.batch_layout import MASK_ROW_PAD, BatchShape, build_mask, kv_length, pad_to
+from meshnet.engine.cpu_repack import mul_mat
 from meshnet.engine.ggml_backend import compute, get_tensor, set_tensor
 from meshnet.engine.ggml_graph import StepGraph, _Inputs
 from meshnet.engine.ggml_layers import layer_deepseek2
@@ -69,7 +70,7 @@ class MtpGraph(StepGraph):
         head = self._wt(T.NEXTN_SHARED_HEAD_HEAD, il)
         if head is None:
             head = self._wt(T.OUTPUT) if self._wt(T.OUTPUT) is not None else self._wt(T.TOKEN_EMBD)
-        return ggml.ggml_mul_mat(ctx, head, cur)                                 # [n_vocab, n_out]
+        return mul_mat(ctx, head, cur)                                           # [n_vocab, n_out]
 
     def run_rows(self, backend, slot: int, position: int, token_ids: np.ndarray,
                  hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
