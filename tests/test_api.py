@@ -412,7 +412,7 @@ def test_bench_serve_against_running_server(served, tmp_path):
     add_serve_bench_parser(parser.add_subparsers(dest="bench"))
     out = tmp_path / "serve.json"
     args = parser.parse_args(["serve", "--url", served[1], "--concurrency", "3", "--requests-per-stream", "2",
-                              "--max-tokens", "3", "--out", str(out)])
+                              "--max-tokens", "3", "--rounds", "2", "--out", str(out)])
     assert args.func(args) == 0
     report = json.loads(out.read_text())
     row = report["results"]["url"]["3"]
@@ -420,3 +420,15 @@ def test_bench_serve_against_running_server(served, tmp_path):
     assert row["completion_tokens"] == 18  # three tokens each, unless a reply ends sooner
     assert 0 < row["ttft_s"]["p50"] <= row["ttft_s"]["p95"] <= row["latency_s"]["p95"]
     assert row["tokens_per_s"] > 0
+    assert len(report["rounds"]) == 2 and report["rounds"][-1]["results"] == report["results"]
+    assert report["rounds"][0]["results"]["url"]["3"]["completed"] == 6
+
+
+def test_serve_bench_ratios_are_the_medians_of_the_rounds():
+    from meshnet.bench.serve_bench import _median_ratios
+
+    rounds = [{"8": {"meshnet_aggregate_vs_llama": 0.9, "mesh_vs_meshnet": None}},
+              {"8": {"meshnet_aggregate_vs_llama": 1.1, "mesh_vs_meshnet": 0.5}},
+              {"8": {"meshnet_aggregate_vs_llama": 1.05, "mesh_vs_meshnet": 0.7}}]
+    assert _median_ratios(rounds) == {"8": {"meshnet_aggregate_vs_llama": 1.05, "mesh_vs_meshnet": 0.6}}
+    assert _median_ratios([{"1": {"mesh_vs_meshnet": None}}]) == {"1": {"mesh_vs_meshnet": None}}

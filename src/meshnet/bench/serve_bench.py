@@ -13,7 +13,9 @@ it so that nothing else runs beside the one measured:
 Per target and C: aggregate tokens/s, per-stream decode tokens/s (p50), TTFT p50/p95; for meshnet in
 process also the KV pool's resident bytes per held token at the fullest moment and the process's peak
 RSS growth; for llama-server the KV bytes it allocates per token held. Ratios to llama-server are in the
-JSON (``ratios``) and the printed table.
+JSON (``ratios``) and the printed table. With ``--rounds`` N > 1 the whole sequence runs N times and each
+ratio is the median of the rounds' (every round's figures are in ``rounds``): on a machine whose speed
+drifts, a server measured minutes after another compares the machine with itself.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import signal
 import socket
 import subprocess
@@ -48,6 +51,9 @@ def add_serve_bench_parser(bench_subparsers) -> None:
     p.add_argument("--requests-per-stream", type=int, default=2,
                    help="requests per concurrent stream at each C (at least 3 requests in all)")
     p.add_argument("--threads", type=int, default=2, help="threads of llama-server and of meshnet in process")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure every target at every C this many times in turn; the ratios are the medians "
+                        "of the rounds' (for machines whose speed drifts)")
     p.add_argument("--targets", default="llama-server,meshnet,mesh",
                    help="which of llama-server, meshnet, mesh to run")
     p.add_argument("--url", default=None, help="measure only this running OpenAI-compatible server")
@@ -274,43 +280,73 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     bpt = _kv_bytes_per_token(model_path)
     failed = False
     repack = True
-    for n_parallel, group in groups:
-        for c in group:
-            # Each server runs alone, started for this C and stopped after it: an idle server beside the one
-            # measured still wakes up (heartbeats, health pings) and on two cores every wake-up costs the
-            # measured server's compute threads a graph's progress (an idle mesh took the API from 76.5 to
-            # 68.7 tokens/s).
-            for name in ([] if llama_bin is None else ["llama-server"]) + list(servers):
-                if name == "llama-server":
-                    srv, model, repack = _start_llama_server(llama_bin, model_path, args.threads, n_parallel,
-                                                             log_dir, report, repack)
-                else:
-                    srv = servers[name]
-                    print(f"[bench serve] starting {name}", file=sys.stderr, flush=True)
-                    model = srv.start()
-                try:
-                    # one warm-up request (graphs, caches)
-                    asyncio.run(run_load(srv.url, model, LoadSpec(1, 1, max_tokens=8)))
-                    print(f"[bench serve] {name}: C={c}", file=sys.stderr, flush=True)
-                    row = _measure(srv, model, c, args, sample_kv=name == "meshnet")
-                finally:
-                    if srv.proc is not None:
-                        srv.stop()
-                if name == "llama-server":
-                    held = min(c, row["requests"]) * (row["prompt_tokens"] + row["completion_tokens"]) \
-                        / max(1, row["completed"])
-                    row["kv"] = {"allocated_bytes": LLAMA_SLOT_CTX * n_parallel * bpt,
-                                 "bytes_per_held_token": round(LLAMA_SLOT_CTX * n_parallel * bpt
-                                                               / max(1.0, held), 1),
-                                 "n_parallel": n_parallel}
-                failed |= row["errors"] > 0
-                report["results"].setdefault(name, {})[str(c)] = row
-    report["ratios"] = _ratios(report["results"])
+    rounds: list[dict] = []  # per round: target -> C -> row
+    for _ in range(max(1, getattr(args, "rounds", 1))):
+        results: dict = {}
+        rounds.append(results)
+        for n_parallel, group in groups:
+            for c in group:
+                repack, bad = _measure_c(c, n_parallel, servers, llama_bin, model_path, args, log_dir, report,
+                                         repack, bpt, results)
+                failed |= bad
+    report["results"] = rounds[-1]
+    report["ratios"] = _median_ratios([_ratios(r) for r in rounds])
+    if len(rounds) > 1:
+        report["rounds"] = [{"results": r, "ratios": _ratios(r)} for r in rounds]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)
     print(f"[bench serve] wrote {out}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _measure_c(c: int, n_parallel, servers: dict, llama_bin, model_path: str, args, log_dir: Path, report: dict,
+               repack: bool, bpt: int, results: dict) -> tuple[bool, bool]:
+    """Every target at ``c`` streams, one after the other, into ``results`` (target -> C -> row). Returns
+    whether llama-server still repacks, and whether a request failed."""
+    failed = False
+    # Each server runs alone, started for this C and stopped after it: an idle server beside the one
+    # measured still wakes up (heartbeats, health pings) and on two cores every wake-up costs the
+    # measured server's compute threads a graph's progress (an idle mesh took the API from 76.5 to
+    # 68.7 tokens/s).
+    for name in ([] if llama_bin is None else ["llama-server"]) + list(servers):
+        if name == "llama-server":
+            srv, model, repack = _start_llama_server(llama_bin, model_path, args.threads, n_parallel,
+                                                     log_dir, report, repack)
+        else:
+            srv = servers[name]
+            print(f"[bench serve] starting {name}", file=sys.stderr, flush=True)
+            model = srv.start()
+        try:
+            # one warm-up request (graphs, caches)
+            asyncio.run(run_load(srv.url, model, LoadSpec(1, 1, max_tokens=8)))
+            print(f"[bench serve] {name}: C={c}", file=sys.stderr, flush=True)
+            row = _measure(srv, model, c, args, sample_kv=name == "meshnet")
+        finally:
+            if srv.proc is not None:
+                srv.stop()
+        if name == "llama-server":
+            held = min(c, row["requests"]) * (row["prompt_tokens"] + row["completion_tokens"]) \
+                / max(1, row["completed"])
+            row["kv"] = {"allocated_bytes": LLAMA_SLOT_CTX * n_parallel * bpt,
+                         "bytes_per_held_token": round(LLAMA_SLOT_CTX * n_parallel * bpt
+                                                       / max(1.0, held), 1),
+                         "n_parallel": n_parallel}
+        failed |= row["errors"] > 0
+        results.setdefault(name, {})[str(c)] = row
+    return repack, failed
+
+
+def _median_ratios(per_round: list[dict]) -> dict:
+    """Each ratio of :func:`_ratios`'s shape (C -> name -> value or None): the median of the rounds' values
+    (None where no round has one)."""
+    out: dict = {}
+    for c in sorted({c for r in per_round for c in r}, key=int):
+        out[c] = {}
+        for k in sorted({k for r in per_round for k in r.get(c, {})}):
+            vals = [r[c][k] for r in per_round if r.get(c, {}).get(k) is not None]
+            out[c][k] = round(statistics.median(vals), 3) if vals else None
+    return out
 
 
 def _ratios(results: dict) -> dict:
@@ -352,3 +388,5 @@ def print_table(report: dict) -> None:
         ratio = " ".join(f"{q.get(k) if q.get(k) is not None else '-'}" for k in (
             "meshnet_aggregate_vs_llama", "meshnet_decode_vs_llama", "meshnet_ttft_vs_llama", "mesh_vs_meshnet"))
         print(f"{c:>3}  {'  '.join(cells)}  {ratio:>40}")
+    if "rounds" in report:
+        print(f"(figures of the last of {len(report['rounds'])} rounds; ratios: the medians of the rounds')")
