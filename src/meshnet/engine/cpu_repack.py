@@ -17,10 +17,10 @@ such a type (Q4_K) is therefore kept as a stack of two experts, its first and se
 bytes), and multiplied by ``mul_mat_id`` with every row choosing both (:func:`mul_mat`): row by row, as
 llama.cpp's repacked GEMV does a decode row, and 1.1-1.4x faster than the plain Q4_K kernel at 1-128 rows
 (a 4096 x 2048 matrix, 2 threads). Two, because the repacked ``mul_mat_id`` takes 3-D stacks only (a
-stack of one is 2-D to ggml). Kernels differ by CPU, so :func:`invariant_types` checks each candidate on this machine, once per process and op, with a
-small probe, and only the types that pass are repacked. Only mat-mul weights move: 2-D ones multiplied by
-``mul_mat`` and 3-D expert stacks multiplied by ``mul_mat_id`` (the token embedding is read by
-``get_rows``, which repacked buffers do not serve).
+stack of one is 2-D to ggml). Kernels differ by CPU, so :func:`invariant_types` checks each candidate on
+this machine, once per process and op, with a small probe, and only the types that pass are repacked. Only
+mat-mul weights move: 2-D ones and 3-D expert stacks (the token embedding is read by ``get_rows``, which
+repacked buffers do not serve).
 """
 
 from __future__ import annotations
@@ -195,10 +195,10 @@ def rows_keep_their_bits(gtype: int, backend, buft, op: str = "mul_mat", k: int 
 
 def invariant_types(buft, op: str = "mul_mat") -> set[int]:
     """The :data:`CANDIDATE_TYPES` of ``op`` (``mul_mat`` or ``mul_mat_id``) whose repacked products keep
-    every row's bits on this machine; probed once per process on a CPU backend of its own with one thread. One thread, because ggml's CPU backend
-    parallelises a graph with an OpenMP team that belongs to the thread starting it: a probe run on the
-    stages' shared backend from the loading thread would leave a second team beside the scheduler's, and
-    decoding then ran at half speed (SmolLM2, 2 threads: 65 instead of 130 tokens/s). The thread count
+    every row's bits on this machine; probed once per process on a CPU backend of its own with one thread.
+    One thread, because ggml's CPU backend parallelises a graph with an OpenMP team that belongs to the
+    thread starting it: a probe run on the stages' shared backend from the loading thread would leave a
+    second team beside the scheduler's, and decoding then ran at half speed (SmolLM2, 2 threads: 65 instead of 130 tokens/s). The thread count
     does not change the verdict: the repacked kernels split a mat-mul between threads by weight rows, each
     result computed whole by one thread (measured the same at 1 and 2 threads)."""
     with _lock:
@@ -234,9 +234,9 @@ def repack_weights(weights, reader, kinds: frozenset[str]) -> list[str]:
     """Move the mat-mul weights of ``weights`` (a :class:`~meshnet.engine.ggml_backend.StageWeights`) of
     the ``kinds`` (``blk.N.<kind>.weight`` or ``<kind>.weight``: 2-D ones, and 3-D expert stacks) whose
     type :func:`invariant_types` passes for their op (a 2-D weight whose type passes for ``mul_mat_id``
-    only becomes a stack of its two halves of rows, which the graphs multiply with :func:`mul_mat`) and whose product
-    the CPU backend supports repacked into one ``CPU_REPACK`` buffer (the data is copied
-    and rearranged from ``reader``'s tensors). Returns the names moved (none without ``CPU_REPACK``).
+    only becomes a stack of its two halves of rows, which the graphs multiply with :func:`mul_mat`) and
+    whose product the CPU backend supports repacked into one ``CPU_REPACK`` buffer (the data is copied and
+    rearranged from ``reader``'s tensors). Returns the names moved (none without ``CPU_REPACK``).
 
     Raises:
         MemoryError: the repacked buffer could not be allocated.
@@ -251,7 +251,8 @@ def repack_weights(weights, reader, kinds: frozenset[str]) -> list[str]:
         if n.removesuffix(".weight").rsplit(".", 1)[-1] not in kinds:
             continue
         shape, gtype = tuple(int(d) for d in by_name[n].shape), int(t.contents.type)
-        if len(shape) == 3 and gtype in invariant_types(buft, "mul_mat_id") and supports(dev, buft, t, "mul_mat_id"):
+        if len(shape) == 3 and gtype in invariant_types(buft, "mul_mat_id") and \
+                supports(dev, buft, t, "mul_mat_id"):
             shapes[n] = shape
         elif len(shape) == 2 and gtype in invariant_types(buft, "mul_mat") and supports(dev, buft, t):
             shapes[n] = shape
