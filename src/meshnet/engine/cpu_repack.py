@@ -198,9 +198,10 @@ def invariant_types(buft, op: str = "mul_mat") -> set[int]:
     every row's bits on this machine; probed once per process on a CPU backend of its own with one thread.
     One thread, because ggml's CPU backend parallelises a graph with an OpenMP team that belongs to the
     thread starting it: a probe run on the stages' shared backend from the loading thread would leave a
-    second team beside the scheduler's, and decoding then ran at half speed (SmolLM2, 2 threads: 65 instead of 130 tokens/s). The thread count
-    does not change the verdict: the repacked kernels split a mat-mul between threads by weight rows, each
-    result computed whole by one thread (measured the same at 1 and 2 threads)."""
+    second team beside the scheduler's, and decoding then ran at half speed (SmolLM2, 2 threads: 65
+    instead of 130 tokens/s). The thread count does not change the verdict: the repacked kernels split a
+    mat-mul between threads by weight rows, each result computed whole by one thread (measured the same at
+    1 and 2 threads)."""
     with _lock:
         todo = [t for t in CANDIDATE_TYPES[op] if (op, t) not in _verdicts]
         if todo:
