@@ -80,3 +80,20 @@ def test_table_gives_each_row_its_ratio_to_llama_bench():
     assert rows[3].split() == ["llama-bench", "100.00", "20.00", "1.000", "1.000"]
     skipped = format_table({"meshnet": result["meshnet"], "llama_cpp": {"skipped": "--no-llama-cpp"}})
     assert skipped.splitlines()[-1] == "llama-bench skipped: --no-llama-cpp"
+
+
+def test_a_rounds_ratios_against_both_llama_bench_runs():
+    from meshnet.bench.engine_bench import _llama_ratios
+
+    one = {"prefill_tokens_per_s": 300.0, "decode_tokens_per_s": 90.0}
+    result = {"llama_cpp": {"prefill_tokens_per_s": 400.0, "decode_tokens_per_s": 100.0},
+              "llama_cpp_no_repack": {"prefill_tokens_per_s": 500.0, "decode_tokens_per_s": 90.0}}
+    assert _llama_ratios(one, result) == {
+        "1_stage_vs_llama_cpp_decode": 0.9, "1_stage_vs_llama_cpp_prefill": 0.75,
+        "1_stage_vs_llama_cpp_no_repack_decode": 1.0, "1_stage_vs_llama_cpp_no_repack_prefill": 0.6}
+    assert _llama_ratios(one, {"llama_cpp": {"skipped": "x"}, "llama_cpp_no_repack": {"skipped": "x"}}) == {}
+    table = format_table({"meshnet": {"1_stage": {"layers": ["0:4"], **one}}, "llama_cpp": result["llama_cpp"],
+                          "rounds": [{}, {}, {}], "ratios": {"1_stage_vs_llama_cpp_decode": 0.88,
+                                                             "1_stage_vs_llama_cpp_prefill": 0.7}})
+    assert table.splitlines()[-1] == ("(figures of the last of 3 rounds; median of the rounds' ratios: "
+                                      "prefill 0.7x, decode 0.88x)")
