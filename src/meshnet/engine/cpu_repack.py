@@ -65,11 +65,6 @@ def repack_buffer_type():
     return None
 
 
-def _op_of(weight) -> str:
-    """The op a mat-mul weight is multiplied by: ``mul_mat`` (2-D) or ``mul_mat_id`` (a 3-D expert stack)."""
-    return "mul_mat_id" if ggml.ggml_n_dims(weight) == 3 else "mul_mat"
-
-
 def _product(ctx, weight, x, ids=None):
     """``mul_mat(weight, x)``, or ``mul_mat_id(weight, x, ids)`` with ``ids`` for an expert stack."""
     return ggml.ggml_mul_mat(ctx, weight, x) if ids is None else ggml.ggml_mul_mat_id(ctx, weight, x, ids)
@@ -96,17 +91,17 @@ def mul_mat(ctx, w, x):
     return ggml.ggml_reshape_4d(ctx, y, 2 * int(w.contents.ne[1]), ne[1], ne[2], ne[3])
 
 
-def supports(dev, buft, weight, op: str | None = None) -> bool:
-    """Whether ``dev`` runs ``weight``'s product ``op`` (default: ``mul_mat``, or ``mul_mat_id`` for a 3-D
-    expert stack) with ``weight`` in ``buft``: the check llama.cpp's ``weight_buft_supported`` makes (the
-    weight on a dummy buffer of the type, then ``supports_op``)."""
+def supports(dev, buft, weight, op: str = "mul_mat") -> bool:
+    """Whether ``dev`` runs ``weight``'s product ``op`` (``mul_mat``, or ``mul_mat_id`` for an expert
+    stack) with ``weight`` in ``buft``: the check llama.cpp's ``weight_buft_supported`` makes (the weight
+    on a dummy buffer of the type, then ``supports_op``)."""
     ne = weight.contents.ne
     ctx = new_meta_context(4)
     dummy = ggml.ggml_backend_buft_alloc_buffer(buft, 0)
     old = weight.contents.buffer
     try:
         weight.contents.buffer = dummy
-        if (op or _op_of(weight)) == "mul_mat":
+        if op == "mul_mat":
             x, ids = new_tensor(ctx, ggml.GGML_TYPE_F32, (int(ne[0]), 1)), None
         else:
             x = new_tensor(ctx, ggml.GGML_TYPE_F32, (int(ne[0]), 1, 1))
@@ -247,17 +242,17 @@ def repack_weights(weights, reader, kinds: frozenset[str]) -> list[str]:
         return []
     dev, buft = found
     by_name = {t.name: t for t in reader.tensors}
+    matrix_types, expert_types = invariant_types(buft, "mul_mat"), invariant_types(buft, "mul_mat_id")
     shapes = {}  # name -> the repacked tensor's shape (ggml order)
     for n, t in weights.tensors.items():
         if n.removesuffix(".weight").rsplit(".", 1)[-1] not in kinds:
             continue
         shape, gtype = tuple(int(d) for d in by_name[n].shape), int(t.contents.type)
-        if len(shape) == 3 and gtype in invariant_types(buft, "mul_mat_id") and \
-                supports(dev, buft, t, "mul_mat_id"):
+        if len(shape) == 3 and gtype in expert_types and supports(dev, buft, t, "mul_mat_id"):
             shapes[n] = shape
-        elif len(shape) == 2 and gtype in invariant_types(buft, "mul_mat") and supports(dev, buft, t):
+        elif len(shape) == 2 and gtype in matrix_types and supports(dev, buft, t):
             shapes[n] = shape
-        elif len(shape) == 2 and gtype in invariant_types(buft, "mul_mat_id") and _supports_halves(dev, buft, t):
+        elif len(shape) == 2 and gtype in expert_types and _supports_halves(dev, buft, t):
             shapes[n] = (shape[0], shape[1] // 2, 2)  # its halves of rows as two experts (see mul_mat)
     names = list(shapes)
     if not names:

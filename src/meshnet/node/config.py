@@ -26,7 +26,7 @@ class NodeConfig:
     max_sessions: int = 16
     kv_tokens: int = 0
     prefix_cache: int = 4
-    repack: bool = True  # Q4_0 / IQ4_NL mat-mul weights in ggml's repacked CPU layout where rows keep their bits
+    repack: bool = True  # mat-mul weights in ggml's repacked CPU layouts where rows keep their bits (cpu_repack)
     decode_groups: int = 0  # decode groups taking turns (0 = one per pipeline stage; see LoadSpec)
     idle_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0

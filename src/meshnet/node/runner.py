@@ -264,8 +264,10 @@ def add_node_parser(sub) -> None:
     p.add_argument("--kv-tokens", type=int, default=0,
                    help="KV cells sessions may reserve at once (0 = half the memory available)")
     p.add_argument("--no-repack", dest="repack", action="store_false",
-                   help="keep every weight as stored (by default Q4_0 / IQ4_NL mat-mul weights take ggml's repacked CPU "
-                        "layout, as llama.cpp's do, where this CPU's kernels give each row the bits it gets alone)")
+                   help="keep every weight as stored (by default mat-mul weights of the types whose repacked kernels "
+                        "give each row the bits it gets alone on this CPU take ggml's repacked CPU layout, as "
+                        "llama.cpp's do: Q4_0 and IQ4_NL matrices, Q4_0 / IQ4_NL / Q4_K / MXFP4 experts, and Q4_K "
+                        "matrices as two row halves)")
     p.add_argument("--prefix-cache", type=int, default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
     p.add_argument("--decode-groups", type=int, default=0,
                    help="groups the sessions' decode steps are split into, taking turns so that every stage "
