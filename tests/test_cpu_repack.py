@@ -139,8 +139,17 @@ def q4_k_path(tmp_path_factory) -> str:
     return str(write_llama_model(tmp_path_factory.mktemp("q4k") / "tiny-llama-q4_k.gguf", shapes, "q4_k"))
 
 
-def _q4_k_stage(path: str, repack: bool) -> GgmlStage:
-    return GgmlStage(path, LayerRange(0, 2), n_threads=2, n_ctx=256, n_slots=6, repack=repack)
+@pytest.fixture(scope="module")
+def q4_k_deep_path(tmp_path_factory) -> str:
+    """The same with 32 blocks: 224 products over row halves in one graph."""
+    from meshnet.bench.dense_model import LlamaShapes, write_llama_model
+
+    shapes = LlamaShapes(n_layer=32, n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_ctx=512)
+    return str(write_llama_model(tmp_path_factory.mktemp("q4k32") / "tiny-llama-32-q4_k.gguf", shapes, "q4_k"))
+
+
+def _q4_k_stage(path: str, repack: bool, n_layer: int = 2) -> GgmlStage:
+    return GgmlStage(path, LayerRange(0, n_layer), n_threads=2, n_ctx=256, n_slots=6, repack=repack)
 
 
 def test_q4_k_matrices_become_stacks_of_their_row_halves(repack_here, q4_k_path):
@@ -180,3 +189,16 @@ def test_loading_a_repacked_stage_keeps_ggml_debug_lines_off_stderr(repack_here,
     stage = _stage(q4_0_path, True)
     stage.close()
     assert "repack tensor" not in capfd.readouterr().err
+
+
+def test_a_deep_graph_has_room_for_its_row_halves_products(repack_here, q4_k_deep_path):
+    """Each product over row halves adds tensors to its graph (a 32-block Q4_K model overflowed the graph's
+    context before graphs counted them): all 224 matrices repacked, and batched decodes still equal alone."""
+    if ggml.GGML_TYPE_Q4_K not in cpu_repack.invariant_types(repack_here[1], "mul_mat_id"):
+        pytest.skip("this CPU's repacked Q4_K mul_mat_id gives rows other bits in a batch")
+    stage = _q4_k_stage(q4_k_deep_path, True, n_layer=32)
+    try:
+        assert len(stage.repacked) == 224
+        _assert_batch_invariant(stage)
+    finally:
+        stage.close()

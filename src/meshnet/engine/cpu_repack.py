@@ -70,13 +70,20 @@ def _product(ctx, weight, x, ids=None):
     return ggml.ggml_mul_mat(ctx, weight, x) if ids is None else ggml.ggml_mul_mat_id(ctx, weight, x, ids)
 
 
-def mul_mat(ctx, w, x):
+# Tensors a product over a weight kept as row halves may add to a graph beyond the one ``ggml_mul_mat``
+# makes (see mul_mat: cont, reshape, mul_mat_id, reshape, and the expert ids' view, arange, repeat, argsort);
+# a graph sizes its context with it.
+HALVES_TENSORS = 8
+
+
+def mul_mat(ctx, w, x, pair_ids: dict | None = None):
     """``ggml_mul_mat(ctx, w, x)`` for a weight ``w`` ``[k, rows]``, also when :func:`repack_weights` keeps
     ``w`` as a stack of its two halves of rows (``w.row_halves``): then ``mul_mat_id`` with every row of
     ``x`` choosing experts 0 and 1, so that each row is multiplied on its own, and the two halves of the
     result, in order, are the rows of the product. ``x`` float32 ``[k, n, ...]``; returns float32
     ``[rows, n, ...]`` either way. The expert ids are made in the graph (no input tensor): ``(0, 1)`` for
-    every row, by sorting ``arange(2)`` repeated to ``[2, n]``."""
+    every row, by sorting ``arange(2)`` repeated to ``[2, n]``; ``pair_ids`` (the graph's own dict, keyed
+    by ``n``) keeps them, so that a graph computes them once per row count rather than once a product."""
     if not getattr(w, "row_halves", False):
         return ggml.ggml_mul_mat(ctx, w, x)
     ne = [int(x.contents.ne[i]) for i in range(4)]
@@ -84,9 +91,13 @@ def mul_mat(ctx, w, x):
     if not ggml.ggml_is_contiguous(x):
         x = ggml.ggml_cont(ctx, x)
     x3 = ggml.ggml_reshape_3d(ctx, x, ne[0], 1, n)
-    shape = ggml.ggml_view_2d(ctx, x3, 2, n, x3.contents.nb[2], 0)                  # any [2, n]
-    ids = ggml.ggml_argsort(ctx, ggml.ggml_repeat(ctx, ggml.ggml_arange(ctx, 0.0, 2.0, 1.0), shape),
-                            ggml.GGML_SORT_ORDER_ASC)                                # int32 [2, n]: 0, 1
+    ids = None if pair_ids is None else pair_ids.get(n)
+    if ids is None:
+        shape = ggml.ggml_view_2d(ctx, x3, 2, n, x3.contents.nb[2], 0)              # any [2, n]
+        ids = ggml.ggml_argsort(ctx, ggml.ggml_repeat(ctx, ggml.ggml_arange(ctx, 0.0, 2.0, 1.0), shape),
+                                ggml.GGML_SORT_ORDER_ASC)                            # int32 [2, n]: 0, 1
+        if pair_ids is not None:
+            pair_ids[n] = ids
     y = ggml.ggml_mul_mat_id(ctx, w, x3, ids)                                       # [rows / 2, 2, n]
     return ggml.ggml_reshape_4d(ctx, y, 2 * int(w.contents.ne[1]), ne[1], ne[2], ne[3])
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from meshnet.contract import LayerRange
 from meshnet.engine.batch_layout import MASK_ROW_PAD, BatchShape, Segment, build_mask, decode_mask, pad_to
-from meshnet.engine.cpu_repack import mul_mat
+from meshnet.engine.cpu_repack import HALVES_TENSORS, mul_mat
 from meshnet.engine.ggml_backend import (
     StageWeights,
     compute,
@@ -88,10 +88,12 @@ class StepGraph:
         self.needs_tokens = self.is_head or cfg.needs_token_ids(layers)
         self.dsv4_inp = None
         size = 256 + layers.n_layers * per_layer
+        size += HALVES_TENSORS * sum(1 for t in weights.tensors.values() if getattr(t, "row_halves", False))
         self.ctx = new_meta_context(size, size)
         self.gf = ggml.ggml_new_graph_custom(self.ctx, size, False)
         self._w = weights
         self._pool = pool
+        self._pair_ids: dict = {}  # expert ids of products over row halves, by row count (cpu_repack.mul_mat)
         self.out = self._build()
         ggml.ggml_set_output(self.out)
         ggml.ggml_build_forward_expand(self.gf, self.out)
@@ -110,7 +112,7 @@ class StepGraph:
         return ggml.ggml_mul(self.ctx, ggml.ggml_rms_norm(self.ctx, x, self.cfg.rms_eps), self._wt(kind, il))
 
     def _mm(self, kind: T, il: int | None, x):
-        y = mul_mat(self.ctx, self._wt(kind, il), x)
+        y = mul_mat(self.ctx, self._wt(kind, il), x, self._pair_ids)
         b = self._wt(kind, il, "bias")
         return y if b is None else ggml.ggml_add(self.ctx, y, b)
 
@@ -250,7 +252,7 @@ class StepGraph:
                 if self.inp.out_ids is not None:
                     x = ggml.ggml_get_rows(ctx, x, self.inp.out_ids)
             out_w = self._wt(T.OUTPUT) if self._wt(T.OUTPUT) is not None else self._wt(T.TOKEN_EMBD)
-            x = mul_mat(ctx, out_w, x)                                            # [n_vocab, n_out]
+            x = mul_mat(ctx, out_w, x, self._pair_ids)                            # [n_vocab, n_out]
         return x
 
     # ---- execution ---------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def mla_qkv(g, il: int, cur):
         q = g._norm(q, T.ATTN_Q_A_NORM, il)
         q = ggml.ggml_mul_mat(ctx, g._wt(T.ATTN_Q_B, il), q)                   # [head_k * n_head, n]
     else:
-        q = mul_mat(ctx, g._wt(T.ATTN_Q, il), cur)
+        q = mul_mat(ctx, g._wt(T.ATTN_Q, il), cur, g._pair_ids)
     q = ggml.ggml_reshape_3d(ctx, q, head_k, n_head, n)                        # [head_k, n_head, n]
 
     kv_cmpr_pe = ggml.ggml_mul_mat(ctx, g._wt(T.ATTN_KV_A_MQA, il), cur)       # [kvl + n_rot, n]

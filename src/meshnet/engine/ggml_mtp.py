@@ -70,7 +70,7 @@ class MtpGraph(StepGraph):
         head = self._wt(T.NEXTN_SHARED_HEAD_HEAD, il)
         if head is None:
             head = self._wt(T.OUTPUT) if self._wt(T.OUTPUT) is not None else self._wt(T.TOKEN_EMBD)
-        return mul_mat(ctx, head, cur)                                           # [n_vocab, n_out]
+        return mul_mat(ctx, head, cur, self._pair_ids)                           # [n_vocab, n_out]
 
     def run_rows(self, backend, slot: int, position: int, token_ids: np.ndarray,
                  hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
