@@ -139,14 +139,26 @@ def _rss_child(model: str, layers: str, threads: int, n_tokens: int) -> None:
                       "weight_bytes": st.weights.nbytes, "kv_bytes": st.pool.resident_bytes()}))
 
 
-def _speed_child(model: str, threads: int, n_ctx: int, prompt_tokens: int, n_decode: int, repeats: int) -> None:
-    """Child process: the single stage's :func:`time_chain` figures as JSON on stdout."""
+def measure_stages(model: str, n_stages: int, threads: int, n_ctx: int, prompt_ids: list[int], n_decode: int,
+                   repeats: int) -> dict:
+    """:func:`time_chain`'s figures for the model split into ``n_stages`` in-process stages, with the ranges;
+    the stages are freed after."""
     from meshnet.local_mesh import load_local_chain, plan_ranges
 
-    ranges = plan_ranges(model, 1)
+    ranges = plan_ranges(model, n_stages)
+    # No prefix reuse: every run prefills its whole prompt, as llama-bench's prompt test does (a kept
+    # session would serve the repeated prompt from its cells).
     chain = load_local_chain(model, ranges, n_threads=threads, n_ctx=n_ctx, progress=False, prefix_cache=0)
-    print(json.dumps({"layers": [str(r) for r in ranges],
-                      **time_chain(chain, bench_prompt_ids(model, prompt_tokens), n_decode, repeats)}))
+    try:
+        return {"layers": [str(r) for r in ranges], **time_chain(chain, prompt_ids, n_decode, repeats)}
+    finally:
+        _close(chain)
+
+
+def _speed_child(model: str, threads: int, n_ctx: int, prompt_tokens: int, n_decode: int, repeats: int) -> None:
+    """Child process: the single stage's :func:`measure_stages` figures as JSON on stdout."""
+    print(json.dumps(measure_stages(model, 1, threads, n_ctx, bench_prompt_ids(model, prompt_tokens), n_decode,
+                                    repeats)))
 
 
 def measure_speed_fresh(model: str, threads: int, n_ctx: int, prompt_tokens: int, n_decode: int,
@@ -230,20 +242,10 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         "meshnet": {},
     }
 
-    def measure(n_stages: int) -> dict:
-        ranges = plan_ranges(model, n_stages)
-        # No prefix reuse: every run prefills its whole prompt, as llama-bench's prompt test does (a kept
-        # session would serve the repeated prompt from its cells).
-        chain = load_local_chain(model, ranges, n_threads=args.threads, n_ctx=n_ctx, progress=False, prefix_cache=0)
-        try:
-            return {"layers": [str(r) for r in ranges],
-                    **time_chain(chain, prompt_ids, args.decode_tokens, args.repeats)}
-        finally:
-            _close(chain)
-
     for n_stages in sorted({1, args.stages}):
         key = f"{n_stages}_stage" + ("s" if n_stages > 1 else "")
-        result["meshnet"][key] = measure(n_stages)
+        result["meshnet"][key] = measure_stages(model, n_stages, args.threads, n_ctx, prompt_ids,
+                                                args.decode_tokens, args.repeats)
         print(f"[bench] {key}: {result['meshnet'][key]}", file=sys.stderr)
     if backend != "cpu":
         from meshnet.backends.placement import AcceleratorEngine
