@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from meshnet.bench.serve_load import LoadSpec, run_load, summarize
@@ -277,18 +278,15 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         if llama_bin is None:
             report["skipped"]["llama-server"] = why
             print(f"[bench serve] llama-server skipped: {why}", file=sys.stderr)
-    bpt = _kv_bytes_per_token(model_path)
+    run = _Run(servers, llama_bin, model_path, args, log_dir, report, _kv_bytes_per_token(model_path))
     failed = False
-    repack = True
     rounds: list[dict] = []  # per round: target -> C -> row
     for _ in range(max(1, getattr(args, "rounds", 1))):
         results: dict = {}
         rounds.append(results)
         for n_parallel, group in groups:
             for c in group:
-                repack, bad = _measure_c(c, n_parallel, servers, llama_bin, model_path, args, log_dir, report,
-                                         repack, bpt, results)
-                failed |= bad
+                failed |= run.measure_c(c, n_parallel, results)
     report["results"] = rounds[-1]
     report["ratios"] = _median_ratios([_ratios(r) for r in rounds])
     if len(rounds) > 1:
@@ -300,41 +298,56 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _measure_c(c: int, n_parallel, servers: dict, llama_bin, model_path: str, args, log_dir: Path, report: dict,
-               repack: bool, bpt: int, results: dict) -> tuple[bool, bool]:
-    """Every target at ``c`` streams, one after the other, into ``results`` (target -> C -> row). Returns
-    whether llama-server still repacks, and whether a request failed."""
-    failed = False
-    # Each server runs alone, started for this C and stopped after it: an idle server beside the one
-    # measured still wakes up (heartbeats, health pings) and on two cores every wake-up costs the
-    # measured server's compute threads a graph's progress (an idle mesh took the API from 76.5 to
-    # 68.7 tokens/s).
-    for name in ([] if llama_bin is None else ["llama-server"]) + list(servers):
-        if name == "llama-server":
-            srv, model, repack = _start_llama_server(llama_bin, model_path, args.threads, n_parallel,
-                                                     log_dir, report, repack)
-        else:
-            srv = servers[name]
-            print(f"[bench serve] starting {name}", file=sys.stderr, flush=True)
-            model = srv.start()
-        try:
-            # one warm-up request (graphs, caches)
-            asyncio.run(run_load(srv.url, model, LoadSpec(1, 1, max_tokens=8)))
-            print(f"[bench serve] {name}: C={c}", file=sys.stderr, flush=True)
-            row = _measure(srv, model, c, args, sample_kv=name == "meshnet")
-        finally:
-            if srv.proc is not None:
-                srv.stop()
-        if name == "llama-server":
-            held = min(c, row["requests"]) * (row["prompt_tokens"] + row["completion_tokens"]) \
-                / max(1, row["completed"])
-            row["kv"] = {"allocated_bytes": LLAMA_SLOT_CTX * n_parallel * bpt,
-                         "bytes_per_held_token": round(LLAMA_SLOT_CTX * n_parallel * bpt
-                                                       / max(1.0, held), 1),
-                         "n_parallel": n_parallel}
-        failed |= row["errors"] > 0
-        results.setdefault(name, {})[str(c)] = row
-    return repack, failed
+@dataclass
+class _Run:
+    """What every C's measurement shares: the targets (name -> :class:`Server`), llama-server's binary (None:
+    skipped), the GGUF, the command line's settings, the folder of the servers' logs, the report (where
+    llama-server's flags are noted) and the model's KV bytes per token; ``repack``: whether llama-server
+    still repacks its weights (see :func:`_start_llama_server`)."""
+
+    servers: dict
+    llama_bin: Path | None
+    model_path: str
+    args: argparse.Namespace
+    log_dir: Path
+    report: dict
+    kv_bytes_per_token: int
+    repack: bool = True
+
+    def measure_c(self, c: int, n_parallel: int | None, results: dict) -> bool:
+        """Every target at ``c`` streams, one after the other, into ``results`` (target -> C -> row);
+        llama-server with ``n_parallel`` slots. Returns whether a request failed."""
+        failed = False
+        # Each server runs alone, started for this C and stopped after it: an idle server beside the one
+        # measured still wakes up (heartbeats, health pings) and on two cores every wake-up costs the
+        # measured server's compute threads a graph's progress (an idle mesh took the API from 76.5 to
+        # 68.7 tokens/s).
+        for name in ([] if self.llama_bin is None else ["llama-server"]) + list(self.servers):
+            if name == "llama-server":
+                srv, model, self.repack = _start_llama_server(self.llama_bin, self.model_path, self.args.threads,
+                                                              n_parallel, self.log_dir, self.report, self.repack)
+            else:
+                srv = self.servers[name]
+                print(f"[bench serve] starting {name}", file=sys.stderr, flush=True)
+                model = srv.start()
+            try:
+                # one warm-up request (graphs, caches)
+                asyncio.run(run_load(srv.url, model, LoadSpec(1, 1, max_tokens=8)))
+                print(f"[bench serve] {name}: C={c}", file=sys.stderr, flush=True)
+                row = _measure(srv, model, c, self.args, sample_kv=name == "meshnet")
+            finally:
+                if srv.proc is not None:
+                    srv.stop()
+            if name == "llama-server":
+                held = min(c, row["requests"]) * (row["prompt_tokens"] + row["completion_tokens"]) \
+                    / max(1, row["completed"])
+                allocated = LLAMA_SLOT_CTX * n_parallel * self.kv_bytes_per_token
+                row["kv"] = {"allocated_bytes": allocated,
+                             "bytes_per_held_token": round(allocated / max(1.0, held), 1),
+                             "n_parallel": n_parallel}
+            failed |= row["errors"] > 0
+            results.setdefault(name, {})[str(c)] = row
+        return failed
 
 
 def _median_ratios(per_round: list[dict]) -> dict:
