@@ -19,7 +19,7 @@ from meshnet.contract import StepRequest
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.dashboard.server import start_dashboard
-from meshnet.tracker.service import start_tracker
+from meshnet.tracker.server import start_tracker
 from meshnet.wire.security import TlsConfig, open_channel
 
 HEARTBEAT_S = 0.3

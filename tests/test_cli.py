@@ -95,7 +95,7 @@ def test_generate_without_a_running_mesh_is_a_clear_error(smollm2_path):
 
 
 def test_a_second_server_on_a_busy_port_fails_to_start():
-    from meshnet.tracker.service import serve_tracker
+    from meshnet.tracker.server import serve_tracker
 
     first, port = serve_tracker("127.0.0.1", 0)
     try:

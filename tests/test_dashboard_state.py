@@ -15,7 +15,7 @@ from meshnet.dashboard.state import dashboard_state, layer_coverage, layer_maps
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.activity import CLIENT_TTL_S, ActivityBoard
-from meshnet.tracker.service import serve_tracker
+from meshnet.tracker.server import serve_tracker
 from meshnet.wire.security import open_channel
 
 
@@ -181,7 +181,7 @@ def test_dashboard_port_options_and_a_busy_port(capsys):
     import socket
 
     from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
-    from meshnet.tracker.service import start_tracker
+    from meshnet.tracker.server import start_tracker
 
     assert [dashboard_port_problem(p) for p in (-1, 0, 7780, 65535)] == [None] * 4
     assert dashboard_port_problem(-2) == "--dashboard-port must be -1 (none) or in 0..65535, got -2"

@@ -244,7 +244,7 @@ def test_publish_manifest_refuses_a_hostile_manifest_as_invalid_argument(canonic
     import hashlib
     import zlib
 
-    from meshnet.tracker.service import serve_tracker
+    from meshnet.tracker.server import serve_tracker
     from meshnet.wire.security import open_channel
 
     server, port = serve_tracker("127.0.0.1", 0)

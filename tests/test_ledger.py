@@ -23,7 +23,7 @@ from meshnet.ledger.store import Ledger, LedgerError, WorkRecord
 from meshnet.membership.identity import NodeIdentity
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.tracker.service import serve_tracker
+from meshnet.tracker.server import serve_tracker
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from meshnet.wire.security import open_channel
 

@@ -27,7 +27,7 @@ from meshnet.ledger.store import Ledger, LedgerError, WorkRecord
 from meshnet.membership.identity import NodeIdentity
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.tracker.service import serve_tracker
+from meshnet.tracker.server import serve_tracker
 from meshnet.wire.security import open_channel
 from test_ledger import SHA, node_info
 

@@ -18,7 +18,7 @@ from meshnet.contract import GREEDY
 from meshnet.generation import Generation
 from meshnet.ledger.store import Ledger
 from meshnet.proto import meshnet_pb2 as pb
-from meshnet.tracker.service import serve_tracker
+from meshnet.tracker.server import serve_tracker
 
 N_TOKENS = 64
 KILL_AFTER = 10

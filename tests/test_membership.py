@@ -21,7 +21,7 @@ from meshnet.membership.identity import (IdentityError, NodeIdentity, SignatureE
                                          load_or_create_identity, node_id_for, node_identity, verify_message)
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.tracker.service import serve_tracker
+from meshnet.tracker.server import serve_tracker
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from meshnet.wire.security import open_channel
 

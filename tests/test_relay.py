@@ -188,7 +188,7 @@ def test_hub_answers_unavailable_when_a_stream_closes_mid_call():
 
 
 def test_relayed_node_reattaches_after_tracker_restart(mesh, tok, solo):
-    from meshnet.tracker.service import serve_tracker
+    from meshnet.tracker.server import serve_tracker
 
     mesh.start_nodes([("a-head", "0:10"), ("d-tail", "20:30")])
     mesh.start_nodes([("b-relay", "10:20")], "smollm2", "--relay")

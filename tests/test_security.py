@@ -7,7 +7,7 @@ import pytest
 
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.tracker.service import serve_tracker
+from meshnet.tracker.server import serve_tracker
 from meshnet.wire.security import (
     JOIN_TOKEN_METADATA,
     JoinTokenInterceptor,

@@ -22,7 +22,7 @@ from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry
 from meshnet.tracker.routing import NodeRecord
 from meshnet.tracker.cli import add_tracker_parser
-from meshnet.tracker.service import serve_tracker
+from meshnet.tracker.server import serve_tracker
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from meshnet.wire.security import open_channel
 

@@ -89,7 +89,7 @@ def run_up(args: argparse.Namespace) -> int:
     from meshnet.local_mesh import plan_ranges
     from meshnet.model.bundled import resolve_model
     from meshnet.tracker.registry import Registry
-    from meshnet.tracker.service import start_tracker
+    from meshnet.tracker.server import start_tracker
 
     problem = dashboard_port_problem(args.dashboard_port)
     if problem:

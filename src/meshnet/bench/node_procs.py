@@ -140,7 +140,7 @@ def start_mesh(stack: ExitStack, model_path: str, n_ctx: int, specs: list[NodeSp
     """A tracker in this process plus node processes for ``specs`` (started together, or each once the
     one before is ready: then each node's ``ready_s`` is its load alone), all stopped when ``stack``
     closes; returns the tracker address and the nodes once the tracker has a route through all of them."""
-    from meshnet.tracker.service import serve_tracker
+    from meshnet.tracker.server import serve_tracker
     from meshnet.up import wait_for_route
 
     server, port = serve_tracker("127.0.0.1", 0, heartbeat_interval_s=1.0)

@@ -1,4 +1,4 @@
-"""``meshnet tracker``: serve the tracker (:mod:`meshnet.tracker.service`) and its web dashboard
+"""``meshnet tracker``: serve the tracker (:mod:`meshnet.tracker.server`) and its web dashboard
 (:mod:`meshnet.dashboard`) until SIGINT/SIGTERM.
 
 ``meshnet tracker [--host H] [--port 7700] [--heartbeat S] [--join-token T] [--tls-cert C --tls-key K]
@@ -15,7 +15,7 @@ import sys
 import threading
 
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
-from meshnet.tracker.service import start_tracker
+from meshnet.tracker.server import start_tracker
 from meshnet.wire.security import JOIN_TOKEN_ENV, TlsConfig, format_address
 
 DEFAULT_PORT = 7700

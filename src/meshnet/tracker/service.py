@@ -16,7 +16,8 @@ stream open (its first message a signed hello); clients reach it through ``Relay
 Ledger: nodes report completed steps (ReportWork), clients delivered tokens (ReportDelivery); both are
 stored once per key in the tracker's :class:`~meshnet.ledger.store.Ledger`, read back with GetLedger.
 
-The ``meshnet tracker`` command is :mod:`meshnet.tracker.cli`; its dashboard, :mod:`meshnet.dashboard`.
+It is served by :func:`meshnet.tracker.server.start_tracker`; the ``meshnet tracker`` command is
+:mod:`meshnet.tracker.cli`; its dashboard, :mod:`meshnet.dashboard`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from meshnet.tracker.node_info import device_dict, info_from_status, record_from
 from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry
 from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayHub
 from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
-from meshnet.wire.security import TlsConfig, add_port, format_address, make_server
 
 if TYPE_CHECKING:  # the ledger pulls in SQLAlchemy: imported when a tracker starts, not with the CLI
     from meshnet.ledger.store import Ledger
@@ -355,58 +355,3 @@ class TrackerService(pb_grpc.TrackerServicer):
         if answer.code != "OK":
             self._abort_relayed(context, answer)
         return pb.RelayControlReply(health=answer.up.health, capabilities=answer.up.capabilities)
-
-
-def serve_tracker(host: str = "127.0.0.1", port: int = 0, heartbeat_interval_s: float = 2.0,
-                  join_token: str | None = None, tls: TlsConfig | None = None,
-                  registry: Registry | None = None, ledger: "Ledger | str | None" = None,
-                  require_signatures: bool = False) -> tuple[grpc.Server, int]:
-    """Start a tracker server in background threads; as :func:`start_tracker`, without the service."""
-    server, bound, _ = start_tracker(host, port, heartbeat_interval_s, join_token, tls, registry, ledger,
-                                     require_signatures)
-    return server, bound
-
-
-def start_tracker(host: str = "127.0.0.1", port: int = 0, heartbeat_interval_s: float = 2.0,
-                  join_token: str | None = None, tls: TlsConfig | None = None,
-                  registry: Registry | None = None, ledger: "Ledger | str | None" = None,
-                  require_signatures: bool = False) -> tuple[grpc.Server, int, TrackerService]:
-    """Start a tracker server in background threads.
-
-    Args:
-        host, port: where to listen; port 0 picks a free port.
-        heartbeat_interval_s: told to nodes at registration; nodes silent for 3 intervals leave routing.
-        join_token: when set, calls without it are refused UNAUTHENTICATED.
-        tls: serve TLS with this certificate and key instead of plaintext.
-        registry: use this registry (e.g. one with a fake clock) instead of a new one; its own heartbeat
-            interval then applies.
-        ledger: a :class:`~meshnet.ledger.store.Ledger`, or the SQLAlchemy URL of one to open (migrated to
-            the newest schema); default an in-memory ledger that ends with the server. The caller closes a
-            Ledger it passed; one opened from a URL is closed when the process exits.
-        require_signatures: refuse unsigned node messages even for ids no key is bound to.
-
-    Returns:
-        ``(server, bound_port, service)``; stop it with ``server.stop(grace)``. ``service`` is what the
-        dashboard (:func:`meshnet.dashboard.server.start_dashboard`) reads.
-
-    Raises:
-        RuntimeError: the address cannot be bound; ValueError: bad interval or unreadable TLS files;
-        LedgerError (a RuntimeError): the ledger URL cannot be opened or migrated.
-    """
-    registry = registry if registry is not None else Registry(heartbeat_interval_s)
-    if isinstance(ledger, str):
-        from meshnet.ledger.store import Ledger
-
-        ledger = Ledger(ledger)
-    service = TrackerService(registry, ledger)
-    service.auth.require_signatures = require_signatures
-    # Each attached relay stream and each relayed step in flight holds a worker thread.
-    server = make_server(join_token, max_workers=64)
-    pb_grpc.add_TrackerServicer_to_server(service, server)
-    try:
-        bound = add_port(server, format_address(host, port), tls)
-    except BaseException:
-        server.stop(None)
-        raise
-    server.start()
-    return server, bound, service
