@@ -26,4 +26,5 @@ if [ -z "${MESHNET_TEST_POSTGRES_URL:-}" ] && [ "${MESHNET_TEST_POSTGRES:-1}" !=
     pg_dir=""
   fi
 fi
-.venv/bin/python -m pytest -q "$@"
+# The default run must stay within about 15 minutes on 2 cores: the slowest tests are listed at the end.
+.venv/bin/python -m pytest -q --durations=15 "$@"
