@@ -416,12 +416,12 @@ def test_bench_serve_against_running_server(served, tmp_path):
     assert args.func(args) == 0
     report = json.loads(out.read_text())
     row = report["results"]["url"]["3"]
-    assert row["completed"] == 6 and row["errors"] == 0
-    assert row["completion_tokens"] == 18  # three tokens each, unless a reply ends sooner
+    assert row["completed"] == 8 and row["errors"] == 0  # 3 streams x 2 requests, raised to MIN_REQUESTS
+    assert row["completion_tokens"] == 24  # three tokens each, unless a reply ends sooner
     assert 0 < row["ttft_s"]["p50"] <= row["ttft_s"]["p95"] <= row["latency_s"]["p95"]
     assert row["tokens_per_s"] > 0
     assert len(report["rounds"]) == 2 and report["rounds"][-1]["results"] == report["results"]
-    assert report["rounds"][0]["results"]["url"]["3"]["completed"] == 6
+    assert report["rounds"][0]["results"]["url"]["3"]["completed"] == 8
 
 
 def test_serve_bench_ratios_are_the_medians_of_the_rounds():

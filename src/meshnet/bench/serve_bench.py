@@ -40,6 +40,9 @@ from meshnet.bench.serve_load import LoadSpec, run_load, summarize
 from meshnet.openmp import competitor_env
 
 LLAMA_SLOT_CTX = 1024
+# Requests per timed load at least: at C = 1, three 128-token requests last about 2.5 s, and on a small
+# VM whose speed drifts their decode ratio to llama-server swung from 0.80 to 0.97 between rounds.
+MIN_REQUESTS = 8
 
 
 def add_serve_bench_parser(bench_subparsers) -> None:
@@ -50,7 +53,7 @@ def add_serve_bench_parser(bench_subparsers) -> None:
     p.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated C values")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--requests-per-stream", type=int, default=2,
-                   help="requests per concurrent stream at each C (at least 3 requests in all)")
+                   help=f"requests per concurrent stream at each C (at least {MIN_REQUESTS} requests in all)")
     p.add_argument("--threads", type=int, default=2, help="threads of llama-server and of meshnet in process")
     p.add_argument("--rounds", type=int, default=1,
                    help="measure every target at every C this many times in turn; the ratios are the medians "
@@ -230,7 +233,7 @@ def _measure(server: Server, model: str, c: int, args, sample_kv: bool) -> dict:
     """One timed load at concurrency ``c``; with ``sample_kv``, then an untimed one (a request per stream)
     while :class:`KvSampler` polls ``/metrics``: reading the pool's resident bytes walks the process's
     memory map, and polling it every 0.2 s during the timed load cost meshnet 10-15% of its decode speed."""
-    n = max(3, c * args.requests_per_stream)
+    n = max(MIN_REQUESTS, c * args.requests_per_stream)
     spec = LoadSpec(n_requests=n, concurrency=c, max_tokens=args.max_tokens, timeout_s=args.timeout)
     rss0 = server.rss_bytes()[0] if server.proc else 0
     results, wall = asyncio.run(run_load(server.url, model, spec))
