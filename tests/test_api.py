@@ -257,6 +257,8 @@ def _error(r, status: int, param: str | None = "any") -> dict:
     ("/v1/completions", b'{"prompt": "x", "n": 0}', "n"),
     ("/v1/completions", b'{"prompt": "x", "n": 1000}', "n"),
     ("/v1/completions", b'{"prompt": "x", "temperature": 2.5}', "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', "temperature"),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"5": Infinity}}', "logit_bias.5"),
     ("/v1/completions", b'{"prompt": "x", "top_p": 0}', "top_p"),
     ("/v1/completions", b'{"prompt": "x", "presence_penalty": 3}', "presence_penalty"),
     ("/v1/completions", b'{"prompt": "x", "logprobs": 6}', "logprobs"),

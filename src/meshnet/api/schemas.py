@@ -38,6 +38,10 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     """Fields shared by both generation endpoints."""
 
+    # NaN and infinities (Python's JSON reader takes them) are refused as not finite, rather than as
+    # outside a range they are not in.
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
     # ``null`` means "the default" for every optional field, as in OpenAI's API.
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
