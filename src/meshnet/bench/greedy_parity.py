@@ -77,7 +77,7 @@ def llama_cpp_greedy(model: str, prompt_ids: Sequence[int], n_tokens: int, threa
     import httpx
 
     from meshnet.bench.llama_server import find_tool
-    from meshnet.bench.serve_bench import Server
+    from meshnet.bench.served import Server
 
     binary = find_tool("llama-server")
     if binary is None:

@@ -25,19 +25,14 @@ import asyncio
 import json
 import os
 import platform
-import re
 import statistics
 import signal
-import socket
-import subprocess
 import sys
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshnet.bench.served import KvSampler, Server, free_port
 from meshnet.bench.serve_load import LoadSpec, run_load, summarize
-from meshnet.openmp import competitor_env
 
 LLAMA_SLOT_CTX = 1024
 # Requests per timed load at least: at C = 1, three 128-token requests last about 2.5 s, and on a small
@@ -66,112 +61,6 @@ def add_serve_bench_parser(bench_subparsers) -> None:
     p.set_defaults(func=run_serve_bench)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """One server process, started on a free port, ready once ``/v1/models`` answers 200."""
-
-    def __init__(self, name: str, argv_for_port, log_dir: Path, competitor: bool = False) -> None:
-        self.name, self.port = name, _free_port()
-        self.competitor = competitor  # llama.cpp: runs with its own OpenMP defaults, not meshnet's
-        self._argv_for_port = argv_for_port
-        self.argv = argv_for_port(self.port)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_dir / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
-
-    @classmethod
-    def attach(cls, name: str, url: str) -> "Server":
-        """A server someone else runs at ``url``: ``start`` only asks it for its model id."""
-        srv = cls.__new__(cls)
-        srv.name, srv.url, srv.argv, srv.proc, srv.port = name, url.rstrip("/"), None, None, 0
-        srv.competitor = False
-        return srv
-
-    def start(self, timeout_s: float = 600.0) -> str:
-        """Start and wait until ready; returns the model id it lists. Raises RuntimeError on failure."""
-        import httpx
-
-        if self.argv is None:
-            return httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-        if self.proc is not None:  # started before: fresh ports, so nothing of the last run can answer
-            self.port = _free_port()
-            self.argv, self.url = self._argv_for_port(self.port), f"http://127.0.0.1:{self.port}"
-        env = competitor_env() if self.competitor else dict(os.environ)
-        env = {k: v for k, v in env.items() if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD")}
-        log = open(self.log_path, "a")  # each start appends: a server is started once per C
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                r = httpx.get(self.url + "/v1/models", timeout=5)
-                if r.status_code == 200:
-                    return r.json()["data"][0]["id"]
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} was not ready in {timeout_s:.0f}s; see {self.log_path}")
-
-    def rss_bytes(self) -> tuple[int, int]:
-        """(VmRSS, VmHWM) of the server process in bytes; (0, 0) where /proc is not readable."""
-        try:
-            text = Path(f"/proc/{self.proc.pid}/status").read_text()
-        except (OSError, AttributeError):
-            return 0, 0
-        vals = {k: int(v.split()[0]) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(.*)$", text, re.M)}
-        return vals.get("VmRSS", 0), vals.get("VmHWM", 0)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            import signal
-
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
-class KvSampler:
-    """Polls an in-process meshnet API's ``/metrics`` during a load: the KV pool's resident bytes and the
-    tokens its sessions hold, summed over stages; keeps the sample holding the most tokens."""
-
-    def __init__(self, url: str, period_s: float = 0.2) -> None:
-        self.url, self.period_s = url, period_s
-        self.best = (0, 0)  # (held tokens, resident bytes)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> "KvSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        import httpx
-
-        while not self._stop.wait(self.period_s):
-            try:
-                text = httpx.get(self.url + "/metrics", timeout=5).text
-            except httpx.HTTPError:
-                continue
-            held = sum(float(v) for v in re.findall(r"^meshnet_stage_kv_tokens_held\{[^}]*\} (\S+)$", text, re.M))
-            kv = sum(float(v) for v in re.findall(r"^meshnet_stage_kv_bytes\{[^}]*\} (\S+)$", text, re.M))
-            if held > self.best[0]:
-                self.best = (int(held), int(kv))
-
-
 def _kv_bytes_per_token(model_path: str) -> int:
     from meshnet.engine.kv_pool import KVPool
     from meshnet.model.gguf_file import open_gguf
@@ -192,7 +81,7 @@ def _targets(args, log_dir: Path, max_c: int) -> dict:
             "--max-sessions", str(max(max_c, 1)), "--port", str(port)], log_dir)
     if "mesh" in wanted:
         out["mesh"] = Server("mesh", lambda port: py + [
-            "up", "--model", args.model, "--stages", "3", "--threads", "1", "--port", str(_free_port()),
+            "up", "--model", args.model, "--stages", "3", "--threads", "1", "--port", str(free_port()),
             "--n-ctx", str(LLAMA_SLOT_CTX), "--max-sessions", str(max(max_c, 1)), "--api-port", str(port)],
             log_dir)
     return out
