@@ -17,8 +17,6 @@ from __future__ import annotations
 import ggml
 import gguf
 
-from meshnet.engine.cpu_repack import mul_mat
-
 T = gguf.MODEL_TENSOR
 F32_BYTES = 4
 
@@ -43,7 +41,7 @@ def mla_qkv(g, il: int, cur):
         q = g._norm(q, T.ATTN_Q_A_NORM, il)
         q = ggml.ggml_mul_mat(ctx, g._wt(T.ATTN_Q_B, il), q)                   # [head_k * n_head, n]
     else:
-        q = mul_mat(ctx, g._wt(T.ATTN_Q, il), cur, g._pair_ids)
+        q = g._mm(T.ATTN_Q, il, cur)
     q = ggml.ggml_reshape_3d(ctx, q, head_k, n_head, n)                        # [head_k, n_head, n]
 
     kv_cmpr_pe = ggml.ggml_mul_mat(ctx, g._wt(T.ATTN_KV_A_MQA, il), cur)       # [kvl + n_rot, n]
