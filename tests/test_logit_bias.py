@@ -109,6 +109,8 @@ def test_the_step_header_carries_the_bias_to_the_tail():
     sp = SamplingParams(temperature=0.5, seed=3, logit_bias=((2, -100.0), (5, 0.5), (49151, 100.0)))
     assert sampling_from_pb(sampling_to_pb(sp)) == sp
     assert sampling_from_pb(sampling_to_pb(SamplingParams())).logit_bias == ()
+    assert sampling_from_pb(sampling_to_pb(SamplingParams(logprobs=False))).logprobs is False
+    assert sampling_from_pb(sampling_to_pb(SamplingParams())).logprobs is True
     req = StepRequest("s", epoch=0, position=0, token_ids=(1, 2, 3), sampling=sp)
     back, decode = frames_to_request(request_to_frames(req, decode=False))
     assert back.sampling == sp and not decode

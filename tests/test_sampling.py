@@ -320,6 +320,24 @@ def test_logprob_is_log_softmax_of_raw_logits():
     assert out.logprob == pytest.approx(ref[out.token_id], abs=1e-6)
 
 
+def test_a_step_that_wants_no_logprob_gets_the_same_token_and_nan():
+    rng = np.random.default_rng(9)
+    logits = (rng.standard_normal(49152) * 4).astype(np.float32)
+    ref = log_softmax64(logits)
+    full = sample(logits, SamplingParams(), [], 0)
+    bare = sample(logits, SamplingParams(logprobs=False), [], 0)
+    assert bare.token_id == full.token_id == int(np.argmax(logits)) and math.isnan(bare.logprob)
+    # a sampled step draws the same token either way; top log-probs imply the token's own
+    for sp in (SamplingParams(temperature=0.8, top_p=0.9, seed=4, logprobs=False),
+               SamplingParams(n_top_logprobs=2, logprobs=False)):
+        out = sample(logits, sp, [], 7)
+        assert out.token_id == sample(logits, SamplingParams(**{**sp.__dict__, "logprobs": True}), [], 7).token_id
+        if sp.n_top_logprobs:
+            assert out.logprob == pytest.approx(ref[out.token_id], abs=1e-6) and len(out.top) == 2
+        else:
+            assert math.isnan(out.logprob)
+
+
 def test_logprob_ignores_penalties_and_temperature():
     logits = f32([2.0, 1.8, 0.0])
     ref = log_softmax64(logits)

@@ -99,8 +99,9 @@ def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], p
         allowed: bool ``[n_vocab]``, the tokens a grammar allows here (at least one); None = all.
 
     Returns:
-        :class:`SampledToken`: the chosen id, its log-prob under ``log_softmax(logits)`` of the raw logits,
-        and the ``params.n_top_logprobs`` highest raw log-probs, best first, ties by lower id.
+        :class:`SampledToken`: the chosen id, its log-prob under ``log_softmax(logits)`` of the raw logits
+        (NaN when ``params.wants_logprobs`` is false), and the ``params.n_top_logprobs`` highest raw
+        log-probs, best first, ties by lower id.
 
     Raises:
         ValueError: ``logits`` is not a non-empty 1-D array, ``params.validate()`` fails, ``position`` is
@@ -118,11 +119,16 @@ def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], p
         raise ValueError(f"position must be >= 0, got {position}")
     n_vocab = raw.shape[0]
 
-    # Model log-probs: log_softmax of the raw logits (float32 exp, float64 sum and log).
-    mx = raw.max()
-    e_raw = np.subtract(raw, mx, out=_scratch_buffer(n_vocab))
-    np.exp(e_raw, out=e_raw)
-    lse = float(mx) + math.log(float(e_raw.sum(dtype=np.float64)))
+    # Model log-probs: log_softmax of the raw logits (float32 exp, float64 sum and log). A greedy step
+    # that reports no log-prob needs none of it (NaN stands for the log-prob it did not compute).
+    lse = math.nan
+    e_raw = _scratch_buffer(n_vocab)
+    if params.temperature != 0 or params.wants_logprobs:
+        mx = raw.max()
+        np.subtract(raw, mx, out=e_raw)
+        np.exp(e_raw, out=e_raw)
+        if params.wants_logprobs:
+            lse = float(mx) + math.log(float(e_raw.sum(dtype=np.float64)))
 
     pen = _apply_penalties(_constrained(raw, params, n_vocab, allowed), params, history, n_vocab)
     if params.temperature == 0:

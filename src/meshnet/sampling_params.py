@@ -63,6 +63,11 @@ class SamplingParams:
 
     ``grammar``: when set, only tokens the grammar allows are candidates (before the logit bias and the
     rest of the chain); None = unconstrained.
+
+    ``logprobs``: whether the tail reports the sampled token's log-prob. False (what the API asks for when
+    a request wants no log-probs) lets a greedy tail skip the log-softmax over the whole vocabulary, a
+    quarter of a millisecond a token for a 49k vocabulary; the token's ``logprob`` is then NaN.
+    ``n_top_logprobs`` > 0 implies it.
     """
 
     temperature: float = 0.0
@@ -77,6 +82,12 @@ class SamplingParams:
     n_top_logprobs: int = 0  # how many top log-probs to return with each sampled token
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending; () = none
     grammar: Grammar | None = None
+    logprobs: bool = True
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the sampled token's log-prob (and log-softmax) must be computed."""
+        return self.logprobs or self.n_top_logprobs > 0
 
     def __post_init__(self) -> None:
         # canonical form, whatever order (or mapping) the caller gave: pairs sorted by token id

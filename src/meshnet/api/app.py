@@ -219,7 +219,9 @@ class _Api:
         for p_ids in prompts:
             budget = token_budget(self.backend.n_ctx, p_ids, req.max_tokens, "prompt")
             for _ in range(req.n or 1):
-                jobs.append(GenJob(p_ids, budget, sampling_params(req, self.backend.tokenizer.n_vocab, n_top, len(jobs), grammar),
+                sp = sampling_params(req, self.backend.tokenizer.n_vocab, n_top, len(jobs), grammar,
+                                     logprobs=req.logprobs is not None)
+                jobs.append(GenJob(p_ids, budget, sp,
                                    tuple(stop_sequences(req.stop)),
                                    speculation=self._speculation(req), ignore_eos=bool(req.ignore_eos)))
         await self._check_route()
@@ -316,7 +318,8 @@ class _Api:
         n_top = req.top_logprobs or 0
         stops = tuple(stop_sequences(req.stop))
         ignore_eos = bool(req.ignore_eos)
-        jobs = [GenJob(prompt_ids, budget, sampling_params(req, self.backend.tokenizer.n_vocab, n_top, i, grammar), stops,
+        jobs = [GenJob(prompt_ids, budget, sampling_params(req, self.backend.tokenizer.n_vocab, n_top, i, grammar,
+                                                           logprobs=bool(req.logprobs)), stops,
                        stop_at_control=not ignore_eos, speculation=self._speculation(req), ignore_eos=ignore_eos)
                 for i in range(req.n or 1)]
         await self._check_route()

@@ -126,9 +126,11 @@ def stop_sequences(stop: str | list[str] | None) -> list[str]:
     return [s for s in stops if s]
 
 
-def sampling_params(req, n_vocab: int, n_top: int, index: int, grammar: Grammar | None = None) -> SamplingParams:
+def sampling_params(req, n_vocab: int, n_top: int, index: int, grammar: Grammar | None = None,
+                    logprobs: bool = False) -> SamplingParams:
     """SamplingParams for choice ``index`` of ``req`` (seeded choices use ``seed + index``); OpenAI's
-    defaults for absent fields (temperature 1, no filters, no penalties). Raises ApiError (400)."""
+    defaults for absent fields (temperature 1, no filters, no penalties). ``logprobs``: the response
+    reports each token's log-prob (otherwise the tail need not compute it). Raises ApiError (400)."""
     def pick(value, default):
         return default if value is None else value
 
@@ -138,7 +140,7 @@ def sampling_params(req, n_vocab: int, n_top: int, index: int, grammar: Grammar 
                         presence_penalty=pick(req.presence_penalty, 0.0),
                         frequency_penalty=pick(req.frequency_penalty, 0.0),
                         seed=None if req.seed is None else req.seed + index, n_top_logprobs=n_top,
-                        logit_bias=logit_bias(req.logit_bias, n_vocab), grammar=grammar)
+                        logit_bias=logit_bias(req.logit_bias, n_vocab), grammar=grammar, logprobs=logprobs)
     problem = sp.validate()
     if problem:
         raise bad_request(problem)

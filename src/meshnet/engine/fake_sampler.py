@@ -9,6 +9,7 @@ probability, else drawn from the rest). Used by :class:`~meshnet.engine.fake.Fak
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 
 import numpy as np
@@ -72,7 +73,7 @@ def _picked(token: int, logprobs: np.ndarray, sp: SamplingParams) -> SampledToke
     if sp.n_top_logprobs:
         best = np.lexsort((np.arange(logprobs.size), -logprobs))[:sp.n_top_logprobs]
         top = tuple(TokenLogprob(int(i), float(logprobs[i])) for i in best)
-    return SampledToken(token, float(logprobs[token]), top)
+    return SampledToken(token, float(logprobs[token]) if sp.wants_logprobs else math.nan, top)
 
 
 def _penalize(logits: np.ndarray, history: list[int], sp: SamplingParams) -> np.ndarray:

@@ -57,7 +57,8 @@ def sampling_to_pb(s: SamplingParams) -> pb.Sampling:
                        has_seed=s.seed is not None, seed=(s.seed or 0) % (1 << 64),
                        n_top_logprobs=s.n_top_logprobs, logit_bias=dict(s.logit_bias),
                        grammar=None if s.grammar is None else pb.Grammar(json_schema=s.grammar.json_schema,
-                                                                         start=s.grammar.start))
+                                                                         start=s.grammar.start),
+                       skip_logprob=not s.logprobs)
 
 
 def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
@@ -76,7 +77,8 @@ def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
                           repetition_penalty=m.repetition_penalty, presence_penalty=m.presence_penalty,
                           frequency_penalty=m.frequency_penalty, penalty_last_n=m.penalty_last_n,
                           seed=int(m.seed) if m.has_seed else None, n_top_logprobs=m.n_top_logprobs,
-                          logit_bias=tuple(sorted(m.logit_bias.items())), grammar=grammar)
+                          logit_bias=tuple(sorted(m.logit_bias.items())), grammar=grammar,
+                          logprobs=not m.skip_logprob)
 
 
 def tensor_frames(header: pb.Envelope, tensor: NamedTensor | None,
