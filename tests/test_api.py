@@ -426,6 +426,34 @@ def test_bench_serve_against_running_server(served, tmp_path):
     assert report["rounds"][0]["results"]["url"]["3"]["completed"] == 8
 
 
+def test_bench_counts_the_cpu_of_every_process_a_server_started():
+    """A parent that only waits and a child that burns 0.4 s of CPU: the tree's CPU holds the child's time
+    and counts both processes (what ``bench serve`` reads around a mesh's load)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from meshnet.bench.served import tree_cpu_seconds
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\ntime.sleep(30)"
+    spawn = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {burn!r}])\ntime.sleep(30)"
+    parent = subprocess.Popen([sys.executable, "-c", spawn], start_new_session=True)
+    try:
+        deadline, found = time.monotonic() + 20, None
+        while time.monotonic() < deadline:
+            found = tree_cpu_seconds(parent.pid)
+            if found is not None and found[1] == 2 and found[0] >= 0.4:
+                break
+            time.sleep(0.1)
+        assert found is not None and found[1] == 2
+        assert 0.4 <= found[0] < 5.0
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)
+        parent.wait()
+    assert tree_cpu_seconds(-1) is None
+
+
 def test_serve_bench_ratios_are_the_medians_of_the_rounds():
     from meshnet.bench.serve_bench import _median_ratios
 
@@ -434,3 +462,13 @@ def test_serve_bench_ratios_are_the_medians_of_the_rounds():
               {"8": {"meshnet_aggregate_vs_llama": 1.05, "mesh_vs_meshnet": 0.7}}]
     assert _median_ratios(rounds) == {"8": {"meshnet_aggregate_vs_llama": 1.05, "mesh_vs_meshnet": 0.6}}
     assert _median_ratios([{"1": {"mesh_vs_meshnet": None}}]) == {"1": {"mesh_vs_meshnet": None}}
+
+
+def test_serve_bench_compares_cpu_per_token():
+    from meshnet.bench.serve_bench import _ratios
+
+    got = _ratios({"llama-server": {"8": {"tokens_per_s": 100.0, "cpu_ms_per_token": 10.0}},
+                   "meshnet": {"8": {"tokens_per_s": 110.0, "cpu_ms_per_token": 9.0}},
+                   "mesh": {"8": {"tokens_per_s": 55.0, "cpu_ms_per_token": 18.0}}})["8"]
+    assert got["meshnet_cpu_vs_llama"] == 0.9 and got["mesh_cpu_vs_meshnet"] == 2.0
+    assert got["mesh_vs_meshnet"] == 0.5

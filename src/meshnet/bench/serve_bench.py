@@ -125,11 +125,16 @@ def _measure(server: Server, model: str, c: int, args, sample_kv: bool) -> dict:
     n = max(MIN_REQUESTS, c * args.requests_per_stream)
     spec = LoadSpec(n_requests=n, concurrency=c, max_tokens=args.max_tokens, timeout_s=args.timeout)
     rss0 = server.rss_bytes()[0] if server.proc else 0
+    cpu0 = server.cpu_seconds()
     results, wall = asyncio.run(run_load(server.url, model, spec))
+    cpu1 = server.cpu_seconds()
     row = summarize(results, wall)
     if server.proc:
         rss, hwm = server.rss_bytes()
         row["rss_bytes"] = {"before": rss0, "after": rss, "peak": hwm}
+    if cpu0 is not None and cpu1 is not None and row["completion_tokens"]:
+        # every process of the server (a mesh's nodes and engine workers too), not the load generator
+        row["cpu_ms_per_token"] = round(1000 * (cpu1 - cpu0) / row["completion_tokens"], 3)
     if sample_kv:
         with KvSampler(server.url) as kv:
             asyncio.run(run_load(server.url, model, LoadSpec(n_requests=c, concurrency=c,
@@ -256,7 +261,8 @@ def _median_ratios(per_round: list[dict]) -> dict:
 
 def _ratios(results: dict) -> dict:
     """Per C: meshnet and mesh over llama-server (aggregate and per-stream decode tokens/s; TTFT p50, where
-    lower is better), and mesh over meshnet in process."""
+    lower is better), mesh over meshnet in process, and the same pairs' CPU milliseconds per token (lower
+    is better)."""
     out: dict = {}
     ref, ours, mesh = results.get("llama-server", {}), results.get("meshnet", {}), results.get("mesh", {})
 
@@ -271,6 +277,9 @@ def _ratios(results: dict) -> dict:
             "meshnet_ttft_vs_llama": div((o.get("ttft_s") or {}).get("p50"), (r.get("ttft_s") or {}).get("p50")),
             "mesh_aggregate_vs_llama": div(m.get("tokens_per_s"), r.get("tokens_per_s")),
             "mesh_vs_meshnet": div(m.get("tokens_per_s"), o.get("tokens_per_s")),
+            # CPU time a token costs (lower is better): steadier than throughput on a busy host
+            "meshnet_cpu_vs_llama": div(o.get("cpu_ms_per_token"), r.get("cpu_ms_per_token")),
+            "mesh_cpu_vs_meshnet": div(m.get("cpu_ms_per_token"), o.get("cpu_ms_per_token")),
         }
     return out
 
@@ -293,5 +302,14 @@ def print_table(report: dict) -> None:
         ratio = " ".join(f"{q.get(k) if q.get(k) is not None else '-'}" for k in (
             "meshnet_aggregate_vs_llama", "meshnet_decode_vs_llama", "meshnet_ttft_vs_llama", "mesh_vs_meshnet"))
         print(f"{c:>3}  {'  '.join(cells)}  {ratio:>40}")
+    if any(r.get("cpu_ms_per_token") is not None for n in names for r in res[n].values()):
+        print(f"{'C':>3}  " + "  ".join(f"{n + ' CPU ms/token':>24}" for n in names)
+              + f"  {'ratios (meshnet/llama; mesh/meshnet)':>38}")
+        for c in report["concurrency"]:
+            cells = [f"{(res[n].get(str(c)) or {}).get('cpu_ms_per_token') or '-':>24}" for n in names]
+            q = report.get("ratios", {}).get(str(c), {})
+            ratio = " ".join(f"{q.get(k) if q.get(k) is not None else '-'}"
+                             for k in ("meshnet_cpu_vs_llama", "mesh_cpu_vs_meshnet"))
+            print(f"{c:>3}  {'  '.join(cells)}  {ratio:>38}")
     if "rounds" in report:
         print(f"(figures of the last of {len(report['rounds'])} rounds; ratios: the medians of the rounds')")

@@ -1,6 +1,7 @@
 """Server processes a benchmark measures over HTTP: :class:`Server` starts one on a free port (or attaches
 to one already running) and waits until its OpenAI API answers; :class:`KvSampler` reads an in-process
-meshnet API's KV pool figures from ``/metrics`` while a load runs."""
+meshnet API's KV pool figures from ``/metrics`` while a load runs; :func:`tree_cpu_seconds` counts the CPU
+time a server and the processes it started (a mesh's nodes and their engine workers) have used."""
 
 from __future__ import annotations
 
@@ -21,6 +22,38 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def tree_cpu_seconds(pid: int) -> tuple[float, int] | None:
+    """CPU seconds (user + system) that process ``pid`` and every live process below it have used so far,
+    and how many processes that is; None where ``/proc`` cannot be read (not Linux) or ``pid`` is gone.
+
+    Unlike throughput, CPU time per token hardly moves when the host takes cycles from a virtual machine,
+    and it adds up what each process of a mesh costs (a benchmark reads it before and after a load)."""
+    clk = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    children: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return None
+    for e in entries:
+        try:
+            # fields after the command name's closing parenthesis: state ppid ... utime(11) stime(12)
+            fields = Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        children.setdefault(int(fields[1]), []).append(int(e))
+        cpu[int(e)] = (int(fields[11]) + int(fields[12])) / clk
+    if pid not in cpu:
+        return None
+    total, n, todo = 0.0, 0, [pid]
+    while todo:
+        p = todo.pop()
+        total += cpu.get(p, 0.0)
+        n += 1
+        todo.extend(children.get(p, ()))
+    return total, n
 
 
 class Server:
@@ -78,6 +111,12 @@ class Server:
             return 0, 0
         vals = {k: int(v.split()[0]) * 1024 for k, v in re.findall(r"^(VmRSS|VmHWM):\s+(.*)$", text, re.M)}
         return vals.get("VmRSS", 0), vals.get("VmHWM", 0)
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds the server's processes have used so far (:func:`tree_cpu_seconds`); None for an
+        attached server or where ``/proc`` is not readable."""
+        found = tree_cpu_seconds(self.proc.pid) if self.proc is not None else None
+        return None if found is None else found[0]
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
