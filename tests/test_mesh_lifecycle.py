@@ -14,24 +14,26 @@ import urllib.error
 import urllib.request
 
 import grpc
+import numpy as np
 import pytest
 
 from mesh_util import HEARTBEAT_S, Mesh, free_port, rpc_code
 from solo_reference import PROMPTS
 from meshnet.client.mesh_client import MeshClient
-from meshnet.contract import LayerRange, StepRequest
+from meshnet.contract import LayerRange, NamedTensor, StepRequest
 from meshnet.local_mesh import load_local_chain
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tokenizer import GGUFTokenizer
-from meshnet.wire.envelope import PROTOCOL_MAJOR
+from meshnet.wire.envelope import PROTOCOL_MAJOR, request_to_frames
 from meshnet.wire.security import open_channel
 
 
-def test_2000_token_prompt_equals_single_process(mesh, smollm2_path):
+def test_1200_token_prompt_streams_in_frames_and_equals_single_process(mesh, smollm2_path):
     mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
     tok = GGUFTokenizer.from_gguf(str(smollm2_path))
-    ids = (tok.encode(PROMPTS[1]) * 20)[:2000]
+    n = 1200
+    ids = (tok.encode(PROMPTS[1]) * 20)[:n]
     client = MeshClient(mesh.tracker)
     local = load_local_chain(str(smollm2_path), [LayerRange(0, 30)], n_threads=2, progress=False)
 
@@ -40,11 +42,13 @@ def test_2000_token_prompt_equals_single_process(mesh, smollm2_path):
         assert res.ok, res.message
         out = [res.token.token_id]
         for k in range(3):
-            out.append(chain.step(StepRequest("long", 0, 2000 + k, (out[-1],)), decode=True).token.token_id)
+            out.append(chain.step(StepRequest("long", 0, n + k, (out[-1],)), decode=True).token.token_id)
         chain.release("long")
         return out
 
-    # 2000 x 576 f32 hidden states are 4.6 MB per hop, over gRPC's 4 MB default: they stream in frames.
+    # 1200 x 576 f32 hidden states are 2.8 MB per hop: three frames of at most MAX_FRAME_BYTES (1 MiB)
+    assert len(request_to_frames(StepRequest("long", 0, 0, tuple(ids), hidden=NamedTensor.from_numpy(
+        "hidden", np.zeros((n, 576), np.float32))), False)) == 3
     assert run(client) == run(local)
 
 
