@@ -215,12 +215,13 @@ class _Api:
         prompts = await anyio.to_thread.run_sync(completion_prompts, self.backend.tokenizer, req.prompt)
         grammar = await self._grammar(req)
         n_top = req.logprobs or 0
+        want_logprobs = req.logprobs is not None
         jobs = []
         for p_ids in prompts:
             budget = token_budget(self.backend.n_ctx, p_ids, req.max_tokens, "prompt")
             for _ in range(req.n or 1):
                 sp = sampling_params(req, self.backend.tokenizer.n_vocab, n_top, len(jobs), grammar,
-                                     logprobs=req.logprobs is not None)
+                                     logprobs=want_logprobs)
                 jobs.append(GenJob(p_ids, budget, sp,
                                    tuple(stop_sequences(req.stop)),
                                    speculation=self._speculation(req), ignore_eos=bool(req.ignore_eos)))
@@ -228,7 +229,6 @@ class _Api:
         prompt_tokens = sum(len(p) for p in prompts)
         self.metrics.prompt_tokens.inc(prompt_tokens)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        want_logprobs = req.logprobs is not None
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse(self._stream_completion(jobs, rid, created, prompt_tokens, want_logprobs,
@@ -316,10 +316,11 @@ class _Api:
                 lambda: grammar_for(plan.schema, self.backend.grammars, "tools"))
         budget = token_budget(self.backend.n_ctx, prompt_ids, max_tokens, "messages")
         n_top = req.top_logprobs or 0
+        want_logprobs = bool(req.logprobs)
         stops = tuple(stop_sequences(req.stop))
         ignore_eos = bool(req.ignore_eos)
         jobs = [GenJob(prompt_ids, budget, sampling_params(req, self.backend.tokenizer.n_vocab, n_top, i, grammar,
-                                                           logprobs=bool(req.logprobs)), stops,
+                                                           logprobs=want_logprobs), stops,
                        stop_at_control=not ignore_eos, speculation=self._speculation(req), ignore_eos=ignore_eos)
                 for i in range(req.n or 1)]
         await self._check_route()
@@ -328,8 +329,7 @@ class _Api:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse(self._stream_chat(jobs, rid, created, prompt_tokens, bool(req.logprobs), include_usage,
-                                         t0))
+            return sse(self._stream_chat(jobs, rid, created, prompt_tokens, want_logprobs, include_usage, t0))
         choices, completion_tokens = [], 0
         for i, job in enumerate(jobs):
             pieces, run = await self._run_whole(job, request, t0, i == 0)
@@ -340,7 +340,7 @@ class _Api:
                 ChatResponseMessage(content=text)
             choices.append(ChatChoice(index=i, message=message,
                                       finish_reason="tool_calls" if calls else run.finish_reason,
-                                      logprobs=chat_logprobs(self.backend.tokenizer, pieces) if req.logprobs else None))
+                                      logprobs=chat_logprobs(self.backend.tokenizer, pieces) if want_logprobs else None))
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                       total_tokens=prompt_tokens + completion_tokens)
         body = ChatCompletionResponse(id=rid, created=created, model=self.backend.model_name, choices=choices,

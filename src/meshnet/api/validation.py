@@ -126,8 +126,8 @@ def stop_sequences(stop: str | list[str] | None) -> list[str]:
     return [s for s in stops if s]
 
 
-def sampling_params(req, n_vocab: int, n_top: int, index: int, grammar: Grammar | None = None,
-                    logprobs: bool = False) -> SamplingParams:
+def sampling_params(req, n_vocab: int, n_top: int, index: int, grammar: Grammar | None = None, *,
+                    logprobs: bool) -> SamplingParams:
     """SamplingParams for choice ``index`` of ``req`` (seeded choices use ``seed + index``); OpenAI's
     defaults for absent fields (temperature 1, no filters, no penalties). ``logprobs``: the response
     reports each token's log-prob (otherwise the tail need not compute it). Raises ApiError (400)."""

@@ -284,6 +284,11 @@ def _ratios(results: dict) -> dict:
     return out
 
 
+def _ratio_cells(ratios: dict, keys: tuple[str, ...]) -> str:
+    """The ``keys`` of one C's ratios, space-separated, "-" for those missing."""
+    return " ".join(f"{ratios.get(k) if ratios.get(k) is not None else '-'}" for k in keys)
+
+
 def print_table(report: dict) -> None:
     res = report["results"]
     names = [n for n in ("llama-server", "meshnet", "mesh", "url") if n in res]
@@ -299,8 +304,8 @@ def print_table(report: dict) -> None:
             cells.append(f"{r['tokens_per_s'] or 0:>14.1f} {r['decode_tokens_per_s_p50'] or 0:>9.1f} "
                          f"{(r['ttft_s']['p50'] or 0):>10.3f}s")
         q = report.get("ratios", {}).get(str(c), {})
-        ratio = " ".join(f"{q.get(k) if q.get(k) is not None else '-'}" for k in (
-            "meshnet_aggregate_vs_llama", "meshnet_decode_vs_llama", "meshnet_ttft_vs_llama", "mesh_vs_meshnet"))
+        ratio = _ratio_cells(q, ("meshnet_aggregate_vs_llama", "meshnet_decode_vs_llama", "meshnet_ttft_vs_llama",
+                                 "mesh_vs_meshnet"))
         print(f"{c:>3}  {'  '.join(cells)}  {ratio:>40}")
     if any(r.get("cpu_ms_per_token") is not None for n in names for r in res[n].values()):
         print(f"{'C':>3}  " + "  ".join(f"{n + ' CPU ms/token':>24}" for n in names)
@@ -308,8 +313,7 @@ def print_table(report: dict) -> None:
         for c in report["concurrency"]:
             cells = [f"{(res[n].get(str(c)) or {}).get('cpu_ms_per_token') or '-':>24}" for n in names]
             q = report.get("ratios", {}).get(str(c), {})
-            ratio = " ".join(f"{q.get(k) if q.get(k) is not None else '-'}"
-                             for k in ("meshnet_cpu_vs_llama", "mesh_cpu_vs_meshnet"))
+            ratio = _ratio_cells(q, ("meshnet_cpu_vs_llama", "mesh_cpu_vs_meshnet"))
             print(f"{c:>3}  {'  '.join(cells)}  {ratio:>38}")
     if "rounds" in report:
         print(f"(figures of the last of {len(report['rounds'])} rounds; ratios: the medians of the rounds')")
