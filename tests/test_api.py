@@ -472,3 +472,54 @@ def test_serve_bench_compares_cpu_per_token():
                    "mesh": {"8": {"tokens_per_s": 55.0, "cpu_ms_per_token": 18.0}}})["8"]
     assert got["meshnet_cpu_vs_llama"] == 0.9 and got["mesh_cpu_vs_meshnet"] == 2.0
     assert got["mesh_vs_meshnet"] == 0.5
+
+
+def test_serve_bench_runs_quiet_targets_side_by_side_in_turns(monkeypatch, tmp_path):
+    """llama-server and meshnet in process take turns a load at a time, A B then B A, each row carrying the
+    other's idle CPU; the mesh is started for each of its loads and stopped after it."""
+    import argparse
+
+    from meshnet.bench import serve_bench
+    from meshnet.bench.served import Server
+
+    events = []
+
+    class Fake(Server):
+        def __init__(self, name):
+            self.name, self.proc, self.url = name, object(), f"http://{name}"
+
+        def cpu_seconds(self):
+            return 1.0
+
+        def stop(self):
+            events.append(("stop", self.name))
+
+    def start(self, name, n_parallel):
+        events.append(("start", name))
+        return Fake(name), "m"
+
+    def measure(server, model, c, args, sample_kv, neighbours=()):
+        events.append(("load", server.name, tuple(n.name for n in neighbours)))
+        return {"errors": 0, "requests": 8, "prompt_tokens": 10, "completion_tokens": 100, "completed": 8}
+
+    monkeypatch.setattr(serve_bench._Run, "_start", start)
+    monkeypatch.setattr(serve_bench, "_measure", measure)
+    run = serve_bench._Run({"meshnet": None, "mesh": None}, tmp_path / "llama-server", "m.gguf",
+                           argparse.Namespace(threads=2), tmp_path, {}, 1000)
+    rounds = [{}, {}]
+    assert run.measure_c(1, 8, rounds) is False
+    assert events == [
+        ("start", "llama-server"), ("start", "meshnet"),
+        ("load", "llama-server", ("meshnet",)), ("load", "meshnet", ("llama-server",)),
+        ("load", "meshnet", ("llama-server",)), ("load", "llama-server", ("meshnet",)),
+        ("stop", "llama-server"), ("stop", "meshnet"),
+        ("start", "mesh"), ("load", "mesh", ()), ("stop", "mesh"),
+        ("start", "mesh"), ("load", "mesh", ()), ("stop", "mesh")]
+    assert sorted(rounds[1]) == ["llama-server", "mesh", "meshnet"]
+    assert rounds[0]["llama-server"]["1"]["kv"]["allocated_bytes"] == serve_bench.LLAMA_SLOT_CTX * 8 * 1000
+    events.clear()
+    run.side_by_side = False  # --alone: every target started for each load
+    run.measure_c(1, 8, [{}])
+    assert events == [("start", "llama-server"), ("load", "llama-server", ()), ("stop", "llama-server"),
+                      ("start", "meshnet"), ("load", "meshnet", ()), ("stop", "meshnet"),
+                      ("start", "mesh"), ("load", "mesh", ()), ("stop", "mesh")]

@@ -1,8 +1,9 @@
 """``meshnet bench serve``: meshnet's OpenAI API against llama.cpp's ``llama-server``, in one run.
 
 Three servers, each its own process, measured alternately with the same load (short chat prompts,
-streaming, greedy, ``max_tokens`` 128) at each concurrency C, each started for its turn and stopped after
-it so that nothing else runs beside the one measured:
+streaming, greedy, ``max_tokens`` 128) at each concurrency C. llama-server and meshnet in process run side
+by side for a C and take turns a load at a time (neither does anything while idle); the mesh, whose nodes
+heartbeat, is started for each of its loads and stopped after it (``--alone`` treats every target so):
 
 * ``llama-server``: same GGUF, 2 threads, ``-fa on``, ``-np 8`` for C <= 8 and ``-np 32`` above,
   ``-c`` 1024 per slot (found on PATH or built once into a cache folder: :mod:`meshnet.bench.llama_server`;
@@ -13,9 +14,9 @@ it so that nothing else runs beside the one measured:
 Per target and C: aggregate tokens/s, per-stream decode tokens/s (p50), TTFT p50/p95; for meshnet in
 process also the KV pool's resident bytes per held token at the fullest moment and the process's peak
 RSS growth; for llama-server the KV bytes it allocates per token held. Ratios to llama-server are in the
-JSON (``ratios``) and the printed table. With ``--rounds`` N > 1 the whole sequence runs N times and each
-ratio is the median of the rounds' (every round's figures are in ``rounds``): on a machine whose speed
-drifts, a server measured minutes after another compares the machine with itself.
+JSON (``ratios``) and the printed table. With ``--rounds`` N > 1 every target is measured N times at each C
+and each ratio is the median of the rounds' (every round's figures are in ``rounds``): on a machine whose
+speed drifts, a server measured minutes after another compares the machine with itself.
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ LLAMA_SLOT_CTX = 1024
 # Requests per timed load at least: at C = 1, three 128-token requests last about 2.5 s, and on a small
 # VM whose speed drifts their decode ratio to llama-server swung from 0.80 to 0.97 between rounds.
 MIN_REQUESTS = 8
+# Targets that run side by side and take turns (see _Run.measure_c): idle, neither wakes up (measured: an
+# idle ``meshnet api`` used 0.05 s of CPU in 20 s, llama-server none), and a pair measured seconds apart
+# compares the two servers rather than the machine's speed a minute apart with itself (on a 2-core VM,
+# rounds of separately started servers gave one-stream decode ratios from 0.69 to 0.995).
+SIDE_BY_SIDE = ("llama-server", "meshnet")
 
 
 def add_serve_bench_parser(bench_subparsers) -> None:
@@ -55,6 +61,9 @@ def add_serve_bench_parser(bench_subparsers) -> None:
                         "of the rounds' (for machines whose speed drifts)")
     p.add_argument("--targets", default="llama-server,meshnet,mesh",
                    help="which of llama-server, meshnet, mesh to run")
+    p.add_argument("--alone", action="store_true",
+                   help="start and stop every target for each load, also llama-server and meshnet in process "
+                        "(by default those two run side by side for a C and take turns a load at a time)")
     p.add_argument("--url", default=None, help="measure only this running OpenAI-compatible server")
     p.add_argument("--timeout", type=float, default=900.0, help="per-request timeout, seconds")
     p.add_argument("--out", default="bench-results/serve.json")
@@ -118,16 +127,17 @@ def _start_llama_server(binary: Path, model_path: str, threads: int, n_parallel:
     return srv, srv.start(), False
 
 
-def _measure(server: Server, model: str, c: int, args, sample_kv: bool) -> dict:
+def _measure(server: Server, model: str, c: int, args, sample_kv: bool, neighbours: list[Server] = ()) -> dict:
     """One timed load at concurrency ``c``; with ``sample_kv``, then an untimed one (a request per stream)
     while :class:`KvSampler` polls ``/metrics``: reading the pool's resident bytes walks the process's
-    memory map, and polling it every 0.2 s during the timed load cost meshnet 10-15% of its decode speed."""
+    memory map, and polling it every 0.2 s during the timed load cost meshnet 10-15% of its decode speed.
+    ``neighbours``: servers idling beside this one, whose CPU seconds meanwhile the row records."""
     n = max(MIN_REQUESTS, c * args.requests_per_stream)
     spec = LoadSpec(n_requests=n, concurrency=c, max_tokens=args.max_tokens, timeout_s=args.timeout)
     rss0 = server.rss_bytes()[0] if server.proc else 0
-    cpu0 = server.cpu_seconds()
+    cpu0, idle0 = server.cpu_seconds(), [s.cpu_seconds() for s in neighbours]
     results, wall = asyncio.run(run_load(server.url, model, spec))
-    cpu1 = server.cpu_seconds()
+    cpu1, idle1 = server.cpu_seconds(), [s.cpu_seconds() for s in neighbours]
     row = summarize(results, wall)
     if server.proc:
         rss, hwm = server.rss_bytes()
@@ -135,6 +145,8 @@ def _measure(server: Server, model: str, c: int, args, sample_kv: bool) -> dict:
     if cpu0 is not None and cpu1 is not None and row["completion_tokens"]:
         # every process of the server (a mesh's nodes and engine workers too), not the load generator
         row["cpu_ms_per_token"] = round(1000 * (cpu1 - cpu0) / row["completion_tokens"], 3)
+    if neighbours and None not in idle0 + idle1:
+        row["neighbour_cpu_s"] = round(sum(b - a for a, b in zip(idle0, idle1)), 3)
     if sample_kv:
         with KvSampler(server.url) as kv:
             asyncio.run(run_load(server.url, model, LoadSpec(n_requests=c, concurrency=c,
@@ -175,15 +187,15 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         if llama_bin is None:
             report["skipped"]["llama-server"] = why
             print(f"[bench serve] llama-server skipped: {why}", file=sys.stderr)
-    run = _Run(servers, llama_bin, model_path, args, log_dir, report, _kv_bytes_per_token(model_path))
+    run = _Run(servers, llama_bin, model_path, args, log_dir, report, _kv_bytes_per_token(model_path),
+               side_by_side=not getattr(args, "alone", False))
+    report["side_by_side"] = [] if not run.side_by_side else \
+        [n for n in (["llama-server"] if llama_bin else []) + list(servers) if n in SIDE_BY_SIDE]
     failed = False
-    rounds: list[dict] = []  # per round: target -> C -> row
-    for _ in range(max(1, getattr(args, "rounds", 1))):
-        results: dict = {}
-        rounds.append(results)
-        for n_parallel, group in groups:
-            for c in group:
-                failed |= run.measure_c(c, n_parallel, results)
+    rounds: list[dict] = [{} for _ in range(max(1, getattr(args, "rounds", 1)))]  # target -> C -> row
+    for n_parallel, group in groups:
+        for c in group:
+            failed |= run.measure_c(c, n_parallel, rounds)
     report["results"] = rounds[-1]
     report["ratios"] = _median_ratios([_ratios(r) for r in rounds])
     if len(rounds) > 1:
@@ -210,41 +222,78 @@ class _Run:
     report: dict
     kv_bytes_per_token: int
     repack: bool = True
+    side_by_side: bool = True
 
-    def measure_c(self, c: int, n_parallel: int | None, results: dict) -> bool:
-        """Every target at ``c`` streams, one after the other, into ``results`` (target -> C -> row);
-        llama-server with ``n_parallel`` slots. Returns whether a request failed."""
+    def measure_c(self, c: int, n_parallel: int | None, rounds: list[dict]) -> bool:
+        """Every target at ``c`` streams, every round, into ``rounds`` (one dict per round: target -> C ->
+        row); llama-server with ``n_parallel`` slots. Returns whether a request failed.
+
+        The targets that idle without waking (:data:`SIDE_BY_SIDE`) run side by side for the whole C and
+        take turns a load at a time, in the order A B, then B A in the next round, so that a drift of the
+        machine's speed within a pair cancels; each row records the CPU its idle neighbours used meanwhile
+        (``neighbour_cpu_s``). Every other target (the mesh, whose nodes heartbeat) is started for each
+        of its loads and stopped after it, so that nothing else runs beside it: on two cores an idle
+        mesh's wake-ups cost the measured server's compute threads a graph's progress (an idle mesh took
+        the API from 76.5 to 68.7 tokens/s)."""
+        names = ([] if self.llama_bin is None else ["llama-server"]) + list(self.servers)
+        paired = [n for n in names if n in SIDE_BY_SIDE] if self.side_by_side else []
         failed = False
-        # Each server runs alone, started for this C and stopped after it: an idle server beside the one
-        # measured still wakes up (heartbeats, health pings) and on two cores every wake-up costs the
-        # measured server's compute threads a graph's progress (an idle mesh took the API from 76.5 to
-        # 68.7 tokens/s).
-        for name in ([] if self.llama_bin is None else ["llama-server"]) + list(self.servers):
-            if name == "llama-server":
-                srv, model, self.repack = _start_llama_server(self.llama_bin, self.model_path, self.args.threads,
-                                                              n_parallel, self.log_dir, self.report, self.repack)
-            else:
-                srv = self.servers[name]
-                print(f"[bench serve] starting {name}", file=sys.stderr, flush=True)
-                model = srv.start()
+        if paired:
+            started: dict = {}
             try:
-                # one warm-up request (graphs, caches)
-                asyncio.run(run_load(srv.url, model, LoadSpec(1, 1, max_tokens=8)))
-                print(f"[bench serve] {name}: C={c}", file=sys.stderr, flush=True)
-                row = _measure(srv, model, c, self.args, sample_kv=name == "meshnet")
+                for name in paired:
+                    started[name] = self._start(name, n_parallel)
+                for r, results in enumerate(rounds):
+                    for name in paired if r % 2 == 0 else paired[::-1]:
+                        srv, model = started[name]
+                        neighbours = [s for n, (s, _) in started.items() if n != name]
+                        failed |= self._record(name, c, n_parallel, srv, model, results, neighbours)
             finally:
-                if srv.proc is not None:
-                    srv.stop()
-            if name == "llama-server":
-                held = min(c, row["requests"]) * (row["prompt_tokens"] + row["completion_tokens"]) \
-                    / max(1, row["completed"])
-                allocated = LLAMA_SLOT_CTX * n_parallel * self.kv_bytes_per_token
-                row["kv"] = {"allocated_bytes": allocated,
-                             "bytes_per_held_token": round(allocated / max(1.0, held), 1),
-                             "n_parallel": n_parallel}
-            failed |= row["errors"] > 0
-            results.setdefault(name, {})[str(c)] = row
+                for srv, _ in started.values():
+                    if srv.proc is not None:
+                        srv.stop()
+        for results in rounds:
+            for name in (n for n in names if n not in paired):
+                srv, model = self._start(name, n_parallel)
+                try:
+                    failed |= self._record(name, c, n_parallel, srv, model, results, [])
+                finally:
+                    if srv.proc is not None:
+                        srv.stop()
         return failed
+
+    def _start(self, name: str, n_parallel: int | None) -> tuple[Server, str]:
+        """Start target ``name`` and warm it up with one short request (graphs, caches); returns the server
+        and the model id it serves."""
+        if name == "llama-server":
+            srv, model, self.repack = _start_llama_server(self.llama_bin, self.model_path, self.args.threads,
+                                                          n_parallel, self.log_dir, self.report, self.repack)
+        else:
+            srv = self.servers[name]
+            print(f"[bench serve] starting {name}", file=sys.stderr, flush=True)
+            model = srv.start()
+        try:
+            asyncio.run(run_load(srv.url, model, LoadSpec(1, 1, max_tokens=8)))
+        except BaseException:
+            if srv.proc is not None:
+                srv.stop()
+            raise
+        return srv, model
+
+    def _record(self, name: str, c: int, n_parallel: int | None, srv: Server, model: str, results: dict,
+                neighbours: list[Server]) -> bool:
+        """One timed load of ``srv`` at ``c`` into ``results``; returns whether a request failed."""
+        print(f"[bench serve] {name}: C={c}", file=sys.stderr, flush=True)
+        row = _measure(srv, model, c, self.args, sample_kv=name == "meshnet", neighbours=neighbours)
+        if name == "llama-server":
+            held = min(c, row["requests"]) * (row["prompt_tokens"] + row["completion_tokens"]) \
+                / max(1, row["completed"])
+            allocated = LLAMA_SLOT_CTX * n_parallel * self.kv_bytes_per_token
+            row["kv"] = {"allocated_bytes": allocated,
+                         "bytes_per_held_token": round(allocated / max(1.0, held), 1),
+                         "n_parallel": n_parallel}
+        results.setdefault(name, {})[str(c)] = row
+        return row["errors"] > 0
 
 
 def _median_ratios(per_round: list[dict]) -> dict:
