@@ -475,8 +475,8 @@ def test_serve_bench_compares_cpu_per_token():
 
 
 def test_serve_bench_runs_quiet_targets_side_by_side_in_turns(monkeypatch, tmp_path):
-    """llama-server and meshnet in process take turns a load at a time, A B then B A, each row carrying the
-    other's idle CPU; the mesh is started for each of its loads and stopped after it."""
+    """With --side-by-side, llama-server and meshnet in process take turns a load at a time, A B then B A,
+    each row carrying the other's idle CPU; the mesh is started for each of its loads and stopped after it."""
     import argparse
 
     from meshnet.bench import serve_bench
@@ -505,7 +505,7 @@ def test_serve_bench_runs_quiet_targets_side_by_side_in_turns(monkeypatch, tmp_p
     monkeypatch.setattr(serve_bench._Run, "_start", start)
     monkeypatch.setattr(serve_bench, "_measure", measure)
     run = serve_bench._Run({"meshnet": None, "mesh": None}, tmp_path / "llama-server", "m.gguf",
-                           argparse.Namespace(threads=2), tmp_path, {}, 1000)
+                           argparse.Namespace(threads=2), tmp_path, {}, 1000, side_by_side=True)
     rounds = [{}, {}]
     assert run.measure_c(1, 8, rounds) is False
     assert events == [
@@ -518,7 +518,7 @@ def test_serve_bench_runs_quiet_targets_side_by_side_in_turns(monkeypatch, tmp_p
     assert sorted(rounds[1]) == ["llama-server", "mesh", "meshnet"]
     assert rounds[0]["llama-server"]["1"]["kv"]["allocated_bytes"] == serve_bench.LLAMA_SLOT_CTX * 8 * 1000
     events.clear()
-    run.side_by_side = False  # --alone: every target started for each load
+    run.side_by_side = False  # the default: every target started for each load
     run.measure_c(1, 8, [{}])
     assert events == [("start", "llama-server"), ("load", "llama-server", ()), ("stop", "llama-server"),
                       ("start", "meshnet"), ("load", "meshnet", ()), ("stop", "meshnet"),

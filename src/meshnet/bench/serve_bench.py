@@ -1,9 +1,9 @@
 """``meshnet bench serve``: meshnet's OpenAI API against llama.cpp's ``llama-server``, in one run.
 
 Three servers, each its own process, measured alternately with the same load (short chat prompts,
-streaming, greedy, ``max_tokens`` 128) at each concurrency C. llama-server and meshnet in process run side
-by side for a C and take turns a load at a time (neither does anything while idle); the mesh, whose nodes
-heartbeat, is started for each of its loads and stopped after it (``--alone`` treats every target so):
+streaming, greedy, ``max_tokens`` 128) at each concurrency C, each started for its turn and stopped after it so
+that nothing else runs beside the one measured (``--side-by-side``: llama-server and meshnet in process
+run side by side for a C and take turns a load at a time; the mesh still runs alone):
 
 * ``llama-server``: same GGUF, 2 threads, ``-fa on``, ``-np 8`` for C <= 8 and ``-np 32`` above,
   ``-c`` 1024 per slot (found on PATH or built once into a cache folder: :mod:`meshnet.bench.llama_server`;
@@ -61,9 +61,9 @@ def add_serve_bench_parser(bench_subparsers) -> None:
                         "of the rounds' (for machines whose speed drifts)")
     p.add_argument("--targets", default="llama-server,meshnet,mesh",
                    help="which of llama-server, meshnet, mesh to run")
-    p.add_argument("--alone", action="store_true",
-                   help="start and stop every target for each load, also llama-server and meshnet in process "
-                        "(by default those two run side by side for a C and take turns a load at a time)")
+    p.add_argument("--side-by-side", action="store_true",
+                   help="run llama-server and meshnet in process side by side for a C and let them take turns "
+                        "a load at a time (by default every target is started and stopped for each load)")
     p.add_argument("--url", default=None, help="measure only this running OpenAI-compatible server")
     p.add_argument("--timeout", type=float, default=900.0, help="per-request timeout, seconds")
     p.add_argument("--out", default="bench-results/serve.json")
@@ -188,7 +188,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
             report["skipped"]["llama-server"] = why
             print(f"[bench serve] llama-server skipped: {why}", file=sys.stderr)
     run = _Run(servers, llama_bin, model_path, args, log_dir, report, _kv_bytes_per_token(model_path),
-               side_by_side=not getattr(args, "alone", False))
+               side_by_side=bool(getattr(args, "side_by_side", False)))
     report["side_by_side"] = [] if not run.side_by_side else \
         [n for n in (["llama-server"] if llama_bin else []) + list(servers) if n in SIDE_BY_SIDE]
     failed = False
@@ -222,17 +222,17 @@ class _Run:
     report: dict
     kv_bytes_per_token: int
     repack: bool = True
-    side_by_side: bool = True
+    side_by_side: bool = False
 
     def measure_c(self, c: int, n_parallel: int | None, rounds: list[dict]) -> bool:
         """Every target at ``c`` streams, every round, into ``rounds`` (one dict per round: target -> C ->
         row); llama-server with ``n_parallel`` slots. Returns whether a request failed.
 
-        The targets that idle without waking (:data:`SIDE_BY_SIDE`) run side by side for the whole C and
-        take turns a load at a time, in the order A B, then B A in the next round, so that a drift of the
+        With ``side_by_side``, the targets that idle without waking (:data:`SIDE_BY_SIDE`) run side by
+        side for the whole C and take turns a load at a time, in the order A B, then B A in the next round, so that a drift of the
         machine's speed within a pair cancels; each row records the CPU its idle neighbours used meanwhile
-        (``neighbour_cpu_s``). Every other target (the mesh, whose nodes heartbeat) is started for each
-        of its loads and stopped after it, so that nothing else runs beside it: on two cores an idle
+        (``neighbour_cpu_s``). Every other target (always the mesh, whose nodes heartbeat) is started for
+        each of its loads and stopped after it, so that nothing else runs beside it: on two cores an idle
         mesh's wake-ups cost the measured server's compute threads a graph's progress (an idle mesh took
         the API from 76.5 to 68.7 tokens/s)."""
         names = ([] if self.llama_bin is None else ["llama-server"]) + list(self.servers)
