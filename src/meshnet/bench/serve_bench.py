@@ -1,9 +1,9 @@
 """``meshnet bench serve``: meshnet's OpenAI API against llama.cpp's ``llama-server``, in one run.
 
 Three servers, each its own process, measured alternately with the same load (short chat prompts,
-streaming, greedy, ``max_tokens`` 128) at each concurrency C, each started for its turn and stopped after it so
-that nothing else runs beside the one measured (``--side-by-side``: llama-server and meshnet in process
-run side by side for a C and take turns a load at a time; the mesh still runs alone):
+streaming, greedy, ``max_tokens`` 128) at each concurrency C, each started for its turn and stopped
+after it so that nothing else runs beside the one measured (``--side-by-side``: llama-server and meshnet
+in process run side by side for a C and take turns a load at a time; the mesh still runs alone):
 
 * ``llama-server``: same GGUF, 2 threads, ``-fa on``, ``-np 8`` for C <= 8 and ``-np 32`` above,
   ``-c`` 1024 per slot (found on PATH or built once into a cache folder: :mod:`meshnet.bench.llama_server`;
@@ -228,13 +228,14 @@ class _Run:
         """Every target at ``c`` streams, every round, into ``rounds`` (one dict per round: target -> C ->
         row); llama-server with ``n_parallel`` slots. Returns whether a request failed.
 
-        With ``side_by_side``, the targets that idle without waking (:data:`SIDE_BY_SIDE`) run side by
-        side for the whole C and take turns a load at a time, in the order A B, then B A in the next round, so that a drift of the
-        machine's speed within a pair cancels; each row records the CPU its idle neighbours used meanwhile
-        (``neighbour_cpu_s``). Every other target (always the mesh, whose nodes heartbeat) is started for
-        each of its loads and stopped after it, so that nothing else runs beside it: on two cores an idle
-        mesh's wake-ups cost the measured server's compute threads a graph's progress (an idle mesh took
-        the API from 76.5 to 68.7 tokens/s)."""
+        Rounds at one C follow each other. With ``side_by_side``, the targets that idle without waking
+        (:data:`SIDE_BY_SIDE`) run side by side for the whole C and take turns a load at a time, in the
+        order A B, then B A in the next round, so that a drift of the machine's speed within a pair
+        cancels; each row records the CPU its idle neighbours used meanwhile (``neighbour_cpu_s``). Every
+        other target (always the mesh, whose nodes heartbeat) is started for each of its loads and stopped
+        after it, so that nothing else runs beside it: on two cores an idle mesh's wake-ups cost the
+        measured server's compute threads a graph's progress (an idle mesh took the API from 76.5 to 68.7
+        tokens/s)."""
         names = ([] if self.llama_bin is None else ["llama-server"]) + list(self.servers)
         paired = [n for n in names if n in SIDE_BY_SIDE] if self.side_by_side else []
         failed = False
