@@ -39,10 +39,10 @@ LLAMA_SLOT_CTX = 1024
 # Requests per timed load at least: at C = 1, three 128-token requests last about 2.5 s, and on a small
 # VM whose speed drifts their decode ratio to llama-server swung from 0.80 to 0.97 between rounds.
 MIN_REQUESTS = 8
-# Targets that run side by side and take turns (see _Run.measure_c): idle, neither wakes up (measured: an
-# idle ``meshnet api`` used 0.05 s of CPU in 20 s, llama-server none), and a pair measured seconds apart
-# compares the two servers rather than the machine's speed a minute apart with itself (on a 2-core VM,
-# rounds of separately started servers gave one-stream decode ratios from 0.69 to 0.995).
+# Targets that may run side by side and take turns (``--side-by-side``, see _Run.measure_c): idle, neither
+# wakes up (measured: an idle ``meshnet api`` used 0.05 s of CPU in 20 s, llama-server none), so a pair
+# is measured seconds apart instead of a server start apart. On a 2-core VM that did not narrow the
+# one-stream decode ratios' spread (0.75-1.04 side by side, 0.69-0.995 started per load).
 SIDE_BY_SIDE = ("llama-server", "meshnet")
 
 
@@ -189,8 +189,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
             print(f"[bench serve] llama-server skipped: {why}", file=sys.stderr)
     run = _Run(servers, llama_bin, model_path, args, log_dir, report, _kv_bytes_per_token(model_path),
                side_by_side=bool(getattr(args, "side_by_side", False)))
-    report["side_by_side"] = [] if not run.side_by_side else \
-        [n for n in (["llama-server"] if llama_bin else []) + list(servers) if n in SIDE_BY_SIDE]
+    report["side_by_side"] = run.paired
     failed = False
     rounds: list[dict] = [{} for _ in range(max(1, getattr(args, "rounds", 1)))]  # target -> C -> row
     for n_parallel, group in groups:
@@ -224,6 +223,16 @@ class _Run:
     repack: bool = True
     side_by_side: bool = False
 
+    @property
+    def names(self) -> list[str]:
+        """Every target, in the order they are measured."""
+        return ([] if self.llama_bin is None else ["llama-server"]) + list(self.servers)
+
+    @property
+    def paired(self) -> list[str]:
+        """The targets run side by side (none unless ``side_by_side``)."""
+        return [n for n in self.names if n in SIDE_BY_SIDE] if self.side_by_side else []
+
     def measure_c(self, c: int, n_parallel: int | None, rounds: list[dict]) -> bool:
         """Every target at ``c`` streams, every round, into ``rounds`` (one dict per round: target -> C ->
         row); llama-server with ``n_parallel`` slots. Returns whether a request failed.
@@ -236,8 +245,7 @@ class _Run:
         after it, so that nothing else runs beside it: on two cores an idle mesh's wake-ups cost the
         measured server's compute threads a graph's progress (an idle mesh took the API from 76.5 to 68.7
         tokens/s)."""
-        names = ([] if self.llama_bin is None else ["llama-server"]) + list(self.servers)
-        paired = [n for n in names if n in SIDE_BY_SIDE] if self.side_by_side else []
+        names, paired = self.names, self.paired
         failed = False
         if paired:
             started: dict = {}
