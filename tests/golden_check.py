@@ -67,12 +67,13 @@ def check_against_golden(path, golden: dict, n_stages: int = 1,
     least).
 
     Returns:
-        ``{"greedy_equal": [steps equal per prompt], "max_dev": max |logit - golden|}``.
+        ``{"greedy_equal": [steps equal per prompt], "max_dev": max |logit - golden|, "record_devs":
+        [max |logit - golden| per recorded top-10 position, prompt by prompt]}``.
     """
     tol = golden["tolerance"]
     stages = [make_stage(path, r) for r in split_layers(golden["gguf"]["n_layer"], n_stages)]
     tok = GGUFTokenizer.from_gguf(str(path))
-    report = {"greedy_equal": [], "max_dev": 0.0}
+    report = {"greedy_equal": [], "max_dev": 0.0, "record_devs": []}
     devs = []
     for pi, p in enumerate(golden["prompts"]):
         assert tok.encode(p["prompt"]) == p["prompt_ids"], f"prompt {pi}: token ids differ"
@@ -87,6 +88,7 @@ def check_against_golden(path, golden: dict, n_stages: int = 1,
             s.free()
         for rec in p["top10"]:
             got = rows[rec["position"]]
+            report["record_devs"].append(max(abs(float(got[tid]) - logit) for tid, logit in rec["top10"]))
             for tid, logit in rec["top10"]:
                 d = abs(float(got[tid]) - logit)
                 devs.append(d)

@@ -5,7 +5,8 @@ decode per generated token, the way llama.cpp produced them) within the stated t
 prompt position with a clear margin, and 64 free-running greedy ids.
 
 The goldens come from the set made with this ggml's CPU features (``conftest.GOLDEN_SET``). With such a
-set the tests demand every greedy id (and SmolLM2's logits to 1e-4); with none, the README's rule 3.
+set the tests demand every greedy id (and SmolLM2's logits to 1e-4), Gemma's excepted (see its test); with
+none, the README's rule 3.
 """
 
 from __future__ import annotations
@@ -13,13 +14,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import GOLDEN_SET, TINY_MODELS, golden_exact, load_golden
+from conftest import TINY_MODELS, golden_exact, load_golden
 from golden_check import N_GEN, assert_greedy_matches, check_against_golden, cpu_stage, forward
 from meshnet.contract import LayerRange, split_layers
 from meshnet.engine.ggml_stage import GgmlStage
-
-# Gemma 3 270M prompts whose 64 greedy ids equal llama.cpp's, per golden set (see the test).
-GEMMA_FULL_MATCH = {"top": (0, 3), "avx512": (1, 3)}
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)
@@ -52,13 +50,17 @@ def test_solo_reference_matches_llama_cpp(solo, golden_dir):
 
 @pytest.mark.gemma
 def test_gemma3_270m_matches_llama_cpp(gemma_path, golden_dir):
+    """Rule 3 of the golden README (asserted inside check_against_golden), on every machine: the ids equal
+    llama.cpp's up to each prompt's first golden near-tie (prompt 3 has none, so all its 64), and any later
+    divergence starts at a near-tie.
+
+    Exactness beyond that is not demanded, even with goldens made on these CPU features: llama.cpp runs
+    Q4_K/Q6_K/Q5_K prefill batches through kernels ggml-python 0.0.45's ggml lacks or that meshnet keeps
+    out of batched rows (repacked Q4_K GEMM, ggml 0.25's tiled K-quant mat-mul), so which prompts go on
+    to match all 64 ids is chance. Measured on one AVX-512 machine: 64, 41, 18, 64 ids with Q4_K repacked
+    as cpu_repack does there, 4, 64, 60, 64 without; on AVX2 prompts 0 and 3 matched all the way."""
     report = check_against_golden(gemma_path, load_golden("gemma-3-270m-q4_k_m"), n_stages=2)
-    # llama.cpp repacks Q4_K weights and so runs a differently ordered kernel than the plain ggml CPU
-    # kernels here: some prompts part ways at golden near-ties (rule 3, checked above), which the golden
-    # README's rule 4 allows. Which prompts still match all the way was measured per golden set: on AVX2
-    # prompts 0 and 3; on AVX-512 prompts 1 and 3 (0 and 2 part at steps 4 and 60, margins 0.015, 0.042).
-    full = GEMMA_FULL_MATCH.get(GOLDEN_SET.name, ()) if golden_exact() else ()
-    assert [report["greedy_equal"][i] for i in full] == [N_GEN] * len(full)
+    assert report["greedy_equal"][3] == N_GEN
 
 
 def test_one_two_three_stages_bit_identical(smollm2_path, solo):
