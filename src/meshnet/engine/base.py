@@ -18,7 +18,7 @@ import time
 from collections import OrderedDict
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -330,13 +330,59 @@ class ShardEngine(ABC):
                               "rollback)")
         return s
 
-    def _step(self, req: StepRequest, decode: bool) -> StepResult:
+    def step_async(self, req: StepRequest, decode: bool,
+                   on_done: Callable[[StepResult | BaseException], None]) -> bool:
+        """Start a step without blocking the calling thread (an engine worker's reading thread):
+        ``on_done`` is called once with the step's result, or with the exception :meth:`decode` would
+        have raised, on the scheduler's thread (on this one when the step is refused before it joins an
+        iteration). Saves the caller a thread per step and two thread hand-offs.
+
+        Returns False, having started nothing, when the step would have to wait in this thread: another
+        step of its session is under way (the next one waits for it), or on the tail it carries a grammar
+        (compiled and followed before the step joins an iteration). The caller then runs it with
+        :meth:`prefill` / :meth:`decode` on a thread that may block."""
+        with self._lock:
+            waiting = self._sessions.get(req.session_id)
+            if waiting is not None and waiting.busy:
+                return False
+        if req.sampling.grammar is not None and self._caps is not None and self._caps.is_tail:
+            return False
+        admitted = self._admit(req, decode)  # waits only if a step of the session started just now
+        if isinstance(admitted, StepResult):
+            on_done(admitted)
+            return True
+        session, t0 = admitted, time.perf_counter()
+
+        def finished(job: Job) -> None:
+            if job.error is not None:
+                self._settle(session, req, decode, None, 0.0)
+                on_done(job.error)
+            else:
+                on_done(self._settle(session, req, decode, job.result, time.perf_counter() - t0))
+
+        try:
+            problem = follow_grammar(session, req, self._caps.is_tail, self._grammar_compiler)
+            if problem is not None:
+                on_done(self._settle(session, req, decode, self._fail(*problem), 0.0))
+                return True
+            self._scheduler.submit_nowait(session, req, *self._reused(session, req), on_done=finished)
+        except BaseException:
+            self._settle(session, req, decode, None, 0.0)
+            raise
+        return True
+
+    def _on_step_call(self) -> None:
+        """Called as each step arrives, before anything else (the fake engine's crash injection)."""
+
+    def _admit(self, req: StepRequest, decode: bool) -> Session | StepResult:
+        """Check ``req`` and mark its session busy (creating it for a first prefill); the refusal as a
+        StepResult instead, before any state changed. Waits for a step of the same session that is
+        under way: one step per session at a time, each checked against the position the last left."""
+        self._on_step_call()
         problem = grammar_problem(req, self._caps, self._grammar_compiler)
         if problem is not None:
             return self._fail(*problem)
         with self._lock:
-            # One step per session at a time: a second one waits for the first, then is checked
-            # against the position it left.
             while (waiting := self._sessions.get(req.session_id)) is not None and waiting.busy:
                 self._idle.wait()
             problem = request_problem(req, self._caps, decode, self._scheduler.chunk_tokens)
@@ -352,18 +398,33 @@ class ShardEngine(ABC):
                 session.n_past = req.position
                 del session.token_ids[req.position:]
             session.busy = True
-        t0 = time.perf_counter()
+        return session
+
+    def _step(self, req: StepRequest, decode: bool) -> StepResult:
+        admitted = self._admit(req, decode)
+        if isinstance(admitted, StepResult):
+            return admitted
+        session, t0 = admitted, time.perf_counter()
         try:
             problem = follow_grammar(session, req, self._caps.is_tail, self._grammar_compiler)
             result = self._fail(*problem) if problem is not None else \
                 self._scheduler.submit(session, req, *self._reused(session, req))
-        finally:
-            with self._lock:
-                session.busy = False
-                self._idle.notify_all()
-        dt = time.perf_counter() - t0
+        except BaseException:
+            self._settle(session, req, decode, None, 0.0)
+            raise
+        return self._settle(session, req, decode, result, time.perf_counter() - t0)
+
+    def _settle(self, session: Session, req: StepRequest, decode: bool, result: StepResult | None,
+                dt: float) -> StepResult | None:
+        """The step of ``session`` is over after ``dt`` seconds: the session is no longer busy and, when
+        ``result`` is OK, holds the step's tokens (``result`` comes back with ``n_past``); a first
+        prefill that failed leaves no session. ``result`` None: the step raised."""
         with self._lock:
+            session.busy = False
+            self._idle.notify_all()
             session.last_used = time.monotonic()
+            if result is None:
+                return None
             if result.ok:
                 session.n_past += len(req.token_ids)
                 session.token_ids.extend(int(t) for t in req.token_ids)

@@ -140,7 +140,9 @@ class FakeEngine(ShardEngine):
             self._calls = 0
             self._crashed = False
 
-    def _count_call(self) -> None:
+    def _on_step_call(self) -> None:
+        """Every step (prefill or decode, blocking or not) counts a call: crashes as ``crash_kind`` says
+        once ``crash_after_calls`` is used up."""
         with self._lock:
             limit = self._faults.crash_after_calls
             self._calls += 1
@@ -148,16 +150,6 @@ class FakeEngine(ShardEngine):
                 self._crashed = True
                 crash(self._faults.crash_kind,
                        f"fake engine crashed on call {self._calls} (crash_after_calls={limit})")
-
-    def prefill(self, req: StepRequest) -> StepResult:
-        """As :meth:`ShardEngine.prefill`. Crashes as ``crash_kind`` says once ``crash_after_calls`` is used up."""
-        self._count_call()
-        return super().prefill(req)
-
-    def decode(self, req: StepRequest) -> StepResult:
-        """As :meth:`ShardEngine.decode`. Crashes as ``crash_kind`` says once ``crash_after_calls`` is used up."""
-        self._count_call()
-        return super().decode(req)
 
     def health(self) -> Health:
         h = super().health()

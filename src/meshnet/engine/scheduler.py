@@ -63,6 +63,7 @@ class Job:
     result: StepResult | None = None
     error: BaseException | None = None  # raised in the caller's thread, as if the step ran there
     event: threading.Event = field(default_factory=threading.Event)
+    on_done: Callable[["Job"], None] | None = None  # a caller that does not wait: called once it is done
 
     @property
     def remaining(self) -> int:
@@ -116,6 +117,7 @@ class StepScheduler:
         self._thread: threading.Thread | None = None
         self.stats = SchedulerStats()
         self._expected: set[int] = set()  # ids of sessions whose step the last iteration finished
+        self._callbacks: list[Job] = []  # finished jobs whose on_done has not been called yet
         self._last_iteration_s = 0.0
 
     def submit(self, session: Any, req: StepRequest, done_tokens: int = 0,
@@ -123,19 +125,31 @@ class StepScheduler:
         """Queue one validated step of ``session`` and wait for its result. At most one step per session
         may be queued at a time (the engine ensures it). ``done_tokens``: leading tokens of the step whose
         cells the session already holds (``done_part``: their result part), which are not run."""
-        job = Job(session, req, done_tokens=done_tokens, parts=[done_part] if done_part is not None else [])
-        with self._cv:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="stage-scheduler", daemon=True)
-                self._thread.start()
-            self._queue.append(job)
-            self._expected.discard(id(session))
-            self._cv.notify_all()
+        job = self._enqueue(Job(session, req, done_tokens=done_tokens,
+                                parts=[done_part] if done_part is not None else []))
         job.event.wait()
         if job.error is not None:
             raise job.error
         assert job.result is not None
         return job.result
+
+    def submit_nowait(self, session: Any, req: StepRequest, done_tokens: int = 0,
+                      done_part: StepResult | None = None, *, on_done: Callable[[Job], None]) -> None:
+        """As :meth:`submit`, without waiting: ``on_done(job)`` is called on the scheduler's thread, outside
+        its lock, once ``job.result`` (or ``job.error``) is set. It runs before the next iteration starts,
+        so it should be quick (send a reply)."""
+        self._enqueue(Job(session, req, done_tokens=done_tokens, parts=[done_part] if done_part is not None else [],
+                          on_done=on_done))
+
+    def _enqueue(self, job: Job) -> Job:
+        with self._cv:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="stage-scheduler", daemon=True)
+                self._thread.start()
+            self._queue.append(job)
+            self._expected.discard(id(job.session))
+            self._cv.notify_all()
+        return job
 
     def waiting(self) -> int:
         with self._cv:
@@ -208,6 +222,7 @@ class StepScheduler:
 
     def _loop(self) -> None:
         while True:
+            self._call_back()
             with self._cv:
                 while not self._queue:
                     self._cv.wait()
@@ -268,4 +283,18 @@ class StepScheduler:
         if job in self._queue:
             self._queue.remove(job)
         job.result = result
-        job.event.set()
+        if job.on_done is not None:
+            self._callbacks.append(job)
+        else:
+            job.event.set()
+
+    def _call_back(self) -> None:
+        """Hand finished jobs of callers that did not wait to their ``on_done``, outside the lock (they
+        take the engine's lock and send replies)."""
+        with self._cv:
+            jobs, self._callbacks = self._callbacks, []
+        for job in jobs:
+            try:
+                job.on_done(job)
+            except Exception:  # noqa: BLE001 - a failing callback must not stop the stage
+                log.exception("a step's completion callback failed (session %s)", job.req.session_id)

@@ -4,10 +4,13 @@ Started by :class:`~meshnet.node.worker_supervisor.WorkerSupervisor` as ``python
 meshnet.node.engine_worker FD`` with one end of a socket pair as file descriptor ``FD``; speaks
 :mod:`meshnet.node.worker_wire` over it. The first message is LOAD (the pickled ``(NodeConfig,
 generation)``); the worker answers READY with a :class:`~meshnet.node.engine_loader.LoadedEngine`, or
-LOAD_FAILED with the reason, then serves CALLs until the pipe closes. Each call runs on its own pool
-thread, so concurrent steps meet in the engine's scheduler and share iterations, as they do in one
-process; PINGs are answered by the reading thread itself, so a worker answers them as long as its
-Python runs at all. Opens no network socket. Dies with its node (Linux: the parent-death signal).
+LOAD_FAILED with the reason, then serves CALLs until the pipe closes. A step goes from the reading
+thread straight into the engine's scheduler, whose thread queues its result for the reply thread, so
+concurrent steps meet in the scheduler and share iterations, as they do in one process, without a
+thread each; other calls (and a step that would have to wait for its session's previous one) run on
+pool threads. PINGs are answered
+by the reading thread itself, so a worker answers them as long as its Python runs at all. Opens no
+network socket. Dies with its node (Linux: the parent-death signal).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import queue
 import signal
 import socket
 import sys
@@ -56,32 +60,60 @@ def serve(sock: socket.socket) -> int:
         ww.send(sock, lock, ww.Kind.LOAD_FAILED, call_id, *ww.encode(str(e)))
         return 3
     ww.send(sock, lock, ww.Kind.READY, call_id, *ww.encode(info))
-    # Every in-flight step holds a thread while it waits for its iteration: room for the node's limit
-    # of concurrent calls, so a control call never queues behind steps.
+    # Control calls, and steps waiting for their session's previous step, each hold a thread: room for
+    # the node's limit of concurrent calls, so a control call never queues behind steps.
     pool = ThreadPoolExecutor(max_workers=2 * (cfg.max_sessions + 8), thread_name_prefix="engine-call")
 
-    def run(call_id: int, meta: bytes, payload: bytes) -> None:
-        method, args = ww.decode(meta, payload)
+    def reply(call_id: int, method: str, out) -> None:
+        """Answer a call with ``out``: its result, or the exception the engine raised."""
+        if isinstance(out, BaseException):
+            log.error("engine call %s failed", method, exc_info=out)
+            kind, parts = ww.Kind.RAISED, ww.encode(f"{type(out).__name__}: {out}")
+        else:
+            kind, parts = ww.Kind.REPLY, ww.encode(out)
+        try:
+            ww.send(sock, lock, kind, call_id, *parts)
+        except OSError:
+            pass  # the node is gone; the reading loop ends too
+
+    def run(call_id: int, method: str, args: tuple) -> None:
         try:
             if method not in CALLS:
                 raise AttributeError(f"engine worker has no call {method!r}")
             out = getattr(engine, method)(*args)
-            reply = ww.Kind.REPLY, ww.encode(out)
         except Exception as e:  # noqa: BLE001 - the node reports it as the engine's failure
-            log.exception("engine call %s failed", method)
-            reply = ww.Kind.RAISED, ww.encode(f"{type(e).__name__}: {e}")
-        try:
-            ww.send(sock, lock, reply[0], call_id, *reply[1])
-        except OSError:
-            pass  # the node is gone; the reading loop ends too
+            out = e
+        reply(call_id, method, out)
 
+    def start_step(call_id: int, method: str, args: tuple) -> bool:
+        """Start a step without a pool thread (see ShardEngine.step_async): the scheduler's thread queues
+        its outcome for the reply thread. False: the step runs on a pool thread instead."""
+        if method not in ("prefill", "decode") or not hasattr(engine, "step_async"):
+            return False
+        try:
+            return engine.step_async(args[0], method == "decode", lambda out: replies.put((call_id, method, out)))
+        except Exception as e:  # noqa: BLE001 - refused before it started, as run() reports it
+            reply(call_id, method, e)
+            return True
+
+    # Steps' replies are encoded and sent on a thread of their own: the scheduler's thread only queues
+    # them and goes on to its next iteration, whose compute overlaps them.
+    replies: queue.SimpleQueue = queue.SimpleQueue()
+
+    def send_replies() -> None:
+        while True:
+            reply(*replies.get())
+
+    threading.Thread(target=send_replies, name="engine-reply", daemon=True).start()
     try:
         while True:
             kind, call_id, meta, payload = ww.receive(sock)
             if kind is ww.Kind.PING:
                 ww.send(sock, lock, ww.Kind.PONG, call_id)
             elif kind is ww.Kind.CALL:
-                pool.submit(run, call_id, meta, payload)
+                method, args = ww.decode(meta, payload)
+                if not start_step(call_id, method, args):
+                    pool.submit(run, call_id, method, args)
     except (EOFError, OSError):
         return 0  # the node closed the pipe: it is stopping or gave up on this worker
 
