@@ -8,9 +8,8 @@ LOAD_FAILED with the reason, then serves CALLs until the pipe closes. A step goe
 thread straight into the engine's scheduler, whose thread queues its result for the reply thread, so
 concurrent steps meet in the scheduler and share iterations, as they do in one process, without a
 thread each; other calls (and a step that would have to wait for its session's previous one) run on
-pool threads. PINGs are answered
-by the reading thread itself, so a worker answers them as long as its Python runs at all. Opens no
-network socket. Dies with its node (Linux: the parent-death signal).
+pool threads. PINGs are answered by the reading thread itself, so a worker answers them as long as its
+Python runs at all. Opens no network socket. Dies with its node (Linux: the parent-death signal).
 """
 
 from __future__ import annotations
