@@ -34,7 +34,13 @@ from meshnet.contract import (
     Status,
 )
 from meshnet.engine.scheduler import Chunk, Job, StepScheduler
-from meshnet.engine.step_validation import follow_grammar, grammar_problem, request_problem
+from meshnet.engine.step_validation import (
+    follow_grammar,
+    grammar_problem,
+    new_session_problem,
+    request_problem,
+    session_problem,
+)
 
 # Suggested client back-off when the stage is at its session or memory limit.
 RETRY_AFTER_S = 0.5
@@ -291,56 +297,29 @@ class ShardEngine(ABC):
         """Find or create the session; every refusal happens before any state changes."""
         assert self._caps is not None and self._spec is not None
         s = self._sessions.get(req.session_id)
-        if s is None:
-            fence = self._fences.get(req.session_id, 0)
-            if req.epoch < fence:
-                return self._fail(Status.FAILED_PRECONDITION,
-                                  f"stale route epoch {req.epoch} for session {req.session_id!r} "
-                                  f"(it moved to epoch {fence})")
-            if decode or req.position != 0:
-                return self._fail(Status.NOT_FOUND,
-                                  f"session {req.session_id!r} is not cached here (released, expired or "
-                                  "never prefilled); replay it from position 0")
-            if len(self._sessions) >= self._caps.max_sessions:
-                return self._fail(Status.RESOURCE_EXHAUSTED,
-                                  f"stage is at its limit of {self._caps.max_sessions} sessions",
-                                  retry_after_s=RETRY_AFTER_S)
+        if s is not None:
+            problem = session_problem(s, req)
+            return s if problem is None else self._fail(*problem)
+        problem = new_session_problem(req, decode, self._fences.get(req.session_id, 0), len(self._sessions),
+                                      self._caps.max_sessions)
+        if problem is None:
             try:
                 state = self._new_state(req)
             except EngineError as e:
-                return self._fail(e.status, e.message,
-                                  retry_after_s=RETRY_AFTER_S if e.status is Status.RESOURCE_EXHAUSTED else None)
-            s = Session(req.session_id, req.epoch, state)
-            self._sessions[req.session_id] = s
-            return s
-        if s.cancelled:
-            return self._fail(Status.CANCELLED, f"session {req.session_id!r} was cancelled")
-        if req.epoch < s.epoch:
-            return self._fail(Status.FAILED_PRECONDITION,
-                              f"stale route epoch {req.epoch} for session {req.session_id!r} "
-                              f"(session is at epoch {s.epoch})")
-        if req.rollback and req.position > s.n_past:
-            return self._fail(Status.FAILED_PRECONDITION,
-                              f"rollback step starts at position {req.position} but session "
-                              f"{req.session_id!r} has only {s.n_past} tokens cached")
-        if not req.rollback and req.position != s.n_past:
-            return self._fail(Status.FAILED_PRECONDITION,
-                              f"step starts at position {req.position} but session {req.session_id!r} "
-                              f"has {s.n_past} tokens cached (a step that cuts the session back must say "
-                              "rollback)")
+                problem = e.status, e.message
+        if problem is not None:
+            return self._fail(*problem, retry_after_s=RETRY_AFTER_S if problem[0] is Status.RESOURCE_EXHAUSTED
+                              else None)
+        s = self._sessions[req.session_id] = Session(req.session_id, req.epoch, state)
         return s
 
     def step_async(self, req: StepRequest, decode: bool,
                    on_done: Callable[[StepResult | BaseException], None]) -> bool:
-        """Start a step without blocking the calling thread (an engine worker's reading thread):
-        ``on_done`` is called once with the step's result, or with the exception :meth:`decode` would
-        have raised, on the scheduler's thread (on this one when the step is refused before it joins an
-        iteration). Saves the caller a thread per step and two thread hand-offs.
-
-        Returns False, having started nothing, when the step would have to wait in this thread: another
-        step of its session is under way (the next one waits for it), or on the tail it carries a grammar
-        (compiled and followed before the step joins an iteration). The caller then runs it with
-        :meth:`prefill` / :meth:`decode` on a thread that may block."""
+        """Start a step without blocking the calling thread (an engine worker's reading thread): ``on_done``
+        gets its result, or the exception :meth:`decode` would raise, once, on the scheduler's thread (on
+        this one when the step is refused before it joins an iteration). Returns False, having started
+        nothing, when the step would wait here: a step of its session is under way, or on the tail it
+        carries a grammar (compiled and followed first); the caller then blocks in prefill / decode."""
         with self._lock:
             waiting = self._sessions.get(req.session_id)
             if waiting is not None and waiting.busy:
@@ -361,10 +340,7 @@ class ShardEngine(ABC):
                 on_done(self._settle(session, req, decode, job.result, time.perf_counter() - t0))
 
         try:
-            problem = follow_grammar(session, req, self._caps.is_tail, self._grammar_compiler)
-            if problem is not None:
-                on_done(self._settle(session, req, decode, self._fail(*problem), 0.0))
-                return True
+            follow_grammar(session, req, self._caps.is_tail, self._grammar_compiler)  # none to follow here
             self._scheduler.submit_nowait(session, req, *self._reused(session, req), on_done=finished)
         except BaseException:
             self._settle(session, req, decode, None, 0.0)

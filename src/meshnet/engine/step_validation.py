@@ -78,6 +78,43 @@ def request_problem(req: StepRequest, caps: Capabilities | None, decode: bool,
     return None
 
 
+def new_session_problem(req: StepRequest, decode: bool, fence: int, n_sessions: int,
+                        max_sessions: int) -> Problem | None:
+    """Why ``req`` may not open a session on a stage that caches none under its id: its epoch is older
+    than ``fence`` (the epoch the session moved to), it is a decode or starts past position 0 (a cache
+    miss: the client replays), or the stage already holds ``max_sessions`` (``n_sessions`` now)."""
+    if req.epoch < fence:
+        return (Status.FAILED_PRECONDITION,
+                f"stale route epoch {req.epoch} for session {req.session_id!r} (it moved to epoch {fence})")
+    if decode or req.position != 0:
+        return (Status.NOT_FOUND,
+                f"session {req.session_id!r} is not cached here (released, expired or never prefilled); "
+                "replay it from position 0")
+    if n_sessions >= max_sessions:
+        return Status.RESOURCE_EXHAUSTED, f"stage is at its limit of {max_sessions} sessions"
+    return None
+
+
+def session_problem(s: Session, req: StepRequest) -> Problem | None:
+    """Why ``req`` may not run on the cached session ``s``: it was cancelled, the step's epoch is older
+    than the session's, or the step does not start where the session's cache ends (a rollback step may
+    start before it, never after)."""
+    if s.cancelled:
+        return Status.CANCELLED, f"session {req.session_id!r} was cancelled"
+    if req.epoch < s.epoch:
+        return (Status.FAILED_PRECONDITION,
+                f"stale route epoch {req.epoch} for session {req.session_id!r} (session is at epoch {s.epoch})")
+    if req.rollback and req.position > s.n_past:
+        return (Status.FAILED_PRECONDITION,
+                f"rollback step starts at position {req.position} but session {req.session_id!r} has only "
+                f"{s.n_past} tokens cached")
+    if not req.rollback and req.position != s.n_past:
+        return (Status.FAILED_PRECONDITION,
+                f"step starts at position {req.position} but session {req.session_id!r} has {s.n_past} "
+                "tokens cached (a step that cuts the session back must say rollback)")
+    return None
+
+
 def grammar_problem(req: StepRequest, caps: Capabilities | None,
                     compiler: Callable[[], Any]) -> Problem | None:
     """On the tail, refuse a step whose grammar cannot be compiled (INVALID_ARGUMENT naming why);
