@@ -1,6 +1,7 @@
 """Steps started without a waiting thread (``ShardEngine.step_async`` over ``StepScheduler.submit_nowait``):
 the same results, statuses and session bookkeeping as a blocking step, the outcome handed over on the
-scheduler's thread, and the cases that must fall back to a blocking call."""
+scheduler's thread, and the cases that must fall back to a blocking call; and the session checks both
+paths share, as plain functions."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import pytest
 
 from mesh_util import greedy_steps
 from meshnet.contract import ArtifactId, LayerRange, LoadSpec, SamplingParams, Status, StepRequest, StepResult
+from meshnet.engine.base import Session
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.engine.fake_faults import FakeCrash, FakeFaults
 from meshnet.engine.scheduler import StepScheduler
+from meshnet.engine.step_validation import new_session_problem, session_problem
 from meshnet.sampling_params import Grammar
 
 PROMPT = (11, 22, 33, 44, 55)
@@ -135,3 +138,23 @@ def test_submit_nowait_hands_a_failed_iteration_to_its_callback_and_goes_on():
     assert isinstance(jobs["boom"].error, RuntimeError) and str(jobs["boom"].error) == "bad row"
     assert (jobs["a"].error, jobs["a"].result.n_past, jobs["b"].result.n_past) == (None, 2, 1)
     assert sched.submit("c", StepRequest("c", 1, 0, (4, 5, 6))).n_past == 3  # the loop still runs
+
+
+# ---- the session checks every step passes, as plain functions --------------------------------------
+def test_session_checks_name_what_is_wrong():
+    first = StepRequest("s", 4, 0, PROMPT)
+    assert new_session_problem(first, False, fence=0, n_sessions=1, max_sessions=2) is None
+    assert new_session_problem(first, False, fence=5, n_sessions=1, max_sessions=2) == (
+        Status.FAILED_PRECONDITION, "stale route epoch 4 for session 's' (it moved to epoch 5)")
+    assert new_session_problem(first, True, 0, 1, 2)[0] is Status.NOT_FOUND
+    assert new_session_problem(StepRequest("s", 4, 3, PROMPT), False, 0, 1, 2)[0] is Status.NOT_FOUND
+    assert new_session_problem(first, False, 0, 2, 2) == (Status.RESOURCE_EXHAUSTED,
+                                                          "stage is at its limit of 2 sessions")
+    s = Session("s", epoch=4, state=None, n_past=5)
+    assert session_problem(s, StepRequest("s", 4, 5, (7,))) is None
+    assert session_problem(s, StepRequest("s", 3, 5, (7,)))[1].endswith("(session is at epoch 4)")
+    assert "has 5 tokens cached" in session_problem(s, StepRequest("s", 4, 4, (7,)))[1]
+    assert session_problem(s, StepRequest("s", 4, 3, (7,), rollback=True)) is None
+    assert "has only 5 tokens cached" in session_problem(s, StepRequest("s", 4, 6, (7,), rollback=True))[1]
+    s.cancelled = True
+    assert session_problem(s, StepRequest("s", 4, 5, (7,))) == (Status.CANCELLED, "session 's' was cancelled")
