@@ -125,8 +125,7 @@ class StepScheduler:
         """Queue one validated step of ``session`` and wait for its result. At most one step per session
         may be queued at a time (the engine ensures it). ``done_tokens``: leading tokens of the step whose
         cells the session already holds (``done_part``: their result part), which are not run."""
-        job = self._enqueue(Job(session, req, done_tokens=done_tokens,
-                                parts=[done_part] if done_part is not None else []))
+        job = self._enqueue(session, req, done_tokens, done_part)
         job.event.wait()
         if job.error is not None:
             raise job.error
@@ -138,16 +137,18 @@ class StepScheduler:
         """As :meth:`submit`, without waiting: ``on_done(job)`` is called on the scheduler's thread, outside
         its lock, once ``job.result`` (or ``job.error``) is set. It runs before the next iteration starts,
         so it should be quick (send a reply)."""
-        self._enqueue(Job(session, req, done_tokens=done_tokens, parts=[done_part] if done_part is not None else [],
-                          on_done=on_done))
+        self._enqueue(session, req, done_tokens, done_part, on_done)
 
-    def _enqueue(self, job: Job) -> Job:
+    def _enqueue(self, session: Any, req: StepRequest, done_tokens: int, done_part: StepResult | None,
+                 on_done: Callable[[Job], None] | None = None) -> Job:
+        job = Job(session, req, done_tokens=done_tokens, parts=[done_part] if done_part is not None else [],
+                  on_done=on_done)
         with self._cv:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="stage-scheduler", daemon=True)
                 self._thread.start()
             self._queue.append(job)
-            self._expected.discard(id(job.session))
+            self._expected.discard(id(session))
             self._cv.notify_all()
         return job
 

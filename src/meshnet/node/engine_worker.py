@@ -84,13 +84,15 @@ def serve(sock: socket.socket) -> int:
             out = e
         reply(call_id, method, out)
 
+    step_async = getattr(engine, "step_async", None)  # None: every step runs on a pool thread
+
     def start_step(call_id: int, method: str, args: tuple) -> bool:
         """Start a step without a pool thread (see ShardEngine.step_async): the scheduler's thread queues
         its outcome for the reply thread. False: the step runs on a pool thread instead."""
-        if method not in ("prefill", "decode") or not hasattr(engine, "step_async"):
+        if method not in ("prefill", "decode") or step_async is None:
             return False
         try:
-            return engine.step_async(args[0], method == "decode", lambda out: replies.put((call_id, method, out)))
+            return step_async(args[0], method == "decode", lambda out: replies.put((call_id, method, out)))
         except Exception as e:  # noqa: BLE001 - refused before it started, as run() reports it
             reply(call_id, method, e)
             return True
