@@ -103,16 +103,21 @@ def test_greedy_with_drafts_equals_plain_decoding(chains, tok, text, n):
 def _seeded_run(chain, tok, ids, row_cost_s: float) -> list[int]:
     """A seeded, sampled, speculative generation on a fake clock: each step costs 1 s plus ``row_cost_s``
     per draft row (an idle machine against a loaded one)."""
-    gen = Generation(chain, tok, ids, 40, SamplingParams(temperature=0.8, seed=1234), stop_at_eog=False,
-                     speculation=Speculation(8))
     clock = [0.0]
-    real_step = gen._step
 
-    def step(position, tokens, *a, **k):
-        clock[0] += 1.0 + row_cost_s * (len(tokens) - 1)
-        return real_step(position, tokens, *a, **k)
+    class Clocked:  # the chain, each step advancing the fake clock by its cost
+        def step(self, req, decode):
+            clock[0] += 1.0 + row_cost_s * (len(req.token_ids) - 1)
+            return chain.step(req, decode)
 
-    gen._step = step
+        def cancel(self, session_id):
+            chain.cancel(session_id)
+
+        def release(self, session_id):
+            chain.release(session_id)
+
+    gen = Generation(Clocked(), tok, ids, 40, SamplingParams(temperature=0.8, seed=1234), stop_at_eog=False,
+                     speculation=Speculation(8))
     saved = generation.time.perf_counter
     generation.time.perf_counter = lambda: clock[0]
     try:

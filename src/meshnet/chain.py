@@ -6,8 +6,9 @@ mesh moves the same :class:`~meshnet.contract.StepRequest` objects between proce
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from meshnet.contract import Outcome, StepRequest, StepResult
 
@@ -59,6 +60,46 @@ class LocalChain:
     def step(self, req: StepRequest, decode: bool) -> StepResult:
         """One prefill or decode step through every stage; the tail's result."""
         return run_step(self.stages, req, decode)[0]
+
+    def step_async(self, req: StepRequest, decode: bool,
+                   on_done: Callable[[StepResult | BaseException], None]) -> bool:
+        """Start one step through every stage without blocking: each stage's completion callback (on
+        that stage's scheduler thread) starts the next stage, and the tail's result, a failing stage's
+        result, or the exception a stage raised reaches ``on_done`` once. Returns False, having started
+        nothing, when a stage cannot start steps this way (a remote stub; a step with a grammar; the
+        first stage would have to wait, see :meth:`ShardEngine.step_async`); the caller then runs
+        :meth:`step`. A later stage that would have to wait runs the rest of the route on a thread of
+        its own."""
+        starts = [getattr(stage, "step_async", None) for stage in self.stages]
+        if any(start is None for start in starts) or req.sampling.grammar is not None:
+            return False  # (the tail follows a grammar on the thread that calls it)
+
+        def after(i: int) -> Callable[[StepResult | BaseException], None]:
+            def done(res: StepResult | BaseException) -> None:
+                if isinstance(res, BaseException) or not res.ok or i + 1 == len(self.stages):
+                    on_done(res)
+                    return
+                nxt = replace(req, hidden=res.hidden)
+                try:
+                    if starts[i + 1](nxt, decode, after(i + 1)):
+                        return
+                except BaseException as e:  # noqa: BLE001 - the step's outcome, handed to its caller
+                    on_done(e)
+                    return
+                threading.Thread(target=self._finish_step, args=(i + 1, nxt, decode, on_done),
+                                 name="meshnet-chain-step", daemon=True).start()
+            return done
+
+        return starts[0](req, decode, after(0))
+
+    def _finish_step(self, first: int, req: StepRequest, decode: bool,
+                     on_done: Callable[[StepResult | BaseException], None]) -> None:
+        try:
+            res = run_step(self.stages[first:], req, decode)[0]
+        except BaseException as e:  # noqa: BLE001 - the step's outcome, handed to its caller
+            on_done(e)
+            return
+        on_done(res)
 
     def cancel(self, session_id: str) -> None:
         for stage in self.stages:

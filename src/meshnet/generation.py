@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Protocol, Sequence
+from typing import Generator, Iterator, Protocol, Sequence
 
 from meshnet.contract import SampledToken, SamplingParams, StepRequest, StepResult, Status
 from meshnet.speculative import DraftBudget, DraftCosts, Speculation, accepted_prefix, ngram_draft
@@ -19,13 +19,24 @@ from meshnet.tokenizer import GGUFTokenizer
 
 class StepClient(Protocol):
     """The client interface the loop drives: :class:`~meshnet.chain.LocalChain` (in process) and
-    :class:`~meshnet.client.mesh_client.MeshClient` (over a mesh) both provide it."""
+    :class:`~meshnet.client.mesh_client.MeshClient` (over a mesh) both provide it. A client may also
+    offer ``step_async(req, decode, on_done) -> bool``, which starts a step without blocking (see
+    :meth:`LocalChain.step_async <meshnet.chain.LocalChain.step_async>`); the API's driver uses it."""
 
     def step(self, req: StepRequest, decode: bool) -> StepResult: ...
 
     def cancel(self, session_id: str) -> None: ...
 
     def release(self, session_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """A step :meth:`Generation.steps` asks its driver to run: ``client.step(req, decode)``, whose result
+    (or the exception it raised) the driver sends back."""
+
+    req: StepRequest
+    decode: bool
 
 
 class GenerationError(RuntimeError):
@@ -127,27 +138,30 @@ class Generation:
         self.session_id = session_id or uuid.uuid4().hex
         self.result = GenerationResult(prompt_token_ids=[int(t) for t in prompt_ids])
 
-    def _step(self, position: int, tokens: list[int], decode: bool, step_id: int, verify: bool = False,
-              rollback: bool = False) -> tuple[SampledToken, ...]:
-        """One step; the tail's token after its last row, or after each row of a verification step."""
+    def _request(self, position: int, tokens: list[int], step_id: int, verify: bool = False,
+                 rollback: bool = False) -> StepRequest:
+        """The request of one step (prefill at position 0, else a decode or verification step)."""
         # The first step reserves the session's KV cells for its whole run: prompt plus budget.
         reserve = 0 if position else len(self.result.prompt_token_ids) + self.max_tokens
         spec = self.speculation
         mtp = 0
         if spec is not None and spec.mtp:  # the tail drafts the next step's tokens after this one's
             mtp = self._budget.choose(spec.draft_tokens) if self._adaptive else spec.draft_tokens
-        req = StepRequest(self.session_id, epoch=0, position=position, token_ids=tuple(tokens),
-                          sampling=self.sampling, step_id=step_id, reserve_tokens=reserve, verify=verify,
-                          rollback=rollback, mtp_drafts=mtp)
-        res = self.client.step(req, decode)
+        return StepRequest(self.session_id, epoch=0, position=position, token_ids=tuple(tokens),
+                           sampling=self.sampling, step_id=step_id, reserve_tokens=reserve, verify=verify,
+                           rollback=rollback, mtp_drafts=mtp)
+
+    def _tokens(self, req: StepRequest, res: StepResult) -> tuple[SampledToken, ...]:
+        """The tail's token after the step's last row, or after each row of a verification step.
+        Raises GenerationError for a failed step."""
         if not res.ok:
             raise GenerationError(res.status, res.message)
         self._mtp_drafts = res.drafts
         assert res.token is not None
-        if verify and len(res.tokens) != len(tokens):
-            raise GenerationError(Status.FAILED_PRECONDITION, f"a verification step of {len(tokens)} rows "
-                                  f"came back with {len(res.tokens)} tokens")
-        return res.tokens if verify else (res.token,)
+        if req.verify and len(res.tokens) != len(req.token_ids):
+            raise GenerationError(Status.FAILED_PRECONDITION, f"a verification step of {len(req.token_ids)} "
+                                  f"rows came back with {len(res.tokens)} tokens")
+        return res.tokens if req.verify else (res.token,)
 
     def _drafts(self) -> list[int]:
         """Draft tokens for the next step: none without speculation, and never more than the tokens the
@@ -167,12 +181,39 @@ class Generation:
         return found[:self._budget.choose(len(found))] if self._adaptive else found
 
     def __iter__(self) -> Iterator[TokenEvent]:
+        """Run the generation on the calling thread, blocking in ``client.step``; yields each token."""
+        core = self.steps()
+        try:
+            item = next(core)
+            while True:
+                if isinstance(item, StepCall):
+                    try:
+                        res = self.client.step(item.req, item.decode)
+                    except BaseException as e:  # noqa: BLE001 - raised inside the loop, which releases
+                        item = core.throw(e)
+                    else:
+                        item = core.send(res)
+                else:
+                    yield item
+                    item = next(core)
+        except StopIteration:
+            return
+        finally:
+            core.close()  # the caller stopped early: GeneratorExit releases the session
+
+    def steps(self) -> Generator[StepCall | TokenEvent, StepResult | None, None]:
+        """The generation as a coroutine that runs no step itself: it yields a :class:`StepCall`, to be
+        answered with ``send(result)`` (or ``throw(exception)``), or a :class:`TokenEvent`, to be resumed
+        with ``next()``. :meth:`__iter__` drives it blocking; the API drives it from the engines'
+        completion callbacks, so a decode step starts on the thread that finished the one before it.
+        Closing it releases the session, as every other exit does."""
         r = self.result
         stream = self.tokenizer.stream_decoder()
         parts: list[str] = []
         t0 = time.perf_counter()
         try:
-            pending = list(self._step(0, r.prompt_token_ids, decode=False, step_id=0))
+            req = self._request(0, r.prompt_token_ids, step_id=0)
+            pending = list(self._tokens(req, (yield StepCall(req, False))))
             r.ttft_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             position = cached = len(r.prompt_token_ids)  # the next step's first position; cells held
@@ -193,9 +234,9 @@ class Generation:
                     continue
                 t_step = time.perf_counter()  # a round: drafting (a draft model's decodes) and verifying
                 drafts = self._drafts()
-                out = self._step(position, [tok.token_id] + drafts, decode=True,
-                                 step_id=len(r.generated_token_ids), verify=bool(drafts),
-                                 rollback=position < cached)
+                req = self._request(position, [tok.token_id] + drafts, step_id=len(r.generated_token_ids),
+                                    verify=bool(drafts), rollback=position < cached)
+                out = self._tokens(req, (yield StepCall(req, True)))
                 t_step = time.perf_counter() - t_step
                 cached = position + 1 + len(drafts)
                 # Row i's token is the one after row i: drafts up to the first disagreement are kept,

@@ -124,6 +124,15 @@ class AdmissionRetry:
             self.client.release(req.session_id)
             time.sleep(min(res.retry_after_s or 0.5, max(0.0, deadline - time.monotonic())))
 
+    def step_async(self, req: StepRequest, decode: bool,
+                   on_done: Callable[[StepResult | BaseException], None]) -> bool:
+        """Start a step without blocking where the wrapped client can (an in-process chain); returns
+        False for a first prefill, which may have to be retried, and for a client that cannot."""
+        start = getattr(self.client, "step_async", None)
+        if start is None or (not decode and req.position == 0):
+            return False
+        return start(req, decode, on_done)
+
     def cancel(self, session_id: str) -> None:
         with self._lock:
             self._cancelled.add(session_id)

@@ -2,8 +2,9 @@
 
 :class:`ChoiceText` is the pure text logic: stop sequences (hold back any text that could still turn
 into a stop match, cut the match out), and which tokens' log-probs belong to the text released so far.
-:class:`ChoiceRun` runs a :class:`~meshnet.generation.Generation` in a thread of its own that steps ahead
-of the event loop, and turns its token events into :class:`Piece` objects the endpoints format.
+:class:`ChoiceRun` runs a :class:`~meshnet.generation.Generation` ahead of the event loop (through a
+:class:`~meshnet.api.driver.GenerationDriver`) and turns its token events into :class:`Piece` objects the
+endpoints format.
 Streaming and non-streaming answers are built from the same pieces, so their texts are equal by
 construction.
 """
@@ -18,6 +19,7 @@ from typing import Awaitable, Callable
 
 import anyio.to_thread
 
+from meshnet.api.driver import GenerationDriver
 from meshnet.api.errors import ApiError
 from meshnet.api.metrics import ApiMetrics
 from meshnet.contract import SampledToken, SamplingParams, Status
@@ -137,76 +139,6 @@ class ClientGone(Exception):
     """The HTTP client disconnected while its answer was being generated."""
 
 
-RUN_AHEAD = 2
-
-
-class _Driver:
-    """Runs a Generation in a thread of its own, which steps it as fast as the mesh answers and hands each
-    event to the event loop: the next step is already running while the loop streams this token (one
-    thread hop per token, not two). :meth:`close` (cancel, then the generator's ``finally`` releases the
-    session) waits for the thread, and happens once."""
-
-    def __init__(self, gen: Generation, client, loop: asyncio.AbstractEventLoop) -> None:
-        self.gen, self.client, self._loop = gen, client, loop
-        self._events: asyncio.Queue = asyncio.Queue()
-        self._stop = threading.Event()
-        self._done = threading.Event()
-        # Steps taken ahead of the reader: enough to hide a thread hop, few enough that a stop the reader
-        # finds (a stop sequence, a turn marker) wastes at most this many steps.
-        self._room = threading.Semaphore(RUN_AHEAD)
-        self.finished = False
-        self._thread = threading.Thread(target=self._run, name="meshnet-api-generation", daemon=True)
-        self._thread.start()
-
-    def _put(self, item: tuple) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody reads the events any more
-            pass
-
-    def _run(self) -> None:
-        it = iter(self.gen)
-        try:
-            while True:
-                self._room.acquire()
-                if self._stop.is_set():
-                    break
-                try:
-                    ev = next(it)
-                except StopIteration:
-                    break
-                self._put(("event", ev))
-            self._put(("end", None))
-        except BaseException as e:  # noqa: BLE001 - handed to the reader, raised there
-            self._put(("error", e))
-        finally:
-            it.close()  # GeneratorExit -> Generation's finally releases the session (if not done yet)
-            self._done.set()
-
-    async def next_event(self) -> TokenEvent | None:
-        """The next token event; None when the generation has ended. Raises what the generation raised."""
-        if self.finished:
-            return None
-        kind, value = await self._events.get()
-        if kind == "event":
-            self._room.release()
-            return value
-        self.finished = True  # the generator is done and has released the session
-        if kind == "error":
-            raise value
-        return None
-
-    def close(self) -> None:
-        """Stop the generation unless it ended (blocking: call it off the event loop)."""
-        if not self.finished and not self._done.is_set():
-            self._stop.set()
-            self._room.release()  # wake the thread if it waits for the reader
-            # Cancel first: a step still running on a stage stops at its next micro-batch.
-            self.client.cancel(self.gen.session_id)
-        self._done.wait()
-        self.finished = True
-
-
 def map_generation_error(e: BaseException, retry_after_s: float) -> ApiError:
     """An ApiError for a failure of the mesh during a generation."""
     from meshnet.client.mesh_client import MeshUnavailable
@@ -247,7 +179,7 @@ class ChoiceRun:
         self.text = ChoiceText(job.stops)
         self.completion_tokens = 0
         self.finish_reason: str | None = None
-        self._driver: _Driver | None = None
+        self._driver: GenerationDriver | None = None
         self._holding = False
         self._pending: list[Piece] = []
         self._done = False
@@ -266,7 +198,7 @@ class ChoiceRun:
         gen = Generation(client, self.tokenizer, self.job.prompt_ids, self.job.max_tokens, self.job.sampling,
                          stop_at_eog=not self.job.ignore_eos, speculation=self.job.speculation,
                          draft_costs=self.backend.draft_costs)
-        self._driver = _Driver(gen, client, asyncio.get_running_loop())
+        self._driver = GenerationDriver(gen, client, asyncio.get_running_loop())
 
     async def next_piece(self) -> Piece | None:
         """The next non-empty piece, or None after the last one (which carries the finish reason)."""
