@@ -15,6 +15,8 @@ import threading
 from meshnet.contract import StepResult
 from meshnet.generation import Generation, TokenEvent
 
+# Token events a generation runs ahead of its reader: enough to hide a hand-off, few enough that a stop
+# the reader finds (a stop sequence, a turn marker) wastes at most this many steps.
 RUN_AHEAD = 2
 
 
