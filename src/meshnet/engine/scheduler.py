@@ -136,7 +136,8 @@ class StepScheduler:
                       done_part: StepResult | None = None, *, on_done: Callable[[Job], None]) -> None:
         """As :meth:`submit`, without waiting: ``on_done(job)`` is called on the scheduler's thread, outside
         its lock, once ``job.result`` (or ``job.error``) is set. It runs before the next iteration starts,
-        so it should be quick (send a reply)."""
+        so it should be quick: send a reply, or start the session's next step (``ShardEngine.step_async``
+        from here queues it in time for that iteration)."""
         self._enqueue(session, req, done_tokens, done_part, on_done)
 
     def _enqueue(self, session: Any, req: StepRequest, done_tokens: int, done_part: StepResult | None,
