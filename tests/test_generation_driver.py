@@ -15,23 +15,18 @@ import pytest
 from meshnet.api.backend import AdmissionRetry
 from meshnet.api.driver import RUN_AHEAD, GenerationDriver
 from meshnet.chain import LocalChain
-from meshnet.contract import ArtifactId, GREEDY, LayerRange, LoadSpec, SamplingParams, Status, StepRequest
-from meshnet.engine.fake import FakeEngine, FakeModel
+from meshnet.contract import GREEDY, LayerRange, SamplingParams, Status, StepRequest
 from meshnet.engine.fake_faults import FakeCrash, FakeFaults
 from meshnet.generation import Generation, GenerationError, generate
 from meshnet.sampling_params import Grammar
+from test_step_async import Outcome, _engine
 
 PROMPT = [11, 22, 33, 44, 55]
 RANGES = (LayerRange(0, 10), LayerRange(10, 20), LayerRange(20, 30))
 
 
 def _chain(faults: FakeFaults | None = None) -> LocalChain:
-    engines = []
-    for r in RANGES:
-        engine = FakeEngine(FakeModel(), faults)
-        assert engine.load(LoadSpec(path="", artifact=ArtifactId("", r))).ok
-        engines.append(engine)
-    return LocalChain(engines)
+    return LocalChain([_engine(r, faults) for r in RANGES])
 
 
 class Counting:
@@ -168,15 +163,6 @@ def test_a_refused_decode_raises_the_stages_status(tok):
         asyncio.run(run())
     assert e.value.status is Status.CANCELLED
     assert _wait_released(chain) == 0
-
-
-class Outcome:
-    def __init__(self) -> None:
-        self.done, self.value, self.calls = threading.Event(), None, 0
-
-    def __call__(self, value) -> None:
-        self.value, self.calls = value, self.calls + 1
-        self.done.set()
 
 
 def test_the_chains_step_async_gives_the_tails_result_once():

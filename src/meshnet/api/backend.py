@@ -107,6 +107,7 @@ class AdmissionRetry:
 
     def __init__(self, client: StepClient, wait_s: float = ADMISSION_WAIT_S) -> None:
         self.client, self.wait_s = client, wait_s
+        self._start = getattr(client, "step_async", None)  # looked up once: it is on every token's path
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
 
@@ -128,10 +129,9 @@ class AdmissionRetry:
                    on_done: Callable[[StepResult | BaseException], None]) -> bool:
         """Start a step without blocking where the wrapped client can (an in-process chain); returns
         False for a first prefill, which may have to be retried, and for a client that cannot."""
-        start = getattr(self.client, "step_async", None)
-        if start is None or (not decode and req.position == 0):
+        if self._start is None or (not decode and req.position == 0):
             return False
-        return start(req, decode, on_done)
+        return self._start(req, decode, on_done)
 
     def cancel(self, session_id: str) -> None:
         with self._lock:
