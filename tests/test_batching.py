@@ -230,3 +230,34 @@ def test_sixty_four_requests_against_a_pool_sized_for_sixteen(smollm2_path, tok)
     kept = backend.chain.stages[0].stage.prefix_cache
     assert 0 < len(kept) <= 4 and kept.tokens == len(kept) * (per_request - 1)
     assert pool.tokens_reserved == kept.tokens and pool.slots_in_use == len(kept)
+
+
+def test_decodes_that_fill_their_streams_are_read_in_place(smollm2_path):
+    """Decode rows in every slot below the streams' count are the streams themselves once sorted by
+    slot: the graph then has no gather or scatter of them (its one ``get_rows`` is the embedding) and no
+    copy before the cache writes, and each row's logits are the bits it gets decoding alone, whatever
+    order the sessions came in."""
+    import ggml
+
+    from meshnet.engine.ggml_stage import BatchItem
+
+    stage = GgmlStage(str(smollm2_path), LayerRange(0, 30), n_threads=2, n_ctx=256, n_slots=4)
+    rng = np.random.default_rng(11)
+    kvs = [stage.new_session(reserve_tokens=40) for _ in range(4)]
+    for i, kv in enumerate(kvs):
+        stage.forward(kv, 0, token_ids=rng.integers(100, 40000, 10 + i).astype(np.int32))
+    items = [BatchItem(kv.slot, 10 + i, np.asarray([500 + i], dtype=np.int32)) for i, kv in enumerate(kvs)]
+    alone = [stage.forward_batch([it])[0] for it in items]
+    order = [3, 1, 0, 2]
+    together = stage.forward_batch([items[i] for i in order])
+    shape, dec, _ = stage.shape_of([items[i] for i in order])
+    assert (shape.n_dec, shape.dec_streams, shape.dec_in_order) == (4, 4, True)
+    assert [items[order[i]].slot for i in dec] == [0, 1, 2, 3]
+    gf = stage._graph(shape).gf
+    ops = [ggml.ggml_op_desc(ggml.ggml_graph_node(gf, i)).decode() for i in range(ggml.ggml_graph_n_nodes(gf))]
+    assert (ops.count("GET_ROWS"), ops.count("CONT")) == (1, 0)
+    for k, i in enumerate(order):
+        np.testing.assert_array_equal(together[k], alone[i])
+    for kv in kvs:
+        kv.free()
+    stage.close()

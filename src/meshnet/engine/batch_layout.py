@@ -96,6 +96,14 @@ class BatchShape:
     segments: tuple[tuple[int, int, int, int], ...] = ()  # (slot, n_tokens, n_kv, n_out) per segment
 
     @property
+    def dec_in_order(self) -> bool:
+        """Whether the decode rows are the streams in order (row ``i`` in slot ``i``): true when every
+        stream has a row, the rows being sorted by slot (:meth:`GgmlStage.shape_of` sorts them). Then
+        the graph reads the rows as the streams directly, without gathering them into stream order and
+        scattering the results back (two ``get_rows`` nodes a layer)."""
+        return self.n_dec == self.dec_streams
+
+    @property
     def n_tokens(self) -> int:
         return self.n_dec + sum(seg[1] for seg in self.segments)
 

@@ -48,14 +48,22 @@ class _Inputs:
     hidden: object | None
     pos: object
     kv_idx: object
-    dec_gather: object | None  # [dec_streams]: the decode row of each slot's stream (0 where none)
-    dec_scatter: object | None  # [n_dec]: the stream (slot) of each decode row
+    # [dec_streams]: the decode row of each slot's stream (0 where none); [n_dec]: the stream (slot) of each
+    # decode row. Neither when the rows are the streams in order (:meth:`BatchShape.dec_in_order`).
+    dec_gather: object | None
+    dec_scatter: object | None
     dec_mask: object | None
     dec_mask_swa: object | None
     seg_masks: list
     seg_masks_swa: list
     out_ids: object | None
     extra: list = field(default_factory=list)  # DeepSeek-V4's masks and compressor indices
+
+
+def _contiguous(ctx, x):
+    """``x`` itself when its data is contiguous, else a ``ggml_cont`` copy: a copy is one more node, and
+    every node of a decode graph costs a barrier between the compute threads."""
+    return x if ggml.ggml_is_contiguous(x) else ggml.ggml_cont(ctx, x)
 
 
 class StepGraph:
@@ -140,11 +148,11 @@ class StepGraph:
         n_head_kv, hd_v = int(k.contents.ne[1]), int(v.contents.ne[0])
         kc = pool.k[il]
         vc = kc if v_in_k else pool.v[il]
-        k2 = ggml.ggml_reshape_2d(ctx, ggml.ggml_cont(ctx, k), hd * n_head_kv, n)
+        k2 = ggml.ggml_reshape_2d(ctx, _contiguous(ctx, k), hd * n_head_kv, n)
         # The cache writes must be in the graph before the attention that reads the cache views.
         ggml.ggml_build_forward_expand(self.gf, ggml.ggml_set_rows(ctx, kc, k2, self.inp.kv_idx))
         if not v_in_k:
-            v2 = ggml.ggml_reshape_2d(ctx, ggml.ggml_cont(ctx, v), hd_v * n_head_kv, n)
+            v2 = ggml.ggml_reshape_2d(ctx, _contiguous(ctx, v), hd_v * n_head_kv, n)
             ggml.ggml_build_forward_expand(self.gf, ggml.ggml_set_rows(ctx, vc, v2, self.inp.kv_idx))
         f16 = ggml.GGML_TYPE_F16
         row_k, row_v = kc.contents.nb[1], vc.contents.nb[1]
@@ -156,8 +164,9 @@ class StepGraph:
         parts = []
         if shape.n_dec:
             m, n_kv = shape.dec_streams, shape.n_kv_dec
-            qd = ggml.ggml_get_rows(ctx, ggml.ggml_view_2d(ctx, q2, q2.contents.ne[0], shape.n_dec, q2.contents.nb[1], 0),
-                                    self.inp.dec_gather)                          # [hd * n_head, m]
+            qd = ggml.ggml_view_2d(ctx, q2, q2.contents.ne[0], shape.n_dec, q2.contents.nb[1], 0)
+            if self.inp.dec_gather is not None:
+                qd = ggml.ggml_get_rows(ctx, qd, self.inp.dec_gather)             # [hd * n_head, m]
             qp = ggml.ggml_permute(ctx, ggml.ggml_reshape_4d(ctx, qd, hd, n_head, 1, m), 0, 2, 1, 3)
             kv_stride_k, kv_stride_v = row_k * pool.n_ctx, row_v * pool.n_ctx
             kp = ggml.ggml_permute(ctx, ggml.ggml_view_4d(ctx, kc, hd, n_head_kv, n_kv, m,
@@ -167,7 +176,8 @@ class StepGraph:
             mask = self.inp.dec_mask_swa if swa else self.inp.dec_mask
             cur = ggml.ggml_flash_attn_ext(ctx, qp, kp, vp, mask, kq_scale, 0.0, 0.0)
             ggml.ggml_flash_attn_ext_set_prec(cur, ggml.GGML_PREC_F32)
-            parts.append(ggml.ggml_get_rows(ctx, ggml.ggml_reshape_2d(ctx, cur, width, m), self.inp.dec_scatter))
+            cur = ggml.ggml_reshape_2d(ctx, cur, width, m)
+            parts.append(cur if self.inp.dec_scatter is None else ggml.ggml_get_rows(ctx, cur, self.inp.dec_scatter))
         row = shape.n_dec
         for i, (slot, n_seg, n_kv, _) in enumerate(shape.segments):
             qv = ggml.ggml_view_3d(ctx, q, hd, n_head, n_seg, q.contents.nb[1], q.contents.nb[2],
@@ -201,6 +211,7 @@ class StepGraph:
         # DeepSeek-V4 builds its own masks (window plus compressed rows; ggml_dsv4_attn)
         plain, windowed = (not all(swa), any(swa)) if cfg.dsv4 is None else (False, False)
         want_rows = self.is_tail and self.n_out < n
+        permuted = shape.n_dec and not shape.dec_in_order
         dec_mask_shape = (shape.n_kv_dec, MASK_ROW_PAD, 1, shape.dec_streams)
         seg_shapes = [(n_kv, pad_to(n_seg, MASK_ROW_PAD)) for _, n_seg, n_kv, _ in shape.segments]
         # An input no node reads gets no buffer, so each mask exists only if some layer uses it.
@@ -210,8 +221,8 @@ class StepGraph:
             hidden=None if self.is_head else self._input(ggml.GGML_TYPE_F32, (width, n)),
             pos=self._input(ggml.GGML_TYPE_I32, (n,)),
             kv_idx=self._input(ggml.GGML_TYPE_I64, (n,)),
-            dec_gather=self._input(ggml.GGML_TYPE_I32, (shape.dec_streams,)) if shape.n_dec else None,
-            dec_scatter=self._input(ggml.GGML_TYPE_I32, (shape.n_dec,)) if shape.n_dec else None,
+            dec_gather=self._input(ggml.GGML_TYPE_I32, (shape.dec_streams,)) if permuted else None,
+            dec_scatter=self._input(ggml.GGML_TYPE_I32, (shape.n_dec,)) if permuted else None,
             dec_mask=self._input(ggml.GGML_TYPE_F16, dec_mask_shape) if shape.n_dec and plain else None,
             dec_mask_swa=self._input(ggml.GGML_TYPE_F16, dec_mask_shape) if shape.n_dec and windowed else None,
             seg_masks=[self._input(ggml.GGML_TYPE_F16, s) if plain else None for s in seg_shapes],
@@ -303,11 +314,14 @@ class StepGraph:
         set_tensor(inp.pos, positions)
         set_tensor(inp.kv_idx, slots * pool.n_ctx + positions)
         if shape.n_dec:
-            gather = np.zeros(shape.dec_streams, dtype=np.int32)
-            for row, (slot, _) in enumerate(decodes):
-                gather[slot] = row
-            set_tensor(inp.dec_gather, gather)
-            set_tensor(inp.dec_scatter, np.asarray([sl for sl, _ in decodes], dtype=np.int32))
+            if inp.dec_gather is not None:
+                gather = np.zeros(shape.dec_streams, dtype=np.int32)
+                for row, (slot, _) in enumerate(decodes):
+                    gather[slot] = row
+                set_tensor(inp.dec_gather, gather)
+                set_tensor(inp.dec_scatter, np.asarray([sl for sl, _ in decodes], dtype=np.int32))
+            elif any(slot != row for row, (slot, _) in enumerate(decodes)):
+                raise ValueError(f"decode rows in slots {[sl for sl, _ in decodes]} are not their streams in order")
             for t, n_swa in ((inp.dec_mask, 0), (inp.dec_mask_swa, cfg.n_swa)):
                 if t is not None:
                     set_tensor(t, decode_mask(decodes, shape.dec_streams, shape.n_kv_dec, n_swa))

@@ -134,12 +134,13 @@ class GgmlStage:
 
     def shape_of(self, items: list[BatchItem]) -> tuple[BatchShape, list[int], list[int]]:
         """The graph shape of an iteration; also the indices of its decode items and its segment items
-        (rows go decodes first, then segments, each group in the given order). A decode reading
+        (rows go decodes first, sorted by slot, then segments in the given order). A decode reading
         :data:`SPLIT_KV_MIN_CELLS` cells or more is a segment of one row: attended alone, as alone."""
         # DeepSeek-V4 attends every item as a segment (its compressed caches have no multi-stream view)
         dec = [i for i, it in enumerate(items) if it.n_tokens == 1 and (not self.is_tail or it.n_out == 1)
                and not it.rows_alone and kv_length(it.position + 1, self.n_ctx) < SPLIT_KV_MIN_CELLS
                and self.cfg.dsv4 is None]
+        dec.sort(key=lambda i: items[i].slot)  # slots are distinct: see BatchShape.dec_in_order
         decodes = set(dec)
         seg = [i for i in range(len(items)) if i not in decodes]
         streams = n_kv_dec = 0
