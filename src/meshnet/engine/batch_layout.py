@@ -41,13 +41,18 @@ def decode_mask(decodes: list[tuple[int, int]], n_streams: int, n_kv: int, n_swa
     attended a stream per slot: stream ``slot``'s first row sees cells ``j <= position`` (within the
     window if ``n_swa``); every other row, and every stream without a decode row, sees nothing."""
     mask = np.full((n_streams, 1, MASK_ROW_PAD, n_kv), -np.inf, dtype=np.float16)
-    j = np.arange(n_kv)
-    for slot, p in decodes:
-        visible = j <= p
-        if n_swa:
-            visible &= (p - j) < n_swa
-        mask[slot, 0, 0] = np.where(visible, 0.0, -np.inf)
+    write_decode_rows(mask, decodes, n_swa)
     return mask
+
+
+def write_decode_rows(mask: np.ndarray, decodes: list[tuple[int, int]], n_swa: int = 0) -> None:
+    """Write the first row of every stream of a decode ``mask`` (float16 ``[n_streams, 1, rows, n_kv]``,
+    numpy order) in place, as :func:`decode_mask` has it; the other rows are left as they are (a stream's
+    one query reads only its first)."""
+    first = mask[:, 0, 0, :]
+    first.fill(-np.inf)
+    for slot, p in decodes:
+        first[slot, max(0, p - n_swa + 1) if n_swa else 0:p + 1] = 0.0
 
 
 def build_mask(positions: np.ndarray, n_kv: int, n_swa: int = 0) -> np.ndarray:

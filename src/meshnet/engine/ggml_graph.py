@@ -19,7 +19,15 @@ import gguf
 import numpy as np
 
 from meshnet.contract import LayerRange
-from meshnet.engine.batch_layout import MASK_ROW_PAD, BatchShape, Segment, build_mask, decode_mask, pad_to
+from meshnet.engine.batch_layout import (
+    MASK_ROW_PAD,
+    BatchShape,
+    Segment,
+    build_mask,
+    decode_mask,
+    pad_to,
+    write_decode_rows,
+)
 from meshnet.engine.cpu_repack import HALVES_TENSORS, mul_mat
 from meshnet.engine.ggml_backend import (
     StageWeights,
@@ -34,6 +42,7 @@ from meshnet.engine.ggml_dsv4_attn import make_inputs as dsv4_make_inputs
 from meshnet.engine.ggml_dsv4_attn import set_inputs as dsv4_set_inputs
 from meshnet.engine.ggml_layers import LAYERS
 from meshnet.engine.ggml_moe import moe_graph_nodes
+from meshnet.engine.host_inputs import host_view, put
 from meshnet.engine.kv_pool import KVPool
 from meshnet.model.gguf_file import tensor_name as _tn
 from meshnet.model.hparams import ModelConfig
@@ -58,6 +67,10 @@ class _Inputs:
     seg_masks_swa: list
     out_ids: object | None
     extra: list = field(default_factory=list)  # DeepSeek-V4's masks and compressor indices
+
+
+# The inputs :meth:`StepGraph.run` writes through views of their memory when it is the host's.
+_VIEWED = ("tokens", "hidden", "pos", "kv_idx", "dec_gather", "dec_scatter", "dec_mask", "dec_mask_swa", "out_ids")
 
 
 def _contiguous(ctx, x):
@@ -101,6 +114,7 @@ class StepGraph:
         self.gf = ggml.ggml_new_graph_custom(self.ctx, size, False)
         self._w = weights
         self._pool = pool
+        self._views: dict[str, np.ndarray] = {}  # host views of the inputs, made by place
         self._pair_ids: dict = {}  # expert ids of products over row halves, by row count (cpu_repack.mul_mat)
         self.out = self._build()
         ggml.ggml_set_output(self.out)
@@ -229,6 +243,9 @@ class StepGraph:
             seg_masks_swa=[self._input(ggml.GGML_TYPE_F16, s) if windowed else None for s in seg_shapes],
             out_ids=self._input(ggml.GGML_TYPE_I32, (self.n_out,)) if want_rows else None,
         )
+        for t in (self.inp.dec_mask, self.inp.dec_mask_swa):
+            if t is not None:  # kept from run to run by the allocator: a run rewrites its first rows only
+                ggml.ggml_set_output(t)
         if cfg.dsv4 is not None:
             self.dsv4_inp = dsv4_make_inputs(self)
             self.inp.extra = self.dsv4_inp.tensors()
@@ -287,6 +304,11 @@ class StepGraph:
             t.contents.buffer = None
         if not ggml.ggml_gallocr_alloc_graph(galloc, self.gf):
             raise MemoryError("could not allocate the compute buffer")
+        self._views = {name: v for name in _VIEWED
+                       if (v := host_view(getattr(self.inp, name), "mask" not in name)) is not None}
+        for name in ("dec_mask", "dec_mask_swa"):
+            if name in self._views:
+                self._views[name].fill(-np.inf)
 
     def run(self, backend, decodes: list[tuple[int, int]], segments: list[Segment],
             token_ids: np.ndarray | None, hidden: np.ndarray | None) -> np.ndarray:
@@ -301,29 +323,39 @@ class StepGraph:
             float32 ``[n_tokens, n_embd]`` hidden states, or ``[n_out, n_vocab]`` logits on the tail
             (each decode row, then the last ``n_out`` rows of each segment).
         """
-        cfg, inp, shape, pool = self.cfg, self.inp, self.shape, self._pool
-        positions = np.concatenate([np.asarray([p for _, p in decodes], dtype=np.int32)]
-                                   + [np.arange(s.position, s.position + s.n_tokens, dtype=np.int32)
-                                      for s in segments])
-        slots = np.concatenate([np.asarray([sl for sl, _ in decodes], dtype=np.int64)]
-                               + [np.full(s.n_tokens, s.slot, dtype=np.int64) for s in segments])
+        cfg, inp, shape, pool, views = self.cfg, self.inp, self.shape, self._pool, self._views
+        # Inputs in host memory are written through views (host_inputs), and a decode-only step builds
+        # no arrays for them: after a graph has run, every numpy call runs cold, at 5-30 us each.
         if inp.tokens is not None:
-            set_tensor(inp.tokens, np.asarray(token_ids, dtype=np.int32))
+            put(views, "tokens", inp.tokens, np.asarray(token_ids, dtype=np.int32))
         if inp.hidden is not None:
-            set_tensor(inp.hidden, np.asarray(hidden, dtype=np.float32))
-        set_tensor(inp.pos, positions)
-        set_tensor(inp.kv_idx, slots * pool.n_ctx + positions)
+            put(views, "hidden", inp.hidden, np.asarray(hidden, dtype=np.float32))
+        if views and not segments:
+            pos, kv_idx = views["pos"], views["kv_idx"]
+            for k, (slot, p) in enumerate(decodes):
+                pos[k], kv_idx[k] = p, slot * pool.n_ctx + p
+        else:
+            positions = np.concatenate([np.asarray([p for _, p in decodes], dtype=np.int32)]
+                                       + [np.arange(s.position, s.position + s.n_tokens, dtype=np.int32)
+                                          for s in segments])
+            slots = np.concatenate([np.asarray([sl for sl, _ in decodes], dtype=np.int64)]
+                                   + [np.full(s.n_tokens, s.slot, dtype=np.int64) for s in segments])
+            put(views, "pos", inp.pos, positions)
+            put(views, "kv_idx", inp.kv_idx, slots * pool.n_ctx + positions)
         if shape.n_dec:
             if inp.dec_gather is not None:
                 gather = np.zeros(shape.dec_streams, dtype=np.int32)
                 for row, (slot, _) in enumerate(decodes):
                     gather[slot] = row
-                set_tensor(inp.dec_gather, gather)
-                set_tensor(inp.dec_scatter, np.asarray([sl for sl, _ in decodes], dtype=np.int32))
+                put(views, "dec_gather", inp.dec_gather, gather)
+                put(views, "dec_scatter", inp.dec_scatter, np.asarray([sl for sl, _ in decodes], dtype=np.int32))
             elif any(slot != row for row, (slot, _) in enumerate(decodes)):
                 raise ValueError(f"decode rows in slots {[sl for sl, _ in decodes]} are not their streams in order")
-            for t, n_swa in ((inp.dec_mask, 0), (inp.dec_mask_swa, cfg.n_swa)):
-                if t is not None:
+            for name, n_swa in (("dec_mask", 0), ("dec_mask_swa", cfg.n_swa)):
+                t = getattr(inp, name)
+                if name in views:
+                    write_decode_rows(views[name], decodes, n_swa)
+                elif t is not None:
                     set_tensor(t, decode_mask(decodes, shape.dec_streams, shape.n_kv_dec, n_swa))
         for i, seg in enumerate(segments):
             seg_pos = np.arange(seg.position, seg.position + seg.n_tokens, dtype=np.int32)
@@ -337,7 +369,7 @@ class StepGraph:
             for seg in segments:
                 row += seg.n_tokens
                 rows.extend(range(row - seg.n_out, row))
-            set_tensor(inp.out_ids, np.asarray(rows, dtype=np.int32))
+            put(views, "out_ids", inp.out_ids, np.asarray(rows, dtype=np.int32))
         compute(backend, self.gf)
         return get_tensor(self.out)
 
