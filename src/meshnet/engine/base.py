@@ -89,7 +89,7 @@ class ShardEngine(ABC):
         self._sessions: dict[str, Session] = {}
         self._spec: LoadSpec | None = None
         self._caps: Capabilities | None = None
-        self._metrics = Metrics()
+        self._counts = {True: [0, 0.0], False: [0, 0.0]}  # decode?: [tokens, seconds] of settled steps
         self._errors: dict[str, int] = {}
         # session id -> route epoch it moved to: steps of older epochs may no longer (re)create it.
         self._fences: OrderedDict[str, int] = OrderedDict()
@@ -267,18 +267,20 @@ class ShardEngine(ABC):
         return Health(loaded=True, healthy=True, active_sessions=n)
 
     def metrics(self) -> Metrics:
-        m = self._metrics
         with self._lock:
             n = len(self._sessions)
             kept = self._kept_tokens()
             held = sum(s.n_past for s in self._sessions.values()) + kept
+            (decoded, decode_s), (prefilled, prefill_s) = self._counts[True], self._counts[False]
         st = self._scheduler.stats
         reserved, capacity = self._kv_tokens()
-        return replace(m, active_sessions=n, kv_bytes=self._kv_bytes(), weight_bytes=self._weight_bytes(),
-                       errors=dict(self._errors), kv_tokens_held=held, kv_tokens_reserved=reserved,
-                       kv_tokens_capacity=capacity, kv_tokens_kept=kept, iterations=st.iterations,
-                       batch_rows=st.rows, max_batch_rows=st.max_rows, waiting_steps=self._scheduler.waiting(),
-                       queue_seconds=st.queue_seconds, queued_steps=st.queued_steps)
+        return Metrics(prefill_tokens=prefilled, decode_tokens=decoded, prefill_seconds=prefill_s,
+                       decode_seconds=decode_s, active_sessions=n, kv_bytes=self._kv_bytes(),
+                       weight_bytes=self._weight_bytes(), errors=dict(self._errors), kv_tokens_held=held,
+                       kv_tokens_reserved=reserved, kv_tokens_capacity=capacity, kv_tokens_kept=kept,
+                       iterations=st.iterations, batch_rows=st.rows, max_batch_rows=st.max_rows,
+                       waiting_steps=self._scheduler.waiting(), queue_seconds=st.queue_seconds,
+                       queued_steps=st.queued_steps)
 
     def _kv_tokens(self) -> tuple[int, int]:
         """(reserved, reservable) KV cells; (0, 0) for engines without a pool."""
@@ -405,13 +407,9 @@ class ShardEngine(ABC):
                 session.n_past += len(req.token_ids)
                 session.token_ids.extend(int(t) for t in req.token_ids)
                 result = replace(result, n_past=session.n_past)
-                m = self._metrics  # frozen: counters advance by replacement
-                if decode:
-                    self._metrics = replace(m, decode_tokens=m.decode_tokens + len(req.token_ids),
-                                            decode_seconds=m.decode_seconds + dt)
-                else:
-                    self._metrics = replace(m, prefill_tokens=m.prefill_tokens + len(req.token_ids),
-                                            prefill_seconds=m.prefill_seconds + dt)
+                counts = self._counts[decode]  # plain counters: metrics() makes the frozen record
+                counts[0] += len(req.token_ids)
+                counts[1] += dt
             elif session.n_past == 0 and self._sessions.get(session.session_id) is session:
                 # A first prefill that failed leaves nothing worth keeping.
                 self._sessions.pop(session.session_id)
