@@ -41,5 +41,7 @@ def test_inputs_are_written_in_place_and_give_the_same_logits(smollm2_path):
     np.testing.assert_array_equal(in_place, through_ggml)
     with pytest.raises(ValueError, match="ggml wants 1 values, got 2"):
         g.run(stage.backend, [(kv.slot, 12)], [], np.asarray([700, 701], dtype=np.int32), None)
+    with pytest.raises(ValueError, match="ggml wants 1 decode rows, got 2"):
+        g.run(stage.backend, [(kv.slot, 12), (kv.slot, 13)], [], np.asarray([700], dtype=np.int32), None)
     kv.free()
     stage.close()

@@ -332,6 +332,8 @@ class StepGraph:
             put(views, "hidden", inp.hidden, np.asarray(hidden, dtype=np.float32))
         if views and not segments:
             pos, kv_idx = views["pos"], views["kv_idx"]
+            if len(decodes) != len(pos):
+                raise ValueError(f"tensor size mismatch: ggml wants {len(pos)} decode rows, got {len(decodes)}")
             for k, (slot, p) in enumerate(decodes):
                 pos[k], kv_idx[k] = p, slot * pool.n_ctx + p
         else:
