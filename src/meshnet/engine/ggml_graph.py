@@ -69,8 +69,10 @@ class _Inputs:
     extra: list = field(default_factory=list)  # DeepSeek-V4's masks and compressor indices
 
 
-# The inputs :meth:`StepGraph.run` writes through views of their memory when it is the host's.
-_VIEWED = ("tokens", "hidden", "pos", "kv_idx", "dec_gather", "dec_scatter", "dec_mask", "dec_mask_swa", "out_ids")
+# The inputs :meth:`StepGraph.run` writes through views of their memory when it is the host's: these
+# through flat views, the decode masks (plain, then windowed) through views of their shape.
+_VIEWED = ("tokens", "hidden", "pos", "kv_idx", "dec_gather", "dec_scatter", "out_ids")
+_DEC_MASKS = ("dec_mask", "dec_mask_swa")
 
 
 def _contiguous(ctx, x):
@@ -304,11 +306,11 @@ class StepGraph:
             t.contents.buffer = None
         if not ggml.ggml_gallocr_alloc_graph(galloc, self.gf):
             raise MemoryError("could not allocate the compute buffer")
-        self._views = {name: v for name in _VIEWED
-                       if (v := host_view(getattr(self.inp, name), "mask" not in name)) is not None}
-        for name in ("dec_mask", "dec_mask_swa"):
-            if name in self._views:
-                self._views[name].fill(-np.inf)
+        self._views = {name: v for name in _VIEWED if (v := host_view(getattr(self.inp, name))) is not None}
+        for name in _DEC_MASKS:
+            if (v := host_view(getattr(self.inp, name), flat=False)) is not None:
+                v.fill(-np.inf)  # its padding rows; a run rewrites only each stream's first row
+                self._views[name] = v
 
     def run(self, backend, decodes: list[tuple[int, int]], segments: list[Segment],
             token_ids: np.ndarray | None, hidden: np.ndarray | None) -> np.ndarray:
@@ -353,7 +355,7 @@ class StepGraph:
                 put(views, "dec_scatter", inp.dec_scatter, np.asarray([sl for sl, _ in decodes], dtype=np.int32))
             elif any(slot != row for row, (slot, _) in enumerate(decodes)):
                 raise ValueError(f"decode rows in slots {[sl for sl, _ in decodes]} are not their streams in order")
-            for name, n_swa in (("dec_mask", 0), ("dec_mask_swa", cfg.n_swa)):
+            for name, n_swa in zip(_DEC_MASKS, (0, cfg.n_swa)):
                 t = getattr(inp, name)
                 if name in views:
                     write_decode_rows(views[name], decodes, n_swa)
