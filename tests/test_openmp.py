@@ -35,6 +35,12 @@ def test_the_in_process_api_server_spins_long_enough_to_bridge_its_python_betwee
     # over a mesh the API process runs no graph: the short spin
     assert _probe("api", "--tracker", "127.0.0.1:7000") == ["3000", True, None, "1"]
     assert _probe("api", "--tracker=127.0.0.1:7000") == ["3000", True, None, "1"]
+    # stages that take turns in one process would spin through each other's graphs: the short spin
+    assert _probe("api", "--stages", "3") == ["3000", True, None, "1"]
+    assert _probe("api", "--stages=2") == ["3000", True, None, "1"]
+    assert _probe("api", "--layers", "0:10,10:30") == ["3000", True, None, "1"]
+    assert _probe("api", "--stages", "1", "--port", "8001") == ["30000", True, None, "1"]
+    assert _probe("api", "--layers=0:30") == ["30000", True, None, "1"]
     # a bench (3000, set by meshnet) starting ``meshnet api``: the child decides for itself
     assert _probe("api", GOMP_SPINCOUNT="3000", MESHNET_GOMP_SPINCOUNT="3000") == ["30000", True, None, "1"]
     assert _probe("node", GOMP_SPINCOUNT="30000", MESHNET_GOMP_SPINCOUNT="30000") == ["3000", True, None, "1"]
