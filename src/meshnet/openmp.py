@@ -38,7 +38,7 @@ import os
 import sys
 
 SPIN_COUNT = "3000"
-# ``meshnet api`` with its stages in this process (see above).
+# ``meshnet api`` running the whole model as one stage in this process (see above).
 SERVER_SPIN_COUNT = "30000"
 # A process started by competitor_env() keeps libgomp's own defaults (llama.cpp's reference run is a
 # Python process that imports meshnet too).
