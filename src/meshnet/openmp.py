@@ -59,13 +59,19 @@ def spin_count_for(argv: list[str]) -> str:
     graphs on the cores they need (one stream, 3 stages: 0.974x at 30,000 rounds, 10 pairs)."""
     if len(argv) < 2 or argv[1] != "api":
         return SPIN_COUNT
-    options: dict[str, str] = {}
-    for i, a in enumerate(argv[2:], start=2):
-        name, eq, value = a.partition("=")
-        if name in ("--tracker", "--stages", "--layers"):
-            options[name] = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
-    one_stage = options.get("--stages", "1").strip() in ("", "1") and "," not in options.get("--layers", "")
-    return SERVER_SPIN_COUNT if "--tracker" not in options and one_stage else SPIN_COUNT
+    import argparse  # here: only the API's command line is read, and meshnet's own import stays light
+
+    # The three options of ``meshnet api`` that say where its stages run, read as its parser reads them
+    # (abbreviations and ``--name=value`` included); that parser cannot be built yet: it loads ggml.
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    for name in ("--tracker", "--stages", "--layers"):
+        parser.add_argument(name)
+    try:
+        known, _ = parser.parse_known_args(argv[2:])
+    except argparse.ArgumentError:  # ``meshnet api`` will refuse this command line itself
+        return SPIN_COUNT
+    one_stage = (known.stages or "1").strip() == "1" and "," not in (known.layers or "")
+    return SERVER_SPIN_COUNT if known.tracker is None and one_stage else SPIN_COUNT
 
 
 if APPLIED:
