@@ -269,6 +269,9 @@ class LoadSpec:
         use_mmap: map the weights from the file instead of copying them (llama.cpp's default).
         repack: on the CPU, keep mat-mul weights in ggml's repacked layouts where those kernels give each
             row the bits it gets alone (llama.cpp repacks by default; see :mod:`meshnet.engine.cpu_repack`).
+        huge_pages: on the CPU, where the kernel offers transparent huge pages, copy the weights out of the
+            file's map into memory backed by them, which the kernels stream faster (the token embedding
+            of a stage that only looks rows up in it stays mapped; see :mod:`meshnet.engine.huge_pages`).
         prefix_cache: finished sessions whose KV cells a stage keeps for new prompts that start with the
             same tokens (exact reuse: :mod:`meshnet.engine.prefix_cache`); 0 keeps none.
         decode_groups: groups the open sessions' decode steps are split into, taking turns (see
@@ -287,6 +290,7 @@ class LoadSpec:
     kv_tokens: int = 0
     use_mmap: bool = True
     repack: bool = True
+    huge_pages: bool = True
     prefix_cache: int = 4
     decode_groups: int = 1
     mtp: MultiTokenPrediction = MultiTokenPrediction()

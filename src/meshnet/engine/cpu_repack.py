@@ -32,6 +32,7 @@ import ggml
 import numpy as np
 
 from meshnet.engine.ggml_backend import new_meta_context, new_tensor, set_tensor
+from meshnet.engine.huge_pages import advise_buffer
 
 # Types with repacked kernels here that may keep rows' bits, per op; the probe decides per machine. Q4_K
 # is left out of mul_mat: its repacked GEMM gives rows other bits than its GEMV (measured from 4 rows on).
@@ -237,13 +238,14 @@ def _supports_halves(dev, buft, weight) -> bool:
         ggml.ggml_free(ctx)
 
 
-def repack_weights(weights, reader, kinds: frozenset[str]) -> list[str]:
+def repack_weights(weights, reader, kinds: frozenset[str], huge_pages: bool = False) -> list[str]:
     """Move the mat-mul weights of ``weights`` (a :class:`~meshnet.engine.ggml_backend.StageWeights`) of
     the ``kinds`` (``blk.N.<kind>.weight`` or ``<kind>.weight``: 2-D ones, and 3-D expert stacks) whose
     type :func:`invariant_types` passes for their op (a 2-D weight whose type passes for ``mul_mat_id``
     only becomes a stack of its two halves of rows, which the graphs multiply with :func:`mul_mat`) and
     whose product the CPU backend supports repacked into one ``CPU_REPACK`` buffer (the data is copied and
-    rearranged from ``reader``'s tensors). Returns the names moved (none without ``CPU_REPACK``).
+    rearranged from ``reader``'s tensors; with ``huge_pages`` into memory advised for huge pages, see
+    :mod:`meshnet.engine.huge_pages`). Returns the names moved (none without ``CPU_REPACK``).
 
     Raises:
         MemoryError: the repacked buffer could not be allocated.
@@ -280,6 +282,8 @@ def repack_weights(weights, reader, kinds: frozenset[str]) -> list[str]:
     if not buf:
         ggml.ggml_free(ctx)
         raise MemoryError("could not allocate the repacked weight buffer")
+    if huge_pages:
+        advise_buffer(buf)
     for name, t in moved.items():
         set_tensor(t, by_name[name].data)  # the buffer type rearranges the blocks as they are set
     weights.adopt(ctx, buf, moved)

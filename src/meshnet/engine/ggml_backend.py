@@ -238,6 +238,7 @@ class StageWeights:
             ggml.ggml_set_name(t, name.encode())
             self.tensors[name] = t
         self.nbytes = sum(int(by_name[n].n_bytes) for n in names)
+        self._mapped = set(names) if use_mmap else set()  # names whose data is still the file's map
         self.buffers: list = []
         self._more_ctx: list = []  # contexts of tensors moved into other buffers (``adopt``)
         if use_mmap:
@@ -269,11 +270,17 @@ class StageWeights:
 
     def adopt(self, ctx, buffer, tensors: dict[str, object]) -> None:
         """Serve ``tensors`` (made in ``ctx``, their data in ``buffer``: copies of some of the stage's
-        weights in another layout, see :mod:`meshnet.engine.cpu_repack`) instead of the ones of the same
-        names; ``ctx`` and ``buffer`` are freed with the rest."""
+        weights in another layout, see :mod:`meshnet.engine.cpu_repack`, or in other memory, see
+        :mod:`meshnet.engine.huge_pages`) instead of the ones of the same names; ``ctx`` and ``buffer`` are
+        freed with the rest."""
         self._more_ctx.append(ctx)
         self.buffers.append(buffer)
         self.tensors.update(tensors)
+        self._mapped -= tensors.keys()
+
+    def mapped_names(self) -> list[str]:
+        """The names whose tensors still point into the file's memory map, in load order."""
+        return [n for n in self.tensors if n in self._mapped]
 
     def free(self) -> None:
         for buffer in self.buffers:

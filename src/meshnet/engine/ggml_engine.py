@@ -63,7 +63,7 @@ class GgmlEngine(ShardEngine):
                               spec.use_mmap, n_slots=spec.max_sessions + spec.prefix_cache,
                               kv_tokens=spec.kv_tokens,
                               kv_budget_bytes=spec.memory_budget_bytes, prefix_cache=spec.prefix_cache,
-                              mtp=spec.mtp.enabled, repack=spec.repack)
+                              mtp=spec.mtp.enabled, repack=spec.repack, huge_pages=spec.huge_pages)
         except (GGUFError, FileNotFoundError) as e:
             raise EngineError(Status.INVALID_ARGUMENT, str(e)) from None
         if self.stage is not None:

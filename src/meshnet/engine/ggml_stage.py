@@ -21,6 +21,7 @@ from meshnet.engine.ggml_backend import StageWeights, cpu_backend, release_cpu_b
 from meshnet.engine.ggml_dsv4_attn import aux_caches
 from meshnet.engine.ggml_graph import StepGraph
 from meshnet.engine.ggml_mtp import MtpGraph, mtp_shape
+from meshnet.engine.huge_pages import copy_into_huge_pages, huge_pages_available
 from meshnet.engine.kv_pool import KVPool
 from meshnet.engine.prefix_cache import PrefixCache
 from meshnet.engine.stage_sessions import SessionKV, StageSessions
@@ -69,7 +70,7 @@ class GgmlStage:
     cannot compute on the host's memory map, so it goes with ``use_mmap=False``. ``n_slots`` sessions of
     ``n_ctx`` tokens fit in the pool, of which ``kv_tokens`` cells may be reserved at once; 0 derives it
     from ``kv_budget_bytes``, or when that is 0 too from half the memory available now (never more than
-    ``n_slots * n_ctx``).
+    ``n_slots * n_ctx``). ``repack`` and ``huge_pages``: see :class:`meshnet.contract.LoadSpec`.
 
     Raises (constructor):
         FileNotFoundError: no such file.
@@ -83,7 +84,7 @@ class GgmlStage:
     def __init__(self, path: str, layers: LayerRange, n_threads: int = 2, n_ctx: int = 0,
                  n_ubatch: int = 512, use_mmap: bool = True, backend=None, n_slots: int = 16,
                  kv_tokens: int = 0, kv_budget_bytes: int = 0, prefix_cache: int = 0, mtp: bool = True,
-                 repack: bool = True) -> None:
+                 repack: bool = True, huge_pages: bool = True) -> None:
         reader = open_gguf(path)
         self.cfg = ModelConfig.from_reader(reader)
         if self.cfg.manifest.not_run:
@@ -104,11 +105,17 @@ class GgmlStage:
         self.has_mtp = bool(mtp and self.is_tail and self.cfg.n_nextn)
         nextn = self.cfg.n_nextn if self.has_mtp else 0
         selection = stage_tensor_names(reader, layers, self.cfg.n_layer, nextn)
-        self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=use_mmap)
+        huge = on_host and huge_pages and huge_pages_available()
+        self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=use_mmap or huge)
         # On the CPU, mat-mul weights of the types whose repacked kernels keep each row's bits whatever
         # shares its batch move into the backend's repacked layout, as llama.cpp's do (cpu_repack).
-        self.repacked = repack_weights(self.weights, reader, REPACKABLE) if on_host and repack else []
-        if not use_mmap or self.repacked:
+        self.repacked = repack_weights(self.weights, reader, REPACKABLE, huge) if on_host and repack else []
+        # The rest move into memory backed by huge pages (huge_pages), but for an embedding the stage only
+        # looks rows up in (mapped, only the rows read are resident), unless every weight is to be copied.
+        lookup_only = frozenset() if not use_mmap or (self.is_tail and "output.weight" not in selection.names) \
+            else frozenset({"token_embd.weight"})
+        self.huge_paged = copy_into_huge_pages(self.weights, reader, self.backend, lookup_only) if huge else []
+        if not use_mmap or self.repacked or self.huge_paged:
             drop_pages(reader)  # the copies are what stays resident, not the file pages read to make them
         # DeepSeek-V4's compressor cells and compressed rows live in the pool beside the KV cells
         aux = aux_caches(self.cfg, layers) if self.cfg.dsv4 is not None else None

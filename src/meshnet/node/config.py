@@ -27,6 +27,7 @@ class NodeConfig:
     kv_tokens: int = 0
     prefix_cache: int = 4
     repack: bool = True  # mat-mul weights in ggml's repacked CPU layouts where rows keep their bits (cpu_repack)
+    huge_pages: bool = True  # weights copied into memory backed by transparent huge pages (huge_pages)
     decode_groups: int = 0  # decode groups taking turns (0 = one per pipeline stage; see LoadSpec)
     idle_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0

@@ -68,7 +68,7 @@ def build_engine(cfg: NodeConfig) -> tuple[ShardEngine, pb.ModelIdentity, bytes]
     out = eng.load(LoadSpec(path=path, artifact=ArtifactId(sha, layers), n_threads=cfg.threads, n_ctx=cfg.n_ctx,
                             max_sessions=cfg.max_sessions, kv_tokens=cfg.kv_tokens,
                             prefix_cache=cfg.prefix_cache, decode_groups=cfg.decode_groups,
-                            repack=cfg.repack))
+                            repack=cfg.repack, huge_pages=cfg.huge_pages))
     if not out.ok:
         raise ValueError(out.message)
     return eng, pb.ModelIdentity(sha256=sha, architecture=mcfg.architecture, n_layer=mcfg.n_layer), \

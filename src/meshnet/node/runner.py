@@ -268,6 +268,10 @@ def add_node_parser(sub) -> None:
                         "give each row the bits it gets alone on this CPU take ggml's repacked CPU layout, as "
                         "llama.cpp's do: Q4_0 and IQ4_NL matrices, Q4_0 / IQ4_NL / Q4_K / MXFP4 experts, and Q4_K "
                         "matrices as two row halves)")
+    p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
+                   help="leave the weights in the file's memory map (by default, where the kernel offers "
+                        "transparent huge pages, they are copied into memory backed by them, which decodes "
+                        "faster; the head's token embedding stays mapped)")
     p.add_argument("--prefix-cache", type=int, default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
     p.add_argument("--decode-groups", type=int, default=0,
                    help="groups the sessions' decode steps are split into, taking turns so that every stage "
@@ -337,7 +341,7 @@ def run_node(args: argparse.Namespace) -> int:
                      tracker=args.tracker, host=args.host, port=args.port, advertise=args.advertise,
                      node_id=args.node_id, engine=args.engine, threads=args.threads, n_ctx=args.n_ctx,
                      max_sessions=args.max_sessions, kv_tokens=args.kv_tokens,
-                     prefix_cache=args.prefix_cache, repack=args.repack, decode_groups=args.decode_groups, idle_timeout_s=args.idle_timeout,
+                     prefix_cache=args.prefix_cache, repack=args.repack, huge_pages=args.huge_pages, decode_groups=args.decode_groups, idle_timeout_s=args.idle_timeout,
                      drain_timeout_s=args.drain_timeout, join_token=args.join_token, tls=tls, tls_ca=args.tls_ca,
                      data_plane=not args.no_data_plane, data_port=args.data_port,
                      cpu=cpu, backend=backend, device_index=device, identity=getattr(args, "identity", None),
