@@ -88,3 +88,23 @@ def test_huge_pages_change_no_bit(smollm2_path):
         finally:
             stage.close()
     assert out[0] == out[1]
+
+
+def test_weights_that_would_take_most_of_the_memory_stay_mapped(smollm2_path, monkeypatch):
+    """Mapped, a stage's pages are the file's and can be evicted; copied they could not: a stage whose
+    weights exceed half the memory available keeps them mapped."""
+    monkeypatch.setattr(huge_pages, "huge_pages_available", lambda: True)
+    stage = GgmlStage(smollm2_path, LayerRange(0, 30), n_threads=1, n_ctx=64, n_slots=1)
+    try:
+        weight_bytes = stage.weights.nbytes
+    finally:
+        stage.close()
+    assert weight_bytes == 96_576_768  # SmolLM2-135M Q4_1, every tensor
+    for available, copied in ((2 * weight_bytes, True), (2 * weight_bytes - 1, False)):
+        monkeypatch.setattr(huge_pages, "available_memory_bytes", lambda a=available: a)
+        stage = GgmlStage(smollm2_path, LayerRange(0, 30), n_threads=1, n_ctx=64, n_slots=1)
+        try:
+            assert bool(stage.huge_paged) == copied
+            assert stage.weights.mapped_names() == ([] if copied else list(stage.weights.tensors))
+        finally:
+            stage.close()

@@ -269,9 +269,10 @@ class LoadSpec:
         use_mmap: map the weights from the file instead of copying them (llama.cpp's default).
         repack: on the CPU, keep mat-mul weights in ggml's repacked layouts where those kernels give each
             row the bits it gets alone (llama.cpp repacks by default; see :mod:`meshnet.engine.cpu_repack`).
-        huge_pages: on the CPU, where the kernel offers transparent huge pages, copy the weights out of the
-            file's map into memory backed by them, which the kernels stream faster (the token embedding
-            of a stage that only looks rows up in it stays mapped; see :mod:`meshnet.engine.huge_pages`).
+        huge_pages: on the CPU, where the kernel offers transparent huge pages and the weights take at most
+            half the memory available, copy them out of the file's map into memory backed by huge pages,
+            which the kernels stream faster (the token embedding of a stage that only looks rows up in it
+            stays mapped; see :mod:`meshnet.engine.huge_pages`).
         prefix_cache: finished sessions whose KV cells a stage keeps for new prompts that start with the
             same tokens (exact reuse: :mod:`meshnet.engine.prefix_cache`); 0 keeps none.
         decode_groups: groups the open sessions' decode steps are split into, taking turns (see

@@ -21,7 +21,7 @@ from meshnet.engine.ggml_backend import StageWeights, cpu_backend, release_cpu_b
 from meshnet.engine.ggml_dsv4_attn import aux_caches
 from meshnet.engine.ggml_graph import StepGraph
 from meshnet.engine.ggml_mtp import MtpGraph, mtp_shape
-from meshnet.engine.huge_pages import copy_into_huge_pages, huge_pages_available
+from meshnet.engine.huge_pages import copy_into_huge_pages, worth_copying
 from meshnet.engine.kv_pool import KVPool
 from meshnet.engine.prefix_cache import PrefixCache
 from meshnet.engine.stage_sessions import SessionKV, StageSessions
@@ -105,7 +105,7 @@ class GgmlStage:
         self.has_mtp = bool(mtp and self.is_tail and self.cfg.n_nextn)
         nextn = self.cfg.n_nextn if self.has_mtp else 0
         selection = stage_tensor_names(reader, layers, self.cfg.n_layer, nextn)
-        huge = on_host and huge_pages and huge_pages_available()
+        huge = on_host and huge_pages and worth_copying(reader, selection.names)
         self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=use_mmap or huge)
         # On the CPU, mat-mul weights of the types whose repacked kernels keep each row's bits whatever
         # shares its batch move into the backend's repacked layout, as llama.cpp's do (cpu_repack).

@@ -4,16 +4,18 @@ A decode step reads every mat-mul weight of a stage once (92 MiB a token for Smo
 than the caches hold: the kernels stream the weights from memory, and with 4 KiB pages that walk crosses
 a page every 4 KiB, each a TLB miss (in a virtual machine a two-level walk). llama.cpp maps the GGUF file
 (4 KiB page-cache pages) or, with ``--no-mmap``, copies it into ``malloc``'d memory that Linux backs with
-huge pages only when THP is ``always``. Measured on a 2-core AMD EPYC VM (AVX-512, THP ``madvise``), 256
-greedy tokens of SmolLM2 at 2 threads: the same kernels (``ggml_vec_dot_q4_1_q8_1``) took about 10% more
-time a token in meshnet's mapped weights than in llama-bench's, and the engine ran 105 against 113
-tokens/s with its weights copied into memory advised ``MADV_HUGEPAGE`` (4 alternating runs each).
+huge pages only when THP is ``always``. Measured on a 2-core AMD EPYC VM (AVX-512, THP ``madvise``),
+greedy decoding of SmolLM2 at 2 threads: the same kernel (``ggml_vec_dot_q4_1_q8_1``, identical code)
+took about 10% more time a token in meshnet's mapped weights than in llama-bench's (``perf``), and two
+engines in one process, one mapped and one copied into memory advised ``MADV_HUGEPAGE``, decoding 64
+tokens in turn, gave 1.053x (30 pairs, 26 above 1; the API served 1.058x, see the README).
 
 :func:`copy_into_huge_pages` copies a stage's mapped weights into one CPU buffer advised so before the
 bytes are written; the bytes and the kernels are the same, so every result keeps its bits. Where the
-kernel offers no THP (``never``, or not Linux) the stage does not copy and the weights stay mapped. The token
-embedding of a stage that only looks rows up in it (``get_rows``: the head, unless it is also the tied
-output) stays mapped too: its rows are read a token at a time, and mapped only the rows read are resident.
+kernel offers no THP (``never``, or not Linux), or the weights would take more than half the memory
+available, the stage does not copy and the weights stay mapped. The token embedding of a stage that only
+looks rows up in it (``get_rows``: the head, unless it is also the tied output) stays mapped too: its rows
+are read a token at a time, and mapped only the rows read are resident.
 """
 
 from __future__ import annotations
@@ -27,10 +29,15 @@ from pathlib import Path
 import ggml
 
 from meshnet.engine.ggml_backend import new_meta_context, new_tensor, set_tensor
+from meshnet.engine.kv_pool import available_memory_bytes
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 HUGE_PAGE_BYTES = 2 << 20  # x86-64 and arm64 (4 KiB base pages) PMD size
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+# Weights are copied only while they take at most this share of the memory available: mapped, their pages
+# are the file's and the kernel can evict them, so a stage that barely fits still loads; copied, they
+# could only be swapped, or the process killed.
+COPY_SHARE = 0.5
 
 _libc = None
 
@@ -49,6 +56,14 @@ def thp_mode(path: Path = THP_ENABLED) -> str:
 def huge_pages_available() -> bool:
     """Whether memory advised ``MADV_HUGEPAGE`` gets huge pages here (THP ``always`` or ``madvise``)."""
     return sys.platform.startswith("linux") and thp_mode() in ("always", "madvise")
+
+
+def worth_copying(reader, names) -> bool:
+    """Whether the tensors ``names`` of ``reader`` should move into huge pages here: THP is offered and
+    their bytes take at most :data:`COPY_SHARE` of the memory available now."""
+    wanted = set(names)
+    nbytes = sum(int(t.n_bytes) for t in reader.tensors if t.name in wanted)
+    return huge_pages_available() and nbytes <= COPY_SHARE * available_memory_bytes()
 
 
 def advise_huge_pages(base: int, size: int) -> bool:
@@ -80,7 +95,7 @@ def copy_into_huge_pages(weights, reader, backend, keep_mapped: frozenset[str] =
     tensors point into ``reader``'s memory map) other than ``keep_mapped`` and those already moved (by
     :func:`meshnet.engine.cpu_repack.repack_weights`) into one buffer of ``backend`` (the CPU's) advised
     for huge pages, and serve them from there. Returns the names copied. Call it where
-    :func:`huge_pages_available`; a kernel that refuses the advice still gets the copy, on small pages.
+    :func:`worth_copying`; a kernel that refuses the advice still gets the copy, on small pages.
 
     Raises:
         MemoryError: the buffer could not be allocated.
