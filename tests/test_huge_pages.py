@@ -68,7 +68,11 @@ def test_a_stage_serves_its_weights_from_huge_pages(smollm2_path):
         assert "token_embd.weight" in tail.huge_paged and "output_norm.weight" in tail.huge_paged
         assert tail.weights.mapped_names() == []
         w = tail.weights.get("token_embd.weight")
-        assert _anon_huge_kib(int(ggml.ggml_get_data(w) or 0)) >= huge_pages.HUGE_PAGE_BYTES // 1024
+        huge_kib = _anon_huge_kib(int(ggml.ggml_get_data(w) or 0))
+        defrag = huge_pages.thp_mode(huge_pages.THP_ENABLED.with_name("defrag"))
+        if huge_kib == 0 and defrag not in ("always", "defer+madvise", "madvise"):
+            pytest.skip(f"the kernel had no free huge page and may not compact for one (THP defrag: {defrag})")
+        assert huge_kib >= huge_pages.HUGE_PAGE_BYTES // 1024
     finally:
         head.close()
         tail.close()
