@@ -5,9 +5,9 @@ meshnet.node.engine_worker FD`` with one end of a socket pair as file descriptor
 :mod:`meshnet.node.worker_wire` over it. The first message is LOAD (the pickled ``(NodeConfig,
 generation)``); the worker answers READY with a :class:`~meshnet.node.engine_loader.LoadedEngine`, or
 LOAD_FAILED with the reason, then serves CALLs until the pipe closes. A step goes from the reading
-thread straight into the engine's scheduler, whose thread queues its result for the reply thread, so
-concurrent steps meet in the scheduler and share iterations, as they do in one process, without a
-thread each; other calls (and a step that would have to wait for its session's previous one) run on
+thread straight into the engine's scheduler, whose thread sends a small result itself (a decode's) and
+queues a large one for the reply thread, so concurrent steps meet in the scheduler and share
+iterations, as they do in one process, without a thread each; other calls (and a step that would have to wait for its session's previous one) run on
 pool threads. PINGs are answered by the reading thread itself, so a worker answers them as long as its
 Python runs at all. Opens no network socket. Dies with its node (Linux: the parent-death signal).
 """
@@ -28,6 +28,10 @@ from meshnet.node import worker_wire as ww
 from meshnet.node.engine_loader import load_engine, pin_to_cpu
 
 log = logging.getLogger("meshnet.worker")
+
+# Hidden states up to this size (bytes) are sent from the scheduler's thread as soon as its step is done:
+# a decode step's [1, n_embd] f32 (2.3 KB for SmolLM2, 16 KB at n_embd 4096), a few rows of a batch.
+INLINE_REPLY_BYTES = 64 << 10
 
 # The calls a node may make: the ShardEngine interface less load (done once, by LOAD).
 CALLS = frozenset({"prefill", "decode", "cancel", "release", "release_superseded", "release_idle", "session_ids",
@@ -92,14 +96,23 @@ def serve(sock: socket.socket) -> int:
         if method not in ("prefill", "decode") or step_async is None:
             return False
         try:
-            return step_async(args[0], method == "decode", lambda out: replies.put((call_id, method, out)))
+            return step_async(args[0], method == "decode", lambda out: finished(call_id, method, out))
         except Exception as e:  # noqa: BLE001 - refused before it started, as run() reports it
             reply(call_id, method, e)
             return True
 
-    # Steps' replies are encoded and sent on a thread of their own: the scheduler's thread only queues
-    # them and goes on to its next iteration, whose compute overlaps them.
+    # A step's reply leaves from the scheduler's thread when it is small (a decode's hidden states): waking
+    # a reply thread for it costs more than sending it. Larger ones (a prefill's hidden states, up to
+    # many MB) are encoded and sent on a thread of their own, so that the next iteration's compute
+    # overlaps them.
     replies: queue.SimpleQueue = queue.SimpleQueue()
+
+    def finished(call_id: int, method: str, out) -> None:
+        hidden = getattr(out, "hidden", None)
+        if hidden is None or len(hidden.data) <= INLINE_REPLY_BYTES:
+            reply(call_id, method, out)
+        else:
+            replies.put((call_id, method, out))
 
     def send_replies() -> None:
         while True:
