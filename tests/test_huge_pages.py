@@ -112,3 +112,21 @@ def test_weights_that_would_take_most_of_the_memory_stay_mapped(smollm2_path, mo
             assert stage.weights.mapped_names() == ([] if copied else list(stage.weights.tensors))
         finally:
             stage.close()
+
+
+@pytest.mark.parametrize("command", [["api"], ["generate", "hi"], ["up"], ["node", "--tracker", "h:1"]])
+def test_every_command_that_loads_stages_takes_no_huge_pages(command):
+    from meshnet.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(command).huge_pages is True
+    assert parser.parse_args(command + ["--no-huge-pages"]).huge_pages is False
+
+
+def test_the_api_in_process_leaves_weights_mapped_when_asked(smollm2_path):
+    from meshnet.api.backend import local_backend
+
+    backend = local_backend(str(smollm2_path), n_ctx=64, max_sessions=1, huge_pages=False)
+    stage = backend.chain.stages[0].stage
+    assert stage.huge_paged == [] and stage.repacked == []  # SmolLM2's Q4_1 has no repacked kernel
+    assert stage.weights.mapped_names() == list(stage.weights.tensors)

@@ -13,7 +13,7 @@ import os
 import sys
 
 from meshnet.client.mesh_client import MeshUnavailable
-from meshnet.contract import SamplingParams
+from meshnet.contract import NO_HUGE_PAGES_HELP, SamplingParams
 from meshnet.model.bundled import DEFAULT_MODEL, ModelNotFound, resolve_model
 
 
@@ -57,6 +57,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     split.add_argument("--layers", default=None, help='explicit half-open ranges, e.g. "0:10,10:20,20:30"')
     p.add_argument("--threads", type=int, default=2, help="CPU threads per stage")
     p.add_argument("--n-ctx", type=int, default=0, help="context length (0 = model's, capped at 4096)")
+    p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false", help=NO_HUGE_PAGES_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -201,7 +202,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ranges = [f"{h.node_id}@{h.address}" for h in hops]
     else:
         chain = load_local_chain(path, ranges, n_threads=args.threads, n_ctx=args.n_ctx,
-                                 progress=sys.stderr.isatty())
+                                 progress=sys.stderr.isatty(), huge_pages=args.huge_pages)
         n_ctx = chain.stages[0].capabilities().n_ctx
     if len(prompt_ids) >= n_ctx:
         print(f"error: the prompt has {len(prompt_ids)} tokens but the context holds {n_ctx}; "

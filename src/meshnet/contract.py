@@ -307,6 +307,13 @@ class LoadSpec:
         return f"bad load settings: {', '.join(bad)}" if bad else None
 
 
+# The help of ``--no-huge-pages`` (``LoadSpec.huge_pages``), the same on every command that loads stages.
+NO_HUGE_PAGES_HELP = ("leave the weights in the file's memory map (by default, on the CPU where the kernel offers "
+                      "transparent huge pages and they take at most half the memory available, they are copied "
+                      "into memory backed by huge pages, which decodes faster; a head's token embedding stays "
+                      "mapped)")
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a loaded stage serves."""

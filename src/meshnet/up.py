@@ -18,6 +18,7 @@ import time
 import grpc
 from tqdm import tqdm
 
+from meshnet.contract import NO_HUGE_PAGES_HELP
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
@@ -42,6 +43,7 @@ def add_up_parser(sub) -> None:
     p.add_argument("--decode-groups", type=int, default=0,
                    help="groups each node splits its sessions' decodes into, taking turns so that every stage "
                         "computes at once (0 = one per stage, 1 = all together)")
+    p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false", help=NO_HUGE_PAGES_HELP)
     p.add_argument("--heartbeat", type=float, default=1.0, help="node heartbeat interval, seconds")
     p.add_argument("--client-orchestrated", action="store_true",
                    help="the API's steps: " + "every step through the client, hop by hop (default: nodes forward hidden states to the next node themselves where the route allows)")
@@ -114,7 +116,7 @@ def run_up(args: argparse.Namespace) -> int:
                         "--layers", str(r), "--host", args.host, "--threads", str(args.threads), "--node-id", name,
                         "--n-ctx", str(args.n_ctx), "--max-sessions", str(args.max_sessions),
                         "--kv-tokens", str(args.kv_tokens), "--prefix-cache", str(args.prefix_cache),
-                        "--decode-groups", str(args.decode_groups)])
+                        "--decode-groups", str(args.decode_groups)] + ([] if args.huge_pages else ["--no-huge-pages"]))
                 for name, r in zip(names, ranges)]
     # A node that died leaves routing at once (not after three silent heartbeats), and its restart can
     # take its id back without being refused as a second claimant.

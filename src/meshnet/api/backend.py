@@ -146,7 +146,8 @@ class AdmissionRetry:
 
 def local_backend(model: str = "smollm2", stages: int | None = None, layers: str | None = None,
                   n_threads: int = 2, n_ctx: int = 0, max_sessions: int = 16, name: str | None = None,
-                  progress: bool = False, kv_tokens: int = 0, prefix_cache: int = 4) -> ApiBackend:
+                  progress: bool = False, kv_tokens: int = 0, prefix_cache: int = 4,
+                  huge_pages: bool = True) -> ApiBackend:
     """An :class:`ApiBackend` over an in-process chain of ggml engines (one per layer range).
 
     Args:
@@ -157,6 +158,7 @@ def local_backend(model: str = "smollm2", stages: int | None = None, layers: str
         max_sessions: sessions each stage holds; also the API's concurrency limit.
         kv_tokens: KV cells each stage's sessions may reserve at once (0 = half the memory available).
         prefix_cache: finished sessions each stage keeps for prompts that start the same way.
+        huge_pages: weights on transparent huge pages where they can be (``LoadSpec.huge_pages``).
         name: the served model id (default: ``model`` when it is a bundled name, else the file stem).
 
     Raises:
@@ -169,7 +171,7 @@ def local_backend(model: str = "smollm2", stages: int | None = None, layers: str
     ranges = plan_ranges(path, stages, layers)
     chain = load_local_chain(path, ranges, n_threads=n_threads, n_ctx=n_ctx, progress=progress,
                              max_sessions=max_sessions, kv_tokens=kv_tokens,
-                             prefix_cache=prefix_cache)
+                             prefix_cache=prefix_cache, huge_pages=huge_pages)
     tok = GGUFTokenizer.from_gguf(path)
     caps = [s.capabilities() for s in chain.stages]
     desc = [f"in-process {c.artifact.layers}" for c in caps]

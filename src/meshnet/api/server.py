@@ -14,6 +14,7 @@ import uvicorn
 
 from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.backend import ApiBackend
+from meshnet.contract import NO_HUGE_PAGES_HELP
 from meshnet.speculative import add_speculation_args, speculation_from_args
 
 log = logging.getLogger("meshnet.api")
@@ -52,6 +53,7 @@ def add_api_parser(sub) -> None:
     local.add_argument("--kv-tokens", type=int, default=0,
                        help="KV cells sessions may reserve at once (0 = half the memory available)")
     local.add_argument("--prefix-cache", type=int, default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
+    local.add_argument("--no-huge-pages", dest="huge_pages", action="store_false", help=NO_HUGE_PAGES_HELP)
     add_speculation_args(p)
     p.set_defaults(func=run_api)
 
@@ -85,7 +87,7 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
     backend = local_backend(args.model, stages=args.stages, layers=args.layers, n_threads=args.threads,
                             n_ctx=args.n_ctx, name=args.name, progress=sys.stderr.isatty(),
                             max_sessions=args.max_sessions, kv_tokens=args.kv_tokens,
-                            prefix_cache=args.prefix_cache)
+                            prefix_cache=args.prefix_cache, huge_pages=args.huge_pages)
     if args.max_concurrency:
         backend.max_concurrency = min(backend.max_concurrency, args.max_concurrency)
     backend.speculation = speculation

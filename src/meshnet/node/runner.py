@@ -29,7 +29,7 @@ import threading
 import time
 
 from meshnet import __version__
-from meshnet.contract import LayerRange
+from meshnet.contract import NO_HUGE_PAGES_HELP, LayerRange
 from meshnet.engine.kv_pool import available_memory_bytes
 from meshnet.ledger.reporting import WorkReporter
 from meshnet.membership.identity import node_identity
@@ -268,10 +268,7 @@ def add_node_parser(sub) -> None:
                         "give each row the bits it gets alone on this CPU take ggml's repacked CPU layout, as "
                         "llama.cpp's do: Q4_0 and IQ4_NL matrices, Q4_0 / IQ4_NL / Q4_K / MXFP4 experts, and Q4_K "
                         "matrices as two row halves)")
-    p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
-                   help="leave the weights in the file's memory map (by default, where the kernel offers "
-                        "transparent huge pages, they are copied into memory backed by them, which decodes "
-                        "faster; the head's token embedding stays mapped)")
+    p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false", help=NO_HUGE_PAGES_HELP)
     p.add_argument("--prefix-cache", type=int, default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
     p.add_argument("--decode-groups", type=int, default=0,
                    help="groups the sessions' decode steps are split into, taking turns so that every stage "
