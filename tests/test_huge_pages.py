@@ -130,3 +130,32 @@ def test_the_api_in_process_leaves_weights_mapped_when_asked(smollm2_path):
     stage = backend.chain.stages[0].stage
     assert stage.huge_paged == [] and stage.repacked == []  # SmolLM2's Q4_1 has no repacked kernel
     assert stage.weights.mapped_names() == list(stage.weights.tensors)
+
+
+def test_stages_on_one_machine_take_turns_to_copy(smollm2_path, tmp_path, monkeypatch):
+    """While another holder (here this test, on a file description of its own, as another process's would
+    be) has the machine's turn, a stage does not even judge the memory available: it waits, then judges
+    what the copies before it left."""
+    import threading
+
+    lock = tmp_path / "turn.lock"
+    judged = threading.Event()
+    real = huge_pages.worth_copying
+
+    def worth(reader, names):
+        judged.set()
+        return real(reader, names)
+
+    from meshnet.engine import ggml_stage
+
+    monkeypatch.setattr(ggml_stage, "worth_copying", worth)
+    monkeypatch.setattr(ggml_stage, "copy_turn", lambda: huge_pages.copy_turn(lock))
+    loaded = []
+    with huge_pages.copy_turn(lock):
+        t = threading.Thread(target=lambda: loaded.append(
+            GgmlStage(smollm2_path, LayerRange(0, 2), n_threads=1, n_ctx=64, n_slots=1)))
+        t.start()
+        assert not judged.wait(1.0)  # still waiting for the turn held here
+    t.join(60)
+    assert judged.is_set() and len(loaded) == 1
+    loaded[0].close()

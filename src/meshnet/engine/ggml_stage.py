@@ -7,6 +7,7 @@ by shape); it can be used directly to read logits (the parity tests do). ``GgmlE
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -21,7 +22,7 @@ from meshnet.engine.ggml_backend import StageWeights, cpu_backend, release_cpu_b
 from meshnet.engine.ggml_dsv4_attn import aux_caches
 from meshnet.engine.ggml_graph import StepGraph
 from meshnet.engine.ggml_mtp import MtpGraph, mtp_shape
-from meshnet.engine.huge_pages import copy_into_huge_pages, worth_copying
+from meshnet.engine.huge_pages import copy_into_huge_pages, copy_turn, worth_copying
 from meshnet.engine.kv_pool import KVPool
 from meshnet.engine.prefix_cache import PrefixCache
 from meshnet.engine.stage_sessions import SessionKV, StageSessions
@@ -105,16 +106,19 @@ class GgmlStage:
         self.has_mtp = bool(mtp and self.is_tail and self.cfg.n_nextn)
         nextn = self.cfg.n_nextn if self.has_mtp else 0
         selection = stage_tensor_names(reader, layers, self.cfg.n_layer, nextn)
-        huge = on_host and huge_pages and worth_copying(reader, selection.names)
-        self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=use_mmap or huge)
-        # On the CPU, mat-mul weights of the types whose repacked kernels keep each row's bits whatever
-        # shares its batch move into the backend's repacked layout, as llama.cpp's do (cpu_repack).
-        self.repacked = repack_weights(self.weights, reader, REPACKABLE, huge) if on_host and repack else []
-        # The rest move into memory backed by huge pages (huge_pages), but for an embedding the stage only
-        # looks rows up in (mapped, only the rows read are resident), unless every weight is to be copied.
-        lookup_only = frozenset() if not use_mmap or (self.is_tail and "output.weight" not in selection.names) \
-            else frozenset({"token_embd.weight"})
-        self.huge_paged = copy_into_huge_pages(self.weights, reader, self.backend, lookup_only) if huge else []
+        # copies of weights on one machine one stage at a time, each judged after those before it
+        with copy_turn() if on_host else contextlib.nullcontext():
+            huge = on_host and huge_pages and worth_copying(reader, selection.names)
+            self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=use_mmap or huge)
+            # On the CPU, mat-mul weights of the types whose repacked kernels keep each row's bits whatever
+            # shares its batch move into the backend's repacked layout, as llama.cpp's do (cpu_repack).
+            self.repacked = repack_weights(self.weights, reader, REPACKABLE, huge) if on_host and repack else []
+            # The rest move into memory backed by huge pages (huge_pages), but for an embedding the stage
+            # only looks rows up in (mapped, only the rows read are resident), unless every weight is to
+            # be copied.
+            lookup_only = frozenset() if not use_mmap or (self.is_tail and "output.weight" not in selection.names) \
+                else frozenset({"token_embd.weight"})
+            self.huge_paged = copy_into_huge_pages(self.weights, reader, self.backend, lookup_only) if huge else []
         if not use_mmap or self.repacked or self.huge_paged:
             drop_pages(reader)  # the copies are what stays resident, not the file pages read to make them
         # DeepSeek-V4's compressor cells and compressed rows live in the pool beside the KV cells

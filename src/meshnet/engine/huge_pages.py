@@ -20,10 +20,12 @@ are read a token at a time, and mapped only the rows read are resident.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
 import sys
+import tempfile
 from pathlib import Path
 
 import ggml
@@ -38,6 +40,10 @@ MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 # are the file's and the kernel can evict them, so a stage that barely fits still loads; copied, they
 # could only be swapped, or the process killed.
 COPY_SHARE = 0.5
+# Stages loading on one machine take turns to judge and copy (an flock on this file), so that each judges
+# the memory the copies before it left: nodes that ``meshnet up`` starts at once would otherwise each see
+# the same memory available and all copy.
+TURN_LOCK = Path(tempfile.gettempdir()) / "meshnet-weight-copies.lock"
 
 _libc = None
 
@@ -64,6 +70,26 @@ def worth_copying(reader, names) -> bool:
     wanted = set(names)
     nbytes = sum(int(t.n_bytes) for t in reader.tensors if t.name in wanted)
     return huge_pages_available() and nbytes <= COPY_SHARE * available_memory_bytes()
+
+
+@contextlib.contextmanager
+def copy_turn(path: Path = TURN_LOCK):
+    """Hold this machine's turn to judge and copy weights (blocks while another process or stage holds
+    it). Where the lock file cannot be opened (another user's, a read-only temp folder), or there is no
+    ``fcntl`` (Windows), it goes on alone."""
+    try:
+        import fcntl
+
+        f = open(path, "a")  # noqa: SIM115 - held for the block below
+    except (ImportError, OSError):
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def advise_huge_pages(base: int, size: int) -> bool:
