@@ -107,7 +107,7 @@ class GgmlStage:
         nextn = self.cfg.n_nextn if self.has_mtp else 0
         selection = stage_tensor_names(reader, layers, self.cfg.n_layer, nextn)
         # copies of weights on one machine one stage at a time, each judged after those before it
-        with copy_turn() if on_host else contextlib.nullcontext():
+        with copy_turn() if on_host and huge_pages else contextlib.nullcontext():
             huge = on_host and huge_pages and worth_copying(reader, selection.names)
             self.weights = StageWeights(reader, selection.names, self.backend, use_mmap=use_mmap or huge)
             # On the CPU, mat-mul weights of the types whose repacked kernels keep each row's bits whatever

@@ -4,7 +4,7 @@ A decode step reads every mat-mul weight of a stage once (92 MiB a token for Smo
 than the caches hold: the kernels stream the weights from memory, and with 4 KiB pages that walk crosses
 a page every 4 KiB, each a TLB miss (in a virtual machine a two-level walk). llama.cpp maps the GGUF file
 (4 KiB page-cache pages) or, with ``--no-mmap``, copies it into ``malloc``'d memory that Linux backs with
-huge pages only when THP is ``always``. Measured on a 2-core AMD EPYC VM (AVX-512, THP ``madvise``),
+huge pages only when THP is ``always``. Measured on a 2-core AMD EPYC VM (AVX512, THP ``madvise``),
 greedy decoding of SmolLM2 at 2 threads: the same kernel (``ggml_vec_dot_q4_1_q8_1``, identical code)
 took about 10% more time a token in meshnet's mapped weights than in llama-bench's (``perf``), and two
 engines in one process, one mapped and one copied into memory advised ``MADV_HUGEPAGE``, decoding 64
@@ -21,8 +21,6 @@ are read a token at a time, and mapped only the rows read are resident.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import mmap
 import sys
 import tempfile
@@ -31,7 +29,7 @@ from pathlib import Path
 import ggml
 
 from meshnet.engine.ggml_backend import new_meta_context, new_tensor, set_tensor
-from meshnet.engine.kv_pool import available_memory_bytes
+from meshnet.engine.kv_pool import available_memory_bytes, libc
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 HUGE_PAGE_BYTES = 2 << 20  # x86-64 and arm64 (4 KiB base pages) PMD size
@@ -44,8 +42,6 @@ COPY_SHARE = 0.5
 # the memory the copies before it left: nodes that ``meshnet up`` starts at once would otherwise each see
 # the same memory available and all copy.
 TURN_LOCK = Path(tempfile.gettempdir()) / "meshnet-weight-copies.lock"
-
-_libc = None
 
 
 def thp_mode(path: Path = THP_ENABLED) -> str:
@@ -96,18 +92,13 @@ def advise_huge_pages(base: int, size: int) -> bool:
     """``madvise(MADV_HUGEPAGE)`` on the whole huge pages inside ``[base, base + size)`` (addresses in
     bytes): pages of it touched later are backed by 2 MiB pages where the kernel can. Returns whether the
     kernel took the advice (False off Linux, for a range holding no whole huge page, or on an error)."""
-    global _libc
     if not sys.platform.startswith("linux"):
         return False
     start = -(-base // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     length = (base + size - start) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     if length <= 0:
         return False
-    if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc.madvise.restype = ctypes.c_int
-    return _libc.madvise(start, length, MADV_HUGEPAGE) == 0
+    return libc.madvise(start, length, MADV_HUGEPAGE) == 0
 
 
 def advise_buffer(buffer) -> bool:

@@ -34,9 +34,12 @@ from meshnet.contract import LayerRange
 from meshnet.engine.ggml_backend import cpu_buffer_from_ptr, new_meta_context, new_tensor
 
 PAGE = mmap.PAGESIZE
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+# This process's C library, with the prototypes of the memory calls meshnet makes through it (the KV pool
+# here; huge_pages' madvise).
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def available_memory_bytes() -> int:
@@ -186,7 +189,7 @@ class KVPool:
         self._map = mmap.mmap(-1, size + 2 * PAGE, flags=flags)
         start = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         for guard in (start, start + PAGE + size):
-            _libc.mprotect(ctypes.c_void_p(guard), ctypes.c_size_t(PAGE), 0)  # PROT_NONE
+            libc.mprotect(ctypes.c_void_p(guard), ctypes.c_size_t(PAGE), 0)  # PROT_NONE
         self._base = start + PAGE
         self._size = size
         self.buffer = cpu_buffer_from_ptr(self._base, size)
@@ -301,7 +304,7 @@ class KVPool:
             return rss
         n_pages = self._size // PAGE
         vec = (ctypes.c_ubyte * n_pages)()
-        if _libc.mincore(ctypes.c_void_p(self._base), ctypes.c_size_t(self._size), vec) != 0:
+        if libc.mincore(ctypes.c_void_p(self._base), ctypes.c_size_t(self._size), vec) != 0:
             return self._size
         return sum(b & 1 for b in bytes(vec)) * PAGE
 
