@@ -1,6 +1,7 @@
-"""llama.cpp's own network split for ``meshnet bench wan``: one ``ggml-rpc-server`` in each stage host's
+"""llama.cpp's own network split: for ``meshnet bench wan``, one ``ggml-rpc-server`` in each stage host's
 namespace and ``llama-bench --rpc`` in the client's, every connection through the same emulated links
-as the mesh.
+as the mesh; for ``meshnet bench serve``, ``llama-server --rpc`` over one ``ggml-rpc-server`` per stage on
+loopback (:func:`rpc_split_server_argv`), the competitor of a 3-node mesh.
 
 The RPC devices are named ``RPC0..`` in ``--rpc`` order and, with ``-ngl 99`` (llama-bench's default),
 hold every repeating layer and the output layer; the token embedding stays on the client's CPU (llama.cpp
@@ -12,6 +13,7 @@ only as subprocesses (see :mod:`meshnet.bench.llama_server`), with llama.cpp's o
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -109,3 +111,33 @@ def summarize(tests: list[dict], prompt_lens: list[int], n_gen: int) -> dict:
         raise ValueError(f"llama-bench reported no {n_gen}-token generation test")
     return {"ttft_s": ttft, "decode_tokens_per_s": gen["avg_ts"], "decode_runs": gen.get("samples_ts", []),
             "depth": gen.get("n_depth", 0)}
+
+
+def rpc_split_server_argv(server: Path, rpc_server: Path, model: str, split: str, rpc_ports: list[int],
+                          port: int, n_parallel: int, slot_ctx: int, threads: int = 1,
+                          wait_s: float = 30.0) -> list[str]:
+    """The argv of llama.cpp's split served over HTTP on 127.0.0.1:``port``: a bash script that starts one
+    ``ggml-rpc-server`` (``threads`` threads) on each of ``rpc_ports`` of 127.0.0.1, waits until each
+    accepts connections (at most ``wait_s`` seconds, else exits 1), then becomes ``llama-server --rpc``
+    over them: ``-ts split`` gives each server its layer range (:func:`meshnet.bench.wan_model.tensor_split`
+    of the mesh's ranges), ``-ngl 99`` puts every repeating layer and the output layer on the RPC devices
+    (the token embedding stays with llama-server), ``-np n_parallel`` slots of ``slot_ctx`` tokens, ``-fa
+    on`` and ``threads`` threads, as ``meshnet up --stages 3 --threads 1`` is measured. Run in a session of
+    its own, the servers are stopped with the process group."""
+    q = shlex.quote
+    rpcs = " ".join(f"{q(str(rpc_server))} -H 127.0.0.1 -p {p} -t {threads} &" for p in rpc_ports)
+    ports = " ".join(str(p) for p in rpc_ports)
+    llama = [str(server), "-m", model, "--rpc", ",".join(f"127.0.0.1:{p}" for p in rpc_ports), "-ts", split,
+             "-ngl", "99", "-t", str(threads), "-tb", str(threads), "-fa", "on", "-np", str(n_parallel),
+             "-c", str(slot_ctx * n_parallel), "--host", "127.0.0.1", "--port", str(port)]
+    tries = max(1, int(wait_s * 10))
+    script = (f"{rpcs}\n"
+              f"for p in {ports}; do n=0\n"
+              # bash's /dev/tcp connects; a server that accepts is ready (it serves one client at a time,
+              # and this probe closes at once)
+              f"  until (exec 3<>/dev/tcp/127.0.0.1/$p) 2>/dev/null; do\n"
+              f"    n=$((n + 1)); if [ $n -ge {tries} ]; then echo \"ggml-rpc-server on port $p did not "
+              f"listen within {wait_s:g} s\" >&2; exit 1; fi; sleep 0.1\n"
+              f"  done\ndone\n"
+              f"exec {' '.join(q(a) for a in llama)}\n")
+    return ["bash", "-c", script]

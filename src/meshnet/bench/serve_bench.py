@@ -1,6 +1,6 @@
 """``meshnet bench serve``: meshnet's OpenAI API against llama.cpp's ``llama-server``, in one run.
 
-Three servers, each its own process, measured alternately with the same load (short chat prompts,
+Four servers, each its own process, measured alternately with the same load (short chat prompts,
 streaming, greedy, ``max_tokens`` 128) at each concurrency C, each started for its turn and stopped
 after it so that nothing else runs beside the one measured (``--side-by-side``: llama-server and meshnet
 in process run side by side for a C and take turns a load at a time; the mesh still runs alone):
@@ -9,14 +9,19 @@ in process run side by side for a C and take turns a load at a time; the mesh st
   ``-c`` 1024 per slot (found on PATH or built once into a cache folder: :mod:`meshnet.bench.llama_server`;
   skipped with the reason when neither works);
 * ``meshnet``: ``meshnet api`` with the model in process, 2 threads;
-* ``mesh``: ``meshnet up --stages 3 --threads 1``: three node processes on loopback, the API beside them.
+* ``mesh``: ``meshnet up --stages 3 --threads 1``: three node processes on loopback, the API beside them;
+* ``llama-rpc``: llama.cpp's own split, the mesh's competitor: ``llama-server --rpc`` over three
+  ``ggml-rpc-server`` s on loopback, 1 thread each, holding the mesh's layer ranges (``-ts``), slots as
+  llama-server's (:func:`meshnet.bench.llama_rpc.rpc_split_server_argv`; skipped with the reason when
+  the binaries are missing).
 
 Per target and C: aggregate tokens/s, per-stream decode tokens/s (p50), TTFT p50/p95; for meshnet in
 process also the KV pool's resident bytes per held token at the fullest moment and the process's peak
-RSS growth; for llama-server the KV bytes it allocates per token held. Ratios to llama-server are in the
-JSON (``ratios``) and the printed table. With ``--rounds`` N > 1 every target is measured N times at each C
-and each ratio is the median of the rounds' (every round's figures are in ``rounds``): on a machine whose
-speed drifts, a server measured minutes after another compares the machine with itself.
+RSS growth; for llama-server the KV bytes it allocates per token held. Ratios to llama-server (the mesh's
+also to llama-rpc) are in the JSON (``ratios``) and the printed table. With ``--rounds`` N > 1 every target
+is measured N times at each C and each ratio is the median of the rounds' (every round's figures are in
+``rounds``): on a machine whose speed drifts, a server measured minutes after another compares the
+machine with itself.
 """
 
 from __future__ import annotations
@@ -27,15 +32,14 @@ import json
 import os
 import platform
 import statistics
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshnet.bench.served import KvSampler, Server, free_port
 from meshnet.bench.serve_load import LoadSpec, run_load, summarize
+from meshnet.bench.serve_targets import LLAMA_SLOT_CTX, llama_rpc_server, meshnet_targets, start_llama_server
+from meshnet.bench.served import KvSampler, Server
 
-LLAMA_SLOT_CTX = 1024
 # Requests per timed load at least: at C = 1, three 128-token requests last about 2.5 s, and on a small
 # VM whose speed drifts their decode ratio to llama-server swung from 0.80 to 0.97 between rounds.
 MIN_REQUESTS = 8
@@ -59,8 +63,8 @@ def add_serve_bench_parser(bench_subparsers) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="measure every target at every C this many times in turn; the ratios are the medians "
                         "of the rounds' (for machines whose speed drifts)")
-    p.add_argument("--targets", default="llama-server,meshnet,mesh",
-                   help="which of llama-server, meshnet, mesh to run")
+    p.add_argument("--targets", default="llama-server,meshnet,mesh,llama-rpc",
+                   help="which of llama-server, meshnet, mesh, llama-rpc to run")
     p.add_argument("--side-by-side", action="store_true",
                    help="run llama-server and meshnet in process side by side for a C and let them take turns "
                         "a load at a time (by default every target is started and stopped for each load)")
@@ -77,54 +81,6 @@ def _kv_bytes_per_token(model_path: str) -> int:
 
     cfg = ModelConfig.from_reader(open_gguf(model_path))
     return KVPool.token_bytes(cfg.n_layer, cfg.n_embd_k_gqa, cfg.n_embd_v_gqa)
-
-
-def _targets(args, log_dir: Path, max_c: int) -> dict:
-    """The meshnet servers to measure (not started): in process and a 3-node loopback mesh."""
-    py = [sys.executable, "-m", "meshnet.cli"]
-    wanted = [t.strip() for t in args.targets.split(",") if t.strip()]
-    out = {}
-    if "meshnet" in wanted:
-        out["meshnet"] = Server("meshnet", lambda port: py + [
-            "api", "--model", args.model, "--threads", str(args.threads), "--n-ctx", str(LLAMA_SLOT_CTX),
-            "--max-sessions", str(max(max_c, 1)), "--port", str(port)], log_dir)
-    if "mesh" in wanted:
-        out["mesh"] = Server("mesh", lambda port: py + [
-            "up", "--model", args.model, "--stages", "3", "--threads", "1", "--port", str(free_port()),
-            "--n-ctx", str(LLAMA_SLOT_CTX), "--max-sessions", str(max(max_c, 1)), "--api-port", str(port)],
-            log_dir)
-    return out
-
-
-def _llama_server(binary: Path, model_path: str, threads: int, n_parallel: int, log_dir: Path,
-                  repack: bool = True) -> Server:
-    return Server(f"llama-server-np{n_parallel}", lambda port: [
-        str(binary), "-m", model_path, "-t", str(threads), "-tb", str(threads), "-fa", "on",
-        "-np", str(n_parallel), "-c", str(LLAMA_SLOT_CTX * n_parallel), "--host", "127.0.0.1",
-        "--port", str(port)] + ([] if repack else ["--no-repack"]), log_dir, competitor=True)
-
-
-def _start_llama_server(binary: Path, model_path: str, threads: int, n_parallel: int, log_dir: Path,
-                        report: dict, repack: bool = True) -> tuple[Server, str, bool]:
-    """Start llama-server (with its default weight repacking unless ``repack`` is False); if it dies of
-    SIGILL or SIGSEGV (on some virtual machines the AMX kernels its repacking picks fault on their first
-    tile instruction, or at start-up), once more with ``--no-repack``, which the report then records under
-    ``llama_server_flags``. Returns the server, its model id and whether it repacks."""
-    print(f"[bench serve] starting llama-server -np {n_parallel}", file=sys.stderr, flush=True)
-    if not repack:
-        report.setdefault("llama_server_flags", {}).setdefault(
-            str(n_parallel), "--no-repack: its default repacking died earlier in this run")
-    srv = _llama_server(binary, model_path, threads, n_parallel, log_dir, repack)
-    try:
-        return srv, srv.start(), repack
-    except RuntimeError:
-        if not repack or srv.proc is None or srv.proc.returncode not in (-signal.SIGILL, -signal.SIGSEGV):
-            raise
-    report.setdefault("llama_server_flags", {})[str(n_parallel)] = (
-        f"--no-repack: with its default repacking llama-server died of "
-        f"{signal.Signals(-srv.proc.returncode).name} here")
-    srv = _llama_server(binary, model_path, threads, n_parallel, log_dir, repack=False)
-    return srv, srv.start(), False
 
 
 def _measure(server: Server, model: str, c: int, args, sample_kv: bool, neighbours: list[Server] = ()) -> dict:
@@ -160,7 +116,7 @@ def _measure(server: Server, model: str, c: int, args, sample_kv: bool, neighbou
 def run_serve_bench(args: argparse.Namespace) -> int:
     """Run every target at every C, alternately; write the JSON and print the table. Returns 0, or 1 when
     a request failed."""
-    from meshnet.bench.llama_server import find_or_build
+    from meshnet.bench.llama_server import find_or_build, find_tool
     from meshnet.model.bundled import resolve_model
 
     cs = sorted({int(x) for x in args.concurrency.split(",") if x.strip()})
@@ -178,17 +134,23 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         servers = {"url": Server.attach("url", args.url)}
         groups = [(None, cs)]
     else:
-        servers = _targets(args, log_dir, max(cs))
+        servers = meshnet_targets(args, log_dir, max(cs))
         groups = [(8, [c for c in cs if c <= 8]), (32, [c for c in cs if c > 8])]
         groups = [(np_, g) for np_, g in groups if g]
-    llama_bin = None
-    if not args.url and "llama-server" in args.targets:
-        llama_bin, why = find_or_build()
-        if llama_bin is None:
-            report["skipped"]["llama-server"] = why
-            print(f"[bench serve] llama-server skipped: {why}", file=sys.stderr)
+    llama_bin, rpc, wanted = None, None, {t.strip() for t in args.targets.split(",")}
+    if not args.url and wanted & {"llama-server", "llama-rpc"}:
+        found, why = find_or_build()
+        rpc_server = find_tool("ggml-rpc-server") if found is not None else None
+        if found is not None and rpc_server is None:
+            why = f"no ggml-rpc-server beside {found}: build it with `python -m meshnet.bench.llama_server`"
+        llama_bin = found if "llama-server" in wanted else None
+        rpc = (found, rpc_server) if rpc_server is not None and "llama-rpc" in wanted else None
+        for name, ready in (("llama-server", found), ("llama-rpc", rpc_server)):
+            if name in wanted and ready is None:
+                report["skipped"][name] = why
+                print(f"[bench serve] {name} skipped: {why}", file=sys.stderr)
     run = _Run(servers, llama_bin, model_path, args, log_dir, report, _kv_bytes_per_token(model_path),
-               side_by_side=bool(getattr(args, "side_by_side", False)))
+               side_by_side=bool(getattr(args, "side_by_side", False)), rpc=rpc)
     report["side_by_side"] = run.paired
     failed = False
     rounds: list[dict] = [{} for _ in range(max(1, getattr(args, "rounds", 1)))]  # target -> C -> row
@@ -211,7 +173,8 @@ class _Run:
     """What every C's measurement shares: the targets (name -> :class:`Server`), llama-server's binary (None:
     skipped), the GGUF, the command line's settings, the folder of the servers' logs, the report (where
     llama-server's flags are noted) and the model's KV bytes per token; ``repack``: whether llama-server
-    still repacks its weights (see :func:`_start_llama_server`)."""
+    still repacks its weights (see :func:`meshnet.bench.serve_targets.start_llama_server`); ``rpc``: the
+    binaries of llama.cpp's split, ``(llama-server, ggml-rpc-server)`` (None: not measured)."""
 
     servers: dict
     llama_bin: Path | None
@@ -222,11 +185,13 @@ class _Run:
     kv_bytes_per_token: int
     repack: bool = True
     side_by_side: bool = False
+    rpc: tuple[Path, Path] | None = None
 
     @property
     def names(self) -> list[str]:
         """Every target, in the order they are measured."""
-        return ([] if self.llama_bin is None else ["llama-server"]) + list(self.servers)
+        return ([] if self.llama_bin is None else ["llama-server"]) + list(self.servers) + \
+            ([] if self.rpc is None else ["llama-rpc"])
 
     @property
     def paired(self) -> list[str]:
@@ -275,8 +240,12 @@ class _Run:
         """Start target ``name`` and warm it up with one short request (graphs, caches); returns the server
         and the model id it serves."""
         if name == "llama-server":
-            srv, model, self.repack = _start_llama_server(self.llama_bin, self.model_path, self.args.threads,
+            srv, model, self.repack = start_llama_server(self.llama_bin, self.model_path, self.args.threads,
                                                           n_parallel, self.log_dir, self.report, self.repack)
+        elif name == "llama-rpc":
+            print(f"[bench serve] starting llama-server --rpc -np {n_parallel}", file=sys.stderr, flush=True)
+            srv = llama_rpc_server(self.rpc, self.model_path, n_parallel, self.log_dir)
+            model = srv.start()
         else:
             srv = self.servers[name]
             print(f"[bench serve] starting {name}", file=sys.stderr, flush=True)
@@ -319,16 +288,17 @@ def _median_ratios(per_round: list[dict]) -> dict:
 
 def _ratios(results: dict) -> dict:
     """Per C: meshnet and mesh over llama-server (aggregate and per-stream decode tokens/s; TTFT p50, where
-    lower is better), mesh over meshnet in process, and the same pairs' CPU milliseconds per token (lower
-    is better)."""
+    lower is better), mesh over meshnet in process and over llama.cpp's split (llama-rpc: aggregate, per-stream
+    decode, TTFT), and the same pairs' CPU milliseconds per token (lower is better)."""
     out: dict = {}
     ref, ours, mesh = results.get("llama-server", {}), results.get("meshnet", {}), results.get("mesh", {})
+    rpc = results.get("llama-rpc", {})
 
     def div(a, b):
         return round(a / b, 3) if a is not None and b else None
 
-    for c in sorted({*ref, *ours, *mesh}, key=int):
-        r, o, m = ref.get(c, {}), ours.get(c, {}), mesh.get(c, {})
+    for c in sorted({*ref, *ours, *mesh, *rpc}, key=int):
+        r, o, m, s = ref.get(c, {}), ours.get(c, {}), mesh.get(c, {}), rpc.get(c, {})
         out[c] = {
             "meshnet_aggregate_vs_llama": div(o.get("tokens_per_s"), r.get("tokens_per_s")),
             "meshnet_decode_vs_llama": div(o.get("decode_tokens_per_s_p50"), r.get("decode_tokens_per_s_p50")),
@@ -338,6 +308,10 @@ def _ratios(results: dict) -> dict:
             # CPU time a token costs (lower is better): steadier than throughput on a busy host
             "meshnet_cpu_vs_llama": div(o.get("cpu_ms_per_token"), r.get("cpu_ms_per_token")),
             "mesh_cpu_vs_meshnet": div(m.get("cpu_ms_per_token"), o.get("cpu_ms_per_token")),
+            "mesh_vs_llama_rpc": div(m.get("tokens_per_s"), s.get("tokens_per_s")),
+            "mesh_decode_vs_llama_rpc": div(m.get("decode_tokens_per_s_p50"), s.get("decode_tokens_per_s_p50")),
+            "mesh_ttft_vs_llama_rpc": div((m.get("ttft_s") or {}).get("p50"), (s.get("ttft_s") or {}).get("p50")),
+            "mesh_cpu_vs_llama_rpc": div(m.get("cpu_ms_per_token"), s.get("cpu_ms_per_token")),
         }
     return out
 
@@ -349,9 +323,10 @@ def _ratio_cells(ratios: dict, keys: tuple[str, ...]) -> str:
 
 def print_table(report: dict) -> None:
     res = report["results"]
-    names = [n for n in ("llama-server", "meshnet", "mesh", "url") if n in res]
+    names = [n for n in ("llama-server", "meshnet", "mesh", "llama-rpc", "url") if n in res]
     cols = "  ".join(f"{n + ' tok/s agg|stream|TTFT':>36}" for n in names)
-    print(f"{'C':>3}  {cols}  {'ratios (meshnet/llama agg, decode, TTFT; mesh/meshnet)':>40}")
+    ratios = "ratios (meshnet/llama agg, decode, TTFT; mesh/meshnet; mesh/llama-rpc agg, TTFT)"
+    print(f"{'C':>3}  {cols}  {ratios:>40}")
     for c in report["concurrency"]:
         cells = []
         for n in names:
@@ -363,15 +338,15 @@ def print_table(report: dict) -> None:
                          f"{(r['ttft_s']['p50'] or 0):>10.3f}s")
         q = report.get("ratios", {}).get(str(c), {})
         ratio = _ratio_cells(q, ("meshnet_aggregate_vs_llama", "meshnet_decode_vs_llama", "meshnet_ttft_vs_llama",
-                                 "mesh_vs_meshnet"))
+                                 "mesh_vs_meshnet", "mesh_vs_llama_rpc", "mesh_ttft_vs_llama_rpc"))
         print(f"{c:>3}  {'  '.join(cells)}  {ratio:>40}")
     if any(r.get("cpu_ms_per_token") is not None for n in names for r in res[n].values()):
         print(f"{'C':>3}  " + "  ".join(f"{n + ' CPU ms/token':>24}" for n in names)
-              + f"  {'ratios (meshnet/llama; mesh/meshnet)':>38}")
+              + f"  {'ratios (meshnet/llama; mesh/meshnet; mesh/llama-rpc)':>38}")
         for c in report["concurrency"]:
             cells = [f"{(res[n].get(str(c)) or {}).get('cpu_ms_per_token') or '-':>24}" for n in names]
             q = report.get("ratios", {}).get(str(c), {})
-            ratio = _ratio_cells(q, ("meshnet_cpu_vs_llama", "mesh_cpu_vs_meshnet"))
+            ratio = _ratio_cells(q, ("meshnet_cpu_vs_llama", "mesh_cpu_vs_meshnet", "mesh_cpu_vs_llama_rpc"))
             print(f"{c:>3}  {'  '.join(cells)}  {ratio:>38}")
     if "rounds" in report:
         print(f"(figures of the last of {len(report['rounds'])} rounds; ratios: the medians of the rounds')")
