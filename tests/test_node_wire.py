@@ -64,6 +64,10 @@ def _mutations():
     def shape_bytes(f):
         f.shape[:] = [4, N_EMBD]
 
+    def wrapping_shape(f):
+        # (2**62 + 1) * n_embd * 4 bytes: a 64-bit product wraps to the bytes one row carries
+        f.shape[:] = [2**62 + 1, N_EMBD]
+
     def bad_crc(f):
         f.crc32 ^= 1
 
@@ -82,6 +86,8 @@ def _mutations():
         ("unknown dtype", unknown_dtype, grpc.StatusCode.INVALID_ARGUMENT, "unknown dtype 'f64'"),
         ("zero dimension", zero_dim, grpc.StatusCode.INVALID_ARGUMENT, "zero or negative dimension"),
         ("shape vs bytes", shape_bytes, grpc.StatusCode.INVALID_ARGUMENT, "needs 128 bytes"),
+        ("shape wrapping 64 bits", wrapping_shape, grpc.StatusCode.INVALID_ARGUMENT,
+         f"needs {(2**62 + 1) * N_EMBD * 4} bytes"),
         ("bad checksum", bad_crc, grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
         ("corrupted payload", flipped_byte, grpc.StatusCode.INVALID_ARGUMENT, "checksum mismatch"),
         ("newer major", newer_major, grpc.StatusCode.FAILED_PRECONDITION,

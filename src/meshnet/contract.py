@@ -11,6 +11,7 @@ Layer ranges are half-open ``[start, end)`` everywhere. How the tail picks token
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,7 +122,7 @@ class NamedTensor:
             return f"tensor {self.name!r}: unknown dtype {self.dtype!r} (supported: {sorted(TENSOR_DTYPES)})"
         if any(d <= 0 for d in self.shape):
             return f"tensor {self.name!r}: shape {self.shape} has a zero or negative dimension"
-        want = int(np.prod(self.shape)) * TENSOR_DTYPES[self.dtype].itemsize
+        want = math.prod(self.shape) * TENSOR_DTYPES[self.dtype].itemsize  # Python ints: no int64 wrap
         if want != len(self.data):
             return (f"tensor {self.name!r}: shape {self.shape} of {self.dtype} needs {want} bytes, "
                     f"got {len(self.data)}")

@@ -12,10 +12,9 @@ Validation outcomes (a :class:`WireError` carries the status):
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Iterable, Iterator
-
-import numpy as np
 
 from meshnet.contract import (
     TENSOR_DTYPES,
@@ -184,7 +183,7 @@ def assemble(frames: Iterable[pb.Envelope]) -> tuple[pb.Envelope, bytes]:
         shape = list(header.shape)
         if not shape or any(d <= 0 for d in shape):
             raise WireError(Status.INVALID_ARGUMENT, f"shape {shape} has a zero or negative dimension")
-        want = int(np.prod(shape)) * TENSOR_DTYPES[header.dtype].itemsize
+        want = math.prod(shape) * TENSOR_DTYPES[header.dtype].itemsize  # Python ints: no int64 wrap
         if want != len(payload) or header.total_bytes != len(payload):
             raise WireError(Status.INVALID_ARGUMENT,
                             f"shape {shape} of {header.dtype} needs {want} bytes, the envelope carries "
