@@ -260,6 +260,8 @@ def _error(r, status: int, param: str | None = "any") -> dict:
     ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', "temperature"),
     ("/v1/completions", b'{"prompt": "x", "logit_bias": {"5": Infinity}}', "logit_bias.5"),
     ("/v1/completions", b'{"prompt": "x", "top_p": 0}', "top_p"),
+    ("/v1/completions", b'{"prompt": "x", "top_p": 1e-46}', "top_p"),  # 0 as the float32 steps carry
+    ("/v1/completions", b'{"prompt": "x", "repetition_penalty": 1e-300}', "repetition_penalty"),
     ("/v1/completions", b'{"prompt": "x", "presence_penalty": 3}', "presence_penalty"),
     ("/v1/completions", b'{"prompt": "x", "logprobs": 6}', "logprobs"),
     ("/v1/completions", b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
@@ -276,6 +278,18 @@ def test_bad_requests_are_400(backend, http, path, body, param):
     assert err["type"] == "invalid_request_error"
     assert _engines(backend)[0].metrics().prefill_tokens == before  # nothing reached the engine
     _ok(http)
+
+
+def test_a_temperature_too_cold_for_float32_is_greedy(http):
+    """1e-38 overflows float32 when the logits are divided by it; the answer is the greedy one."""
+    def text(temperature):
+        r = http.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 8,
+                                               "temperature": temperature, "seed": 1})
+        assert r.status_code == 200
+        return r.json()["choices"][0]["text"]
+
+    greedy = text(0)
+    assert greedy and text(1e-38) == greedy and text(1e-46) == greedy
 
 
 def test_over_context_prompt_allocates_nothing(backend, http):

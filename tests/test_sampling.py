@@ -297,6 +297,41 @@ def test_temperature_sharpens_distribution():
         assert abs(got[tok] / 2000 - p) < 0.05, (tok, got)
 
 
+@pytest.mark.parametrize("temperature", [1e-30, 1e-37, 1e-38, 1e-39, 1e-45, 1e-46])
+def test_temperatures_too_cold_for_float32_are_greedy(temperature):
+    """Dividing by a temperature of 1e-38 overflows float32 (and 1e-46 is 0 as float32): the sampler
+    takes the limit, the argmax, without a NaN or a warning, with or without a filter and a draft."""
+    logits = np.random.default_rng(3).standard_normal(2000).astype(np.float32) * 8
+    best = int(np.argmax(logits))
+    with np.errstate(divide="raise", over="raise", invalid="raise"):  # 0-division, overflow, NaN raise
+        for params in (SamplingParams(temperature=temperature, seed=7),
+                       SamplingParams(temperature=temperature, top_k=40, seed=7)):
+            assert sample(logits, params, [], 11).token_id == best
+            assert sample(logits, params, [], 11, draft=best).token_id == best
+            assert sample(logits, params, [], 11, draft=(best + 1) % 2000).token_id == best
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("top_p", 1e-46, "top_p 1e-46 is out of the 32-bit float range"),
+    ("repetition_penalty", 1e-300, "repetition_penalty 1e-300 is out of the 32-bit float range"),
+    ("repetition_penalty", 1e300, "repetition_penalty 1e+300 is out of the 32-bit float range"),
+    ("presence_penalty", -1e39, "presence_penalty -1e+39 is out of the 32-bit float range"),
+    ("temperature", 1e39, "temperature 1e+39 is out of the 32-bit float range"),
+    ("temperature", math.inf, "temperature must be finite and >= 0"),
+    ("repetition_penalty", math.inf, "repetition_penalty must be finite and > 0"),
+    ("frequency_penalty", math.nan, "frequency_penalty must be finite"),
+])
+def test_values_the_wire_cannot_carry_are_refused(field, value, message):
+    """Steps carry these as 32-bit floats: what rounds to 0 or infinity there is refused up front."""
+    problem = SamplingParams(**{field: value}).validate()
+    assert problem is not None and problem.startswith(message)
+
+
+def test_smallest_float32_values_still_pass():
+    assert SamplingParams(top_p=1e-44, repetition_penalty=1e-44).validate() is None
+    assert SamplingParams(temperature=1e-46).validate() is None  # 0 as float32: greedy
+
+
 def test_inverse_cdf_across_blocks_never_picks_zero_weight():
     weights = np.zeros(5000, dtype=np.float32)
     weights[[3, 1500, 4999]] = [1.0, 2.0, 1.0]

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshnet.contract import SampledToken, TokenLogprob
-from meshnet.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams
+from meshnet.sampling_params import F32_MAX, LOGIT_BIAS_LIMIT, SamplingParams
 
 __all__ = ["sample"]
 
@@ -238,12 +238,21 @@ def _draw(pen: np.ndarray, params: SamplingParams, position: int, w_full: np.nda
         return int(ids[0]) if ids is not None else 0
 
     # temp, then dist: inverse CDF over the candidates in ascending id order
+    t = np.float32(params.temperature)
+    if t < 1 and (t == 0 or abs(float(vals.max())) > F32_MAX * float(t)):
+        # So cold that dividing the best logit by the temperature leaves float32's range (a temperature
+        # of 1e-38 is one; one of 1e-46 is 0 as float32): llama_sampler_temp would divide anyway and
+        # sample from NaNs. The limit of softmax(logits / t) as t -> 0+ is the argmax: greedy.
+        best = int(np.argmax(vals))
+        return int(ids[best]) if ids is not None else best
     if params.temperature == 1.0 and w is not None:
         weights = w
     else:
         out = scratch if ids is None else None  # full vocabulary: w (if any) is not needed any more
-        weights = np.divide(vals, np.float32(params.temperature), out=out)
-        np.subtract(weights, weights.max(), out=weights)
+        # below 1 a logit far under the best may leave float32's range: -inf, weight 0, as it should be
+        with np.errstate(over="ignore"):
+            weights = np.divide(vals, t, out=out)
+            np.subtract(weights, weights.max(), out=weights)
         np.exp(weights, out=weights)
     if params.seed is None:
         rng = np.random.default_rng()

@@ -8,6 +8,7 @@ carries a :class:`SamplingParams`, which may carry a :class:`Grammar`. The sampl
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 # OpenAI's range for a logit bias: -100 bans a token, +100 selects it exclusively.
@@ -97,16 +98,28 @@ class SamplingParams:
     def validate(self, n_vocab: int | None = None) -> str | None:
         """Return None when the values are usable, else a message naming the bad field; with ``n_vocab``,
         a ``logit_bias`` token id outside ``[0, n_vocab)`` is one too."""
-        if not self.temperature >= 0:
-            return f"temperature must be >= 0, got {self.temperature}"
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            return f"temperature must be finite and >= 0, got {self.temperature}"
         if not 0 <= self.top_k <= MAX_INT32:
             return f"top_k must be in [0, {MAX_INT32}], got {self.top_k}"
         if not 0 < self.top_p <= 1:
             return f"top_p must be in (0, 1], got {self.top_p}"
         if not 0 <= self.min_p <= 1:
             return f"min_p must be in [0, 1], got {self.min_p}"
-        if not self.repetition_penalty > 0:
-            return f"repetition_penalty must be > 0, got {self.repetition_penalty}"
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            return f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                return f"{name} must be finite, got {getattr(self, name)}"
+        # The wire and the sampler hold these as 32-bit floats: a value that rounds to 0 or to infinity
+        # there would reach the sampler as a value this check refuses (a division by 0, NaN logits). A
+        # temperature may round to 0: that is greedy, the limit of ever colder sampling.
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            tiny = value != 0 and as_float32(value) == 0 and name != "temperature"
+            if tiny or not math.isfinite(as_float32(value)):
+                return (f"{name} {value} is out of the 32-bit float range that steps carry "
+                        f"(magnitudes {F32_TINY:g} to {F32_MAX:g})")
         if self.n_top_logprobs < 0 or self.n_top_logprobs > 20:
             return f"n_top_logprobs must be in [0, 20], got {self.n_top_logprobs}"
         if not -1 <= self.penalty_last_n <= MAX_INT32:
@@ -130,3 +143,15 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
+
+# The least positive (subnormal) and the largest finite 32-bit float.
+F32_TINY = struct.unpack("<f", struct.pack("<I", 1))[0]
+F32_MAX = struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0]
+
+
+def as_float32(value: float) -> float:
+    """``value`` rounded to the nearest 32-bit float (to +-inf beyond its range, to 0 below its least)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", value))[0]
+    except OverflowError:  # struct refuses to round a finite value to infinity
+        return math.copysign(math.inf, value)

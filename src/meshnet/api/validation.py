@@ -143,8 +143,14 @@ def sampling_params(req, n_vocab: int, n_top: int, index: int, grammar: Grammar 
                         logit_bias=logit_bias(req.logit_bias, n_vocab), grammar=grammar, logprobs=logprobs)
     problem = sp.validate()
     if problem:
-        raise bad_request(problem)
+        field = problem.split(" ", 1)[0]  # the messages name the field first
+        raise bad_request(problem, field if field in _SAMPLING_FIELDS else None)
     return sp
+
+
+# Request fields of the same name as SamplingParams' (whose problems name the field first).
+_SAMPLING_FIELDS = frozenset({"temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                              "frequency_penalty", "logit_bias"})
 
 
 def token_budget(n_ctx: int, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
