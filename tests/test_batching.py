@@ -175,6 +175,46 @@ def test_pool_admits_by_tokens_and_keeps_its_promises(smollm2_path):
 
 
 
+def test_a_session_larger_than_the_whole_pool_is_refused_at_once(smollm2_path):
+    """A reservation no back-off could ever admit (more cells than the pool holds) is INVALID_ARGUMENT,
+    not RESOURCE_EXHAUSTED with a retry hint; the pool is untouched and serves the next request."""
+    eng = GgmlEngine()
+    assert eng.load(LoadSpec(str(smollm2_path), ArtifactId("", LayerRange(0, 30)), n_ctx=512,
+                             max_sessions=4, kv_tokens=300)).ok
+    refused = eng.prefill(StepRequest("big", 0, 0, (504, 3575), reserve_tokens=400))
+    assert refused.status is Status.INVALID_ARGUMENT and refused.retry_after_s is None
+    assert "needs 400 KV cells, more than the 300 the stage's pool holds" in refused.message
+    assert eng.metrics().kv_tokens_reserved == 0
+    assert eng.prefill(StepRequest("small", 0, 0, (504, 3575), reserve_tokens=300)).ok
+
+
+def test_the_api_caps_budgets_by_the_pool(smollm2_path):
+    """In process, a session's context is the smaller of n_ctx and the stage's pool: a request without
+    max_tokens gets a budget the pool can hold (it used to wait 30 s for a 503 no retry could cure)."""
+    from fastapi.testclient import TestClient
+
+    from meshnet.api.app import create_app
+    from meshnet.api.backend import local_backend
+
+    backend = local_backend(str(smollm2_path), n_ctx=1024, max_sessions=2, kv_tokens=300, name="smollm2")
+    try:
+        assert backend.n_ctx == 300
+        with TestClient(create_app(backend)) as http:
+            r = http.post("/v1/completions", json={"prompt": "Hello", "temperature": 0, "max_tokens": 5})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+            # no max_tokens: what the pool still holds after a 290-token prompt (the last token is never
+            # fed back, so it needs no cell)
+            r = http.post("/v1/completions", json={"prompt": [504] * 290, "temperature": 0,
+                                                   "logit_bias": {"2": -100, "0": -100}})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 300 - 290 + 1
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+            r = http.post("/v1/completions", json={"prompt": "Hello " * 400, "temperature": 0})
+            assert r.status_code == 400 and "maximum context length is 300 tokens" in r.json()["error"]["message"]
+    finally:
+        backend.close()
+
+
 def test_sixty_four_requests_against_a_pool_sized_for_sixteen(smollm2_path, tok):
     """64 concurrent completions, a KV pool with cells for 16 of them: each answer is a 200 with its
     tokens, or a clear 503 with Retry-After; the pool never holds more than its budget."""

@@ -141,8 +141,10 @@ class Generation:
     def _request(self, position: int, tokens: list[int], step_id: int, verify: bool = False,
                  rollback: bool = False) -> StepRequest:
         """The request of one step (prefill at position 0, else a decode or verification step)."""
-        # The first step reserves the session's KV cells for its whole run: prompt plus budget.
-        reserve = 0 if position else len(self.result.prompt_token_ids) + self.max_tokens
+        # The first step reserves the session's KV cells for its whole run: the prompt and every generated
+        # token but the last, which is never fed back (a verification step's drafts stay within that too:
+        # see _drafts).
+        reserve = 0 if position else len(self.result.prompt_token_ids) + self.max_tokens - 1
         spec = self.speculation
         mtp = 0
         if spec is not None and spec.mtp:  # the tail drafts the next step's tokens after this one's

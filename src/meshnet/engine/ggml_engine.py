@@ -25,7 +25,7 @@ from meshnet.engine.base import RETRY_AFTER_S, EngineError, Session, ShardEngine
 from meshnet.engine.ggml_backend import registry_devices
 from meshnet.engine.ggml_mtp import mtp_step
 from meshnet.engine.ggml_stage import BatchItem, GgmlStage
-from meshnet.engine.kv_pool import PoolFull
+from meshnet.engine.kv_pool import PoolFull, PoolTooSmall
 from meshnet.engine.prefix_cache import row_keys
 from meshnet.engine.scheduler import Chunk
 from meshnet.engine.stage_sessions import SessionKV
@@ -98,6 +98,8 @@ class GgmlEngine(ShardEngine):
             return stage.new_session(req.reserve_tokens, keys)
         except PoolFull as e:
             raise EngineError(Status.RESOURCE_EXHAUSTED, f"KV pool: {e}") from None
+        except PoolTooSmall as e:  # no back-off helps: the request itself must ask for less
+            raise EngineError(Status.INVALID_ARGUMENT, f"KV pool: {e}") from None
 
     def _truncate(self, state: SessionKV, n_keep: int) -> None:
         assert self.stage is not None

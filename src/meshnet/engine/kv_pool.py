@@ -77,6 +77,10 @@ class PoolFull(Exception):
     """No free slot, or not enough unreserved cells, for a new reservation."""
 
 
+class PoolTooSmall(ValueError):
+    """A reservation larger than the whole pool: it would not fit even with every other session gone."""
+
+
 def _align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -207,8 +211,13 @@ class KVPool:
         Raises:
             PoolFull: every slot is taken, or fewer than ``reserve_tokens`` cells are unreserved; the
                 message gives the figures.
+            PoolTooSmall: ``reserve_tokens`` (clamped) is more than the pool's ``kv_tokens``: waiting
+                for other sessions to end would not help.
         """
         want = max(1, min(self.n_ctx, reserve_tokens or self.n_ctx))
+        if want > self.kv_tokens:
+            raise PoolTooSmall(f"a session needs {want} KV cells, more than the {self.kv_tokens} the stage's pool "
+                               f"holds (--kv-tokens): ask for fewer tokens (max_tokens)")
         with self._lock:
             if not self._free_slots:
                 raise PoolFull(f"all {self.n_slots} KV slots are in use")
