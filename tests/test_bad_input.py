@@ -95,6 +95,34 @@ def test_layer_range_outside_the_model():
         GgmlStage(str(TINY), LayerRange(0, 5))
 
 
+@pytest.mark.parametrize("text,message", [
+    ("abc", "bad layer range 'abc': expected START:END, two integers with START < END"),
+    ("0:30:5", "bad layer range '0:30:5': expected START:END, two integers with START < END"),
+    ("x:3", "bad layer range 'x:3': expected START:END, two integers with START < END"),
+    ("5:3", "bad layer range '5:3': layer range [5, 3) is empty or negative"),
+])
+def test_a_bad_layer_range_is_named_without_python_internals(text, message):
+    with pytest.raises(ValueError) as e:
+        LayerRange.parse(text)
+    assert str(e.value).startswith(message) and "unpack" not in str(e.value)
+
+
+def test_generate_refuses_empty_layers_and_a_negative_wait():
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "meshnet.cli", "generate", "--model", str(TINY),
+                               "--max-tokens", "2", *args, "Hi"], capture_output=True, text=True, timeout=120)
+
+    r = run("--layers", "")
+    assert r.returncode == 2 and "--layers '' names no layer range" in r.stderr and "Traceback" not in r.stderr
+    r = run("--wait", "-1", "--tracker", "127.0.0.1:1")
+    assert r.returncode == 2 and "--wait must be a number of seconds >= 0, got -1.0" in r.stderr
+    r = run("--temperature", "inf")
+    assert r.returncode == 2 and "temperature must be finite" in r.stderr
+
+
 def test_wrong_sha256_is_refused():
     eng = GgmlEngine()
     out = eng.load(LoadSpec(path=str(TINY), artifact=ArtifactId("0" * 64, LayerRange(0, 4))))

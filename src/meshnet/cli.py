@@ -162,6 +162,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         print(f"error: --max-tokens must be >= 1, got {args.max_tokens}", file=sys.stderr)
         return 2
+    if not args.wait >= 0:
+        print(f"error: --wait must be a number of seconds >= 0, got {args.wait}", file=sys.stderr)
+        return 2
     sampling = _sampling_from(args)
     problem = sampling.validate()
     if problem:

@@ -64,11 +64,17 @@ class LayerRange:
     @classmethod
     def parse(cls, text: str) -> "LayerRange":
         """Parse ``"start:end"`` (half-open). Raises ValueError naming the bad text."""
+        parts = text.split(":")
         try:
-            a, b = text.split(":")
-            return cls(int(a), int(b))
+            if len(parts) != 2:
+                raise ValueError("expected START:END, two integers")
+            a, b = int(parts[0]), int(parts[1])
+        except ValueError:
+            raise ValueError(f"bad layer range {text!r}: expected START:END, two integers with START < END") from None
+        try:
+            return cls(a, b)
         except ValueError as e:
-            raise ValueError(f"bad layer range {text!r}: expected START:END with START < END ({e})") from None
+            raise ValueError(f"bad layer range {text!r}: {e}") from None
 
 
 def split_layers(n_layer: int, n_stages: int) -> list[LayerRange]:

@@ -25,8 +25,10 @@ def plan_ranges(model_path: str, stages: int | None = None, layers: str | None =
     """
     reader = open_gguf(model_path)
     n_layer = ModelConfig.from_reader(reader).n_layer
-    if layers:
+    if layers is not None:
         ranges = [LayerRange.parse(part.strip()) for part in layers.split(",") if part.strip()]
+        if not ranges:
+            raise ValueError(f"--layers {layers!r} names no layer range (expected e.g. \"0:10,10:{n_layer}\")")
         expect = 0
         for r in ranges:
             if r.start != expect:
