@@ -178,3 +178,33 @@ def test_tensor_frames_checksums_the_payload_once(monkeypatch):
     assert calls == [n_bytes]  # the receiver: once, over the joined payload
     with pytest.raises(ValueError, match="max_frame must be >= 1"):
         request_to_frames(req, False, 0)
+
+
+def test_undecodable_requests_are_invalid_argument_and_the_node_serves_on():
+    """Bytes that do not parse as the method's message: INVALID_ARGUMENT naming the method and the type
+    (grpcio alone answers INTERNAL), for unary and streaming calls; a well-formed call still works."""
+    from meshnet.wire.security import add_port, make_server
+
+    eng = FakeEngine(MODEL)
+    assert eng.load(LoadSpec(path="", artifact=ArtifactId(MODEL.sha256, LayerRange(10, 20)), max_sessions=2)).ok
+    server = make_server(max_workers=4)
+    pb_grpc.add_NodeServicer_to_server(NodeService(eng, "mid", pb.ModelIdentity(sha256=MODEL.sha256)), server)
+    port = add_port(server, "127.0.0.1:0", None)
+    server.start()
+    channel = open_channel(f"127.0.0.1:{port}")
+    garbage = bytes(range(200, 256)) * 2
+    try:
+        for method in ("Health", "Step", "Cancel"):
+            call = channel.unary_unary(f"/meshnet.v1.Node/{method}")  # raw bytes both ways
+            with pytest.raises(grpc.RpcError) as e:
+                call(garbage, timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert f"/meshnet.v1.Node/{method}: the request is not a valid meshnet.v1." in e.value.details()
+        stream = channel.stream_stream("/meshnet.v1.Node/StepStream")
+        with pytest.raises(grpc.RpcError) as e:
+            list(stream(iter([garbage]), timeout=5))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid meshnet.v1.Envelope" in e.value.details()
+        assert pb_grpc.NodeStub(channel).Health(pb.Empty(), timeout=5).healthy
+    finally:
+        server.stop(0).wait()

@@ -23,6 +23,8 @@ from typing import Any, Callable, Sequence
 
 import grpc
 
+from meshnet.wire.request_decoding import RequestDecodingInterceptor
+
 JOIN_TOKEN_METADATA = "x-meshnet-join-token"
 # Env variable the CLI reads the join token from when no flag gives it.
 JOIN_TOKEN_ENV = "MESHNET_JOIN_TOKEN"
@@ -207,9 +209,12 @@ def make_server(join_token: str | None = None, max_workers: int = 16,
                 interceptors: Sequence[grpc.ServerInterceptor] = (),
                 maximum_concurrent_rpcs: int | None = None) -> grpc.Server:
     """A thread-pool ``grpc.Server`` with :data:`SERVER_OPTIONS`, refusing calls without ``join_token``
-    when one is given. With ``maximum_concurrent_rpcs`` set, calls beyond it are refused at once with
-    RESOURCE_EXHAUSTED instead of queueing without bound. Bind it with :func:`add_port`, then ``start()``."""
+    when one is given, and requests that do not parse with INVALID_ARGUMENT
+    (:class:`~meshnet.wire.request_decoding.RequestDecodingInterceptor`). With ``maximum_concurrent_rpcs``
+    set, calls beyond it are refused at once with RESOURCE_EXHAUSTED instead of queueing without bound.
+    Bind it with :func:`add_port`, then ``start()``."""
     chain = [JoinTokenInterceptor(join_token)] if join_token else []
+    chain.append(RequestDecodingInterceptor())
     chain.extend(interceptors)
     return grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=chain,
                        options=SERVER_OPTIONS, maximum_concurrent_rpcs=maximum_concurrent_rpcs)
