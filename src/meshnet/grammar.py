@@ -32,6 +32,8 @@ __all__ = ["GrammarCompiler", "GrammarError", "SessionGrammar", "schema_text"]
 _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # Compiled schemas kept per vocabulary (a tool schema comes back with every request of a client).
 _CACHED = 64
+# Tokens a new schema's matcher is walked before the schema is accepted (see GrammarCompiler.compile).
+PROBE_TOKENS = 8
 # llguidance marks a special (control) token by this byte before its text, as its llama.cpp binding does.
 _SPECIAL = b"\xff"
 
@@ -68,6 +70,11 @@ class _Vocabulary:
         if not isinstance(text, str):  # the wrapper probes with bytes; we tokenize text only
             raise TypeError("text only")
         return self._tok.encode(text, add_bos=False)
+
+
+def first_line(error: str) -> str:
+    """llguidance's error without the parser state it dumps after the first line."""
+    return error.strip().split("\n", 1)[0]
 
 
 class GrammarCompiler:
@@ -113,9 +120,21 @@ class GrammarCompiler:
         # A schema can compile yet admit no document (two $defs that only refer to each other): its
         # matcher fails on the first mask, and every answer would be the empty text.
         matcher = llguidance.LLMatcher(self._ll, grammar, log_level=0)
-        fill_next_token_bitmask(matcher, allocate_token_bitmask(1, self.n_vocab))
+        bits = allocate_token_bitmask(1, self.n_vocab)
+        fill_next_token_bitmask(matcher, bits)
         if matcher.is_error():
             raise GrammarError("the JSON schema admits no document (no first token is allowed)")
+        # A schema can also break the parser a few tokens in (an object that requires itself: {"type":
+        # "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]} exceeds llguidance's item limit
+        # on its second token): walk a few tokens, each the lowest id allowed, and refuse it here rather
+        # than mid-answer.
+        for _ in range(PROBE_TOKENS):
+            allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")[:self.n_vocab])
+            if not allowed.size or matcher.is_accepting() or not matcher.consume_token(int(allowed[0])):
+                break
+            fill_next_token_bitmask(matcher, bits)
+        if matcher.is_error():
+            raise GrammarError(f"the JSON schema cannot be enforced: {first_line(matcher.get_error())}")
         with self._lock:
             self._compiled[json_schema] = grammar
             while len(self._compiled) > _CACHED:
@@ -176,7 +195,7 @@ class SessionGrammar:
         rest = want[common:]
         n = self._m.validate_tokens(rest) if rest else 0
         if n and not self._m.consume_tokens(rest[:n]):
-            raise GrammarError(f"the grammar matcher failed: {self._m.get_error()}")
+            raise GrammarError(f"the grammar matcher failed: {first_line(self._m.get_error())}")
         done += rest[:n]
         return common + n
 
