@@ -135,6 +135,20 @@ def test_an_oversized_frame_is_refused_naming_the_limit(serve):
     assert _closed(sock) and server.stats["too_large"] == 1
 
 
+@pytest.mark.parametrize("index,n_chunks", [(5, 2), (1, 2)])
+def test_a_frame_out_of_place_is_refused_at_once(serve, index, n_chunks):
+    server, address = serve()
+    sock = _authed(address)
+    frame = _prefill(10)[0]
+    frame.chunk_index, frame.n_chunks = index, n_chunks
+    body = frame.SerializeToString()
+    sock.sendall(HEADER.pack(len(body), ENVELOPE) + body)
+    code, _, message = _error(sock)  # at once: before, the node waited 30 s for the frames it announced
+    assert code == "INVALID_ARGUMENT"
+    assert f"envelope frame {index} of {n_chunks} arrived where frame 0 of {n_chunks} was expected" in message
+    assert _closed(sock) and server.stats["malformed"] == 1
+
+
 def test_an_oversized_request_is_refused_naming_the_limit(serve):
     server, address = serve(max_request_bytes=64 << 10)
     conn = DataPlaneConnection(address, TOKEN, 5)

@@ -106,18 +106,19 @@ def test_an_await_is_answered_on_its_connection_which_then_serves_again():
 
 
 def test_empty_frames_count_toward_max_request_bytes():
-    """A first frame announcing 2**30 chunks, then empty frames: each counts FRAME_CHARGE bytes, so the
-    request is refused after max_request_bytes / FRAME_CHARGE frames instead of being buffered forever."""
+    """A first frame announcing 2**30 chunks, then tiny frames in order: each counts FRAME_CHARGE bytes, so
+    the request is refused after max_request_bytes / FRAME_CHARGE frames instead of being buffered
+    forever. (Empty frames are refused sooner still: they stand where frame 1 was expected.)"""
     limit = 64 << 10
     server = DataPlaneServer("127.0.0.1", 0, lambda frames: StepOutcome("OK"), run_forward=lambda f: None,
                              max_request_bytes=limit)
     server.start()
     try:
         s = _authed(server.port)
-        first = pb.Envelope(major=1, session_id="s", n_chunks=1 << 30).SerializeToString()
-        s.sendall(encode_messages(FORWARD, (first,)))
+        frames = [pb.Envelope(major=1, session_id="s", n_chunks=1 << 30, chunk_index=i).SerializeToString()
+                  for i in range(200)]
         try:
-            s.sendall(HEADER.pack(0, FORWARD) * 200_000)
+            s.sendall(encode_messages(FORWARD, frames))
         except OSError:
             pass  # refused and closed meanwhile
         kind, payload = recv_message(s)

@@ -91,6 +91,12 @@ class Conn:
             raise Refuse("malformed", "INVALID_ARGUMENT", f"undecodable envelope frame: {e}") from None
         if not self.frames:
             self.n_frames = max(1, f.n_chunks)
+        if f.chunk_index != len(self.frames) or max(1, f.n_chunks) != self.n_frames:
+            # the frames of a request come in order: a frame out of place is refused now, not after the
+            # connection has waited for frames that will not come
+            raise Refuse("malformed", "INVALID_ARGUMENT",
+                         f"envelope frame {f.chunk_index} of {f.n_chunks} arrived where frame {len(self.frames)} "
+                         f"of {self.n_frames} was expected")
         self.frames.append(f)
         self.request_bytes += max(len(body), FRAME_CHARGE)
         if len(self.frames) < self.n_frames:
