@@ -417,6 +417,7 @@ def test_metrics_exported(backend, http):
     gen = [ln for ln in text.splitlines() if ln.startswith("meshnet_api_generated_tokens_total")]
     assert float(gen[0].split()[-1]) > 0
     assert "meshnet_api_active_sessions 0.0" in text
+    assert "meshnet_api_admission_waiting 0.0" in text
 
 
 def test_bench_serve_against_running_server(served, tmp_path):

@@ -71,7 +71,8 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
     """
     app = FastAPI(title="meshnet", description="OpenAI-compatible API over a meshnet mesh",
                   version="1", docs_url=None, redoc_url=None)
-    metrics = ApiMetrics(getattr(backend, "stage_metrics", None))
+    line = getattr(backend, "admission", None)
+    metrics = ApiMetrics(getattr(backend, "stage_metrics", None), line.waiting if line is not None else None)
     api = _Api(backend, metrics, max_queued)
     app.state.api = api
     app.state.metrics = metrics

@@ -8,6 +8,8 @@ route check.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import threading
 import time
@@ -68,6 +70,7 @@ class ApiBackend:
         self.mtp_problem: str | None = "needs a model with next-token-prediction layers"
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
+        self.admission = AdmissionLine()  # first prefills waiting for room, in arrival order
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -80,7 +83,7 @@ class ApiBackend:
 
     def new_client(self) -> StepClient:
         """The client for one generation, wrapped so a busy stage is waited for instead of failing."""
-        return AdmissionRetry(self._new_client())
+        return AdmissionRetry(self._new_client(), line=self.admission)
 
     @property
     def n_ctx(self) -> int:
@@ -100,30 +103,89 @@ class ApiBackend:
             fn()
 
 
+class AdmissionLine:
+    """First prefills refused for lack of room (a stage at its session or KV limit) wait here, in arrival
+    order: only the first in line retries, and a request that arrives while others wait queues behind
+    them instead of trying first. So room that frees goes to the longest waiter, and the requests that
+    give up at the deadline are the latest ones (without a line, whichever retried at the right moment
+    got the room, and which requests failed depended on timing). One per API server; thread-safe."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._line: collections.deque[object] = collections.deque()
+
+    @contextlib.contextmanager
+    def place(self):
+        """A place in the line for the block's duration (its ticket)."""
+        ticket = object()
+        with self._cv:
+            self._line.append(ticket)
+        try:
+            yield ticket
+        finally:
+            with self._cv:
+                self._line.remove(ticket)
+                self._cv.notify_all()
+
+    def wait_first(self, ticket: object, deadline: float, stop: Callable[[], bool]) -> bool:
+        """Wait until ``ticket`` is first in line (True), the monotonic ``deadline`` passes or ``stop()``
+        holds (False)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: stop() or self._line[0] is ticket,
+                                     max(0.0, deadline - time.monotonic())) and not stop()
+
+    def waiting(self) -> int:
+        """Requests in line now."""
+        with self._cv:
+            return len(self._line)
+
+    def wake(self) -> None:
+        """Have every waiter look at its ``stop`` again (a cancel)."""
+        with self._cv:
+            self._cv.notify_all()
+
+
 class AdmissionRetry:
     """Wraps a client so that a first prefill refused with RESOURCE_EXHAUSTED (a stage at its session or
     memory limit, e.g. nodes shared with other users) is retried after the stage's suggested back-off,
-    for up to ``wait_s`` seconds in total. Any other result passes through unchanged."""
+    for up to ``wait_s`` seconds in total, in turn with the other waiting requests of ``line`` (the API
+    server's :class:`AdmissionLine`; None: a line of its own). Any other result passes through unchanged."""
 
-    def __init__(self, client: StepClient, wait_s: float = ADMISSION_WAIT_S) -> None:
+    def __init__(self, client: StepClient, wait_s: float = ADMISSION_WAIT_S,
+                 line: AdmissionLine | None = None) -> None:
         self.client, self.wait_s = client, wait_s
+        self.line = line if line is not None else AdmissionLine()
         self._start = getattr(client, "step_async", None)  # looked up once: it is on every token's path
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
 
     def step(self, req: StepRequest, decode: bool) -> StepResult:
+        if decode or req.position != 0:
+            return self.client.step(req, decode)
         deadline = time.monotonic() + self.wait_s
-        while True:
-            res = self.client.step(req, decode)
-            if (res.status is not Status.RESOURCE_EXHAUSTED or decode or req.position != 0
-                    or time.monotonic() >= deadline):
-                return res
-            with self._lock:
-                if req.session_id in self._cancelled:
+        res = None
+        with self.line.place() as ticket:
+            while True:
+                if not self.line.wait_first(ticket, deadline, lambda: self._is_cancelled(req.session_id)):
+                    if res is not None:
+                        return res
+                    if self._is_cancelled(req.session_id):
+                        return StepResult(Status.CANCELLED, f"session {req.session_id!r} was cancelled while "
+                                                            f"it waited in line for room")
+                    # never reached the front: the requests ahead held the room all along
+                    return StepResult(Status.RESOURCE_EXHAUSTED, f"no room for a new session: waited "
+                                      f"{self.wait_s:g} s in line behind other requests", retry_after_s=2.0)
+                res = self.client.step(req, decode)
+                if (res.status is not Status.RESOURCE_EXHAUSTED or time.monotonic() >= deadline
+                        or self._is_cancelled(req.session_id)):
                     return res
-            # Stages before the refusing one may hold the session already: start clean.
-            self.client.release(req.session_id)
-            time.sleep(min(res.retry_after_s or 0.5, max(0.0, deadline - time.monotonic())))
+                # Stages before the refusing one may hold the session already: start clean.
+                self.client.release(req.session_id)
+                time.sleep(min(res.retry_after_s or 0.5, max(0.0, deadline - time.monotonic())))
+
+    def _is_cancelled(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._cancelled
 
     def step_async(self, req: StepRequest, decode: bool,
                    on_done: Callable[[StepResult | BaseException], None]) -> bool:
@@ -136,6 +198,7 @@ class AdmissionRetry:
     def cancel(self, session_id: str) -> None:
         with self._lock:
             self._cancelled.add(session_id)
+        self.line.wake()
         self.client.cancel(session_id)
 
     def release(self, session_id: str) -> None:

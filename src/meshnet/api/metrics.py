@@ -24,6 +24,8 @@ class ApiMetrics:
     * ``meshnet_api_request_seconds{endpoint}``: request arrival to last byte, seconds.
     * ``meshnet_api_active_sessions``: generations holding a mesh session now.
     * ``meshnet_api_queued_requests``: generations waiting for a free slot.
+    * ``meshnet_api_admission_waiting``: first prefills waiting in line for a stage's room (KV cells,
+      sessions), as ``admission_waiting()`` counts them.
     * ``meshnet_api_errors_total{kind}``: error answers and failed streams by kind.
     * speculative decoding: ``meshnet_api_speculative_steps_total`` (verification steps),
       ``meshnet_api_speculative_drafted_tokens_total``, ``meshnet_api_speculative_accepted_tokens_total``
@@ -35,11 +37,13 @@ class ApiMetrics:
 
     Args:
         stage_metrics: returns ``(layers, Metrics)`` per in-process stage; None over a mesh.
+        admission_waiting: returns how many requests wait in the admission line (None: no gauge).
     """
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, stage_metrics: Callable[[], list] | None = None) -> None:
+    def __init__(self, stage_metrics: Callable[[], list] | None = None,
+                 admission_waiting: Callable[[], int] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         if stage_metrics is not None:
@@ -56,6 +60,9 @@ class ApiMetrics:
         self.active_sessions = Gauge("meshnet_api_active_sessions", "generations holding a mesh session",
                                      registry=r)
         self.queued = Gauge("meshnet_api_queued_requests", "generations waiting for a slot", registry=r)
+        if admission_waiting is not None:
+            Gauge("meshnet_api_admission_waiting", "first prefills waiting in line for a stage's room",
+                  registry=r).set_function(admission_waiting)
         self.errors = Counter("meshnet_api_errors", "error answers and failed streams", ["kind"], registry=r)
         self.n_active = 0  # mirrors of the two gauges, for /health and admission (event-loop only)
         self.n_queued = 0
