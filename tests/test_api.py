@@ -251,6 +251,9 @@ def _error(r, status: int, param: str | None = "any") -> dict:
     ("/v1/chat/completions", b'{"messages": "hello"}', "messages"),
     ("/v1/chat/completions", b'{"messages": []}', "messages"),
     ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "x"}]}', "messages.0.role"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": []}]}', "messages.0.content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+     "messages.0.content.0.text"),  # the array alternative's own error, at the part that is wrong
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "messages"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "max_tokens"),
     ("/v1/completions", b'{"prompt": ""}', "prompt"),
@@ -290,6 +293,18 @@ def test_a_temperature_too_cold_for_float32_is_greedy(http):
 
     greedy = text(0)
     assert greedy and text(1e-38) == greedy and text(1e-46) == greedy
+
+
+def test_a_union_error_says_what_is_wrong_inside_the_value(http):
+    def message(path, body):
+        r = http.post(path, json=body)
+        assert r.status_code == 400
+        return r.json()["error"]["message"]
+
+    assert message("/v1/completions", {"prompt": ["a", 1]}).endswith(
+        "expected str or list[str] or list[int] or list[list[int]], got an array holding a string and an integer")
+    assert message("/v1/chat/completions", {"messages": [{"role": "user", "content": []}]}) == (
+        "invalid value for messages.0.content: List should have at least 1 item after validation, not 0")
 
 
 def test_over_context_prompt_allocates_nothing(backend, http):

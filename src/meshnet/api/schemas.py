@@ -15,7 +15,7 @@ extensions (OpenAI clients send them through ``extra_body``).
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -98,7 +98,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None  # [] is refused, as OpenAI does
     name: str | None = None
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None

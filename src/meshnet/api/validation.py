@@ -53,9 +53,21 @@ def validation_error(errors: list[dict]) -> ApiError:
         tags = [str(e["loc"][tag_at + ("body" in e["loc"])]) for e in same]
         param = ".".join(str(x) for x in prefix) or None
     if tag_at is not None and len(same) > 1:
+        # The value has one alternative's shape (an array where a string or an array of parts is asked
+        # for): that alternative's own error says what is wrong inside it.
+        value = next((e.get("input") for e in same if len([x for x in e["loc"] if x != "body"]) == tag_at + 1),
+                     err.get("input"))
+        shaped = [e for e, t in zip(same, tags) if _has_shape(value, t)]
+        if len(shaped) == 1:
+            inner = [x for x in shaped[0]["loc"] if x != "body" and not _is_type_tag(x)]
+            where = ".".join(str(x) for x in inner)
+            code = "invalid_type" if shaped[0]["type"].endswith("_type") else "invalid_value"
+            return bad_request(f"invalid value for {where}: {shaped[0]['msg']}", where, code)
         forms = " or ".join(dict.fromkeys(tags))
-        return bad_request(f"invalid value for {param}: expected {forms}, got {_json_type(err.get('input'))}",
-                           param, "invalid_type")
+        got = _json_type(value)
+        if isinstance(value, list) and value:  # which kinds the array mixes
+            got = f"an array holding {' and '.join(dict.fromkeys(_json_type(v) for v in value))}"
+        return bad_request(f"invalid value for {param}: expected {forms}, got {got}", param, "invalid_type")
     code = "invalid_type" if kind.endswith("_type") else "invalid_value"
     return bad_request(f"invalid value for {param}: {err.get('msg', 'invalid')}", param, code)
 
@@ -64,6 +76,16 @@ def _is_type_tag(part: Any) -> bool:
     """Pydantic names union alternatives in error locations (``str``, ``list[int]``, ``TextPart``)."""
     return isinstance(part, str) and (part in {"str", "int", "float", "bool", "none", "TextPart", "StreamOptions"}
                                       or "[" in part or part.startswith("function-"))
+
+
+def _has_shape(value: Any, tag: str) -> bool:
+    """Whether JSON ``value`` is of the kind union alternative ``tag`` names (``list[...]`` an array, a
+    model or ``dict[...]`` an object, ``str`` a string)."""
+    if isinstance(value, list):
+        return tag.startswith("list[")
+    if isinstance(value, dict):
+        return tag.startswith("dict[") or tag[:1].isupper()
+    return tag == {str: "str", bool: "bool", int: "int", float: "float"}.get(type(value))
 
 
 def _json_type(value: Any) -> str:
