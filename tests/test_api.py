@@ -259,6 +259,7 @@ def _error(r, status: int, param: str | None = "any") -> dict:
     ("/v1/completions", b'{"prompt": ""}', "prompt"),
     ("/v1/completions", b'{"prompt": "x", "n": 0}', "n"),
     ("/v1/completions", b'{"prompt": "x", "n": 1000}', "n"),
+    ("/v1/completions", b'{"prompt": ["a", "b", "c", "d", "e", "f", "g", "h", "i"], "n": 16}', "prompt"),  # 144
     ("/v1/completions", b'{"prompt": "x", "temperature": 2.5}', "temperature"),
     ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', "temperature"),
     ("/v1/completions", b'{"prompt": "x", "logit_bias": {"5": Infinity}}', "logit_bias.5"),

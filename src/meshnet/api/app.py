@@ -33,6 +33,7 @@ from meshnet.api.middleware import BodyLimitAndMetrics
 from meshnet.api.prompts import chat_prompt, completion_prompts
 from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece
 from meshnet.api.schemas import (
+    MAX_CHOICES,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -214,6 +215,9 @@ class _Api:
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
         prompts = await anyio.to_thread.run_sync(completion_prompts, self.backend.tokenizer, req.prompt)
+        if len(prompts) * (req.n or 1) > MAX_CHOICES:  # every choice is a generation, run in turn
+            raise bad_request(f"{len(prompts)} prompts x n {req.n or 1} ask for {len(prompts) * (req.n or 1)} "
+                              f"choices, more than the {MAX_CHOICES} one request may", "prompt", "too_many_choices")
         grammar = await self._grammar(req)
         n_top = req.logprobs or 0
         want_logprobs = req.logprobs is not None

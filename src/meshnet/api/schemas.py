@@ -24,6 +24,8 @@ from meshnet.sampling_params import MAX_INT32
 
 # Largest ``n`` (choices per prompt) one request may ask for; each choice is a full generation.
 MAX_N = 16
+# Choices one completions request may ask for in all (prompts x n), run one after another.
+MAX_CHOICES = 128
 MAX_STOP = 4
 
 
