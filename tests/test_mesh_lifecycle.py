@@ -213,3 +213,17 @@ def _node_children(pid: int) -> dict[str, int]:
         if int(fields[1]) == pid and fields[0] != "Z" and "--node-id" in argv:
             found[argv[argv.index("--node-id") + 1]] = int(entry)
     return found
+
+
+def test_meshnet_up_on_a_taken_port_says_so_without_a_traceback():
+    import socket
+
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "meshnet.cli", "up", "--stages", "1", "--port", str(port),
+                            "--api-port", "-1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"error: the tracker cannot listen on 127.0.0.1:{port}" in r.stderr and "Pass another --port." in r.stderr

@@ -101,7 +101,12 @@ def run_up(args: argparse.Namespace) -> int:
     ranges = plan_ranges(path, args.stages)
     speculation = speculation_from_args(args, path) if args.api_port >= 0 else None  # ValueError: status 2
     registry = Registry(args.heartbeat)
-    server, port, service = start_tracker(args.host, args.port, join_token=args.join_token, registry=registry)
+    try:
+        server, port, service = start_tracker(args.host, args.port, join_token=args.join_token, registry=registry)
+    except RuntimeError as e:  # the port is taken: another tracker, or an earlier `meshnet up` still running
+        print(f"error: the tracker {str(e).rstrip('.')}. Is another tracker or `meshnet up` running there? "
+              f"Pass another --port.", file=sys.stderr)
+        return 2
     tracker = f"{args.host}:{port}"
     print(f"[meshnet up] tracker on {tracker}; starting {len(ranges)} nodes: "
           f"{', '.join(str(r) for r in ranges)}", file=sys.stderr, flush=True)
