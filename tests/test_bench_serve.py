@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,29 @@ def test_rpc_split_gives_up_when_an_rpc_server_never_listens(tmp_path):
     assert r.returncode == 1
     assert "did not listen within 0.5 s" in r.stderr
     assert not (tmp_path / "server.json").exists()
+
+
+def test_rpc_split_stops_its_rpc_servers_when_one_never_listens(tmp_path):
+    rpc = _fake(tmp_path, "rpc", "import os, time\nopen(f'{OUT}/pid-{os.getpid()}', 'w').close()\ntime.sleep(60)\n")
+    argv = rpc_split_server_argv(_fake(tmp_path, "srv", FAKE_SERVER), rpc, "m.gguf", "1/1", [free_port(), free_port()],
+                                 free_port(), 8, 1024, wait_s=0.5)
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1 and "did not listen within 0.5 s" in r.stderr
+    pids = [int(p.name.split("-")[1]) for p in tmp_path.glob("pid-*")]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids):  # stopped by the launcher, not left behind
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie (killed, not yet reaped by init) counts as gone
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_mesh_is_compared_with_llama_cpp_split():

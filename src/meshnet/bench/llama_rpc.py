@@ -118,12 +118,13 @@ def rpc_split_server_argv(server: Path, rpc_server: Path, model: str, split: str
                           wait_s: float = 30.0) -> list[str]:
     """The argv of llama.cpp's split served over HTTP on 127.0.0.1:``port``: a bash script that starts one
     ``ggml-rpc-server`` (``threads`` threads) on each of ``rpc_ports`` of 127.0.0.1, waits until each
-    accepts connections (at most ``wait_s`` seconds, else exits 1), then becomes ``llama-server --rpc``
-    over them: ``-ts split`` gives each server its layer range (:func:`meshnet.bench.wan_model.tensor_split`
-    of the mesh's ranges), ``-ngl 99`` puts every repeating layer and the output layer on the RPC devices
-    (the token embedding stays with llama-server), ``-np n_parallel`` slots of ``slot_ctx`` tokens, ``-fa
-    on`` and ``threads`` threads, as ``meshnet up --stages 3 --threads 1`` is measured. Run in a session of
-    its own, the servers are stopped with the process group."""
+    accepts connections (at most ``wait_s`` seconds, else stops them and exits 1), then becomes
+    ``llama-server --rpc`` over them: ``-ts split`` gives each server its layer range
+    (:func:`meshnet.bench.wan_model.tensor_split` of the mesh's ranges), ``-ngl 99`` puts every repeating
+    layer and the output layer on the RPC devices (the token embedding stays with llama-server), ``-np
+    n_parallel`` slots of ``slot_ctx`` tokens, ``-fa on`` and ``threads`` threads, as ``meshnet up
+    --stages 3 --threads 1`` is measured. Run in a session of its own, the servers are stopped with the
+    process group."""
     q = shlex.quote
     rpcs = " ".join(f"{q(str(rpc_server))} -H 127.0.0.1 -p {p} -t {threads} &" for p in rpc_ports)
     ports = " ".join(str(p) for p in rpc_ports)
@@ -137,7 +138,7 @@ def rpc_split_server_argv(server: Path, rpc_server: Path, model: str, split: str
               # and this probe closes at once)
               f"  until (exec 3<>/dev/tcp/127.0.0.1/$p) 2>/dev/null; do\n"
               f"    n=$((n + 1)); if [ $n -ge {tries} ]; then echo \"ggml-rpc-server on port $p did not "
-              f"listen within {wait_s:g} s\" >&2; exit 1; fi; sleep 0.1\n"
+              f"listen within {wait_s:g} s\" >&2; kill $(jobs -p) 2>/dev/null; exit 1; fi; sleep 0.1\n"
               f"  done\ndone\n"
               f"exec {' '.join(q(a) for a in llama)}\n")
     return ["bash", "-c", script]
