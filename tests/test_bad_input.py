@@ -152,3 +152,21 @@ def test_bad_load_settings_are_named(field, value):
     assert f"{field}={value}" in out.message
     fake_out = FakeEngine().load(replace(spec, path=""))
     assert fake_out.status is Status.INVALID_ARGUMENT and f"{field}={value}" in fake_out.message
+
+
+@pytest.mark.parametrize("args,message", [
+    (["node", "--tracker", "127.0.0.1:1", "--engine", "fake", "--idle-timeout", "0"],
+     "argument --idle-timeout: must be a number of seconds > 0, got 0"),  # it freed every session at once
+    (["node", "--tracker", "127.0.0.1:1", "--engine", "fake", "--port", "-5"], "argument --port: must be in 0..65535"),
+    (["node", "--tracker", "127.0.0.1:1", "--engine", "fake", "--data-port", "100000"],
+     "argument --data-port: must be in 0..65535"),
+    (["api", "--port", "70000"], "argument --port: must be in 0..65535 (0 = any free port), got 70000"),
+    (["up", "--port", "-1"], "argument --port: must be in 0..65535"),
+    (["up", "--api-port", "70000", "--dashboard-port", "-1"], "--api-port must be -1 (no API) or in 0..65535, got 70000"),
+])
+def test_ports_and_timeouts_out_of_range_are_refused_up_front(args, message):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "meshnet.cli", *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr

@@ -24,7 +24,7 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.supervisor import Supervisor
-from meshnet.wire.security import open_channel
+from meshnet.wire.security import open_channel, port_number
 
 
 def add_up_parser(sub) -> None:
@@ -32,7 +32,7 @@ def add_up_parser(sub) -> None:
     p.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
     p.add_argument("--stages", type=int, default=3, help="node processes, one layer range each")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=7700, help="tracker port")
+    p.add_argument("--port", type=port_number, default=7700, help="tracker port")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per node")
     p.add_argument("--n-ctx", type=int, default=0, help="context length per session (0 = model's, capped at 4096)")
     p.add_argument("--max-sessions", type=int, default=16,
@@ -94,6 +94,8 @@ def run_up(args: argparse.Namespace) -> int:
     from meshnet.tracker.server import start_tracker
 
     problem = dashboard_port_problem(args.dashboard_port)
+    if not -1 <= args.api_port <= 65535:
+        problem = f"--api-port must be -1 (no API) or in 0..65535, got {args.api_port}"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -43,7 +43,7 @@ from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane_server import DataPlaneServer
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from meshnet.wire.security import (TlsConfig, add_port, client_ssl_context, make_server, open_channel,
-                                   server_ssl_context)
+                                   port_number, server_ssl_context)
 
 log = logging.getLogger("meshnet.node")
 
@@ -230,7 +230,7 @@ def add_node_parser(sub) -> None:
                    help="where --fetch writes (and resumes) range-only files; default $MESHNET_CACHE_DIR/models "
                         "(~/.cache/meshnet/models)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0 = any free port")
+    p.add_argument("--port", type=port_number, default=0, help="0 = any free port")
     p.add_argument("--advertise", default=None, help="address others dial (default HOST:PORT)")
     p.add_argument("--node-id", default=None,
                    help="id to register under (default: derived from the identity's public key); the tracker "
@@ -274,9 +274,10 @@ def add_node_parser(sub) -> None:
                    help="groups the sessions' decode steps are split into, taking turns so that every stage "
                         "of a pipeline computes at once (0 = one per stage, from the range's share of the model's cost; "
                         "1 = all together)")
-    p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an unused session is freed")
+    p.add_argument("--idle-timeout", type=positive_seconds, default=300.0,
+                   help="seconds before an unused session is freed (> 0)")
     p.add_argument("--drain-timeout", type=float, default=30.0)
-    p.add_argument("--data-port", type=int, default=0, help="TCP port of the step data plane (0 = any)")
+    p.add_argument("--data-port", type=port_number, default=0, help="TCP port of the step data plane (0 = any)")
     p.add_argument("--no-data-plane", action="store_true", help="serve steps over gRPC only")
     p.add_argument("--relay", action="store_true",
                    help="open no port: keep one outbound connection to the tracker (--tracker) and take all "
@@ -304,6 +305,18 @@ def _fetch_layers(args: argparse.Namespace) -> str:
     print(f"MESHNET_FETCHED path={result.path} bytes_moved={result.bytes_moved} range_bytes={result.range_bytes}",
           flush=True)
     return str(result.path)
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type of a duration that must be finite and > 0 (an idle timeout of 0 would free every
+    session as soon as its step ended, and its client would replay it forever). Raises ArgumentTypeError."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
 
 
 def run_node(args: argparse.Namespace) -> int:

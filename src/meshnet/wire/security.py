@@ -249,6 +249,19 @@ class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCli
     intercept_stream_stream = _call
 
 
+def port_number(text: str) -> int:
+    """argparse type of a TCP port to listen on, 0 (any free one) to 65535. Raises ArgumentTypeError."""
+    import argparse
+
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0 = any free port), got {port}")
+    return port
+
+
 def check_address(address: str) -> None:
     """Raises ValueError unless ``address`` is ``host:port`` with a port in 1..65535."""
     host, _, port = address.rpartition(":")
