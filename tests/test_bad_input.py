@@ -162,7 +162,10 @@ def test_bad_load_settings_are_named(field, value):
      "argument --data-port: must be in 0..65535"),
     (["api", "--port", "70000"], "argument --port: must be in 0..65535 (0 = any free port), got 70000"),
     (["up", "--port", "-1"], "argument --port: must be in 0..65535"),
-    (["up", "--api-port", "70000", "--dashboard-port", "-1"], "--api-port must be -1 (no API) or in 0..65535, got 70000"),
+    (["up", "--api-port", "70000", "--dashboard-port", "-1"],
+     "--api-port must be -1 (no API) or in 0..65535, got 70000"),
+    (["up", "--threads", "0", "--dashboard-port", "-1"], "--threads must be >= 1, got 0"),  # nodes restarted forever
+    (["up", "--kv-tokens", "-5", "--dashboard-port", "-1"], "--kv-tokens must be >= 0, got -5"),
 ])
 def test_ports_and_timeouts_out_of_range_are_refused_up_front(args, message):
     import subprocess

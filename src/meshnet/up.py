@@ -96,6 +96,12 @@ def run_up(args: argparse.Namespace) -> int:
     problem = dashboard_port_problem(args.dashboard_port)
     if not -1 <= args.api_port <= 65535:
         problem = f"--api-port must be -1 (no API) or in 0..65535, got {args.api_port}"
+    # The nodes would refuse these at their load, and be restarted, and refuse them again, without end.
+    for flag, value, least in (("--threads", args.threads, 1), ("--max-sessions", args.max_sessions, 1),
+                               ("--n-ctx", args.n_ctx, 0), ("--kv-tokens", args.kv_tokens, 0),
+                               ("--prefix-cache", args.prefix_cache, 0), ("--decode-groups", args.decode_groups, 0)):
+        if value < least:
+            problem = problem or f"{flag} must be >= {least}, got {value}"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
