@@ -12,6 +12,7 @@ you do not trust.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import functools
 import hmac
@@ -251,8 +252,6 @@ class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCli
 
 def port_number(text: str) -> int:
     """argparse type of a TCP port to listen on, 0 (any free one) to 65535. Raises ArgumentTypeError."""
-    import argparse
-
     try:
         port = int(text)
     except ValueError:
