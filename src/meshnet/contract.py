@@ -64,11 +64,8 @@ class LayerRange:
     @classmethod
     def parse(cls, text: str) -> "LayerRange":
         """Parse ``"start:end"`` (half-open). Raises ValueError naming the bad text."""
-        parts = text.split(":")
         try:
-            if len(parts) != 2:
-                raise ValueError("expected START:END, two integers")
-            a, b = int(parts[0]), int(parts[1])
+            a, b = map(int, text.split(":"))  # ValueError: not two parts, or not integers
         except ValueError:
             raise ValueError(f"bad layer range {text!r}: expected START:END, two integers with START < END") from None
         try:
@@ -110,6 +107,13 @@ TENSOR_DTYPES: dict[str, np.dtype] = {
 }
 
 
+def tensor_bytes(shape, dtype: str) -> int:
+    """Bytes a tensor of ``shape`` and ``dtype`` (a :data:`TENSOR_DTYPES` key) holds: the product in
+    Python ints, which cannot wrap as numpy's int64 product does (a shape of (2**62 + 1, n_embd) would
+    otherwise need one row's bytes)."""
+    return math.prod(shape) * TENSOR_DTYPES[dtype].itemsize
+
+
 @dataclass(frozen=True)
 class NamedTensor:
     """A tensor as it crosses a stage boundary: name, shape, dtype name and little-endian bytes.
@@ -128,7 +132,7 @@ class NamedTensor:
             return f"tensor {self.name!r}: unknown dtype {self.dtype!r} (supported: {sorted(TENSOR_DTYPES)})"
         if any(d <= 0 for d in self.shape):
             return f"tensor {self.name!r}: shape {self.shape} has a zero or negative dimension"
-        want = math.prod(self.shape) * TENSOR_DTYPES[self.dtype].itemsize  # Python ints: no int64 wrap
+        want = tensor_bytes(self.shape, self.dtype)
         if want != len(self.data):
             return (f"tensor {self.name!r}: shape {self.shape} of {self.dtype} needs {want} bytes, "
                     f"got {len(self.data)}")
@@ -258,6 +262,12 @@ class AuxiliaryState:
             raise NotImplementedError(f"auxiliary state {self.kind!r} is reserved and not implemented")
 
 
+# The least value of each of LoadSpec's integer execution settings (``meshnet up`` checks its nodes' flags by
+# them before starting any).
+LOAD_SETTING_LEAST = {"n_threads": 1, "n_ctx": 0, "n_ubatch": 1, "max_sessions": 1, "memory_budget_bytes": 0,
+                      "kv_tokens": 0, "prefix_cache": 0, "decode_groups": 0}
+
+
 @dataclass(frozen=True)
 class LoadSpec:
     """What to load: a GGUF path, its expected identity and execution settings.
@@ -306,11 +316,8 @@ class LoadSpec:
 
     def validate(self) -> str | None:
         """What is wrong with the execution settings (one line naming each bad value), or None."""
-        bad = [f"{name}={value} (>= {low})" for name, value, low in (
-            ("n_threads", self.n_threads, 1), ("n_ctx", self.n_ctx, 0), ("n_ubatch", self.n_ubatch, 1),
-            ("max_sessions", self.max_sessions, 1), ("memory_budget_bytes", self.memory_budget_bytes, 0),
-            ("kv_tokens", self.kv_tokens, 0), ("prefix_cache", self.prefix_cache, 0),
-            ("decode_groups", self.decode_groups, 0)) if value < low]
+        bad = [f"{name}={getattr(self, name)} (>= {low})" for name, low in LOAD_SETTING_LEAST.items()
+               if getattr(self, name) < low]
         return f"bad load settings: {', '.join(bad)}" if bad else None
 
 

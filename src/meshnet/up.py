@@ -18,7 +18,7 @@ import time
 import grpc
 from tqdm import tqdm
 
-from meshnet.contract import NO_HUGE_PAGES_HELP
+from meshnet.contract import LOAD_SETTING_LEAST, NO_HUGE_PAGES_HELP
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
@@ -97,10 +97,12 @@ def run_up(args: argparse.Namespace) -> int:
     if not -1 <= args.api_port <= 65535:
         problem = f"--api-port must be -1 (no API) or in 0..65535, got {args.api_port}"
     # The nodes would refuse these at their load, and be restarted, and refuse them again, without end.
-    for flag, value, least in (("--threads", args.threads, 1), ("--max-sessions", args.max_sessions, 1),
-                               ("--n-ctx", args.n_ctx, 0), ("--kv-tokens", args.kv_tokens, 0),
-                               ("--prefix-cache", args.prefix_cache, 0), ("--decode-groups", args.decode_groups, 0)):
-        if value < least:
+    for flag, value, setting in (("--threads", args.threads, "n_threads"),
+                                 ("--max-sessions", args.max_sessions, "max_sessions"),
+                                 ("--n-ctx", args.n_ctx, "n_ctx"), ("--kv-tokens", args.kv_tokens, "kv_tokens"),
+                                 ("--prefix-cache", args.prefix_cache, "prefix_cache"),
+                                 ("--decode-groups", args.decode_groups, "decode_groups")):
+        if value < (least := LOAD_SETTING_LEAST[setting]):
             problem = problem or f"{flag} must be >= {least}, got {value}"
     if problem:
         print(f"error: {problem}", file=sys.stderr)

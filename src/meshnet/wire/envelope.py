@@ -12,7 +12,6 @@ Validation outcomes (a :class:`WireError` carries the status):
 
 from __future__ import annotations
 
-import math
 import zlib
 from typing import Iterable, Iterator
 
@@ -24,6 +23,7 @@ from meshnet.contract import (
     StepRequest,
     StepResult,
     TokenLogprob,
+    tensor_bytes,
 )
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.sampling_params import MAX_LOGIT_BIAS, Grammar, SamplingParams
@@ -183,7 +183,7 @@ def assemble(frames: Iterable[pb.Envelope]) -> tuple[pb.Envelope, bytes]:
         shape = list(header.shape)
         if not shape or any(d <= 0 for d in shape):
             raise WireError(Status.INVALID_ARGUMENT, f"shape {shape} has a zero or negative dimension")
-        want = math.prod(shape) * TENSOR_DTYPES[header.dtype].itemsize  # Python ints: no int64 wrap
+        want = tensor_bytes(shape, header.dtype)
         if want != len(payload) or header.total_bytes != len(payload):
             raise WireError(Status.INVALID_ARGUMENT,
                             f"shape {shape} of {header.dtype} needs {want} bytes, the envelope carries "
