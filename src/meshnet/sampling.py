@@ -239,7 +239,8 @@ def _draw(pen: np.ndarray, params: SamplingParams, position: int, w_full: np.nda
 
     # temp, then dist: inverse CDF over the candidates in ascending id order
     t = np.float32(params.temperature)
-    if t < 1 and (t == 0 or abs(float(vals.max())) > F32_MAX * float(t)):
+    mx = vals.max() if t < 1 else None  # below 1 a division can overflow: see whether the best one does
+    if mx is not None and (t == 0 or abs(float(mx)) > F32_MAX * float(t)):
         # So cold that dividing the best logit by the temperature leaves float32's range (a temperature
         # of 1e-38 is one; one of 1e-46 is 0 as float32): llama_sampler_temp would divide anyway and
         # sample from NaNs. The limit of softmax(logits / t) as t -> 0+ is the argmax: greedy.
@@ -252,7 +253,8 @@ def _draw(pen: np.ndarray, params: SamplingParams, position: int, w_full: np.nda
         # below 1 a logit far under the best may leave float32's range: -inf, weight 0, as it should be
         with np.errstate(over="ignore"):
             weights = np.divide(vals, t, out=out)
-            np.subtract(weights, weights.max(), out=weights)
+            # the divided maximum is the maximum divided (float32 division rounds monotonically)
+            np.subtract(weights, weights.max() if mx is None else mx / t, out=weights)
         np.exp(weights, out=weights)
     if params.seed is None:
         rng = np.random.default_rng()
