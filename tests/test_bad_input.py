@@ -139,7 +139,8 @@ def test_engine_keeps_serving_after_a_bad_load(tmp_path):
     assert eng.health().healthy
 
 
-@pytest.mark.parametrize("field,value", [("kv_tokens", -5), ("max_sessions", 0), ("n_ubatch", 0), ("n_ctx", -1)])
+@pytest.mark.parametrize("field,value", [("kv_tokens", -5), ("max_sessions", 0), ("n_ubatch", 0), ("n_ctx", -1),
+                                         ("n_threads", 0), ("n_threads", 513)])
 def test_bad_load_settings_are_named(field, value):
     """Both engines refuse impossible pool and batch settings with the value and its bound."""
     from dataclasses import replace
@@ -166,6 +167,7 @@ def test_bad_load_settings_are_named(field, value):
      "--api-port must be -1 (no API) or in 0..65535, got 70000"),
     (["up", "--threads", "0", "--dashboard-port", "-1"], "--threads must be >= 1, got 0"),  # nodes restarted forever
     (["up", "--kv-tokens", "-5", "--dashboard-port", "-1"], "--kv-tokens must be >= 0, got -5"),
+    (["up", "--threads", "513", "--dashboard-port", "-1"], "--threads must be <= 512, got 513"),  # OpenMP fails
 ])
 def test_ports_and_timeouts_out_of_range_are_refused_up_front(args, message):
     import subprocess
@@ -173,3 +175,19 @@ def test_ports_and_timeouts_out_of_range_are_refused_up_front(args, message):
 
     r = subprocess.run([sys.executable, "-m", "meshnet.cli", *args], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "/tmp"], "error: model '/tmp' is neither a file nor a bundled model (smollm2, gemma3-270m)"),
+    # KV cells for 10**12 tokens take more than any address space: the load fails, in one line.
+    (["--model", "smollm2", "--n-ctx", str(10**12)],
+     "error: not enough memory to load layers all of smollm2 with n_ctx=1000000000000"),
+])
+def test_a_node_that_cannot_load_says_why_in_one_line(args, message):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--port", "0", *args], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and message in r.stderr
+    assert "Traceback" not in r.stderr and "EOFError" not in r.stderr

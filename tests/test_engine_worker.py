@@ -164,6 +164,42 @@ def test_a_crash_loop_backs_off_then_gives_up_with_the_reason():
         sup.stop()
 
 
+@pytest.mark.parametrize("script,reason", [("exit 1", "exited with status 1"),
+                                           ("kill -SEGV $$", "killed by SIGSEGV")])
+def test_a_worker_dying_while_it_loads_is_one_error_naming_how(tmp_path, monkeypatch, script, reason):
+    """A crash in native code (or the OOM killer) before READY is the node's load error, not an EOFError."""
+    import sys
+
+    from meshnet.node import worker_supervisor
+
+    fake_python = tmp_path / "python"
+    fake_python.write_text(f"#!/bin/sh\n{script}\n")
+    fake_python.chmod(0o755)
+    monkeypatch.setattr(worker_supervisor.sys, "executable", str(fake_python))
+    cfg = NodeConfig(model="smollm2", layers=LayerRange.parse("0:12"), engine="fake")
+    sup = WorkerSupervisor(cfg, policy=FAST)
+    with pytest.raises(ValueError) as e:
+        sup.start()
+    assert str(e.value) == f"the engine worker {reason} while loading layers 0:12 of smollm2 (its messages are above)"
+    assert sup._proc.poll() is not None
+
+
+def test_a_load_that_runs_out_of_memory_names_the_settings_that_size_it():
+    """The worker's load fails in one line, not a traceback, whatever it raises."""
+    import errno
+
+    from meshnet.node.engine_loader import load_failure
+
+    cfg = NodeConfig(model="smollm2", layers=None, n_ctx=10**12, engine="ggml")
+    assert load_failure(OSError(errno.ENOMEM, "Cannot allocate memory"), cfg) == (
+        "not enough memory to load layers all of smollm2 with n_ctx=1000000000000, kv_tokens=0, max_sessions=16 "
+        "([Errno 12] Cannot allocate memory); lower them")
+    assert load_failure(MemoryError(), cfg).startswith("not enough memory to load layers all of smollm2")
+    assert load_failure(FileNotFoundError("model '/tmp' is neither a file nor a bundled model"), cfg) == (
+        "model '/tmp' is neither a file nor a bundled model")
+    assert load_failure(KeyError("x"), cfg) == "KeyError: 'x'"
+
+
 def test_fault_spec_parses_and_refuses_bad_text():
     faults, workers = parse_fault_spec("crash=segfault,after=5")
     assert (faults.crash_kind, faults.crash_after_calls, workers) == ("segfault", 5, 1)

@@ -266,6 +266,9 @@ class AuxiliaryState:
 # them before starting any).
 LOAD_SETTING_LEAST = {"n_threads": 1, "n_ctx": 0, "n_ubatch": 1, "max_sessions": 1, "memory_budget_bytes": 0,
                       "kv_tokens": 0, "prefix_cache": 0, "decode_groups": 0}
+# ... and the most: ggml's compute plans hold at most GGML_MAX_N_THREADS (512) threads (beyond, OpenMP
+# fails to start them and the process exits).
+LOAD_SETTING_MOST = {"n_threads": 512}
 
 
 @dataclass(frozen=True)
@@ -318,6 +321,8 @@ class LoadSpec:
         """What is wrong with the execution settings (one line naming each bad value), or None."""
         bad = [f"{name}={getattr(self, name)} (>= {low})" for name, low in LOAD_SETTING_LEAST.items()
                if getattr(self, name) < low]
+        bad += [f"{name}={getattr(self, name)} (<= {high})" for name, high in LOAD_SETTING_MOST.items()
+                if getattr(self, name) > high]
         return f"bad load settings: {', '.join(bad)}" if bad else None
 
 

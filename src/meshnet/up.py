@@ -18,7 +18,7 @@ import time
 import grpc
 from tqdm import tqdm
 
-from meshnet.contract import LOAD_SETTING_LEAST, NO_HUGE_PAGES_HELP
+from meshnet.contract import LOAD_SETTING_LEAST, LOAD_SETTING_MOST, NO_HUGE_PAGES_HELP
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
@@ -104,6 +104,8 @@ def run_up(args: argparse.Namespace) -> int:
                                  ("--decode-groups", args.decode_groups, "decode_groups")):
         if value < (least := LOAD_SETTING_LEAST[setting]):
             problem = problem or f"{flag} must be >= {least}, got {value}"
+        elif value > (most := LOAD_SETTING_MOST.get(setting, value)):
+            problem = problem or f"{flag} must be <= {most}, got {value}"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ process itself with ``--in-process-engine``."""
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 import uuid
@@ -145,3 +146,14 @@ def load_engine(cfg: NodeConfig, generation: int = 0) -> tuple[ShardEngine, Load
     info = LoadedEngine(engine.capabilities(), model, speed, getattr(engine, "device", None) or None,
                         getattr(engine, "device_index", 0), manifest)
     return engine, info
+
+
+def load_failure(e: Exception, cfg: NodeConfig) -> str:
+    """One line saying why loading ``cfg`` failed with ``e``: a ValueError's message is already that
+    (a bad model, range or setting); memory running out names the settings that size the memory."""
+    if isinstance(e, (MemoryError, OSError)) and (isinstance(e, MemoryError) or e.errno == errno.ENOMEM):
+        return (f"not enough memory to load layers {cfg.layers or 'all'} of {cfg.model} with n_ctx={cfg.n_ctx}, "
+                f"kv_tokens={cfg.kv_tokens}, max_sessions={cfg.max_sessions} ({e}); lower them")
+    if isinstance(e, (ValueError, OSError)):  # a bad model, range or setting; a missing or unreadable file
+        return str(e)
+    return f"{type(e).__name__}: {e}"

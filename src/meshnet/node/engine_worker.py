@@ -25,7 +25,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from meshnet.node import worker_wire as ww
-from meshnet.node.engine_loader import load_engine, pin_to_cpu
+from meshnet.node.engine_loader import load_engine, load_failure, pin_to_cpu
 
 log = logging.getLogger("meshnet.worker")
 
@@ -59,8 +59,8 @@ def serve(sock: socket.socket) -> int:
         pin_to_cpu(cfg.cpu)  # before loading, so the engine's threads start pinned
     try:
         engine, info = load_engine(cfg, generation)
-    except ValueError as e:
-        ww.send(sock, lock, ww.Kind.LOAD_FAILED, call_id, *ww.encode(str(e)))
+    except Exception as e:  # noqa: BLE001 - whatever stops the load, the node reports it in one line
+        ww.send(sock, lock, ww.Kind.LOAD_FAILED, call_id, *ww.encode(load_failure(e, cfg)))
         return 3
     ww.send(sock, lock, ww.Kind.READY, call_id, *ww.encode(info))
     # Control calls, and steps waiting for their session's previous step, each hold a thread: room for

@@ -34,7 +34,7 @@ from meshnet.engine.kv_pool import available_memory_bytes
 from meshnet.ledger.reporting import WorkReporter
 from meshnet.membership.identity import node_identity
 from meshnet.node.config import NodeConfig
-from meshnet.node.engine_loader import load_engine, pin_to_cpu
+from meshnet.node.engine_loader import load_engine, load_failure, pin_to_cpu
 from meshnet.node.membership import Membership
 from meshnet.node.relay_link import RelayLink
 from meshnet.node.service import NodeService
@@ -68,7 +68,10 @@ class Node:
         self.failure: str | None = None
         self.supervisor = None
         if cfg.in_process_engine:
-            self.engine, self.loaded = load_engine(cfg)
+            try:
+                self.engine, self.loaded = load_engine(cfg)
+            except Exception as e:  # noqa: BLE001 - whatever stops the load is the node's one-line error
+                raise ValueError(load_failure(e, cfg)) from None
         else:
             from meshnet.node.worker_engine import WorkerEngine
             from meshnet.node.worker_supervisor import WorkerSupervisor

@@ -120,8 +120,8 @@ class WorkerSupervisor:
 
     # ---- internals ---------------------------------------------------------------------------
     def _launch(self) -> None:
-        """Start a worker and wait for its READY. Raises ValueError (LOAD_FAILED), EOFError (it died
-        while loading) or OSError (socket timeout)."""
+        """Start a worker and wait for its READY. Raises ValueError (LOAD_FAILED, or it died while
+        loading) or OSError (socket timeout)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         # The worker's stdout goes to stderr: the node's stdout carries only its ready line.
         proc = subprocess.Popen([sys.executable, "-m", "meshnet.node.engine_worker", str(theirs.fileno())],
@@ -133,6 +133,12 @@ class WorkerSupervisor:
             ww.send(ours, threading.Lock(), ww.Kind.LOAD, 0, *ww.encode((self.cfg, self._generation)))
             kind, _, meta, payload = ww.receive(ours)
             ours.settimeout(None)
+        except (EOFError, ConnectionError):  # it died while loading (a crash in native code, the OOM killer)
+            ours.close()
+            reason = self._exit_reason()
+            proc.kill()
+            raise ValueError(f"the engine worker {reason} while loading layers "
+                             f"{self.cfg.layers or 'all'} of {self.cfg.model} (its messages are above)") from None
         except BaseException:
             ours.close()
             proc.kill()
