@@ -168,8 +168,6 @@ def test_a_crash_loop_backs_off_then_gives_up_with_the_reason():
                                            ("kill -SEGV $$", "killed by SIGSEGV")])
 def test_a_worker_dying_while_it_loads_is_one_error_naming_how(tmp_path, monkeypatch, script, reason):
     """A crash in native code (or the OOM killer) before READY is the node's load error, not an EOFError."""
-    import sys
-
     from meshnet.node import worker_supervisor
 
     fake_python = tmp_path / "python"
