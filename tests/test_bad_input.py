@@ -168,6 +168,22 @@ def test_bad_load_settings_are_named(field, value):
     (["up", "--threads", "0", "--dashboard-port", "-1"], "--threads must be >= 1, got 0"),  # nodes restarted forever
     (["up", "--kv-tokens", "-5", "--dashboard-port", "-1"], "--kv-tokens must be >= 0, got -5"),
     (["up", "--threads", "513", "--dashboard-port", "-1"], "--threads must be <= 512, got 513"),  # OpenMP fails
+    # gRPC takes a scheme for part of a host name it cannot resolve, and retried it forever
+    (["node", "--engine", "fake", "--tracker", "http://127.0.0.1:7700"],
+     "argument --tracker: bad address 'http://127.0.0.1:7700': expected HOST:PORT without a scheme or path"),
+    (["generate", "--tracker", "127.0.0.1", "hi"], "argument --tracker: bad address '127.0.0.1': expected HOST:PORT"),
+    (["node", "--engine", "fake", "--advertise", "nope"], "argument --advertise: bad address 'nope'"),
+    (["node", "--engine", "fake", "--node-id", "a" * 300],  # the key file's name was too long for the disk
+     "argument --node-id: must be 1 to 128 characters, got 300"),
+    (["node", "--engine", "fake", "--node-id", "a b"], "argument --node-id: must be printable characters without spaces"),
+    (["node", "--engine", "fake", "--worker-hang-timeout", "0"], "argument --worker-hang-timeout: must be a number of "
+                                                                 "seconds > 0, got 0"),
+    (["node", "--engine", "fake", "--drain-timeout", "-1"], "argument --drain-timeout: must be a number of seconds >= 0"),
+    (["tracker", "--heartbeat", "1e300"], "argument --heartbeat: must be at most 3600 seconds"),  # killed its thread
+    (["tracker", "--port", "70000"], "argument --port: must be in 0..65535"),
+    (["up", "--heartbeat", "nan"], "argument --heartbeat: must be a finite number of seconds, got nan"),
+    (["api", "--max-concurrency", "0"], "argument --max-concurrency: must be >= 1, got 0"),
+    (["up", "--draft-tokens", "-3", "--dashboard-port", "-1"], "draft_tokens must be in [1, 16], got -3"),
 ])
 def test_ports_and_timeouts_out_of_range_are_refused_up_front(args, message):
     import subprocess
@@ -191,3 +207,21 @@ def test_a_node_that_cannot_load_says_why_in_one_line(args, message):
                        text=True, timeout=120)
     assert r.returncode == 2 and message in r.stderr
     assert "Traceback" not in r.stderr and "EOFError" not in r.stderr
+
+
+def test_tls_files_that_are_not_pem_are_named_at_start(tmp_path):
+    """gRPC took a garbage certificate and failed to bind ("cannot listen"), and retried a garbage CA forever."""
+    import subprocess
+    import sys
+
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    cli = [sys.executable, "-m", "meshnet.cli"]
+    r = subprocess.run([*cli, "node", "--engine", "fake", "--port", "0", "--tls-cert", str(junk), "--tls-key", str(junk)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"error: TLS certificate '{junk}' and key '{junk}' do not load as a PEM certificate and its private key" \
+        in r.stderr
+    r = subprocess.run([*cli, "generate", "--tracker", "127.0.0.1:9", "--tls-ca", str(junk), "hi"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and f"cannot read TLS CA certificate '{junk}'" in r.stderr and "Traceback" not in r.stderr

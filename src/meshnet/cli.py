@@ -12,6 +12,7 @@ import json
 import os
 import sys
 
+from meshnet.arg_types import host_port
 from meshnet.client.mesh_client import MeshUnavailable
 from meshnet.contract import NO_HUGE_PAGES_HELP, SamplingParams
 from meshnet.model.bundled import DEFAULT_MODEL, ModelNotFound, resolve_model
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
     gen.add_argument("--json", action="store_true",
                      help="after the text, print one JSON object with token ids, text and timings")
-    gen.add_argument("--tracker", default=None,
+    gen.add_argument("--tracker", type=host_port, default=None,
                      help="HOST:PORT of a running mesh's tracker (default: run the stages in this process)")
     gen.add_argument("--model-id", default=None, metavar="ID_OR_NAME",
                      help="with --tracker, instead of a local --model: the model's id or general.name; the "

@@ -233,6 +233,8 @@ def speculation_from(kind: str | None, draft_tokens: int | None, default: Specul
     ``default``), with ``draft_tokens`` (None: ``default``'s, else 10). ``mtp_problem``: why the model
     cannot draft by MTP (see :func:`mtp_problem`), None when it can. Raises ValueError naming a bad kind
     or count, "model" without a drafter, or "mtp" for a model without the block."""
+    if draft_tokens is not None and not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:  # even where nothing drafts
+        raise ValueError(f"draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {draft_tokens}")
     if kind is None:
         if default is None or draft_tokens is None:
             return default

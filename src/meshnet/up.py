@@ -18,13 +18,14 @@ import time
 import grpc
 from tqdm import tqdm
 
+from meshnet.arg_types import heartbeat_seconds, port_number
 from meshnet.contract import LOAD_SETTING_LEAST, LOAD_SETTING_MOST, NO_HUGE_PAGES_HELP
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.supervisor import Supervisor
-from meshnet.wire.security import open_channel, port_number
+from meshnet.wire.security import open_channel
 
 
 def add_up_parser(sub) -> None:
@@ -44,7 +45,7 @@ def add_up_parser(sub) -> None:
                    help="groups each node splits its sessions' decodes into, taking turns so that every stage "
                         "computes at once (0 = one per stage, 1 = all together)")
     p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false", help=NO_HUGE_PAGES_HELP)
-    p.add_argument("--heartbeat", type=float, default=1.0, help="node heartbeat interval, seconds")
+    p.add_argument("--heartbeat", type=heartbeat_seconds, default=1.0, help="node heartbeat interval, seconds")
     p.add_argument("--client-orchestrated", action="store_true",
                    help="the API's steps: " + "every step through the client, hop by hop (default: nodes forward hidden states to the next node themselves where the route allows)")
     p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))

@@ -12,11 +12,11 @@ import time
 
 import uvicorn
 
+from meshnet.arg_types import host_port, port_number, positive_int
 from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.backend import ApiBackend
 from meshnet.contract import NO_HUGE_PAGES_HELP
 from meshnet.speculative import add_speculation_args, speculation_from_args
-from meshnet.wire.security import port_number
 
 log = logging.getLogger("meshnet.api")
 
@@ -25,7 +25,7 @@ def add_api_parser(sub) -> None:
     """Add ``meshnet api`` to the subcommands ``sub`` (an ``argparse`` subparsers object)."""
     p = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API (/v1/chat/completions, ...) "
                                    "in front of a mesh")
-    p.add_argument("--tracker", default=None,
+    p.add_argument("--tracker", type=host_port, default=None,
                    help="HOST:PORT of the mesh's tracker (default: run the stages in this process)")
     p.add_argument("--model", default="smollm2",
                    help="GGUF path or bundled name; the file must be readable here (tokenizer, chat template)")
@@ -40,7 +40,7 @@ def add_api_parser(sub) -> None:
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker and nodes")
     p.add_argument("--client-orchestrated", action="store_true",
                    help="with --tracker: " + "every step through the client, hop by hop (default: nodes forward hidden states to the next node themselves where the route allows)")
-    p.add_argument("--max-concurrency", type=int, default=None,
+    p.add_argument("--max-concurrency", type=positive_int, default=None,
                    help="generations at once; more wait (default: 8 for a mesh, the stages' session limit "
                         "in process)")
     p.add_argument("--max-body-mb", type=float, default=MAX_BODY_BYTES / 2**20, help="request body limit, MiB")

@@ -9,6 +9,7 @@ import sys
 
 import grpc
 
+from meshnet.arg_types import host_port
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.security import JOIN_TOKEN_ENV, open_channel
@@ -21,7 +22,7 @@ def add_ledger_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                                    "through one layer; a step replayed after a failover or resent counts "
                                    "once); TOKENS is that divided by the model's layer count. Clients are "
                                    "charged one unit per token delivered to them.")
-    p.add_argument("--tracker", required=True, help="HOST:PORT of the tracker")
+    p.add_argument("--tracker", type=host_port, required=True, help="HOST:PORT of the tracker")
     p.add_argument("--join-token", default=os.environ.get(JOIN_TOKEN_ENV), help=f"default ${JOIN_TOKEN_ENV}")
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")

@@ -9,6 +9,7 @@ import sys
 
 import grpc
 
+from meshnet.arg_types import host_port
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.node_info import device_dict
@@ -26,7 +27,7 @@ def add_nodes_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                                    "reserved / capacity), mean rows per batched iteration, steps "
                                    "waiting with their mean time in queue, and the bytes of weights its "
                                    "range holds.")
-    p.add_argument("--tracker", required=True, help="HOST:PORT of the tracker")
+    p.add_argument("--tracker", type=host_port, required=True, help="HOST:PORT of the tracker")
     p.add_argument("--join-token", default=os.environ.get(JOIN_TOKEN_ENV), help=f"default ${JOIN_TOKEN_ENV}")
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

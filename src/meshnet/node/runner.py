@@ -37,13 +37,13 @@ from meshnet.node.config import NodeConfig
 from meshnet.node.engine_loader import load_engine, load_failure, pin_to_cpu
 from meshnet.node.membership import Membership
 from meshnet.node.relay_link import RelayLink
+from meshnet.arg_types import host_port, node_id, port_number, positive_seconds, seconds
 from meshnet.node.service import NodeService
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane_server import DataPlaneServer
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
-from meshnet.wire.security import (TlsConfig, add_port, client_ssl_context, make_server, open_channel,
-                                   port_number, server_ssl_context)
+from meshnet.wire.security import TlsConfig, add_port, client_ssl_context, make_server, open_channel, server_ssl_context
 
 log = logging.getLogger("meshnet.node")
 
@@ -223,7 +223,7 @@ class Node:
 
 def add_node_parser(sub) -> None:
     p = sub.add_parser("node", help="serve a layer range of a model and join a tracker")
-    p.add_argument("--tracker", default=None, help="HOST:PORT of the tracker")
+    p.add_argument("--tracker", type=host_port, default=None, help="HOST:PORT of the tracker")
     p.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
     p.add_argument("--layers", default=None, help="half-open range START:END, e.g. 0:15")
     p.add_argument("--fetch", default=None, metavar="MODEL",
@@ -234,8 +234,8 @@ def add_node_parser(sub) -> None:
                         "(~/.cache/meshnet/models)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=0, help="0 = any free port")
-    p.add_argument("--advertise", default=None, help="address others dial (default HOST:PORT)")
-    p.add_argument("--node-id", default=None,
+    p.add_argument("--advertise", type=host_port, default=None, help="address others dial (default HOST:PORT)")
+    p.add_argument("--node-id", type=node_id, default=None,
                    help="id to register under (default: derived from the identity's public key); the tracker "
                         "binds it to the first key that registers it")
     p.add_argument("--identity", default=None, metavar="PATH",
@@ -253,7 +253,7 @@ def add_node_parser(sub) -> None:
     p.add_argument("--worker-restarts", type=int, default=5, metavar="N",
                    help="engine worker deaths in a row, each soon after its start, that are restarted (with "
                         "backoff) before the node deregisters and exits")
-    p.add_argument("--worker-hang-timeout", type=float, default=5.0, metavar="S",
+    p.add_argument("--worker-hang-timeout", type=positive_seconds, default=5.0, metavar="S",
                    help="seconds an engine worker may leave a ping unanswered before it is killed and restarted")
     p.add_argument("--backend", choices=["cpu", "cuda", "rocm", "vulkan", "metal"], default="cpu",
                    help="where the ggml engine computes; anything but cpu must be certified here first "
@@ -279,7 +279,7 @@ def add_node_parser(sub) -> None:
                         "1 = all together)")
     p.add_argument("--idle-timeout", type=positive_seconds, default=300.0,
                    help="seconds before an unused session is freed (> 0)")
-    p.add_argument("--drain-timeout", type=float, default=30.0)
+    p.add_argument("--drain-timeout", type=seconds, default=30.0)
     p.add_argument("--data-port", type=port_number, default=0, help="TCP port of the step data plane (0 = any)")
     p.add_argument("--no-data-plane", action="store_true", help="serve steps over gRPC only")
     p.add_argument("--relay", action="store_true",
@@ -308,18 +308,6 @@ def _fetch_layers(args: argparse.Namespace) -> str:
     print(f"MESHNET_FETCHED path={result.path} bytes_moved={result.bytes_moved} range_bytes={result.range_bytes}",
           flush=True)
     return str(result.path)
-
-
-def positive_seconds(text: str) -> float:
-    """argparse type of a duration that must be finite and > 0 (an idle timeout of 0 would free every
-    session as soon as its step ended, and its client would replay it forever). Raises ArgumentTypeError."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
-    return value
 
 
 def run_node(args: argparse.Namespace) -> int:

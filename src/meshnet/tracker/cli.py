@@ -8,12 +8,12 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import signal
 import sys
 import threading
 
+from meshnet.arg_types import heartbeat_seconds, port_number
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
 from meshnet.tracker.server import start_tracker
 from meshnet.wire.security import JOIN_TOKEN_ENV, TlsConfig, format_address
@@ -28,8 +28,8 @@ def add_tracker_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                                           "for a route (a chain of nodes covering every layer).")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s; "
                                                        "0.0.0.0 for every interface)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (default %(default)s; 0 = any free port)")
-    p.add_argument("--heartbeat", type=float, default=2.0, metavar="SECONDS",
+    p.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="port (default %(default)s; 0 = any free port)")
+    p.add_argument("--heartbeat", type=heartbeat_seconds, default=2.0, metavar="SECONDS",
                    help="heartbeat interval nodes are told to use; a node silent for 3 intervals leaves "
                         "routing (default %(default)s)")
     p.add_argument("--join-token", default=None,
@@ -54,12 +54,6 @@ def run_tracker(args: argparse.Namespace) -> int:
     arguments / an address that cannot be bound)."""
     if (args.tls_cert is None) != (args.tls_key is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
-        return 2
-    if not (args.heartbeat > 0 and math.isfinite(args.heartbeat)):
-        print(f"error: --heartbeat must be a positive number of seconds, got {args.heartbeat}", file=sys.stderr)
-        return 2
-    if not 0 <= args.port <= 65535:
-        print(f"error: --port must be in 0..65535, got {args.port}", file=sys.stderr)
         return 2
     problem = dashboard_port_problem(args.dashboard_port)
     if problem:

@@ -12,7 +12,6 @@ you do not trust.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
 import hmac
@@ -132,11 +131,12 @@ def server_credentials(cert_path: str, key_path: str) -> grpc.ServerCredentials:
     """TLS credentials from PEM files: the certificate (chain) and its private key.
 
     Raises:
-        ValueError: a file cannot be read (the message names it).
+        ValueError: a file cannot be read, is not PEM, or the key does not match the certificate (the
+            message names it).
     """
-    cert = _read_pem(cert_path, "certificate")
-    key = _read_pem(key_path, "private key")
-    return grpc.ssl_server_credentials([(key, cert)])
+    # gRPC takes any bytes here and fails later with "Failed to bind": load them once to name the problem.
+    server_ssl_context(TlsConfig(cert_path, key_path))
+    return grpc.ssl_server_credentials([(_read_pem(key_path, "private key"), _read_pem(cert_path, "certificate"))])
 
 
 def server_ssl_context(tls: TlsConfig) -> ssl.SSLContext:
@@ -156,7 +156,8 @@ def server_ssl_context(tls: TlsConfig) -> ssl.SSLContext:
     try:
         ctx.load_cert_chain(tls.cert, tls.key)
     except ssl.SSLError as e:
-        raise ValueError(f"TLS certificate {tls.cert!r} and key {tls.key!r} do not load: {e.reason or e}") from None
+        raise ValueError(f"TLS certificate {tls.cert!r} and key {tls.key!r} do not load as a PEM certificate and "
+                         f"its private key: {e.reason or e}") from None
     return ctx
 
 
@@ -250,22 +251,15 @@ class _MetadataInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamCli
     intercept_stream_stream = _call
 
 
-def port_number(text: str) -> int:
-    """argparse type of a TCP port to listen on, 0 (any free one) to 65535. Raises ArgumentTypeError."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0 = any free port), got {port}")
-    return port
-
-
 def check_address(address: str) -> None:
-    """Raises ValueError unless ``address`` is ``host:port`` with a port in 1..65535."""
+    """Raises ValueError unless ``address`` is ``host:port`` with a port in 1..65535 (no scheme: gRPC
+    would take ``http://host:port`` for a host name it cannot resolve, and retry it without end)."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ValueError(f"bad address {address!r}: expected HOST:PORT with a port in 1..65535")
+    if "/" in host or any(c.isspace() for c in host):
+        raise ValueError(f"bad address {address!r}: expected HOST:PORT without a scheme or path, "
+                         f"e.g. 127.0.0.1:7700")
 
 
 def open_channel(address: str, join_token: str | None = None, tls_ca: str | None = None,
@@ -287,13 +281,15 @@ def open_channel(address: str, join_token: str | None = None, tls_ca: str | None
         A channel with :data:`CHANNEL_OPTIONS`; close it with ``close()`` (or use it in ``with``).
 
     Raises:
-        ValueError: ``address`` is not ``host:port`` with a port in 1..65535, or ``tls_ca`` cannot be read.
+        ValueError: ``address`` is not ``host:port`` with a port in 1..65535, or ``tls_ca`` cannot be read
+            or holds no certificate.
     """
     check_address(address)
     options = list(CHANNEL_OPTIONS)
     if tls_ca is None:
         channel = grpc.insecure_channel(address, options=options)
     else:
+        client_ssl_context(tls_ca)  # gRPC would retry a CA file that holds no certificate forever
         creds = grpc.ssl_channel_credentials(root_certificates=_read_pem(tls_ca, "CA certificate"))
         if tls_server_name:
             options.append(("grpc.ssl_target_name_override", tls_server_name))

@@ -1,0 +1,94 @@
+"""argparse types of the command line's values: each refuses a bad value with argparse's one-line
+error naming the flag (exit status 2), before anything starts.
+
+A value the program would take and misbehave on (a port it wraps, a timeout of 0 that frees every
+session at once, an address with a scheme gRPC cannot resolve and retries forever) is refused here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from meshnet.wire.security import check_address
+
+# Node ids name the node's key file (``node-<id>.key``) and travel in every tracker message: file names
+# stop at 255 bytes on common file systems.
+NODE_ID_MAX_CHARS = 128
+# The longest heartbeat interval, seconds (a node silent for three is gone; an hour is already unusable).
+MAX_HEARTBEAT_S = 3600.0
+
+
+def port_number(text: str) -> int:
+    """A TCP port to listen on, 0 (any free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535 (0 = any free port), got {port}")
+    return port
+
+
+def positive_seconds(text: str) -> float:
+    """A duration that must be finite and > 0 (an idle timeout of 0 would free every session as soon as
+    its step ended, and its client would replay it forever)."""
+    value = _seconds(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def heartbeat_seconds(text: str) -> float:
+    """A heartbeat interval: > 0 and at most MAX_HEARTBEAT_S."""
+    value = positive_seconds(text)
+    if value > MAX_HEARTBEAT_S:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_HEARTBEAT_S:g} seconds, got {text}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A finite duration >= 0."""
+    value = _seconds(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A count >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def host_port(text: str) -> str:
+    """An address to dial, ``HOST:PORT`` (no scheme: ``127.0.0.1:7700``, ``[::1]:7700``)."""
+    try:
+        check_address(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def node_id(text: str) -> str:
+    """A node id: 1 to NODE_ID_MAX_CHARS printable characters, no spaces."""
+    if not 1 <= len(text) <= NODE_ID_MAX_CHARS:
+        raise argparse.ArgumentTypeError(f"must be 1 to {NODE_ID_MAX_CHARS} characters, got {len(text)}")
+    if not text.isprintable() or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(f"must be printable characters without spaces, got {text!r}")
+    return text
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text}")
+    return value
