@@ -21,10 +21,7 @@ MAX_HEARTBEAT_S = 3600.0
 
 def port_number(text: str) -> int:
     """A TCP port to listen on, 0 (any free one) to 65535."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    port = _parse(text, int, "a port number")
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"must be in 0..65535 (0 = any free port), got {port}")
     return port
@@ -57,10 +54,7 @@ def seconds(text: str) -> float:
 
 def positive_int(text: str) -> int:
     """A count >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    value = _parse(text, int, "a whole number")
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -84,11 +78,15 @@ def node_id(text: str) -> str:
     return text
 
 
-def _seconds(text: str) -> float:
+def _parse(text: str, convert, what: str):
     try:
-        value = float(text)
+        return convert(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
+def _seconds(text: str) -> float:
+    value = _parse(text, float, "seconds")
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text}")
     return value
