@@ -125,6 +125,8 @@ class Node:
             tls = server_ssl_context(cfg.tls) if cfg.tls is not None else None
             self.data_plane = DataPlaneServer(cfg.host, cfg.data_port, self.service.run_step, cfg.join_token,
                                               tls=tls, run_forward=self.service.run_forward,
+                                              start_step=self.service.start_step,
+                                              start_forward=self.service.start_forward,
                                               run_await=self.service.run_await, workers=cfg.max_sessions + 2)
             adv_host = (cfg.advertise or cfg.host).rsplit(":", 1)[0] if cfg.advertise else cfg.host
             self.data_address = f"{adv_host}:{self.data_plane.port}"

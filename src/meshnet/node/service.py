@@ -14,11 +14,11 @@ import logging
 import ssl
 import threading
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 
-from meshnet.contract import Status, StepRequest, StepResult
+from meshnet.contract import MAX_DRAFT_TOKENS, Status, StepRequest, StepResult
 from meshnet.engine.base import ShardEngine
 from meshnet.node.tensor_source import TensorRequestError, TensorSource
 from meshnet.node.forwarding import AwaitedOutcomes, Forwarder, await_key, next_hops_error
@@ -38,6 +38,11 @@ from meshnet.wire.envelope import (
 )
 
 log = logging.getLogger("meshnet.node")
+
+# Steps of at most this many tokens (a decode step, or a verification step: its token and up to 16
+# drafts) are carried on by the engine worker's answer itself (NodeService._start); larger ones hold a
+# thread of the data plane's pool.
+ASYNC_STEP_TOKENS = 1 + MAX_DRAFT_TOKENS
 
 
 def grpc_code(status: Status) -> grpc.StatusCode:
@@ -90,6 +95,11 @@ class NodeService(pb_grpc.NodeServicer):
         if refused is not None:
             return StepOutcome("INVALID_ARGUMENT", refused)
         out, req, decode, res = self._execute(frames)
+        return self._reply(hops, out, req, decode, res)
+
+    def _reply(self, hops, out: StepOutcome, req: StepRequest | None, decode: bool,
+               res: StepResult | None) -> StepOutcome:
+        """What to answer a client's step that ran here with ``out``, once it is forwarded to ``hops``."""
         if not hops or out.code != "OK":
             return self._answer(out, req, res)
         reply = pb.StepReply(n_past=res.n_past)
@@ -112,6 +122,75 @@ class NodeService(pb_grpc.NodeServicer):
             log.warning("dropped a forwarded step of session %s: %s", head.session_id, refused)
             return
         out, req, decode, res = self._execute(frames)
+        self._pass_on(head, out, req, decode, res)
+
+    def start_step(self, frames: list[pb.Envelope], answer: Callable[[StepOutcome], None]) -> bool:
+        """:meth:`run_step` without a thread waiting while the engine worker runs the step: ``answer``
+        gets what to answer, once, on the worker channel's reading thread (see :meth:`_start`). Returns
+        False, having started nothing, when the step is to run on a thread of its own."""
+        def reply(head, out, req, decode, res) -> None:
+            try:
+                outcome = self._reply(head.next_hops, out, req, decode, res)
+            except Exception as e:  # noqa: BLE001 - the connection waits for an answer: it gets one
+                log.exception("step of session %s failed after it ran", head.session_id)
+                outcome = StepOutcome("INTERNAL", f"node {self.node_id}: {type(e).__name__}: {e}")
+            answer(outcome)
+
+        return self._start(frames, reply)
+
+    def start_forward(self, frames: list[pb.Envelope], done: Callable[[], None]) -> bool:
+        """:meth:`run_forward` without a thread waiting while the engine worker runs the step; ``done()``
+        is called once the output has gone on (see :meth:`_start`). Returns False, having started
+        nothing, when the step is to run on a thread of its own."""
+        if frames[0].HasField("failure"):
+            return False
+
+        def carry_on(head, out, req, decode, res) -> None:
+            try:
+                self._pass_on(head, out, req, decode, res)
+            finally:
+                done()
+
+        return self._start(frames, carry_on)
+
+    def _start(self, frames: list[pb.Envelope], then: Callable) -> bool:
+        """Start a step whose engine worker's answer carries it on: ``then(head, out, req, decode, res)``
+        runs on the worker channel's reading thread, so a decode step's hop costs no thread hand-off in
+        this process (measured on a 3-node loopback mesh: 0.1 to 0.25 ms less CPU a token per node, 6%
+        more tokens/s at one stream). Only small steps go this way: at most ``ASYNC_STEP_TOKENS`` tokens
+        (a decode or verification step; a prefill's output, up to many MB, must not hold up the answers
+        of other steps while it is sent on). Returns False, having started nothing, for an engine in this
+        process (its answer would come on its scheduler's thread), a route to refuse, a draining node,
+        frames that do not decode, or a larger step."""
+        start = getattr(self.engine, "start_step", None)
+        if start is None or self.draining or len(frames) != 1:
+            return False
+        head = frames[0]
+        n_tokens = head.shape[0] if head.shape else len(head.token_ids)
+        if n_tokens > ASYNC_STEP_TOKENS or next_hops_error(head.next_hops, self.node_id) is not None:
+            return False
+        try:
+            req, decode = frames_to_request(frames)
+        except WireError:
+            return False
+        self._enter()
+
+        def finished(res: StepResult | BaseException) -> None:
+            out, res = self._settle(req, decode, res)
+            then(head, out, req, decode, res)
+
+        try:
+            start(req, decode, finished)
+        except EngineUnavailable as e:
+            finished(e)
+        return True
+
+    def _pass_on(self, head: pb.Envelope, out: StepOutcome, req: StepRequest | None, decode: bool,
+                 res: StepResult | None) -> None:
+        """What follows a forwarded step (``head``, its first frame) that ran here with ``out``: its output
+        goes to the next hop, or, on the tail, its outcome waits for the client's await; a refusal, or a
+        next hop that cannot be reached, goes to the tail as a ``HopFailure``."""
+        hops = head.next_hops
         if not hops:
             self.awaited.deliver(await_key(head), self._answer(out, req, res))
             return
@@ -151,21 +230,30 @@ class NodeService(pb_grpc.NodeServicer):
     def _run(self, req: StepRequest, decode: bool) -> tuple[StepOutcome, StepResult | None]:
         if self.draining and req.session_id not in self.engine.session_ids():
             return StepOutcome("UNAVAILABLE", f"node {self.node_id} is draining; use another route"), None
+        self._enter()
+        try:
+            res = self.engine.decode(req) if decode else self.engine.prefill(req)
+        except Exception as e:  # noqa: BLE001 - _settle says what to answer
+            res = e
+        return self._settle(req, decode, res)
+
+    def _enter(self) -> None:
         with self._cv:
             self._in_flight += 1
-        try:
-            res: StepResult = self.engine.decode(req) if decode else self.engine.prefill(req)
-        except EngineUnavailable as e:
+
+    def _settle(self, req: StepRequest, decode: bool,
+                res: StepResult | BaseException) -> tuple[StepOutcome, StepResult | None]:
+        """What to answer for a step the engine ran (``res``, or what it raised); the step has left."""
+        with self._cv:
+            self._in_flight -= 1
+            self._cv.notify_all()
+        if isinstance(res, EngineUnavailable):
             # The engine worker died during the step or is being restarted: the client fails over (or
             # comes back once the node is healthy again and replays the session here).
-            return StepOutcome("UNAVAILABLE", f"node {self.node_id}: {e}"), None
-        except Exception as e:  # an engine bug or crash must not take the server down
-            log.exception("engine failed on session %s", req.session_id)
-            return StepOutcome("INTERNAL", f"engine error: {e}"), None
-        finally:
-            with self._cv:
-                self._in_flight -= 1
-                self._cv.notify_all()
+            return StepOutcome("UNAVAILABLE", f"node {self.node_id}: {res}"), None
+        if isinstance(res, BaseException):  # an engine bug or crash must not take the server down
+            log.error("engine failed on session %s", req.session_id, exc_info=res)
+            return StepOutcome("INTERNAL", f"engine error: {res}"), None
         if not res.ok:
             return StepOutcome(res.status.value, res.message, res.retry_after_s), None
         if self.on_step is not None:

@@ -9,11 +9,14 @@ When the pipe closes (the worker died or was killed) every waiting call raises
 from __future__ import annotations
 
 import itertools
+import logging
 import socket
 import threading
 from typing import Any, Callable
 
 from meshnet.node import worker_wire as ww
+
+log = logging.getLogger("meshnet.node")
 
 # Extra seconds a ping's answer is waited for after its deadline (see WorkerChannel.ping).
 _PING_GRACE_S = 0.5
@@ -25,10 +28,12 @@ class EngineCallFailed(RuntimeError):
 
 
 class _Pending:
-    __slots__ = ("call_id", "done", "kind", "meta", "payload")
+    __slots__ = ("call_id", "done", "kind", "meta", "method", "on_done", "payload")
 
-    def __init__(self, call_id: int) -> None:
+    def __init__(self, call_id: int, method: str = "", on_done: Callable[[Any], None] | None = None) -> None:
         self.call_id = call_id
+        self.method = method
+        self.on_done = on_done  # None: the caller waits on ``done``
         self.done = threading.Event()
         self.kind: ww.Kind | None = None  # None when the pipe closed first
         self.meta = self.payload = b""
@@ -72,6 +77,17 @@ class WorkerChannel:
             raise EngineCallFailed(ww.decode(pending.meta, pending.payload))
         return ww.decode(pending.meta, pending.payload)
 
+    def call_async(self, method: str, *args: Any, on_done: Callable[[Any], None]) -> None:
+        """Start ``engine.method(*args)`` in the worker without a thread waiting for it: ``on_done`` gets
+        the result, or the exception :meth:`call` would raise (EngineUnavailable, EngineCallFailed),
+        exactly once, on this channel's reading thread, which hands out every other reply meanwhile:
+        it must not block for long.
+
+        Raises:
+            EngineUnavailable: the worker is gone already (``on_done`` is then never called).
+        """
+        self._request(ww.Kind.CALL, *ww.encode((method, args)), method=method, on_done=on_done)
+
     def ping(self, timeout_s: float) -> bool:
         """Whether the worker's reading thread answers within ``timeout_s`` seconds (its Python runs)."""
         try:
@@ -94,12 +110,13 @@ class WorkerChannel:
         self._reader.join(5)
         self._sock.close()
 
-    def _request(self, kind: ww.Kind, meta: bytes = b"", payload: bytes = b"") -> _Pending:
+    def _request(self, kind: ww.Kind, meta: bytes = b"", payload: bytes = b"", method: str = "",
+                 on_done: Callable[[Any], None] | None = None) -> _Pending:
         with self._lock:
             if self.lost.is_set():
                 raise ww.EngineUnavailable(f"engine worker is gone ({self.lost_reason})")
             call_id = next(self._ids)
-            pending = self._pending[call_id] = _Pending(call_id)
+            pending = self._pending[call_id] = _Pending(call_id, method, on_done)
         try:
             ww.send(self._sock, self._send_lock, kind, call_id, meta, payload)
         except OSError:
@@ -114,9 +131,13 @@ class WorkerChannel:
                 kind, call_id, meta, payload = ww.receive(self._sock)
                 with self._lock:
                     pending = self._pending.pop(call_id, None)
-                if pending is not None:
-                    pending.kind, pending.meta, pending.payload = kind, meta, payload
-                    pending.done.set()
+                if pending is None:
+                    continue
+                if pending.on_done is not None:
+                    _hand_out(pending, kind, meta, payload)
+                    continue
+                pending.kind, pending.meta, pending.payload = kind, meta, payload
+                pending.done.set()
         except (EOFError, OSError):
             pass
         reason = self.lost_reason or (self._explain() if self._explain else "") or "the pipe closed"
@@ -125,4 +146,25 @@ class WorkerChannel:
             self.lost.set()
             waiting, self._pending = self._pending, {}
         for pending in waiting.values():
-            pending.done.set()  # kind None: the worker is gone
+            if pending.on_done is not None:
+                _call(pending, ww.EngineUnavailable(f"engine worker died during {pending.method} ({reason})"))
+            else:
+                pending.done.set()  # kind None: the worker is gone
+
+
+def _hand_out(pending: _Pending, kind: ww.Kind, meta: bytes, payload: bytes) -> None:
+    """Give an asynchronous call's answer to its ``on_done``."""
+    try:
+        out = ww.decode(meta, payload)
+        if kind is ww.Kind.RAISED:
+            out = EngineCallFailed(out)
+    except Exception as e:  # noqa: BLE001 - an answer that does not decode fails its call alone
+        out = EngineCallFailed(f"{type(e).__name__}: {e}")
+    _call(pending, out)
+
+
+def _call(pending: _Pending, out: Any) -> None:
+    try:
+        pending.on_done(out)
+    except Exception:  # a failing callback must not stop the replies of every other call
+        log.exception("handling the engine worker's answer to %s failed", pending.method)

@@ -38,6 +38,12 @@ class WorkerEngine:
         """As ShardEngine.decode; raises as :meth:`prefill`."""
         return self.supervisor.channel().call("decode", req)
 
+    def start_step(self, req: StepRequest, decode: bool, on_done) -> None:
+        """Start ``req`` (as :meth:`decode` when ``decode``, else :meth:`prefill`) without a thread waiting
+        for it: ``on_done(StepResult | exception)`` is called once, on the worker channel's reading thread
+        (see WorkerChannel.call_async). Raises EngineUnavailable at once between workers."""
+        self.supervisor.channel().call_async("decode" if decode else "prefill", req, on_done=on_done)
+
     def _control(self, method: str, *args, empty=Outcome(Status.OK)):
         """A call whose answer, without a worker, is ``empty`` (the sessions died with the worker)."""
         try:

@@ -64,6 +64,12 @@ class DataPlaneServer:
         run_step: runs one request's frames (``list[pb.Envelope]``); called on a worker thread.
         run_forward: runs the frames of a step another node forwarded (FORWARD messages), answering
             nothing on the connection, which keeps being read meanwhile; None refuses FORWARD.
+        start_step: ``start_step(frames, answer) -> bool`` may start a request without a worker thread,
+            calling ``answer(StepOutcome)`` (from any thread, once) with what ``run_step`` would return;
+            False: it started nothing, and the request runs on a worker. None: every request takes one.
+        start_forward: ``start_forward(frames, done) -> bool`` may start a forwarded step without a worker
+            thread, calling ``done()`` (from any thread) once it has run; False: it started nothing, and
+            the step runs on a worker as ``run_forward``. None: every forwarded step takes a worker.
         run_await: ``run_await(pb.AwaitStep, answer)`` arranges for ``answer(StepOutcome)`` to be called
             at most once, from any thread, with the awaited step's outcome, and may return a function
             that withdraws the await (called when the client hangs up first); None refuses AWAIT.
@@ -85,7 +91,7 @@ class DataPlaneServer:
 
     def __init__(self, host: str, port: int, run_step: Callable, join_token: str | None = None, *,
                  run_forward: Callable | None = None, run_await: Callable | None = None,
-                 tls: ssl.SSLContext | None = None,
+                 start_step: Callable | None = None, start_forward: Callable | None = None, tls: ssl.SSLContext | None = None,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, max_request_bytes: int = MAX_REQUEST_BYTES,
                  max_connections: int = 256, max_pending_forwards: int = MAX_PENDING_FORWARDS,
                  workers: int = 8, auth_timeout_s: float = 10.0,
@@ -101,6 +107,8 @@ class DataPlaneServer:
         self._tls = tls
         self._unread: set[Conn] = set()  # TLS connections with decrypted bytes not read yet
         self._run_await = run_await
+        self._start_step = start_step
+        self._start_forward = start_forward if run_forward is not None else None
         # message kinds accepted after authentication
         self._kinds = frozenset({ENVELOPE} | ({FORWARD} if run_forward is not None else set())
                                 | ({AWAIT} if run_await is not None else set()))
@@ -156,6 +164,8 @@ class DataPlaneServer:
                 else:
                     self._unread.discard(key.data)
                     self._read(key.data)
+            if self._steps.forwards_done:  # finished without waking this thread (see StepPool.forward_finished)
+                self._take_finished_forwards()
             for c in list(self._unread):
                 self._unread.discard(c)
                 if id(c) in self._conns and not c.busy and not c.paused:
@@ -289,14 +299,16 @@ class DataPlaneServer:
             # One way: the connection goes on being read, so the sender can stream the next step at once,
             # until too many of its steps wait.
             c.forwards += 1
-            self._steps.forward(c, frames)
+            if self._start_forward is None or not self._start_forward(frames, lambda: self._steps.forward_finished(c)):
+                self._steps.forward(c, frames)
             if c.forwards >= self.max_pending_forwards:
                 c.paused = True
                 self._sel.unregister(c.sock)
                 return True
             return False
         self._hand_over(c)
-        self._steps.serve(c, frames)
+        if self._start_step is None or not self._start_step(frames, lambda out: self._steps.send_answer(c, out)):
+            self._steps.serve(c, frames)
         return True
 
     def _hand_over(self, c: Conn) -> None:
@@ -315,14 +327,7 @@ class DataPlaneServer:
                 pass
         except (BlockingIOError, InterruptedError):
             pass
-        while self._steps.forwards_done:
-            c = self._steps.forwards_done.popleft()
-            c.forwards -= 1
-            if c.paused and c.forwards < self.max_pending_forwards and id(c) in self._conns:
-                c.paused = False
-                c.deadline = time.monotonic() + self.idle_timeout_s
-                self._sel.register(c.sock, selectors.EVENT_READ, c)
-                self._mark_unread(c)
+        self._take_finished_forwards()
         while self._steps.answers:
             c, out = self._steps.answers.popleft()
             if c.cancel_await is None or id(c) not in self._conns:
@@ -342,6 +347,17 @@ class DataPlaneServer:
             c.deadline = time.monotonic() + self.idle_timeout_s
             self._sel.register(c.sock, selectors.EVENT_READ, c)
             self._mark_unread(c)
+
+    def _take_finished_forwards(self) -> None:
+        """Count the forwarded steps that finished; a connection paused for too many is read again."""
+        while self._steps.forwards_done:
+            c = self._steps.forwards_done.popleft()
+            c.forwards -= 1
+            if c.paused and c.forwards < self.max_pending_forwards and id(c) in self._conns:
+                c.paused = False
+                c.deadline = time.monotonic() + self.idle_timeout_s
+                self._sel.register(c.sock, selectors.EVENT_READ, c)
+                self._mark_unread(c)
 
     def _mark_unread(self, c: Conn) -> None:
         """Read ``c`` again on the next turn if its TLS layer holds decrypted bytes."""

@@ -48,7 +48,7 @@ class StepPool:
 
     def answer(self, c: Conn, out) -> None:
         """Send ``out`` on ``c`` from a worker (RuntimeError: the pool is shut down)."""
-        self._pool.submit(self._answer, c, out)
+        self._pool.submit(self.send_answer, c, out)
 
     def answered(self, c: Conn, out) -> None:
         """The awaited outcome is here (any thread): the selector thread sends it, unless the client left."""
@@ -68,7 +68,7 @@ class StepPool:
             self.done.append((c, False))
             self._wake()
             return
-        self._answer(c, out)
+        self.send_answer(c, out)
 
     def _forwarded(self, c: Conn, frames: list[pb.Envelope]) -> None:
         try:
@@ -76,11 +76,21 @@ class StepPool:
         except Exception:
             log.exception("forwarded step failed")
         finally:
-            self.forwards_done.append(c)
+            self.forward_finished(c)
+
+    def forward_finished(self, c: Conn) -> None:
+        """A forwarded step of ``c`` has run (any thread). The selector thread counts it on its next turn;
+        it is woken only when ``c`` is paused, waiting for this (a wake-up per step would cost a decode
+        hop two more thread switches). The selector pauses a connection before it takes what finished,
+        so a step finishing meanwhile is either taken then or sees the pause."""
+        self.forwards_done.append(c)
+        if c.paused:
             self._wake()
 
-    def _answer(self, c: Conn, out) -> None:
-        """Send ``out`` (a StepOutcome) on ``c`` and hand the connection back to the selector thread."""
+    def send_answer(self, c: Conn, out) -> None:
+        """Send ``out`` (a StepOutcome) on ``c`` from this thread (which owns ``c`` until then: a worker,
+        or the thread that finished a step started without one) and hand the connection back to the
+        selector thread."""
         keep = False
         try:
             if out.code != "OK":
