@@ -262,9 +262,10 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
     with contextlib.redirect_stdout(out):
         assert args.func(args) == 0
     header, *rows = out.getvalue().splitlines()
-    assert header.split() == ["NODE", "LAYERS", "BACKEND", "LOAD", "SPEED", "RELAY", "HEARTBEAT", "SIGNED",
+    assert header.split() == ["NODE", "MODEL", "LAYERS", "BACKEND", "LOAD", "SPEED", "RELAY", "HEARTBEAT", "SIGNED",
                               "ADDRESS", "DATA", "DEVICE"]
-    cells = {r.split()[0]: r.split() for r in rows}
+    cells = {r.split()[0]: r.split()[:1] + r.split()[2:] for r in rows}  # MODEL checked below
+    assert {r.split()[0]: r.split()[1] for r in rows}[me.node_id] == info.model.sha256[:12]
     assert cells[me.node_id][1:5] == ["[0,", "15)/30", "vulkan", "3/4"]
     assert cells[me.node_id][5:8] == ["12.5", "tok/s", "direct"]
     assert cells[me.node_id][8].endswith("s") and float(cells[me.node_id][8][:-1]) < 5
@@ -295,8 +296,8 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
             "weight_bytes": 1_755_000_000}
     reply = stub.ListNodes(pb.Empty(), timeout=5)
     header, *rows = format_nodes(reply, {me.node_id: load}).splitlines()
-    assert header.split()[5:9] == ["KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE", "WEIGHTS"]
-    cells = {r.split()[0]: r.split() for r in rows}
+    assert header.split()[6:10] == ["KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE", "WEIGHTS"]
+    cells = {r.split()[0]: r.split()[:1] + r.split()[2:] for r in rows}
     assert cells[me.node_id][7:16] == ["120/400/8192", "6.5", "(max", "40)", "2", "(1.2", "ms)", "1.6", "GiB"]
     assert cells["legacy"][7:11] == ["-", "-", "-", "-"]
 

@@ -113,17 +113,19 @@ def nodes_dict(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) 
 
 
 def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) -> str:
-    """An aligned table, one row per node, or a line saying none is registered. ``loads`` (node id ->
+    """An aligned table, one row per node (its model's id shortened to 12 hex digits, as ``meshnet ledger``
+    prints it), or a line saying none is registered. ``loads`` (node id ->
     :func:`node_load`) adds the KV, BATCH_ROWS, QUEUE and WEIGHTS columns; "-" where a node did not answer."""
     if not reply.nodes:
         return "no nodes registered"
     load_head = ("KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE", "WEIGHTS") if loads is not None else ()
-    rows = [("NODE", "LAYERS", "BACKEND", "LOAD", "SPEED", *load_head, "RELAY", "HEARTBEAT", "SIGNED", "ADDRESS",
+    rows = [("NODE", "MODEL", "LAYERS", "BACKEND", "LOAD", "SPEED", *load_head, "RELAY", "HEARTBEAT", "SIGNED", "ADDRESS",
              "DATA", "DEVICE")]
     for s in reply.nodes:
         i = s.info
         load = _load_cells(loads.get(i.node_id)) if loads is not None else ()
-        rows.append((i.node_id, f"[{i.layers.start}, {i.layers.end})/{i.model.n_layer}", i.backend or "cpu",
+        # The model's id as the ledger prints it: a tracker may serve nodes of several models.
+        rows.append((i.node_id, i.model.sha256[:12] or "-", f"[{i.layers.start}, {i.layers.end})/{i.model.n_layer}", i.backend or "cpu",
                      f"{s.active_sessions}/{i.max_sessions}", f"{i.decode_tokens_per_s:.1f} tok/s", *load,
                      _relay(s), f"{s.last_heartbeat_age_s:.1f}s ago", "yes" if s.signed else "no", i.address,
                      i.data_address or "-", _device_cell(i)))
