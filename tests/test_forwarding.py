@@ -7,6 +7,8 @@ import socket
 
 import pytest
 
+from mesh_util import wait_for
+
 from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import GREEDY
 from meshnet.generation import Generation
@@ -81,6 +83,38 @@ def test_a_middle_node_that_lost_the_session_is_rebuilt_by_replay(mesh, tok, sol
     assert client.failovers == 1
     client.close()
     assert [n.active_sessions() for n in nodes] == [0, 0, 0]
+
+
+def test_a_node_that_loses_the_session_step_after_step_is_given_up_with_the_reason(mesh, tok, solo):
+    """Every replay costs the whole history: a node that frees the session again at once (an idle timeout
+    shorter than a step) is given up after MAX_LOSSES_IN_A_ROW steps in a row, instead of replaying for
+    ever; losses that are not in a row are rebuilt each time, with the solo output."""
+    from meshnet.client.mesh_client import MAX_LOSSES_IN_A_ROW, MeshUnavailable
+
+    nodes = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
+    client = MeshClient(mesh.tracker, forwarding=True)
+
+    def drop_on_mid(when):
+        def step_done(i: int) -> None:
+            if when(i):
+                sid = next(iter(client._sessions))
+                nodes[1].stub().Release(pb.SessionRequest(session_id=sid), timeout=5)
+        return step_done
+
+    def generate(prompt_ids, after_token) -> list[int]:
+        gen = Generation(client, tok, prompt_ids, 20, GREEDY, stop_at_eog=False)
+        for i, _ in enumerate(gen):
+            after_token(i)
+        return gen.result.generated_token_ids
+
+    assert generate(solo.prompt_ids(2), drop_on_mid(lambda i: i >= 3 and i % 2 == 1)) == solo.greedy(2, 20)
+    assert client.failovers == 8  # tokens 4, 6, ... 18 (0-based 3, 5, ... 17): a loss every other step
+    with pytest.raises(MeshUnavailable) as e:
+        generate(solo.prompt_ids(2), drop_on_mid(lambda i: i >= 3))
+    assert f"lost it {MAX_LOSSES_IN_A_ROW} steps in a row" in str(e.value) and "b-mid" in str(e.value)
+    assert client.failovers == 8 + MAX_LOSSES_IN_A_ROW - 1  # the last loss is not replayed
+    client.close()
+    assert wait_for(lambda: [n.active_sessions() for n in nodes] == [0, 0, 0], 10) is not None
 
 
 # ---- the tail's await registry, plain data ---------------------------------------------------------------

@@ -41,6 +41,9 @@ log = logging.getLogger("meshnet.client")
 # How long the release at a session's end waits for each hop (seconds) before the orphan releaser
 # takes the hop over: the generation's caller should not wait on a stopped node.
 RELEASE_WAIT_S = 1.0
+# Steps in a row that may find one node had lost the session (each rebuilt there by a replay of the
+# whole history) before the session is given up: a restarted engine worker loses it once.
+MAX_LOSSES_IN_A_ROW = 4
 
 
 def context_length(hops: list[RemoteStage]) -> int:
@@ -149,6 +152,7 @@ class MeshClient:
         forward = False  # whether the last attempt was forwarded (which hops ran it is then unknown)
         failed_at: dict[str, str] = {}  # node id -> the address it failed at: routes exclude these
         lost: set[str] = set()  # nodes that answered NOT_FOUND for this session: replayed, not excluded
+        lost_this_step: set[str] = set()
         # What each hop received for this step, kept across attempts: after a failover the step resumes
         # at the first changed hop, because the hops before it already ran this step.
         step_inputs: list[NamedTensor | None] = [None] * len(log_.hops)
@@ -169,6 +173,7 @@ class MeshClient:
                 else:
                     result = self._run(log_, req, decode, start, step_inputs)
                 if result.ok:
+                    log_.lost_in_a_row = {n: log_.lost_in_a_row.get(n, 0) + 1 for n in lost_this_step}
                     log_.steps.append(RecordedStep(replace(req, hidden=None), decode, list(step_inputs),
                                                    through=1 if forward else len(log_.hops)))
                     # The position of the token this step delivers (see below for verification steps).
@@ -188,9 +193,18 @@ class MeshClient:
             except SessionLost as f:
                 # The node serves, but no longer holds the session (its engine restarted, or it freed the
                 # session as idle): rebuild it there by replaying, like a changed hop.
+                if log_.lost_in_a_row.get(f.node_id, 0) + 1 >= MAX_LOSSES_IN_A_ROW:
+                    # Each replay costs the whole history: a node that frees the session again at once
+                    # (an idle timeout shorter than a step, memory it keeps running out of) is given up.
+                    self.release(req.session_id, fence=True)  # steps of it may still be on their way
+                    raise MeshUnavailable(
+                        f"session {req.session_id}: node {f.node_id} lost it {MAX_LOSSES_IN_A_ROW} steps in a row, "
+                        f"each time rebuilt by a replay (it frees sessions at once: its --idle-timeout is "
+                        f"shorter than a step, or its memory runs out); last: {f}")
                 log.warning("session %s: %s; replaying it", req.session_id, f)
                 deadline = deadline or time.monotonic() + self.failover_deadline_s
                 lost.add(f.node_id)
+                lost_this_step.add(f.node_id)
             except StageFailure as f:
                 log.warning("session %s: %s; failing over", req.session_id, f)
                 deadline = deadline or time.monotonic() + self.failover_deadline_s

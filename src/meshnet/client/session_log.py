@@ -36,6 +36,8 @@ class SessionLog:
     # Leading hops whose KV caches hold every recorded step; fewer while a replay is under way (a node
     # failing in the middle of one leaves the hops after `intact` with only part of the history).
     intact: int = 1 << 30
+    # Node id -> the steps in a row, up to the last one, that found the node had lost the session.
+    lost_in_a_row: dict[str, int] = field(default_factory=dict)
 
 
 def same_ranges(old: list[RemoteStage], new: list[RemoteStage]) -> bool:
