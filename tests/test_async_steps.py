@@ -5,6 +5,9 @@ included; larger steps, failure notes and a draining node take the threaded path
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
+
+import pytest
 
 from meshnet.contract import LayerRange, SampledToken, Status, StepRequest, StepResult
 from meshnet.node.config import NodeConfig
@@ -127,3 +130,75 @@ def test_an_async_call_gets_the_workers_answer_or_its_death():
         assert "engine worker died during prefill (killed by SIGKILL)" in str(got[0])
     finally:
         sup.stop()
+
+
+class StubForwarder:
+    """Has no pooled connection until it has connected once."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bool, str]] = []  # (hop, connect, thread)
+        self.connected = False
+
+    def send(self, hop, frames, connect=True):
+        from meshnet.node.forwarding import WouldConnect
+
+        if not connect and not self.connected:
+            raise WouldConnect(hop.data_address)
+        self.connected = True
+        self.sent.append((hop.node_id, connect, threading.current_thread().name))
+        return None
+
+
+def test_a_step_that_needs_a_new_connection_is_sent_on_from_a_thread_of_its_own():
+    """Connecting to a node that accepts and then hangs takes the forwarder's timeout: never on the thread
+    that hands out every other step's answer."""
+    engine = StubWorkerEngine()
+    svc = _service(engine)
+    svc.forwarder = StubForwarder()
+    hops = [pb.ForwardHop(node_id="tail", data_address="127.0.0.1:9")]
+    req = StepRequest("s1", 3, 40, (5,), step_id=41)
+    done = threading.Event()
+    assert svc.start_forward(request_to_frames(req, True, next_hops=hops), done.set)
+    hidden = StepResult(Status.OK, hidden=_hidden(), n_past=41)
+    engine.started[0][2](hidden)
+    assert done.wait(10)
+    assert svc.forwarder.sent == [("tail", True, "forward-connect")]
+    done.clear()
+    assert svc.start_forward(request_to_frames(replace(req, position=41, step_id=42), True, next_hops=hops), done.set)
+    engine.started[1][2](hidden)  # pooled now: sent on by the thread that handed out the answer
+    assert done.is_set() and svc.forwarder.sent[1] == ("tail", False, threading.current_thread().name)
+
+
+def _hidden():
+    import numpy as np
+
+    from meshnet.contract import NamedTensor
+
+    return NamedTensor("hidden", (1, 8), "f32", np.arange(8, dtype=np.float32).tobytes())
+
+
+def test_the_forwarder_refuses_to_connect_when_asked_not_to_and_reuses_its_connection():
+    from meshnet.node.forwarding import Forwarder, WouldConnect
+    from meshnet.wire.data_plane_server import DataPlaneServer
+
+    got: list[list[pb.Envelope]] = []
+    arrived = threading.Semaphore(0)
+
+    def run_forward(frames) -> None:
+        got.append(frames)
+        arrived.release()
+
+    server = DataPlaneServer("127.0.0.1", 0, lambda frames: None, "tok", run_forward=run_forward)
+    server.start()
+    fwd = Forwarder("tok")
+    try:
+        hop = pb.ForwardHop(node_id="n", data_address=f"127.0.0.1:{server.port}")
+        frames = request_to_frames(StepRequest("s", 1, 0, (1,), step_id=1), True)
+        with pytest.raises(WouldConnect):
+            fwd.send(hop, frames, connect=False)
+        assert fwd.send(hop, frames) is None and arrived.acquire(timeout=10)
+        assert fwd.send(hop, frames, connect=False) is None and arrived.acquire(timeout=10)
+        assert [f[0].session_id for f in got] == ["s", "s"] and server.stats["accepted"] == 1
+    finally:
+        fwd.close()
+        server.stop()

@@ -151,6 +151,10 @@ class AwaitedOutcomes:
                                                            "in time (or the await was superseded)"))
 
 
+class WouldConnect(Exception):
+    """Sending on would take a new connection (see Forwarder.send); nothing was sent."""
+
+
 class Forwarder:
     """Sends forwarded steps (FORWARD frames) to other nodes' data planes over pooled connections.
 
@@ -165,19 +169,23 @@ class Forwarder:
         self._pools: dict[str, ConnectionPool] = {}
         self._lock = threading.Lock()
 
-    def send(self, hop: pb.ForwardHop, frames: list[pb.Envelope]) -> pb.HopFailure | None:
+    def send(self, hop: pb.ForwardHop, frames: list[pb.Envelope], connect: bool = True) -> pb.HopFailure | None:
         """Send ``frames`` to ``hop``; None when sent, else the failure naming ``hop`` (UNAVAILABLE).
 
-        A pooled connection the node closed meanwhile is replaced once (its idle timeout, a restart)."""
+        A pooled connection the node closed meanwhile is replaced once (its idle timeout, a restart).
+        ``connect`` False: raises :class:`WouldConnect`, having sent nothing, where that would take a new
+        connection (up to ``timeout_s`` to a node that accepts and then hangs)."""
         payloads = [f.SerializeToString() for f in frames]
         pool = self._pool(hop.data_address)
         error: Exception | None = None
         for _ in range(2):
             try:
-                conn = pool.acquire()
+                conn = pool.acquire(connect=connect)
             except (OSError, DataPlaneError) as e:
                 error = e
                 break
+            if conn is None:
+                raise WouldConnect(hop.data_address)
             try:
                 conn.send(FORWARD, payloads, self.timeout_s)
             except OSError as e:
@@ -189,13 +197,14 @@ class Forwarder:
         return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0,
                              message=f"could not forward to {hop.data_address}: {error}")
 
-    def report(self, tail: pb.ForwardHop, step: pb.Envelope, failure: pb.HopFailure) -> None:
+    def report(self, tail: pb.ForwardHop, step: pb.Envelope, failure: pb.HopFailure, connect: bool = True) -> None:
         """Tell ``tail`` that the step ``step`` heads (its header fields) failed with ``failure``, so it
-        answers the client's await; best effort (a tail that cannot be reached answers no await anyway)."""
+        answers the client's await; best effort (a tail that cannot be reached answers no await anyway).
+        ``connect``: as :meth:`send`."""
         note = pb.Envelope(major=step.major, minor=step.minor, session_id=step.session_id, epoch=step.epoch,
                            position=step.position, step_id=step.step_id, decode=step.decode, n_chunks=1,
                            byte_order="little", failure=failure)
-        self.send(tail, [note])
+        self.send(tail, [note], connect)
 
     def _pool(self, address: str) -> ConnectionPool:
         with self._lock:

@@ -21,7 +21,7 @@ import grpc
 from meshnet.contract import MAX_DRAFT_TOKENS, Status, StepRequest, StepResult
 from meshnet.engine.base import ShardEngine
 from meshnet.node.tensor_source import TensorRequestError, TensorSource
-from meshnet.node.forwarding import AwaitedOutcomes, Forwarder, await_key, next_hops_error
+from meshnet.node.forwarding import AwaitedOutcomes, Forwarder, WouldConnect, await_key, next_hops_error
 from meshnet.node.worker_wire import EngineUnavailable
 
 if TYPE_CHECKING:
@@ -98,12 +98,13 @@ class NodeService(pb_grpc.NodeServicer):
         return self._reply(hops, out, req, decode, res)
 
     def _reply(self, hops, out: StepOutcome, req: StepRequest | None, decode: bool,
-               res: StepResult | None) -> StepOutcome:
-        """What to answer a client's step that ran here with ``out``, once it is forwarded to ``hops``."""
+               res: StepResult | None, connect: bool = True) -> StepOutcome:
+        """What to answer a client's step that ran here with ``out``, once it is forwarded to ``hops``
+        (``connect``: as Forwarder.send)."""
         if not hops or out.code != "OK":
             return self._answer(out, req, res)
         reply = pb.StepReply(n_past=res.n_past)
-        failure = self._forward(req, decode, res, hops)
+        failure = self._forward(req, decode, res, hops, connect)
         if failure is not None:
             reply.failure.CopyFrom(failure)
         return StepOutcome("OK", replies=[reply])
@@ -128,9 +129,11 @@ class NodeService(pb_grpc.NodeServicer):
         """:meth:`run_step` without a thread waiting while the engine worker runs the step: ``answer``
         gets what to answer, once, on the worker channel's reading thread (see :meth:`_start`). Returns
         False, having started nothing, when the step is to run on a thread of its own."""
-        def reply(head, out, req, decode, res) -> None:
+        def reply(head, out, req, decode, res, connect) -> None:
             try:
-                outcome = self._reply(head.next_hops, out, req, decode, res)
+                outcome = self._reply(head.next_hops, out, req, decode, res, connect)
+            except WouldConnect:
+                raise
             except Exception as e:  # noqa: BLE001 - the connection waits for an answer: it gets one
                 log.exception("step of session %s failed after it ran", head.session_id)
                 outcome = StepOutcome("INTERNAL", f"node {self.node_id}: {type(e).__name__}: {e}")
@@ -145,21 +148,26 @@ class NodeService(pb_grpc.NodeServicer):
         if frames[0].HasField("failure"):
             return False
 
-        def carry_on(head, out, req, decode, res) -> None:
+        def carry_on(head, out, req, decode, res, connect) -> None:
             try:
-                self._pass_on(head, out, req, decode, res)
-            finally:
-                done()
+                self._pass_on(head, out, req, decode, res, connect)
+            except WouldConnect:
+                raise  # carried on again on a thread of its own, which says done
+            except Exception:  # noqa: BLE001 - as run_forward's pool thread does: logged, the step dropped
+                log.exception("forwarded step of session %s failed after it ran", head.session_id)
+            done()
 
         return self._start(frames, carry_on)
 
     def _start(self, frames: list[pb.Envelope], then: Callable) -> bool:
-        """Start a step whose engine worker's answer carries it on: ``then(head, out, req, decode, res)``
-        runs on the worker channel's reading thread, so a decode step's hop costs no thread hand-off in
-        this process (measured on a 3-node loopback mesh: 0.1 to 0.25 ms less CPU a token per node, 6%
+        """Start a step whose engine worker's answer carries it on: ``then(head, out, req, decode, res,
+        connect)`` runs on the worker channel's reading thread, so a decode step's hop costs no thread
+        hand-off in this process (measured on a 3-node loopback mesh: 0.1 to 0.25 ms less CPU a token per node, 6%
         more tokens/s at one stream). Only small steps go this way: at most ``ASYNC_STEP_TOKENS`` tokens
         (a decode or verification step; a prefill's output, up to many MB, must not hold up the answers
-        of other steps while it is sent on). Returns False, having started nothing, for an engine in this
+        of other steps while it is sent on), and sent on over a pooled connection: where that takes a new
+        one (``then`` raised WouldConnect), ``then`` runs again on a thread of its own, since connecting
+        to a node that accepts and then hangs takes the forwarder's timeout. Returns False, having started nothing, for an engine in this
         process (its answer would come on its scheduler's thread), a route to refuse, a draining node,
         frames that do not decode, or a larger step."""
         start = getattr(self.engine, "start_step", None)
@@ -177,7 +185,11 @@ class NodeService(pb_grpc.NodeServicer):
 
         def finished(res: StepResult | BaseException) -> None:
             out, res = self._settle(req, decode, res)
-            then(head, out, req, decode, res)
+            try:
+                then(head, out, req, decode, res, False)
+            except WouldConnect:
+                threading.Thread(target=then, args=(head, out, req, decode, res, True), daemon=True,
+                                 name="forward-connect").start()
 
         try:
             start(req, decode, finished)
@@ -186,29 +198,32 @@ class NodeService(pb_grpc.NodeServicer):
         return True
 
     def _pass_on(self, head: pb.Envelope, out: StepOutcome, req: StepRequest | None, decode: bool,
-                 res: StepResult | None) -> None:
+                 res: StepResult | None, connect: bool = True) -> None:
         """What follows a forwarded step (``head``, its first frame) that ran here with ``out``: its output
         goes to the next hop, or, on the tail, its outcome waits for the client's await; a refusal, or a
-        next hop that cannot be reached, goes to the tail as a ``HopFailure``."""
+        next hop that cannot be reached, goes to the tail as a ``HopFailure`` (``connect``: as
+        Forwarder.send)."""
         hops = head.next_hops
         if not hops:
             self.awaited.deliver(await_key(head), self._answer(out, req, res))
             return
-        failure = (self._forward(req, decode, res, hops) if out.code == "OK" else
+        failure = (self._forward(req, decode, res, hops, connect) if out.code == "OK" else
                    pb.HopFailure(node_id=self.node_id, code=out.code, message=out.message,
                                  retry_after_s=-1.0 if out.retry_after_s is None else out.retry_after_s))
         if failure is not None and (failure.node_id != hops[-1].node_id or out.code != "OK"):
-            self.forwarder.report(hops[-1], head, failure)
+            self.forwarder.report(hops[-1], head, failure, connect)
 
     def run_await(self, awaited: pb.AwaitStep, answer):
         """Answer ``answer(StepOutcome)`` with the outcome of the forwarded step ``awaited`` names;
         returns the function that withdraws the await (see AwaitedOutcomes.await_)."""
         return self.awaited.await_(await_key(awaited), answer)
 
-    def _forward(self, req: StepRequest, decode: bool, res: StepResult, hops) -> pb.HopFailure | None:
-        """Send this stage's output for ``req`` to ``hops[0]`` with the rest of the route."""
+    def _forward(self, req: StepRequest, decode: bool, res: StepResult, hops,
+                 connect: bool = True) -> pb.HopFailure | None:
+        """Send this stage's output for ``req`` to ``hops[0]`` with the rest of the route (``connect``:
+        as Forwarder.send)."""
         frames = request_to_frames(replace(req, hidden=res.hidden), decode, next_hops=hops[1:])
-        return self.forwarder.send(hops[0], frames)
+        return self.forwarder.send(hops[0], frames, connect)
 
     @staticmethod
     def _answer(out: StepOutcome, req: StepRequest | None, res: StepResult | None) -> StepOutcome:

@@ -255,14 +255,16 @@ class ConnectionPool:
         self._idle: list[DataPlaneConnection] = []
         self._lock = threading.Lock()
 
-    def acquire(self, timeout_s: float | None = None) -> DataPlaneConnection:
+    def acquire(self, timeout_s: float | None = None, connect: bool = True) -> DataPlaneConnection | None:
         """An idle connection that is still usable (closing the stale ones found), else a new one whose
-        connect and handshake take at most ``timeout_s`` seconds (default the pool's). Raises OSError or
-        DataPlaneError."""
+        connect and handshake take at most ``timeout_s`` seconds (default the pool's); with ``connect``
+        False, None instead of a new one. Raises OSError or DataPlaneError."""
         while True:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
+                if not connect:
+                    return None
                 return DataPlaneConnection(self.address, self.join_token, timeout_s or self.timeout_s, self.tls)
             if conn.reusable():
                 return conn
