@@ -46,9 +46,10 @@ class StepPool:
         """Run a forwarded step's ``frames``; nothing is answered on ``c``."""
         self._pool.submit(self._forwarded, c, frames)
 
-    def answer(self, c: Conn, out) -> None:
-        """Send ``out`` on ``c`` from a worker (RuntimeError: the pool is shut down)."""
-        self._pool.submit(self.send_answer, c, out)
+    def answer(self, c: Conn, data: bytes) -> None:
+        """Send the encoded answer ``data`` (see :func:`encode_outcome`) on ``c`` from a worker
+        (RuntimeError: the pool is shut down)."""
+        self._pool.submit(self._send, c, data)
 
     def answered(self, c: Conn, out) -> None:
         """The awaited outcome is here (any thread): the selector thread sends it, unless the client left."""
@@ -91,12 +92,18 @@ class StepPool:
         """Send ``out`` (a StepOutcome) on ``c`` from this thread (which owns ``c`` until then: a worker,
         or the thread that finished a step started without one) and hand the connection back to the
         selector thread."""
+        try:
+            data = encode_outcome(out)
+        except Exception:
+            log.exception("data plane answer failed")
+            self.done.append((c, False))
+            self._wake()
+            return
+        self._send(c, data)
+
+    def _send(self, c: Conn, data: bytes) -> None:
         keep = False
         try:
-            if out.code != "OK":
-                data = encode_messages(ERROR, (encode_error(out.code, out.message, out.retry_after_s),))
-            else:
-                data = encode_messages(REPLY, (r.SerializeToString() for r in out.replies))
             # The worker owns the socket until it hands it back: a blocking send, bounded like a read.
             c.sock.settimeout(self._read_timeout_s)
             c.sock.sendall(data)
@@ -108,3 +115,10 @@ class StepPool:
             log.exception("data plane answer failed")
         self.done.append((c, keep))
         self._wake()
+
+
+def encode_outcome(out) -> bytes:
+    """The bytes that answer a request with ``out`` (a StepOutcome): its REPLY frames, or an ERROR."""
+    if out.code != "OK":
+        return encode_messages(ERROR, (encode_error(out.code, out.message, out.retry_after_s),))
+    return encode_messages(REPLY, (r.SerializeToString() for r in out.replies))
