@@ -175,11 +175,26 @@ def test_bad_load_settings_are_named(field, value):
     (["node", "--engine", "fake", "--advertise", "nope"], "argument --advertise: bad address 'nope'"),
     (["node", "--engine", "fake", "--node-id", "a" * 300],  # the key file's name was too long for the disk
      "argument --node-id: must be 1 to 128 characters, got 300"),
-    (["node", "--engine", "fake", "--node-id", "a b"], "argument --node-id: must be printable characters without spaces"),
+    (["node", "--engine", "fake", "--node-id", "a b"], "argument --node-id: may hold only ASCII letters, digits"),
     (["node", "--engine", "fake", "--worker-hang-timeout", "0"], "argument --worker-hang-timeout: must be a number of "
                                                                  "seconds > 0, got 0"),
     (["node", "--engine", "fake", "--drain-timeout", "-1"], "argument --drain-timeout: must be a number of seconds >= 0"),
-    (["tracker", "--heartbeat", "1e300"], "argument --heartbeat: must be at most 3600 seconds"),  # killed its thread
+    (["tracker", "--heartbeat", "1e300"], "argument --heartbeat: must be 0.05 to 3600 seconds"),  # killed its thread
+    # nodes beat every 0.05 s at most: a tracker asking for less dropped them before their next beat
+    (["tracker", "--heartbeat", "0.01"], "argument --heartbeat: must be 0.05 to 3600 seconds, got 0.01"),
+    (["node", "--engine", "fake", "--worker-hang-timeout", "1e300"],  # its deadline overflowed in a thread
+     "argument --worker-hang-timeout: must be at most 31536000 seconds (a year), got 1e300"),
+    (["node", "--engine", "fake", "--tracker", "::1:7900"],  # gRPC read [::0.1.121.0]:443 and retried forever
+     "argument --tracker: bad address '::1:7900': an IPv6 address goes in brackets, e.g. [::1]:7700"),
+    (["node", "--engine", "fake", "--node-id", "a/b"],  # a/b and a_b shared one key file
+     "argument --node-id: may hold only ASCII letters, digits, '.', '_' and '-', got 'a/b'"),
+    (["node", "--engine", "fake", "--tls-key", "key.pem"], "error: --tls-cert and --tls-key go together"),  # plaintext
+    (["node", "--engine", "fake", "--max-sessions", str(10**12)],  # overflowed a 32-bit field in a thread
+     "error: bad load settings: max_sessions=1000000000000 (<= 65536)"),
+    (["api", "--max-body-mb", "-1"], "argument --max-body-mb: must be a number > 0, got -1"),  # every request 413
+    (["up", "--timeout", "nan", "--dashboard-port", "-1"], "argument --timeout: must be a finite number of seconds"),
+    (["generate", "--n-ctx", str(10**12), "hi"],
+     "error: not enough memory to load layers 0:30 of "),
     (["tracker", "--port", "70000"], "argument --port: must be in 0..65535"),
     (["up", "--heartbeat", "nan"], "argument --heartbeat: must be a finite number of seconds, got nan"),
     (["api", "--max-concurrency", "0"], "argument --max-concurrency: must be >= 1, got 0"),
@@ -197,7 +212,7 @@ def test_ports_and_timeouts_out_of_range_are_refused_up_front(args, message):
     (["--model", "/tmp"], "error: model '/tmp' is neither a file nor a bundled model (smollm2, gemma3-270m)"),
     # KV cells for 10**12 tokens take more than any address space: the load fails, in one line.
     (["--model", "smollm2", "--n-ctx", str(10**12)],
-     "error: not enough memory to load layers all of smollm2 with n_ctx=1000000000000"),
+     "error: not enough memory to load every layer of smollm2 with n_ctx=1000000000000"),
 ])
 def test_a_node_that_cannot_load_says_why_in_one_line(args, message):
     import subprocess
@@ -225,3 +240,20 @@ def test_tls_files_that_are_not_pem_are_named_at_start(tmp_path):
     r = subprocess.run([*cli, "generate", "--tracker", "127.0.0.1:9", "--tls-ca", str(junk), "hi"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and f"cannot read TLS CA certificate '{junk}'" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("flag,what", [("--port", "127.0.0.1:{port}: the port is taken"),
+                                       ("--data-port", "127.0.0.1:{port} (the data plane): Address already in use")])
+def test_a_node_on_a_taken_port_says_so_in_one_line(flag, what):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--engine", "fake", flag, str(port)],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"error: cannot listen on {what.format(port=port)}" in r.stderr
+    assert "Traceback" not in r.stderr

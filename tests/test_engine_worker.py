@@ -190,9 +190,9 @@ def test_a_load_that_runs_out_of_memory_names_the_settings_that_size_it():
 
     cfg = NodeConfig(model="smollm2", layers=None, n_ctx=10**12, engine="ggml")
     assert load_failure(OSError(errno.ENOMEM, "Cannot allocate memory"), cfg) == (
-        "not enough memory to load layers all of smollm2 with n_ctx=1000000000000, kv_tokens=0, max_sessions=16 "
+        "not enough memory to load every layer of smollm2 with n_ctx=1000000000000, kv_tokens=0, max_sessions=16 "
         "([Errno 12] Cannot allocate memory); lower them")
-    assert load_failure(MemoryError(), cfg).startswith("not enough memory to load layers all of smollm2")
+    assert load_failure(MemoryError(), cfg).startswith("not enough memory to load every layer of smollm2")
     assert load_failure(FileNotFoundError("model '/tmp' is neither a file nor a bundled model"), cfg) == (
         "model '/tmp' is neither a file nor a bundled model")
     assert load_failure(KeyError("x"), cfg) == "KeyError: 'x'"

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 
 from meshnet.wire.security import check_address
 
 # Node ids name the node's key file (``node-<id>.key``) and travel in every tracker message: file names
 # stop at 255 bytes on common file systems.
 NODE_ID_MAX_CHARS = 128
-# The longest heartbeat interval, seconds (a node silent for three is gone; an hour is already unusable).
-MAX_HEARTBEAT_S = 3600.0
+# The heartbeat intervals allowed, seconds: nodes beat at most every MIN_HEARTBEAT_S (a tracker asking
+# for less would drop them before their next beat), and a node silent for three intervals is gone (an
+# hour is already unusable).
+MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.05, 3600.0
+# The longest duration any flag takes, seconds (a year: "never"); beyond, deadlines overflow.
+MAX_SECONDS = 365 * 86400.0
 
 
 def port_number(text: str) -> int:
@@ -33,14 +38,14 @@ def positive_seconds(text: str) -> float:
     value = _seconds(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
-    return value
+    return _at_most_a_year(value, text)
 
 
 def heartbeat_seconds(text: str) -> float:
-    """A heartbeat interval: > 0 and at most MAX_HEARTBEAT_S."""
-    value = positive_seconds(text)
-    if value > MAX_HEARTBEAT_S:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_HEARTBEAT_S:g} seconds, got {text}")
+    """A heartbeat interval: MIN_HEARTBEAT_S to MAX_HEARTBEAT_S."""
+    value = _seconds(text)
+    if not MIN_HEARTBEAT_S <= value <= MAX_HEARTBEAT_S:
+        raise argparse.ArgumentTypeError(f"must be {MIN_HEARTBEAT_S:g} to {MAX_HEARTBEAT_S:g} seconds, got {text}")
     return value
 
 
@@ -49,6 +54,14 @@ def seconds(text: str) -> float:
     value = _seconds(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text}")
+    return _at_most_a_year(value, text)
+
+
+def positive_number(text: str) -> float:
+    """A finite number > 0 (a size limit)."""
+    value = _parse(text, float, "a number")
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
     return value
 
 
@@ -70,11 +83,12 @@ def host_port(text: str) -> str:
 
 
 def node_id(text: str) -> str:
-    """A node id: 1 to NODE_ID_MAX_CHARS printable characters, no spaces."""
+    """A node id: 1 to NODE_ID_MAX_CHARS letters, digits, ``.``, ``_`` and ``-`` (it names the node's key
+    file, so two ids must never map to one file name)."""
     if not 1 <= len(text) <= NODE_ID_MAX_CHARS:
         raise argparse.ArgumentTypeError(f"must be 1 to {NODE_ID_MAX_CHARS} characters, got {len(text)}")
-    if not text.isprintable() or any(c.isspace() for c in text):
-        raise argparse.ArgumentTypeError(f"must be printable characters without spaces, got {text!r}")
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", text):
+        raise argparse.ArgumentTypeError(f"may hold only ASCII letters, digits, '.', '_' and '-', got {text!r}")
     return text
 
 
@@ -89,4 +103,10 @@ def _seconds(text: str) -> float:
     value = _parse(text, float, "seconds")
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text}")
+    return value
+
+
+def _at_most_a_year(value: float, text: str) -> float:
+    if value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_SECONDS:.0f} seconds (a year), got {text}")
     return value

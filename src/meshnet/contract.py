@@ -11,6 +11,7 @@ Layer ranges are half-open ``[start, end)`` everywhere. How the tail picks token
 from __future__ import annotations
 
 import enum
+import errno
 import math
 from dataclasses import dataclass, field
 
@@ -267,8 +268,8 @@ class AuxiliaryState:
 LOAD_SETTING_LEAST = {"n_threads": 1, "n_ctx": 0, "n_ubatch": 1, "max_sessions": 1, "memory_budget_bytes": 0,
                       "kv_tokens": 0, "prefix_cache": 0, "decode_groups": 0}
 # ... and the most: ggml's compute plans hold at most GGML_MAX_N_THREADS (512) threads (beyond, OpenMP
-# fails to start them and the process exits).
-LOAD_SETTING_MOST = {"n_threads": 512}
+# fails to start them and the process exits); sessions are counted in 32-bit fields on the wire.
+LOAD_SETTING_MOST = {"n_threads": 512, "max_sessions": 65536}
 
 
 @dataclass(frozen=True)
@@ -324,6 +325,17 @@ class LoadSpec:
         bad += [f"{name}={getattr(self, name)} (<= {high})" for name, high in LOAD_SETTING_MOST.items()
                 if getattr(self, name) > high]
         return f"bad load settings: {', '.join(bad)}" if bad else None
+
+
+def load_failure(e: Exception, what: str) -> str:
+    """One line saying why loading ``what`` (e.g. "layers 0:12 of smollm2 with n_ctx=4096") failed with
+    ``e``: a ValueError's message already says it (a bad model, range or setting), and so does an OSError's
+    (a missing or unreadable file); memory running out names ``what``, whose settings size the memory."""
+    if isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno == errno.ENOMEM):
+        return f"not enough memory to load {what} ({e or 'MemoryError'}); lower them"
+    if isinstance(e, (ValueError, OSError)):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
 
 
 # The help of ``--no-huge-pages`` (``LoadSpec.huge_pages``), the same on every command that loads stages.

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 from tqdm import tqdm
 
 from meshnet.chain import LocalChain
-from meshnet.contract import ArtifactId, LayerRange, LoadSpec
+from meshnet.contract import ArtifactId, LayerRange, LoadSpec, load_failure
 from meshnet.layer_split import balanced_split, layer_costs
 from meshnet.engine.ggml_engine import GgmlEngine
 from meshnet.model.gguf_file import open_gguf
@@ -49,7 +49,8 @@ def load_local_chain(model_path: str, ranges: Sequence[LayerRange], n_threads: i
     on stderr) and chain them.
 
     Raises:
-        ValueError: a stage failed to load; the message is the engine's (bad file, range, type).
+        ValueError: a stage failed to load; the message is the engine's (bad file, range, type), or
+            says that memory ran out.
     """
     engines = []
     bar = tqdm(ranges, desc="loading layer ranges", unit="stage", file=sys.stderr, disable=not progress,
@@ -57,8 +58,11 @@ def load_local_chain(model_path: str, ranges: Sequence[LayerRange], n_threads: i
     for r in bar:
         bar.set_postfix_str(f"layers {r}")
         eng = engine_factory()
-        out = eng.load(LoadSpec(path=str(model_path), artifact=ArtifactId("", r), n_threads=n_threads,
-                                n_ctx=n_ctx, **spec_kw))
+        try:
+            out = eng.load(LoadSpec(path=str(model_path), artifact=ArtifactId("", r), n_threads=n_threads,
+                                    n_ctx=n_ctx, **spec_kw))
+        except (MemoryError, OSError) as e:
+            raise ValueError(load_failure(e, f"layers {r} of {model_path} with n_ctx={n_ctx}")) from None
         if not out.ok:
             raise ValueError(out.message)
         engines.append(eng)

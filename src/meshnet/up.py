@@ -18,7 +18,7 @@ import time
 import grpc
 from tqdm import tqdm
 
-from meshnet.arg_types import heartbeat_seconds, port_number
+from meshnet.arg_types import heartbeat_seconds, port_number, positive_seconds
 from meshnet.contract import LOAD_SETTING_LEAST, LOAD_SETTING_MOST, NO_HUGE_PAGES_HELP
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
 from meshnet.proto import meshnet_pb2 as pb
@@ -49,7 +49,7 @@ def add_up_parser(sub) -> None:
     p.add_argument("--client-orchestrated", action="store_true",
                    help="the API's steps: " + "every step through the client, hop by hop (default: nodes forward hidden states to the next node themselves where the route allows)")
     p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a complete route")
+    p.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds to wait for a complete route")
     p.add_argument("--api-port", type=int, default=8000,
                    help="serve the OpenAI-compatible API on this port (0 = any free port, -1 = no API)")
     add_dashboard_args(p)

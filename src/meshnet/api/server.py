@@ -12,7 +12,7 @@ import time
 
 import uvicorn
 
-from meshnet.arg_types import host_port, port_number, positive_int
+from meshnet.arg_types import host_port, port_number, positive_int, positive_number
 from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.backend import ApiBackend
 from meshnet.contract import NO_HUGE_PAGES_HELP
@@ -43,7 +43,7 @@ def add_api_parser(sub) -> None:
     p.add_argument("--max-concurrency", type=positive_int, default=None,
                    help="generations at once; more wait (default: 8 for a mesh, the stages' session limit "
                         "in process)")
-    p.add_argument("--max-body-mb", type=float, default=MAX_BODY_BYTES / 2**20, help="request body limit, MiB")
+    p.add_argument("--max-body-mb", type=positive_number, default=MAX_BODY_BYTES / 2**20, help="request body limit, MiB")
     local = p.add_argument_group("in-process stages (without --tracker)")
     split = local.add_mutually_exclusive_group()
     split.add_argument("--stages", type=int, default=None, help="split the layers evenly into N ranges")

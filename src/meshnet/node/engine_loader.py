@@ -4,12 +4,12 @@ process itself with ``--in-process-engine``."""
 
 from __future__ import annotations
 
-import errno
 import os
 import time
 import uuid
 from dataclasses import dataclass
 
+from meshnet.contract import load_failure as contract_load_failure
 from meshnet.contract import ArtifactId, Capabilities, LayerRange, LoadSpec, StepRequest, split_layers
 from meshnet.engine.base import ShardEngine
 from meshnet.node.config import NodeConfig
@@ -149,11 +149,6 @@ def load_engine(cfg: NodeConfig, generation: int = 0) -> tuple[ShardEngine, Load
 
 
 def load_failure(e: Exception, cfg: NodeConfig) -> str:
-    """One line saying why loading ``cfg`` failed with ``e``: a ValueError's message is already that
-    (a bad model, range or setting); memory running out names the settings that size the memory."""
-    if isinstance(e, (MemoryError, OSError)) and (isinstance(e, MemoryError) or e.errno == errno.ENOMEM):
-        return (f"not enough memory to load layers {cfg.layers or 'all'} of {cfg.model} with n_ctx={cfg.n_ctx}, "
-                f"kv_tokens={cfg.kv_tokens}, max_sessions={cfg.max_sessions} ({e}); lower them")
-    if isinstance(e, (ValueError, OSError)):  # a bad model, range or setting; a missing or unreadable file
-        return str(e)
-    return f"{type(e).__name__}: {e}"
+    """One line saying why loading ``cfg``'s engine failed with ``e`` (see :func:`meshnet.contract.load_failure`)."""
+    return contract_load_failure(e, f"{f'layers {cfg.layers}' if cfg.layers else 'every layer'} of {cfg.model} "
+                                    f"with n_ctx={cfg.n_ctx}, kv_tokens={cfg.kv_tokens}, max_sessions={cfg.max_sessions}")

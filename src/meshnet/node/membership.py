@@ -14,7 +14,7 @@ from typing import Callable
 
 import grpc
 
-from meshnet.arg_types import MAX_HEARTBEAT_S
+from meshnet.arg_types import MAX_HEARTBEAT_S, MIN_HEARTBEAT_S
 from meshnet.ledger.reporting import WorkReporter
 from meshnet.membership.identity import NodeIdentity
 from meshnet.proto import meshnet_pb2 as pb
@@ -61,7 +61,7 @@ class Membership:
                 if not registered:
                     self._publish()
                     reply = self.tracker.Register(self.identity.sign(self._info()), timeout=5)
-                    interval, registered, warned = min(max(0.05, reply.heartbeat_interval_s), MAX_HEARTBEAT_S), True, False
+                    interval, registered, warned = min(max(MIN_HEARTBEAT_S, reply.heartbeat_interval_s), MAX_HEARTBEAT_S), True, False
                     self.registered.set()
                     log.info("registered with the tracker (heartbeat %.2fs)", interval)
                 else:

@@ -43,7 +43,8 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane_server import DataPlaneServer
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
-from meshnet.wire.security import TlsConfig, add_port, client_ssl_context, make_server, open_channel, server_ssl_context
+from meshnet.wire.security import (TlsConfig, add_port, client_ssl_context, format_address, make_server, open_channel,
+                                   server_ssl_context)
 
 log = logging.getLogger("meshnet.node")
 
@@ -118,18 +119,25 @@ class Node:
             self.server = make_server(cfg.join_token, max_workers=cfg.max_sessions + 8,
                                       maximum_concurrent_rpcs=2 * (cfg.max_sessions + 8))
             pb_grpc.add_NodeServicer_to_server(self.service, self.server)
-            self.port = add_port(self.server, f"{cfg.host}:{cfg.port}", cfg.tls)
-            self.address = cfg.advertise or f"{cfg.host}:{self.port}"
+            try:
+                self.port = add_port(self.server, format_address(cfg.host, cfg.port), cfg.tls)
+            except RuntimeError as e:  # the port is taken, or the host is not this machine's
+                raise ValueError(f"{e}; pass another --port or --host") from None
+            self.address = cfg.advertise or format_address(cfg.host, self.port)
         # Steps also get a TCP data plane (far cheaper per hop than gRPC), over TLS when gRPC is.
         if cfg.data_plane and not cfg.relay:
             tls = server_ssl_context(cfg.tls) if cfg.tls is not None else None
-            self.data_plane = DataPlaneServer(cfg.host, cfg.data_port, self.service.run_step, cfg.join_token,
-                                              tls=tls, run_forward=self.service.run_forward,
-                                              start_step=self.service.start_step,
-                                              start_forward=self.service.start_forward,
-                                              run_await=self.service.run_await, workers=cfg.max_sessions + 2)
-            adv_host = (cfg.advertise or cfg.host).rsplit(":", 1)[0] if cfg.advertise else cfg.host
-            self.data_address = f"{adv_host}:{self.data_plane.port}"
+            try:
+                self.data_plane = DataPlaneServer(cfg.host, cfg.data_port, self.service.run_step, cfg.join_token,
+                                                  tls=tls, run_forward=self.service.run_forward,
+                                                  start_step=self.service.start_step,
+                                                  start_forward=self.service.start_forward,
+                                                  run_await=self.service.run_await, workers=cfg.max_sessions + 2)
+            except OSError as e:
+                raise ValueError(f"cannot listen on {format_address(cfg.host, cfg.data_port)} (the data plane): "
+                                 f"{e.strerror or e}; pass another --data-port") from None
+            adv_host = cfg.advertise.rsplit(":", 1)[0] if cfg.advertise else cfg.host
+            self.data_address = format_address(adv_host, self.data_plane.port)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -332,6 +340,9 @@ def run_node(args: argparse.Namespace) -> int:
     if cpu is not None:
         pin_to_cpu(cpu)  # before loading, so the engine's threads start pinned
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
     tls = TlsConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
     model = args.model
     if getattr(args, "fetch", None):

@@ -200,10 +200,11 @@ def add_port(server: grpc.Server, address: str, tls: TlsConfig | None) -> int:
             port = server.add_insecure_port(address)
         else:
             port = server.add_secure_port(address, server_credentials(tls.cert, tls.key))
-    except RuntimeError as e:
-        raise RuntimeError(f"cannot listen on {address}: {e}") from None
+    except RuntimeError:
+        port = 0  # gRPC says only "Failed to bind", with a hint about its debug logging
     if not port:
-        raise RuntimeError(f"cannot listen on {address}")
+        raise RuntimeError(f"cannot listen on {address}: the port is taken, or the host is not an address of "
+                           f"this machine")
     return port
 
 
@@ -257,9 +258,13 @@ def check_address(address: str) -> None:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
         raise ValueError(f"bad address {address!r}: expected HOST:PORT with a port in 1..65535")
-    if "/" in host or any(c.isspace() for c in host):
+    if "/" in host:
         raise ValueError(f"bad address {address!r}: expected HOST:PORT without a scheme or path, "
                          f"e.g. 127.0.0.1:7700")
+    if any(c.isspace() for c in host):
+        raise ValueError(f"bad address {address!r}: a host name has no spaces")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"bad address {address!r}: an IPv6 address goes in brackets, e.g. [::1]:7700")
 
 
 def open_channel(address: str, join_token: str | None = None, tls_ca: str | None = None,
