@@ -82,3 +82,22 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_child_that_refuses_its_settings_is_not_restarted_and_says_why():
+    """Exit status 2 is a node refusing its flags (a model that does not load): restarting it only
+    refuses again, without end."""
+    refuser = [sys.executable, "-c", "import sys; print('error: not enough memory', file=sys.stderr); sys.exit(2)"]
+    out, refused = io.StringIO(), []
+    sup = Supervisor([("r", refuser), ("s", SLEEPER)], policy=RestartPolicy(0.1, 0.4, 30.0), out=out,
+                     on_refused=lambda name, why: refused.append((name, why)))
+    sup.start()
+    try:
+        _wait(lambda: refused)
+        time.sleep(0.5)  # several restart delays: none comes
+        assert refused == [("r", "error: not enough memory")] and sup.restarts == 0
+        assert out.getvalue().splitlines() == [
+            "[meshnet up] node r refused its settings, not restarted: error: not enough memory"]
+        assert sup.pids()["s"] is not None
+    finally:
+        sup.stop(timeout_s=5)

@@ -21,6 +21,9 @@ _POLL_S = 0.1
 _LOG_LINES = 50
 # How long to wait for an exited child's remaining stderr before reporting the exit (seconds).
 _LAST_WORDS_S = 0.5
+# The exit status of a node that refused its settings (a bad flag, a model that does not load): starting
+# it again would only fail again, so it is not restarted.
+EXIT_REFUSED = 2
 
 
 @dataclass
@@ -44,6 +47,8 @@ class Supervisor:
         policy: restart backoff.
         on_exit: called with a child's name right after it exited (before its restart is scheduled),
             from the watcher thread; an exception it raises is reported and otherwise ignored.
+        on_refused: called as ``on_refused(name, last_line)`` from the watcher thread when a child exits
+            with :data:`EXIT_REFUSED` (its settings refused), which is not restarted.
         out: where restart messages go (default stderr), one line each, prefixed ``[meshnet up]``.
 
     Children get stdout discarded and stderr captured; the last lines of stderr are quoted when a child
@@ -52,11 +57,12 @@ class Supervisor:
 
     def __init__(self, children: list[tuple[str, list[str]]], env: dict | None = None,
                  policy: RestartPolicy = RestartPolicy(), on_exit: Callable[[str], None] | None = None,
-                 out: TextIO | None = None) -> None:
+                 out: TextIO | None = None, on_refused: Callable[[str, str], None] | None = None) -> None:
         self.policy = policy
         self._children = [_Child(name, list(argv)) for name, argv in children]
         self._env = env
         self._on_exit = on_exit
+        self._on_refused = on_refused
         self._out = out
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -138,6 +144,13 @@ class Supervisor:
     def _schedule(self, child: _Child, now: float) -> None:
         """``child`` exited: report it and pick when to start it again (lock held)."""
         ran = max(0.0, now - child.started)
+        if child.proc.returncode == EXIT_REFUSED:
+            why = child.log[-1] if child.log else "no output"
+            child.restart_at = float("inf")  # never: it would refuse again
+            self._say(f"node {child.name} refused its settings, not restarted: {why}")
+            if self._on_refused is not None:
+                self._on_refused(child.name, why)
+            return
         decision = next_restart(self.policy, ran, child.quick_exits)
         child.quick_exits, child.restart_at = decision.quick_exits, now + decision.delay_s
         last = " | ".join(list(child.log)[-3:]) or "no output"

@@ -138,9 +138,15 @@ def run_up(args: argparse.Namespace) -> int:
                 for name, r in zip(names, ranges)]
     # A node that died leaves routing at once (not after three silent heartbeats), and its restart can
     # take its id back without being refused as a second claimant.
-    supervisor = Supervisor(children, env=env, on_exit=registry.deregister)
-    supervisor.start()
     stop = threading.Event()
+    refused: list[str] = []
+
+    def on_refused(name: str, why: str) -> None:
+        refused.append(f"node {name} refused its settings: {why.removeprefix('error: ')}")
+        stop.set()
+
+    supervisor = Supervisor(children, env=env, on_exit=registry.deregister, on_refused=on_refused)
+    supervisor.start()
     # Handle SIGINT explicitly too: a shell starts background jobs with SIGINT ignored.
     def on_signal(signum, frame) -> None:
         supervisor.halt()
@@ -187,6 +193,9 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"[meshnet up] {e}", file=sys.stderr)
         code = 1
     finally:
+        if refused:
+            print(f"error: {refused[0]}", file=sys.stderr)
+            code = 2
         if api is not None:
             from meshnet.api.server import stop_api
 
