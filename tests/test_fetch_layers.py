@@ -205,6 +205,12 @@ def test_the_tracker_keeps_a_manifest_only_under_its_own_id(smollm2_path):
         by_name = t.GetManifest(pb.ManifestRequest(model=m.name.upper()), timeout=5)
         assert by_name.model_id == m.id and by_name.manifest == m.compressed()
         assert t.GetManifest(pb.ManifestRequest(), timeout=5).model_id == m.id  # the only one
+        # The short id `meshnet nodes` and `meshnet ledger` print names the model too (8 hex digits at least).
+        assert t.GetManifest(pb.ManifestRequest(model=m.id[:12]), timeout=5).model_id == m.id
+        assert t.GetManifest(pb.ManifestRequest(model=m.id[:8].upper()), timeout=5).model_id == m.id
+        with pytest.raises(grpc.RpcError) as e:
+            t.GetManifest(pb.ManifestRequest(model=m.id[:7]), timeout=5)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
         with pytest.raises(grpc.RpcError) as e:  # a name nobody serves: the error lists what is known
             t.GetManifest(pb.ManifestRequest(model="llama-7b"), timeout=5)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND

@@ -32,7 +32,7 @@ def models_dir() -> Path:
 
 def metadata_gguf(tracker: str, model: str, join_token: str | None = None, tls_ca: str | None = None,
                   cache_dir: str | os.PathLike | None = None) -> tuple[Path, str]:
-    """``(path of a tensor-less GGUF of the model's metadata, model id)`` for ``model`` (an id or a
+    """``(path of a tensor-less GGUF of the model's metadata, model id)`` for ``model`` (an id, its prefix or a
     ``general.name``; empty: the tracker's only model), written once per id into ``cache_dir``
     (default :func:`models_dir`).
 

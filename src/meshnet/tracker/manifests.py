@@ -16,6 +16,8 @@ from meshnet.model.manifest import ModelManifest
 
 # A tracker serves a handful of models; this bounds what unauthenticated publishers can make it hold.
 MAX_MODELS = 64
+# The shortest id prefix that names a model (ids are 64 hex digits; tables print the first 12).
+MIN_ID_PREFIX = 8
 
 
 class ManifestRefused(ValueError):
@@ -70,8 +72,8 @@ class ManifestStore:
             return True
 
     def get(self, model: str) -> tuple[str, bytes]:
-        """``(id, blob)`` of the model whose id or ``general.name`` (case-insensitive) is ``model``; empty:
-        the only model kept. Raises ManifestNotFound."""
+        """``(id, blob)`` of the model whose id, ``general.name`` (case-insensitive) or id prefix (at least
+        MIN_ID_PREFIX hex digits) is ``model``; empty: the only model kept. Raises ManifestNotFound."""
         with self._lock:
             if model in self._by_id:
                 return model, self._by_id[model].blob
@@ -82,11 +84,14 @@ class ManifestStore:
                 raise ManifestNotFound(f"{len(self._by_id)} models are known; name one",
                                        ambiguous=bool(self._by_id))
             hits = [(mid, e) for mid, e in self._by_id.items() if e.name and e.name.lower() == model.lower()]
+            if not hits and len(model) >= MIN_ID_PREFIX and all(c in "0123456789abcdef" for c in model.lower()):
+                # The short id `meshnet nodes` and `meshnet ledger` print (12 hex digits), or any unique prefix.
+                hits = [(mid, e) for mid, e in self._by_id.items() if mid.startswith(model.lower())]
             known = [f"{e.name or '(unnamed)'} ({mid[:12]})" for mid, e in list(self._by_id.items())[:5]]
         if not hits:
             raise ManifestNotFound(f"no manifest for model {model!r}: no node serving it has published one"
                                    + (f"; known: {', '.join(known)}" if known else ""))
         if len(hits) > 1:
-            raise ManifestNotFound(f"{len(hits)} models are named {model!r}: "
+            raise ManifestNotFound(f"{len(hits)} models are named (or start with) {model!r}: "
                                    f"{', '.join(mid for mid, _ in hits)}; give an id", ambiguous=True)
         return hits[0][0], hits[0][1].blob
