@@ -101,3 +101,31 @@ def test_a_child_that_refuses_its_settings_is_not_restarted_and_says_why():
         assert sup.pids()["s"] is not None
     finally:
         sup.stop(timeout_s=5)
+
+
+def test_children_end_when_the_supervisor_is_killed(tmp_path):
+    """A SIGKILLed `meshnet up` left its nodes running: a child that follows its supervisor gets SIGTERM
+    (and drains) when the supervisor dies, however it dies."""
+    import subprocess
+
+    child = ("import signal, sys, time\n"
+             "from meshnet.supervisor import follow_supervisor\n"
+             "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+             "assert follow_supervisor()\n"
+             "time.sleep(120)\n")
+    middle = ("import sys, time\n"
+              "from meshnet.supervisor import Supervisor\n"
+              f"sup = Supervisor([('c', [sys.executable, '-c', {child!r}])])\n"
+              "sup.start()\n"
+              "time.sleep(1.5)\n"
+              "print(sup.pids()['c'], flush=True)\n"
+              "time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-c", middle], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(proc.stdout.readline())
+        assert _alive(pid)
+        proc.kill()
+        proc.wait(10)
+        _wait(lambda: not _alive(pid), 10)
+    finally:
+        proc.kill()

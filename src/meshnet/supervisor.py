@@ -1,10 +1,13 @@
 """Keep a set of child processes running: restart each one that exits, with the backoff of
-:mod:`meshnet.restart_policy`, and say so on stderr. ``meshnet up`` supervises its node processes with it.
+:mod:`meshnet.restart_policy`, and say so on stderr. ``meshnet up`` supervises its node processes with it;
+a child that calls :func:`follow_supervisor` ends when the supervisor dies, however it dies.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -24,6 +27,29 @@ _LAST_WORDS_S = 0.5
 # The exit status of a node that refused its settings (a bad flag, a model that does not load): starting
 # it again would only fail again, so it is not restarted.
 EXIT_REFUSED = 2
+
+
+# Set in every child's environment to the supervisor's pid (see follow_supervisor).
+SUPERVISOR_PID_ENV = "MESHNET_SUPERVISOR_PID"
+
+
+def die_with_parent(sig: int) -> None:
+    """Have the kernel send this process ``sig`` when its parent dies (Linux's PR_SET_PDEATHSIG: strictly,
+    when the parent's thread that started it ends); elsewhere nothing."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def follow_supervisor() -> bool:
+    """In a process a :class:`Supervisor` started: be sent SIGTERM (drain, then exit) when the supervisor
+    dies, so a killed ``meshnet up`` leaves no node running. False when the supervisor is gone already."""
+    pid = os.environ.get(SUPERVISOR_PID_ENV)
+    if not pid:
+        return True
+    die_with_parent(signal.SIGTERM)
+    return os.getppid() == int(pid)  # else it died before the line above took effect
 
 
 @dataclass
@@ -113,7 +139,8 @@ class Supervisor:
 
     def _spawn(self, child: _Child) -> None:
         """Start ``child`` (lock held)."""
-        child.proc = subprocess.Popen(child.argv, env=self._env, stdout=subprocess.DEVNULL,
+        env = {**(self._env if self._env is not None else os.environ), SUPERVISOR_PID_ENV: str(os.getpid())}
+        child.proc = subprocess.Popen(child.argv, env=env, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True)
         child.started, child.restart_at = time.monotonic(), None
         child.pump = threading.Thread(target=self._pump, args=(child, child.proc), daemon=True)

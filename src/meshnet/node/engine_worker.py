@@ -14,7 +14,6 @@ Python runs at all. Opens no network socket. Dies with its node (Linux: the pare
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import queue
@@ -25,6 +24,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from meshnet.node import worker_wire as ww
+from meshnet.supervisor import die_with_parent
 from meshnet.node.engine_loader import load_engine, load_failure, pin_to_cpu
 
 log = logging.getLogger("meshnet.worker")
@@ -36,15 +36,6 @@ INLINE_REPLY_BYTES = 64 << 10
 # The calls a node may make: the ShardEngine interface less load (done once, by LOAD).
 CALLS = frozenset({"prefill", "decode", "cancel", "release", "release_superseded", "release_idle", "session_ids",
                    "health", "metrics", "device_free_bytes"})
-
-
-def _die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when the node process dies (Linux; elsewhere the closed
-    pipe ends it, unless it hangs)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def serve(sock: socket.socket) -> int:
@@ -133,7 +124,7 @@ def serve(sock: socket.socket) -> int:
 
 
 def main(argv: list[str]) -> int:
-    _die_with_parent()
+    die_with_parent(signal.SIGKILL)  # the node died: so does its engine (elsewhere the closed pipe ends it)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
     sock = socket.socket(fileno=int(argv[0]))
     # The node's SIGINT (Ctrl-C in its terminal) and SIGTERM (sent to its process group, as `timeout` and

@@ -39,6 +39,7 @@ from meshnet.node.membership import Membership
 from meshnet.node.relay_link import RelayLink
 from meshnet.arg_types import host_port, node_id, port_number, positive_seconds, seconds
 from meshnet.node.service import NodeService
+from meshnet.supervisor import follow_supervisor
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane_server import DataPlaneServer
@@ -321,6 +322,9 @@ def _fetch_layers(args: argparse.Namespace) -> str:
 
 
 def run_node(args: argparse.Namespace) -> int:
+    if not follow_supervisor():  # started by `meshnet up`, which is gone already
+        print("error: the meshnet up that started this node is gone", file=sys.stderr)
+        return 1
     backend = getattr(args, "backend", "cpu")
     device = getattr(args, "device", 0)
     if device < 0:
