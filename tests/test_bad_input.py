@@ -194,7 +194,7 @@ def test_bad_load_settings_are_named(field, value):
     (["api", "--max-body-mb", "-1"], "argument --max-body-mb: must be a number > 0, got -1"),  # every request 413
     (["up", "--timeout", "nan", "--dashboard-port", "-1"], "argument --timeout: must be a finite number of seconds"),
     (["up", "--n-ctx", str(10**12), "--dashboard-port", "-1", "--port", "0"],  # its nodes were restarted forever
-     "refused its settings: not enough memory to load layers 0:12 of "),
+     "refused its settings: not enough memory to load layers "),  # whichever node refuses first
     (["generate", "--n-ctx", str(10**12), "hi"],
      "error: not enough memory to load layers 0:30 of "),
     (["tracker", "--port", "70000"], "argument --port: must be in 0..65535"),
