@@ -178,7 +178,8 @@ def test_bad_load_settings_are_named(field, value):
     (["node", "--engine", "fake", "--node-id", "a b"], "argument --node-id: may hold only ASCII letters, digits"),
     (["node", "--engine", "fake", "--worker-hang-timeout", "0"], "argument --worker-hang-timeout: must be a number of "
                                                                  "seconds > 0, got 0"),
-    (["node", "--engine", "fake", "--drain-timeout", "-1"], "argument --drain-timeout: must be a number of seconds >= 0"),
+    (["node", "--engine", "fake", "--drain-timeout", "-1"],
+     "argument --drain-timeout: must be a number of seconds >= 0"),
     (["tracker", "--heartbeat", "1e300"], "argument --heartbeat: must be 0.05 to 3600 seconds"),  # killed its thread
     # nodes beat every 0.05 s at most: a tracker asking for less dropped them before their next beat
     (["tracker", "--heartbeat", "0.01"], "argument --heartbeat: must be 0.05 to 3600 seconds, got 0.01"),
@@ -234,8 +235,8 @@ def test_tls_files_that_are_not_pem_are_named_at_start(tmp_path):
     junk = tmp_path / "junk.pem"
     junk.write_text("not a certificate\n")
     cli = [sys.executable, "-m", "meshnet.cli"]
-    r = subprocess.run([*cli, "node", "--engine", "fake", "--port", "0", "--tls-cert", str(junk), "--tls-key", str(junk)],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run([*cli, "node", "--engine", "fake", "--port", "0", "--tls-cert", str(junk),
+                        "--tls-key", str(junk)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"error: TLS certificate '{junk}' and key '{junk}' do not load as a PEM certificate and its private key" \
         in r.stderr

@@ -119,13 +119,15 @@ def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None
     if not reply.nodes:
         return "no nodes registered"
     load_head = ("KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE", "WEIGHTS") if loads is not None else ()
-    rows = [("NODE", "MODEL", "LAYERS", "BACKEND", "LOAD", "SPEED", *load_head, "RELAY", "HEARTBEAT", "SIGNED", "ADDRESS",
+    rows = [("NODE", "MODEL", "LAYERS", "BACKEND", "LOAD", "SPEED", *load_head, "RELAY", "HEARTBEAT", "SIGNED",
+             "ADDRESS",
              "DATA", "DEVICE")]
     for s in reply.nodes:
         i = s.info
         load = _load_cells(loads.get(i.node_id)) if loads is not None else ()
         # The model's id as the ledger prints it: a tracker may serve nodes of several models.
-        rows.append((i.node_id, i.model.sha256[:12] or "-", f"[{i.layers.start}, {i.layers.end})/{i.model.n_layer}", i.backend or "cpu",
+        rows.append((i.node_id, i.model.sha256[:12] or "-", f"[{i.layers.start}, {i.layers.end})/{i.model.n_layer}",
+                     i.backend or "cpu",
                      f"{s.active_sessions}/{i.max_sessions}", f"{i.decode_tokens_per_s:.1f} tok/s", *load,
                      _relay(s), f"{s.last_heartbeat_age_s:.1f}s ago", "yes" if s.signed else "no", i.address,
                      i.data_address or "-", _device_cell(i)))

@@ -150,5 +150,6 @@ def load_engine(cfg: NodeConfig, generation: int = 0) -> tuple[ShardEngine, Load
 
 def load_failure(e: Exception, cfg: NodeConfig) -> str:
     """One line saying why loading ``cfg``'s engine failed with ``e`` (see :func:`meshnet.contract.load_failure`)."""
-    return contract_load_failure(e, f"{f'layers {cfg.layers}' if cfg.layers else 'every layer'} of {cfg.model} "
-                                    f"with n_ctx={cfg.n_ctx}, kv_tokens={cfg.kv_tokens}, max_sessions={cfg.max_sessions}")
+    layers = f"layers {cfg.layers}" if cfg.layers else "every layer"
+    return contract_load_failure(e, f"{layers} of {cfg.model} with n_ctx={cfg.n_ctx}, kv_tokens={cfg.kv_tokens}, "
+                                    f"max_sessions={cfg.max_sessions}")

@@ -61,7 +61,8 @@ class Membership:
                 if not registered:
                     self._publish()
                     reply = self.tracker.Register(self.identity.sign(self._info()), timeout=5)
-                    interval, registered, warned = min(max(MIN_HEARTBEAT_S, reply.heartbeat_interval_s), MAX_HEARTBEAT_S), True, False
+                    interval = min(max(MIN_HEARTBEAT_S, reply.heartbeat_interval_s), MAX_HEARTBEAT_S)
+                    registered, warned = True, False
                     self.registered.set()
                     log.info("registered with the tracker (heartbeat %.2fs)", interval)
                 else:

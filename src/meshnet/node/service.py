@@ -162,14 +162,16 @@ class NodeService(pb_grpc.NodeServicer):
     def _start(self, frames: list[pb.Envelope], then: Callable) -> bool:
         """Start a step whose engine worker's answer carries it on: ``then(head, out, req, decode, res,
         connect)`` runs on the worker channel's reading thread, so a decode step's hop costs no thread
-        hand-off in this process (measured on a 3-node loopback mesh: 0.1 to 0.25 ms less CPU a token per node, 6%
-        more tokens/s at one stream). Only small steps go this way: at most ``ASYNC_STEP_TOKENS`` tokens
-        (a decode or verification step; a prefill's output, up to many MB, must not hold up the answers
-        of other steps while it is sent on), and sent on over a pooled connection: where that takes a new
-        one (``then`` raised WouldConnect), ``then`` runs again on a thread of its own, since connecting
-        to a node that accepts and then hangs takes the forwarder's timeout. Returns False, having started nothing, for an engine in this
-        process (its answer would come on its scheduler's thread), a route to refuse, a draining node,
-        frames that do not decode, or a larger step."""
+        hand-off in this process (measured on a 3-node loopback mesh: 0.1 to 0.25 ms less CPU a token per
+        node). Only small steps go this way, at most ``ASYNC_STEP_TOKENS`` tokens (a decode or verification
+        step: a prefill's output, up to many MB, must not hold up the answers of other steps while it is
+        sent on), and only over a pooled connection: where sending on takes a new one (``then`` raised
+        WouldConnect), ``then`` runs again on a thread of its own, since connecting to a node that accepts
+        and then hangs takes the forwarder's timeout.
+
+        Returns False, having started nothing, for an engine in this process (its answer would come on its
+        scheduler's thread), a route to refuse, a draining node, frames that do not decode, or a larger
+        step: the caller runs it on a thread of its own."""
         start = getattr(self.engine, "start_step", None)
         if start is None or self.draining or len(frames) != 1:
             return False

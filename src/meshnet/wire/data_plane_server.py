@@ -91,7 +91,8 @@ class DataPlaneServer:
 
     def __init__(self, host: str, port: int, run_step: Callable, join_token: str | None = None, *,
                  run_forward: Callable | None = None, run_await: Callable | None = None,
-                 start_step: Callable | None = None, start_forward: Callable | None = None, tls: ssl.SSLContext | None = None,
+                 start_step: Callable | None = None, start_forward: Callable | None = None,
+                 tls: ssl.SSLContext | None = None,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, max_request_bytes: int = MAX_REQUEST_BYTES,
                  max_connections: int = 256, max_pending_forwards: int = MAX_PENDING_FORWARDS,
                  workers: int = 8, auth_timeout_s: float = 10.0,
