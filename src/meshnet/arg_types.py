@@ -11,11 +11,9 @@ import argparse
 import math
 import re
 
+from meshnet.membership.identity import NODE_ID_CHARS, NODE_ID_MAX_CHARS
 from meshnet.wire.security import check_address
 
-# Node ids name the node's key file (``node-<id>.key``) and travel in every tracker message: file names
-# stop at 255 bytes on common file systems.
-NODE_ID_MAX_CHARS = 128
 # The heartbeat intervals allowed, seconds: nodes beat at most every MIN_HEARTBEAT_S (a tracker asking
 # for less would drop them before their next beat), and a node silent for three intervals is gone (an
 # hour is already unusable).
@@ -83,11 +81,10 @@ def host_port(text: str) -> str:
 
 
 def node_id(text: str) -> str:
-    """A node id: 1 to NODE_ID_MAX_CHARS letters, digits, ``.``, ``_`` and ``-`` (it names the node's key
-    file, so two ids must never map to one file name)."""
+    """A node id: 1 to NODE_ID_MAX_CHARS of NODE_ID_CHARS (ASCII letters, digits, ``.``, ``_``, ``-``)."""
     if not 1 <= len(text) <= NODE_ID_MAX_CHARS:
         raise argparse.ArgumentTypeError(f"must be 1 to {NODE_ID_MAX_CHARS} characters, got {len(text)}")
-    if not re.fullmatch(r"[A-Za-z0-9._-]+", text):
+    if not re.fullmatch(f"[{NODE_ID_CHARS}]+", text):
         raise argparse.ArgumentTypeError(f"may hold only ASCII letters, digits, '.', '_' and '-', got {text!r}")
     return text
 

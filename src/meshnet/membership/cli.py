@@ -120,8 +120,7 @@ def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None
         return "no nodes registered"
     load_head = ("KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE", "WEIGHTS") if loads is not None else ()
     rows = [("NODE", "MODEL", "LAYERS", "BACKEND", "LOAD", "SPEED", *load_head, "RELAY", "HEARTBEAT", "SIGNED",
-             "ADDRESS",
-             "DATA", "DEVICE")]
+             "ADDRESS", "DATA", "DEVICE")]
     for s in reply.nodes:
         i = s.info
         load = _load_cells(loads.get(i.node_id)) if loads is not None else ()

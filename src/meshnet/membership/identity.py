@@ -56,6 +56,12 @@ def config_dir() -> Path:
     return Path(base) / "meshnet"
 
 
+# What a node id may hold (``--node-id``): it names the node's key file (``node-<id>.key``), so ids that
+# differ must not map to one file name, and file names stop at 255 bytes on common file systems.
+NODE_ID_CHARS = "A-Za-z0-9._-"
+NODE_ID_MAX_CHARS = 128
+
+
 def default_identity_path(name: str) -> Path:
     """Where a node named ``name`` (its ``--node-id``) keeps its key when ``--identity`` is not given:
     ``<config_dir>/node-<name>.key``, so a named node keeps its id and key across restarts.
@@ -67,7 +73,7 @@ def default_identity_path(name: str) -> Path:
     """
     if not name:
         raise ValueError("a key file is named after a node id; an unnamed node has no default key file")
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    safe = re.sub(f"[^{NODE_ID_CHARS}]", "_", name)
     return config_dir() / f"node-{safe}.key"
 
 

@@ -148,8 +148,12 @@ def load_engine(cfg: NodeConfig, generation: int = 0) -> tuple[ShardEngine, Load
     return engine, info
 
 
+def load_subject(cfg: NodeConfig) -> str:
+    """What ``cfg`` loads, for messages: ``"layers 0:12 of smollm2"``, ``"every layer of smollm2"``."""
+    return f"{f'layers {cfg.layers}' if cfg.layers else 'every layer'} of {cfg.model}"
+
+
 def load_failure(e: Exception, cfg: NodeConfig) -> str:
     """One line saying why loading ``cfg``'s engine failed with ``e`` (see :func:`meshnet.contract.load_failure`)."""
-    layers = f"layers {cfg.layers}" if cfg.layers else "every layer"
-    return contract_load_failure(e, f"{layers} of {cfg.model} with n_ctx={cfg.n_ctx}, kv_tokens={cfg.kv_tokens}, "
+    return contract_load_failure(e, f"{load_subject(cfg)} with n_ctx={cfg.n_ctx}, kv_tokens={cfg.kv_tokens}, "
                                     f"max_sessions={cfg.max_sessions}")

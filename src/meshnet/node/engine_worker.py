@@ -24,8 +24,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from meshnet.node import worker_wire as ww
-from meshnet.supervisor import die_with_parent
 from meshnet.node.engine_loader import load_engine, load_failure, pin_to_cpu
+from meshnet.supervisor import die_with_parent
 
 log = logging.getLogger("meshnet.worker")
 

@@ -23,7 +23,7 @@ from typing import Callable
 
 from meshnet.node import worker_wire as ww
 from meshnet.node.config import NodeConfig
-from meshnet.node.engine_loader import LoadedEngine
+from meshnet.node.engine_loader import LoadedEngine, load_subject
 from meshnet.node.worker_channel import WorkerChannel
 from meshnet.restart_policy import RestartPolicy, next_restart
 
@@ -137,8 +137,8 @@ class WorkerSupervisor:
             ours.close()
             reason = self._exit_reason()
             proc.kill()
-            raise ValueError(f"the engine worker {reason} while loading layers "
-                             f"{self.cfg.layers or 'all'} of {self.cfg.model} (its messages are above)") from None
+            raise ValueError(f"the engine worker {reason} while loading {load_subject(self.cfg)} "
+                             f"(its messages are above)") from None
         except BaseException:
             ours.close()
             proc.kill()

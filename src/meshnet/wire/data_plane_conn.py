@@ -120,3 +120,15 @@ def send_now(sock: socket.socket, kind: int, payload: bytes) -> bool:
         return sock.send(data) == len(data)
     except OSError:
         return False
+
+
+def send_at_once(sock: socket.socket, data: bytes) -> int:
+    """Bytes of ``data`` sent on ``sock`` without blocking (0 when none could be): a small answer fits an
+    empty socket buffer, and sending it from the selector thread saves waking a worker for it. 0 under
+    TLS, whose writes may not be split between this thread and a worker that sends the rest."""
+    if isinstance(sock, ssl.SSLSocket):
+        return 0
+    try:
+        return sock.send(data)
+    except OSError:  # BlockingIOError too; on a broken socket the worker's send meets it and closes
+        return 0

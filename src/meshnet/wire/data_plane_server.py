@@ -42,7 +42,7 @@ from google.protobuf.message import DecodeError
 
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.wire.data_plane import AUTH, AWAIT, ENVELOPE, ERROR, FORWARD, HEADER, MAX_MESSAGE_BYTES, encode_error
-from meshnet.wire.data_plane_conn import Conn, Refuse, send_now
+from meshnet.wire.data_plane_conn import Conn, Refuse, send_at_once, send_now
 from meshnet.wire.data_plane_steps import StepPool, encode_outcome
 
 log = logging.getLogger("meshnet.data_plane")
@@ -340,7 +340,7 @@ class DataPlaneServer:
                 log.exception("data plane answer failed")
                 self._close(c)
                 continue
-            sent = self._send_at_once(c, data)
+            sent = send_at_once(c.sock, data)
             if sent == len(data):
                 c.deadline = time.monotonic() + self.idle_timeout_s
                 continue
@@ -358,20 +358,6 @@ class DataPlaneServer:
             c.deadline = time.monotonic() + self.idle_timeout_s
             self._sel.register(c.sock, selectors.EVENT_READ, c)
             self._mark_unread(c)
-
-    @staticmethod
-    def _send_at_once(c: Conn, data: bytes) -> int:
-        """Bytes of ``data`` sent on ``c`` without blocking: an awaited token's answer (a few hundred bytes)
-        fits the socket's empty buffer, and sending it here saves waking a worker for it on every token.
-        0 under TLS, whose writes may not be split between this thread and a worker."""
-        if isinstance(c.sock, ssl.SSLSocket):
-            return 0
-        try:
-            return c.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            return 0
-        except OSError:
-            return 0  # the worker's send meets the same error and closes the connection
 
     def _take_finished_forwards(self) -> None:
         """Count the forwarded steps that finished; a connection paused for too many is read again."""
