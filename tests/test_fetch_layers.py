@@ -159,7 +159,8 @@ def test_a_node_fetching_the_middle_third_generates_what_whole_file_nodes_do(smo
         b.proc.wait(timeout=30)
         mesh.wait_registered({"a", "c", "f"})
         assert mesh.registered() == {"a", "c", "f"}
-        fetched_run = run_generate(mesh.tracker, "The capital of France is", "--model-id", mid, *args)
+        # the bundled name, as the nodes were started with, names the model's id at the tracker
+        fetched_run = run_generate(mesh.tracker, "The capital of France is", "--model-id", "smollm2", *args)
         assert fetched_run.returncode == 0, fetched_run.stderr
         assert json.loads(fetched_run.stdout.splitlines()[-1])["generated_token_ids"] == ids
         # `meshnet api --model-id` without the file: the same text, under the model's general.name
@@ -185,6 +186,14 @@ def test_a_node_fetching_the_middle_third_generates_what_whole_file_nodes_do(smo
         proc.wait(timeout=10)
     finally:
         mesh.close()
+
+
+def test_a_bundled_name_is_its_model_id(smollm2_path):
+    from meshnet.model.bundled import BUNDLED, tracker_name
+
+    assert BUNDLED["smollm2"].model_id == model_id(smollm2_path)
+    assert tracker_name("smollm2") == model_id(smollm2_path)
+    assert tracker_name("Smollm2 135M 8k Lc100K Mix1 Ep2") == "Smollm2 135M 8k Lc100K Mix1 Ep2"
 
 
 def test_the_tracker_keeps_a_manifest_only_under_its_own_id(smollm2_path):

@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tracker", type=host_port, default=None,
                      help="HOST:PORT of a running mesh's tracker (default: run the stages in this process)")
     gen.add_argument("--model-id", default=None, metavar="ID_OR_NAME",
-                     help="with --tracker, instead of a local --model: the model's id or general.name; the "
+                     help="with --tracker, instead of a local --model: the model's id (or 8+ hex digits of "
+                          "it), general.name or bundled name (smollm2); the "
                           "tokenizer and chat template come from the tracker's manifest")
     gen.add_argument("--wait", type=float, default=0.0,
                      help="with --tracker: seconds to wait for a complete route before giving up")

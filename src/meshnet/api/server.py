@@ -31,7 +31,8 @@ def add_api_parser(sub) -> None:
                    help="GGUF path or bundled name; the file must be readable here (tokenizer, chat template)")
     p.add_argument("--model-id", default=None, metavar="ID_OR_NAME",
                    help="with --tracker, instead of --model: no file here; the model the tracker knows by this "
-                        "id or general.name (tokenizer and chat template from its manifest)")
+                        "id (or 8+ hex digits of it), general.name or bundled name (tokenizer and chat template "
+                        "from its manifest)")
     p.add_argument("--name", default=None, help="the model id clients use (default: the bundled name or "
                                                 "the file's stem)")
     p.add_argument("--host", default="127.0.0.1")
@@ -73,8 +74,12 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
             raise ValueError("--model-id needs --tracker (the tracker holds the model's manifest)")
         from meshnet.client.manifest_source import metadata_gguf, model_name_of
 
+        from meshnet.model.bundled import BUNDLED
+
         path, _ = metadata_gguf(args.tracker, args.model_id, args.join_token, args.tls_ca)
-        model_path, name = str(path), name or model_name_of(path) or args.model_id
+        # served as named: a bundled name as `--model` would serve it, otherwise the model's general.name
+        bundled = args.model_id if args.model_id in BUNDLED else None
+        model_path, name = str(path), name or bundled or model_name_of(path) or args.model_id
     else:
         model_path = str(resolve_model(args.model))
     speculation = speculation_from_args(args, model_path)

@@ -32,20 +32,24 @@ def models_dir() -> Path:
 
 def metadata_gguf(tracker: str, model: str, join_token: str | None = None, tls_ca: str | None = None,
                   cache_dir: str | os.PathLike | None = None) -> tuple[Path, str]:
-    """``(path of a tensor-less GGUF of the model's metadata, model id)`` for ``model`` (an id, its prefix or a
-    ``general.name``; empty: the tracker's only model), written once per id into ``cache_dir``
-    (default :func:`models_dir`).
+    """``(path of a tensor-less GGUF of the model's metadata, model id)`` for ``model`` (an id, its prefix, a
+    ``general.name`` or a bundled name such as ``smollm2``; empty: the tracker's only model), written once
+    per id into ``cache_dir`` (default :func:`models_dir`).
 
     Raises:
         ValueError: the tracker knows no such model (or several by that name), or its manifest does
             not verify against its id.
     """
+    from meshnet.model.bundled import tracker_name
+
     stub = pb_grpc.TrackerStub(open_channel(tracker, join_token, tls_ca))
+    asked = tracker_name(model)
     try:
-        reply = stub.GetManifest(pb.ManifestRequest(model=model), timeout=30)
+        reply = stub.GetManifest(pb.ManifestRequest(model=asked), timeout=30)
         manifest = ModelManifest.from_compressed(reply.manifest, expect_id=reply.model_id)
     except grpc.RpcError as e:
-        raise ValueError(f"tracker {tracker}: {e.details() or e.code().name}") from None
+        known_as = f" ({model} is model {asked[:12]})" if asked != model else ""
+        raise ValueError(f"tracker {tracker}: {e.details() or e.code().name}{known_as}") from None
     except GGUFError as e:
         raise ValueError(f"tracker {tracker}: the manifest of {model!r} does not verify: {e}") from None
     path = Path(cache_dir or models_dir()) / f"{manifest.id}.meta.gguf"

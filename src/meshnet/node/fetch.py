@@ -191,8 +191,10 @@ def fetch_from_tracker(tracker: pb_grpc.TrackerStub, model: str, layers: LayerRa
     Raises:
         FetchError: the tracker has no manifest for ``model`` (or it does not verify), or as fetch_range.
     """
+    from meshnet.model.bundled import tracker_name
+
     try:
-        reply = tracker.GetManifest(pb.ManifestRequest(model=model), timeout=30)
+        reply = tracker.GetManifest(pb.ManifestRequest(model=tracker_name(model)), timeout=30)
         manifest = ModelManifest.from_compressed(reply.manifest, expect_id=reply.model_id)
         nodes = tracker.ListNodes(pb.Empty(), timeout=10).nodes
     except grpc.RpcError as e:

@@ -238,8 +238,9 @@ def add_node_parser(sub) -> None:
     p.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
     p.add_argument("--layers", default=None, help="half-open range START:END, e.g. 0:15")
     p.add_argument("--fetch", default=None, metavar="MODEL",
-                   help="no model file here: fetch only the tensors of --layers (a model id or general.name the "
-                        "tracker knows) from nodes serving it into a range-only GGUF in --models-dir, then serve it")
+                   help="no model file here: fetch only the tensors of --layers (a model id, general.name or "
+                        "bundled name the tracker knows) from nodes serving it into a range-only GGUF in "
+                        "--models-dir, then serve it")
     p.add_argument("--models-dir", default=None,
                    help="where --fetch writes (and resumes) range-only files; default $MESHNET_CACHE_DIR/models "
                         "(~/.cache/meshnet/models)")
