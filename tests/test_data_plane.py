@@ -305,7 +305,6 @@ def test_many_requests_go_out_at_once_and_their_answers_come_back_in_order():
     server.start()
     try:
         conn = DataPlaneConnection(f"127.0.0.1:{server.port}", TOKEN, 5)
-        rows = np.ones((1, model.n_embd), dtype=np.float32)
 
         def step(position: int, n: int = 1) -> list[pb.Envelope]:
             x = NamedTensor.from_numpy("hidden", np.ones((n, model.n_embd), dtype=np.float32))

@@ -15,7 +15,7 @@ from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.node.forwarding import MAX_NEXT_HOPS, AwaitedOutcomes, next_hops_error
 from meshnet.node.service import NodeService, StepOutcome
 from meshnet.proto import meshnet_pb2 as pb
-from meshnet.wire.data_plane import (AUTH, AWAIT, ERROR, FORWARD, HEADER, DataPlaneConnection, decode_error,
+from meshnet.wire.data_plane import (AUTH, AWAIT, ERROR, FORWARD, DataPlaneConnection, decode_error,
                                      encode_messages, recv_message)
 from meshnet.wire.data_plane_conn import FRAME_CHARGE
 from meshnet.wire.data_plane_server import DataPlaneServer

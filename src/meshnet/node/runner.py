@@ -394,10 +394,10 @@ def run_node(args: argparse.Namespace) -> int:
     print(f"MESHNET_NODE_READY node_id={node.node_id} address={node.address} layers={layers}", flush=True)
     dev = node.loaded.device or {}
     # Both addresses: clients dial the data plane for steps, so a firewall must pass it too.
-    log.info("node %s serving layers %s: gRPC %s, data plane %s; %s on %s (%.1f tok/s decode probe)",
+    device = dev.get("description") or dev.get("name")  # the fake engine has none
+    log.info("node %s serving layers %s: gRPC %s, data plane %s; %s%s (%.1f tok/s decode probe)",
              node.node_id, layers, node.address, node.data_address or "off (steps over gRPC)",
-             node.loaded.caps.backend, dev.get("description") or dev.get("name", "?"),
-             node.decode_tokens_per_s)
+             node.loaded.caps.backend, f" on {device}" if device else "", node.decode_tokens_per_s)
     done.wait()
     log.info("draining node %s", node.node_id)
     node.stop(drain=True)
