@@ -67,3 +67,15 @@ def test_bad_speculation_fields_are_400(served, field, value):
     r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, field: value})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
+
+
+def test_an_mtp_request_to_a_model_without_nextn_names_the_model_not_its_path(smollm2_path):
+    from meshnet.api.server import build_backend
+    from meshnet.cli import build_parser
+
+    backend = build_backend(build_parser().parse_args(["api", "--model", str(smollm2_path), "--n-ctx", "256"]))
+    try:
+        assert backend.mtp_problem == (f"needs a model with next-token-prediction layers: {smollm2_path.stem} "
+                                       "(llama) has no nextn tensors (llama.nextn_predict_layers is absent or 0)")
+    finally:
+        backend.close()

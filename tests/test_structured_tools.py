@@ -68,6 +68,47 @@ def test_auto_reads_hermes_blocks_and_bare_calls():
     assert json.loads(bare[0]["function"]["arguments"]) == {"city": "Lima"}
     assert tool_calls_from("It is sunny in Oslo.", plan) is None
     assert tool_calls_from('{"name": "launch_rocket", "arguments": {}}', plan) is None  # not a declared tool
+    # a "name" that is not a string (a list, an object) is content too, not a server error
+    assert tool_calls_from('{"name": [1], "arguments": {}}', plan) is None
+    assert tool_calls_from('{"name": {}, "arguments": {}}', plan) is None
+
+
+def test_an_auto_answer_naming_a_list_is_content_not_a_500(served):
+    """The answer is constrained by response_format to ``{"name": [int]}``: an object whose name is a list."""
+    _, http, _ = served
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"name": {"type": "array", "items": {"type": "integer"}, "maxItems": 1}},
+        "required": ["name"], "additionalProperties": False}}}
+    r = http.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER], "tool_choice": "auto",
+                                                "response_format": fmt, "temperature": 0, "max_tokens": 40})
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    assert msg["tool_calls"] is None and isinstance(json.loads(msg["content"])["name"], list)
+
+
+# pydantic's shape: the parameters point into their own $defs
+CITY_PARAMS = {"$defs": {"City": {"type": "string", "maxLength": 20}}, "type": "object",
+               "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"], "additionalProperties": False}
+FIND = {"type": "function", "function": {"name": "find_city", "parameters": CITY_PARAMS}}
+
+
+def test_required_resolves_each_tools_own_refs_and_allows_one_call_without_parallel_calls(served):
+    _, _, client = served
+    for parallel in (None, False):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        out = client.chat.completions.create(model="smollm2", messages=ASK, tools=[FIND, TIME], tool_choice="required",
+                                             temperature=0, max_tokens=200, **extra)
+        c = out.choices[0]
+        assert c.finish_reason == "tool_calls", c
+        for call in c.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments),
+                                CITY_PARAMS if call.function.name == "find_city" else TIME["function"]["parameters"])
+        if parallel is False:
+            assert len(c.message.tool_calls) == 1
+    plan = plan_tools([FIND, TIME], "required", parallel=False)
+    assert plan.schema["maxItems"] == 1 and plan.schema["$defs"]["tool_0"]["properties"]["city"] == {
+        "$ref": "#/$defs/tool_0/$defs/City"}
+    assert all(call["additionalProperties"] is False for call in plan.schema["items"]["anyOf"])
 
 
 def test_a_template_that_reads_tools_renders_them(tok):

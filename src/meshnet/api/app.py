@@ -301,7 +301,7 @@ class _Api:
         if req.functions or req.function_call not in (None, "none"):
             raise bad_request("functions and function_call are not supported; use tools", "functions",
                               "unsupported_parameter")
-        plan = plan_tools(req.tools, req.tool_choice)
+        plan = plan_tools(req.tools, req.tool_choice, parallel=req.parallel_tool_calls is not False)
         if plan.mode != "none" and req.stream:
             raise bad_request("streaming with tools is not supported; set stream false or tool_choice 'none'",
                               "stream", "unsupported_parameter")

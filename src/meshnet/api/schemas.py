@@ -117,7 +117,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None  # "none", "auto", "required" or {"type": "function", "function": {"name"}}
     functions: list[Any] | None = None  # refused unless empty
     function_call: Any = None  # refused unless "none"
-    parallel_tool_calls: bool | None = None  # accepted, ignored
+    parallel_tool_calls: bool | None = None  # False: one call at most (tool_choice "required")
     modalities: list[str] | None = None  # only ["text"]
     reasoning_effort: str | None = None  # accepted, ignored
 

@@ -88,7 +88,7 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
                                name=name or served_name(args.model), max_concurrency=args.max_concurrency or 8,
                                forwarding=not args.client_orchestrated)
         backend.speculation = speculation
-        backend.mtp_problem = mtp_problem(model_path)
+        backend.mtp_problem = mtp_problem(model_path, backend.model_name)
         return backend
     backend = local_backend(args.model, stages=args.stages, layers=args.layers, n_threads=args.threads,
                             n_ctx=args.n_ctx, name=args.name, progress=sys.stderr.isatty(),
@@ -97,7 +97,7 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
     if args.max_concurrency:
         backend.max_concurrency = min(backend.max_concurrency, args.max_concurrency)
     backend.speculation = speculation
-    backend.mtp_problem = mtp_problem(model_path)
+    backend.mtp_problem = mtp_problem(model_path, backend.model_name)
     return backend
 
 

@@ -7,7 +7,10 @@ and the answer read back as OpenAI ``tool_calls``.
   it is ``<tool_call>{"name", "arguments"}</tool_call>`` blocks (the Hermes format Qwen 2.5 and SmolLM3
   templates teach) or one bare ``{"name", "arguments"}`` object naming a tool; otherwise it is content.
 * ``"required"``: the answer is constrained to a JSON array of ``{"name", "parameters"}`` calls, each a
-  declared tool with arguments valid under its schema (vLLM's schema for ``required``).
+  declared tool with arguments valid under its schema (vLLM's schema for ``required``), no other keys, and
+  one call at most when ``parallel_tool_calls`` is false. Each tool's parameters sit under ``$defs`` with
+  their own ``$ref`` s rewritten, so schemas that point into themselves (``#/$defs/...``, as pydantic
+  writes them) still resolve inside the array.
 * ``{"type": "function", "function": {"name"}}``: the answer is constrained to that tool's arguments.
 """
 
@@ -24,6 +27,7 @@ from meshnet.api.errors import bad_request
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _NO_PARAMETERS = {"type": "object", "properties": {}}
+_VALUE_KEYS = frozenset({"const", "enum", "default", "examples"})  # JSON values inside a schema, not schemas
 
 
 @dataclass(frozen=True)
@@ -42,8 +46,9 @@ class ToolPlan:
         return None if self.mode == "none" or not self.tools else list(self.tools)
 
 
-def plan_tools(tools: list[Any] | None, tool_choice: Any) -> ToolPlan:
-    """Check ``tools`` / ``tool_choice`` and plan their use.
+def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool = True) -> ToolPlan:
+    """Check ``tools`` / ``tool_choice`` and plan their use; ``parallel`` False (``parallel_tool_calls``)
+    allows one call at most.
 
     Raises:
         ApiError: 400 naming the field: a tool that is not ``{"type": "function", "function": {"name", ...}}``,
@@ -62,11 +67,15 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any) -> ToolPlan:
     if choice == "auto":
         return ToolPlan("auto", checked)
     if choice == "required":
-        calls = [{"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                 "parameters": _parameters(t)}, "required": ["name", "parameters"]}
-                 for t in checked]
-        return ToolPlan("required", checked, schema={"type": "array", "minItems": 1,
-                                                     "items": {"type": "object", "anyOf": calls}})
+        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                                   "parameters": {"$ref": f"#/$defs/tool_{i}"}},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for i, t in enumerate(checked)]
+        schema = {"$defs": {f"tool_{i}": _moved(_parameters(t), f"#/$defs/tool_{i}") for i, t in enumerate(checked)},
+                  "type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not parallel:
+            schema["maxItems"] = 1
+        return ToolPlan("required", checked, schema=schema)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None
     if name is None:
@@ -106,7 +115,7 @@ def tool_calls_from(text: str, plan: ToolPlan) -> list[dict] | None:
             obj = json.loads(raw)
         except ValueError:
             return None
-        if not (isinstance(obj, dict) and obj.get("name") in names):
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"] in names):
             return None
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):  # some templates teach arguments as JSON text
@@ -166,3 +175,14 @@ def _tool(tool: Any, i: int) -> dict:
 
 def _parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or _NO_PARAMETERS
+
+
+def _moved(schema: Any, root: str) -> Any:
+    """``schema`` with every local ``$ref`` (``#``, ``#/...``) pointing below ``root`` instead: where the
+    schema goes when it is placed at ``root`` of a larger one. Values (``const``, ``enum``, ...) stay."""
+    if isinstance(schema, dict):
+        return {k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                else v if k in _VALUE_KEYS else _moved(v, root) for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_moved(v, root) for v in schema]
+    return schema
