@@ -336,6 +336,25 @@ def test_unknown_endpoint_and_method_use_openai_errors(http):
     _ok(http)
 
 
+def test_an_internal_error_is_a_500_and_the_connection_keeps_serving(served, monkeypatch):
+    """A bug inside a request (here: planning the tools raising) answers 500 in OpenAI's shape, and the
+    client's keep-alive connection serves its next request (Starlette's handler re-raised to the server,
+    which dropped it)."""
+    import meshnet.api.app as app_module
+
+    def broken(*_a, **_k):
+        raise TypeError("unhashable type: 'list'")
+
+    monkeypatch.setattr(app_module, "plan_tools", broken)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    with httpx.Client(base_url=served[1], timeout=120, limits=httpx.Limits(max_connections=1)) as one:
+        r = one.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "tools": [tool],
+                                                   "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 500 and r.json()["error"] == {"message": "internal error: TypeError", "type":
+                                                              "server_error", "param": None, "code": "internal_error"}
+        assert one.get("/health").status_code == 200  # on the same connection, which stayed open
+
+
 # ---- disconnects ---------------------------------------------------------------------------------
 
 

@@ -1,17 +1,23 @@
-"""ASGI middleware in front of the API: a limit on request bodies, and a count of every answer."""
+"""ASGI middleware in front of the API: a limit on request bodies, a count of every answer, and a 500 for
+a request that fails inside the app."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from meshnet.api.errors import ApiError
 from meshnet.api.metrics import ApiMetrics
 
+log = logging.getLogger("meshnet.api")
+
 
 class BodyLimitAndMetrics:
     """Reads a request's whole body up front, refusing more than ``max_body_bytes`` with 413 (on the
     Content-Length header and on the bytes actually received), then replays it to the app; counts every
-    answer by endpoint and status."""
+    answer by endpoint and status. An exception out of the app is logged and answered 500 here, not
+    re-raised: Starlette's own handler would answer and then re-raise it to the server, which drops the
+    client's keep-alive connection, failing its next request too."""
 
     def __init__(self, app, metrics: ApiMetrics, max_body_bytes: int) -> None:
         self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
@@ -44,10 +50,12 @@ class BodyLimitAndMetrics:
 
         try:
             await self.app(scope, replay, send_wrapper)
-        except Exception:
-            if not status["code"]:
-                self.metrics.requests.labels(endpoint=endpoint, status="500").inc()
-            raise
+        except Exception as e:  # noqa: BLE001 - answered here; see the class docstring
+            log.exception("internal error on %s", scope.get("path", ""))
+            self.metrics.errors.labels(kind="internal_error").inc()
+            if not status["code"]:  # a stream already under way just ends
+                await ApiError(500, f"internal error: {type(e).__name__}", code="internal_error").response()(
+                    scope, _no_receive, send_wrapper)
         finally:
             self.metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
 
