@@ -284,6 +284,14 @@ def test_bad_requests_are_400(backend, http, path, body, param):
     _ok(http)
 
 
+def test_a_body_nested_too_deeply_says_so_not_invalid_json(http):
+    body = b'{"prompt": "x", "stop": ' + b"[" * 300 + b"]" * 300 + b"}"
+    err = _error(http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"}), 400, None)
+    assert err["code"] == "invalid_json" and err["message"].startswith(
+        "the request body nests arrays and objects too deeply to read (Invalid JSON: recursion limit exceeded")
+    _ok(http)
+
+
 def test_a_temperature_too_cold_for_float32_is_greedy(http):
     """1e-38 overflows float32 when the logits are divided by it; the answer is the greedy one."""
     def text(temperature):

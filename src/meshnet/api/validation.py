@@ -36,7 +36,11 @@ def validation_error(errors: list[dict]) -> ApiError:
     kind = err.get("type", "")
     loc = [x for x in err.get("loc", ()) if x != "body"]
     if kind == "json_invalid":
-        return bad_request(f"the request body is not valid JSON: {err.get('msg', '')}", None, "invalid_json")
+        msg = err.get("msg", "")
+        if "recursion limit" in msg:  # pydantic's parser nests at most 255 levels deep
+            return bad_request(f"the request body nests arrays and objects too deeply to read ({msg})", None,
+                               "invalid_json")
+        return bad_request(f"the request body is not valid JSON: {msg}", None, "invalid_json")
     if kind == "model_type" and not loc:
         return bad_request("the request body must be a JSON object", None, "invalid_json")
     param = ".".join(str(x) for x in loc if not _is_type_tag(x)) or None
