@@ -199,6 +199,50 @@ def test_node_restarted_under_its_id_takes_back_its_range_mid_generation(mesh, t
     assert [n.active_sessions() for n in (head, restarted[0], tail)] == [0, 0, 0]
 
 
+def test_node_restarted_under_its_id_at_its_own_address_is_failed_at_once(mesh, tok, solo, caplog):
+    """No spare: after token 10 the middle node is stopped, so that the next forwarded step reaches it and
+    goes no further, then killed and started again at once under the same id and the same ports. That
+    step is lost, yet a process answers Health at the old address by the time the client first probes
+    (its step deadline is 8 s here): the client tells the processes apart by their instance ids (Hop,
+    Health), fails the middle node instead of waiting out its 60-s step timeout and blaming the tail, and
+    replays onto the new process; the 64 ids equal the solo run."""
+    import logging
+    import signal
+
+    from mesh_util import free_port
+
+    from meshnet.client.deadline import DeadlinePolicy
+
+    port, data_port = free_port(), free_port()
+    ports = ("--port", str(port), "--data-port", str(data_port))
+    head, mid, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20", ports), ("d-tail", "20:30")])
+    client = MeshClient(mesh.tracker, failover_deadline_s=30, step_deadline=DeadlinePolicy(floor_s=8.0))
+    restarted: list = []
+
+    def restart() -> None:
+        time.sleep(0.5)  # the next step is sent meanwhile and sits in the stopped node's socket
+        mid.kill()
+        restarted.extend(mesh.start_nodes([("b-mid", "10:20", ports)]))
+
+    thread = threading.Thread(target=restart)
+
+    def kill():
+        mid.proc.send_signal(signal.SIGSTOP)
+        thread.start()
+
+    with caplog.at_level(logging.INFO, logger="meshnet.client"):
+        out = _run_killing(client, tok, solo.prompt_ids(0), kill)
+    thread.join(60)
+    assert out == solo.greedy(0)
+    assert client.failovers == 1
+    assert restarted[0].node_id == "b-mid" and restarted[0].address == mid.address
+    messages = [r.getMessage() for r in caplog.records]
+    assert f"node b-mid at {mid.address} restarted since it was routed to (another process answers)" in messages
+    assert not any("d-tail" in m and "failing over" in m for m in messages), messages
+    client.close()
+    assert [n.active_sessions() for n in (head, restarted[0], tail)] == [0, 0, 0]
+
+
 def test_replay_onto_a_node_holding_a_stale_copy_of_the_session(mesh, tok, solo):
     """The head dies after token 10 and the session is replayed from hop 0, through the tail it already
     ran on. The tail's copy must go before the replay reaches it; here the first unconditional release

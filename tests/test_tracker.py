@@ -194,6 +194,27 @@ def test_register_of_a_live_id_from_another_address_is_already_exists(tracker):
     assert [(n.info.node_id, n.info.address) for n in listed] == [("mid", "127.0.0.1:9101")]
 
 
+def test_a_route_names_the_process_registered_last_at_an_address(tracker):
+    """A node restarted under its id at its address registers a new instance id; routes carry it, so a
+    client can tell the process it was routed to from the one answering there now."""
+    for i, (s, e) in enumerate([(0, 10), (10, 20), (20, 30)]):
+        first = info(f"n{s}", s, e, port=9200 + i)
+        first.instance = f"{i:x}" * 16
+        tracker.Register(first, timeout=5)
+    again = info("n10", 10, 20, port=9201)
+    again.instance = "f" * 16
+    tracker.Register(again, timeout=5)
+    route = tracker.GetRoute(pb.RouteRequest(), timeout=5)
+    assert [(h.node_id, h.instance) for h in route.hops] == [("n0", "0" * 16), ("n10", "f" * 16), ("n20", "2" * 16)]
+    assert {n.info.node_id: n.info.instance for n in tracker.ListNodes(pb.Empty(), timeout=5).nodes}["n10"] == "f" * 16
+    long = info("n99", 0, 30, port=9299)
+    long.instance = "x" * 65
+    with pytest.raises(grpc.RpcError) as ei:
+        tracker.Register(long, timeout=5)
+    assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details() == "Register: node 'n99' has an instance id of 65 characters (at most 64)"
+
+
 def test_route_deregister_and_bad_calls(tracker):
     for i, (s, e) in enumerate([(20, 30), (0, 10), (10, 20)]):
         reply = tracker.Register(info(f"n{s}", s, e, port=9000 + i), timeout=5)

@@ -64,8 +64,8 @@ def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool,
             res, failure = pending.result(timeout_s, all_answer, tail.timeout_s)
         except StageFailure as f:
             if silent and silent[0] is not tail:
-                raise StageFailure(silent[0].node_id, silent[0].address, f.code, "does not answer Health; "
-                                   + f.message) from None
+                raise StageFailure(silent[0].node_id, silent[0].address, f.code, "does not answer Health (or "
+                                   "another process does: it restarted); " + f.message) from None
             raise
         if failure is not None:
             return _stopped_at(hops, failure)

@@ -8,6 +8,7 @@ which is what triggers failover.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import grpc
@@ -17,6 +18,8 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane import AWAIT, ConnectionPool, DataPlaneConnection, DataPlaneError
 from meshnet.wire.envelope import MAX_FRAME_BYTES, WireError, replies_to_result, request_to_frames
+
+log = logging.getLogger("meshnet.client")
 
 # How long a node gets to answer Health when its step is overdue: one that answers is busy, not hung,
 # and its step is waited for up to the stage's timeout_s; one that does not is failed over.
@@ -45,6 +48,9 @@ class RemoteStage:
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
         self.data_pool = data_pool  # steps go over the TCP data plane when the node offers one
+        # The node process routed to (Hop.instance; "" = not known): another one at the same address is a
+        # restart that lost every session this one held.
+        self.instance = ""
 
     def _fail(self, e: grpc.RpcError) -> StepResult:
         code = e.code()
@@ -199,11 +205,18 @@ class RemoteStage:
 
     def answers(self) -> bool:
         """Whether the node answers :meth:`health` within :data:`LIVENESS_PROBE_S`, healthy (alive, if
-        perhaps busy; a node whose engine worker hangs or restarts answers, but not healthy)."""
+        perhaps busy; a node whose engine worker hangs or restarts answers, but not healthy), and is the
+        process the route named: one restarted under the same id at the same address has lost the steps
+        it was running, which nobody will answer."""
         try:
-            return self.health(LIVENESS_PROBE_S).healthy
+            h = self.health(LIVENESS_PROBE_S)
         except grpc.RpcError:
             return False
+        if self.instance and h.instance and h.instance != self.instance:
+            log.info("node %s at %s restarted since it was routed to (another process answers)", self.node_id,
+                     self.address)
+            return False
+        return h.healthy
 
     def prefill(self, req: StepRequest) -> StepResult:
         return self.step(req, decode=False)

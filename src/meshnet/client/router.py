@@ -55,6 +55,7 @@ class Router:
         """The stage object for one hop of a route (its connections shared with other routes)."""
         stage = self._connect(hop)
         stage.layers = (hop.layers.start, hop.layers.end)  # which recorded inputs it takes in a replay
+        stage.instance = hop.instance
         return self.on_stage(stage) if self.on_stage is not None else stage
 
     def _connect(self, hop: pb.Hop) -> RemoteStage:

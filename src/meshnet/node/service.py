@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import ssl
 import threading
 from dataclasses import dataclass, field, replace
@@ -70,6 +71,8 @@ class NodeService(pb_grpc.NodeServicer):
         self.engine = engine
         self.node_id = node_id
         self.model = model
+        # This process among all that serve under node_id at this address (NodeInfo.instance, Health).
+        self.instance = secrets.token_hex(8)
         self.draining = False
         # Called as on_step(req, decode) after each step that completed (the node's ledger reporter).
         self.on_step = None
@@ -327,7 +330,7 @@ class NodeService(pb_grpc.NodeServicer):
     def Health(self, request, context):
         h = self.engine.health()
         return pb.HealthReply(healthy=h.healthy, active_sessions=h.active_sessions, draining=self.draining,
-                              message=h.message)
+                              message=h.message, instance=self.instance)
 
     def Metrics(self, request, context):
         m = self.engine.metrics()

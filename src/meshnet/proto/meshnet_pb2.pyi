@@ -241,16 +241,18 @@ class Capabilities(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., fixture: _Optional[bool] = ..., max_sessions: _Optional[int] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., residual_dims: _Optional[_Iterable[int]] = ..., needs_token_ids: _Optional[bool] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("healthy", "active_sessions", "draining", "message")
+    __slots__ = ("healthy", "active_sessions", "draining", "message", "instance")
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     healthy: bool
     active_sessions: int
     draining: bool
     message: str
-    def __init__(self, healthy: _Optional[bool] = ..., active_sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+    instance: str
+    def __init__(self, healthy: _Optional[bool] = ..., active_sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., message: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class MetricsReply(_message.Message):
     __slots__ = ("prefill_tokens", "decode_tokens", "prefill_seconds", "decode_seconds", "active_sessions", "kv_bytes", "weight_bytes", "errors", "kv_tokens_held", "kv_tokens_reserved", "kv_tokens_capacity", "iterations", "batch_rows", "max_batch_rows", "waiting_steps", "queue_seconds", "queued_steps", "kv_tokens_kept")
@@ -336,7 +338,7 @@ class DeviceInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., type: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., index: _Optional[int] = ..., cpu_features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "address", "model", "layers", "engine", "backend", "protocol_major", "protocol_minor", "free_memory_bytes", "decode_tokens_per_s", "max_sessions", "data_address", "relayed", "device", "version", "public_key", "signature", "timestamp")
+    __slots__ = ("node_id", "address", "model", "layers", "engine", "backend", "protocol_major", "protocol_minor", "free_memory_bytes", "decode_tokens_per_s", "max_sessions", "data_address", "relayed", "device", "version", "instance", "public_key", "signature", "timestamp")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +354,7 @@ class NodeInfo(_message.Message):
     RELAYED_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
@@ -370,10 +373,11 @@ class NodeInfo(_message.Message):
     relayed: bool
     device: DeviceInfo
     version: str
+    instance: str
     public_key: bytes
     signature: bytes
     timestamp: float
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ..., max_sessions: _Optional[int] = ..., data_address: _Optional[str] = ..., relayed: _Optional[bool] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., version: _Optional[str] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., timestamp: _Optional[float] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ..., max_sessions: _Optional[int] = ..., data_address: _Optional[str] = ..., relayed: _Optional[bool] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., version: _Optional[str] = ..., instance: _Optional[str] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("heartbeat_interval_s", "ttl_s")
@@ -428,18 +432,20 @@ class RouteRequest(_message.Message):
     def __init__(self, model_sha256: _Optional[str] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ..., previous_epoch: _Optional[int] = ...) -> None: ...
 
 class Hop(_message.Message):
-    __slots__ = ("node_id", "address", "layers", "data_address", "relayed")
+    __slots__ = ("node_id", "address", "layers", "data_address", "relayed", "instance")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     layers: LayerRange
     data_address: str
     relayed: bool
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., data_address: _Optional[str] = ..., relayed: _Optional[bool] = ...) -> None: ...
+    instance: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., data_address: _Optional[str] = ..., relayed: _Optional[bool] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class Route(_message.Message):
     __slots__ = ("epoch", "model", "hops")

@@ -12,6 +12,7 @@ from meshnet.tracker.routing import NodeRecord
 
 _DEFAULT_MAX_SESSIONS = NodeRecord.__dataclass_fields__["max_sessions"].default
 _MAX_VERSION_CHARS = 64
+_MAX_INSTANCE_CHARS = 64
 
 
 def record_from_info(info: pb.NodeInfo) -> NodeRecord:
@@ -35,6 +36,9 @@ def record_from_info(info: pb.NodeInfo) -> NodeRecord:
     speed = info.decode_tokens_per_s
     if not (speed >= 0 and math.isfinite(speed)):
         raise ValueError(f"Register: {who} has decode_tokens_per_s={speed}; expected a finite number >= 0")
+    if len(info.instance) > _MAX_INSTANCE_CHARS:
+        raise ValueError(f"Register: {who} has an instance id of {len(info.instance)} characters "
+                         f"(at most {_MAX_INSTANCE_CHARS})")
     if len(info.version) > _MAX_VERSION_CHARS:
         raise ValueError(f"Register: {who} has a version string of {len(info.version)} characters "
                        f"(at most {_MAX_VERSION_CHARS})")
@@ -43,7 +47,7 @@ def record_from_info(info: pb.NodeInfo) -> NodeRecord:
                       engine=info.engine or "ggml", backend=info.backend or "cpu", decode_tokens_per_s=speed,
                       # 0 = the node did not say: assume the engines' default limit
                       max_sessions=info.max_sessions or _DEFAULT_MAX_SESSIONS, data_address=info.data_address,
-                      relayed=info.relayed)
+                      relayed=info.relayed, instance=info.instance)
 
 
 def info_from_status(s: RegisteredNode) -> pb.NodeInfo:
@@ -54,7 +58,8 @@ def info_from_status(s: RegisteredNode) -> pb.NodeInfo:
                        backend=r.backend, protocol_major=s.protocol_major, protocol_minor=s.protocol_minor,
                        free_memory_bytes=s.free_memory_bytes, decode_tokens_per_s=r.decode_tokens_per_s,
                        max_sessions=max(r.max_sessions, 0), data_address=r.data_address, relayed=r.relayed,
-                       device=pb.DeviceInfo(**s.device) if s.device else None, version=s.version)
+                       device=pb.DeviceInfo(**s.device) if s.device else None, version=s.version,
+                       instance=r.instance)
 
 
 def device_dict(info: pb.NodeInfo) -> dict:

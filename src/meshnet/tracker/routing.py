@@ -82,6 +82,7 @@ class NodeRecord:
     max_sessions: int = 16
     relayed: bool = False
     data_address: str = ""          # raw-TCP step data plane ("" = steps over gRPC)
+    instance: str = ""              # the node process (NodeInfo.instance; "" = the node did not say)
 
     @property
     def saturated(self) -> bool:

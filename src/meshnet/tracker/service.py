@@ -190,7 +190,8 @@ class TrackerService(pb_grpc.TrackerServicer):
             epoch=self.registry.next_epoch(request.previous_epoch),
             model=pb.ModelIdentity(sha256=head.model_sha256, architecture=head.architecture, n_layer=head.n_layer),
             hops=[pb.Hop(node_id=h.node_id, address=h.address, data_address=h.data_address, relayed=h.relayed,
-                         layers=pb.LayerRange(start=h.layers.start, end=h.layers.end)) for h in hops])
+                         layers=pb.LayerRange(start=h.layers.start, end=h.layers.end), instance=h.instance)
+                  for h in hops])
 
     @_rpc
     def PublishManifest(self, request: pb.ModelManifest, context) -> pb.Empty:
