@@ -4,6 +4,7 @@ bundled SmolLM2, driven with the official ``openai`` package and with raw HTTP (
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -449,6 +450,50 @@ def test_mesh_failure_mid_request(broken_servers):
             events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
         assert events[-1]["error"]["code"] == "mesh_unavailable"
         assert "".join(e["choices"][0]["text"] for e in events[:-1]) != ""
+
+
+class _HeldClient(_FlakyClient):
+    """A client whose first prefill waits until ``go`` is set, holding its generation slot meanwhile."""
+
+    def __init__(self, go: threading.Event) -> None:
+        super().__init__(10**9)
+        self.go = go
+
+    def step(self, req, decode):
+        if not decode:
+            self.go.wait(30)
+        return super().step(req, decode)
+
+
+def test_a_request_waiting_past_the_admission_time_for_a_slot_is_503(backend, monkeypatch):
+    """One generation slot, held: the next request waits for it at most ADMISSION_WAIT_S (the time the
+    wait for room on the stages shares), then gets 503 server_busy with Retry-After; it used to wait on."""
+    import meshnet.api.backend as backend_module
+
+    monkeypatch.setattr(backend_module, "ADMISSION_WAIT_S", 0.5)
+    go = threading.Event()
+    b = ApiBackend(lambda: _HeldClient(go), backend.tokenizer, "smollm2", N_CTX, max_concurrency=1, retry_after_s=3)
+    server, thread = start_api_in_thread(b, "127.0.0.1", 0)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.config.port}", timeout=30) as http:
+            held = threading.Thread(target=lambda: http.post("/v1/completions", json={"prompt": PROMPT,
+                                                                                      "max_tokens": 2}))
+            held.start()
+            deadline = time.monotonic() + 10
+            while "meshnet_api_active_sessions 1.0" not in http.get("/metrics").text:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            err = _error(r, 503)
+            assert err["code"] == "server_busy" and r.headers["Retry-After"] == "3"
+            assert err["message"] == ("the server is busy: waited 0.5 s for one of its 1 generation slots; "
+                                      "retry later")
+            go.set()
+            held.join(30)
+            assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+    finally:
+        go.set()
+        stop_api(server, thread)
 
 
 def test_metrics_exported(backend, http):

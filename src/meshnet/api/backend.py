@@ -81,9 +81,10 @@ class ApiBackend:
                 self._grammars = GrammarCompiler(self.tokenizer, self.tokenizer.n_vocab)
             return self._grammars
 
-    def new_client(self) -> StepClient:
-        """The client for one generation, wrapped so a busy stage is waited for instead of failing."""
-        return AdmissionRetry(self._new_client(), line=self.admission)
+    def new_client(self, wait_s: float = ADMISSION_WAIT_S) -> StepClient:
+        """The client for one generation, wrapped so a busy stage is waited for (up to ``wait_s`` seconds
+        for its first prefill) instead of failing."""
+        return AdmissionRetry(self._new_client(), wait_s=wait_s, line=self.admission)
 
     @property
     def n_ctx(self) -> int:

@@ -186,15 +186,27 @@ class ChoiceRun:
         self._drafts_seen = (0, 0, 0)  # verification steps, drafted and accepted tokens reported so far
 
     async def start(self) -> None:
-        """Wait for a free slot and open the generation (no step runs until :meth:`next_piece`)."""
+        """Wait for a free slot and open the generation (no step runs until :meth:`next_piece`). The wait
+        for a slot and then for room on the stages (:class:`~meshnet.api.backend.AdmissionRetry`) share one
+        :data:`~meshnet.api.backend.ADMISSION_WAIT_S`.
+
+        Raises:
+            ApiError: 503 ``server_busy`` with Retry-After when no slot freed within that time."""
+        from meshnet.api.backend import ADMISSION_WAIT_S
+
+        t0 = time.monotonic()
         self.metrics.add_queued(1)
         try:
-            await self.limiter.acquire()
+            await asyncio.wait_for(self.limiter.acquire(), ADMISSION_WAIT_S)
+        except asyncio.TimeoutError:
+            raise ApiError(503, f"the server is busy: waited {ADMISSION_WAIT_S:g} s for one of its "
+                                f"{self.backend.max_concurrency} generation slots; retry later", code="server_busy",
+                           retry_after_s=self.backend.retry_after_s) from None
         finally:
             self.metrics.add_queued(-1)
         self._holding = True
         self.metrics.add_active(1)
-        client = self.backend.new_client()
+        client = self.backend.new_client(max(0.0, ADMISSION_WAIT_S - (time.monotonic() - t0)))
         gen = Generation(client, self.tokenizer, self.job.prompt_ids, self.job.max_tokens, self.job.sampling,
                          stop_at_eog=not self.job.ignore_eos, speculation=self.job.speculation,
                          draft_costs=self.backend.draft_costs)
