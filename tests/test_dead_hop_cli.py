@@ -48,3 +48,29 @@ def test_generate_without_a_replacement_reports_one_line(slow_mesh, smollm2_path
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "layers [10, 20)" in errors[0], proc.stderr
+
+
+def test_generate_json_names_the_route_it_ended_on_after_a_failover(mesh, solo):
+    import subprocess
+    import sys
+    import time
+
+    nodes = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-spare", "10:20"), ("d-tail", "20:30")])
+    mids = nodes[1:3]
+    proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "generate", "--tracker", mesh.tracker,
+                             "--temperature", "0", "--json", "--max-tokens", "64", "--ignore-eos", PROMPTS[0]],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    victim = None
+    while victim is None:  # the middle node the session opened on
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else ""
+        victim = next((n for n in mids if n.active_sessions() > 0), None)
+        time.sleep(0.02)
+    victim.kill()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["generated_token_ids"] == solo.greedy(0, 64)
+    survivor = next(n for n in mids if n is not victim)
+    assert result["failovers"] == 1
+    assert result["layers"] == [f"{n.node_id}@{n.address}" for n in (nodes[0], survivor, nodes[3])]

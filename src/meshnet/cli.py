@@ -233,9 +233,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"prefill {r.prefill_tokens_per_s:.1f} tok/s, decode {r.decode_tokens_per_s:.1f} tok/s",
           file=sys.stderr)
     if args.json:
+        extra = {}
+        if args.tracker:  # the route the generation ended on (a failover moves it), and how often it moved
+            ranges = [f"{h.node_id}@{h.address}" for h in chain.last_hops] or ranges
+            extra = {"failovers": chain.failovers}
         print(json.dumps({"prompt_token_ids": r.prompt_token_ids, "generated_token_ids": r.generated_token_ids,
                           "text": r.text, "finish_reason": r.finish_reason,
-                          "layers": [str(x) for x in ranges], "timings": r.timings()}, ensure_ascii=False))
+                          "layers": [str(x) for x in ranges], "timings": r.timings(), **extra}, ensure_ascii=False))
     return 0
 
 

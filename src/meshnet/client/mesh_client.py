@@ -84,6 +84,8 @@ class MeshClient:
         self.router = Router(tracker, model_sha256, join_token, tls_ca, step_timeout_s)
         self._sessions: dict[str, SessionLog] = {}
         self.failovers = 0
+        # The route a session last took: where it opened, or where its last failover moved it.
+        self.last_hops: list[RemoteStage] = []
         self.clocks = HopClocks(step_deadline or DeadlinePolicy(floor_s=min(1.5, step_timeout_s),
                                                                  ceiling_s=step_timeout_s))
         # Sessions left on nodes this client failed over away from, freed once those nodes answer.
@@ -148,6 +150,7 @@ class MeshClient:
                     self.activity.ended(req.session_id)
                 raise
             log_ = self._sessions[req.session_id] = SessionLog(req.session_id, epoch, hops)
+            self.last_hops = hops
         deadline: float | None = None
         forward = False  # whether the last attempt was forwarded (which hops ran it is then unknown)
         failed_at: dict[str, str] = {}  # node id -> the address it failed at: routes exclude these
@@ -365,6 +368,7 @@ class MeshClient:
                 self._release_or_orphan(hop, log_.session_id, epoch)
         self.failovers += 1
         log_.epoch, log_.hops, log_.intact = epoch, hops, first
+        self.last_hops = hops
         log.info("session %s: epoch %d, replaying %d steps on hops %d..%d", log_.session_id, epoch,
                  len(log_.steps), first, len(hops) - 1)
         replay(log_, old, first, recorded, self._abandon)
