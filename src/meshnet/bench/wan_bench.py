@@ -30,10 +30,12 @@ from meshnet.bench.wan_model import LLAMA_RPC, MESHNET_MODES, NGRAM, parse_modes
 from meshnet.bench.wan_report import analyze, format_table, rtt_key
 
 PROMPTS = {
+    # A config edit, laid out as the model lays JSON out: SmolLM2 copies it line for line (the same object on
+    # one line it re-indents, which leaves prompt lookup a few tokens a line).
     "repetitive": ("Repeat this JSON object exactly, changing only the value of \"port\" to 8081:\n"
-                   '{"name": "edge-proxy", "host": "10.0.0.12", "port": 8080, "protocol": "https", '
-                   '"timeout_ms": 3000, "retries": 3, "log_level": "info", "cache": true, '
-                   '"region": "eu-west-1", "owner": "platform-team"}'),
+                   + json.dumps({"name": "edge-proxy", "host": "10.0.0.12", "port": 8080, "protocol": "https",
+                                 "timeout_ms": 3000, "retries": 3, "log_level": "info", "cache": True,
+                                 "region": "eu-west-1", "owner": "platform-team"}, indent=2)),
     "prose": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
 
