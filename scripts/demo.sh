@@ -7,7 +7,8 @@ scripts/setup.sh
 PORT="${MESHNET_PORT:-7700}"
 PROMPT="${*:-The capital of France is}"
 log="$(mktemp)"
-.venv/bin/meshnet up --stages 3 --port "$PORT" >"$log" 2>&1 &
+# The demo needs neither the API nor the dashboard: only the tracker's port (and the nodes' free ones) opens.
+.venv/bin/meshnet up --stages 3 --port "$PORT" --api-port -1 --dashboard-port -1 >"$log" 2>&1 &
 up_pid=$!
 trap 'kill -TERM "$up_pid" 2>/dev/null; wait "$up_pid" 2>/dev/null; rm -f "$log"' EXIT
 for _ in $(seq 1 600); do
