@@ -279,18 +279,18 @@ def speculation_from_args(args: argparse.Namespace, target_path: str) -> Specula
 
 
 def mtp_problem(path: str, shown: str | None = None) -> str | None:
-    """Why the GGUF at ``path`` cannot draft by next-token prediction (a message naming the file, or
-    ``shown`` where the path is not the reader's business: the API's clients, and what it lacks), or None
-    when it carries an MTP block the engine runs. Raises what :func:`meshnet.model.gguf_file.open_gguf`
-    raises for an unreadable file."""
+    """Why the GGUF at ``path`` cannot draft by next-token prediction (a message naming the model, as
+    ``shown`` when given, else by its path, and what it lacks), or None when it carries an MTP block the
+    engine runs. The API passes its served name: its clients need not learn the server's paths. Raises
+    what :func:`meshnet.model.gguf_file.open_gguf` raises for an unreadable file."""
     from meshnet.model.gguf_file import open_gguf
     from meshnet.model.hparams import ModelConfig
 
     cfg = ModelConfig.from_reader(open_gguf(path))
     if cfg.n_nextn:
         return None
-    return (f"needs a model with next-token-prediction layers: {shown or path} ({cfg.architecture}) has no nextn "
-            f"tensors ({cfg.architecture}.nextn_predict_layers is absent or 0)")
+    return (f"needs a model with next-token-prediction layers: {shown or path} ({cfg.architecture}) has no "
+            f"nextn tensors ({cfg.architecture}.nextn_predict_layers is absent or 0)")
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
