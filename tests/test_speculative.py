@@ -210,10 +210,28 @@ def test_draft_budget_drafts_only_where_drafts_pay_for_themselves():
     assert wan.choose(8) == 8
     for _ in range(40):  # drafts missing at 5 ms a row
         wan.observe(4, 0, 0.080)
-    assert wan.chances[0] < 0.1 and wan.choose(8) <= 1  # drafts never right: one at most, a probe
-    for _ in range(60):  # old misses fade while nothing is drafted: longer drafts are tried again
+    assert wan.chances[0] < 0.1 and wan.choose(8) == 0  # drafts never right: drafting stops
+    for _ in range(60):  # old misses fade while nothing is drafted, yet only a probe starts it again
         wan.observe(0, 0, 0.060)
+    picks = [wan.choose(8) for _ in range(DraftBudget.REPROBE - 1)]  # the choice above declined once
+    assert picks == [0] * (DraftBudget.REPROBE - 2) + [DraftBudget.PROBE]
+    wan.observe(2, 2, 0.070)  # the probe's drafts came right (the text repeats again): drafting resumes
     assert wan.choose(8) >= 2
+
+
+def test_where_drafts_never_come_right_across_slow_links_few_rounds_draft():
+    """Prose across a 25 ms and a 50 ms link (plain step 73 / 120 ms, a draft row 5 ms), the lookup finding
+    2 drafts every round and none ever right: the rounds that draft in 64 (the misses that teach the
+    budget, then probes). Stopped by misses alone, the budget drafted again every round or two (46 and 63
+    of 64 rounds, costing prose 3-5%)."""
+    for t0, most in ((0.073, 14), (0.120, 26)):
+        b = DraftBudget(10, DraftCosts(t0=t0, c=0.005))
+        drafted = 0
+        for _ in range(64):
+            k = b.choose(2)
+            b.observe(k, 0, t0 + 0.005 * k)
+            drafted += k > 0
+        assert drafted == most
 
 
 def test_generations_of_one_client_share_what_steps_cost():
