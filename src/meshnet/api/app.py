@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshnet.api.backend import ApiBackend
-from meshnet.api.errors import ApiError, bad_request
+from meshnet.api.errors import ApiError, bad_request, internal_error
 from meshnet.api.metrics import ApiMetrics
 from meshnet.api.middleware import BodyLimitAndMetrics
 from meshnet.api.prompts import chat_prompt, completion_prompts
@@ -102,9 +102,10 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> Response:
+        # What fails inside a request is answered by BodyLimitAndMetrics; this covers the middleware itself.
         log.exception("internal error on %s", request.url.path)
         metrics.errors.labels(kind="internal_error").inc()
-        return ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()
+        return internal_error(exc).response()
 
     @app.get("/v1/models")
     async def list_models() -> Response:

@@ -33,3 +33,9 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
+
+
+def internal_error(e: BaseException) -> ApiError:
+    """The 500 for a bug inside a request: names the exception's type, not its text (which may hold
+    internals); the details go to the server's log."""
+    return ApiError(500, f"internal error: {type(e).__name__}", code="internal_error")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from meshnet.api.errors import ApiError
+from meshnet.api.errors import ApiError, internal_error
 from meshnet.api.metrics import ApiMetrics
 
 log = logging.getLogger("meshnet.api")
@@ -54,8 +54,7 @@ class BodyLimitAndMetrics:
             log.exception("internal error on %s", scope.get("path", ""))
             self.metrics.errors.labels(kind="internal_error").inc()
             if not status["code"]:  # a stream already under way just ends
-                await ApiError(500, f"internal error: {type(e).__name__}", code="internal_error").response()(
-                    scope, _no_receive, send_wrapper)
+                await internal_error(e).response()(scope, _no_receive, send_wrapper)
         finally:
             self.metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
 

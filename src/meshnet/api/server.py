@@ -64,7 +64,7 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
     """The backend ``meshnet api`` serves: a mesh through ``--tracker``, else stages in this process."""
     from meshnet.api.backend import local_backend, mesh_backend, served_name
 
-    from meshnet.model.bundled import resolve_model
+    from meshnet.model.bundled import BUNDLED, resolve_model
 
     from meshnet.speculative import mtp_problem
 
@@ -73,8 +73,6 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
         if not args.tracker:
             raise ValueError("--model-id needs --tracker (the tracker holds the model's manifest)")
         from meshnet.client.manifest_source import metadata_gguf, model_name_of
-
-        from meshnet.model.bundled import BUNDLED
 
         path, _ = metadata_gguf(args.tracker, args.model_id, args.join_token, args.tls_ca)
         # served as named: a bundled name as `--model` would serve it, otherwise the model's general.name
