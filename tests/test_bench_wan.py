@@ -130,6 +130,28 @@ def test_report_puts_the_model_beside_each_figure_and_checks_greedy_identity():
     assert "(goal node-to-node >= 1.3x)" in table
 
 
+
+def test_meshnet_modes_take_turns_run_by_run_and_each_gets_its_median():
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from meshnet.bench.wan_bench import _measure_meshnet
+
+    asked = []
+
+    def ask(op, timeout_s, mode, prompt_ids, n, repeats, link):
+        asked.append((mode, prompt_ids[0]))
+        speed = 10.0 * len(asked)  # the machine's speed drifts up run by run
+        return {"runs": [{"ttft_s": 0.1, "decode_tokens_per_s": speed, "ids": [7], "failovers": 0}]}
+
+    mesh = SimpleNamespace(agent=SimpleNamespace(ask=ask))
+    figs = _measure_meshnet(mesh, [CLIENT, FORWARDING], {"a": [1], "b": [2]}, 25.0,
+                            Namespace(repeats=3, max_tokens=8))
+    assert asked == [(CLIENT, 1), (CLIENT, 2), (FORWARDING, 1), (FORWARDING, 2)] * 3
+    assert figs[CLIENT]["a"]["decode_runs"] == [10.0, 50.0, 90.0]
+    assert figs[FORWARDING]["b"]["decode_runs"] == [40.0, 80.0, 120.0]
+    assert figs[FORWARDING]["b"]["decode_tokens_per_s"] == 80.0
+
 @pytest.mark.netns
 @pytest.mark.long  # 17 s; the netns mesh tests cover forwarding across namespaces in the default run
 def test_wan_bench_runs_across_namespaces_and_the_rtt_costs_the_legs(tmp_path):

@@ -11,7 +11,7 @@ Modes (``--modes``): ``client-orchestrated`` (every hop through the client), ``n
 forward to each other), ``node-to-node+ngram`` (the same with n-gram drafts verified in one round),
 ``llama.cpp-rpc`` (skipped, with the reason, when its binaries are missing). Two chat prompts: a
 repetitive one (copy a JSON object with one field changed) and free prose; greedy, ``--max-tokens``
-tokens each, not stopping at end-of-generation. Beside each figure, the latency model
+tokens each, not stopping at end-of-generation; the meshnet modes take turns run by run. Beside each figure, the latency model
 (:mod:`meshnet.bench.wan_model`). Needs root and ``ip netns``; exits 2 saying why otherwise.
 """
 
@@ -75,16 +75,23 @@ def _median_figure(runs: list[dict]) -> dict:
     return fig
 
 
-def _measure_meshnet(mesh, mode: str, prompts: dict[str, list[int]], rtt_ms: float, args) -> dict:
-    out = {}
-    for name, ids in prompts.items():
-        # Generous: every token can cost the slowest mode's six legs at this RTT, plus compute.
-        timeout_s = 120 + args.repeats * args.max_tokens * (0.2 + 0.004 * rtt_ms)
-        runs = mesh.agent.ask("measure", timeout_s, mode=mode, prompt_ids=ids, n=args.max_tokens,
-                              repeats=args.repeats, link=rtt_ms)["runs"]
-        out[name] = _median_figure(runs)
-        print(f"[bench wan] RTT {rtt_ms:g} ms {mode} {name}: {out[name]['decode_tokens_per_s']:.1f} tok/s, "
-              f"TTFT {out[name]['ttft_s'] * 1000:.0f} ms", file=sys.stderr)
+def _measure_meshnet(mesh, modes: list[str], prompts: dict[str, list[int]], rtt_ms: float, args) -> dict:
+    """Figures of each meshnet mode on each prompt at this RTT: ``args.repeats`` rounds, each one run of
+    every (mode, prompt) in turn, so that drift in the machine's speed (a shared VM's host takes cycles
+    for tens of seconds) falls on every mode alike rather than on whichever ran last."""
+    runs: dict[tuple[str, str], list[dict]] = {(m, name): [] for m in modes for name in prompts}
+    # Generous: every token can cost the slowest mode's six legs at this RTT, plus compute.
+    timeout_s = 120 + args.max_tokens * (0.2 + 0.004 * rtt_ms)
+    for _ in range(args.repeats):
+        for m in modes:
+            for name, ids in prompts.items():
+                runs[m, name] += mesh.agent.ask("measure", timeout_s, mode=m, prompt_ids=ids, n=args.max_tokens,
+                                                repeats=1, link=rtt_ms)["runs"]
+    out: dict[str, dict] = {m: {} for m in modes}
+    for (m, name), rs in runs.items():
+        out[m][name] = fig = _median_figure(rs)
+        print(f"[bench wan] RTT {rtt_ms:g} ms {m} {name}: {fig['decode_tokens_per_s']:.1f} tok/s, "
+              f"TTFT {fig['ttft_s'] * 1000:.0f} ms", file=sys.stderr)
     return out
 
 
@@ -154,9 +161,11 @@ def run_wan_bench(args: argparse.Namespace) -> int:
                 if NGRAM in live:  # as a server that has been running: its drafting knows these links' step costs
                     mesh.agent.ask("measure", 60 + 0.1 * rtt, mode=NGRAM, prompt_ids=prompts["repetitive"], n=8,
                                    repeats=1, link=rtt)
-                for m in live:
-                    fig = (_measure_llama(mesh, tools, endpoints, split, model, prompts, rtt, args) if m == LLAMA_RPC
-                           else _measure_meshnet(mesh, m, prompts, rtt, args))
+                ours = [m for m in live if m in MESHNET_MODES]
+                figs = _measure_meshnet(mesh, ours, prompts, rtt, args) if ours else {}
+                if LLAMA_RPC in live:
+                    figs[LLAMA_RPC] = _measure_llama(mesh, tools, endpoints, split, model, prompts, rtt, args)
+                for m, fig in figs.items():
                     result["modes"][m]["rtts"][rtt_key(rtt)] = fig
         finally:
             mesh.close()
