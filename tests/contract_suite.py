@@ -31,18 +31,8 @@ import numpy as np
 import pytest
 
 from meshnet.chain import release_all, run_step
-from meshnet.contract import (
-    GREEDY,
-    AuxiliaryState,
-    LayerRange,
-    MultiTokenPrediction,
-    NamedTensor,
-    SamplingParams,
-    Status,
-    StepRequest,
-    StepResult,
-    split_layers,
-)
+from meshnet.contract import GREEDY, LayerRange, NamedTensor, SamplingParams, Status, StepRequest, StepResult, split_layers
+from meshnet.load_spec import AuxiliaryState, MultiTokenPrediction
 from meshnet.engine.base import ShardEngine
 
 N_DECODE = 8  # greedy decodes after the prompt in the generation tests

@@ -232,7 +232,8 @@ def test_device_placement_refuses_a_missing_backend(lane):
 @needs_golden
 def test_accelerator_engine_never_falls_back_to_cpu():
     from meshnet.backends.placement import AcceleratorEngine
-    from meshnet.contract import ArtifactId, LayerRange, LoadSpec
+    from meshnet.contract import ArtifactId, LayerRange
+    from meshnet.load_spec import LoadSpec
     from meshnet.engine.ggml_backend import registry_backends
 
     if "CUDA" in registry_backends():

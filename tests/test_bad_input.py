@@ -8,7 +8,8 @@ import gguf
 import pytest
 
 from conftest import GOLDEN_DIR
-from meshnet.contract import ArtifactId, LayerRange, LoadSpec, Status
+from meshnet.contract import ArtifactId, LayerRange, Status
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.ggml_engine import GgmlEngine
 from meshnet.engine.ggml_stage import GgmlStage
 from meshnet.model.gguf_file import GGUFError

@@ -10,7 +10,8 @@ import pytest
 
 from conftest import GOLDEN_SET, golden_exact, load_golden
 from golden_check import assert_greedy_matches
-from meshnet.contract import GREEDY, ArtifactId, LayerRange, LoadSpec, Status, StepRequest
+from meshnet.contract import GREEDY, ArtifactId, LayerRange, Status, StepRequest
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.ggml_engine import GgmlEngine
 from meshnet.engine.ggml_stage import GgmlStage
 from meshnet.generation import generate

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from contract_suite import EngineContractSuite
-from meshnet.contract import ArtifactId, LayerRange, LoadSpec
+from meshnet.contract import ArtifactId, LayerRange
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.fake import FakeEngine, FakeModel
 
 MODEL = FakeModel()

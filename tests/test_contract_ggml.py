@@ -6,7 +6,8 @@ import pytest
 
 from conftest import GOLDEN_DIR
 from contract_suite import EngineContractSuite
-from meshnet.contract import ArtifactId, LayerRange, LoadSpec
+from meshnet.contract import ArtifactId, LayerRange
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.ggml_engine import GgmlEngine
 
 MODEL = GOLDEN_DIR / "models" / "tiny-llama-q8_0.gguf"

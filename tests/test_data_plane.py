@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from meshnet.bench.hostile_bench import hostile_connection
-from meshnet.contract import ArtifactId, LayerRange, LoadSpec, NamedTensor, StepRequest
+from meshnet.contract import ArtifactId, LayerRange, NamedTensor, StepRequest
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.node.service import NodeService
 from meshnet.proto import meshnet_pb2 as pb

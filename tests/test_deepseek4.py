@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import moe_model_path
-from meshnet.contract import ArtifactId, LayerRange, LoadSpec, NamedTensor, Status, StepRequest
+from meshnet.contract import ArtifactId, LayerRange, NamedTensor, Status, StepRequest
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.fake import FakeEngine
 from meshnet.engine.ggml_engine import GgmlEngine
 from meshnet.model.arch_manifest import check_tensors

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from mesh_util import greedy_steps, wait_for
-from meshnet.contract import ArtifactId, LayerRange, LoadSpec, Status, StepRequest
+from meshnet.contract import ArtifactId, LayerRange, Status, StepRequest
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.engine.fake_faults import parse_fault_spec
 from meshnet.node.config import NodeConfig

@@ -6,7 +6,8 @@ from __future__ import annotations
 from mesh_util import wait_for
 from meshnet.client.mesh_client import MeshClient
 from meshnet.client.remote import StageFailure
-from meshnet.contract import ArtifactId, LayerRange, LoadSpec, Outcome, StepRequest
+from meshnet.contract import ArtifactId, LayerRange, Outcome, StepRequest
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.fake import FakeEngine, FakeModel
 
 PROMPT = (5, 6, 7, 8)

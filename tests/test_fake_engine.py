@@ -10,14 +10,8 @@ import pytest
 
 from contract_suite import generate, step
 from meshnet.chain import release_all
-from meshnet.contract import (
-    ArtifactId,
-    LayerRange,
-    LoadSpec,
-    SamplingParams,
-    Status,
-    StepRequest,
-)
+from meshnet.contract import ArtifactId, LayerRange, SamplingParams, Status, StepRequest
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.engine.fake_faults import FakeCrash, FakeFaults
 

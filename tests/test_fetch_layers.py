@@ -123,7 +123,8 @@ def test_an_interrupted_fetch_resumes_and_moves_only_what_is_missing(smollm2_pat
 
 def test_a_truncated_range_only_file_fails_at_start_naming_the_tensor(smollm2_path, tmp_path, peer):
     from meshnet.engine.ggml_engine import GgmlEngine
-    from meshnet.contract import ArtifactId, LoadSpec
+    from meshnet.contract import ArtifactId
+    from meshnet.load_spec import LoadSpec
 
     got = _fetch(smollm2_path, tmp_path, [peer(_Peer(smollm2_path))])
     cut = tmp_path / "cut.gguf"

@@ -10,7 +10,9 @@ import time
 
 import numpy as np
 
-from meshnet.contract import ArtifactId, LayerRange, LoadSpec, NamedTensor, Status, StepRequest
+from meshnet.contract import ArtifactId, LayerRange, NamedTensor, Status, StepRequest
+
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.node.forwarding import MAX_NEXT_HOPS, AwaitedOutcomes, next_hops_error
 from meshnet.node.service import NodeService, StepOutcome

@@ -10,7 +10,8 @@ import time
 from mesh_util import wait_for
 from meshnet.client.mesh_client import MeshClient
 from meshnet.client.orphans import OrphanReleaser
-from meshnet.contract import GREEDY, ArtifactId, LayerRange, LoadSpec, Outcome, Status, StepRequest
+from meshnet.contract import GREEDY, ArtifactId, LayerRange, Outcome, Status, StepRequest
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.generation import Generation
 

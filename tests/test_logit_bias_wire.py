@@ -7,7 +7,9 @@ import time
 
 import numpy as np
 
-from meshnet.contract import ArtifactId, LayerRange, LoadSpec, NamedTensor, StepRequest
+from meshnet.contract import ArtifactId, LayerRange, NamedTensor, StepRequest
+
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.node.service import NodeService
 from meshnet.proto import meshnet_pb2 as pb

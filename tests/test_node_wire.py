@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from meshnet.client.remote import RemoteStage
-from meshnet.contract import ArtifactId, LayerRange, LoadSpec, NamedTensor, Status, StepRequest
+from meshnet.contract import ArtifactId, LayerRange, NamedTensor, Status, StepRequest
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.node.service import NodeService
 from meshnet.proto import meshnet_pb2 as pb

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from mesh_util import greedy_steps
-from meshnet.contract import GREEDY, ArtifactId, LayerRange, LoadSpec, StepRequest
+from meshnet.contract import GREEDY, ArtifactId, LayerRange, StepRequest
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.ggml_engine import GgmlEngine
 from meshnet.engine.prefix_cache import ROWWISE, SPLIT, TILED, alone_paths, usable_prefix
 from meshnet.generation import generate

@@ -7,18 +7,8 @@ import numpy as np
 import pytest
 
 from meshnet.chain import LocalChain
-from meshnet.contract import (
-    MAX_DRAFT_TOKENS,
-    ArtifactId,
-    LayerRange,
-    LoadSpec,
-    NamedTensor,
-    SampledToken,
-    SamplingParams,
-    Status,
-    StepRequest,
-    StepResult,
-)
+from meshnet.contract import MAX_DRAFT_TOKENS, ArtifactId, LayerRange, NamedTensor, SampledToken, SamplingParams, Status, StepRequest, StepResult
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.generation import Generation
 from meshnet.sampling import sample

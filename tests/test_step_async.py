@@ -11,7 +11,8 @@ import time
 import pytest
 
 from mesh_util import greedy_steps
-from meshnet.contract import ArtifactId, LayerRange, LoadSpec, SamplingParams, Status, StepRequest, StepResult
+from meshnet.contract import ArtifactId, LayerRange, SamplingParams, Status, StepRequest, StepResult
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.base import Session
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.engine.fake_faults import FakeCrash, FakeFaults

@@ -9,7 +9,9 @@ from concurrent import futures
 import grpc
 import pytest
 
-from meshnet.contract import MAX_DRAFT_TOKENS, ArtifactId, LayerRange, LoadSpec, StepRequest
+from meshnet.contract import MAX_DRAFT_TOKENS, ArtifactId, LayerRange, StepRequest
+
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.node.service import NodeService
 from meshnet.proto import meshnet_pb2 as pb

@@ -13,7 +13,8 @@ import pytest
 
 from meshnet.client.mesh_client import MeshClient
 from meshnet.client.remote import StageFailure
-from meshnet.contract import GREEDY, ArtifactId, LayerRange, LoadSpec, StepRequest
+from meshnet.contract import GREEDY, ArtifactId, LayerRange, StepRequest
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.generation import Generation
 from mesh_util import NodeProc, greedy_steps

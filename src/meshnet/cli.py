@@ -14,7 +14,8 @@ import sys
 
 from meshnet.arg_types import host_port
 from meshnet.client.mesh_client import MeshUnavailable
-from meshnet.contract import NO_HUGE_PAGES_HELP, SamplingParams
+from meshnet.contract import SamplingParams
+from meshnet.load_spec import NO_HUGE_PAGES_HELP
 from meshnet.model.bundled import DEFAULT_MODEL, ModelNotFound, resolve_model
 
 
@@ -130,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_structured_bench_parser(bsub)
 
-    from meshnet.node.runner import add_node_parser
+    from meshnet.node.cli import add_node_parser
     from meshnet.tracker.cli import add_tracker_parser
     from meshnet.up import add_up_parser
 

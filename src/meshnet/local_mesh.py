@@ -8,7 +8,8 @@ from typing import Callable, Sequence
 from tqdm import tqdm
 
 from meshnet.chain import LocalChain
-from meshnet.contract import ArtifactId, LayerRange, LoadSpec, load_failure
+from meshnet.contract import ArtifactId, LayerRange
+from meshnet.load_spec import LoadSpec, load_failure
 from meshnet.layer_split import balanced_split, layer_costs
 from meshnet.engine.ggml_engine import GgmlEngine
 from meshnet.model.gguf_file import open_gguf

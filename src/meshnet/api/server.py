@@ -15,7 +15,7 @@ import uvicorn
 from meshnet.arg_types import host_port, port_number, positive_int, positive_number
 from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.backend import ApiBackend
-from meshnet.contract import NO_HUGE_PAGES_HELP
+from meshnet.load_spec import NO_HUGE_PAGES_HELP
 from meshnet.speculative import add_speculation_args, speculation_from_args
 
 log = logging.getLogger("meshnet.api")

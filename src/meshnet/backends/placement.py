@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshnet.contract import Capabilities, LayerRange, LoadSpec, Status
+from meshnet.contract import Capabilities, LayerRange, Status
+
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.base import EngineError
 from meshnet.engine.ggml_backend import BackendUnavailable, accelerator_backend, accelerator_devices, device_memory
 from meshnet.engine.ggml_engine import GgmlEngine

@@ -22,17 +22,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from meshnet.contract import (
-    Capabilities,
-    NamedTensor,
-    Health,
-    LoadSpec,
-    Metrics,
-    Outcome,
-    StepRequest,
-    StepResult,
-    Status,
-)
+from meshnet.contract import Capabilities, NamedTensor, Health, Metrics, Outcome, StepRequest, StepResult, Status
+
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.scheduler import Chunk, Job, StepScheduler
 from meshnet.engine.step_validation import (
     follow_grammar,

@@ -31,18 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from meshnet.contract import (
-    ArtifactId,
-    Capabilities,
-    Health,
-    LoadSpec,
-    NamedTensor,
-    SampledToken,
-    SamplingParams,
-    Status,
-    StepRequest,
-    StepResult,
-)
+from meshnet.contract import ArtifactId, Capabilities, Health, NamedTensor, SampledToken, SamplingParams, Status, StepRequest, StepResult
+
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.base import EngineError, Session, ShardEngine
 from meshnet.engine.fake_faults import FakeCrash, FakeFaults, crash
 from meshnet.engine.fake_sampler import sample_fake

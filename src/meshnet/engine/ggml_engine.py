@@ -11,16 +11,8 @@ from dataclasses import replace
 import numpy as np
 
 from meshnet.backends.cpu_features import ggml_cpu_features
-from meshnet.contract import (
-    ArtifactId,
-    Capabilities,
-    LoadSpec,
-    NamedTensor,
-    SampledToken,
-    StepRequest,
-    StepResult,
-    Status,
-)
+from meshnet.contract import ArtifactId, Capabilities, NamedTensor, SampledToken, StepRequest, StepResult, Status
+from meshnet.load_spec import LoadSpec
 from meshnet.engine.base import RETRY_AFTER_S, EngineError, Session, ShardEngine
 from meshnet.engine.ggml_backend import registry_devices
 from meshnet.engine.ggml_mtp import mtp_step

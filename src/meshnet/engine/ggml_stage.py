@@ -71,7 +71,7 @@ class GgmlStage:
     cannot compute on the host's memory map, so it goes with ``use_mmap=False``. ``n_slots`` sessions of
     ``n_ctx`` tokens fit in the pool, of which ``kv_tokens`` cells may be reserved at once; 0 derives it
     from ``kv_budget_bytes``, or when that is 0 too from half the memory available now (never more than
-    ``n_slots * n_ctx``). ``repack`` and ``huge_pages``: see :class:`meshnet.contract.LoadSpec`.
+    ``n_slots * n_ctx``). ``repack`` and ``huge_pages``: see :class:`meshnet.load_spec.LoadSpec`.
 
     Raises (constructor):
         FileNotFoundError: no such file.

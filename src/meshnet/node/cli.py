@@ -1,0 +1,202 @@
+"""``meshnet node``'s command line: its flags, ``--fetch``, and the process's life around a
+:class:`~meshnet.node.runner.Node` (signals, the ready line, draining on SIGTERM).
+
+Prints ``MESHNET_NODE_READY node_id=... address=HOST:PORT`` on stdout once serving, so a parent process
+(``meshnet up``, tests) can learn a port chosen by the OS; the log (stderr) names its gRPC and data-plane
+addresses. A node the tracker refuses for good (wrong key or protocol, or an id that a live node at
+another address holds) exits with status 1 and the tracker's message on stderr; so does a node whose
+engine worker keeps dying (a crash loop), after deregistering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from meshnet.arg_types import host_port, node_id, port_number, positive_seconds, seconds
+from meshnet.contract import LayerRange
+from meshnet.load_spec import NO_HUGE_PAGES_HELP
+from meshnet.node.config import NodeConfig
+from meshnet.node.engine_loader import pin_to_cpu
+from meshnet.node.runner import Node
+from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.supervisor import follow_supervisor
+from meshnet.wire.security import TlsConfig, open_channel
+
+log = logging.getLogger("meshnet.node")
+
+
+def add_node_parser(sub) -> None:
+    p = sub.add_parser("node", help="serve a layer range of a model and join a tracker")
+    p.add_argument("--tracker", type=host_port, default=None, help="HOST:PORT of the tracker")
+    p.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
+    p.add_argument("--layers", default=None, help="half-open range START:END, e.g. 0:15")
+    p.add_argument("--fetch", default=None, metavar="MODEL",
+                   help="no model file here: fetch only the tensors of --layers (a model id, general.name or "
+                        "bundled name the tracker knows) from nodes serving it into a range-only GGUF in "
+                        "--models-dir, then serve it")
+    p.add_argument("--models-dir", default=None,
+                   help="where --fetch writes (and resumes) range-only files; default $MESHNET_CACHE_DIR/models "
+                        "(~/.cache/meshnet/models)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=port_number, default=0, help="0 = any free port")
+    p.add_argument("--advertise", type=host_port, default=None, help="address others dial (default HOST:PORT)")
+    p.add_argument("--node-id", type=node_id, default=None,
+                   help="id to register under (default: derived from the identity's public key); the tracker "
+                        "binds it to the first key that registers it")
+    p.add_argument("--identity", default=None, metavar="PATH",
+                   help="Ed25519 key file, created (mode 0600) on first start; default with --node-id "
+                        "$XDG_CONFIG_HOME/meshnet/node-<node-id>.key (~/.config/meshnet/...), without it a fresh "
+                        "key for this process (a new id each start)")
+    p.add_argument("--engine", choices=["ggml", "fake"], default="ggml")
+    p.add_argument("--fault", default="", metavar="SPEC",
+                   help="with --engine fake, for tests: faults to inject, e.g. crash=segfault,after=5 (crash=raise|"
+                        "segfault|abort|exit|sigkill|hang, after=N calls, delay=S, workers=K: the first K engine "
+                        "workers get them, 0 = all; default 1)")
+    p.add_argument("--in-process-engine", action="store_true",
+                   help="run the engine in the node process instead of a supervised worker process (an engine "
+                        "crash then takes the node down)")
+    p.add_argument("--worker-restarts", type=int, default=5, metavar="N",
+                   help="engine worker deaths in a row, each soon after its start, that are restarted (with "
+                        "backoff) before the node deregisters and exits")
+    p.add_argument("--worker-hang-timeout", type=positive_seconds, default=5.0, metavar="S",
+                   help="seconds an engine worker may leave a ping unanswered before it is killed and restarted")
+    p.add_argument("--backend", choices=["cpu", "cuda", "rocm", "vulkan", "metal"], default="cpu",
+                   help="where the ggml engine computes; anything but cpu must be certified here first "
+                        "(meshnet backends --certify)")
+    p.add_argument("--device", type=int, default=0, metavar="N",
+                   help="with an accelerator --backend: which of its devices, in ggml's order (default 0)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cpu", type=int, default=None, help="pin the node to this CPU (e.g. 0)")
+    p.add_argument("--n-ctx", type=int, default=0)
+    p.add_argument("--max-sessions", type=int, default=16)
+    p.add_argument("--kv-tokens", type=int, default=0,
+                   help="KV cells sessions may reserve at once (0 = half the memory available)")
+    p.add_argument("--no-repack", dest="repack", action="store_false",
+                   help="keep every weight as stored (by default mat-mul weights of the types whose repacked kernels "
+                        "give each row the bits it gets alone on this CPU take ggml's repacked CPU layout, as "
+                        "llama.cpp's do: Q4_0 and IQ4_NL matrices, Q4_0 / IQ4_NL / Q4_K / MXFP4 experts, and Q4_K "
+                        "matrices as two row halves)")
+    p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false", help=NO_HUGE_PAGES_HELP)
+    p.add_argument("--prefix-cache", type=int, default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
+    p.add_argument("--decode-groups", type=int, default=0,
+                   help="groups the sessions' decode steps are split into, taking turns so that every stage "
+                        "of a pipeline computes at once (0 = one per stage, from the range's share of the model's cost; "
+                        "1 = all together)")
+    p.add_argument("--idle-timeout", type=positive_seconds, default=300.0,
+                   help="seconds before an unused session is freed (> 0)")
+    p.add_argument("--drain-timeout", type=seconds, default=30.0)
+    p.add_argument("--data-port", type=port_number, default=0, help="TCP port of the step data plane (0 = any)")
+    p.add_argument("--no-data-plane", action="store_true", help="serve steps over gRPC only")
+    p.add_argument("--relay", action="store_true",
+                   help="open no port: keep one outbound connection to the tracker (--tracker) and take all "
+                        "traffic over it (for nodes behind NAT or a firewall; each hop costs more)")
+    p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
+    p.add_argument("--tls-cert", default=None)
+    p.add_argument("--tls-key", default=None)
+    p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker")
+    p.set_defaults(func=run_node)
+
+
+def _fetch_layers(args: argparse.Namespace) -> str:
+    """``--fetch``: the path of the range-only file for ``--layers``, fetched (or resumed) first.
+    Raises ValueError (FetchError) naming what is missing or which tensor did not verify."""
+    from meshnet.client.manifest_source import models_dir
+    from meshnet.node.fetch import fetch_from_tracker
+
+    if not args.tracker or not args.layers:
+        raise ValueError("--fetch needs --tracker (which knows the model) and --layers (what to fetch)")
+    tracker = pb_grpc.TrackerStub(open_channel(args.tracker, args.join_token, args.tls_ca))
+    result = fetch_from_tracker(tracker, args.fetch, LayerRange.parse(args.layers), args.models_dir or models_dir(),
+                                lambda address: open_channel(address, args.join_token, args.tls_ca))
+    log.info("layers %s of model %s: %s (%d of %d tensor bytes fetched now)", args.layers, result.model_id,
+             result.path, result.bytes_moved, result.range_bytes)
+    print(f"MESHNET_FETCHED path={result.path} bytes_moved={result.bytes_moved} range_bytes={result.range_bytes}",
+          flush=True)
+    return str(result.path)
+
+
+def run_node(args: argparse.Namespace) -> int:
+    if not follow_supervisor():  # started by `meshnet up`, which is gone already
+        print("error: the meshnet up that started this node is gone", file=sys.stderr)
+        return 1
+    backend = getattr(args, "backend", "cpu")
+    device = getattr(args, "device", 0)
+    if device < 0:
+        print(f"error: --device must be 0 or more, got {device}", file=sys.stderr)
+        return 2
+    if backend != "cpu":
+        # Refuse before loading anything: an accelerator that has not proved itself here stays dark.
+        from meshnet.backends.errors import BackendUnavailable
+        from meshnet.backends.lanes import require_certified
+
+        try:
+            require_certified(backend, device)
+        except BackendUnavailable as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    cpu = getattr(args, "cpu", None)
+    if cpu is not None:
+        pin_to_cpu(cpu)  # before loading, so the engine's threads start pinned
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    tls = TlsConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
+    model = args.model
+    if getattr(args, "fetch", None):
+        try:
+            model = _fetch_layers(args)
+        except ValueError as e:  # FetchError too: nothing registered, the part file kept for a resume
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    cfg = NodeConfig(model=model, layers=LayerRange.parse(args.layers) if args.layers else None,
+                     tracker=args.tracker, host=args.host, port=args.port, advertise=args.advertise,
+                     node_id=args.node_id, engine=args.engine, threads=args.threads, n_ctx=args.n_ctx,
+                     max_sessions=args.max_sessions, kv_tokens=args.kv_tokens,
+                     prefix_cache=args.prefix_cache, repack=args.repack, huge_pages=args.huge_pages, decode_groups=args.decode_groups, idle_timeout_s=args.idle_timeout,
+                     drain_timeout_s=args.drain_timeout, join_token=args.join_token, tls=tls, tls_ca=args.tls_ca,
+                     data_plane=not args.no_data_plane, data_port=args.data_port,
+                     cpu=cpu, backend=backend, device_index=device, identity=getattr(args, "identity", None),
+                     relay=getattr(args, "relay", False), fault=args.fault,
+                     in_process_engine=args.in_process_engine, worker_restarts=args.worker_restarts,
+                     worker_hang_timeout_s=args.worker_hang_timeout)
+    if cfg.fault and cfg.engine != "fake":
+        print(f"error: --fault needs --engine fake (got --engine {cfg.engine})", file=sys.stderr)
+        return 2
+    if cfg.relay and not cfg.tracker:
+        print("error: --relay needs --tracker (a relayed node is reached only through its tracker)", file=sys.stderr)
+        return 2
+    try:
+        node = Node(cfg)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    done = threading.Event()
+
+    def on_signal(signum, frame):
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    node.start()
+    if cfg.relay:
+        # Ready means reachable: wait (bounded) until the tracker has attached the relay stream.
+        if not node.relay_attached.wait(30):
+            log.warning("relay stream not attached yet; the node stays out of routes until it is")
+    layers = node.loaded.caps.artifact.layers
+    print(f"MESHNET_NODE_READY node_id={node.node_id} address={node.address} layers={layers}", flush=True)
+    dev = node.loaded.device or {}
+    # Both addresses: clients dial the data plane for steps, so a firewall must pass it too.
+    device = dev.get("description") or dev.get("name")  # the fake engine has none
+    log.info("node %s serving layers %s: gRPC %s, data plane %s; %s%s (%.1f tok/s decode probe)",
+             node.node_id, layers, node.address, node.data_address or "off (steps over gRPC)",
+             node.loaded.caps.backend, f" on {device}" if device else "", node.decode_tokens_per_s)
+    done.wait()
+    log.info("draining node %s", node.node_id)
+    node.stop(drain=True)
+    return 1 if node.failure else 0
