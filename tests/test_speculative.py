@@ -52,6 +52,17 @@ def test_ngram_draft_takes_the_longest_most_recent_match():
     assert ngram_draft([1, 2, 1], 0) == []
 
 
+
+def test_ngram_draft_copies_the_occurrence_whose_context_matches_furthest_back():
+    # "1 2 3" occurs twice before the end: after "10 11" (followed by 20 21) and, later, after "30"
+    # (followed by 40): the text now ends "10 11 1 2 3", so the copy is of the first one.
+    seq = [10, 11, 1, 2, 3, 20, 21, 30, 1, 2, 3, 40, 10, 11, 1, 2, 3]
+    assert ngram_draft(seq, 2) == [20, 21]
+    # Where no occurrence's context matches further back than another's, the most recent one is taken.
+    assert ngram_draft([7, 1, 2, 3, 20, 8, 1, 2, 3, 40, 9, 1, 2, 3], 1) == [40]
+    # Contexts compared back to the start of the text: the earliest occurrence has none before it.
+    assert ngram_draft([1, 2, 3, 5, 6, 1, 2, 3, 7, 6, 1, 2, 3], 1) == [7]
+
 def test_accepted_prefix_stops_at_the_first_disagreement():
     toks = [SampledToken(t, 0.0) for t in (5, 6, 9, 8)]
     assert accepted_prefix([5, 6, 7], toks) == 2

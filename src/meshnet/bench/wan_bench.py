@@ -72,6 +72,7 @@ def _median_figure(runs: list[dict]) -> dict:
            "failovers": sum(r["failovers"] for r in runs), "ids": runs[-1]["ids"]}
     if all("tokens_per_round" in r for r in runs):  # reported by a speculative client
         fig["tokens_per_round"] = statistics.median(r["tokens_per_round"] for r in runs)
+        fig["drafted"], fig["accepted"] = sum(r["drafted"] for r in runs), sum(r["accepted"] for r in runs)
     return fig
 
 
