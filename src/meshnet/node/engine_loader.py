@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from meshnet.load_spec import load_failure as contract_load_failure
+from meshnet.load_spec import load_failure as spec_load_failure
 from meshnet.contract import ArtifactId, Capabilities, LayerRange, StepRequest, split_layers
 from meshnet.load_spec import LoadSpec
 from meshnet.engine.base import ShardEngine
@@ -156,5 +156,5 @@ def load_subject(cfg: NodeConfig) -> str:
 
 def load_failure(e: Exception, cfg: NodeConfig) -> str:
     """One line saying why loading ``cfg``'s engine failed with ``e`` (see :func:`meshnet.load_spec.load_failure`)."""
-    return contract_load_failure(e, f"{load_subject(cfg)} with n_ctx={cfg.n_ctx}, kv_tokens={cfg.kv_tokens}, "
+    return spec_load_failure(e, f"{load_subject(cfg)} with n_ctx={cfg.n_ctx}, kv_tokens={cfg.kv_tokens}, "
                                     f"max_sessions={cfg.max_sessions}")
