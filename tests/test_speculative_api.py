@@ -69,6 +69,26 @@ def test_bad_speculation_fields_are_400(served, field, value):
     assert r.json()["error"]["param"] == field
 
 
+
+def test_a_model_request_uses_the_servers_draft_model_and_without_one_is_400(served, smollm2_path):
+    from meshnet.draft_model import ModelDrafter
+
+    backend, http = served
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, "speculative": "model"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "speculative"
+    assert "needs a draft model" in r.json()["error"]["message"]
+    plain = _chat(http)
+    drafter = ModelDrafter(str(smollm2_path), str(smollm2_path))  # the target as its own draft: all kept
+    backend.speculation = Speculation(4, drafter=drafter)  # meshnet api --speculative model --draft-model
+    try:
+        accepted = _metric(http, "meshnet_api_speculative_accepted_tokens_total")
+        assert _chat(http, speculative="model", draft_tokens=4) == plain
+        assert _metric(http, "meshnet_api_speculative_accepted_tokens_total") > accepted
+    finally:
+        backend.speculation = None
+        drafter.close()
+
 def test_an_mtp_request_to_a_model_without_nextn_names_the_model_not_its_path(smollm2_path):
     from meshnet.api.server import build_backend
     from meshnet.cli import build_parser

@@ -58,10 +58,10 @@ class _SamplingFields(_Strict):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # default 0.0
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # default 0.0
     seed: int | None = None
-    # meshnet's own: speculative decoding ("none" / "ngram" / "mtp": the model's next-token-prediction
-    # layers; null: the server's --speculative) and the draft tokens per verification step (null: the
-    # server's --draft-tokens, else 10)
-    speculative: Literal["none", "ngram", "mtp"] | None = None
+    # meshnet's own: speculative decoding ("none" / "ngram" / "model": the server's --draft-model / "mtp":
+    # the model's next-token-prediction layers; null: the server's --speculative) and the draft tokens per
+    # verification step (null: the server's --draft-tokens, else 10)
+    speculative: Literal["none", "ngram", "model", "mtp"] | None = None
     draft_tokens: int | None = Field(default=None, ge=1, le=MAX_DRAFT_TOKENS)
     stop: str | list[str] | None = None
     n: int | None = Field(default=None, ge=1, le=MAX_N)  # default 1
