@@ -40,6 +40,33 @@ def test_generate_routes_around_a_dead_hop_the_tracker_still_lists(slow_mesh, so
     assert json.loads(proc.stdout.strip().splitlines()[-1])["generated_token_ids"] == solo.greedy(0, 8)
 
 
+
+def test_a_route_waits_for_a_dead_hop_restarted_under_its_id_at_its_own_address(slow_mesh, solo):
+    """No spare: the middle node is killed and started again under the same id and ports while a new
+    session looks for a route. The dead hop is excluded, and let back in once its new process has
+    registered and answers (it was excluded for the whole wait, and the route failed)."""
+    import threading
+
+    from mesh_util import free_port
+
+    ports = ("--port", str(free_port()), "--data-port", str(free_port()))
+    head, mid, tail = slow_mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20", ports), ("d-tail", "20:30")])
+    mid.kill()
+    restarted: list = []
+    thread = threading.Thread(target=lambda: restarted.extend(slow_mesh.start_nodes([("b-mid", "10:20", ports)])))
+    thread.start()
+    client = MeshClient(slow_mesh.tracker, failover_deadline_s=60)
+    try:
+        _, hops, n_ctx = client.route_with_context()
+    finally:
+        thread.join(60)
+        client.close()
+    assert [(h.node_id, h.address) for h in hops] == [(n.node_id, n.address) for n in (head, restarted[0], tail)]
+    assert restarted[0].address == mid.address and n_ctx == 4096
+    proc = run_generate(slow_mesh.tracker, PROMPTS[0], "--max-tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["generated_token_ids"] == solo.greedy(0, 8)
+
 def test_generate_without_a_replacement_reports_one_line(slow_mesh, smollm2_path):
     head, mid, tail = slow_mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
     mid.kill()

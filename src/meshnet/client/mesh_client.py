@@ -105,29 +105,34 @@ class MeshClient:
         hold the whole session), read from each hop (through the tracker for a relayed one).
 
         A hop that does not answer (dead, though the tracker has not noticed yet) is excluded and the
-        route asked for again, until ``failover_deadline_s`` has passed.
+        route asked for again, until ``failover_deadline_s`` has passed; an excluded node is let back in
+        once it has recovered (see :meth:`Router.route_through_recovered`: restarted under its id, or
+        answering again), so a mesh without a spare serves as soon as the node is back.
 
         Raises:
             MeshUnavailable: no route whose every hop answers; the message names the last failure.
         """
         deadline = time.monotonic() + self.failover_deadline_s
-        exclude: set[str] = set()
+        failed_at: dict[str, str] = {}  # node id -> the address it did not answer at
         while True:
             try:
-                epoch, hops = self.route(exclude)
+                epoch, hops = self.route(set(failed_at))
             except MeshUnavailable as e:
-                if not exclude or time.monotonic() >= deadline:
-                    raise
-                log.info("%s; asking again", e)
-                time.sleep(0.25)
-                continue
+                recovered = self.router.route_through_recovered(failed_at, 0) if failed_at else None
+                if recovered is None:
+                    if not failed_at or time.monotonic() >= deadline:
+                        raise
+                    log.info("%s; asking again", e)
+                    time.sleep(0.25)
+                    continue
+                epoch, hops = recovered
             try:
                 return epoch, hops, context_length(hops)
             except StageFailure as f:
                 if time.monotonic() >= deadline:
                     raise MeshUnavailable(f"no route whose nodes all answer: {f}") from None
                 log.warning("%s; routing around it", f)
-                exclude.add(f.node_id)
+                failed_at[f.node_id] = f.address
 
     # ---- the client interface ----------------------------------------------------------------
     def step(self, req: StepRequest, decode: bool) -> StepResult:
