@@ -35,6 +35,7 @@ from meshnet.client.remote import RemoteStage, StageFailure
 from meshnet.client.router import MeshUnavailable, Router
 from meshnet.ledger.reporting import DeliveryReporter, new_client_id
 from meshnet.contract import NamedTensor, Status, StepRequest, StepResult
+from meshnet.speculative import accepted_prefix
 
 log = logging.getLogger("meshnet.client")
 
@@ -187,12 +188,14 @@ class MeshClient:
                     # The position of the token this step delivers (see below for verification steps).
                     delivered_at = req.position + (1 if req.verify else len(req.token_ids))
                     if result.token is not None and self.deliveries is not None:
-                        # Tokens before this step's first position were kept (the last verification
-                        # step's accepted drafts among them); of this step's, the one sampled after its
-                        # last row, or after a verification step's first (the one kept whatever the
-                        # drafts). A generation that ends on accepted drafts leaves those uncounted.
-                        self.deliveries.delivered_through(req.session_id, req.position)
+                        # The token sampled after the step's last row, or after a verification step's
+                        # first (kept whatever the drafts) and then the drafts the tail agreed with, each
+                        # followed by its token: the tokens the generation keeps (the same rule). Where
+                        # one of them ends the answer, the ones kept after it are charged too: the tail
+                        # computed and sent them.
+                        kept = accepted_prefix(req.token_ids[1:], result.tokens) if req.verify else 0
                         self.deliveries.delivered(req.session_id, delivered_at)
+                        self.deliveries.delivered_through(req.session_id, delivered_at + kept)
                     if result.token is not None and self.activity is not None:
                         self.activity.delivered(req.session_id, delivered_at)
                 else:
