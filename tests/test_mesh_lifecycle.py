@@ -4,6 +4,7 @@ a node killed under it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -215,15 +216,32 @@ def _node_children(pid: int) -> dict[str, int]:
     return found
 
 
-def test_meshnet_up_on_a_taken_port_says_so_without_a_traceback():
+@contextlib.contextmanager
+def _taken_port():
+    """A port on 127.0.0.1 another socket listens on."""
     import socket
 
     with socket.socket() as taken:
         taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        port = taken.getsockname()[1]
+        yield taken.getsockname()[1]
+
+
+def test_meshnet_up_on_a_taken_port_says_so_without_a_traceback():
+    with _taken_port() as port:
         r = subprocess.run([sys.executable, "-m", "meshnet.cli", "up", "--stages", "1", "--port", str(port),
                             "--api-port", "-1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"error: the tracker cannot listen on 127.0.0.1:{port}" in r.stderr and "Pass another --port." in r.stderr
+
+
+def test_meshnet_up_with_a_taken_api_port_fails_before_loading_anything():
+    """It started the mesh, said "no API" and printed its ready line without one."""
+    with _taken_port() as port:
+        r = subprocess.run([sys.executable, "-m", "meshnet.cli", "up", "--stages", "1", "--port", "0",
+                            "--api-port", str(port), "--dashboard-port", "-1"], capture_output=True, text=True,
+                           timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"error: the API cannot listen on 127.0.0.1:{port} (Address already in use)" in r.stderr, r.stderr
+    assert "MESHNET_UP_READY" not in r.stdout and "starting" not in r.stderr

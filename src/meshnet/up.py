@@ -88,6 +88,26 @@ def wait_for_route(tracker: str, timeout_s: float, join_token: str | None = None
     raise TimeoutError(f"no complete route after {timeout_s:.0f}s: {reason}")
 
 
+class _Refused(Exception):
+    """A setting the mesh cannot start with, found after its nodes started (the message says which)."""
+
+
+def _api_port_problem(host: str, port: int) -> str | None:
+    """Why the API could not listen on ``host:port`` (taken, or not an address here), or None: checked
+    before the nodes load, so that a taken port fails at once, as a taken tracker port does."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            sock.bind(infos[0][4])
+    except OSError as e:
+        return (f"the API cannot listen on {host}:{port} ({e.strerror or e}); pass another --api-port "
+                "(0 = any free port, -1 = no API)")
+    return None
+
+
 def run_up(args: argparse.Namespace) -> int:
     from meshnet.local_mesh import plan_ranges
     from meshnet.model.bundled import resolve_model
@@ -107,6 +127,8 @@ def run_up(args: argparse.Namespace) -> int:
             problem = problem or f"{flag} must be >= {least}, got {value}"
         elif value > (most := LOAD_SETTING_MOST.get(setting, value)):
             problem = problem or f"{flag} must be <= {most}, got {value}"
+    if not problem and args.api_port > 0:
+        problem = _api_port_problem(args.host, args.api_port)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -174,10 +196,10 @@ def run_up(args: argparse.Namespace) -> int:
                 api = (api_backend, *start_api_in_thread(api_backend, args.host, args.api_port))
                 api_url = f"http://{args.host}:{api[1].config.port}/v1"
                 print(f"[meshnet up] OpenAI-compatible API on {api_url}", file=sys.stderr, flush=True)
-            except OSError as e:
+            except OSError as e:  # taken since the check at the start
                 api_backend.close()
-                print(f"[meshnet up] no API: cannot listen on {args.host}:{args.api_port} ({e}); "
-                      "pass --api-port 0 for any free port", file=sys.stderr, flush=True)
+                raise _Refused(f"the API cannot listen on {args.host}:{args.api_port} ({e}); pass another "
+                               "--api-port (0 = any free port, -1 = no API)") from None
         print(f"MESHNET_UP_READY tracker={tracker}" + (f" api={api_url}" if api_url else "")
               + (f" dashboard={dashboard.url}" if dashboard else ""), flush=True)
         print(f"[meshnet up] try: meshnet generate --tracker {tracker} \"Hello\"   (Ctrl-C stops the mesh)",
@@ -192,6 +214,8 @@ def run_up(args: argparse.Namespace) -> int:
     except TimeoutError as e:
         print(f"[meshnet up] {e}", file=sys.stderr)
         code = 1
+    except _Refused as e:
+        refused.append(str(e))
     finally:
         if refused:
             print(f"error: {refused[0]}", file=sys.stderr)
