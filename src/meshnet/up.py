@@ -33,7 +33,7 @@ def add_up_parser(sub) -> None:
     p.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
     p.add_argument("--stages", type=int, default=3, help="node processes, one layer range each")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port_number, default=7700, help="tracker port")
+    p.add_argument("--port", type=port_number, default=7700, help="tracker port (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per node")
     p.add_argument("--n-ctx", type=int, default=0, help="context length per session (0 = model's, capped at 4096)")
     p.add_argument("--max-sessions", type=int, default=16,
@@ -51,7 +51,7 @@ def add_up_parser(sub) -> None:
     p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
     p.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds to wait for a complete route")
     p.add_argument("--api-port", type=int, default=8000,
-                   help="serve the OpenAI-compatible API on this port (0 = any free port, -1 = no API)")
+                   help="serve the OpenAI-compatible API on this port (default %(default)s; 0 = any free port, -1 = no API)")
     add_dashboard_args(p)
     add_speculation_args(p)  # the API's default; a request may say otherwise
     p.set_defaults(func=run_up)

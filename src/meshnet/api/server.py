@@ -36,7 +36,7 @@ def add_api_parser(sub) -> None:
     p.add_argument("--name", default=None, help="the model id clients use (default: the bundled name or "
                                                 "the file's stem)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port_number, default=8000)
+    p.add_argument("--port", type=port_number, default=8000, help="port (default %(default)s; 0 = any free port)")
     p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker and nodes")
     p.add_argument("--client-orchestrated", action="store_true",
@@ -47,7 +47,7 @@ def add_api_parser(sub) -> None:
     p.add_argument("--max-body-mb", type=positive_number, default=MAX_BODY_BYTES / 2**20, help="request body limit, MiB")
     local = p.add_argument_group("in-process stages (without --tracker)")
     split = local.add_mutually_exclusive_group()
-    split.add_argument("--stages", type=int, default=None, help="split the layers evenly into N ranges")
+    split.add_argument("--stages", type=int, default=None, help="split the layers into N ranges of about equal decode cost")
     split.add_argument("--layers", default=None, help='explicit half-open ranges, e.g. "0:10,10:30"')
     local.add_argument("--threads", type=int, default=2, help="CPU threads per stage")
     local.add_argument("--n-ctx", type=int, default=0, help="context length (0 = model's, capped at 4096)")
