@@ -221,6 +221,7 @@ def test_the_tracker_keeps_a_manifest_only_under_its_own_id(smollm2_path):
         with pytest.raises(grpc.RpcError) as e:
             t.GetManifest(pb.ManifestRequest(model=m.id[:7]), timeout=5)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "an id prefix needs at least 8 hex digits" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:  # a name nobody serves: the error lists what is known
             t.GetManifest(pb.ManifestRequest(model="llama-7b"), timeout=5)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND

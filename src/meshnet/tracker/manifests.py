@@ -88,8 +88,12 @@ class ManifestStore:
                 # The short id `meshnet nodes` and `meshnet ledger` print (12 hex digits), or any unique prefix.
                 hits = [(mid, e) for mid, e in self._by_id.items() if mid.startswith(model.lower())]
             known = [f"{e.name or '(unnamed)'} ({mid[:12]})" for mid, e in list(self._by_id.items())[:5]]
+            short = (not hits and len(model) < MIN_ID_PREFIX and all(c in "0123456789abcdef" for c in model.lower())
+                     and any(mid.startswith(model.lower()) for mid in self._by_id))
         if not hits:
-            raise ManifestNotFound(f"no manifest for model {model!r}: no node serving it has published one"
+            why = (f"an id prefix needs at least {MIN_ID_PREFIX} hex digits" if short
+                   else "no node serving it has published one")
+            raise ManifestNotFound(f"no manifest for model {model!r}: {why}"
                                    + (f"; known: {', '.join(known)}" if known else ""))
         if len(hits) > 1:
             raise ManifestNotFound(f"{len(hits)} models are named (or start with) {model!r}: "
