@@ -108,6 +108,12 @@ def test_join_token_required_by_tracker_and_nodes(smollm2_path):
             == grpc.StatusCode.UNAUTHENTICATED
         client = MeshClient(m.tracker, join_token="s3cret")
         assert client.step(StepRequest("t", 0, 0, (504, 3575, 282, 4649, 314)), decode=False).token.token_id == 7042
+        # A node with the wrong token is refused before it loads the model (it loaded, then was refused).
+        r = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--tracker", m.tracker, "--layers", "0:30",
+                            "--join-token", "wrong"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert "error: the tracker refused this node: " in r.stderr and "join token" in r.stderr, r.stderr
+        assert "serving layers" not in r.stderr and "MESHNET_NODE_READY" not in r.stdout
     finally:
         m.close()
 

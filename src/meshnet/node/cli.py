@@ -120,6 +120,25 @@ def _fetch_layers(args: argparse.Namespace) -> str:
     return str(result.path)
 
 
+def _join_refused(tracker: str, join_token: str | None, tls_ca: str | None) -> str | None:
+    """The tracker's refusal of ``join_token`` (a missing or wrong one), asked before the model loads,
+    which can take minutes; None when it accepts it, or cannot be asked now (the node then starts and
+    keeps trying to register, as it does when the tracker goes away later)."""
+    import grpc
+
+    from meshnet.proto import meshnet_pb2 as pb
+
+    channel = open_channel(tracker, join_token, tls_ca)
+    try:
+        pb_grpc.TrackerStub(channel).ListNodes(pb.Empty(), timeout=5)
+    except grpc.RpcError as e:
+        if e.code() is grpc.StatusCode.UNAUTHENTICATED:
+            return e.details() or "UNAUTHENTICATED"
+    finally:
+        channel.close()
+    return None
+
+
 def run_node(args: argparse.Namespace) -> int:
     if not follow_supervisor():  # started by `meshnet up`, which is gone already
         print("error: the meshnet up that started this node is gone", file=sys.stderr)
@@ -171,6 +190,10 @@ def run_node(args: argparse.Namespace) -> int:
     if cfg.relay and not cfg.tracker:
         print("error: --relay needs --tracker (a relayed node is reached only through its tracker)", file=sys.stderr)
         return 2
+    refused = _join_refused(cfg.tracker, args.join_token, args.tls_ca) if cfg.tracker else None
+    if refused:
+        print(f"error: the tracker refused this node: {refused}", file=sys.stderr)
+        return 1
     try:
         node = Node(cfg)
     except ValueError as e:
