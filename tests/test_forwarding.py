@@ -3,6 +3,7 @@ token comes to the client's await. Real SmolLM2 nodes on loopback, and the await
 
 from __future__ import annotations
 
+import logging
 import socket
 
 import pytest
@@ -52,7 +53,7 @@ def test_forwarded_generation_equals_solo_and_the_client_keeps_no_hidden_states(
 
 
 @pytest.mark.parametrize("victim_range", ["10:20", "20:30"])
-def test_a_node_killed_while_forwarding_is_replaced_with_identical_output(mesh, tok, solo, victim_range):
+def test_a_node_killed_while_forwarding_is_replaced_with_identical_output(mesh, tok, solo, victim_range, caplog):
     specs = [("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")]
     spare_id = "z-spare-mid" if victim_range == "10:20" else "z-spare-tail"
     nodes = mesh.start_nodes(specs + [(spare_id, victim_range)])
@@ -61,11 +62,15 @@ def test_a_node_killed_while_forwarding_is_replaced_with_identical_output(mesh, 
     in_route = {h.node_id for h in route}
     victim = next(n for n in nodes if n.node_id in in_route and n.node_id.endswith(
         ("mid", "spare-mid") if victim_range == "10:20" else ("tail", "spare-tail")))
-    out = _generate(client, tok, solo.prompt_ids(1), kill=victim.kill)
+    with caplog.at_level(logging.WARNING, logger="meshnet.client"):
+        out = _generate(client, tok, solo.prompt_ids(1), kill=victim.kill)
     assert out == solo.greedy(1, N)
     assert client.failovers == 1
     client.close()
     assert [n.active_sessions() for n in nodes if n is not victim] == [0, 0, 0]
+    if victim_range == "10:20":  # the head found it dead: the failure names the dead node, and says who saw it
+        assert any(f"node {victim.node_id} at {victim.address}: UNAVAILABLE: the hop before it could not forward "
+                   in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 def test_a_middle_node_that_lost_the_session_is_rebuilt_by_replay(mesh, tok, solo):
