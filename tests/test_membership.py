@@ -307,3 +307,14 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
     with contextlib.redirect_stderr(err):
         assert args.func(args) == 1
     assert "error: tracker 127.0.0.1:1: UNAVAILABLE" in err.getvalue()
+
+
+def test_meshnet_nodes_names_the_layers_no_node_serves():
+    from meshnet.membership.cli import nodes_dict
+
+    reply = pb.NodeList(nodes=[pb.NodeStatus(info=node_info("head", 0, 10)), pb.NodeStatus(info=node_info("tail", 20, 30)),
+                               pb.NodeStatus(info=node_info("late", 28, 30))])
+    assert format_nodes(reply).splitlines()[-1] == f"model {SHA[:12]}: no node serves layers [10, 20): no route until one does"
+    assert nodes_dict(reply)["unserved_layers"] == {SHA: [[10, 20]]}
+    whole = pb.NodeList(nodes=[pb.NodeStatus(info=node_info("head", 0, 10)), pb.NodeStatus(info=node_info("rest", 10, 30))])
+    assert len(format_nodes(whole).splitlines()) == 3 and nodes_dict(whole)["unserved_layers"] == {}

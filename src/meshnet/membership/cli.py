@@ -12,7 +12,8 @@ import grpc
 from meshnet.arg_types import host_port
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.tracker.node_info import device_dict
+from meshnet.tracker.node_info import device_dict, record_from_info
+from meshnet.tracker.routing import missing_layers
 from meshnet.wire.security import JOIN_TOKEN_ENV, open_channel
 
 
@@ -94,12 +95,27 @@ def _load_cells(load: dict | None) -> tuple[str, str, str, str]:
             _bytes_cell(load.get("weight_bytes", 0)))
 
 
+def unserved_layers(reply: pb.NodeList) -> dict[str, list[tuple[int, int]]]:
+    """Model id -> the half-open spans of its layers no listed node serves, for each model with any: no
+    route can exist for it until a node serves them."""
+    records = [record_from_info(s.info) for s in reply.nodes]
+    out = {}
+    for sha in dict.fromkeys(r.model_sha256 for r in records):
+        n_layer = max(r.n_layer for r in records if r.model_sha256 == sha)
+        spans = missing_layers(records, sha, n_layer)
+        if spans:
+            out[sha] = [(r.start, r.end) for r in spans]
+    return out
+
+
 def nodes_dict(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) -> dict:
     """The reply as plain data: ``{"nodes": [...]}`` (what ``--json`` prints); speed in tokens/s,
     heartbeat age in seconds; ``address`` is the node's gRPC HOST:PORT, ``data_address`` its step data
     plane's ("" when it has none: relayed, TLS or ``--no-data-plane``); ``version`` the node's meshnet
-    release ("" from an older node), ``protocol`` its wire protocol ``MAJOR.MINOR``."""
-    return {"nodes": [{"node_id": s.info.node_id, "address": s.info.address, "data_address": s.info.data_address,
+    release ("" from an older node), ``protocol`` its wire protocol ``MAJOR.MINOR``; ``unserved_layers``:
+    :func:`unserved_layers`."""
+    return {"unserved_layers": {sha: [list(span) for span in spans] for sha, spans in unserved_layers(reply).items()},
+            "nodes": [{"node_id": s.info.node_id, "address": s.info.address, "data_address": s.info.data_address,
                        "layers": [s.info.layers.start, s.info.layers.end], "n_layer": s.info.model.n_layer,
                        "model_sha256": s.info.model.sha256, "backend": s.info.backend,
                        "active_sessions": s.active_sessions, "max_sessions": s.info.max_sessions,
@@ -115,7 +131,8 @@ def nodes_dict(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) 
 def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) -> str:
     """An aligned table, one row per node (its model's id shortened to 12 hex digits, as ``meshnet ledger``
     prints it), or a line saying none is registered. ``loads`` (node id ->
-    :func:`node_load`) adds the KV, BATCH_ROWS, QUEUE and WEIGHTS columns; "-" where a node did not answer."""
+    :func:`node_load`) adds the KV, BATCH_ROWS, QUEUE and WEIGHTS columns; "-" where a node did not answer.
+    Below the table, a line for each model whose layers are not all served (:func:`unserved_layers`)."""
     if not reply.nodes:
         return "no nodes registered"
     load_head = ("KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE", "WEIGHTS") if loads is not None else ()
@@ -131,7 +148,9 @@ def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None
                      _relay(s), f"{s.last_heartbeat_age_s:.1f}s ago", "yes" if s.signed else "no", i.address,
                      i.data_address or "-", _device_cell(i)))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    gaps = [f"model {sha[:12]}: no node serves layers {', '.join(f'[{a}, {b})' for a, b in spans)}: no route "
+            f"until one does" for sha, spans in unserved_layers(reply).items()]
+    return "\n".join(["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows] + gaps)
 
 
 def run_nodes(args: argparse.Namespace) -> int:
