@@ -57,7 +57,7 @@ def _client(hops: list[FakeHop]) -> MeshClient:
     ranges = sorted({(h.engine.capabilities().artifact.layers.start, h.engine.capabilities().artifact.layers.end)
                      for h in hops})
 
-    def route(exclude=frozenset(), previous_epoch=0):
+    def route(exclude=frozenset(), previous_epoch=0, min_n_ctx=0):
         picked = [next(h for h in hops if (h.engine.capabilities().artifact.layers.start,
                                            h.engine.capabilities().artifact.layers.end) == r
                        and h.node_id not in exclude) for r in ranges]

@@ -39,6 +39,24 @@ def test_kill_middle_node_with_spare_equals_uninterrupted_run(mesh, tok, solo):
     assert [n.active_sessions() for n in survivors] == [0, 0, 0]
 
 
+
+def test_a_spare_too_small_for_the_session_is_not_failed_over_to(mesh, tok, solo):
+    """The only spare of the middle range holds 32-token sessions: new routes keep the 4096-token chain,
+    and when its middle node dies under a 64-token session the client does not replay onto the spare
+    (which refused the replay, and the request was blamed), but reports that no route holds the session."""
+    head, mid, small, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"),
+                                               ("c-small", "10:20", ("--n-ctx", "32")), ("d-tail", "20:30")])
+    client = MeshClient(mesh.tracker, failover_deadline_s=3)
+    _, hops, n_ctx = client.route_with_context()
+    assert [h.node_id for h in hops] == ["a-head", "b-mid", "d-tail"] and n_ctx == 4096
+    gen = Generation(client, tok, solo.prompt_ids(0), 64, GREEDY, stop_at_eog=False)
+    with pytest.raises(MeshUnavailable, match=r"holding fewer than \d+ tokens a session: c-small \(32\)"):
+        for i, _ in enumerate(gen):
+            if i + 1 == 10:
+                mid.kill()
+    assert [n.active_sessions() for n in (head, small, tail)] == [0, 0, 0]
+    client.close()
+
 def test_kill_without_spare_fails_fast_and_survivors_release(mesh, tok, solo):
     head, mid, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
     client = MeshClient(mesh.tracker)

@@ -141,3 +141,29 @@ def test_hop_cost_model_values():
 def test_relayed_hop_loses_to_an_equal_direct_replica():
     nodes = [node("a-relayed", 0, 30, relayed=True), node("z-direct", 0, 30)]
     assert ids(plan_route(nodes, SHA)) == ["z-direct"]
+
+
+def test_a_spare_holding_a_smaller_context_is_routed_only_when_no_larger_chain_is_left():
+    """An idle spare of 128 tokens beside a busy node of 512: sessions keep the 512-token chain (the idle
+    spare took them, and the API's context shrank to 128), and the spare serves once the other is gone."""
+    head, busy, spare = node("head", 0, 10, n_ctx=512), node("busy", 10, 30, n_ctx=512, active_sessions=15), \
+        node("spare", 10, 30, n_ctx=128)
+    assert ids(plan_route([head, busy, spare], SHA)) == ["head", "busy"]
+    assert ids(plan_route([head, busy, spare], SHA, exclude={"busy"})) == ["head", "spare"]
+    # A node that did not say its context fits any, and ties fall back to the cost model.
+    legacy = node("legacy", 10, 30)
+    assert ids(plan_route([head, busy, legacy], SHA)) == ["head", "legacy"]
+    # The widest chain may need a longer path: two 512-token nodes beat one 128-token node's shortcut.
+    a, b, wide_tail = node("a", 0, 10, n_ctx=512), node("b", 10, 20, n_ctx=512), node("wt", 20, 30, n_ctx=512)
+    short = node("short", 10, 30, n_ctx=128, decode_tokens_per_s=1000.0)
+    assert ids(plan_route([a, b, wide_tail, short], SHA)) == ["a", "b", "wt"]
+
+
+def test_a_session_needing_more_context_than_a_node_holds_is_never_routed_through_it():
+    head, spare = node("head", 0, 10, n_ctx=512), node("spare", 10, 30, n_ctx=128)
+    assert ids(plan_route([head, spare], SHA, min_n_ctx=128)) == ["head", "spare"]
+    with pytest.raises(NoRoute) as e:
+        plan_route([head, spare], SHA, min_n_ctx=300)
+    assert e.value.missing == (LayerRange(10, 30),)
+    assert e.value.message.endswith("no node serves layers [10, 30) (holding fewer than 300 tokens a session: "
+                                    "spare (128))")

@@ -97,9 +97,10 @@ class MeshClient:
                                          self._routes) if report_activity else None
 
     # ---- routing -----------------------------------------------------------------------------
-    def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0) -> tuple[int, list[RemoteStage]]:
+    def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0,
+              min_n_ctx: int = 0) -> tuple[int, list[RemoteStage]]:
         """A route from the tracker (see :meth:`Router.route`). Raises MeshUnavailable."""
-        return self.router.route(exclude, previous_epoch)
+        return self.router.route(exclude, previous_epoch, min_n_ctx)
 
     def route_with_context(self) -> tuple[int, list[RemoteStage], int]:
         """A route and its context length in tokens (the smallest ``n_ctx`` along it: every stage must
@@ -335,12 +336,13 @@ class MeshClient:
         stay in the route, and the replay starts at them. ``from_head``: the failed step was forwarded
         (any hop before the failure may have run it), so every hop is rebuilt, from the head on."""
         exclude = set(failed_at)
+        needed = log_.tokens_needed  # a replacement holding fewer would refuse the replay
         while True:
             try:
-                epoch, hops = self.route(exclude, log_.epoch)
+                epoch, hops = self.route(exclude, log_.epoch, needed)
                 break
             except MeshUnavailable as e:
-                recovered = self.router.route_through_recovered(failed_at, log_.epoch)
+                recovered = self.router.route_through_recovered(failed_at, log_.epoch, needed)
                 if recovered is not None:
                     epoch, hops = recovered
                     break

@@ -75,8 +75,10 @@ class Router:
                                                                           self.step_timeout_s, tls)
         return RemoteStage(hop.node_id, hop.address, ch, self.step_timeout_s, data_pool=pool)
 
-    def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0) -> tuple[int, list[RemoteStage]]:
-        """A route from the tracker, numbered with an epoch above ``previous_epoch``.
+    def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0,
+              min_n_ctx: int = 0) -> tuple[int, list[RemoteStage]]:
+        """A route from the tracker, numbered with an epoch above ``previous_epoch``, through nodes that
+        hold sessions of ``min_n_ctx`` tokens (0: any).
 
         While the tracker cannot be reached (down, restarting, cut off from this client), the last route
         it gave serves instead, unless it goes through a node in ``exclude``: the nodes keep serving without
@@ -89,7 +91,8 @@ class Router:
         try:
             r = self.tracker.GetRoute(pb.RouteRequest(model_sha256=self.model_sha256,
                                                        exclude_node_ids=sorted(exclude),
-                                                       previous_epoch=previous_epoch), timeout=5)
+                                                       previous_epoch=previous_epoch, min_n_ctx=min_n_ctx),
+                                   timeout=5)
         except grpc.RpcError as e:
             last = self._last_route
             if e.code() not in _TRACKER_UNREACHABLE or last is None:
@@ -103,13 +106,13 @@ class Router:
         self._last_route = list(r.hops)
         return int(r.epoch), [self.stage(h) for h in r.hops]
 
-    def route_through_recovered(self, failed_at: dict[str, str], previous_epoch: int
+    def route_through_recovered(self, failed_at: dict[str, str], previous_epoch: int, min_n_ctx: int = 0
                                  ) -> tuple[int, list[RemoteStage]] | None:
         """A route in which every node that failed for this session has recovered: it is a new process
         (its address changed since it failed), or it answers Health again at its address (a partition
         healed, a stalled process resumed). None: no such route, or the tracker has none at all."""
         try:
-            epoch, hops = self.route(frozenset(), previous_epoch)
+            epoch, hops = self.route(frozenset(), previous_epoch, min_n_ctx)
         except MeshUnavailable:
             return None
         for h in hops:

@@ -39,6 +39,13 @@ class SessionLog:
     # Node id -> the steps in a row, up to the last one, that found the node had lost the session.
     lost_in_a_row: dict[str, int] = field(default_factory=dict)
 
+    @property
+    def tokens_needed(self) -> int:
+        """Tokens the session must be able to hold on every hop of a new route: what its first step
+        reserved (its prompt and every token it may generate), at least what its steps hold so far."""
+        held = max((r.req.position + len(r.req.token_ids) for r in self.steps), default=0)
+        return max(held, self.steps[0].req.reserve_tokens if self.steps else 0)
+
 
 def same_ranges(old: list[RemoteStage], new: list[RemoteStage]) -> bool:
     """Whether ``new`` serves the same layer ranges in the same order as ``old`` (so each new hop takes

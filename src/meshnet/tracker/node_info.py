@@ -47,7 +47,7 @@ def record_from_info(info: pb.NodeInfo) -> NodeRecord:
                       engine=info.engine or "ggml", backend=info.backend or "cpu", decode_tokens_per_s=speed,
                       # 0 = the node did not say: assume the engines' default limit
                       max_sessions=info.max_sessions or _DEFAULT_MAX_SESSIONS, data_address=info.data_address,
-                      relayed=info.relayed, instance=info.instance)
+                      relayed=info.relayed, instance=info.instance, n_ctx=info.n_ctx)
 
 
 def info_from_status(s: RegisteredNode) -> pb.NodeInfo:
@@ -59,7 +59,7 @@ def info_from_status(s: RegisteredNode) -> pb.NodeInfo:
                        free_memory_bytes=s.free_memory_bytes, decode_tokens_per_s=r.decode_tokens_per_s,
                        max_sessions=max(r.max_sessions, 0), data_address=r.data_address, relayed=r.relayed,
                        device=pb.DeviceInfo(**s.device) if s.device else None, version=s.version,
-                       instance=r.instance)
+                       instance=r.instance, n_ctx=r.n_ctx)
 
 
 def device_dict(info: pb.NodeInfo) -> dict:

@@ -33,6 +33,12 @@ to whole-range nodes. The estimated seconds one decode token spends on a hop are
   unknown, for which Petals assumes 150 ms.
 * Ties (equal saturation and time) go to the route whose node ids sort first, so the answer never
   depends on the order of the input.
+
+Context: a route holds sessions of its smallest node context (``n_ctx``), so before any of the above, a
+route offers the largest context some chain offers: a node holding less is a spare for when no chain
+of larger ones is left (otherwise an idle small spare would take new sessions and shrink what the API
+serves), and a client that needs ``min_n_ctx`` tokens (a session failing over) never gets a node
+holding fewer. A node that did not say its context (0) fits any.
 """
 
 from __future__ import annotations
@@ -83,6 +89,7 @@ class NodeRecord:
     relayed: bool = False
     data_address: str = ""          # raw-TCP step data plane ("" = steps over gRPC)
     instance: str = ""              # the node process (NodeInfo.instance; "" = the node did not say)
+    n_ctx: int = 0                  # tokens a session may hold on the node (0 = the node did not say)
 
     @property
     def saturated(self) -> bool:
@@ -132,9 +139,15 @@ def hop_cost(node: NodeRecord) -> float:
     return overhead + compute_s * load
 
 
+def _holds(node: NodeRecord, n_ctx: int) -> bool:
+    """Whether ``node`` holds sessions of ``n_ctx`` tokens (a node that did not say is assumed to)."""
+    return node.n_ctx == 0 or node.n_ctx >= n_ctx
+
+
 def _candidates(nodes: Sequence[NodeRecord], model_sha256: str,
-                exclude: Collection[str]) -> tuple[list[NodeRecord], int]:
-    """The model's usable nodes (not excluded, range inside the model) and the model's n_layer.
+                exclude: Collection[str], min_n_ctx: int = 0) -> tuple[list[NodeRecord], int]:
+    """The model's usable nodes (not excluded, range inside the model, holding ``min_n_ctx`` tokens) and
+    the model's n_layer.
 
     n_layer comes from every node of the model, excluded or not, so missing spans can be named even
     when exclusion removed the only node. 0 when no node serves the model.
@@ -143,7 +156,7 @@ def _candidates(nodes: Sequence[NodeRecord], model_sha256: str,
     n_layer = max((n.n_layer for n in of_model), default=0)
     excluded = set(exclude)
     usable = [n for n in of_model
-              if n.node_id not in excluded and n.layers.end <= n.n_layer == n_layer]
+              if n.node_id not in excluded and n.layers.end <= n.n_layer == n_layer and _holds(n, min_n_ctx)]
     return usable, n_layer
 
 
@@ -182,37 +195,10 @@ def missing_layers(nodes: Sequence[NodeRecord], model_sha256: str, n_layer: int,
     return _uncovered(usable, n_layer)
 
 
-def plan_route(nodes: Sequence[NodeRecord], model_sha256: str,
-               exclude: Collection[str] = ()) -> tuple[NodeRecord, ...]:
-    """The cheapest chain of nodes whose ranges tile ``[0, n_layer)`` of ``model_sha256`` exactly.
-
-    Args:
-        nodes: candidate nodes (any models; others are ignored).
-        model_sha256: the model to route.
-        exclude: node ids never to use (e.g. nodes a client just saw fail).
-
-    Returns:
-        The hops in layer order: hop 0 starts at layer 0, each hop ends where the next starts and the
-        last ends at ``n_layer``.
-
-    Raises:
-        NoRoute: no node serves the model, some layers are served by no usable node (``missing`` names
-            the spans), or every layer is served but no chain of ranges tiles the model.
-    """
-    usable, n_layer = _candidates(nodes, model_sha256, exclude)
-    prefix = f"no complete route for model {_short(model_sha256)}"
-    if n_layer <= 0:
-        raise NoRoute(model_sha256, (), f"{prefix}: no registered node serves this model")
-    excluded_here = sorted({n.node_id for n in nodes
-                            if n.model_sha256 == model_sha256 and n.node_id in set(exclude)})
-    note = f" (excluded: {', '.join(excluded_here)})" if excluded_here else ""
-
-    missing = _uncovered(usable, n_layer)
-    if missing:
-        spans = ", ".join(format_range(r) for r in missing)
-        raise NoRoute(model_sha256, missing, f"{prefix}: no node serves layers {spans}{note}")
-
-    # best[b] = (saturated hops, seconds, node ids, hops) of the cheapest chain from layer 0 to b.
+def _cheapest_chain(usable: Sequence[NodeRecord], n_layer: int):
+    """``(hops, best, by_start)``: the cheapest chain of ``usable`` from layer 0 to ``n_layer`` (None when
+    none reaches it), the cheapest chain found to each boundary (``best[b] = (saturated hops, seconds,
+    node ids, hops)``) and the nodes by first layer."""
     by_start: dict[int, list[NodeRecord]] = {}
     for n in usable:
         by_start.setdefault(n.layers.start, []).append(n)
@@ -226,8 +212,54 @@ def plan_route(nodes: Sequence[NodeRecord], model_sha256: str,
             cur = best.get(n.layers.end)
             if cur is None or cand[:3] < cur[:3]:
                 best[n.layers.end] = cand
-    if n_layer in best:
-        return best[n_layer][3]
+    return (best[n_layer][3] if n_layer in best else None), best, by_start
+
+
+def plan_route(nodes: Sequence[NodeRecord], model_sha256: str,
+               exclude: Collection[str] = (), min_n_ctx: int = 0) -> tuple[NodeRecord, ...]:
+    """The cheapest chain of nodes whose ranges tile ``[0, n_layer)`` of ``model_sha256`` exactly, among
+    those holding the largest context a chain offers (see the module docstring).
+
+    Args:
+        nodes: candidate nodes (any models; others are ignored).
+        model_sha256: the model to route.
+        exclude: node ids never to use (e.g. nodes a client just saw fail).
+        min_n_ctx: tokens a session must be able to hold on every hop (0: any).
+
+    Returns:
+        The hops in layer order: hop 0 starts at layer 0, each hop ends where the next starts and the
+        last ends at ``n_layer``.
+
+    Raises:
+        NoRoute: no node serves the model, some layers are served by no usable node (``missing`` names
+            the spans), or every layer is served but no chain of ranges tiles the model.
+    """
+    usable, n_layer = _candidates(nodes, model_sha256, exclude, min_n_ctx)
+    prefix = f"no complete route for model {_short(model_sha256)}"
+    if n_layer <= 0:
+        raise NoRoute(model_sha256, (), f"{prefix}: no registered node serves this model")
+    excluded_here = sorted({n.node_id for n in nodes
+                            if n.model_sha256 == model_sha256 and n.node_id in set(exclude)})
+    note = f" (excluded: {', '.join(excluded_here)})" if excluded_here else ""
+    too_small = sorted(f"{n.node_id} ({n.n_ctx})" for n in nodes if n.model_sha256 == model_sha256
+                       and n.node_id not in set(exclude) and not _holds(n, min_n_ctx))
+    if too_small:
+        note += f" (holding fewer than {min_n_ctx} tokens a session: {', '.join(too_small)})"
+
+    missing = _uncovered(usable, n_layer)
+    if missing:
+        spans = ", ".join(format_range(r) for r in missing)
+        raise NoRoute(model_sha256, missing, f"{prefix}: no node serves layers {spans}{note}")
+
+    # The widest context first: each node context, largest first, that some chain of nodes holding it
+    # offers (the smallest admits every node; nodes that did not say fit any).
+    for width in sorted({n.n_ctx for n in usable if n.n_ctx > 0}, reverse=True)[:-1]:
+        chain = _cheapest_chain([n for n in usable if _holds(n, width)], n_layer)[0]
+        if chain is not None:
+            return chain
+    chain, best, by_start = _cheapest_chain(usable, n_layer)
+    if chain is not None:
+        return chain
 
     # Every layer is served, yet no chain reaches the end: name where the chains from layer 0 stop.
     dead_ends = sorted(b for b in best if b != n_layer and b not in by_start)

@@ -179,7 +179,7 @@ class TrackerService(pb_grpc.TrackerServicer):
                                "name one in model_sha256")
             model = models[0]
         try:
-            hops = plan_route(nodes, model, exclude=frozenset(request.exclude_node_ids))
+            hops = plan_route(nodes, model, exclude=frozenset(request.exclude_node_ids), min_n_ctx=request.min_n_ctx)
         except NoRoute as e:
             message = e.message
             if not any(n.model_sha256 == model for n in nodes):
