@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 
 import gguf
+import numpy as np
 import pytest
 
 from conftest import GOLDEN_DIR
@@ -139,6 +140,25 @@ def test_engine_keeps_serving_after_a_bad_load(tmp_path):
     assert eng.load(LoadSpec(path=str(TINY), artifact=ArtifactId("", LayerRange(0, 4)))).ok
     assert eng.health().healthy
 
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_hidden_states_holding_nan_or_infinity_are_refused_naming_the_row(bad):
+    """A tail given them answered INTERNAL (its sampling raised on an empty candidate set) or token 0."""
+    from meshnet.contract import NamedTensor, SamplingParams, StepRequest
+
+    eng, out = _load(TINY, LayerRange(2, 4))
+    assert out.ok
+    rows = np.full((3, eng.capabilities().n_embd), 0.5, np.float32)
+    rows[1, 7] = bad
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, seed=1)
+    res = eng.prefill(StepRequest("s", 0, 0, (1, 2, 3), hidden=NamedTensor.from_numpy("hidden", rows),
+                                  sampling=sampling))
+    assert res.status is Status.INVALID_ARGUMENT and res.message == "hidden states hold NaN or infinity (row 1 of 3)"
+    rows[1, 7] = 0.5  # the stage keeps serving, the same session id included
+    res = eng.prefill(StepRequest("s", 0, 0, (1, 2, 3), hidden=NamedTensor.from_numpy("hidden", rows),
+                                  sampling=sampling))
+    assert res.ok and 0 <= res.token.token_id < eng.capabilities().n_vocab
 
 @pytest.mark.parametrize("field,value", [("kv_tokens", -5), ("max_sessions", 0), ("n_ubatch", 0), ("n_ctx", -1),
                                          ("n_threads", 0), ("n_threads", 513)])

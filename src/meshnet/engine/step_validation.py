@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
+
 from meshnet.contract import MAX_DRAFT_TOKENS, Capabilities, Status, StepRequest
 
 if TYPE_CHECKING:
@@ -69,6 +71,13 @@ def request_problem(req: StepRequest, caps: Capabilities | None, decode: bool,
             if caps.needs_token_ids and req.hidden.shape[1:] == want[1:]:
                 problem += (": this stage picks experts by token id (hash-routed blocks) and needs "
                             "one token id per row")
+        if problem is None:
+            # NaN or infinity from a broken or hostile peer: the tail's sampling has no token to give
+            # for them (it raised, or answered token 0), and every later stage would pass them on.
+            finite = np.isfinite(req.hidden.to_numpy()).all(axis=tuple(range(1, len(want))))
+            if not finite.all():
+                problem = (f"hidden states hold NaN or infinity (row {int(np.argmin(finite))} of "
+                           f"{len(finite)})")
         if problem is not None:
             return Status.INVALID_ARGUMENT, problem
     if caps.is_tail:
