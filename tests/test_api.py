@@ -467,7 +467,8 @@ class _HeldClient(_FlakyClient):
 
 def test_a_request_waiting_past_the_admission_time_for_a_slot_is_503(backend, monkeypatch):
     """One generation slot, held: the next request waits for it at most ADMISSION_WAIT_S (the time the
-    wait for room on the stages shares), then gets 503 server_busy with Retry-After; it used to wait on."""
+    wait for room on the stages shares), then gets 503 server_busy with Retry-After, streamed or not; it used
+    to wait on."""
     import meshnet.api.backend as backend_module
 
     monkeypatch.setattr(backend_module, "ADMISSION_WAIT_S", 0.5)
@@ -488,6 +489,12 @@ def test_a_request_waiting_past_the_admission_time_for_a_slot_is_503(backend, mo
             assert err["code"] == "server_busy" and r.headers["Retry-After"] == "3"
             assert err["message"] == ("the server is busy: waited 0.5 s for one of its 1 generation slots; "
                                       "retry later")
+            # Streamed, the same status before any event (it was a 200 whose stream held an error event,
+            # which clients do not retry).
+            r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 2, "stream": True})
+            assert _error(r, 503)["code"] == "server_busy" and r.headers["Retry-After"] == "3"
+            assert "meshnet_api_active_sessions 1.0" in http.get("/metrics").text  # the held one only
             go.set()
             held.join(30)
             assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200

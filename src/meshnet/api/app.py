@@ -237,8 +237,7 @@ class _Api:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse(self._stream_completion(jobs, rid, created, prompt_tokens, want_logprobs,
-                                               include_usage, t0))
+            return await self._stream_completion(jobs, rid, created, prompt_tokens, want_logprobs, include_usage, t0)
         choices, completion_tokens = [], 0
         for i, job in enumerate(jobs):
             pieces, run = await self._run_whole(job, request, t0, i == 0)
@@ -252,32 +251,62 @@ class _Api:
                                   usage=usage)
         return JSONResponse(body.model_dump())
 
-    def _stream_completion(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
-                                 want_logprobs: bool, include_usage: bool, t0: float) -> AsyncIterator[str]:
+    async def _stream_completion(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
+                                 want_logprobs: bool, include_usage: bool, t0: float) -> Response:
         chunks = CompletionChunks(rid, created, self.backend.model_name)
 
         def on_piece(i: int, piece: Piece) -> list[str]:
             lp = completion_logprobs(self.backend.tokenizer, [piece]) if want_logprobs and piece.tokens else None
             return [chunks.text(i, piece.text, lp, piece.finish_reason)]
 
-        return self._stream_choices(jobs, t0, prompt_tokens, include_usage, lambda i: [], on_piece, chunks.usage)
+        return await self._stream_choices(jobs, t0, prompt_tokens, include_usage, lambda i: [], on_piece,
+                                          chunks.usage)
 
     async def _stream_choices(self, jobs: list[GenJob], t0: float, prompt_tokens: int, include_usage: bool,
                               on_start: Callable[[int], list[str]], on_piece: Callable[[int, Piece], list[str]],
-                              usage_event: Callable[[Usage], str]) -> AsyncIterator[str]:
-        """The server-sent events of a streamed request: each choice's generation in turn (``on_start``
-        when its first step succeeded, ``on_piece`` per piece of text), an error event that ends the
-        stream if a choice fails, the usage event when asked for, then ``[DONE]``."""
+                              usage_event: Callable[[Usage], str]) -> Response:
+        """The response of a streamed request: server-sent events of each choice's generation in turn
+        (``on_start`` once its first piece is ready, ``on_piece`` per piece of text), an error event that
+        ends the stream if a choice fails, the usage event when asked for, then ``[DONE]``.
+
+        The first choice's slot, its room on the stages and its first piece are awaited before the
+        response starts: a request that cannot start gets its status (503 ``server_busy`` with
+        Retry-After, which clients retry), not a 200 whose stream holds only an error event.
+
+        Raises:
+            ApiError: the first choice could not start."""
+        first = ChoiceRun(self.backend, jobs[0], self.limiter, self.metrics, t0, observe_ttft=True)
+        try:
+            await first.start()
+            piece = await first.next_piece()
+        except BaseException:
+            await first.aclose()
+            raise
+        # The first run is closed with the response even if its body never starts (a client gone at once).
+        return sse(self._events(jobs, first, piece, t0, prompt_tokens, include_usage, on_start, on_piece,
+                                usage_event), on_close=first.aclose)
+
+    async def _events(self, jobs: list[GenJob], first: ChoiceRun, first_piece: Piece | None, t0: float,
+                      prompt_tokens: int, include_usage: bool, on_start: Callable[[int], list[str]],
+                      on_piece: Callable[[int, Piece], list[str]],
+                      usage_event: Callable[[Usage], str]) -> AsyncIterator[str]:
+        """The events of :meth:`_stream_choices`, its first choice already started (``first``, whose first
+        piece is ``first_piece``)."""
         completion_tokens = 0
         for i, job in enumerate(jobs):
-            run = ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, observe_ttft=i == 0)
+            run = first if i == 0 else ChoiceRun(self.backend, job, self.limiter, self.metrics, t0)
             try:
-                await run.start()
+                if i == 0:
+                    piece = first_piece
+                else:
+                    await run.start()
+                    piece = await run.next_piece()
                 for ev in on_start(i):
                     yield ev
-                while (piece := await run.next_piece()) is not None:
+                while piece is not None:
                     for ev in on_piece(i, piece):
                         yield ev
+                    piece = await run.next_piece()
             except ApiError as e:
                 self.metrics.errors.labels(kind=e.code or str(e.status)).inc()
                 yield event(e.body())
@@ -335,7 +364,7 @@ class _Api:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse(self._stream_chat(jobs, rid, created, prompt_tokens, want_logprobs, include_usage, t0))
+            return await self._stream_chat(jobs, rid, created, prompt_tokens, want_logprobs, include_usage, t0)
         choices, completion_tokens = [], 0
         for i, job in enumerate(jobs):
             pieces, run = await self._run_whole(job, request, t0, i == 0)
@@ -353,8 +382,8 @@ class _Api:
                                       usage=usage)
         return JSONResponse(body.model_dump())
 
-    def _stream_chat(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
-                           want_logprobs: bool, include_usage: bool, t0: float) -> AsyncIterator[str]:
+    async def _stream_chat(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
+                           want_logprobs: bool, include_usage: bool, t0: float) -> Response:
         chunks = ChatChunks(rid, created, self.backend.model_name)
 
         def on_piece(i: int, piece: Piece) -> list[str]:
@@ -365,9 +394,8 @@ class _Api:
                 events.append(chunks.finish(i, piece.finish_reason))
             return events
 
-        # Returned, not re-yielded: closing the response closes this generator (and its session) at once.
-        return self._stream_choices(jobs, t0, prompt_tokens, include_usage, lambda i: [chunks.role(i)],
-                                    on_piece, chunks.usage)
+        return await self._stream_choices(jobs, t0, prompt_tokens, include_usage, lambda i: [chunks.role(i)],
+                                          on_piece, chunks.usage)
 
     # ---- non-streaming driver ----
     async def _run_whole(self, job: GenJob, request: Request, t0: float,

@@ -10,7 +10,7 @@ are byte for byte what the schemas give.
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi.responses import Response, StreamingResponse
 
@@ -123,7 +123,10 @@ class CompletionChunks:
 
 class SSEResponse(StreamingResponse):
     """A server-sent-event stream whose body iterator is always closed when the response ends, so a
-    client that goes away (however the server notices) releases its session promptly."""
+    client that goes away (however the server notices) releases its session promptly; ``on_close`` then
+    runs too (a generator that never started runs none of its own cleanup)."""
+
+    on_close: Callable[[], Awaitable[None]] | None = None
 
     async def stream_response(self, send) -> None:
         try:
@@ -131,8 +134,17 @@ class SSEResponse(StreamingResponse):
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:  # here, not in stream_response: a client gone at once cancels that before it runs
+            if self.on_close is not None:
+                await self.on_close()
 
-def sse(gen: AsyncIterator[str]) -> Response:
-    """The HTTP response streaming ``gen``'s events (``text/event-stream``, never cached or buffered)."""
-    return SSEResponse(gen, media_type="text/event-stream",
-                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+def sse(gen: AsyncIterator[str], on_close: Callable[[], Awaitable[None]] | None = None) -> Response:
+    """The HTTP response streaming ``gen``'s events (``text/event-stream``, never cached or buffered);
+    ``on_close`` runs when it ends, however it ends."""
+    r = SSEResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    r.on_close = on_close
+    return r
