@@ -503,6 +503,49 @@ def test_a_request_waiting_past_the_admission_time_for_a_slot_is_503(backend, mo
         stop_api(server, thread)
 
 
+
+def test_a_streamed_request_whose_client_leaves_while_it_waits_for_a_slot_leaves_the_queue(backend, monkeypatch):
+    """A streamed request's response starts with its first token: a client gone while it waits in line
+    must not keep its place (nor, once a slot frees, run its prefill for nobody)."""
+    import socket
+
+    from mesh_util import wait_for
+
+    import meshnet.api.backend as backend_module
+
+    monkeypatch.setattr(backend_module, "ADMISSION_WAIT_S", 20.0)
+    go = threading.Event()
+    b = ApiBackend(lambda: _HeldClient(go), backend.tokenizer, "smollm2", N_CTX, max_concurrency=1, retry_after_s=3)
+    server, thread = start_api_in_thread(b, "127.0.0.1", 0)
+    port = server.config.port
+
+    def gauge(http, name: str) -> str:
+        return next(line.split()[1] for line in http.get("/metrics").text.splitlines() if line.startswith(name + " "))
+
+    def until(http, name: str, value: str, timeout_s: float) -> None:
+        assert wait_for(lambda: gauge(http, name) == value, timeout_s) is not None, f"{name} never {value}"
+
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            held = threading.Thread(target=lambda: http.post("/v1/completions", json={"prompt": PROMPT,
+                                                                                      "max_tokens": 2}))
+            held.start()
+            until(http, "meshnet_api_active_sessions", "1.0", 10)
+            body = json.dumps({"prompt": PROMPT, "max_tokens": 2, "stream": True}).encode()
+            with socket.create_connection(("127.0.0.1", port)) as raw:
+                raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                until(http, "meshnet_api_queued_requests", "1.0", 10)
+            until(http, "meshnet_api_queued_requests", "0.0", 5)  # it waited on, up to 20 s, and then ran
+            assert gauge(http, "meshnet_api_active_sessions") == "1.0"  # the held one only
+            go.set()
+            held.join(30)
+            until(http, "meshnet_api_active_sessions", "0.0", 10)
+    finally:
+        go.set()
+        stop_api(server, thread)
+
+
 def test_metrics_exported(backend, http):
     text = http.get("/metrics").text
     assert 'meshnet_api_requests_total{endpoint="/v1/completions",status="200"}' in text

@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import anyio.to_thread
 from fastapi import FastAPI, Request
@@ -45,7 +45,8 @@ from meshnet.api.schemas import (
     ModelList,
     Usage,
 )
-from meshnet.api.sse import DONE, ChatChunks, CompletionChunks, event, sse
+from meshnet.api.sse import ChatChunks, CompletionChunks
+from meshnet.api.streaming import stream_choices
 from meshnet.api.structured import grammar_for, response_grammar
 from meshnet.api.tools import plan_tools, tool_calls_from
 from meshnet.api.logprobs import chat_logprobs, completion_logprobs
@@ -237,7 +238,8 @@ class _Api:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await self._stream_completion(jobs, rid, created, prompt_tokens, want_logprobs, include_usage, t0)
+            return await self._stream_completion(jobs, rid, created, prompt_tokens, want_logprobs, include_usage, t0,
+                                                 request)
         choices, completion_tokens = [], 0
         for i, job in enumerate(jobs):
             pieces, run = await self._run_whole(job, request, t0, i == 0)
@@ -252,72 +254,19 @@ class _Api:
         return JSONResponse(body.model_dump())
 
     async def _stream_completion(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
-                                 want_logprobs: bool, include_usage: bool, t0: float) -> Response:
+                                 want_logprobs: bool, include_usage: bool, t0: float, request: Request) -> Response:
         chunks = CompletionChunks(rid, created, self.backend.model_name)
 
         def on_piece(i: int, piece: Piece) -> list[str]:
             lp = completion_logprobs(self.backend.tokenizer, [piece]) if want_logprobs and piece.tokens else None
             return [chunks.text(i, piece.text, lp, piece.finish_reason)]
 
-        return await self._stream_choices(jobs, t0, prompt_tokens, include_usage, lambda i: [], on_piece,
-                                          chunks.usage)
+        return await stream_choices(self._runs, jobs, t0, prompt_tokens, include_usage, lambda i: [], on_piece,
+                                    chunks.usage, request)
 
-    async def _stream_choices(self, jobs: list[GenJob], t0: float, prompt_tokens: int, include_usage: bool,
-                              on_start: Callable[[int], list[str]], on_piece: Callable[[int, Piece], list[str]],
-                              usage_event: Callable[[Usage], str]) -> Response:
-        """The response of a streamed request: server-sent events of each choice's generation in turn
-        (``on_start`` once its first piece is ready, ``on_piece`` per piece of text), an error event that
-        ends the stream if a choice fails, the usage event when asked for, then ``[DONE]``.
-
-        The first choice's slot, its room on the stages and its first piece are awaited before the
-        response starts: a request that cannot start gets its status (503 ``server_busy`` with
-        Retry-After, which clients retry), not a 200 whose stream holds only an error event.
-
-        Raises:
-            ApiError: the first choice could not start."""
-        first = ChoiceRun(self.backend, jobs[0], self.limiter, self.metrics, t0, observe_ttft=True)
-        try:
-            await first.start()
-            piece = await first.next_piece()
-        except BaseException:
-            await first.aclose()
-            raise
-        # The first run is closed with the response even if its body never starts (a client gone at once).
-        return sse(self._events(jobs, first, piece, t0, prompt_tokens, include_usage, on_start, on_piece,
-                                usage_event), on_close=first.aclose)
-
-    async def _events(self, jobs: list[GenJob], first: ChoiceRun, first_piece: Piece | None, t0: float,
-                      prompt_tokens: int, include_usage: bool, on_start: Callable[[int], list[str]],
-                      on_piece: Callable[[int, Piece], list[str]],
-                      usage_event: Callable[[Usage], str]) -> AsyncIterator[str]:
-        """The events of :meth:`_stream_choices`, its first choice already started (``first``, whose first
-        piece is ``first_piece``)."""
-        completion_tokens = 0
-        for i, job in enumerate(jobs):
-            run = first if i == 0 else ChoiceRun(self.backend, job, self.limiter, self.metrics, t0)
-            try:
-                if i == 0:
-                    piece = first_piece
-                else:
-                    await run.start()
-                    piece = await run.next_piece()
-                for ev in on_start(i):
-                    yield ev
-                while piece is not None:
-                    for ev in on_piece(i, piece):
-                        yield ev
-                    piece = await run.next_piece()
-            except ApiError as e:
-                self.metrics.errors.labels(kind=e.code or str(e.status)).inc()
-                yield event(e.body())
-                return
-            finally:
-                await run.aclose()
-            completion_tokens += run.completion_tokens
-        if include_usage:
-            yield usage_event(Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                    total_tokens=prompt_tokens + completion_tokens))
-        yield DONE
+    def _runs(self, job: GenJob, t0: float, observe_ttft: bool) -> ChoiceRun:
+        """A streamed choice's run (see :mod:`meshnet.api.streaming`)."""
+        return ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, observe_ttft=observe_ttft)
 
     # ---- chat ----
     async def chat_completions(self, request: Request) -> Response:
@@ -364,7 +313,8 @@ class _Api:
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await self._stream_chat(jobs, rid, created, prompt_tokens, want_logprobs, include_usage, t0)
+            return await self._stream_chat(jobs, rid, created, prompt_tokens, want_logprobs, include_usage, t0,
+                                           request)
         choices, completion_tokens = [], 0
         for i, job in enumerate(jobs):
             pieces, run = await self._run_whole(job, request, t0, i == 0)
@@ -383,7 +333,7 @@ class _Api:
         return JSONResponse(body.model_dump())
 
     async def _stream_chat(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
-                           want_logprobs: bool, include_usage: bool, t0: float) -> Response:
+                           want_logprobs: bool, include_usage: bool, t0: float, request: Request) -> Response:
         chunks = ChatChunks(rid, created, self.backend.model_name)
 
         def on_piece(i: int, piece: Piece) -> list[str]:
@@ -394,8 +344,8 @@ class _Api:
                 events.append(chunks.finish(i, piece.finish_reason))
             return events
 
-        return await self._stream_choices(jobs, t0, prompt_tokens, include_usage, lambda i: [chunks.role(i)],
-                                          on_piece, chunks.usage)
+        return await stream_choices(self._runs, jobs, t0, prompt_tokens, include_usage,
+                                    lambda i: [chunks.role(i)], on_piece, chunks.usage, request)
 
     # ---- non-streaming driver ----
     async def _run_whole(self, job: GenJob, request: Request, t0: float,

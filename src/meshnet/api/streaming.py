@@ -1,0 +1,108 @@
+"""A streamed answer (``"stream": true``): its first choice started before the response, then server-sent
+events of each choice in turn.
+
+The response starts with the first choice's first token: until then the request can still get its own
+status (503 ``server_busy`` with Retry-After when no generation slot or no room on the stages freed in
+time, which clients retry; 499 when the client went away), where a 200 whose stream holds only an error
+event could not be told from an answer. Once the stream has started, a failing choice ends it with an
+error event, as OpenAI's API does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Awaitable, Callable
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from meshnet.api.errors import ApiError
+from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece
+from meshnet.api.schemas import Usage
+from meshnet.api.sse import DONE, event, sse
+
+# new_run(job, t_request, observe_ttft) -> a ChoiceRun holding the server's limiter and metrics
+NewRun = Callable[[GenJob, float, bool], ChoiceRun]
+
+
+async def stream_choices(new_run: NewRun, jobs: list[GenJob], t0: float, prompt_tokens: int, include_usage: bool,
+                         on_start: Callable[[int], list[str]], on_piece: Callable[[int, Piece], list[str]],
+                         usage_event: Callable[[Usage], str], request: Request) -> Response:
+    """The response of a streamed request: events of each choice's generation in turn (``on_start`` once
+    its first piece is ready, ``on_piece`` per piece of text), an error event that ends the stream if a
+    choice fails, the usage event when asked for, then ``[DONE]``. ``t0``: when the request arrived
+    (``time.perf_counter()``), for TTFT.
+
+    Raises:
+        ApiError: the first choice could not start, or the client went away meanwhile (499)."""
+    first = new_run(jobs[0], t0, True)
+    try:
+        piece = await _unless_gone(request, first.start, first.next_piece)
+    except BaseException as e:
+        await first.aclose()
+        if isinstance(e, ClientGone):  # nobody will read the answer; 499 is what proxies log for it
+            raise ApiError(499, "the client closed the connection", code="client_closed") from None
+        raise
+    # The first run is closed with the response even if its body never starts (a client gone at once).
+    return sse(_events(new_run, jobs, first, piece, t0, prompt_tokens, include_usage, on_start, on_piece,
+                       usage_event), on_close=first.aclose)
+
+
+async def _unless_gone(request: Request, start: Callable[[], Awaitable[None]],
+                       first: Callable[[], Awaitable[Piece | None]]) -> Piece | None:
+    """``await start()`` then ``first()``, unless the client goes away meanwhile: then both are cancelled
+    and ClientGone raised. The request's body has been read, so its next message is the disconnect; the
+    response, once it starts, watches for that itself (one reader of the messages at a time)."""
+    async def opened() -> Piece | None:
+        await start()
+        return await first()
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    opening, watching = asyncio.ensure_future(opened()), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({opening, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (watching, opening):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(watching, opening, return_exceptions=True)
+    if opening.cancelled():
+        raise ClientGone()
+    return opening.result()
+
+
+async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_piece: Piece | None, t0: float,
+                  prompt_tokens: int, include_usage: bool, on_start: Callable[[int], list[str]],
+                  on_piece: Callable[[int, Piece], list[str]],
+                  usage_event: Callable[[Usage], str]) -> AsyncIterator[str]:
+    """The events of :func:`stream_choices`, its first choice started already (``first``, whose first
+    piece is ``first_piece``)."""
+    completion_tokens = 0
+    for i, job in enumerate(jobs):
+        run = first if i == 0 else new_run(job, t0, False)
+        try:
+            if i == 0:
+                piece = first_piece
+            else:
+                await run.start()
+                piece = await run.next_piece()
+            for ev in on_start(i):
+                yield ev
+            while piece is not None:
+                for ev in on_piece(i, piece):
+                    yield ev
+                piece = await run.next_piece()
+        except ApiError as e:
+            run.metrics.errors.labels(kind=e.code or str(e.status)).inc()
+            yield event(e.body())
+            return
+        finally:
+            await run.aclose()
+        completion_tokens += run.completion_tokens
+    if include_usage:
+        yield usage_event(Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                total_tokens=prompt_tokens + completion_tokens))
+    yield DONE
