@@ -16,10 +16,11 @@ all the lookup finds, since its tokens would otherwise depend on timings (the dr
 
 The draft source follows llama.cpp's ``ngram-simple`` speculative type (``llama-server --spec-type
 ngram-simple``: an earlier occurrence of the current n-gram, and the tokens that followed it; of several
-occurrences ours takes the one whose context matches furthest back), itself prompt lookup decoding (github.com/apoorvumang/prompt-lookup-decoding; llama.cpp's
-``examples/lookup``). A draft model (:mod:`meshnet.draft_model`) is another source; the model's own
-next-token-prediction block (``mtp``, :mod:`meshnet.engine.ggml_mtp`) the third: the tail returns its
-drafts with each step's token, and the next step verifies them.
+occurrences ours takes the one whose context matches furthest back), itself prompt lookup decoding
+(github.com/apoorvumang/prompt-lookup-decoding; llama.cpp's ``examples/lookup``). A draft model
+(:mod:`meshnet.draft_model`) is another source; the model's own next-token-prediction block (``mtp``,
+:mod:`meshnet.engine.ggml_mtp`) the third: the tail returns its drafts with each step's token, and the
+next step verifies them.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ Modes (``--modes``): ``client-orchestrated`` (every hop through the client), ``n
 forward to each other), ``node-to-node+ngram`` (the same with n-gram drafts verified in one round),
 ``llama.cpp-rpc`` (skipped, with the reason, when its binaries are missing). Two chat prompts: a
 repetitive one (copy a JSON object with one field changed) and free prose; greedy, ``--max-tokens``
-tokens each, not stopping at end-of-generation; the meshnet modes take turns run by run. Beside each figure, the latency model
-(:mod:`meshnet.bench.wan_model`). Needs root and ``ip netns``; exits 2 saying why otherwise.
+tokens each, not stopping at end-of-generation; the meshnet modes take turns run by run. Beside each
+figure, the latency model (:mod:`meshnet.bench.wan_model`). Needs root and ``ip netns``; exits 2 saying
+why otherwise.
 """
 
 from __future__ import annotations
