@@ -245,6 +245,7 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
     info.backend = "vulkan"
     info.data_address = "127.0.0.1:10"
     info.free_memory_bytes = 3 << 30
+    info.n_ctx = 4096
     info.device.CopyFrom(pb.DeviceInfo(name="Vulkan0", description="Radeon", type="gpu",
                                        memory_total_bytes=8 << 30, index=0))
     stub.Register(me.sign(info), timeout=5)
@@ -262,17 +263,18 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
     with contextlib.redirect_stdout(out):
         assert args.func(args) == 0
     header, *rows = out.getvalue().splitlines()
-    assert header.split() == ["NODE", "MODEL", "LAYERS", "BACKEND", "LOAD", "SPEED", "RELAY", "HEARTBEAT", "SIGNED",
-                              "ADDRESS", "DATA", "DEVICE"]
+    assert header.split() == ["NODE", "MODEL", "LAYERS", "CTX", "BACKEND", "LOAD", "SPEED", "RELAY", "HEARTBEAT",
+                              "SIGNED", "ADDRESS", "DATA", "DEVICE"]
     cells = {r.split()[0]: r.split()[:1] + r.split()[2:] for r in rows}  # MODEL checked below
     assert {r.split()[0]: r.split()[1] for r in rows}[me.node_id] == info.model.sha256[:12]
-    assert cells[me.node_id][1:5] == ["[0,", "15)/30", "vulkan", "3/4"]
-    assert cells[me.node_id][5:8] == ["12.5", "tok/s", "direct"]
-    assert cells[me.node_id][8].endswith("s") and float(cells[me.node_id][8][:-1]) < 5
-    assert cells[me.node_id][10:] == ["yes", "127.0.0.1:9", "127.0.0.1:10", "Radeon", "(3.0/8.0", "GiB", "free)"]
-    assert cells["legacy"][10:] == ["no", "127.0.0.1:9", "-", "-"]
+    assert cells[me.node_id][1:6] == ["[0,", "15)/30", "4096", "vulkan", "3/4"]
+    assert cells["legacy"][3] == "-"  # a node that did not say its context
+    assert cells[me.node_id][6:9] == ["12.5", "tok/s", "direct"]
+    assert cells[me.node_id][9].endswith("s") and float(cells[me.node_id][9][:-1]) < 5
+    assert cells[me.node_id][11:] == ["yes", "127.0.0.1:9", "127.0.0.1:10", "Radeon", "(3.0/8.0", "GiB", "free)"]
+    assert cells["legacy"][11:] == ["no", "127.0.0.1:9", "-", "-"]
     # A CPU node shows which SIMD kernels it runs (beyond what AVX2 implies): exact ids need the same.
-    assert cells["cpu-node"][13:18] == ["AMD", "EPYC", "[AVX2", "AVX512", "AVX512_VNNI]"]
+    assert cells["cpu-node"][14:19] == ["AMD", "EPYC", "[AVX2", "AVX512", "AVX512_VNNI]"]
 
     args = parser.parse_args(["nodes", "--tracker", f"127.0.0.1:{state['port']}", "--json"])
     out = io.StringIO()
@@ -280,6 +282,7 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
         assert args.func(args) == 0
     nodes = {n["node_id"]: n for n in json.loads(out.getvalue())["nodes"]}
     assert nodes[me.node_id]["layers"] == [0, 15] and nodes[me.node_id]["active_sessions"] == 3
+    assert (nodes[me.node_id]["n_ctx"], nodes["legacy"]["n_ctx"]) == (4096, 0)
     assert nodes[me.node_id]["relay"] == "direct" and nodes["legacy"]["signed"] is False
     assert (nodes[me.node_id]["address"], nodes[me.node_id]["data_address"]) == ("127.0.0.1:9", "127.0.0.1:10")
     assert nodes["legacy"]["data_address"] == ""
@@ -296,10 +299,10 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
             "weight_bytes": 1_755_000_000}
     reply = stub.ListNodes(pb.Empty(), timeout=5)
     header, *rows = format_nodes(reply, {me.node_id: load}).splitlines()
-    assert header.split()[6:10] == ["KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE", "WEIGHTS"]
+    assert header.split()[7:11] == ["KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE", "WEIGHTS"]
     cells = {r.split()[0]: r.split()[:1] + r.split()[2:] for r in rows}
-    assert cells[me.node_id][7:16] == ["120/400/8192", "6.5", "(max", "40)", "2", "(1.2", "ms)", "1.6", "GiB"]
-    assert cells["legacy"][7:11] == ["-", "-", "-", "-"]
+    assert cells[me.node_id][8:17] == ["120/400/8192", "6.5", "(max", "40)", "2", "(1.2", "ms)", "1.6", "GiB"]
+    assert cells["legacy"][8:12] == ["-", "-", "-", "-"]
 
     # An unreachable tracker is an error message, not a trace.
     args = parser.parse_args(["nodes", "--tracker", "127.0.0.1:1"])

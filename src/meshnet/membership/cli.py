@@ -20,7 +20,7 @@ from meshnet.wire.security import JOIN_TOKEN_ENV, open_channel
 def add_nodes_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``nodes`` subcommand to ``sub`` (``set_defaults(func=run_nodes)``)."""
     p = sub.add_parser("nodes", help="list the nodes registered with a tracker",
-                       description="List the live nodes of a tracker: layer range, backend, load (active/max "
+                       description="List the live nodes of a tracker: layer range, context (tokens a session may hold), backend, load (active/max "
                                    "sessions), decode speed, relay status, last heartbeat age, whether "
                                    "the node signs its messages with a registered key, its gRPC and "
                                    "data-plane addresses, the device it computes on (free/total memory), "
@@ -111,12 +111,14 @@ def unserved_layers(reply: pb.NodeList) -> dict[str, list[tuple[int, int]]]:
 def nodes_dict(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) -> dict:
     """The reply as plain data: ``{"nodes": [...]}`` (what ``--json`` prints); speed in tokens/s,
     heartbeat age in seconds; ``address`` is the node's gRPC HOST:PORT, ``data_address`` its step data
-    plane's ("" when it has none: relayed, TLS or ``--no-data-plane``); ``version`` the node's meshnet
+    plane's ("" when it has none: relayed, TLS or ``--no-data-plane``); ``n_ctx`` the tokens a session may
+    hold there (0: an older node that does not say; routes prefer the largest a chain offers); ``version`` the node's meshnet
     release ("" from an older node), ``protocol`` its wire protocol ``MAJOR.MINOR``; ``unserved_layers``:
     :func:`unserved_layers`."""
     return {"unserved_layers": {sha: [list(span) for span in spans] for sha, spans in unserved_layers(reply).items()},
             "nodes": [{"node_id": s.info.node_id, "address": s.info.address, "data_address": s.info.data_address,
                        "layers": [s.info.layers.start, s.info.layers.end], "n_layer": s.info.model.n_layer,
+                       "n_ctx": s.info.n_ctx,
                        "model_sha256": s.info.model.sha256, "backend": s.info.backend,
                        "active_sessions": s.active_sessions, "max_sessions": s.info.max_sessions,
                        "decode_tokens_per_s": s.info.decode_tokens_per_s, "relay": _relay(s),
@@ -136,14 +138,14 @@ def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None
     if not reply.nodes:
         return "no nodes registered"
     load_head = ("KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE", "WEIGHTS") if loads is not None else ()
-    rows = [("NODE", "MODEL", "LAYERS", "BACKEND", "LOAD", "SPEED", *load_head, "RELAY", "HEARTBEAT", "SIGNED",
-             "ADDRESS", "DATA", "DEVICE")]
+    rows = [("NODE", "MODEL", "LAYERS", "CTX", "BACKEND", "LOAD", "SPEED", *load_head, "RELAY", "HEARTBEAT",
+             "SIGNED", "ADDRESS", "DATA", "DEVICE")]
     for s in reply.nodes:
         i = s.info
         load = _load_cells(loads.get(i.node_id)) if loads is not None else ()
         # The model's id as the ledger prints it: a tracker may serve nodes of several models.
         rows.append((i.node_id, i.model.sha256[:12] or "-", f"[{i.layers.start}, {i.layers.end})/{i.model.n_layer}",
-                     i.backend or "cpu",
+                     str(i.n_ctx or "-"), i.backend or "cpu",
                      f"{s.active_sessions}/{i.max_sessions}", f"{i.decode_tokens_per_s:.1f} tok/s", *load,
                      _relay(s), f"{s.last_heartbeat_age_s:.1f}s ago", "yes" if s.signed else "no", i.address,
                      i.data_address or "-", _device_cell(i)))
