@@ -95,13 +95,10 @@ class _Refused(Exception):
 def _api_port_problem(host: str, port: int) -> str | None:
     """Why the API could not listen on ``host:port`` (taken, or not an address here), or None: checked
     before the nodes load, so that a taken port fails at once, as a taken tracker port does."""
-    import socket
+    from meshnet.api.server import bind_http_socket
 
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        with socket.socket(infos[0][0], socket.SOCK_STREAM) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-            sock.bind(infos[0][4])
+        bind_http_socket(host, port).close()
     except OSError as e:
         return (f"the API cannot listen on {host}:{port} ({e.strerror or e}); pass another --api-port "
                 "(0 = any free port, -1 = no API)")

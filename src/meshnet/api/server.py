@@ -121,6 +121,20 @@ def start_api_in_thread(backend: ApiBackend, host: str = "127.0.0.1", port: int 
                                startup_timeout_s, name="meshnet-api")
 
 
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` as the HTTP servers bind theirs (``SO_REUSEADDR``, IPv6 for an
+    address with a colon), not yet listening. Raises OSError when the address cannot be bound (the port
+    is taken, or the host is not an address here)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def serve_app_in_thread(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
                         startup_timeout_s: float = 30.0, name: str = "meshnet-http"
                         ) -> tuple[uvicorn.Server, threading.Thread]:
@@ -135,14 +149,7 @@ def serve_app_in_thread(app, host: str = "127.0.0.1", port: int = 8000, log_leve
         OSError: the address cannot be bound (e.g. the port is in use).
         RuntimeError: the server did not start within ``startup_timeout_s`` seconds.
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
+    sock = bind_http_socket(host, port)
     sock.set_inheritable(True)
     bound = sock.getsockname()[1]
     config = uvicorn.Config(app, host=host, port=bound, log_level=log_level, timeout_graceful_shutdown=5,
