@@ -118,16 +118,13 @@ class MeshClient:
         failed_at: dict[str, str] = {}  # node id -> the address it did not answer at
         while True:
             try:
-                epoch, hops = self.route(set(failed_at))
+                epoch, hops = self._route_around(failed_at)
             except MeshUnavailable as e:
-                recovered = self.router.route_through_recovered(failed_at, 0) if failed_at else None
-                if recovered is None:
-                    if not failed_at or time.monotonic() >= deadline:
-                        raise
-                    log.info("%s; asking again", e)
-                    time.sleep(0.25)
-                    continue
-                epoch, hops = recovered
+                if not failed_at or time.monotonic() >= deadline:
+                    raise
+                log.info("%s; asking again", e)
+                time.sleep(0.25)
+                continue
             try:
                 return epoch, hops, context_length(hops)
             except StageFailure as f:
@@ -135,6 +132,21 @@ class MeshClient:
                     raise MeshUnavailable(f"no route whose nodes all answer: {f}") from None
                 log.warning("%s; routing around it", f)
                 failed_at[f.node_id] = f.address
+
+    def _route_around(self, failed_at: dict[str, str], previous_epoch: int = 0,
+                      min_n_ctx: int = 0) -> tuple[int, list[RemoteStage]]:
+        """A route without the nodes in ``failed_at`` (node id -> the address each failed at), or else
+        one through them once every one has recovered (:meth:`Router.route_through_recovered`): a mesh
+        without a spare serves again as soon as its failed node is back. Raises MeshUnavailable (the
+        tracker's reason for the route without them)."""
+        try:
+            return self.route(set(failed_at), previous_epoch, min_n_ctx)
+        except MeshUnavailable:
+            recovered = (self.router.route_through_recovered(failed_at, previous_epoch, min_n_ctx)
+                         if failed_at else None)
+            if recovered is None:
+                raise
+            return recovered
 
     # ---- the client interface ----------------------------------------------------------------
     def step(self, req: StepRequest, decode: bool) -> StepResult:
@@ -339,13 +351,9 @@ class MeshClient:
         needed = log_.tokens_needed  # a replacement holding fewer would refuse the replay
         while True:
             try:
-                epoch, hops = self.route(exclude, log_.epoch, needed)
+                epoch, hops = self._route_around(failed_at, log_.epoch, needed)
                 break
             except MeshUnavailable as e:
-                recovered = self.router.route_through_recovered(failed_at, log_.epoch, needed)
-                if recovered is not None:
-                    epoch, hops = recovered
-                    break
                 if time.monotonic() >= deadline:
                     self._abandon(log_, exclude)
                     raise MeshUnavailable(f"session {log_.session_id}: a node failed and no replacement "
