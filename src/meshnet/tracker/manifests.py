@@ -84,12 +84,13 @@ class ManifestStore:
                 raise ManifestNotFound(f"{len(self._by_id)} models are known; name one",
                                        ambiguous=bool(self._by_id))
             hits = [(mid, e) for mid, e in self._by_id.items() if e.name and e.name.lower() == model.lower()]
-            if not hits and len(model) >= MIN_ID_PREFIX and all(c in "0123456789abcdef" for c in model.lower()):
+            prefix = model.lower() if all(c in "0123456789abcdef" for c in model.lower()) else None
+            if not hits and prefix and len(prefix) >= MIN_ID_PREFIX:
                 # The short id `meshnet nodes` and `meshnet ledger` print (12 hex digits), or any unique prefix.
-                hits = [(mid, e) for mid, e in self._by_id.items() if mid.startswith(model.lower())]
+                hits = [(mid, e) for mid, e in self._by_id.items() if mid.startswith(prefix)]
             known = [f"{e.name or '(unnamed)'} ({mid[:12]})" for mid, e in list(self._by_id.items())[:5]]
-            short = (not hits and len(model) < MIN_ID_PREFIX and all(c in "0123456789abcdef" for c in model.lower())
-                     and any(mid.startswith(model.lower()) for mid in self._by_id))
+            short = (not hits and prefix is not None and len(prefix) < MIN_ID_PREFIX
+                     and any(mid.startswith(prefix) for mid in self._by_id))
         if not hits:
             why = (f"an id prefix needs at least {MIN_ID_PREFIX} hex digits" if short
                    else "no node serving it has published one")

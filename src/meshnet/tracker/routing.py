@@ -238,11 +238,11 @@ def plan_route(nodes: Sequence[NodeRecord], model_sha256: str,
     prefix = f"no complete route for model {_short(model_sha256)}"
     if n_layer <= 0:
         raise NoRoute(model_sha256, (), f"{prefix}: no registered node serves this model")
-    excluded_here = sorted({n.node_id for n in nodes
-                            if n.model_sha256 == model_sha256 and n.node_id in set(exclude)})
+    excluded = set(exclude)
+    excluded_here = sorted({n.node_id for n in nodes if n.model_sha256 == model_sha256 and n.node_id in excluded})
     note = f" (excluded: {', '.join(excluded_here)})" if excluded_here else ""
     too_small = sorted(f"{n.node_id} ({n.n_ctx})" for n in nodes if n.model_sha256 == model_sha256
-                       and n.node_id not in set(exclude) and not _holds(n, min_n_ctx))
+                       and n.node_id not in excluded and not _holds(n, min_n_ctx))
     if too_small:
         note += f" (holding fewer than {min_n_ctx} tokens a session: {', '.join(too_small)})"
 
