@@ -224,7 +224,7 @@ def test_where_drafts_never_come_right_across_slow_links_few_rounds_draft():
     """Prose across a 25 ms and a 50 ms link (plain step 73 / 120 ms, a draft row 5 ms), the lookup finding
     2 drafts every round and none ever right: the rounds that draft in 64 (the misses that teach the
     budget, then probes). Stopped by misses alone, the budget drafted again every round or two (46 and 63
-    of 64 rounds, costing prose 3-5%)."""
+    of 64 rounds)."""
     for t0, most in ((0.073, 14), (0.120, 26)):
         b = DraftBudget(10, DraftCosts(t0=t0, c=0.005))
         drafted = 0
