@@ -187,6 +187,8 @@ def test_bad_load_settings_are_named(field, value):
     (["up", "--api-port", "70000", "--dashboard-port", "-1"],
      "--api-port must be -1 (no API) or in 0..65535, got 70000"),
     (["up", "--threads", "0", "--dashboard-port", "-1"], "--threads must be >= 1, got 0"),  # nodes restarted forever
+    (["up", "--node-ports", "65531", "--api-port", "-1", "--dashboard-port", "-1"],
+     "--node-ports 65531 leaves no room for 3 nodes' 6 ports (the last would be 65536, past 65535)"),
     (["up", "--kv-tokens", "-5", "--dashboard-port", "-1"], "--kv-tokens must be >= 0, got -5"),
     (["up", "--threads", "513", "--dashboard-port", "-1"], "--threads must be <= 512, got 513"),  # OpenMP fails
     # gRPC takes a scheme for part of a host name it cannot resolve, and retried it forever

@@ -273,3 +273,14 @@ def test_publish_manifest_refuses_a_hostile_manifest_as_invalid_argument(canonic
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()
     finally:
         server.stop(None)
+
+
+@pytest.mark.parametrize("command", [["generate", "a prompt", "--tracker", "127.0.0.1:1"],
+                                     ["api", "--tracker", "127.0.0.1:1"]])
+def test_a_model_file_and_a_model_id_together_are_refused_before_anything_starts(command, capsys):
+    from meshnet.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*command, "--model", "model.gguf", "--model-id", "smollm2"])
+    assert e.value.code == 2
+    assert "argument --model-id: not allowed with argument --model" in capsys.readouterr().err

@@ -118,15 +118,37 @@ def test_join_token_required_by_tracker_and_nodes(smollm2_path):
         m.close()
 
 
+def _free_port_run(n: int) -> int:
+    """The first of ``n`` consecutive ports on 127.0.0.1 that nothing listens on now."""
+    import random
+    import socket
+
+    for _ in range(200):
+        first = random.randrange(20000, 60000)
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(first, first + n):
+                    held.enter_context(socket.create_server(("127.0.0.1", port)))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def test_meshnet_up_then_generate_through_the_mesh(solo, tmp_path):
-    port = free_port()
+    port, first_node_port = free_port(), _free_port_run(6)
     up = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "up", "--stages", "3", "--port", str(port),
-                           "--api-port", "0", "--dashboard-port", "0"], stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True)
+                           "--api-port", "0", "--dashboard-port", "0", "--node-ports", str(first_node_port)],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = up.stdout.readline()
         assert line.startswith("MESHNET_UP_READY"), line
         ready = dict(kv.split("=", 1) for kv in line.split()[1:])
+        # --node-ports: node i on FIRST + 2i (gRPC) and FIRST + 2i + 1 (data plane), for a firewall's rules
+        nodes = pb_grpc.TrackerStub(open_channel(f"127.0.0.1:{port}")).ListNodes(pb.Empty(), timeout=10).nodes
+        assert sorted((n.info.layers.start, n.info.address, n.info.data_address) for n in nodes) == [
+            (start, f"127.0.0.1:{first_node_port + 2 * i}", f"127.0.0.1:{first_node_port + 2 * i + 1}")
+            for i, start in enumerate((0, 12, 25))]
         api_url = ready["api"]
         # The dashboard it links to maps the three nodes' ranges over the model's 30 layers, no gap.
         with urllib.request.urlopen(ready["dashboard"] + "api/state", timeout=10) as r:
@@ -240,6 +262,17 @@ def test_meshnet_up_on_a_taken_port_says_so_without_a_traceback():
                             "--api-port", "-1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"error: the tracker cannot listen on 127.0.0.1:{port}" in r.stderr and "Pass another --port." in r.stderr
+
+
+def test_meshnet_up_with_a_taken_node_port_fails_before_loading_anything():
+    """A node started on a taken port exits, is restarted and exits again, without end."""
+    with _taken_port() as port:
+        r = subprocess.run([sys.executable, "-m", "meshnet.cli", "up", "--stages", "2", "--port", "0",
+                            "--node-ports", str(port - 3), "--api-port", "-1", "--dashboard-port", "-1"],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"error: node 1 cannot listen on 127.0.0.1:{port} (Address already in use)" in r.stderr, r.stderr
+    assert "MESHNET_UP_READY" not in r.stdout and "starting" not in r.stderr
 
 
 def test_meshnet_up_with_a_taken_api_port_fails_before_loading_anything():

@@ -50,9 +50,12 @@ def _sampling_from(args: argparse.Namespace) -> SamplingParams:
                           frequency_penalty=args.frequency_penalty, seed=args.seed)
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help="a GGUF path or a bundled name (smollm2, gemma3-270m); default %(default)s")
+def _add_model_args(p: argparse.ArgumentParser):
+    """Add the model and split arguments; returns the group ``--model`` is in (other ways of naming the
+    model join it, so that giving two is refused)."""
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", default=DEFAULT_MODEL,
+                        help="a GGUF path or a bundled name (smollm2, gemma3-270m); default %(default)s")
     split = p.add_mutually_exclusive_group()
     split.add_argument("--stages", type=int, default=None,
                        help="split the layers into N ranges of about equal decode cost")
@@ -60,6 +63,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="CPU threads per stage")
     p.add_argument("--n-ctx", type=int, default=0, help="context length (0 = model's, capped at 4096)")
     p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false", help=NO_HUGE_PAGES_HELP)
+    return source
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="complete a prompt, streaming the text to stdout")
     gen.add_argument("prompt")
-    _add_model_args(gen)
+    source = _add_model_args(gen)
     _add_sampling_args(gen)
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the GGUF's chat template")
@@ -78,10 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="after the text, print one JSON object with token ids, text and timings")
     gen.add_argument("--tracker", type=host_port, default=None,
                      help="HOST:PORT of a running mesh's tracker (default: run the stages in this process)")
-    gen.add_argument("--model-id", default=None, metavar="ID_OR_NAME",
-                     help="with --tracker, instead of a local --model: the model's id (or 8+ hex digits of "
-                          "it), general.name or bundled name (smollm2); the "
-                          "tokenizer and chat template come from the tracker's manifest")
+    source.add_argument("--model-id", default=None, metavar="ID_OR_NAME",
+                        help="with --tracker, instead of a local --model: the model's id (or 8+ hex digits of "
+                             "it), general.name or bundled name (smollm2); the tokenizer and chat template come "
+                             "from the tracker's manifest")
     gen.add_argument("--wait", type=float, default=0.0,
                      help="with --tracker: seconds to wait for a complete route before giving up")
     gen.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))

@@ -34,6 +34,9 @@ def add_up_parser(sub) -> None:
     p.add_argument("--stages", type=int, default=3, help="node processes, one layer range each")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=7700, help="tracker port (default %(default)s)")
+    p.add_argument("--node-ports", type=port_number, default=0, metavar="FIRST",
+                   help="node i listens on FIRST + 2i (gRPC) and FIRST + 2i + 1 (its step data plane), for a "
+                        "firewall or a router to let through; 0 = any free ports (default)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per node")
     p.add_argument("--n-ctx", type=int, default=0, help="context length per session (0 = model's, capped at 4096)")
     p.add_argument("--max-sessions", type=int, default=16,
@@ -105,6 +108,39 @@ def _api_port_problem(host: str, port: int) -> str | None:
     return None
 
 
+def node_ports(first: int, n_nodes: int) -> list[tuple[int, int]]:
+    """(gRPC port, data-plane port) of each of ``n_nodes`` nodes from ``--node-ports FIRST``: node i
+    takes ``FIRST + 2i`` and ``FIRST + 2i + 1``; all ``(0, 0)`` (any free ports) when ``first`` is 0.
+
+    Raises:
+        ValueError: the last port would pass 65535.
+    """
+    if not first:
+        return [(0, 0)] * n_nodes
+    if first + 2 * n_nodes - 1 > 65535:
+        raise ValueError(f"--node-ports {first} leaves no room for {n_nodes} nodes' {2 * n_nodes} ports "
+                         f"(the last would be {first + 2 * n_nodes - 1}, past 65535)")
+    return [(first + 2 * i, first + 2 * i + 1) for i in range(n_nodes)]
+
+
+def _node_ports_problem(host: str, ports: list[tuple[int, int]]) -> str | None:
+    """Why a node could not listen on one of ``ports`` on ``host`` (taken), or None: a node started on a
+    taken port would exit, be restarted and exit again without end."""
+    import socket
+
+    for i, pair in enumerate(ports):
+        for port in pair:
+            if not port:
+                continue
+            try:
+                socket.create_server((host, port)).close()
+            except OSError as e:
+                why = os.strerror(e.errno) if e.errno else str(e)  # create_server appends the address to strerror
+                return (f"node {i} cannot listen on {host}:{port} ({why}); pass another "
+                        "--node-ports (0 = any free ports)")
+    return None
+
+
 def run_up(args: argparse.Namespace) -> int:
     from meshnet.local_mesh import plan_ranges
     from meshnet.model.bundled import resolve_model
@@ -131,6 +167,10 @@ def run_up(args: argparse.Namespace) -> int:
         return 2
     path = str(resolve_model(args.model))
     ranges = plan_ranges(path, args.stages)
+    ports = node_ports(args.node_ports, len(ranges))  # ValueError: exit status 2
+    if problem := _node_ports_problem(args.host, ports):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     speculation = speculation_from_args(args, path) if args.api_port >= 0 else None  # ValueError: status 2
     registry = Registry(args.heartbeat)
     try:
@@ -153,8 +193,9 @@ def run_up(args: argparse.Namespace) -> int:
                         "--layers", str(r), "--host", args.host, "--threads", str(args.threads), "--node-id", name,
                         "--n-ctx", str(args.n_ctx), "--max-sessions", str(args.max_sessions),
                         "--kv-tokens", str(args.kv_tokens), "--prefix-cache", str(args.prefix_cache),
-                        "--decode-groups", str(args.decode_groups)] + ([] if args.huge_pages else ["--no-huge-pages"]))
-                for name, r in zip(names, ranges)]
+                        "--decode-groups", str(args.decode_groups), "--port", str(port),
+                        "--data-port", str(data_port)] + ([] if args.huge_pages else ["--no-huge-pages"]))
+                for name, r, (port, data_port) in zip(names, ranges, ports)]
     # A node that died leaves routing at once (not after three silent heartbeats), and its restart can
     # take its id back without being refused as a second claimant.
     stop = threading.Event()

@@ -27,12 +27,13 @@ def add_api_parser(sub) -> None:
                                    "in front of a mesh")
     p.add_argument("--tracker", type=host_port, default=None,
                    help="HOST:PORT of the mesh's tracker (default: run the stages in this process)")
-    p.add_argument("--model", default="smollm2",
-                   help="GGUF path or bundled name; the file must be readable here (tokenizer, chat template)")
-    p.add_argument("--model-id", default=None, metavar="ID_OR_NAME",
-                   help="with --tracker, instead of --model: no file here; the model the tracker knows by this "
-                        "id (or 8+ hex digits of it), general.name or bundled name (tokenizer and chat template "
-                        "from its manifest)")
+    source = p.add_mutually_exclusive_group()  # a file here, or the model the tracker knows: never both
+    source.add_argument("--model", default="smollm2",
+                        help="GGUF path or bundled name; the file must be readable here (tokenizer, chat template)")
+    source.add_argument("--model-id", default=None, metavar="ID_OR_NAME",
+                        help="with --tracker, instead of --model: no file here; the model the tracker knows by "
+                             "this id (or 8+ hex digits of it), general.name or bundled name (tokenizer and chat "
+                             "template from its manifest)")
     p.add_argument("--name", default=None, help="the model id clients use (default: the bundled name or "
                                                 "the file's stem)")
     p.add_argument("--host", default="127.0.0.1")
