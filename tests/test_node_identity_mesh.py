@@ -76,6 +76,30 @@ def test_node_logs_and_lists_its_grpc_and_data_plane_addresses(mesh, tmp_path):
     assert hop.data_address == data_address
 
 
+def test_a_node_bound_to_every_interface_registers_the_address_it_reaches_the_tracker_from(mesh):
+    """It registered 0.0.0.0:PORT, which no other machine can dial, unless --advertise was given."""
+    node = _ready(mesh.spawn_node("0:30", "wild", "smollm2", "--engine", "fake", "--host", "0.0.0.0"))
+    mesh.nodes.append(node)
+    mesh.wait_registered({"wild"})
+    [hop] = mesh.tracker_stub().GetRoute(pb.RouteRequest(), timeout=5).hops
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", hop.address) and hop.address == node.address
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", hop.data_address) and hop.data_address != hop.address
+    # and it is dialled there: a step through the route goes through
+    client = MeshClient(mesh.tracker)
+    from meshnet.contract import StepRequest
+
+    assert client.step(StepRequest("w", 0, 0, (1, 2, 3)), decode=False).ok
+
+
+def test_dialable_host_is_the_bind_host_unless_a_wildcard():
+    from meshnet.wire.security import dialable_host
+
+    assert dialable_host("0.0.0.0", "127.0.0.1:7700") == "127.0.0.1"
+    assert dialable_host("10.1.2.3", "127.0.0.1:7700") == "10.1.2.3"  # a named interface stays
+    assert dialable_host("0.0.0.0", None) == "0.0.0.0"  # nothing to route to
+    assert dialable_host("0.0.0.0", "no-such-host.invalid:7700") == "0.0.0.0"
+
+
 def test_second_process_with_a_live_id_is_refused_and_the_first_keeps_it(mesh):
     (first,) = mesh.start_nodes([("b-mid", "10:20")], "smollm2", "--engine", "fake")
 

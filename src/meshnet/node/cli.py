@@ -44,7 +44,9 @@ def add_node_parser(sub) -> None:
                         "(~/.cache/meshnet/models)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=0, help="0 = any free port")
-    p.add_argument("--advertise", type=host_port, default=None, help="address others dial (default HOST:PORT)")
+    p.add_argument("--advertise", type=host_port, default=None,
+                   help="address others dial (default HOST:PORT; with HOST 0.0.0.0 or ::, this machine's "
+                        "address on the way to the tracker)")
     p.add_argument("--node-id", type=node_id, default=None,
                    help="id to register under (default: derived from the identity's public key); the tracker "
                         "binds it to the first key that registers it")

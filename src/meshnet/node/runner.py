@@ -36,8 +36,8 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane_server import DataPlaneServer
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
-from meshnet.wire.security import (add_port, client_ssl_context, format_address, make_server, open_channel,
-                                   server_ssl_context)
+from meshnet.wire.security import (add_port, client_ssl_context, dialable_host, format_address, make_server,
+                                   open_channel, server_ssl_context)
 
 log = logging.getLogger("meshnet.node")
 
@@ -116,7 +116,9 @@ class Node:
                 self.port = add_port(self.server, format_address(cfg.host, cfg.port), cfg.tls)
             except RuntimeError as e:  # the port is taken, or the host is not this machine's
                 raise ValueError(f"{e}; pass another --port or --host") from None
-            self.address = cfg.advertise or format_address(cfg.host, self.port)
+            # Bound to every interface (0.0.0.0, ::), the node is dialled at the one it reaches the tracker by.
+            host = dialable_host(cfg.host, cfg.tracker)
+            self.address = cfg.advertise or format_address(host, self.port)
         # Steps also get a TCP data plane (far cheaper per hop than gRPC), over TLS when gRPC is.
         if cfg.data_plane and not cfg.relay:
             tls = server_ssl_context(cfg.tls) if cfg.tls is not None else None
@@ -129,7 +131,7 @@ class Node:
             except OSError as e:
                 raise ValueError(f"cannot listen on {format_address(cfg.host, cfg.data_port)} (the data plane): "
                                  f"{e.strerror or e}; pass another --data-port") from None
-            adv_host = cfg.advertise.rsplit(":", 1)[0] if cfg.advertise else cfg.host
+            adv_host = cfg.advertise.rsplit(":", 1)[0] if cfg.advertise else dialable_host(cfg.host, cfg.tracker)
             self.data_address = format_address(adv_host, self.data_plane.port)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []

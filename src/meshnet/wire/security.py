@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import functools
 import hmac
+import socket
 import ssl
 from concurrent import futures
 from dataclasses import dataclass
@@ -184,6 +185,29 @@ def format_address(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"{host}:{port}"
+
+
+# Bind addresses meaning "every interface": listening there is fine, but nobody can dial them.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
+
+
+def dialable_host(bind_host: str, tracker: str | None) -> str:
+    """The host other machines dial for a server bound to ``bind_host``: ``bind_host`` itself, unless it
+    is a wildcard (0.0.0.0, ::), which no other machine can dial: then this machine's address on the
+    route to ``tracker`` (``host:port``; the address the tracker sees it from, found with an unconnected
+    UDP socket's ``connect``, which sends nothing), of IPv4 for 0.0.0.0. ``bind_host`` when there is no
+    tracker or no route to it."""
+    if bind_host not in WILDCARD_HOSTS or not tracker:
+        return bind_host
+    host, _, port = tracker.rpartition(":")
+    family = socket.AF_INET if bind_host == "0.0.0.0" else socket.AF_UNSPEC
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host.strip("[]"), int(port), family, socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except (OSError, ValueError):  # unresolvable, unreachable, or no port
+        return bind_host
 
 
 def add_port(server: grpc.Server, address: str, tls: TlsConfig | None) -> int:
