@@ -164,7 +164,8 @@ def test_a_node_fetching_the_middle_third_generates_what_whole_file_nodes_do(smo
         fetched_run = run_generate(mesh.tracker, "The capital of France is", "--model-id", "smollm2", *args)
         assert fetched_run.returncode == 0, fetched_run.stderr
         assert json.loads(fetched_run.stdout.splitlines()[-1])["generated_token_ids"] == ids
-        # `meshnet api --model-id` without the file: the same text, under the model's general.name
+        # `meshnet api --model-id` without the file: the same text, under the bundled name however the
+        # model was named (its id's prefix served it as its general.name, where "smollm2" served "smollm2")
         from fastapi.testclient import TestClient
 
         from meshnet.api.app import create_app
@@ -172,11 +173,15 @@ def test_a_node_fetching_the_middle_third_generates_what_whole_file_nodes_do(smo
         from meshnet.cli import build_parser
         from meshnet.tokenizer import GGUFTokenizer
 
+        for named in (mid[:8], "Smollm2 135M 8k Lc100K Mix1 Ep2"):
+            other = build_backend(build_parser().parse_args(["api", "--tracker", mesh.tracker, "--model-id", named]))
+            assert other.model_name == "smollm2"
+            other.close()
         api_args = build_parser().parse_args(["api", "--tracker", mesh.tracker, "--model-id", mid])
         backend = build_backend(api_args)
         try:
             with TestClient(create_app(backend)) as http:
-                assert http.get("/v1/models").json()["data"][0]["id"] == "Smollm2 135M 8k Lc100K Mix1 Ep2"
+                assert http.get("/v1/models").json()["data"][0]["id"] == "smollm2"
                 r = http.post("/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 8,
                                                        "temperature": 0, "ignore_eos": True})
                 assert r.status_code == 200, r.text

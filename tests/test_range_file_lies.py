@@ -78,3 +78,16 @@ def test_a_list_that_is_not_a_json_tensor_list_is_named(garbage):
     with pytest.raises(GGUFError) as e:
         listed_tensors(_Carrying(garbage))
     assert str(e.value).startswith(f"GGUF key {MANIFEST_TENSORS_KEY!r} does not hold a JSON tensor list")
+
+
+def test_writing_a_header_logs_nothing_a_user_would_see(range_file, tmp_path, caplog):
+    """gguf-py's writer printed "This GGUF file is for Little Endian only" and the scratch header's file
+    list into `meshnet api --model-id` and `meshnet node --fetch` output, which log at INFO."""
+    from meshnet.model.range_file import write_metadata_file
+
+    _, manifest = range_file
+    with caplog.at_level("INFO"):
+        written = write_metadata_file(manifest, tmp_path / "meta.gguf")
+        layout(manifest, [t.name for t in manifest.tensors][:2])
+    assert model_manifest(written).id == manifest.id
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("gguf")] == []

@@ -34,18 +34,42 @@ def served(smollm2_path):
         yield s
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_required_and_named_tool_choice_answer_with_tool_calls(served, choice):
+def test_tool_arguments_admit_only_declared_keys_unless_the_schema_says_otherwise():
+    """As llama.cpp's grammar does: a named call to get_time ({"city"} without additionalProperties) added
+    keys until max_tokens and came back as content, finish_reason "length", tool_calls null."""
+    city = {"type": "string"}
+    params = {"type": "object", "properties": {"city": city, "where": {"type": "object", "properties": {"x": city}},
+                                               "properties": {"type": "object", "properties": {}}},
+              "$defs": {"P": {"properties": {"y": city}}, "Q": {"type": "object", "additionalProperties": city}},
+              "anyOf": [{"properties": {"z": city}}], "default": {"properties": {"k": 1}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    named = plan_tools([tool], {"type": "function", "function": {"name": "f"}}).schema
+    assert named["additionalProperties"] is False
+    assert named["properties"]["where"]["additionalProperties"] is False  # nested objects too
+    assert named["properties"]["properties"]["additionalProperties"] is False  # a key named "properties"
+    assert "additionalProperties" not in named["properties"]  # the map of names is no schema
+    assert named["$defs"]["P"]["additionalProperties"] is False and named["anyOf"][0]["additionalProperties"] is False
+    assert named["$defs"]["Q"]["additionalProperties"] == city  # said otherwise: kept
+    assert named["default"] == {"properties": {"k": 1}}  # a value, not a schema
+    required = plan_tools([tool], "required").schema
+    assert required["$defs"]["tool_0"]["additionalProperties"] is False
+
+
+@pytest.mark.parametrize("choice, tool, params", [
+    ("required", WEATHER, WEATHER_PARAMS),
+    ({"type": "function", "function": {"name": "get_weather"}}, WEATHER, WEATHER_PARAMS),
+    ({"type": "function", "function": {"name": "get_time"}}, TIME, TIME["function"]["parameters"])])
+def test_required_and_named_tool_choice_answer_with_tool_calls(served, choice, tool, params):
     _, _, client = served
     out = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
                                          temperature=0, max_tokens=100)
     c = out.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None
     call = c.message.tool_calls[0]
-    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == tool["function"]["name"]
     args = json.loads(call.function.arguments)
-    jsonschema.validate(args, WEATHER_PARAMS)
-    assert args["city"] == "Paris"
+    jsonschema.validate(args, params)
+    assert args["city"] == "Paris" and set(args) <= set(params["properties"])
 
 
 def test_none_and_auto_without_a_call_answer_with_content(served):

@@ -75,9 +75,10 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
             raise ValueError("--model-id needs --tracker (the tracker holds the model's manifest)")
         from meshnet.client.manifest_source import metadata_gguf, model_name_of
 
-        path, _ = metadata_gguf(args.tracker, args.model_id, args.join_token, args.tls_ca)
-        # served as named: a bundled name as `--model` would serve it, otherwise the model's general.name
-        bundled = args.model_id if args.model_id in BUNDLED else None
+        path, model_id = metadata_gguf(args.tracker, args.model_id, args.join_token, args.tls_ca)
+        # a bundled model under its bundled name, as `--model` serves it, however it was named here (its
+        # name, its id or a prefix of it); any other model under its general.name
+        bundled = next((name for name, b in BUNDLED.items() if b.model_id == model_id), None)
         model_path, name = str(path), name or bundled or model_name_of(path) or args.model_id
     else:
         model_path = str(resolve_model(args.model))

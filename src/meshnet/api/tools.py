@@ -12,6 +12,11 @@ and the answer read back as OpenAI ``tool_calls``.
   their own ``$ref`` s rewritten, so schemas that point into themselves (``#/$defs/...``, as pydantic
   writes them) still resolve inside the array.
 * ``{"type": "function", "function": {"name"}}``: the answer is constrained to that tool's arguments.
+
+Under both constraints an object schema with ``properties`` admits only those keys unless it says
+otherwise (``additionalProperties``, ``patternProperties``), as llama.cpp's grammar for a schema does
+(``common/json-schema.cpp``): a function's arguments are what it declares, and where JSON Schema's own
+default (any other key) holds, a small model adds keys until ``max_tokens`` cuts the call off.
 """
 
 from __future__ import annotations
@@ -71,7 +76,8 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool = True)
                                                    "parameters": {"$ref": f"#/$defs/tool_{i}"}},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for i, t in enumerate(checked)]
-        schema = {"$defs": {f"tool_{i}": _moved(_parameters(t), f"#/$defs/tool_{i}") for i, t in enumerate(checked)},
+        schema = {"$defs": {f"tool_{i}": _moved(_closed(_parameters(t)), f"#/$defs/tool_{i}")
+                            for i, t in enumerate(checked)},
                   "type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not parallel:
             schema["maxItems"] = 1
@@ -83,7 +89,7 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool = True)
                           "\"function\": {\"name\": ...}}", "tool_choice")
     if name not in names:
         raise bad_request(f"tool_choice names function {name!r}, which is not among the tools", "tool_choice")
-    return ToolPlan("named", checked, named=name, schema=_parameters(checked[names.index(name)]))
+    return ToolPlan("named", checked, named=name, schema=_closed(_parameters(checked[names.index(name)])))
 
 
 def tools_system_message(tools: list[dict]) -> dict:
@@ -175,6 +181,34 @@ def _tool(tool: Any, i: int) -> dict:
 
 def _parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or _NO_PARAMETERS
+
+
+# Keywords whose value is a schema (or a list of them), a map of names to schemas, a list of schemas.
+_SCHEMA_KEYS = frozenset({"items", "additionalProperties", "not", "if", "then", "else", "contains",
+                          "propertyNames", "additionalItems", "unevaluatedItems", "unevaluatedProperties"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems"})
+_OPEN_KEYS = frozenset({"additionalProperties", "patternProperties", "unevaluatedProperties"})
+
+
+def _closed(schema: Any) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object schema, at any depth, that lists
+    ``properties`` and says nothing of other keys (see the module's docstring). Values stay as they are."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: _closed(sub) for name, sub in v.items()}
+        elif k in _SCHEMA_LISTS and isinstance(v, list) or k in _SCHEMA_KEYS and isinstance(v, list):
+            out[k] = [_closed(sub) for sub in v]
+        elif k in _SCHEMA_KEYS:
+            out[k] = _closed(v)
+        else:
+            out[k] = v
+    if isinstance(schema.get("properties"), dict) and not _OPEN_KEYS & schema.keys():
+        out["additionalProperties"] = False
+    return out
 
 
 def _moved(schema: Any, root: str) -> Any:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -100,11 +99,8 @@ def _speeds(backend, rounds: int) -> dict:
 
 
 def run_structured_bench(args) -> int:
-    try:
-        import jsonschema
-    except ImportError:
-        print("meshnet bench structured needs jsonschema (pip install jsonschema)", file=sys.stderr)
-        return 2
+    import jsonschema
+
     from meshnet.api.backend import local_backend
     from meshnet.api.server import start_api_in_thread, stop_api
 

@@ -11,6 +11,7 @@ but empty, then each tensor's bytes at its offset as they arrive. A partial file
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -21,6 +22,10 @@ import numpy as np
 
 from meshnet.model.gguf_file import GGUFError
 from meshnet.model.manifest import MANIFEST_TENSORS_KEY, ManifestTensor, ModelManifest, hash_range
+
+# gguf-py's writer logs at INFO what it writes ("This GGUF file is for Little Endian only", the files and
+# their sizes): here a scratch header's, which is nothing a user asked for.
+logging.getLogger("gguf.gguf_writer").setLevel(logging.WARNING)
 
 ALIGNMENT = gguf.GGUF_DEFAULT_ALIGNMENT
 V = gguf.GGUFValueType
