@@ -90,6 +90,9 @@ def test_generate_without_a_running_mesh_is_a_clear_error(smollm2_path):
     proc = meshnet("generate", "--tracker", f"127.0.0.1:{port}", "Hello")
     assert proc.returncode == 1
     assert "error: no route:" in proc.stderr and "Traceback" not in proc.stderr
+    proc = meshnet("generate", "--tracker", f"127.0.0.1:{port}", "--wait", "0.5", "Hello")  # it said 2
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "error: no complete route after 0.5 s: failed to connect" in proc.stderr, proc.stderr
     proc = meshnet("generate", "--tracker", "127.0.0.1", "Hello")
     assert proc.returncode == 2 and "expected HOST:PORT" in proc.stderr
 

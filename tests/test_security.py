@@ -127,6 +127,20 @@ def test_plaintext_client_cannot_talk_to_a_tls_tracker(tls_tracker):
     assert ei.value.code() is grpc.StatusCode.UNAVAILABLE
 
 
+def test_the_cli_says_tls_where_a_plaintext_client_meets_a_tls_tracker(tls_tracker, self_signed, capsys):
+    """It said only "UNAVAILABLE: ... Socket closed"."""
+    import argparse
+
+    from meshnet.membership.cli import run_nodes
+
+    args = argparse.Namespace(tracker=f"127.0.0.1:{tls_tracker}", join_token=TOKEN, tls_ca=None, json=True)
+    assert run_nodes(args) == 1
+    assert "Socket closed (a server speaking TLS closes plaintext connections so: pass --tls-ca with its CA)" \
+        in capsys.readouterr().err
+    assert run_nodes(argparse.Namespace(**{**vars(args), "tls_ca": self_signed.cert})) == 0
+    assert "--tls-ca" not in capsys.readouterr().err
+
+
 def test_tls_client_rejects_an_untrusted_certificate(tls_tracker, tmp_path):
     other = self_signed_cert(tmp_path, name="someone else").cert  # another CA: does not vouch for the tracker's
     with open_channel(f"127.0.0.1:{tls_tracker}", join_token=TOKEN, tls_ca=other) as channel, \

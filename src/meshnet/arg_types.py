@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 
 from meshnet.membership.identity import NODE_ID_CHARS, NODE_ID_MAX_CHARS
-from meshnet.wire.security import check_address
+from meshnet.wire.security import JOIN_TOKEN_ENV, check_address
 
 # The heartbeat intervals allowed, seconds: nodes beat at most every MIN_HEARTBEAT_S (a tracker asking
 # for less would drop them before their next beat), and a node silent for three intervals is gone (an
@@ -107,3 +108,10 @@ def _at_most_a_year(value: float, text: str) -> float:
     if value > MAX_SECONDS:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_SECONDS:.0f} seconds (a year), got {text}")
     return value
+
+
+def add_join_token_arg(p: argparse.ArgumentParser) -> None:
+    """``--join-token``, the mesh's shared secret, defaulting to ``$MESHNET_JOIN_TOKEN`` (read when the
+    parser is built), for every command that calls a tracker or a node."""
+    p.add_argument("--join-token", default=os.environ.get(JOIN_TOKEN_ENV),
+                   help=f"the mesh's shared secret (default ${JOIN_TOKEN_ENV})")

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from meshnet.arg_types import host_port
+from meshnet.arg_types import add_join_token_arg, host_port
 from meshnet.client.mesh_client import MeshUnavailable
 from meshnet.contract import SamplingParams
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
@@ -67,7 +67,8 @@ def _add_model_args(p: argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshnet", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="meshnet", description="Run one GGUF language model across several "
+                                     "machines, each serving a range of its layers.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -75,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     source = _add_model_args(gen)
     _add_sampling_args(gen)
-    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default %(default)s)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the GGUF's chat template")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
     gen.add_argument("--json", action="store_true",
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "from the tracker's manifest")
     gen.add_argument("--wait", type=float, default=0.0,
                      help="with --tracker: seconds to wait for a complete route before giving up")
-    gen.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
+    add_join_token_arg(gen)
     gen.add_argument("--tls-ca", default=None, help="CA/cert to verify TLS tracker and nodes")
     gen.add_argument("--client-orchestrated", action="store_true",
                      help="every step through the client, hop by hop (default: nodes forward hidden states to the next node themselves where the route allows)")
@@ -205,7 +206,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from meshnet.up import wait_for_route
 
         if args.wait:
-            wait_for_route(args.tracker, args.wait, args.join_token, progress=sys.stderr.isatty())
+            try:
+                wait_for_route(args.tracker, args.wait, args.join_token, progress=sys.stderr.isatty())
+            except TimeoutError as e:  # no route, as without --wait: exit status 1, not a usage error's 2
+                raise MeshUnavailable(str(e)) from None
         chain = MeshClient(args.tracker, model_sha256=model_id or model_manifest(path).id, join_token=args.join_token,
                            tls_ca=args.tls_ca, forwarding=not args.client_orchestrated)
         _, hops, n_ctx = chain.route_with_context()

@@ -18,7 +18,7 @@ import time
 import grpc
 from tqdm import tqdm
 
-from meshnet.arg_types import heartbeat_seconds, port_number, positive_seconds
+from meshnet.arg_types import add_join_token_arg, heartbeat_seconds, port_number, positive_seconds
 from meshnet.load_spec import LOAD_SETTING_LEAST, LOAD_SETTING_MOST, NO_HUGE_PAGES_HELP
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
 from meshnet.proto import meshnet_pb2 as pb
@@ -51,7 +51,7 @@ def add_up_parser(sub) -> None:
     p.add_argument("--heartbeat", type=heartbeat_seconds, default=1.0, help="node heartbeat interval, seconds")
     p.add_argument("--client-orchestrated", action="store_true",
                    help="the API's steps: " + "every step through the client, hop by hop (default: nodes forward hidden states to the next node themselves where the route allows)")
-    p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
+    add_join_token_arg(p)
     p.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds to wait for a complete route")
     p.add_argument("--api-port", type=int, default=8000,
                    help="serve the OpenAI-compatible API on this port (default %(default)s; 0 = any free port, -1 = no API)")
@@ -88,7 +88,7 @@ def wait_for_route(tracker: str, timeout_s: float, join_token: str | None = None
             time.sleep(0.2)
     finally:
         bar.close()
-    raise TimeoutError(f"no complete route after {timeout_s:.0f}s: {reason}")
+    raise TimeoutError(f"no complete route after {timeout_s:g} s: {reason}")
 
 
 class _Refused(Exception):
@@ -240,7 +240,8 @@ def run_up(args: argparse.Namespace) -> int:
                                "--api-port (0 = any free port, -1 = no API)") from None
         print(f"MESHNET_UP_READY tracker={tracker}" + (f" api={api_url}" if api_url else "")
               + (f" dashboard={dashboard.url}" if dashboard else ""), flush=True)
-        print(f"[meshnet up] try: meshnet generate --tracker {tracker} \"Hello\"   (Ctrl-C stops the mesh)",
+        token = " --join-token YOUR_TOKEN" if args.join_token else ""  # the secret stays out of logs
+        print(f"[meshnet up] try: meshnet generate --tracker {tracker}{token} \"Hello\"   (Ctrl-C stops the mesh)",
               file=sys.stderr, flush=True)
         if dashboard:
             print(f"[meshnet up] watch it: {dashboard.url}", file=sys.stderr, flush=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 import sys
 import threading
@@ -12,7 +11,7 @@ import time
 
 import uvicorn
 
-from meshnet.arg_types import host_port, port_number, positive_int, positive_number
+from meshnet.arg_types import add_join_token_arg, host_port, port_number, positive_int, positive_number
 from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.backend import ApiBackend
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
@@ -38,7 +37,7 @@ def add_api_parser(sub) -> None:
                                                 "the file's stem)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000, help="port (default %(default)s; 0 = any free port)")
-    p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
+    add_join_token_arg(p)
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker and nodes")
     p.add_argument("--client-orchestrated", action="store_true",
                    help="with --tracker: " + "every step through the client, hop by hop (default: nodes forward hidden states to the next node themselves where the route allows)")

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import grpc
 
-from meshnet.arg_types import host_port
+from meshnet.arg_types import add_join_token_arg, host_port
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.wire.security import JOIN_TOKEN_ENV, open_channel
+from meshnet.wire.security import open_channel, tls_hint
 
 
 def add_ledger_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -23,7 +22,7 @@ def add_ledger_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                                    "once); TOKENS is that divided by the model's layer count. Clients are "
                                    "charged one unit per token delivered to them.")
     p.add_argument("--tracker", type=host_port, required=True, help="HOST:PORT of the tracker")
-    p.add_argument("--join-token", default=os.environ.get(JOIN_TOKEN_ENV), help=f"default ${JOIN_TOKEN_ENV}")
+    add_join_token_arg(p)
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=run_ledger)
@@ -74,7 +73,8 @@ def run_ledger(args: argparse.Namespace) -> int:
         try:
             reply = pb_grpc.TrackerStub(channel).GetLedger(pb.Empty(), timeout=10)
         except grpc.RpcError as e:
-            print(f"error: tracker {args.tracker}: {e.code().name}: {e.details()}", file=sys.stderr)
+            print(f"error: tracker {args.tracker}: {e.code().name}: {e.details()}{tls_hint(e, args.tls_ca)}",
+                  file=sys.stderr)
             return 1
     print(json.dumps(ledger_dict(reply)) if args.json else format_ledger(reply))
     return 0

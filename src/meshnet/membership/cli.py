@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import grpc
 
-from meshnet.arg_types import host_port
+from meshnet.arg_types import add_join_token_arg, host_port
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.node_info import device_dict, record_from_info
 from meshnet.tracker.routing import missing_layers
-from meshnet.wire.security import JOIN_TOKEN_ENV, open_channel
+from meshnet.wire.security import open_channel, tls_hint
 
 
 def add_nodes_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -29,7 +28,7 @@ def add_nodes_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                                    "waiting with their mean time in queue, and the bytes of weights its "
                                    "range holds.")
     p.add_argument("--tracker", type=host_port, required=True, help="HOST:PORT of the tracker")
-    p.add_argument("--join-token", default=os.environ.get(JOIN_TOKEN_ENV), help=f"default ${JOIN_TOKEN_ENV}")
+    add_join_token_arg(p)
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--no-load", action="store_true", help="do not ask the nodes for their KV and batch figures")
@@ -161,7 +160,8 @@ def run_nodes(args: argparse.Namespace) -> int:
         try:
             reply = pb_grpc.TrackerStub(channel).ListNodes(pb.Empty(), timeout=10)
         except grpc.RpcError as e:
-            print(f"error: tracker {args.tracker}: {e.code().name}: {e.details()}", file=sys.stderr)
+            print(f"error: tracker {args.tracker}: {e.code().name}: {e.details()}{tls_hint(e, args.tls_ca)}",
+                  file=sys.stderr)
             return 1
     loads = None
     if not getattr(args, "no_load", False):  # relayed nodes are reached only through the tracker: not asked

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
 
-from meshnet.arg_types import host_port, node_id, port_number, positive_seconds, seconds
+from meshnet.arg_types import add_join_token_arg, host_port, node_id, port_number, positive_seconds, seconds
 from meshnet.contract import LayerRange
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
 from meshnet.node.config import NodeConfig
@@ -42,8 +41,9 @@ def add_node_parser(sub) -> None:
     p.add_argument("--models-dir", default=None,
                    help="where --fetch writes (and resumes) range-only files; default $MESHNET_CACHE_DIR/models "
                         "(~/.cache/meshnet/models)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=port_number, default=0, help="0 = any free port")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s; 0.0.0.0 = every "
+                                                        "interface)")
+    p.add_argument("--port", type=port_number, default=0, help="gRPC port (default 0 = any free port)")
     p.add_argument("--advertise", type=host_port, default=None,
                    help="address others dial (default HOST:PORT; with HOST 0.0.0.0 or ::, this machine's "
                         "address on the way to the tracker)")
@@ -72,10 +72,11 @@ def add_node_parser(sub) -> None:
                         "(meshnet backends --certify)")
     p.add_argument("--device", type=int, default=0, metavar="N",
                    help="with an accelerator --backend: which of its devices, in ggml's order (default 0)")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="CPU threads of the engine (default %(default)s)")
     p.add_argument("--cpu", type=int, default=None, help="pin the node to this CPU (e.g. 0)")
-    p.add_argument("--n-ctx", type=int, default=0)
-    p.add_argument("--max-sessions", type=int, default=16)
+    p.add_argument("--n-ctx", type=int, default=0,
+                   help="tokens one session may hold (default 0 = the model's, capped at 4096)")
+    p.add_argument("--max-sessions", type=int, default=16, help="sessions held at once (default %(default)s)")
     p.add_argument("--kv-tokens", type=int, default=0,
                    help="KV cells sessions may reserve at once (0 = half the memory available)")
     p.add_argument("--no-repack", dest="repack", action="store_false",
@@ -90,17 +91,21 @@ def add_node_parser(sub) -> None:
                         "of a pipeline computes at once (0 = one per stage, from the range's share of the model's cost; "
                         "1 = all together)")
     p.add_argument("--idle-timeout", type=positive_seconds, default=300.0,
-                   help="seconds before an unused session is freed (> 0)")
-    p.add_argument("--drain-timeout", type=seconds, default=30.0)
-    p.add_argument("--data-port", type=port_number, default=0, help="TCP port of the step data plane (0 = any)")
+                   help="seconds before an unused session is freed (> 0; default %(default)g)")
+    p.add_argument("--drain-timeout", type=seconds, default=30.0,
+                   help="on SIGTERM, seconds the open sessions may take to finish before the node exits "
+                        "(default %(default)g)")
+    p.add_argument("--data-port", type=port_number, default=0,
+                   help="TCP port of the step data plane (default 0 = any free port)")
     p.add_argument("--no-data-plane", action="store_true", help="serve steps over gRPC only")
     p.add_argument("--relay", action="store_true",
                    help="open no port: keep one outbound connection to the tracker (--tracker) and take all "
                         "traffic over it (for nodes behind NAT or a firewall; each hop costs more)")
-    p.add_argument("--join-token", default=os.environ.get("MESHNET_JOIN_TOKEN"))
-    p.add_argument("--tls-cert", default=None)
-    p.add_argument("--tls-key", default=None)
-    p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker")
+    add_join_token_arg(p)
+    p.add_argument("--tls-cert", default=None, help="serve TLS with this PEM certificate (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="the PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=None,
+                   help="CA/cert to verify a TLS tracker and the next node a step is forwarded to")
     p.set_defaults(func=run_node)
 
 

@@ -187,6 +187,14 @@ def format_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def tls_hint(e: grpc.RpcError, tls_ca: str | None) -> str:
+    """What a failed call most likely means when a plaintext client (no ``tls_ca``) met a server that
+    speaks TLS (gRPC itself says only that the socket closed), as text to append; else ""."""
+    if tls_ca is None and e.code() is grpc.StatusCode.UNAVAILABLE and "Socket closed" in (e.details() or ""):
+        return " (a server speaking TLS closes plaintext connections so: pass --tls-ca with its CA)"
+    return ""
+
+
 # Bind addresses meaning "every interface": listening there is fine, but nobody can dial them.
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
 
