@@ -167,3 +167,14 @@ def test_figures_are_safe_to_read_while_kept_sessions_give_way(smollm2_path):
     assert errors == [] and reads[0] > 0
     m = eng.metrics()
     assert m.active_sessions == 0 and m.kv_tokens_held == m.kv_tokens_kept == m.kv_tokens_reserved > 0
+
+
+def test_the_start_up_speed_probe_takes_no_place_in_the_prefix_cache(smollm2_path):
+    """A tail kept the probe's 9 cells from start-up, one of its --prefix-cache places."""
+    from meshnet.node.engine_loader import measure_decode_speed
+
+    eng = _engine(smollm2_path, 4, layers=LayerRange(20, 30))
+    assert measure_decode_speed(eng, steps=8) > 0
+    m = eng.metrics()
+    assert len(eng.stage.prefix_cache) == 0 and m.kv_tokens_kept == m.kv_tokens_held == 0
+    assert m.decode_tokens == 8  # the probe ran its steps

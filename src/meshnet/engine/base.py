@@ -202,12 +202,13 @@ class ShardEngine(ABC):
                 s.cancelled = True
         return Outcome(Status.OK)
 
-    def release(self, session_id: str) -> Outcome:
-        """Free the session's KV cache. Idempotent; unknown ids are OK."""
+    def release(self, session_id: str, keep_prefix: bool = True) -> Outcome:
+        """Free the session's KV cache; ``keep_prefix`` False also refuses it to the prefix cache (a
+        scratch session, such as the start-up speed probe's). Idempotent; unknown ids are OK."""
         with self._lock:
             s = self._sessions.get(session_id)
             if s is not None:
-                self._retire(s)
+                self._retire(s, keep_prefix)
         return Outcome(Status.OK)
 
     def release_superseded(self, session_id: str, epoch: int) -> Outcome:
@@ -227,15 +228,16 @@ class ShardEngine(ABC):
                 self._retire(s)
         return Outcome(Status.OK)
 
-    def _retire(self, s: Session) -> None:
+    def _retire(self, s: Session, keep_prefix: bool = True) -> None:
         """Cancel ``s``, wait for a step of it already queued or running, then free it unless a newer
-        session replaced it meanwhile. Called with the lock held (released while waiting)."""
+        session replaced it meanwhile (kept for its prefix when ``keep_prefix``). Called with the lock
+        held (released while waiting)."""
         s.cancelled = True  # a step still queued on it stops at the next iteration
         while s.busy:
             self._idle.wait()
         if self._sessions.get(s.session_id) is s:
             del self._sessions[s.session_id]
-            self._free_state(s.state, s.token_ids)
+            self._free_state(s.state, s.token_ids if keep_prefix else [])
         self._scheduler.forget(s)
 
     def release_idle(self, idle_s: float) -> list[str]:

@@ -90,7 +90,7 @@ def measure_decode_speed(engine: ShardEngine, steps: int = 8) -> float:
     sid = f"speed-probe-{uuid.uuid4().hex}"
     hidden = None if caps.is_head else NamedTensor.from_numpy("hidden", np.zeros((1, *caps.hidden_row_shape), np.float32))
     if not engine.prefill(StepRequest(sid, 0, 0, (1,), hidden=hidden)).ok:
-        engine.release(sid)
+        engine.release(sid, keep_prefix=False)
         return 0.0
     t0 = time.perf_counter()
     n = 0
@@ -99,7 +99,7 @@ def measure_decode_speed(engine: ShardEngine, steps: int = 8) -> float:
             break
         n += 1
     dt = time.perf_counter() - t0
-    engine.release(sid)
+    engine.release(sid, keep_prefix=False)  # its cells would take a place of the prefix cache
     return n / dt if dt > 0 and n else 0.0
 
 
