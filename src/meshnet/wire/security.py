@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import functools
 import hmac
+import os
 import socket
 import ssl
 from concurrent import futures
@@ -225,8 +226,19 @@ def add_port(server: grpc.Server, address: str, tls: TlsConfig | None) -> int:
         The bound port.
 
     Raises:
-        RuntimeError: the address cannot be bound (in use, bad host); ValueError: unreadable TLS files.
+        RuntimeError: the address cannot be bound (in use, bad host), saying why; ValueError: unreadable
+            TLS files.
     """
+    host, _, port = address.rpartition(":")
+    if port.isdigit() and int(port):
+        # Tried with a plain socket first: gRPC's own failure says only "Failed to bind", after logging
+        # a C-level error line of its own to stderr.
+        try:
+            socket.create_server((host.strip("[]"), int(port)),
+                                 family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
+        except OSError as e:
+            why = os.strerror(e.errno) if e.errno and e.errno > 0 else str(e)
+            raise RuntimeError(f"cannot listen on {address}: {why}") from None
     try:
         if tls is None:
             port = server.add_insecure_port(address)
