@@ -264,6 +264,29 @@ def test_meshnet_up_on_a_taken_port_says_so_without_a_traceback():
     assert f"error: the tracker cannot listen on 127.0.0.1:{port}" in r.stderr and "Pass another --port." in r.stderr
 
 
+def test_meshnet_up_on_every_interface_names_an_address_other_machines_can_dial():
+    """Bound to 0.0.0.0 its nodes registered 0.0.0.0:PORT and the hints named 0.0.0.0: nothing another
+    machine can dial. Now the tracker, the nodes and the API go by this machine's default-route address."""
+    from meshnet.wire.security import this_machine_address
+
+    named = this_machine_address("0.0.0.0")
+    here = "127.0.0.1" if named == "0.0.0.0" else named  # no default route: the nodes reach it by loopback
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "up", "--stages", "1", "--host", "0.0.0.0",
+                           "--port", str(port), "--api-port", "0", "--dashboard-port", "-1"],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        ready = dict(kv.split("=", 1) for kv in up.stdout.readline().split()[1:])
+        assert ready["tracker"] == f"{named}:{port}" and ready["api"].startswith(f"http://{named}:")
+        [node] = pb_grpc.TrackerStub(open_channel(f"127.0.0.1:{port}")).ListNodes(pb.Empty(), timeout=10).nodes
+        assert node.info.address.rsplit(":", 1)[0] == node.info.data_address.rsplit(":", 1)[0] == here
+        with urllib.request.urlopen(ready["api"] + "/models", timeout=10) as r:  # dialled where it says
+            assert json.loads(r.read())["data"][0]["id"] == "smollm2"
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(timeout=60)
+
+
 def test_meshnet_up_with_a_taken_node_port_fails_before_loading_anything():
     """A node started on a taken port exits, is restarted and exits again, without end."""
     with _taken_port() as port:

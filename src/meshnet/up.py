@@ -25,7 +25,7 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.supervisor import Supervisor
-from meshnet.wire.security import open_channel
+from meshnet.wire.security import format_address, open_channel, this_machine_address
 
 
 def add_up_parser(sub) -> None:
@@ -179,7 +179,9 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"error: the tracker {str(e).rstrip('.')}. Is another tracker or `meshnet up` running there? "
               f"Pass another --port.", file=sys.stderr)
         return 2
-    tracker = f"{args.host}:{port}"
+    # Bound to every interface, the mesh is named (to its nodes, which register the address they reach
+    # it by, and in the hints printed) by this machine's address that other machines can dial.
+    tracker = format_address(this_machine_address(args.host), port)
     print(f"[meshnet up] tracker on {tracker}; starting {len(ranges)} nodes: "
           f"{', '.join(str(r) for r in ranges)}", file=sys.stderr, flush=True)
     # Up before the nodes: the map shows them arrive.
@@ -232,7 +234,7 @@ def run_up(args: argparse.Namespace) -> int:
             api_backend.mtp_problem = mtp_problem(path)
             try:
                 api = (api_backend, *start_api_in_thread(api_backend, args.host, args.api_port))
-                api_url = f"http://{args.host}:{api[1].config.port}/v1"
+                api_url = f"http://{format_address(this_machine_address(args.host), api[1].config.port)}/v1"
                 print(f"[meshnet up] OpenAI-compatible API on {api_url}", file=sys.stderr, flush=True)
             except OSError as e:  # taken since the check at the start
                 api_backend.close()

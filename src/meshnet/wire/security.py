@@ -219,6 +219,17 @@ def dialable_host(bind_host: str, tracker: str | None) -> str:
         return bind_host
 
 
+# Where a route to "another machine" is looked up: TEST-NET-1 (RFC 5737), which no packet is sent to.
+_ELSEWHERE = "192.0.2.1:9"
+
+
+def this_machine_address(bind_host: str) -> str:
+    """The host other machines reach a server bound to ``bind_host`` by: ``bind_host`` itself, or for a
+    wildcard (0.0.0.0, ::) the address of the interface this machine's default route leaves by (the
+    same lookup as :func:`dialable_host`); the wildcard when there is no such route."""
+    return dialable_host(bind_host, _ELSEWHERE)
+
+
 def add_port(server: grpc.Server, address: str, tls: TlsConfig | None) -> int:
     """Bind ``server`` to ``address`` (``host:port``; port 0 picks a free one), over TLS when ``tls`` is set.
 
