@@ -199,5 +199,22 @@ def test_a_speculative_generation_is_charged_its_accepted_drafts(tmp_path, monke
         assert last.verify and len(r.generated_token_ids) > last.position + 1 - len(ids) + 1  # ends on drafts
         charged = wait_until(lambda: mesh.charges().get("carol"), "the client's charge")
         assert charged == (48, 1) and len(steps) < 48
+        # A consumer that stops among a round's kept drafts (an API stop sequence) is charged the tokens it
+        # got, not the rest of the round: 15 where 12 were delivered, before.
+        client = MeshClient(mesh.tracker, client_id="dave")
+        inner = client.step
+        client.step = counted
+        steps.clear()
+        gen = Generation(client, tok, ids, 48, GREEDY, stop_at_eog=False, speculation=Speculation(6, adaptive=False))
+        got = 0
+        for _ in gen:
+            got += 1
+            last = steps[-1]
+            own = last.position + 1 - len(ids)  # index of the token the last step sampled after its first row
+            if last.verify and got - 1 > own and got >= 10:  # a kept draft, more of them may follow
+                break
+        assert 10 <= got < 48
+        client.close()
+        assert wait_until(lambda: mesh.charges().get("dave"), "the second client's charge") == (got, 1)
     finally:
         mesh.close()

@@ -21,7 +21,10 @@ class StepClient(Protocol):
     """The client interface the loop drives: :class:`~meshnet.chain.LocalChain` (in process) and
     :class:`~meshnet.client.mesh_client.MeshClient` (over a mesh) both provide it. A client may also
     offer ``step_async(req, decode, on_done) -> bool``, which starts a step without blocking (see
-    :meth:`LocalChain.step_async <meshnet.chain.LocalChain.step_async>`); the API's driver uses it."""
+    :meth:`LocalChain.step_async <meshnet.chain.LocalChain.step_async>`); the API's driver uses it. And
+    ``delivered_through(session_id, position)``: a generation's consumer got every token up to
+    ``position``, called as the generation ends (a client charging a ledger for delivered tokens, as
+    :meth:`MeshClient.delivered_through <meshnet.client.mesh_client.MeshClient.delivered_through>`)."""
 
     def step(self, req: StepRequest, decode: bool) -> StepResult: ...
 
@@ -213,6 +216,7 @@ class Generation:
         stream = self.tokenizer.stream_decoder()
         parts: list[str] = []
         t0 = time.perf_counter()
+        handed_on = -1  # position of the last token the consumer got (or the end-of-generation one)
         try:
             req = self._request(0, r.prompt_token_ids, step_id=0)
             pending = list(self._tokens(req, (yield StepCall(req, False))))
@@ -221,6 +225,7 @@ class Generation:
             position = cached = len(r.prompt_token_ids)  # the next step's first position; cells held
             while True:
                 tok = pending.pop(0)
+                handed_on = len(r.prompt_token_ids) + len(r.generated_token_ids)  # its position
                 if self.stop_at_eog and self.tokenizer.is_eog(tok.token_id):
                     r.finish_reason = "stop"
                     break
@@ -256,6 +261,9 @@ class Generation:
             # budget ran out mid-character): it stays out of the text rather than becoming U+FFFD.
             r.text = "".join(parts)
         finally:
+            charge = getattr(self.client, "delivered_through", None)
+            if charge is not None and handed_on >= 0:  # the last round's kept drafts, up to where it stopped
+                charge(self.session_id, handed_on)
             self.client.release(self.session_id)
             if self.speculation is not None and self.speculation.drafter is not None:
                 self.speculation.drafter.end(self.session_id)

@@ -207,6 +207,12 @@ class AdmissionRetry:
             self._cancelled.discard(session_id)
         self.client.release(session_id)
 
+    def delivered_through(self, session_id: str, position: int) -> None:
+        """As the client's (a mesh's charges the ledger; a chain in process has none)."""
+        charge = getattr(self.client, "delivered_through", None)
+        if charge is not None:
+            charge(session_id, position)
+
 
 def local_backend(model: str = "smollm2", stages: int | None = None, layers: str | None = None,
                   n_threads: int = 2, n_ctx: int = 0, max_sessions: int = 16, name: str | None = None,

@@ -35,7 +35,6 @@ from meshnet.client.remote import RemoteStage, StageFailure
 from meshnet.client.router import MeshUnavailable, Router
 from meshnet.ledger.reporting import DeliveryReporter, new_client_id
 from meshnet.contract import NamedTensor, Status, StepRequest, StepResult
-from meshnet.speculative import accepted_prefix
 
 log = logging.getLogger("meshnet.client")
 
@@ -170,6 +169,11 @@ class MeshClient:
                 raise
             log_ = self._sessions[req.session_id] = SessionLog(req.session_id, epoch, hops)
             self.last_hops = hops
+        if req.position and self.deliveries is not None:
+            # A step feeds back the last token its generation handed on: every one before it was
+            # delivered too (a verification step's kept drafts: charged here, or at the end by
+            # delivered_through, as they are never a step's own token).
+            self.deliveries.delivered_through(req.session_id, req.position)
         deadline: float | None = None
         forward = False  # whether the last attempt was forwarded (which hops ran it is then unknown)
         failed_at: dict[str, str] = {}  # node id -> the address it failed at: routes exclude these
@@ -198,17 +202,13 @@ class MeshClient:
                     log_.lost_in_a_row = {n: log_.lost_in_a_row.get(n, 0) + 1 for n in lost_this_step}
                     log_.steps.append(RecordedStep(replace(req, hidden=None), decode, list(step_inputs),
                                                    through=1 if forward else len(log_.hops)))
-                    # The position of the token this step delivers (see below for verification steps).
+                    # The position of the token this step delivers: sampled after its last row, or after
+                    # a verification step's first (kept whatever the drafts). The drafts the tail agreed
+                    # with are charged as the generation hands them on (delivered_through): a consumer
+                    # may stop among them (a stop sequence), and what it never got is not charged.
                     delivered_at = req.position + (1 if req.verify else len(req.token_ids))
                     if result.token is not None and self.deliveries is not None:
-                        # The token sampled after the step's last row, or after a verification step's
-                        # first (kept whatever the drafts) and then the drafts the tail agreed with, each
-                        # followed by its token: the tokens the generation keeps (the same rule). Where
-                        # one of them ends the answer, the ones kept after it are charged too: the tail
-                        # computed and sent them.
-                        kept = accepted_prefix(req.token_ids[1:], result.tokens) if req.verify else 0
                         self.deliveries.delivered(req.session_id, delivered_at)
-                        self.deliveries.delivered_through(req.session_id, delivered_at + kept)
                     if result.token is not None and self.activity is not None:
                         self.activity.delivered(req.session_id, delivered_at)
                 else:
@@ -233,6 +233,12 @@ class MeshClient:
                 log.warning("session %s: %s; failing over", req.session_id, f)
                 deadline = deadline or time.monotonic() + self.failover_deadline_s
                 failed_at[f.node_id] = next((h.address for h in log_.hops if h.node_id == f.node_id), f.address)
+
+    def delivered_through(self, session_id: str, position: int) -> None:
+        """The generation handed its consumer every token of ``session_id`` up to ``position``: charged to
+        this client (those after the last step's own token: a verification step's kept drafts)."""
+        if self.deliveries is not None:
+            self.deliveries.delivered_through(session_id, position)
 
     def cancel(self, session_id: str) -> None:
         log_ = self._sessions.get(session_id)
