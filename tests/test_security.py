@@ -141,6 +141,19 @@ def test_the_cli_says_tls_where_a_plaintext_client_meets_a_tls_tracker(tls_track
     assert "--tls-ca" not in capsys.readouterr().err
 
 
+def test_waiting_for_a_route_speaks_tls_with_the_ca_it_is_given(tls_tracker, self_signed):
+    """`meshnet generate --wait` dialled a TLS tracker in plaintext whatever --tls-ca said."""
+    from meshnet.up import wait_for_route
+
+    address = f"127.0.0.1:{tls_tracker}"
+    with pytest.raises(TimeoutError) as e:  # the tracker answers: it has no nodes
+        wait_for_route(address, 0.3, TOKEN, progress=False, tls_ca=self_signed.cert)
+    assert "no node is registered" in str(e.value) and "Socket closed" not in str(e.value)
+    with pytest.raises(TimeoutError) as e:
+        wait_for_route(address, 0.3, TOKEN, progress=False)
+    assert "pass --tls-ca with its CA" in str(e.value)
+
+
 def test_tls_client_rejects_an_untrusted_certificate(tls_tracker, tmp_path):
     other = self_signed_cert(tmp_path, name="someone else").cert  # another CA: does not vouch for the tracker's
     with open_channel(f"127.0.0.1:{tls_tracker}", join_token=TOKEN, tls_ca=other) as channel, \

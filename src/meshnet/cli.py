@@ -207,7 +207,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         if args.wait:
             try:
-                wait_for_route(args.tracker, args.wait, args.join_token, progress=sys.stderr.isatty())
+                wait_for_route(args.tracker, args.wait, args.join_token, progress=sys.stderr.isatty(),
+                               tls_ca=args.tls_ca)
             except TimeoutError as e:  # no route, as without --wait: exit status 1, not a usage error's 2
                 raise MeshUnavailable(str(e)) from None
         chain = MeshClient(args.tracker, model_sha256=model_id or model_manifest(path).id, join_token=args.join_token,

@@ -25,7 +25,7 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.supervisor import Supervisor
-from meshnet.wire.security import format_address, open_channel, this_machine_address
+from meshnet.wire.security import format_address, open_channel, this_machine_address, tls_hint
 
 
 def add_up_parser(sub) -> None:
@@ -61,13 +61,15 @@ def add_up_parser(sub) -> None:
 
 
 def wait_for_route(tracker: str, timeout_s: float, join_token: str | None = None, expected_hops: int = 0,
-                   progress: bool = True, stop: threading.Event | None = None) -> pb.Route:
-    """Poll the tracker until it has a complete route (of ``expected_hops`` hops if > 0).
+                   progress: bool = True, stop: threading.Event | None = None,
+                   tls_ca: str | None = None) -> pb.Route:
+    """Poll the tracker until it has a complete route (of ``expected_hops`` hops if > 0); ``tls_ca``
+    verifies a tracker that speaks TLS.
 
     Raises:
         TimeoutError: naming the tracker's last reason (e.g. the missing layers).
     """
-    stub = pb_grpc.TrackerStub(open_channel(tracker, join_token))
+    stub = pb_grpc.TrackerStub(open_channel(tracker, join_token, tls_ca))
     deadline = time.monotonic() + timeout_s
     reason = "tracker not reachable"
     bar = tqdm(total=expected_hops or None, desc="waiting for a complete route", unit="node",
@@ -84,7 +86,7 @@ def wait_for_route(tracker: str, timeout_s: float, join_token: str | None = None
                 if not expected_hops or len(route.hops) >= expected_hops:
                     return route
             except grpc.RpcError as e:
-                reason = e.details() or e.code().name
+                reason = (e.details() or e.code().name) + tls_hint(e, tls_ca)
             time.sleep(0.2)
     finally:
         bar.close()
