@@ -154,6 +154,22 @@ def test_waiting_for_a_route_speaks_tls_with_the_ca_it_is_given(tls_tracker, sel
     assert "pass --tls-ca with its CA" in str(e.value)
 
 
+def test_a_node_whose_tls_settings_do_not_match_the_trackers_exits_before_loading(tls_tracker, tmp_path):
+    """It loaded the model, then logged "tracker unreachable ... Socket closed; retrying" forever."""
+    import subprocess
+    import sys
+
+    other = self_signed_cert(tmp_path, name="someone else").cert
+    for extra, why in (([], "(a server speaking TLS closes plaintext connections so: pass --tls-ca with its CA)"),
+                       (["--tls-ca", other], f"(its certificate does not verify with the CA in --tls-ca {other})")):
+        r = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--engine", "fake", "--tracker",
+                            f"127.0.0.1:{tls_tracker}", "--join-token", TOKEN, *extra],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert "error: the tracker refused this node: " in r.stderr and why in r.stderr, r.stderr
+        assert "serving layers" not in r.stderr and "MESHNET_NODE_READY" not in r.stdout
+
+
 def test_tls_client_rejects_an_untrusted_certificate(tls_tracker, tmp_path):
     other = self_signed_cert(tmp_path, name="someone else").cert  # another CA: does not vouch for the tracker's
     with open_channel(f"127.0.0.1:{tls_tracker}", join_token=TOKEN, tls_ca=other) as channel, \

@@ -15,6 +15,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 
 from meshnet.arg_types import add_join_token_arg, host_port, node_id, port_number, positive_seconds, seconds
 from meshnet.contract import LayerRange
@@ -24,7 +25,7 @@ from meshnet.node.engine_loader import pin_to_cpu
 from meshnet.node.runner import Node
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.supervisor import follow_supervisor
-from meshnet.wire.security import TlsConfig, open_channel
+from meshnet.wire.security import TlsConfig, open_channel, tls_mismatch
 
 log = logging.getLogger("meshnet.node")
 
@@ -127,22 +128,32 @@ def _fetch_layers(args: argparse.Namespace) -> str:
     return str(result.path)
 
 
-def _join_refused(tracker: str, join_token: str | None, tls_ca: str | None) -> str | None:
-    """The tracker's refusal of ``join_token`` (a missing or wrong one), asked before the model loads,
-    which can take minutes; None when it accepts it, or cannot be asked now (the node then starts and
-    keeps trying to register, as it does when the tracker goes away later)."""
+def _join_refused(tracker: str, join_token: str | None, tls_ca: str | None, retry_s: float = 1.0) -> str | None:
+    """Why the tracker will not have this node, asked before the model loads, which can take minutes:
+    its refusal of ``join_token`` (a missing or wrong one), or TLS settings that do not match its own
+    (asked again after ``retry_s`` first: a tracker shutting down closes sockets too). None when it
+    accepts the node, or cannot be asked now (the node then starts and keeps trying to register, as it
+    does when the tracker goes away later)."""
     import grpc
 
     from meshnet.proto import meshnet_pb2 as pb
 
-    channel = open_channel(tracker, join_token, tls_ca)
-    try:
-        pb_grpc.TrackerStub(channel).ListNodes(pb.Empty(), timeout=5)
-    except grpc.RpcError as e:
-        if e.code() is grpc.StatusCode.UNAUTHENTICATED:
-            return e.details() or "UNAUTHENTICATED"
-    finally:
-        channel.close()
+    for attempt in range(2):
+        channel = open_channel(tracker, join_token, tls_ca)
+        try:
+            pb_grpc.TrackerStub(channel).ListNodes(pb.Empty(), timeout=5)
+            return None
+        except grpc.RpcError as e:
+            if e.code() is grpc.StatusCode.UNAUTHENTICATED:
+                return e.details() or "UNAUTHENTICATED"
+            why = tls_mismatch(e, tls_ca)
+            if why is None:
+                return None
+            if attempt:
+                return f"{e.details()} ({why})"
+        finally:
+            channel.close()
+        time.sleep(retry_s)
     return None
 
 

@@ -188,12 +188,26 @@ def format_address(host: str, port: int) -> str:
     return f"{host}:{port}"
 
 
+def tls_mismatch(e: grpc.RpcError, tls_ca: str | None) -> str | None:
+    """Why a failed call means this side's TLS setting does not match the server's (which no retry
+    mends), or None. gRPC's own words are a handshake's: a plaintext client meeting a TLS server sees
+    only the socket close."""
+    details = e.details() or ""
+    if e.code() is not grpc.StatusCode.UNAVAILABLE:
+        return None
+    if tls_ca is None and "Socket closed" in details:
+        return "a server speaking TLS closes plaintext connections so: pass --tls-ca with its CA"
+    if tls_ca is not None and "WRONG_VERSION_NUMBER" in details:
+        return "the server does not speak TLS: drop --tls-ca"
+    if tls_ca is not None and "CERTIFICATE_VERIFY_FAILED" in details:
+        return f"its certificate does not verify with the CA in --tls-ca {tls_ca}"
+    return None
+
+
 def tls_hint(e: grpc.RpcError, tls_ca: str | None) -> str:
-    """What a failed call most likely means when a plaintext client (no ``tls_ca``) met a server that
-    speaks TLS (gRPC itself says only that the socket closed), as text to append; else ""."""
-    if tls_ca is None and e.code() is grpc.StatusCode.UNAVAILABLE and "Socket closed" in (e.details() or ""):
-        return " (a server speaking TLS closes plaintext connections so: pass --tls-ca with its CA)"
-    return ""
+    """:func:`tls_mismatch`'s reason as text to append to the call's own, or ""."""
+    why = tls_mismatch(e, tls_ca)
+    return f" ({why})" if why else ""
 
 
 # Bind addresses meaning "every interface": listening there is fine, but nobody can dial them.
