@@ -110,6 +110,15 @@ def test_a_peer_whose_bytes_do_not_verify_is_refused_naming_the_tensor(smollm2_p
     assert model_id(got.path) == model_id(smollm2_path)
 
 
+def test_a_models_dir_that_is_a_file_is_named_not_a_traceback(smollm2_path, tmp_path, peer):
+    """--models-dir naming a file (or a folder under one) raised FileExistsError / NotADirectoryError."""
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for where in (a_file, a_file / "sub"):
+        with pytest.raises(ValueError, match=f"cannot keep range files in {where}: "):
+            _fetch(smollm2_path, where, [peer(_Peer(smollm2_path))])
+
+
 def test_an_interrupted_fetch_resumes_and_moves_only_what_is_missing(smollm2_path, tmp_path, peer):
     with pytest.raises(FetchError, match="UNAVAILABLE: peer went away"):
         _fetch(smollm2_path, tmp_path, [peer(_Peer(smollm2_path, stop_after=40))])

@@ -191,6 +191,9 @@ def run_node(args: argparse.Namespace) -> int:
         except ValueError as e:  # FetchError too: nothing registered, the part file kept for a resume
             print(f"error: {e}", file=sys.stderr)
             return 2
+        except OSError as e:  # writing the range file: the disk full, the folder gone meanwhile
+            print(f"error: fetching layers {args.layers}: {e.strerror or e} ({e.filename or ''})", file=sys.stderr)
+            return 1
     cfg = NodeConfig(model=model, layers=LayerRange.parse(args.layers) if args.layers else None,
                      tracker=args.tracker, host=args.host, port=args.port, advertise=args.advertise,
                      node_id=args.node_id, engine=args.engine, threads=args.threads, n_ctx=args.n_ctx,

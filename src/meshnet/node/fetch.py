@@ -119,7 +119,7 @@ def fetch_range(manifest: ModelManifest, layers: LayerRange, models_dir: str | o
         open_channel: a gRPC channel to an address (join token and TLS as the mesh requires).
         progress: a tqdm bar of bytes on stderr (default: when stderr is a terminal; log lines otherwise).
     Raises:
-        ValueError: layers outside the model.
+        ValueError: layers outside the model, or ``models_dir`` not a folder that can be written.
         FetchError: tensors still missing after every peer was tried; names each peer's failure.
     """
     n_layer, n_nextn = n_layer_of(manifest)
@@ -129,7 +129,10 @@ def fetch_range(manifest: ModelManifest, layers: LayerRange, models_dir: str | o
     total = sum(t.n_bytes for t in lay.tensors)
     final = Path(models_dir) / range_file_name(manifest, layers.start, layers.end)
     part = final.with_name(final.name + ".part")
-    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file where the folder should be, no permission
+        raise ValueError(f"cannot keep range files in {final.parent}: {e.strerror or e}") from None
     if final.exists():
         try:
             if model_manifest(final).id == manifest.id:
