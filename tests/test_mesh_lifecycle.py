@@ -298,6 +298,16 @@ def test_meshnet_up_with_a_taken_node_port_fails_before_loading_anything():
     assert "MESHNET_UP_READY" not in r.stdout and "starting" not in r.stderr
 
 
+def test_meshnet_api_on_a_taken_port_fails_before_loading_anything():
+    """It printed "serving ... on" the taken port, loaded the model, then uvicorn failed (exit status 3)."""
+    with _taken_port() as port:
+        r = subprocess.run([sys.executable, "-m", "meshnet.cli", "api", "--port", str(port)], capture_output=True,
+                           text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"error: the API cannot listen on 127.0.0.1:{port} (Address already in use)" in r.stderr, r.stderr
+    assert "serving" not in r.stderr
+
+
 def test_meshnet_up_with_a_taken_api_port_fails_before_loading_anything():
     """It started the mesh, said "no API" and printed its ready line without one."""
     with _taken_port() as port:

@@ -106,7 +106,7 @@ def _api_port_problem(host: str, port: int) -> str | None:
         bind_http_socket(host, port).close()
     except OSError as e:
         return (f"the API cannot listen on {host}:{port} ({e.strerror or e}); pass another --api-port "
-                "(0 = any free port, -1 = no API)")
+                "(0 = any free port, -1 = no API) or --host")
     return None
 
 

@@ -103,14 +103,23 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
 def run_api(args: argparse.Namespace) -> int:
     """``meshnet api``: serve until Ctrl-C / SIGTERM. Returns the process exit code."""
     logging.basicConfig(level=logging.INFO, format="[meshnet api] %(message)s")
-    backend = build_backend(args)
-    app = create_app(backend, max_body_bytes=int(args.max_body_mb * 2**20))
-    print(f"[meshnet api] serving {backend.model_name!r} on http://{args.host}:{args.port}/v1 "
-          f"(context {backend.n_ctx} tokens)", file=sys.stderr, flush=True)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
-    finally:
-        backend.close()
+    try:  # before the model loads: a taken port fails at once, and the address it names is where it serves
+        sock = bind_http_socket(args.host, args.port)
+    except OSError as e:
+        print(f"error: the API cannot listen on {args.host}:{args.port} ({e.strerror or e}); pass another "
+              "--port (0 = any free port) or --host", file=sys.stderr)
+        return 2
+    with sock:
+        backend = build_backend(args)
+        app = create_app(backend, max_body_bytes=int(args.max_body_mb * 2**20))
+        port = sock.getsockname()[1]
+        print(f"[meshnet api] serving {backend.model_name!r} on http://{args.host}:{port}/v1 "
+              f"(context {backend.n_ctx} tokens)", file=sys.stderr, flush=True)
+        try:
+            uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
+                                          timeout_graceful_shutdown=5)).run(sockets=[sock])
+        finally:
+            backend.close()
     return 0
 
 
