@@ -225,6 +225,12 @@ def test_bad_load_settings_are_named(field, value):
     (["up", "--heartbeat", "nan"], "argument --heartbeat: must be a finite number of seconds, got nan"),
     (["api", "--max-concurrency", "0"], "argument --max-concurrency: must be >= 1, got 0"),
     (["up", "--draft-tokens", "-3", "--dashboard-port", "-1"], "draft_tokens must be in [1, 16], got -3"),
+    # a bench that ran nothing and wrote empty results (exit 0), or failed on Python's own words
+    (["bench", "serve", "--targets", "llama-server,bogus"], "argument --targets: unknown target 'bogus'; choose "
+                                                            "from llama-server, meshnet, mesh, llama-rpc"),
+    (["bench", "speculative", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),  # "no median for empty"
+    (["bench", "structured", "--requests", "0"], "argument --requests: must be >= 1, got 0"),
+    (["bench", "wan", "--rtt-ms", "abc"], "--rtt-ms takes comma-separated milliseconds, e.g. 0,10,25,50; got 'abc'"),
 ])
 def test_ports_and_timeouts_out_of_range_are_refused_up_front(args, message):
     import subprocess

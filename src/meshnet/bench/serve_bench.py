@@ -50,6 +50,19 @@ MIN_REQUESTS = 8
 SIDE_BY_SIDE = ("llama-server", "meshnet")
 
 
+TARGETS = ("llama-server", "meshnet", "mesh", "llama-rpc")
+
+
+def _targets(text: str) -> str:
+    """``--targets``: a comma-separated list of :data:`TARGETS` (one at least)."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TARGETS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown target {unknown[0]!r}; choose from {', '.join(TARGETS)}"
+                                         if unknown else f"name one target at least: {', '.join(TARGETS)}")
+    return text
+
+
 def add_serve_bench_parser(bench_subparsers) -> None:
     """Add ``serve`` to ``meshnet bench``'s subcommands."""
     p = bench_subparsers.add_parser("serve", help="meshnet api vs llama-server: C concurrent streams, tokens/s, "
@@ -63,8 +76,8 @@ def add_serve_bench_parser(bench_subparsers) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="measure every target at every C this many times in turn; the ratios are the medians "
                         "of the rounds' (for machines whose speed drifts)")
-    p.add_argument("--targets", default="llama-server,meshnet,mesh,llama-rpc",
-                   help="which of llama-server, meshnet, mesh, llama-rpc to run")
+    p.add_argument("--targets", type=_targets, default="llama-server,meshnet,mesh,llama-rpc",
+                   help="which of llama-server, meshnet, mesh, llama-rpc to run (comma-separated)")
     p.add_argument("--side-by-side", action="store_true",
                    help="run llama-server and meshnet in process side by side for a C and let them take turns "
                         "a load at a time (by default every target is started and stopped for each load)")

@@ -19,6 +19,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from meshnet.arg_types import positive_int
+
 PERSON = {
     "type": "object",
     "properties": {
@@ -41,10 +43,10 @@ def add_structured_bench_parser(bench_subparsers) -> None:
     p.add_argument("--model", default="smollm2", help="GGUF path or bundled name (default %(default)s)")
     p.add_argument("--stages", type=int, default=1, help="in-process layer ranges (default %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads per stage (default %(default)s)")
-    p.add_argument("--requests", type=int, default=100,
+    p.add_argument("--requests", type=positive_int, default=100,
                    help="json_schema requests, half greedy and half sampled (default %(default)s)")
-    p.add_argument("--concurrency", type=int, default=4, help="requests at a time (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=3,
+    p.add_argument("--concurrency", type=positive_int, default=4, help="requests at a time (default %(default)s)")
+    p.add_argument("--rounds", type=positive_int, default=3,
                    help="pairs of constrained and unconstrained generations timed (default %(default)s)")
     p.add_argument("--out", default="bench-results/structured.json", help="JSON written here")
     p.set_defaults(func=run_structured_bench)

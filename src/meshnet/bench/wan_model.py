@@ -41,7 +41,12 @@ def parse_rtts(text: str) -> list[float]:
     """``"0,10,25,50"`` -> ``[0.0, 10.0, 25.0, 50.0]`` (milliseconds, in the given order).
 
     Raises ValueError: empty, not a number, negative, or repeated."""
-    values = [float(part) for part in text.split(",") if part.strip()]
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--rtt-ms takes comma-separated milliseconds, e.g. 0,10,25,50; got {text!r}") from None
+    if any(v != v or v in (float("inf"), -float("inf")) for v in values):
+        raise ValueError(f"an RTT must be a finite number of milliseconds: {text!r}")
     if not values:
         raise ValueError("--rtt-ms needs at least one RTT in milliseconds")
     if any(v < 0 for v in values):
