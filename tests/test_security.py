@@ -85,6 +85,17 @@ def test_token_checked_on_streaming_calls_too():
         server.stop(None)
 
 
+def test_an_api_with_a_wrong_token_is_refused_at_start(token_tracker):
+    """It served, and answered every request 503 with the tracker's refusal."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "meshnet.cli", "api", "--tracker", token_tracker,
+                        "--join-token", "wrong", "--port", "0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "serving" not in r.stderr
+    assert f"error: the tracker {token_tracker} refused this API: " in r.stderr and "join token" in r.stderr
+
+
 def test_interceptor_refuses_an_empty_token():
     with pytest.raises(ValueError, match="join token is empty"):
         JoinTokenInterceptor("")

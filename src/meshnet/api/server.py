@@ -16,6 +16,7 @@ from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.backend import ApiBackend
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
 from meshnet.speculative import add_speculation_args, speculation_from_args
+from meshnet.wire.security import tracker_refusal
 
 log = logging.getLogger("meshnet.api")
 
@@ -69,6 +70,9 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
     from meshnet.speculative import mtp_problem
 
     name = args.name
+    if args.tracker and (refused := tracker_refusal(args.tracker, args.join_token, args.tls_ca)):
+        # It served anyway and answered every request 503 with the tracker's refusal.
+        raise ValueError(f"the tracker {args.tracker} refused this API: {refused}")
     if args.model_id is not None:
         if not args.tracker:
             raise ValueError("--model-id needs --tracker (the tracker holds the model's manifest)")

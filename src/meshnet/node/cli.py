@@ -15,7 +15,6 @@ import logging
 import signal
 import sys
 import threading
-import time
 
 from meshnet.arg_types import add_join_token_arg, host_port, node_id, port_number, positive_seconds, seconds
 from meshnet.contract import LayerRange
@@ -25,7 +24,7 @@ from meshnet.node.engine_loader import pin_to_cpu
 from meshnet.node.runner import Node
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.supervisor import follow_supervisor
-from meshnet.wire.security import TlsConfig, open_channel, tls_mismatch
+from meshnet.wire.security import TlsConfig, open_channel, tracker_refusal
 
 log = logging.getLogger("meshnet.node")
 
@@ -128,35 +127,6 @@ def _fetch_layers(args: argparse.Namespace) -> str:
     return str(result.path)
 
 
-def _join_refused(tracker: str, join_token: str | None, tls_ca: str | None, retry_s: float = 1.0) -> str | None:
-    """Why the tracker will not have this node, asked before the model loads, which can take minutes:
-    its refusal of ``join_token`` (a missing or wrong one), or TLS settings that do not match its own
-    (asked again after ``retry_s`` first: a tracker shutting down closes sockets too). None when it
-    accepts the node, or cannot be asked now (the node then starts and keeps trying to register, as it
-    does when the tracker goes away later)."""
-    import grpc
-
-    from meshnet.proto import meshnet_pb2 as pb
-
-    for attempt in range(2):
-        channel = open_channel(tracker, join_token, tls_ca)
-        try:
-            pb_grpc.TrackerStub(channel).ListNodes(pb.Empty(), timeout=5)
-            return None
-        except grpc.RpcError as e:
-            if e.code() is grpc.StatusCode.UNAUTHENTICATED:
-                return e.details() or "UNAUTHENTICATED"
-            why = tls_mismatch(e, tls_ca)
-            if why is None:
-                return None
-            if attempt:
-                return f"{e.details()} ({why})"
-        finally:
-            channel.close()
-        time.sleep(retry_s)
-    return None
-
-
 def run_node(args: argparse.Namespace) -> int:
     if not follow_supervisor():  # started by `meshnet up`, which is gone already
         print("error: the meshnet up that started this node is gone", file=sys.stderr)
@@ -211,7 +181,7 @@ def run_node(args: argparse.Namespace) -> int:
     if cfg.relay and not cfg.tracker:
         print("error: --relay needs --tracker (a relayed node is reached only through its tracker)", file=sys.stderr)
         return 2
-    refused = _join_refused(cfg.tracker, args.join_token, args.tls_ca) if cfg.tracker else None
+    refused = tracker_refusal(cfg.tracker, args.join_token, args.tls_ca) if cfg.tracker else None
     if refused:
         print(f"error: the tracker refused this node: {refused}", file=sys.stderr)
         return 1

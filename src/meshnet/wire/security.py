@@ -18,6 +18,7 @@ import hmac
 import os
 import socket
 import ssl
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,6 +209,34 @@ def tls_hint(e: grpc.RpcError, tls_ca: str | None) -> str:
     """:func:`tls_mismatch`'s reason as text to append to the call's own, or ""."""
     why = tls_mismatch(e, tls_ca)
     return f" ({why})" if why else ""
+
+
+def tracker_refusal(tracker: str, join_token: str | None, tls_ca: str | None, retry_s: float = 1.0) -> str | None:
+    """Why the tracker at ``tracker`` will not have a caller with ``join_token`` and ``tls_ca``, asked
+    before a node loads its model or an API starts: its refusal of the token (a missing or wrong one), or
+    TLS settings that do not match its own (asked again after ``retry_s`` first: a tracker shutting down
+    closes sockets too). None when it accepts the caller, or cannot be asked now (a node then starts and
+    keeps trying to register, as it does when the tracker goes away later)."""
+    from meshnet.proto import meshnet_pb2 as pb
+    from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+
+    for attempt in range(2):
+        channel = open_channel(tracker, join_token, tls_ca)
+        try:
+            pb_grpc.TrackerStub(channel).ListNodes(pb.Empty(), timeout=5)
+            return None
+        except grpc.RpcError as e:
+            if e.code() is grpc.StatusCode.UNAUTHENTICATED:
+                return e.details() or "UNAUTHENTICATED"
+            why = tls_mismatch(e, tls_ca)
+            if why is None:
+                return None
+            if attempt:
+                return f"{e.details()} ({why})"
+        finally:
+            channel.close()
+        time.sleep(retry_s)
+    return None
 
 
 # Bind addresses meaning "every interface": listening there is fine, but nobody can dial them.
