@@ -94,9 +94,10 @@ class Mesh:
         self.nodes: list[NodeProc] = []
         self.log_dir = Path(tempfile.mkdtemp(prefix="meshnet-test-nodes-"))  # each node's stderr
 
-    def spawn_node(self, layers: str, node_id: str | None, model: str = "smollm2", *extra: str,
+    def spawn_node(self, layers: str, node_id: str | None, model: str | None = "smollm2", *extra: str,
                    stderr=None) -> subprocess.Popen:
-        """Start ``meshnet node`` for this tracker (stdout piped, text); node_id None: no ``--node-id``.
+        """Start ``meshnet node`` for this tracker (stdout piped, text); node_id None: no ``--node-id``;
+        model None: no ``--model`` (a node that fetches its layers).
         ``stderr`` None: to ``<log_dir>/<node_id>.log`` (:meth:`NodeProc.log_tail`)."""
         env = dict(os.environ)
         log_path = None
@@ -109,8 +110,9 @@ class Mesh:
         if self.tls is not None:
             named += ["--tls-cert", self.tls.cert, "--tls-key", self.tls.key, "--tls-ca", self.tls.cert]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "meshnet.cli", "node", "--tracker", self.tracker, "--model", model,
-             "--layers", layers, *named, "--threads", "1", *extra],
+            [sys.executable, "-m", "meshnet.cli", "node", "--tracker", self.tracker,
+             *(["--model", model] if model is not None else []), "--layers", layers, *named, "--threads", "1",
+             *extra],
             stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
         if log_path is not None:
             stderr.close()  # the child has its own descriptor

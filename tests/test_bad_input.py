@@ -225,6 +225,13 @@ def test_bad_load_settings_are_named(field, value):
     (["up", "--heartbeat", "nan"], "argument --heartbeat: must be a finite number of seconds, got nan"),
     (["api", "--max-concurrency", "0"], "argument --max-concurrency: must be >= 1, got 0"),
     (["up", "--draft-tokens", "-3", "--dashboard-port", "-1"], "draft_tokens must be in [1, 16], got -3"),
+    # flags that did nothing where they were given
+    (["generate", "--wait", "3", "hi"], "error: --wait needs --tracker (it applies to a running mesh's client"),
+    (["generate", "--tracker", "127.0.0.1:9", "--stages", "2", "hi"],
+     "error: --stages splits the model in this process; with --tracker the mesh's nodes hold the layers"),
+    (["api", "--tracker", "127.0.0.1:9", "--layers", "0:10,10:30", "--port", "0"],
+     "error: --layers splits the model in this process; with --tracker the mesh's nodes hold the layers"),
+    (["node", "--fetch", "smollm2", "--model", "x.gguf"], "argument --model: not allowed with argument --fetch"),
     # a bench that ran nothing and wrote empty results (exit 0), or failed on Python's own words
     (["bench", "serve", "--targets", "llama-server,bogus"], "argument --targets: unknown target 'bogus'; choose "
                                                             "from llama-server, meshnet, mesh, llama-rpc"),

@@ -158,7 +158,7 @@ def test_a_node_fetching_the_middle_third_generates_what_whole_file_nodes_do(smo
         ids = json.loads(whole.stdout.splitlines()[-1])["generated_token_ids"]
         assert len(ids) == 8
         mid = model_id(smollm2_path)
-        proc = mesh.spawn_node("10:20", "f", "missing.gguf", "--in-process-engine", "--fetch",
+        proc = mesh.spawn_node("10:20", "f", None, "--in-process-engine", "--fetch",
                                "smollm2 135M 8k Lc100K Mix1 Ep2", "--models-dir", str(tmp_path))
         fetched = proc.stdout.readline()
         assert fetched.startswith("MESHNET_FETCHED"), fetched
@@ -255,7 +255,7 @@ def test_a_node_fetching_from_a_corrupting_peer_exits_naming_the_tensor_and_neve
         t.Register(pb.NodeInfo(node_id="liar", address=address, layers=pb.LayerRange(start=0, end=30),
                                model=pb.ModelIdentity(sha256=m.id, architecture="llama", n_layer=30),
                                protocol_major=PROTOCOL_MAJOR, protocol_minor=PROTOCOL_MINOR), timeout=5)
-        proc = mesh.spawn_node("10:20", "f", "missing.gguf", "--fetch", m.id, "--models-dir", str(tmp_path),
+        proc = mesh.spawn_node("10:20", "f", None, "--fetch", m.id, "--models-dir", str(tmp_path),
                                stderr=subprocess.PIPE)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 2

@@ -70,6 +70,9 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
     from meshnet.speculative import mtp_problem
 
     name = args.name
+    if args.tracker and (args.stages is not None or args.layers is not None):
+        raise ValueError(f"{'--stages' if args.stages is not None else '--layers'} splits the model in this "
+                         "process; with --tracker the mesh's nodes hold the layers")
     if args.tracker and (refused := tracker_refusal(args.tracker, args.join_token, args.tls_ca)):
         # It served anyway and answered every request 503 with the tracker's refusal.
         raise ValueError(f"the tracker {args.tracker} refused this API: {refused}")

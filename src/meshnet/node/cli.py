@@ -32,9 +32,10 @@ log = logging.getLogger("meshnet.node")
 def add_node_parser(sub) -> None:
     p = sub.add_parser("node", help="serve a layer range of a model and join a tracker")
     p.add_argument("--tracker", type=host_port, default=None, help="HOST:PORT of the tracker")
-    p.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
+    source = p.add_mutually_exclusive_group()  # a file here, or the tensors fetched from peers: never both
+    source.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
     p.add_argument("--layers", default=None, help="half-open range START:END, e.g. 0:15")
-    p.add_argument("--fetch", default=None, metavar="MODEL",
+    source.add_argument("--fetch", default=None, metavar="MODEL",
                    help="no model file here: fetch only the tensors of --layers (a model id, general.name or "
                         "bundled name the tracker knows) from nodes serving it into a range-only GGUF in "
                         "--models-dir, then serve it")
