@@ -70,6 +70,17 @@ def test_bad_arguments_are_named(smollm2_path, args, message):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_full_context_holds_one_generated_token_more_than_its_cells_as_the_api_does(smollm2_path):
+    """The last generated token is never fed back: with --n-ctx 8 a 5-token prompt gets 4 tokens (it got 3,
+    where the API's budget gives 4) and an 8-token prompt 1 (it was refused)."""
+    for prompt, n_gen in (("The capital of France is", 4), ("The capital of France is, as every", 1)):
+        proc = meshnet("generate", "--n-ctx", "8", "--max-tokens", "50", "--json", prompt)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout.splitlines()[-1])
+        assert len(out["generated_token_ids"]) == n_gen and out["finish_reason"] == "length"
+        assert len(out["prompt_token_ids"]) + n_gen == 9
+
+
 def test_an_empty_prompt_is_refused_before_any_layer_loads(smollm2_path):
     proc = meshnet("generate", "")
     assert proc.returncode == 2

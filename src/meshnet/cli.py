@@ -231,13 +231,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         chain = load_local_chain(path, ranges, n_threads=args.threads, n_ctx=args.n_ctx,
                                  progress=sys.stderr.isatty(), huge_pages=args.huge_pages)
         n_ctx = chain.stages[0].capabilities().n_ctx
-    if len(prompt_ids) >= n_ctx:
+    if len(prompt_ids) > n_ctx:
         print(f"error: the prompt has {len(prompt_ids)} tokens but the context holds {n_ctx}; "
               "shorten it or raise --n-ctx", file=sys.stderr)
         return 2
     print(f"[meshnet] {args.model_id or args.model}: {len(ranges)} stage(s) {', '.join(str(r) for r in ranges)}, "
           f"{len(prompt_ids)} prompt tokens", file=sys.stderr)
-    gen = Generation(chain, tok, prompt_ids, min(args.max_tokens, n_ctx - len(prompt_ids)), sampling,
+    # As the API's budget: the last generated token is never fed back, so a context of n_ctx holds one more.
+    gen = Generation(chain, tok, prompt_ids, min(args.max_tokens, n_ctx - len(prompt_ids) + 1), sampling,
                      stop_at_eog=not args.ignore_eos, speculation=speculation)
     events = iter(gen)
     try:
