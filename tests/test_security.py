@@ -170,15 +170,27 @@ def test_a_node_whose_tls_settings_do_not_match_the_trackers_exits_before_loadin
     import subprocess
     import sys
 
-    other = self_signed_cert(tmp_path, name="someone else").cert
+    other = self_signed_cert(tmp_path, name="someone else")
     for extra, why in (([], "(a server speaking TLS closes plaintext connections so: pass --tls-ca with its CA)"),
-                       (["--tls-ca", other], f"(its certificate does not verify with the CA in --tls-ca {other})")):
+                       (["--tls-ca", other.cert, "--tls-cert", other.cert, "--tls-key", other.key],
+                        f"(its certificate does not verify with the CA in --tls-ca {other.cert})")):
         r = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--engine", "fake", "--tracker",
                             f"127.0.0.1:{tls_tracker}", "--join-token", TOKEN, *extra],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and "Traceback" not in r.stderr
         assert "error: the tracker refused this node: " in r.stderr and why in r.stderr, r.stderr
         assert "serving layers" not in r.stderr and "MESHNET_NODE_READY" not in r.stdout
+
+
+def test_a_node_that_would_serve_plaintext_in_a_tls_mesh_is_refused(tls_tracker, self_signed):
+    """With --tls-ca but no certificate it registered, serving plaintext that no TLS client can reach."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--engine", "fake", "--tracker",
+                        f"127.0.0.1:{tls_tracker}", "--join-token", TOKEN, "--tls-ca", self_signed.cert],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "error: --tls-ca without --tls-cert: in a mesh that speaks TLS" in r.stderr
 
 
 def test_tls_client_rejects_an_untrusted_certificate(tls_tracker, tmp_path):

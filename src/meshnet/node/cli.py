@@ -151,6 +151,11 @@ def run_node(args: argparse.Namespace) -> int:
     if cpu is not None:
         pin_to_cpu(cpu)  # before loading, so the engine's threads start pinned
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    if args.tls_ca and args.tls_cert is None and not args.relay:
+        # The mesh speaks TLS (its tracker does): clients and the nodes before this one dial it over TLS.
+        print("error: --tls-ca without --tls-cert: in a mesh that speaks TLS this node must too (give it "
+              "--tls-cert and --tls-key), or reach it only through the tracker (--relay)", file=sys.stderr)
+        return 2
     if (args.tls_cert is None) != (args.tls_key is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
