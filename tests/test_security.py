@@ -201,6 +201,22 @@ def test_tls_client_rejects_an_untrusted_certificate(tls_tracker, tmp_path):
     assert ei.value.code() is grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.parametrize("valid_from_days, message", [(-3, "expired on"), (3, "is not valid before")])
+def test_a_certificate_outside_its_validity_is_refused_at_start(tmp_path, valid_from_days, message):
+    """A node with an expired certificate started, registered and showed SIGNED yes; every client then
+    failed its handshake (CERTIFICATE_VERIFY_FAILED: certificate has expired)."""
+    import subprocess
+    import sys
+
+    cert = self_signed_cert(tmp_path, valid_from_days=valid_from_days)
+    with pytest.raises(ValueError, match=f"TLS certificate .*cert.pem' {message} .* UTC"):
+        serve_tracker(tls=cert)
+    r = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--engine", "fake", "--tracker", "127.0.0.1:9",
+                        "--tls-cert", cert.cert, "--tls-key", cert.key, "--tls-ca", cert.cert],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
 def test_missing_tls_files_are_named(tmp_path):
     with pytest.raises(ValueError, match="cannot read TLS certificate .*nope.pem"):
         serve_tracker(tls=TlsConfig(cert=str(tmp_path / "nope.pem"), key=str(tmp_path / "nope.key")))

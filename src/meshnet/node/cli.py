@@ -24,7 +24,7 @@ from meshnet.node.engine_loader import pin_to_cpu
 from meshnet.node.runner import Node
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.supervisor import follow_supervisor
-from meshnet.wire.security import TlsConfig, open_channel, tracker_refusal
+from meshnet.wire.security import TlsConfig, open_channel, server_ssl_context, tracker_refusal
 
 log = logging.getLogger("meshnet.node")
 
@@ -160,6 +160,12 @@ def run_node(args: argparse.Namespace) -> int:
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
     tls = TlsConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
+    if tls is not None:
+        try:  # before the model loads: unreadable, mismatched or expired files
+            server_ssl_context(tls)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     model = args.model
     if getattr(args, "fetch", None):
         try:

@@ -161,7 +161,25 @@ def server_ssl_context(tls: TlsConfig) -> ssl.SSLContext:
     except ssl.SSLError as e:
         raise ValueError(f"TLS certificate {tls.cert!r} and key {tls.key!r} do not load as a PEM certificate and "
                          f"its private key: {e.reason or e}") from None
+    _check_validity(tls.cert)
     return ctx
+
+
+def _check_validity(cert_path: str) -> None:
+    """Raise ValueError when the (first) certificate in ``cert_path`` is expired or not valid yet: a server
+    starting with it would run, and every client would refuse its handshake."""
+    import datetime
+
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if now > cert.not_valid_after_utc:
+        raise ValueError(f"TLS certificate {cert_path!r} expired on {cert.not_valid_after_utc:%Y-%m-%d %H:%M} UTC: "
+                         "clients would refuse it")
+    if now < cert.not_valid_before_utc:
+        raise ValueError(f"TLS certificate {cert_path!r} is not valid before "
+                         f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC (is this machine's clock right?)")
 
 
 @functools.lru_cache(maxsize=8)
