@@ -147,6 +147,22 @@ def test_orphan_releaser_retries_until_the_node_answers():
     releaser.close()
 
 
+def test_a_closing_client_tries_each_pending_release_once_more():
+    """`meshnet generate` exits right after its failover: the node it left, resumed meanwhile, kept the
+    session (and its KV reservation) until its idle sweep, 300 s later."""
+    engine = _fake()
+    assert engine.prefill(StepRequest("s", 1, 0, (1, 2))).ok
+    stage = _FlakyStage(answers_from=2, engine=engine)
+    releaser = OrphanReleaser(attempt_timeout_s=0.5, retry_s=60.0)  # the next retry would be a minute away
+    releaser.add(stage, "s", 2)
+    # the first attempt failed and the release waits for its next one
+    assert wait_for(lambda: len(stage.calls) == 1 and releaser._attempting == 0, 5.0) is not None
+    assert engine.session_ids() == ["s"] and releaser.pending() == 1
+    releaser.close(last_try_s=0.5)
+    assert stage.calls == [("s", 2, 0.5), ("s", 2, 0.5)]
+    assert (releaser.released, engine.session_ids()) == (1, [])
+
+
 def test_orphan_releaser_gives_up_after_its_horizon():
     stage = _FlakyStage(answers_from=10**9, engine=_fake())
     releaser = OrphanReleaser(horizon_s=0.3, retry_s=0.05)

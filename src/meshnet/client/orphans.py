@@ -70,12 +70,29 @@ class OrphanReleaser:
         with self._cv:
             return len(self._queue) + self._attempting
 
-    def close(self) -> None:
-        """Stop retrying (pending releases are dropped; the nodes' idle sweeps free them)."""
+    def close(self, last_try_s: float = 1.0) -> None:
+        """Stop retrying: each pending release is tried once more, all at once, for at most ``last_try_s``
+        seconds (a client exiting right after its failover, as ``meshnet generate`` does, left a resumed
+        node holding the session until its idle sweep, minutes later); what still fails is dropped."""
         with self._cv:
             self._closed = True
-            self._queue.clear()
+            pending, self._queue = self._queue, []
             self._cv.notify()
+        if not pending or last_try_s <= 0:
+            return
+        tries = [threading.Thread(target=self._last_try, args=(stage, sid, epoch, last_try_s), daemon=True)
+                 for _, _, stage, sid, epoch, _ in pending]
+        for t in tries:
+            t.start()
+        deadline = time.monotonic() + last_try_s
+        for t in tries:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def _last_try(self, stage: Releasable, sid: str, epoch: int, timeout_s: float) -> None:
+        if stage.release(sid, superseded_by=epoch, timeout_s=timeout_s).ok:
+            log.info("released orphan session %s on node %s", sid, stage.node_id)
+            with self._cv:
+                self.released += 1
 
     def _loop(self) -> None:
         while True:
