@@ -267,7 +267,7 @@ def test_meshnet_up_on_a_taken_port_says_so_without_a_traceback():
 def test_meshnet_up_on_every_interface_names_an_address_other_machines_can_dial():
     """Bound to 0.0.0.0 its nodes registered 0.0.0.0:PORT and the hints named 0.0.0.0: nothing another
     machine can dial. Now the tracker, the nodes and the API go by this machine's default-route address."""
-    from meshnet.wire.security import this_machine_address
+    from meshnet.wire.addresses import this_machine_address
 
     named = this_machine_address("0.0.0.0")
     here = "127.0.0.1" if named == "0.0.0.0" else named  # no default route: the nodes reach it by loopback

@@ -92,7 +92,7 @@ def test_a_node_bound_to_every_interface_registers_the_address_it_reaches_the_tr
 
 
 def test_dialable_host_is_the_bind_host_unless_a_wildcard():
-    from meshnet.wire.security import dialable_host
+    from meshnet.wire.addresses import dialable_host
 
     assert dialable_host("0.0.0.0", "127.0.0.1:7700") == "127.0.0.1"
     assert dialable_host("10.1.2.3", "127.0.0.1:7700") == "10.1.2.3"  # a named interface stays

@@ -13,7 +13,8 @@ import os
 import re
 
 from meshnet.membership.identity import NODE_ID_CHARS, NODE_ID_MAX_CHARS
-from meshnet.wire.security import JOIN_TOKEN_ENV, check_address
+from meshnet.wire.addresses import check_address
+from meshnet.wire.security import JOIN_TOKEN_ENV
 
 # The heartbeat intervals allowed, seconds: nodes beat at most every MIN_HEARTBEAT_S (a tracker asking
 # for less would drop them before their next beat), and a node silent for three intervals is gone (an

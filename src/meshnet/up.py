@@ -25,7 +25,8 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.supervisor import Supervisor
-from meshnet.wire.security import format_address, open_channel, this_machine_address, tls_hint
+from meshnet.wire.addresses import format_address, this_machine_address
+from meshnet.wire.security import open_channel, tls_hint
 
 
 def add_up_parser(sub) -> None:

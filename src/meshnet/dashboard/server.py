@@ -127,7 +127,7 @@ def start_dashboard(service, host: str = "127.0.0.1", port: int = 0) -> Dashboar
         RuntimeError: the server did not start.
     """
     from meshnet.api.server import serve_app_in_thread
-    from meshnet.wire.security import format_address
+    from meshnet.wire.addresses import format_address
 
     stopping = threading.Event()
     server, thread = serve_app_in_thread(create_dashboard_app(lambda: tracker_state(service), stopping), host,

@@ -26,7 +26,7 @@ from typing import Callable
 
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.wire.data_plane import FORWARD, ConnectionPool, DataPlaneError
-from meshnet.wire.security import check_address
+from meshnet.wire.addresses import check_address
 
 # How long the tail keeps an outcome nobody has asked for yet (its client's await is late or gone), and
 # how long an await waits for a step that never arrives (its client has given up long before), seconds.

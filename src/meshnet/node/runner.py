@@ -36,8 +36,8 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane_server import DataPlaneServer
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
-from meshnet.wire.security import (add_port, client_ssl_context, dialable_host, format_address, make_server,
-                                   open_channel, server_ssl_context)
+from meshnet.wire.addresses import dialable_host, format_address
+from meshnet.wire.security import add_port, client_ssl_context, make_server, open_channel, server_ssl_context
 
 log = logging.getLogger("meshnet.node")
 

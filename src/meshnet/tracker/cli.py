@@ -16,7 +16,8 @@ import threading
 from meshnet.arg_types import heartbeat_seconds, port_number
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
 from meshnet.tracker.server import start_tracker
-from meshnet.wire.security import JOIN_TOKEN_ENV, TlsConfig, format_address
+from meshnet.wire.addresses import format_address
+from meshnet.wire.security import JOIN_TOKEN_ENV, TlsConfig
 
 DEFAULT_PORT = 7700
 

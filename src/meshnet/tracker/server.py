@@ -9,7 +9,8 @@ import grpc
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.registry import Registry
 from meshnet.tracker.service import TrackerService
-from meshnet.wire.security import TlsConfig, add_port, format_address, make_server
+from meshnet.wire.addresses import format_address
+from meshnet.wire.security import TlsConfig, add_port, make_server
 
 if TYPE_CHECKING:  # the ledger pulls in SQLAlchemy: imported when a tracker starts, not with the CLI
     from meshnet.ledger.store import Ledger

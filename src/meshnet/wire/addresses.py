@@ -1,0 +1,62 @@
+"""Addresses of mesh services: ``host:port`` as written and checked, and the host other machines dial
+for a server bound to every interface (0.0.0.0, ::), which nobody can dial as such."""
+
+from __future__ import annotations
+
+import socket
+
+
+def format_address(host: str, port: int) -> str:
+    """``host:port``, bracketing IPv6 literals (``[::1]:7700``)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def check_address(address: str) -> None:
+    """Raises ValueError unless ``address`` is ``host:port`` with a port in 1..65535 (no scheme: gRPC
+    would take ``http://host:port`` for a host name it cannot resolve, and retry it without end)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"bad address {address!r}: expected HOST:PORT with a port in 1..65535")
+    if "/" in host:
+        raise ValueError(f"bad address {address!r}: expected HOST:PORT without a scheme or path, "
+                         f"e.g. 127.0.0.1:7700")
+    if any(c.isspace() for c in host):
+        raise ValueError(f"bad address {address!r}: a host name has no spaces")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"bad address {address!r}: an IPv6 address goes in brackets, e.g. [::1]:7700")
+
+
+# Bind addresses meaning "every interface": listening there is fine, but nobody can dial them.
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", ""})
+
+
+def dialable_host(bind_host: str, tracker: str | None) -> str:
+    """The host other machines dial for a server bound to ``bind_host``: ``bind_host`` itself, unless it
+    is a wildcard (0.0.0.0, ::), which no other machine can dial: then this machine's address on the
+    route to ``tracker`` (``host:port``; the address the tracker sees it from, found with an unconnected
+    UDP socket's ``connect``, which sends nothing), of IPv4 for 0.0.0.0. ``bind_host`` when there is no
+    tracker or no route to it."""
+    if bind_host not in WILDCARD_HOSTS or not tracker:
+        return bind_host
+    host, _, port = tracker.rpartition(":")
+    family = socket.AF_INET if bind_host == "0.0.0.0" else socket.AF_UNSPEC
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host.strip("[]"), int(port), family, socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except (OSError, ValueError):  # unresolvable, unreachable, or no port
+        return bind_host
+
+
+# Where a route to "another machine" is looked up: TEST-NET-1 (RFC 5737), which no packet is sent to.
+_ELSEWHERE = "192.0.2.1:9"
+
+
+def this_machine_address(bind_host: str) -> str:
+    """The host other machines reach a server bound to ``bind_host`` by: ``bind_host`` itself, or for a
+    wildcard (0.0.0.0, ::) the address of the interface this machine's default route leaves by (the
+    same lookup as :func:`dialable_host`); the wildcard when there is no such route."""
+    return dialable_host(bind_host, _ELSEWHERE)
