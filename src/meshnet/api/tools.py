@@ -200,7 +200,7 @@ def _closed(schema: Any) -> Any:
     for k, v in schema.items():
         if k in _SCHEMA_MAPS and isinstance(v, dict):
             out[k] = {name: _closed(sub) for name, sub in v.items()}
-        elif k in _SCHEMA_LISTS and isinstance(v, list) or k in _SCHEMA_KEYS and isinstance(v, list):
+        elif (k in _SCHEMA_LISTS or k in _SCHEMA_KEYS) and isinstance(v, list):  # "items" may be a list too
             out[k] = [_closed(sub) for sub in v]
         elif k in _SCHEMA_KEYS:
             out[k] = _closed(v)
