@@ -6,6 +6,7 @@ completed, replays are not credited again, and the client is charged exactly 64 
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -217,4 +218,51 @@ def test_a_speculative_generation_is_charged_its_accepted_drafts(tmp_path, monke
         client.close()
         assert wait_until(lambda: mesh.charges().get("dave"), "the second client's charge") == (got, 1)
     finally:
+        mesh.close()
+
+
+def test_the_api_charges_what_its_readers_got_when_a_stop_sequence_ends_the_answer(tmp_path, monkeypatch,
+                                                                                    smollm2_path):
+    """The API's generation runs steps ahead of its reader, and a speculative round keeps drafts past a
+    stop: both were charged (usage 16, charged 17). The charge is now the tokens the reader took."""
+    from fastapi.testclient import TestClient
+
+    from meshnet.api.app import create_app
+    from meshnet.api.backend import mesh_backend
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    mesh = LedgerMesh(f"sqlite:///{tmp_path / 'ledger.db'}")
+    backend = None
+    try:
+        mesh.start_nodes([("a-head", "0:15"), ("b-tail", "15:30")])
+        backend = mesh_backend(mesh.tracker, str(smollm2_path))
+        client_id = backend.new_client().client.client_id
+        body = {"prompt": "The numbers: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5,", "max_tokens": 40,
+                "temperature": 0, "stop": [" 9,"]}
+        got = 0
+        with TestClient(create_app(backend)) as http:
+            for extra in ({}, {"speculative": "ngram", "draft_tokens": 8}, {"stream": True},
+                          {"stream": True, "speculative": "ngram", "draft_tokens": 8}, {"n": 2}):
+                if extra.get("stream"):
+                    with http.stream("POST", "/v1/completions", json={**body, **extra,
+                                     "stream_options": {"include_usage": True}}) as r:
+                        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                                  if line.startswith("data: {")]
+                    usage = chunks[-1]["usage"]
+                    ends = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+                    assert ends[-1] == "stop"
+                else:
+                    r = http.post("/v1/completions", json={**body, **extra})
+                    assert r.status_code == 200, r.text
+                    usage = r.json()["usage"]
+                    assert {c["finish_reason"] for c in r.json()["choices"]} == {"stop"}
+                assert 5 <= usage["completion_tokens"] < 40 * extra.get("n", 1)  # ended at the stop sequence
+                got += usage["completion_tokens"]
+        backend.close()
+        backend = None
+        assert wait_until(lambda: mesh.charges().get(client_id, (0, 0))[0] == got or None,
+                          f"{got} tokens charged") and mesh.charges()[client_id] == (got, 6)
+    finally:
+        if backend is not None:
+            backend.close()
         mesh.close()

@@ -22,9 +22,9 @@ class StepClient(Protocol):
     :class:`~meshnet.client.mesh_client.MeshClient` (over a mesh) both provide it. A client may also
     offer ``step_async(req, decode, on_done) -> bool``, which starts a step without blocking (see
     :meth:`LocalChain.step_async <meshnet.chain.LocalChain.step_async>`); the API's driver uses it. And
-    ``delivered_through(session_id, position)``: a generation's consumer got every token up to
-    ``position``, called as the generation ends (a client charging a ledger for delivered tokens, as
-    :meth:`MeshClient.delivered_through <meshnet.client.mesh_client.MeshClient.delivered_through>`)."""
+    ``delivered(session_id, position)``: the generation's consumer got the token at ``position`` (a
+    client charging a ledger for what it delivers, as :meth:`MeshClient.delivered
+    <meshnet.client.mesh_client.MeshClient.delivered>`)."""
 
     def step(self, req: StepRequest, decode: bool) -> StepResult: ...
 
@@ -111,6 +111,10 @@ class Generation:
             :mod:`meshnet.speculative`); None decodes one token a step.
         draft_costs: the step costs ``client``'s earlier generations measured, which this one starts
             from and updates (None: measured afresh).
+        charges: tell ``client`` of each token as it is handed on (its ``delivered``, if it has one), and
+            of the end-of-generation token it stopped at: the ledger's charge. False for a consumer that
+            reads behind the generation and tells the client itself what it took (the API, whose
+            generation runs ahead of its reader).
     Raises:
         ValueError: ``max_tokens`` < 1, an empty prompt or a bad ``speculation``.
         GenerationError (during iteration): a stage answered with a non-OK status.
@@ -119,7 +123,7 @@ class Generation:
     def __init__(self, client: StepClient, tokenizer: GGUFTokenizer, prompt_ids: Sequence[int],
                  max_tokens: int, sampling: SamplingParams = SamplingParams(), stop_at_eog: bool = True,
                  session_id: str | None = None, speculation: Speculation | None = None,
-                 draft_costs: DraftCosts | None = None) -> None:
+                 draft_costs: DraftCosts | None = None, charges: bool = True) -> None:
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if not prompt_ids:
@@ -127,6 +131,7 @@ class Generation:
         if speculation is not None and (problem := speculation.validate()) is not None:
             raise ValueError(problem)
         self.client, self.tokenizer = client, tokenizer
+        self._charge = getattr(client, "delivered", None) if charges else None
         if sampling.grammar is not None:  # the grammar constrains what follows the prompt
             sampling = replace(sampling, grammar=replace(sampling.grammar, start=len(prompt_ids)))
         self.sampling, self.max_tokens, self.stop_at_eog = sampling, max_tokens, stop_at_eog
@@ -216,7 +221,6 @@ class Generation:
         stream = self.tokenizer.stream_decoder()
         parts: list[str] = []
         t0 = time.perf_counter()
-        handed_on = -1  # position of the last token the consumer got (or the end-of-generation one)
         try:
             req = self._request(0, r.prompt_token_ids, step_id=0)
             pending = list(self._tokens(req, (yield StepCall(req, False))))
@@ -225,7 +229,8 @@ class Generation:
             position = cached = len(r.prompt_token_ids)  # the next step's first position; cells held
             while True:
                 tok = pending.pop(0)
-                handed_on = len(r.prompt_token_ids) + len(r.generated_token_ids)  # its position
+                if self._charge is not None:  # handed on now (an end-of-generation token is charged too)
+                    self._charge(self.session_id, len(r.prompt_token_ids) + len(r.generated_token_ids))
                 if self.stop_at_eog and self.tokenizer.is_eog(tok.token_id):
                     r.finish_reason = "stop"
                     break
@@ -261,9 +266,6 @@ class Generation:
             # budget ran out mid-character): it stays out of the text rather than becoming U+FFFD.
             r.text = "".join(parts)
         finally:
-            charge = getattr(self.client, "delivered_through", None)
-            if charge is not None and handed_on >= 0:  # the last round's kept drafts, up to where it stopped
-                charge(self.session_id, handed_on)
             self.client.release(self.session_id)
             if self.speculation is not None and self.speculation.drafter is not None:
                 self.speculation.drafter.end(self.session_id)

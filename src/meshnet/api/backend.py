@@ -207,9 +207,9 @@ class AdmissionRetry:
             self._cancelled.discard(session_id)
         self.client.release(session_id)
 
-    def delivered_through(self, session_id: str, position: int) -> None:
+    def delivered(self, session_id: str, position: int) -> None:
         """As the client's (a mesh's charges the ledger; a chain in process has none)."""
-        charge = getattr(self.client, "delivered_through", None)
+        charge = getattr(self.client, "delivered", None)
         if charge is not None:
             charge(session_id, position)
 

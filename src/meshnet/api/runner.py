@@ -184,6 +184,8 @@ class ChoiceRun:
         self._pending: list[Piece] = []
         self._done = False
         self._drafts_seen = (0, 0, 0)  # verification steps, drafted and accepted tokens reported so far
+        self._read = 0  # token events read: the ledger is charged for these (the generation runs ahead)
+        self._charge: Callable[[str, int], None] | None = None
 
     async def start(self) -> None:
         """Wait for a free slot and open the generation (no step runs until :meth:`next_piece`). The wait
@@ -207,9 +209,12 @@ class ChoiceRun:
         self._holding = True
         self.metrics.add_active(1)
         client = self.backend.new_client(max(0.0, ADMISSION_WAIT_S - (time.monotonic() - t0)))
+        # The ledger is charged here, for the tokens read: a stop sequence found in one leaves the
+        # RUN_AHEAD steps the generation took beyond it, and their kept drafts, undelivered.
         gen = Generation(client, self.tokenizer, self.job.prompt_ids, self.job.max_tokens, self.job.sampling,
                          stop_at_eog=not self.job.ignore_eos, speculation=self.job.speculation,
-                         draft_costs=self.backend.draft_costs)
+                         draft_costs=self.backend.draft_costs, charges=False)
+        self._charge = getattr(client, "delivered", None)
         self._driver = GenerationDriver(gen, client, asyncio.get_running_loop())
 
     async def next_piece(self) -> Piece | None:
@@ -237,10 +242,13 @@ class ChoiceRun:
         if self._drafts_seen != seen:
             self.metrics.add_speculation(*(now - before for now, before in zip(self._drafts_seen, seen)))
         if ev is None:  # the generation ended by itself: end-of-generation token or max_tokens
+            if result.finish_reason == "stop":  # the end-of-generation token after the last one read
+                self._charged(len(self.job.prompt_ids) + self._read)
             self._finish(self.text.finish(result.finish_reason))
             return
-        n = len(result.generated_token_ids)  # every event is a new token
-        if n == 1 and self.observe_ttft:
+        self._read += 1
+        self._charged(len(self.job.prompt_ids) + self._read - 1)  # a control token ending the turn too
+        if self._read == 1 and self.observe_ttft:  # (the generation may be a token or two further already)
             self.metrics.ttft.observe(time.perf_counter() - self.t_request)
         if self.job.stop_at_control and self.tokenizer.is_control(ev.token.token_id):
             self._finish(self.text.finish("stop"))
@@ -252,6 +260,10 @@ class ChoiceRun:
             self._finish(piece)
         elif piece:
             self._pending.append(piece)
+
+    def _charged(self, position: int) -> None:
+        if self._charge is not None and self._driver is not None:
+            self._charge(self._driver.gen.session_id, position)
 
     def _finish(self, piece: Piece) -> None:
         self._done = True

@@ -66,8 +66,9 @@ class MeshClient:
         failover_deadline_s: how long to keep looking for a replacement route before giving up with
             :class:`MeshUnavailable`.
         client_id: who the tracker's ledger charges for delivered tokens; default a random id per client.
-        report_deliveries: report each delivered token (the token of a step at a new position; a step
-            replayed during failover delivers nothing) to the tracker's ledger, in the background.
+        report_deliveries: report each token the generation's consumer got (:meth:`delivered`, which the
+            generation or the API calls; a step replayed during failover delivers nothing) to the
+            tracker's ledger, in the background.
         forwarding: forward steps node to node where the route allows (every hop on a data plane);
             client-orchestrated steps otherwise.
         report_activity: report open sessions, their routes, tokens and time to first token to the
@@ -169,11 +170,6 @@ class MeshClient:
                 raise
             log_ = self._sessions[req.session_id] = SessionLog(req.session_id, epoch, hops)
             self.last_hops = hops
-        if req.position and self.deliveries is not None:
-            # A step feeds back the last token its generation handed on: every one before it was
-            # delivered too (a verification step's kept drafts: charged here, or at the end by
-            # delivered_through, as they are never a step's own token).
-            self.deliveries.delivered_through(req.session_id, req.position)
         deadline: float | None = None
         forward = False  # whether the last attempt was forwarded (which hops ran it is then unknown)
         failed_at: dict[str, str] = {}  # node id -> the address it failed at: routes exclude these
@@ -202,13 +198,11 @@ class MeshClient:
                     log_.lost_in_a_row = {n: log_.lost_in_a_row.get(n, 0) + 1 for n in lost_this_step}
                     log_.steps.append(RecordedStep(replace(req, hidden=None), decode, list(step_inputs),
                                                    through=1 if forward else len(log_.hops)))
-                    # The position of the token this step delivers: sampled after its last row, or after
-                    # a verification step's first (kept whatever the drafts). The drafts the tail agreed
-                    # with are charged as the generation hands them on (delivered_through): a consumer
-                    # may stop among them (a stop sequence), and what it never got is not charged.
+                    # The position of the token this step samples (after its last row, or a verification
+                    # step's first). The ledger is charged only for what the consumer gets (delivered): a
+                    # step run ahead of a reader who stopped (a stop sequence), or kept drafts after it,
+                    # delivered nothing.
                     delivered_at = req.position + (1 if req.verify else len(req.token_ids))
-                    if result.token is not None and self.deliveries is not None:
-                        self.deliveries.delivered(req.session_id, delivered_at)
                     if result.token is not None and self.activity is not None:
                         self.activity.delivered(req.session_id, delivered_at)
                 else:
@@ -234,11 +228,11 @@ class MeshClient:
                 deadline = deadline or time.monotonic() + self.failover_deadline_s
                 failed_at[f.node_id] = next((h.address for h in log_.hops if h.node_id == f.node_id), f.address)
 
-    def delivered_through(self, session_id: str, position: int) -> None:
-        """The generation handed its consumer every token of ``session_id`` up to ``position``: charged to
-        this client (those after the last step's own token: a verification step's kept drafts)."""
+    def delivered(self, session_id: str, position: int) -> None:
+        """The consumer of ``session_id``'s generation got the token at ``position``: charged to this
+        client (once per position; replays deliver nothing)."""
         if self.deliveries is not None:
-            self.deliveries.delivered_through(session_id, position)
+            self.deliveries.delivered(session_id, position)
 
     def cancel(self, session_id: str) -> None:
         log_ = self._sessions.get(session_id)

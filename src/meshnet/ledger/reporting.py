@@ -158,16 +158,6 @@ class DeliveryReporter:
                 self._thread = threading.Thread(target=self._loop, name="meshnet-deliveries", daemon=True)
                 self._thread.start()
 
-    def delivered_through(self, session_id: str, position: int) -> None:
-        """Every token of ``session_id`` after the last one reported, up to ``position``, was accepted (a
-        verification step's kept drafts, known once the next step starts after them). Nothing is reported
-        for a session with no delivery yet: its positions so far are the prompt's."""
-        with self._lock:
-            high = self._high.get(session_id)
-        if high is not None:
-            for p in range(high + 1, position + 1):
-                self.delivered(session_id, p)
-
     def session_ended(self, session_id: str) -> None:
         """Forget the session's high-water mark and report its tokens soon."""
         with self._lock:
