@@ -34,34 +34,60 @@ def served(smollm2_path):
         yield s
 
 
+NAMED_F = {"type": "function", "function": {"name": "f"}}
+
+
 def test_tool_arguments_admit_only_declared_keys_unless_the_schema_says_otherwise():
     """As llama.cpp's grammar does: a named call to get_time ({"city"} without additionalProperties) added
     keys until max_tokens and came back as content, finish_reason "length", tool_calls null."""
     city = {"type": "string"}
     params = {"type": "object", "properties": {"city": city, "where": {"type": "object", "properties": {"x": city}},
-                                               "properties": {"type": "object", "properties": {}}},
+                                               "properties": {"type": "object", "properties": {}},
+                                               "alt": {"anyOf": [{"properties": {"z": city}}, city]}},
               "$defs": {"P": {"properties": {"y": city}}, "Q": {"type": "object", "additionalProperties": city}},
-              "anyOf": [{"properties": {"z": city}}], "default": {"properties": {"k": 1}}}
+              "default": {"properties": {"k": 1}}}
     tool = {"type": "function", "function": {"name": "f", "parameters": params}}
     named = plan_tools([tool], {"type": "function", "function": {"name": "f"}}).schema
     assert named["additionalProperties"] is False
     assert named["properties"]["where"]["additionalProperties"] is False  # nested objects too
     assert named["properties"]["properties"]["additionalProperties"] is False  # a key named "properties"
     assert "additionalProperties" not in named["properties"]  # the map of names is no schema
-    assert named["$defs"]["P"]["additionalProperties"] is False and named["anyOf"][0]["additionalProperties"] is False
+    assert named["$defs"]["P"]["additionalProperties"] is False
+    assert named["properties"]["alt"]["anyOf"][0]["additionalProperties"] is False  # one whole alternative
     assert named["$defs"]["Q"]["additionalProperties"] == city  # said otherwise: kept
     assert named["default"] == {"properties": {"k": 1}}  # a value, not a schema
     required = plan_tools([tool], "required").schema
     assert required["$defs"]["tool_0"]["additionalProperties"] is False
+    # Parts that describe one object together are never closed, each would refuse the other's keys
+    # (named / required with allOf was a 400 "Unsatisfiable schema"): allOf members, anyOf branches of an
+    # object with properties, an object beside a $ref, the $defs entry such a $ref names.
+    part = {"properties": {"b": city}, "required": ["b"]}
+    for params in ({"type": "object", "allOf": [{"properties": {"a": city}, "required": ["a"]}, part]},
+                   {"type": "object", "properties": {"a": city}, "anyOf": [part, {"properties": {"c": city}}]},
+                   {"$defs": {"B": part}, "properties": {"a": city}, "$ref": "#/$defs/B"},
+                   {"$defs": {"B": part}, "allOf": [{"$ref": "#/$defs/B"}, {"properties": {"a": city}}]}):
+        tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+        assert "additionalProperties" not in json.dumps(plan_tools([tool], NAMED_F).schema)
+    alone = {"$defs": {"B": part}, "type": "object", "properties": {"b": {"$ref": "#/$defs/B"}}}
+    closed = plan_tools([{"type": "function", "function": {"name": "f", "parameters": alone}}], NAMED_F).schema
+    assert closed["$defs"]["B"]["additionalProperties"] is False  # a $ref alone names a whole object
+
+
+ALL_OF = {"type": "function", "function": {"name": "get_place", "parameters": {
+    "type": "object", "allOf": [{"properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"]},
+                                {"properties": {"country": {"type": "string", "maxLength": 30}},
+                                 "required": ["country"]}]}}}
 
 
 @pytest.mark.parametrize("choice, tool, params", [
     ("required", WEATHER, WEATHER_PARAMS),
     ({"type": "function", "function": {"name": "get_weather"}}, WEATHER, WEATHER_PARAMS),
-    ({"type": "function", "function": {"name": "get_time"}}, TIME, TIME["function"]["parameters"])])
+    ({"type": "function", "function": {"name": "get_time"}}, TIME, TIME["function"]["parameters"]),
+    ({"type": "function", "function": {"name": "get_place"}}, ALL_OF, ALL_OF["function"]["parameters"])])
 def test_required_and_named_tool_choice_answer_with_tool_calls(served, choice, tool, params):
     _, _, client = served
-    out = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+    tools = [WEATHER, TIME] + ([tool] if tool is ALL_OF else [])
+    out = client.chat.completions.create(model="smollm2", messages=ASK, tools=tools, tool_choice=choice,
                                          temperature=0, max_tokens=100)
     c = out.choices[0]
     assert c.finish_reason == "tool_calls" and c.message.content is None
@@ -69,7 +95,9 @@ def test_required_and_named_tool_choice_answer_with_tool_calls(served, choice, t
     assert call.type == "function" and call.id.startswith("call_") and call.function.name == tool["function"]["name"]
     args = json.loads(call.function.arguments)
     jsonschema.validate(args, params)
-    assert args["city"] == "Paris" and set(args) <= set(params["properties"])
+    assert args["city"] == "Paris"
+    if "properties" in params:  # closed; the allOf parts stay open, as JSON Schema has them
+        assert set(args) <= set(params["properties"])
 
 
 def test_none_and_auto_without_a_call_answer_with_content(served):

@@ -16,7 +16,9 @@ and the answer read back as OpenAI ``tool_calls``.
 Under both constraints an object schema with ``properties`` admits only those keys unless it says
 otherwise (``additionalProperties``, ``patternProperties``), as llama.cpp's grammar for a schema does
 (``common/json-schema.cpp``): a function's arguments are what it declares, and where JSON Schema's own
-default (any other key) holds, a small model adds keys until ``max_tokens`` cuts the call off.
+default (any other key) holds, a small model adds keys until ``max_tokens`` cuts the call off. Parts that
+describe one object together (``allOf`` members, ``anyOf`` branches beside ``properties``, a ``$ref``
+beside other keywords) stay open: closed, each would refuse the keys of the others.
 """
 
 from __future__ import annotations
@@ -183,32 +185,73 @@ def _parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or _NO_PARAMETERS
 
 
-# Keywords whose value is a schema (or a list of them), a map of names to schemas, a list of schemas.
-_SCHEMA_KEYS = frozenset({"items", "additionalProperties", "not", "if", "then", "else", "contains",
-                          "propertyNames", "additionalItems", "unevaluatedItems", "unevaluatedProperties"})
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-_SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems"})
+# Keywords whose value is a schema of its own (or a list of them), a map of names to such schemas.
+_SCHEMA_KEYS = frozenset({"items", "additionalProperties", "contains", "propertyNames", "additionalItems",
+                          "unevaluatedItems", "unevaluatedProperties"})
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+# Keywords whose schemas apply to the same object as the schema holding them: their properties add up
+# with its own (allOf, if / then / else, dependentSchemas), or with each other's (anyOf / oneOf branches
+# of an object that has properties), or say what it must not be (not). Neither side is closed there.
+_SAME_OBJECT = frozenset({"allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas", "$ref"})
 _OPEN_KEYS = frozenset({"additionalProperties", "patternProperties", "unevaluatedProperties"})
 
 
 def _closed(schema: Any) -> Any:
     """``schema`` with ``"additionalProperties": false`` on every object schema, at any depth, that lists
-    ``properties`` and says nothing of other keys (see the module's docstring). Values stay as they are."""
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for k, v in schema.items():
-        if k in _SCHEMA_MAPS and isinstance(v, dict):
-            out[k] = {name: _closed(sub) for name, sub in v.items()}
-        elif (k in _SCHEMA_LISTS or k in _SCHEMA_KEYS) and isinstance(v, list):  # "items" may be a list too
-            out[k] = [_closed(sub) for sub in v]
-        elif k in _SCHEMA_KEYS:
-            out[k] = _closed(v)
-        else:
-            out[k] = v
-    if isinstance(schema.get("properties"), dict) and not _OPEN_KEYS & schema.keys():
-        out["additionalProperties"] = False
-    return out
+    ``properties``, says nothing of other keys and is whole by itself: neither combined with others that
+    describe the same object (:data:`_SAME_OBJECT`) nor a ``$defs`` entry a ``$ref`` combines so (see
+    the module's docstring). Values stay as they are."""
+    merged = _merged_refs(schema)
+
+    def close(node: Any, closable: bool = True) -> Any:
+        if not isinstance(node, dict):
+            return node
+        has_properties = isinstance(node.get("properties"), dict)
+        out = {}
+        for k, v in node.items():
+            if k in _SCHEMA_MAPS and isinstance(v, dict):
+                out[k] = {name: close(sub, k not in ("$defs", "definitions") or f"#/{k}/{name}" not in merged)
+                          for name, sub in v.items()}
+            elif k in ("anyOf", "oneOf") and isinstance(v, list):  # alternatives: whole unless they extend it
+                out[k] = [close(sub, not has_properties) for sub in v]
+            elif k in _SAME_OBJECT:
+                out[k] = ([close(sub, False) for sub in v] if isinstance(v, list) else
+                          {n: close(sub, False) for n, sub in v.items()} if isinstance(v, dict) and
+                          k == "dependentSchemas" else close(v, False))
+            elif k in _SCHEMA_KEYS or k == "prefixItems":
+                out[k] = [close(sub) for sub in v] if isinstance(v, list) else close(v)
+            else:
+                out[k] = v
+        if closable and has_properties and not (_OPEN_KEYS | _SAME_OBJECT) & node.keys():
+            out["additionalProperties"] = False
+        return out
+
+    return close(schema)
+
+
+def _merged_refs(schema: Any) -> set[str]:
+    """The local ``$ref`` s used where their schema describes an object together with others: beside
+    other keywords of :data:`_SAME_OBJECT` or ``properties``, or inside one of them (an ``allOf`` member)."""
+    found: set[str] = set()
+
+    combining = _SAME_OBJECT - {"$ref"}
+
+    def walk(node: Any, merging: bool) -> None:
+        if isinstance(node, list):
+            for sub in node:
+                walk(sub, merging)
+        elif isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and (merging or "properties" in node or combining & node.keys()):
+                found.add(ref)
+            for k, v in node.items():
+                if k in _VALUE_KEYS:
+                    continue
+                alternatives = k in ("anyOf", "oneOf")
+                walk(v, k in combining and not alternatives or alternatives and "properties" in node)
+
+    walk(schema, False)
+    return found
 
 
 def _moved(schema: Any, root: str) -> Any:
