@@ -187,6 +187,8 @@ def test_bad_load_settings_are_named(field, value):
     (["up", "--api-port", "70000", "--dashboard-port", "-1"],
      "--api-port must be -1 (no API) or in 0..65535, got 70000"),
     (["up", "--threads", "0", "--dashboard-port", "-1"], "--threads must be >= 1, got 0"),  # nodes restarted forever
+    (["up", "--stages", "2", "--port", "18620", "--node-ports", "18619", "--api-port", "-1", "--dashboard-port", "-1"],
+     "error: --node-ports 18619 gives node 0 port 18620, which --port takes; pass another --node-ports"),
     (["up", "--node-ports", "65531", "--api-port", "-1", "--dashboard-port", "-1"],
      "--node-ports 65531 leaves no room for 3 nodes' 6 ports (the last would be 65536, past 65535)"),
     (["up", "--kv-tokens", "-5", "--dashboard-port", "-1"], "--kv-tokens must be >= 0, got -5"),

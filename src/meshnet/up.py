@@ -171,6 +171,13 @@ def run_up(args: argparse.Namespace) -> int:
     path = str(resolve_model(args.model))
     ranges = plan_ranges(path, args.stages)
     ports = node_ports(args.node_ports, len(ranges))  # ValueError: exit status 2
+    own = {port: flag for flag, port in (("--port", args.port), ("--api-port", args.api_port),
+                                         ("--dashboard-port", args.dashboard_port)) if port > 0}
+    clash = next(((i, port) for i, pair in enumerate(ports) for port in pair if port in own), None)
+    if clash is not None:  # free now, the tracker, API or dashboard takes it before the node starts
+        print(f"error: --node-ports {args.node_ports} gives node {clash[0]} port {clash[1]}, which "
+              f"{own[clash[1]]} takes; pass another --node-ports", file=sys.stderr)
+        return 2
     if problem := _node_ports_problem(args.host, ports):
         print(f"error: {problem}", file=sys.stderr)
         return 2
