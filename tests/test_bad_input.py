@@ -234,6 +234,7 @@ def test_bad_load_settings_are_named(field, value):
     (["api", "--tracker", "127.0.0.1:9", "--layers", "0:10,10:30", "--port", "0"],
      "error: --layers splits the model in this process; with --tracker the mesh's nodes hold the layers"),
     (["node", "--fetch", "smollm2", "--model", "x.gguf"], "argument --model: not allowed with argument --fetch"),
+    (["api", "--client-orchestrated", "--port", "0"], "error: --client-orchestrated needs --tracker"),
     # a bench that ran nothing and wrote empty results (exit 0), or failed on Python's own words
     (["bench", "serve", "--targets", "llama-server,bogus"], "argument --targets: unknown target 'bogus'; choose "
                                                             "from llama-server, meshnet, mesh, llama-rpc"),

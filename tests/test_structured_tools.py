@@ -58,6 +58,10 @@ def test_tool_arguments_admit_only_declared_keys_unless_the_schema_says_otherwis
     assert named["default"] == {"properties": {"k": 1}}  # a value, not a schema
     required = plan_tools([tool], "required").schema
     assert required["$defs"]["tool_0"]["additionalProperties"] is False
+    # parameters without a type are an object all the same (a named call's answer was a bare JSON string)
+    untyped = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"z": city}}}}
+    assert plan_tools([untyped], NAMED_F).schema == {"properties": {"z": city}, "type": "object",
+                                                     "additionalProperties": False}
     # Parts that describe one object together are never closed, each would refuse the other's keys
     # (named / required with allOf was a 400 "Unsatisfiable schema"): allOf members, anyOf branches of an
     # object with properties, an object beside a $ref, the $defs entry such a $ref names.

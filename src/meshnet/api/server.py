@@ -70,6 +70,9 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
     from meshnet.speculative import mtp_problem
 
     name = args.name
+    if not args.tracker and (args.client_orchestrated or args.tls_ca):  # what a mesh's client does
+        raise ValueError(f"{'--client-orchestrated' if args.client_orchestrated else '--tls-ca'} needs --tracker "
+                         "(it applies to a running mesh's client; without --tracker the stages run in this process)")
     if args.tracker and (args.stages is not None or args.layers is not None):
         raise ValueError(f"{'--stages' if args.stages is not None else '--layers'} splits the model in this "
                          "process; with --tracker the mesh's nodes hold the layers")

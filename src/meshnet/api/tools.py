@@ -182,7 +182,10 @@ def _tool(tool: Any, i: int) -> dict:
 
 
 def _parameters(tool: dict) -> dict:
-    return tool["function"].get("parameters") or _NO_PARAMETERS
+    """A tool's parameters schema; an object whatever it says of its type (OpenAI's arguments are one:
+    without ``"type"``, JSON Schema let a constrained answer be a bare string)."""
+    params = tool["function"].get("parameters") or _NO_PARAMETERS
+    return params if "type" in params else {**params, "type": "object"}
 
 
 # Keywords whose value is a schema of its own (or a list of them), a map of names to such schemas.
