@@ -21,10 +21,10 @@ class StepClient(Protocol):
     """The client interface the loop drives: :class:`~meshnet.chain.LocalChain` (in process) and
     :class:`~meshnet.client.mesh_client.MeshClient` (over a mesh) both provide it. A client may also
     offer ``step_async(req, decode, on_done) -> bool``, which starts a step without blocking (see
-    :meth:`LocalChain.step_async <meshnet.chain.LocalChain.step_async>`); the API's driver uses it. And
-    ``delivered(session_id, position)``: the generation's consumer got the token at ``position`` (a
-    client charging a ledger for what it delivers, as :meth:`MeshClient.delivered
-    <meshnet.client.mesh_client.MeshClient.delivered>`)."""
+    :meth:`LocalChain.step_async <meshnet.chain.LocalChain.step_async>`); the API's driver uses it. A
+    client charging a ledger for what it delivers (:class:`~meshnet.client.mesh_client.MeshClient`) offers
+    ``charged_by_consumer(session_id)``, which a generation calls before its first step, and then
+    ``delivered(session_id, position)``: the consumer got the token at ``position``."""
 
     def step(self, req: StepRequest, decode: bool) -> StepResult: ...
 
@@ -132,6 +132,8 @@ class Generation:
             raise ValueError(problem)
         self.client, self.tokenizer = client, tokenizer
         self._charge = getattr(client, "delivered", None) if charges else None
+        # Whoever consumes a generation says what it got; its steps run ahead and charge nothing themselves.
+        self._consumer_charged = getattr(client, "charged_by_consumer", None)
         if sampling.grammar is not None:  # the grammar constrains what follows the prompt
             sampling = replace(sampling, grammar=replace(sampling.grammar, start=len(prompt_ids)))
         self.sampling, self.max_tokens, self.stop_at_eog = sampling, max_tokens, stop_at_eog
@@ -221,6 +223,8 @@ class Generation:
         stream = self.tokenizer.stream_decoder()
         parts: list[str] = []
         t0 = time.perf_counter()
+        if self._consumer_charged is not None:
+            self._consumer_charged(self.session_id)
         try:
             req = self._request(0, r.prompt_token_ids, step_id=0)
             pending = list(self._tokens(req, (yield StepCall(req, False))))

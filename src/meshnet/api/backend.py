@@ -207,10 +207,14 @@ class AdmissionRetry:
             self._cancelled.discard(session_id)
         self.client.release(session_id)
 
-    def delivered(self, session_id: str, position: int) -> None:
+    def charged_by_consumer(self, session_id: str) -> None:
         """As the client's (a mesh's charges the ledger; a chain in process has none)."""
-        charge = getattr(self.client, "delivered", None)
-        if charge is not None:
+        if (mark := getattr(self.client, "charged_by_consumer", None)) is not None:
+            mark(session_id)
+
+    def delivered(self, session_id: str, position: int) -> None:
+        """As the client's."""
+        if (charge := getattr(self.client, "delivered", None)) is not None:
             charge(session_id, position)
 
 

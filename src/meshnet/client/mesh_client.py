@@ -35,6 +35,7 @@ from meshnet.client.remote import RemoteStage, StageFailure
 from meshnet.client.router import MeshUnavailable, Router
 from meshnet.ledger.reporting import DeliveryReporter, new_client_id
 from meshnet.contract import NamedTensor, Status, StepRequest, StepResult
+from meshnet.speculative import accepted_prefix
 
 log = logging.getLogger("meshnet.client")
 
@@ -66,9 +67,10 @@ class MeshClient:
         failover_deadline_s: how long to keep looking for a replacement route before giving up with
             :class:`MeshUnavailable`.
         client_id: who the tracker's ledger charges for delivered tokens; default a random id per client.
-        report_deliveries: report each token the generation's consumer got (:meth:`delivered`, which the
-            generation or the API calls; a step replayed during failover delivers nothing) to the
-            tracker's ledger, in the background.
+        report_deliveries: report each delivered token to the tracker's ledger, in the background: the
+            tokens a step samples (a verification step's kept drafts too), or, for a session whose
+            consumer says what it got (:meth:`charged_by_consumer`: a Generation, the API), those it
+            reports (:meth:`delivered`). A step replayed during failover delivers nothing.
         forwarding: forward steps node to node where the route allows (every hop on a data plane);
             client-orchestrated steps otherwise.
         report_activity: report open sessions, their routes, tokens and time to first token to the
@@ -93,6 +95,7 @@ class MeshClient:
         self.orphans = OrphanReleaser()
         self.client_id = client_id or new_client_id()
         self.deliveries = DeliveryReporter(self.router.tracker, self.client_id, model_sha256) if report_deliveries else None
+        self._consumer_charged: set[str] = set()  # sessions whose consumer reports what it got
         self.activity = ActivityReporter(self.router.tracker, self.client_id, model_sha256,
                                          self._routes) if report_activity else None
 
@@ -199,10 +202,15 @@ class MeshClient:
                     log_.steps.append(RecordedStep(replace(req, hidden=None), decode, list(step_inputs),
                                                    through=1 if forward else len(log_.hops)))
                     # The position of the token this step samples (after its last row, or a verification
-                    # step's first). The ledger is charged only for what the consumer gets (delivered): a
-                    # step run ahead of a reader who stopped (a stop sequence), or kept drafts after it,
-                    # delivered nothing.
+                    # step's first), then the drafts the tail kept: charged here unless the session's
+                    # consumer reports what it got (a step run ahead of a reader who found a stop sequence
+                    # delivers nothing).
                     delivered_at = req.position + (1 if req.verify else len(req.token_ids))
+                    if (result.token is not None and self.deliveries is not None
+                            and req.session_id not in self._consumer_charged):
+                        kept = accepted_prefix(req.token_ids[1:], result.tokens) if req.verify else 0
+                        for position in range(delivered_at, delivered_at + kept + 1):
+                            self.deliveries.delivered(req.session_id, position)
                     if result.token is not None and self.activity is not None:
                         self.activity.delivered(req.session_id, delivered_at)
                 else:
@@ -228,6 +236,11 @@ class MeshClient:
                 deadline = deadline or time.monotonic() + self.failover_deadline_s
                 failed_at[f.node_id] = next((h.address for h in log_.hops if h.node_id == f.node_id), f.address)
 
+    def charged_by_consumer(self, session_id: str) -> None:
+        """``session_id``'s consumer reports each token it gets (:meth:`delivered`): its steps charge
+        nothing themselves (until the session is released)."""
+        self._consumer_charged.add(session_id)
+
     def delivered(self, session_id: str, position: int) -> None:
         """The consumer of ``session_id``'s generation got the token at ``position``: charged to this
         client (once per position; replays deliver nothing)."""
@@ -249,6 +262,7 @@ class MeshClient:
         node, or forwarded between nodes): each hop also refuses its steps from now on, so a late
         prefill cannot recreate it."""
         log_ = self._sessions.pop(session_id, None)
+        self._consumer_charged.discard(session_id)
         if log_ is not None:
             for hop in log_.hops:
                 self._release_or_orphan(hop, session_id, log_.epoch + 1, unconditional=not fence)
