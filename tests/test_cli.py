@@ -77,7 +77,7 @@ def test_a_full_context_holds_one_generated_token_more_than_its_cells_as_the_api
         proc = meshnet("generate", "--n-ctx", "8", "--max-tokens", "50", "--json", prompt)
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout.splitlines()[-1])
-        assert len(out["generated_token_ids"]) == n_gen and out["finish_reason"] == "length"
+        assert len(out["generated_token_ids"]) == n_gen and out["finish_reason"] == "length", (out, proc.stderr)
         assert len(out["prompt_token_ids"]) + n_gen == 9
 
 

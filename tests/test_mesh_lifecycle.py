@@ -317,3 +317,15 @@ def test_meshnet_up_with_a_taken_api_port_fails_before_loading_anything():
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert f"error: the API cannot listen on 127.0.0.1:{port} (Address already in use)" in r.stderr, r.stderr
     assert "MESHNET_UP_READY" not in r.stdout and "starting" not in r.stderr
+
+
+def test_a_node_sent_many_signals_at_once_still_drains_and_exits(mesh):
+    """A second SIGTERM / SIGINT landing while the first one's handler held its Event's lock (Ctrl-C
+    pressed twice; `meshnet up`'s SIGTERM right after the terminal's SIGINT) blocked the node on its own
+    lock for good: one was found alive two hours after its `meshnet up` was killed."""
+    import signal as sig
+
+    (node,) = mesh.start_nodes([("sig-node", "0:30")], "smollm2", "--engine", "fake")
+    for i in range(200):
+        node.proc.send_signal(sig.SIGTERM if i % 2 else sig.SIGINT)
+    assert node.proc.wait(timeout=30) == 0

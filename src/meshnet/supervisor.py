@@ -42,6 +42,26 @@ def die_with_parent(sig: int) -> None:
         pass
 
 
+def on_stop_signals(stop: Callable[[], None]) -> dict[int, object]:
+    """Call ``stop()`` at the first SIGTERM or SIGINT; later ones do nothing. Returns the handlers
+    replaced (signal -> handler), to put back. Main thread only.
+
+    Why once: Python runs a handler between two bytecodes of the main thread, inside another handler
+    too, and ``threading.Event.set`` holds a lock that is not re-entrant. A second signal landing while
+    the first handler held it (Ctrl-C pressed twice, or ``meshnet up``'s SIGTERM right after the
+    terminal's SIGINT to the whole process group) left a node blocked on its own lock for good. The
+    mark is set before ``stop()`` runs, so a nested handler returns at once."""
+    fired: list[int] = []
+
+    def handler(signum, frame) -> None:
+        if fired:
+            return
+        fired.append(signum)
+        stop()
+
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
 def follow_supervisor() -> bool:
     """In a process a :class:`Supervisor` started: be sent SIGTERM (drain, then exit) when the supervisor
     dies, so a killed ``meshnet up`` leaves no node running. False when the supervisor is gone already."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import threading
 import time
@@ -24,7 +23,7 @@ from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashb
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.supervisor import Supervisor
+from meshnet.supervisor import Supervisor, on_stop_signals
 from meshnet.wire.addresses import format_address, this_machine_address
 from meshnet.wire.security import open_channel, tls_hint
 
@@ -220,12 +219,7 @@ def run_up(args: argparse.Namespace) -> int:
     supervisor = Supervisor(children, env=env, on_exit=registry.deregister, on_refused=on_refused)
     supervisor.start()
     # Handle SIGINT explicitly too: a shell starts background jobs with SIGINT ignored.
-    def on_signal(signum, frame) -> None:
-        supervisor.halt()
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    on_stop_signals(lambda: (supervisor.halt(), stop.set()))
     code = 0
     api = None
     try:

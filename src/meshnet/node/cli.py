@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import threading
 
@@ -23,7 +22,7 @@ from meshnet.node.config import NodeConfig
 from meshnet.node.engine_loader import pin_to_cpu
 from meshnet.node.runner import Node
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.supervisor import follow_supervisor
+from meshnet.supervisor import follow_supervisor, on_stop_signals
 from meshnet.wire.security import TlsConfig, open_channel, server_ssl_context, tracker_refusal
 
 log = logging.getLogger("meshnet.node")
@@ -203,12 +202,7 @@ def run_node(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     done = threading.Event()
-
-    def on_signal(signum, frame):
-        done.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    on_stop_signals(done.set)
     node.start()
     if cfg.relay:
         # Ready means reachable: wait (bounded) until the tracker has attached the relay stream.

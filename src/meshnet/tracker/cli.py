@@ -15,6 +15,7 @@ import threading
 
 from meshnet.arg_types import heartbeat_seconds, port_number
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
+from meshnet.supervisor import on_stop_signals
 from meshnet.tracker.server import start_tracker
 from meshnet.wire.addresses import format_address
 from meshnet.wire.security import JOIN_TOKEN_ENV, TlsConfig
@@ -81,8 +82,7 @@ def run_tracker(args: argparse.Namespace) -> int:
     stop = threading.Event()
     previous: dict[int, object] = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda *_: stop.set())
+        previous = on_stop_signals(stop.set)
     print(f"tracker listening on {format_address(args.host, port)}", file=sys.stderr, flush=True)
     dashboard = dashboard_from_args(service, args, "tracker:")
     print(f"tracker: ledger {ledger.display_url}", file=sys.stderr, flush=True)
