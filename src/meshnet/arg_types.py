@@ -116,3 +116,17 @@ def add_join_token_arg(p: argparse.ArgumentParser) -> None:
     parser is built), for every command that calls a tracker or a node."""
     p.add_argument("--join-token", default=os.environ.get(JOIN_TOKEN_ENV),
                    help=f"the mesh's shared secret (default ${JOIN_TOKEN_ENV})")
+
+
+def mode_problem(args: argparse.Namespace, client_flags: dict[str, object]) -> str | None:
+    """Why flags given do nothing in the mode ``--tracker`` picks, or None: ``client_flags`` (flag ->
+    its value; a truthy one was given) serve only a running mesh's client, ``--stages`` / ``--layers``
+    only stages in this process. For ``meshnet generate`` and ``meshnet api``, which run either way."""
+    if not args.tracker:
+        given = next((flag for flag, value in client_flags.items() if value), None)
+        return given and (f"{given} needs --tracker (it applies to a running mesh's client; without "
+                          "--tracker the stages run in this process)")
+    if args.stages is not None or args.layers is not None:
+        return (f"{'--stages' if args.stages is not None else '--layers'} splits the model in this process; "
+                "with --tracker the mesh's nodes hold the layers")
+    return None

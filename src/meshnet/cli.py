@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from meshnet.arg_types import add_join_token_arg, host_port
+from meshnet.arg_types import add_join_token_arg, host_port, mode_problem
 from meshnet.client.mesh_client import MeshUnavailable
 from meshnet.contract import SamplingParams
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
@@ -179,17 +179,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     model_id = None
-    if not args.tracker:
-        # Flags of a mesh's client, which would do nothing here
-        given = [flag for flag, on in (("--wait", args.wait), ("--tls-ca", args.tls_ca),
-                                       ("--client-orchestrated", args.client_orchestrated)) if on]
-        if given:
-            print(f"error: {given[0]} needs --tracker (it applies to a running mesh's client; without "
-                  "--tracker the stages run in this process)", file=sys.stderr)
-            return 2
-    elif args.stages is not None or args.layers is not None:
-        print(f"error: {'--stages' if args.stages is not None else '--layers'} splits the model in this process; "
-              "with --tracker the mesh's nodes hold the layers", file=sys.stderr)
+    problem = mode_problem(args, {"--wait": args.wait, "--tls-ca": args.tls_ca,
+                                  "--client-orchestrated": args.client_orchestrated})
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     if args.model_id is not None:
         if not args.tracker:

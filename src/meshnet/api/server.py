@@ -11,7 +11,7 @@ import time
 
 import uvicorn
 
-from meshnet.arg_types import add_join_token_arg, host_port, port_number, positive_int, positive_number
+from meshnet.arg_types import add_join_token_arg, host_port, mode_problem, port_number, positive_int, positive_number
 from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.backend import ApiBackend
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
@@ -70,12 +70,8 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
     from meshnet.speculative import mtp_problem
 
     name = args.name
-    if not args.tracker and (args.client_orchestrated or args.tls_ca):  # what a mesh's client does
-        raise ValueError(f"{'--client-orchestrated' if args.client_orchestrated else '--tls-ca'} needs --tracker "
-                         "(it applies to a running mesh's client; without --tracker the stages run in this process)")
-    if args.tracker and (args.stages is not None or args.layers is not None):
-        raise ValueError(f"{'--stages' if args.stages is not None else '--layers'} splits the model in this "
-                         "process; with --tracker the mesh's nodes hold the layers")
+    if problem := mode_problem(args, {"--client-orchestrated": args.client_orchestrated, "--tls-ca": args.tls_ca}):
+        raise ValueError(problem)
     if args.tracker and (refused := tracker_refusal(args.tracker, args.join_token, args.tls_ca)):
         # It served anyway and answered every request 503 with the tracker's refusal.
         raise ValueError(f"the tracker {args.tracker} refused this API: {refused}")
