@@ -24,7 +24,7 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.supervisor import Supervisor, on_stop_signals
-from meshnet.wire.addresses import format_address, this_machine_address
+from meshnet.wire.addresses import bind_problem, format_address, this_machine_address
 from meshnet.wire.security import open_channel, tls_hint
 
 
@@ -128,16 +128,9 @@ def node_ports(first: int, n_nodes: int) -> list[tuple[int, int]]:
 def _node_ports_problem(host: str, ports: list[tuple[int, int]]) -> str | None:
     """Why a node could not listen on one of ``ports`` on ``host`` (taken), or None: a node started on a
     taken port would exit, be restarted and exit again without end."""
-    import socket
-
     for i, pair in enumerate(ports):
         for port in pair:
-            if not port:
-                continue
-            try:
-                socket.create_server((host, port)).close()
-            except OSError as e:
-                why = os.strerror(e.errno) if e.errno else str(e)  # create_server appends the address to strerror
+            if port and (why := bind_problem(host, port)) is not None:
                 return (f"node {i} cannot listen on {host}:{port} ({why}); pass another "
                         "--node-ports (0 = any free ports)")
     return None

@@ -3,6 +3,7 @@ for a server bound to every interface (0.0.0.0, ::), which nobody can dial as su
 
 from __future__ import annotations
 
+import os
 import socket
 
 
@@ -60,3 +61,14 @@ def this_machine_address(bind_host: str) -> str:
     wildcard (0.0.0.0, ::) the address of the interface this machine's default route leaves by (the
     same lookup as :func:`dialable_host`); the wildcard when there is no such route."""
     return dialable_host(bind_host, _ELSEWHERE)
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why nothing here could listen on ``host:port`` (taken, not an address of this machine), in the
+    system's words ("Address already in use"), or None; tried with a plain socket closed at once."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        socket.create_server((host.strip("[]"), port), family=family).close()
+    except OSError as e:  # create_server appends the address to strerror: the errno's own words instead
+        return os.strerror(e.errno) if e.errno and e.errno > 0 else str(e)
+    return None

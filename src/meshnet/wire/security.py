@@ -15,8 +15,6 @@ from __future__ import annotations
 import collections
 import functools
 import hmac
-import os
-import socket
 import ssl
 import time
 from concurrent import futures
@@ -26,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import grpc
 
-from meshnet.wire.addresses import check_address
+from meshnet.wire.addresses import bind_problem, check_address
 from meshnet.wire.request_decoding import RequestDecodingInterceptor
 
 JOIN_TOKEN_METADATA = "x-meshnet-join-token"
@@ -265,12 +263,8 @@ def add_port(server: grpc.Server, address: str, tls: TlsConfig | None) -> int:
     if port.isdigit() and int(port):
         # Tried with a plain socket first: gRPC's own failure says only "Failed to bind", after logging
         # a C-level error line of its own to stderr.
-        try:
-            socket.create_server((host.strip("[]"), int(port)),
-                                 family=socket.AF_INET6 if ":" in host else socket.AF_INET).close()
-        except OSError as e:
-            why = os.strerror(e.errno) if e.errno and e.errno > 0 else str(e)
-            raise RuntimeError(f"cannot listen on {address}: {why}") from None
+        if (why := bind_problem(host, int(port))) is not None:
+            raise RuntimeError(f"cannot listen on {address}: {why}")
     try:
         if tls is None:
             port = server.add_insecure_port(address)
