@@ -74,7 +74,8 @@ def test_a_full_context_holds_one_generated_token_more_than_its_cells_as_the_api
     """The last generated token is never fed back: with --n-ctx 8 a 5-token prompt gets 4 tokens (it got 3,
     where the API's budget gives 4) and an 8-token prompt 1 (it was refused)."""
     for prompt, n_gen in (("The capital of France is", 4), ("The capital of France is, as every", 1)):
-        proc = meshnet("generate", "--n-ctx", "8", "--max-tokens", "50", "--json", prompt)
+        # greedy: sampled at the default temperature, an end-of-text token could end it early
+        proc = meshnet("generate", "--n-ctx", "8", "--max-tokens", "50", "--temperature", "0", "--json", prompt)
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout.splitlines()[-1])
         assert len(out["generated_token_ids"]) == n_gen and out["finish_reason"] == "length", (out, proc.stderr)
