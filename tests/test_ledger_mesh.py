@@ -113,7 +113,7 @@ def run_failover(mesh: LedgerMesh, tok, solo, restart_tracker: bool) -> None:
         assert gen.result.generated_token_ids == solo.greedy(0, N_TOKENS)
         assert client.failovers == 1
         client.close()  # reports the last delivered tokens
-        assert client.deliveries.pending == 0
+        assert client.accounting.deliveries.pending == 0
 
         decodes = N_TOKENS - 1
         expected = {

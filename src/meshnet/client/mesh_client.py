@@ -25,7 +25,7 @@ import logging
 import time
 from dataclasses import replace
 
-from meshnet.client.activity import ActivityReporter
+from meshnet.client.accounting import StepAccounting
 from meshnet.client.deadline import DeadlinePolicy, HopClocks
 from meshnet.client.forwarded import forwardable, run_forwarded
 from meshnet.client.orphans import OrphanReleaser
@@ -33,9 +33,8 @@ from meshnet.client.replay import SessionLost, first_changed_hop, replay
 from meshnet.client.session_log import RecordedStep, SessionLog
 from meshnet.client.remote import RemoteStage, StageFailure
 from meshnet.client.router import MeshUnavailable, Router
-from meshnet.ledger.reporting import DeliveryReporter, new_client_id
+from meshnet.ledger.reporting import new_client_id
 from meshnet.contract import NamedTensor, Status, StepRequest, StepResult
-from meshnet.speculative import accepted_prefix
 
 log = logging.getLogger("meshnet.client")
 
@@ -67,10 +66,8 @@ class MeshClient:
         failover_deadline_s: how long to keep looking for a replacement route before giving up with
             :class:`MeshUnavailable`.
         client_id: who the tracker's ledger charges for delivered tokens; default a random id per client.
-        report_deliveries: report each delivered token to the tracker's ledger, in the background: the
-            tokens a step samples (a verification step's kept drafts too), or, for a session whose
-            consumer says what it got (:meth:`charged_by_consumer`: a Generation, the API), those it
-            reports (:meth:`delivered`). A step replayed during failover delivers nothing.
+        report_deliveries: report each delivered token to the tracker's ledger, in the background
+            (what counts as delivered: :mod:`meshnet.client.accounting`).
         forwarding: forward steps node to node where the route allows (every hop on a data plane);
             client-orchestrated steps otherwise.
         report_activity: report open sessions, their routes, tokens and time to first token to the
@@ -94,10 +91,8 @@ class MeshClient:
         # Sessions left on nodes this client failed over away from, freed once those nodes answer.
         self.orphans = OrphanReleaser()
         self.client_id = client_id or new_client_id()
-        self.deliveries = DeliveryReporter(self.router.tracker, self.client_id, model_sha256) if report_deliveries else None
-        self._consumer_charged: set[str] = set()  # sessions whose consumer reports what it got
-        self.activity = ActivityReporter(self.router.tracker, self.client_id, model_sha256,
-                                         self._routes) if report_activity else None
+        self.accounting = StepAccounting(self.router.tracker, self.client_id, model_sha256, self._routes,
+                                         report_deliveries, report_activity)
 
     # ---- routing -----------------------------------------------------------------------------
     def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0,
@@ -163,13 +158,11 @@ class MeshClient:
         if log_ is None:
             if decode or req.position != 0:
                 return StepResult(Status.NOT_FOUND, f"session {req.session_id!r} is not open on this client")
-            if self.activity is not None:
-                self.activity.opened(req.session_id)
+            self.accounting.opened(req.session_id)
             try:
                 epoch, hops = self.route()
             except BaseException:
-                if self.activity is not None:
-                    self.activity.ended(req.session_id)
+                self.accounting.ended(req.session_id)
                 raise
             log_ = self._sessions[req.session_id] = SessionLog(req.session_id, epoch, hops)
             self.last_hops = hops
@@ -201,18 +194,7 @@ class MeshClient:
                     log_.lost_in_a_row = {n: log_.lost_in_a_row.get(n, 0) + 1 for n in lost_this_step}
                     log_.steps.append(RecordedStep(replace(req, hidden=None), decode, list(step_inputs),
                                                    through=1 if forward else len(log_.hops)))
-                    # The position of the token this step samples (after its last row, or a verification
-                    # step's first), then the drafts the tail kept: charged here unless the session's
-                    # consumer reports what it got (a step run ahead of a reader who found a stop sequence
-                    # delivers nothing).
-                    delivered_at = req.position + (1 if req.verify else len(req.token_ids))
-                    if (result.token is not None and self.deliveries is not None
-                            and req.session_id not in self._consumer_charged):
-                        kept = accepted_prefix(req.token_ids[1:], result.tokens) if req.verify else 0
-                        for position in range(delivered_at, delivered_at + kept + 1):
-                            self.deliveries.delivered(req.session_id, position)
-                    if result.token is not None and self.activity is not None:
-                        self.activity.delivered(req.session_id, delivered_at)
+                    self.accounting.stepped(req, result)
                 else:
                     self._abandon(log_)
                 return result
@@ -239,13 +221,12 @@ class MeshClient:
     def charged_by_consumer(self, session_id: str) -> None:
         """``session_id``'s consumer reports each token it gets (:meth:`delivered`): its steps charge
         nothing themselves (until the session is released)."""
-        self._consumer_charged.add(session_id)
+        self.accounting.charged_by_consumer(session_id)
 
     def delivered(self, session_id: str, position: int) -> None:
         """The consumer of ``session_id``'s generation got the token at ``position``: charged to this
         client (once per position; replays deliver nothing)."""
-        if self.deliveries is not None:
-            self.deliveries.delivered(session_id, position)
+        self.accounting.delivered(session_id, position)
 
     def cancel(self, session_id: str) -> None:
         log_ = self._sessions.get(session_id)
@@ -262,23 +243,16 @@ class MeshClient:
         node, or forwarded between nodes): each hop also refuses its steps from now on, so a late
         prefill cannot recreate it."""
         log_ = self._sessions.pop(session_id, None)
-        self._consumer_charged.discard(session_id)
         if log_ is not None:
             for hop in log_.hops:
                 self._release_or_orphan(hop, session_id, log_.epoch + 1, unconditional=not fence)
-        if self.deliveries is not None:
-            self.deliveries.session_ended(session_id)
-        if self.activity is not None:
-            self.activity.ended(session_id)
+        self.accounting.ended(session_id)
 
     def close(self) -> None:
         for sid in list(self._sessions):
             self.release(sid)
         self.orphans.close()
-        if self.deliveries is not None:
-            self.deliveries.close()
-        if self.activity is not None:
-            self.activity.close()
+        self.accounting.close()
         self.router.close()
 
     # ---- internals ---------------------------------------------------------------------------
