@@ -93,7 +93,7 @@ def test_an_api_with_a_wrong_token_is_refused_at_start(token_tracker):
     r = subprocess.run([sys.executable, "-m", "meshnet.cli", "api", "--tracker", token_tracker,
                         "--join-token", "wrong", "--port", "0"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr and "serving" not in r.stderr
-    assert f"error: the tracker {token_tracker} refused this API: " in r.stderr and "join token" in r.stderr
+    assert f"error: --tracker {token_tracker}: " in r.stderr and "join token" in r.stderr
 
 
 def test_interceptor_refuses_an_empty_token():
@@ -178,7 +178,7 @@ def test_a_node_whose_tls_settings_do_not_match_the_trackers_exits_before_loadin
                             f"127.0.0.1:{tls_tracker}", "--join-token", TOKEN, *extra],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 1 and "Traceback" not in r.stderr
-        assert "error: the tracker refused this node: " in r.stderr and why in r.stderr, r.stderr
+        assert f"error: --tracker 127.0.0.1:{tls_tracker}: " in r.stderr and why in r.stderr, r.stderr
         assert "serving layers" not in r.stderr and "MESHNET_NODE_READY" not in r.stdout
 
 
@@ -243,3 +243,48 @@ def test_a_new_channel_reaches_a_server_restarted_on_a_dead_servers_port():
     finally:
         again.stop(grace=0).wait()
         old.close()
+
+
+@pytest.fixture
+def not_trackers():
+    """A gRPC server without the tracker's service (what a node's port is to a tracker client) and an
+    HTTP/1 server (meshnet api, the dashboard): ``(grpc_address, http_address)``."""
+    import http.server
+    import threading
+    from concurrent import futures
+
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(2))
+    grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
+    http_server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=http_server.serve_forever, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{grpc_port}", f"127.0.0.1:{http_server.server_address[1]}"
+    finally:
+        grpc_server.stop(None)
+        http_server.shutdown()
+
+
+def test_an_address_that_serves_no_tracker_is_named_so(not_trackers, capsys):
+    """`--tracker` given a node's port said "UNIMPLEMENTED: Method not found!" (and a node retried it
+    forever); given an HTTP server, "Failed parsing HTTP/2"."""
+    import argparse
+    import subprocess
+    import sys
+
+    from meshnet.membership.cli import run_nodes
+
+    grpc_address, http_address = not_trackers
+    for address, why in ((grpc_address, "that address serves gRPC but is not a meshnet tracker: a node's port?"),
+                         (http_address, "that address is not a gRPC server (an HTTP server, such as meshnet api")):
+        assert run_nodes(argparse.Namespace(tracker=address, join_token=None, tls_ca=None, json=True)) == 1
+        assert why in capsys.readouterr().err
+        node = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--engine", "fake", "--tracker", address],
+                              capture_output=True, text=True, timeout=60)
+        assert node.returncode == 1 and f"error: --tracker {address}: " in node.stderr and why in node.stderr, \
+            node.stderr
+        assert "MESHNET_NODE_READY" not in node.stdout
+    api = subprocess.run([sys.executable, "-m", "meshnet.cli", "api", "--tracker", grpc_address, "--port", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert api.returncode == 2 and f"error: --tracker {grpc_address}: " in api.stderr
+    assert "is not a meshnet tracker" in api.stderr and "serving" not in api.stderr

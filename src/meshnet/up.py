@@ -25,7 +25,7 @@ from meshnet.speculative import add_speculation_args, mtp_problem, speculation_f
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.supervisor import Supervisor, on_stop_signals
 from meshnet.wire.addresses import bind_problem, format_address, this_machine_address
-from meshnet.wire.security import open_channel, tls_hint
+from meshnet.wire.security import open_channel, tracker_hint
 
 
 def add_up_parser(sub) -> None:
@@ -86,7 +86,7 @@ def wait_for_route(tracker: str, timeout_s: float, join_token: str | None = None
                 if not expected_hops or len(route.hops) >= expected_hops:
                     return route
             except grpc.RpcError as e:
-                reason = (e.details() or e.code().name) + tls_hint(e, tls_ca)
+                reason = (e.details() or e.code().name) + tracker_hint(e, tls_ca)
             time.sleep(0.2)
     finally:
         bar.close()

@@ -74,7 +74,7 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
         raise ValueError(problem)
     if args.tracker and (refused := tracker_refusal(args.tracker, args.join_token, args.tls_ca)):
         # It served anyway and answered every request 503 with the tracker's refusal.
-        raise ValueError(f"the tracker {args.tracker} refused this API: {refused}")
+        raise ValueError(f"--tracker {args.tracker}: {refused}")
     if args.model_id is not None:
         if not args.tracker:
             raise ValueError("--model-id needs --tracker (the tracker holds the model's manifest)")

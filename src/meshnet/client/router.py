@@ -14,7 +14,7 @@ from meshnet.client.remote import RemoteStage
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane import ConnectionPool
-from meshnet.wire.security import client_ssl_context, open_channel, tls_hint
+from meshnet.wire.security import client_ssl_context, open_channel, tracker_hint
 
 log = logging.getLogger("meshnet.client")
 
@@ -97,7 +97,7 @@ class Router:
             last = self._last_route
             if e.code() not in _TRACKER_UNREACHABLE or last is None:
                 raise MeshUnavailable(f"no route: {e.details() or e.code().name}"
-                                      f"{tls_hint(e, self.tls_ca)}") from None
+                                      f"{tracker_hint(e, self.tls_ca)}") from None
             if exclude & {h.node_id for h in last}:
                 raise MeshUnavailable(f"no route: the tracker is unreachable ({e.code().name}) and its last "
                                       f"route goes through a failed node") from None

@@ -11,7 +11,7 @@ import grpc
 from meshnet.arg_types import add_join_token_arg, host_port
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.wire.security import open_channel, tls_hint
+from meshnet.wire.security import open_channel, tracker_hint
 
 
 def add_ledger_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -73,7 +73,7 @@ def run_ledger(args: argparse.Namespace) -> int:
         try:
             reply = pb_grpc.TrackerStub(channel).GetLedger(pb.Empty(), timeout=10)
         except grpc.RpcError as e:
-            print(f"error: tracker {args.tracker}: {e.code().name}: {e.details()}{tls_hint(e, args.tls_ca)}",
+            print(f"error: tracker {args.tracker}: {e.code().name}: {e.details()}{tracker_hint(e, args.tls_ca)}",
                   file=sys.stderr)
             return 1
     print(json.dumps(ledger_dict(reply)) if args.json else format_ledger(reply))

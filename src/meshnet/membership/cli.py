@@ -13,7 +13,7 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.node_info import device_dict, record_from_info
 from meshnet.tracker.routing import missing_layers
-from meshnet.wire.security import open_channel, tls_hint
+from meshnet.wire.security import open_channel, tracker_hint
 
 
 def add_nodes_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -160,7 +160,7 @@ def run_nodes(args: argparse.Namespace) -> int:
         try:
             reply = pb_grpc.TrackerStub(channel).ListNodes(pb.Empty(), timeout=10)
         except grpc.RpcError as e:
-            print(f"error: tracker {args.tracker}: {e.code().name}: {e.details()}{tls_hint(e, args.tls_ca)}",
+            print(f"error: tracker {args.tracker}: {e.code().name}: {e.details()}{tracker_hint(e, args.tls_ca)}",
                   file=sys.stderr)
             return 1
     loads = None

@@ -194,7 +194,7 @@ def run_node(args: argparse.Namespace) -> int:
         return 2
     refused = tracker_refusal(cfg.tracker, args.join_token, args.tls_ca) if cfg.tracker else None
     if refused:
-        print(f"error: the tracker refused this node: {refused}", file=sys.stderr)
+        print(f"error: --tracker {cfg.tracker}: {refused}", file=sys.stderr)
         return 1
     try:
         node = Node(cfg)

@@ -215,17 +215,34 @@ def tls_mismatch(e: grpc.RpcError, tls_ca: str | None) -> str | None:
     return None
 
 
-def tls_hint(e: grpc.RpcError, tls_ca: str | None) -> str:
-    """:func:`tls_mismatch`'s reason as text to append to the call's own, or ""."""
-    why = tls_mismatch(e, tls_ca)
+def not_a_tracker(e: grpc.RpcError) -> str | None:
+    """Why a failed call to a tracker means the address serves something else (which no retry mends),
+    or None: gRPC without the tracker's service answers UNIMPLEMENTED, an HTTP/1 server breaks the
+    HTTP/2 handshake."""
+    if e.code() is grpc.StatusCode.UNIMPLEMENTED:
+        return "that address serves gRPC but is not a meshnet tracker: a node's port? give the tracker's"
+    if e.code() is grpc.StatusCode.UNAVAILABLE and "Failed parsing HTTP/2" in (e.details() or ""):
+        return ("that address is not a gRPC server (an HTTP server, such as meshnet api or the dashboard?): "
+                "give the tracker's")
+    return None
+
+
+def tracker_mismatch(e: grpc.RpcError, tls_ca: str | None) -> str | None:
+    """:func:`tls_mismatch` or :func:`not_a_tracker`: why no retry of a tracker call will work, or None."""
+    return tls_mismatch(e, tls_ca) or not_a_tracker(e)
+
+
+def tracker_hint(e: grpc.RpcError, tls_ca: str | None) -> str:
+    """:func:`tracker_mismatch`'s reason as text to append to the call's own, or ""."""
+    why = tracker_mismatch(e, tls_ca)
     return f" ({why})" if why else ""
 
 
 def tracker_refusal(tracker: str, join_token: str | None, tls_ca: str | None, retry_s: float = 1.0) -> str | None:
     """Why the tracker at ``tracker`` will not have a caller with ``join_token`` and ``tls_ca``, asked
-    before a node loads its model or an API starts: its refusal of the token (a missing or wrong one), or
-    TLS settings that do not match its own (asked again after ``retry_s`` first: a tracker shutting down
-    closes sockets too). None when it accepts the caller, or cannot be asked now (a node then starts and
+    before a node loads its model or an API starts: its refusal of the token (a missing or wrong one), an
+    address that serves no tracker, or TLS settings that do not match its own (asked again after
+    ``retry_s`` first: a tracker shutting down closes sockets too). None when it accepts the caller, or cannot be asked now (a node then starts and
     keeps trying to register, as it does when the tracker goes away later)."""
     from meshnet.proto import meshnet_pb2 as pb
     from meshnet.proto import meshnet_pb2_grpc as pb_grpc
@@ -238,10 +255,10 @@ def tracker_refusal(tracker: str, join_token: str | None, tls_ca: str | None, re
         except grpc.RpcError as e:
             if e.code() is grpc.StatusCode.UNAUTHENTICATED:
                 return e.details() or "UNAUTHENTICATED"
-            why = tls_mismatch(e, tls_ca)
+            why = tracker_mismatch(e, tls_ca)
             if why is None:
                 return None
-            if attempt:
+            if attempt or not_a_tracker(e):
                 return f"{e.details()} ({why})"
         finally:
             channel.close()
