@@ -59,3 +59,18 @@ def test_bench_mesh_writes_figures(tmp_path):
     assert set(ratios) == {"mesh_vs_single_decode", "mesh_vs_single_ttft", "pipeline_speedup"}
     assert all(v > 0 for v in ratios.values())
     assert any("while session A is on node 2, session B runs on node 1" in n for n in d["notes"])
+
+
+def test_a_stage_count_the_model_cannot_split_into_fails_before_anything_runs(tmp_path, capsys):
+    """`--stages 99` ran the single-process measurement first and failed only when it came to the mesh."""
+    try:
+        resolve_model("smollm2")
+    except ModelNotFound as e:
+        pytest.skip(str(e))
+    parser = argparse.ArgumentParser()
+    add_mesh_bench_parser(parser.add_subparsers())
+    args = parser.parse_args(["mesh", "--stages", "99", "--out", str(tmp_path / "mesh.json")])
+    with pytest.raises(ValueError, match=r"cannot split 30 layers into 99 stages \(need 1\.\.30\)"):
+        run_mesh_bench(args)
+    assert "[bench mesh] single process" not in capsys.readouterr().err
+    assert not (tmp_path / "mesh.json").exists()

@@ -198,11 +198,11 @@ def bench_single_process(model_path: str, n_layer: int, threads: int, n_ctx: int
             "compute_mean_ms": _ms(compute)}, runs[-1].tokens
 
 
-def benchstart_mesh(stack: ExitStack, model_path: str, n_layer: int, n_embd: int, stages: int, threads: int, n_ctx: int,
-               prompt_ids: list[int], n_decode: int, repeats: int) -> dict:
-    """``stages`` node processes on loopback through a MeshClient: median TTFT (s), decode tokens/s, and
-    per-hop decode RPC time, compute time and overhead (ms); plus the loopback round-trip reference."""
-    ranges = plan_ranges(model_path, stages)  # the split `meshnet up` would use
+def bench_loopback_mesh(stack: ExitStack, model_path: str, n_layer: int, n_embd: int, ranges: list[LayerRange],
+                        threads: int, n_ctx: int, prompt_ids: list[int], n_decode: int, repeats: int) -> dict:
+    """A node process per range of ``ranges`` on loopback, through a MeshClient: median TTFT (s), decode
+    tokens/s, and per-hop decode RPC time, compute time and overhead (ms); plus the loopback round-trip
+    reference."""
     specs = [NodeSpec(f"bench-{i}-{r.start}-{r.end}", r, threads) for i, r in enumerate(ranges)]
     tracker, nodes = start_mesh(stack, model_path, n_ctx, specs)
     client = TimedMeshClient(tracker)
@@ -309,6 +309,7 @@ def run_mesh_bench(args: argparse.Namespace) -> int:
         raise ValueError("--stages, --repeats, --decode-tokens and --prompt-tokens must be at least 1")
     model = str(resolve_model(args.model))
     cfg = ModelConfig.from_reader(open_gguf(model))
+    ranges = plan_ranges(model, args.stages)  # the split `meshnet up` would use; a bad count fails before any run
     prompt_ids = bench_prompt_ids(model, args.prompt_tokens)
     # The same context size everywhere, so every configuration allocates the same KV cache.
     n_ctx = 512 if args.prompt_tokens + args.decode_tokens + 1 <= 512 else 0
@@ -337,8 +338,8 @@ def run_mesh_bench(args: argparse.Namespace) -> int:
         print(f"[bench mesh] single process: {single['ttft_s']} s TTFT, {single['decode_tokens_per_s']} tok/s",
               file=sys.stderr)
         with ExitStack() as stack:
-            mesh = benchstart_mesh(stack, model, cfg.n_layer, cfg.n_embd, args.stages, args.threads, n_ctx,
-                              prompt_ids, args.decode_tokens, args.repeats)
+            mesh = bench_loopback_mesh(stack, model, cfg.n_layer, cfg.n_embd, ranges, args.threads, n_ctx,
+                                       prompt_ids, args.decode_tokens, args.repeats)
         mesh["outputs_match_single_process"] = mesh.pop("tokens") == single_tokens
         result["mesh"] = mesh
         print(f"[bench mesh] {args.stages} nodes: {mesh['ttft_s']} s TTFT, {mesh['decode_tokens_per_s']} tok/s, "
