@@ -15,13 +15,19 @@ from meshnet.bench.mesh_bench import add_mesh_bench_parser, run_mesh_bench
 from meshnet.model.bundled import ModelNotFound, resolve_model
 
 
-def test_bench_mesh_writes_figures(tmp_path):
+def _parser() -> argparse.ArgumentParser:
+    """``meshnet bench``'s parser with the mesh benchmark; skips the test without the bundled model."""
     try:
         resolve_model("smollm2")
     except ModelNotFound as e:
         pytest.skip(str(e))
     parser = argparse.ArgumentParser()
     add_mesh_bench_parser(parser.add_subparsers())
+    return parser
+
+
+def test_bench_mesh_writes_figures(tmp_path):
+    parser = _parser()
     out = tmp_path / "mesh.json"
     args = parser.parse_args(["mesh", "--stages", "2", "--prompt-tokens", "16", "--decode-tokens", "4",
                               "--repeats", "1", "--out", str(out)])
@@ -63,12 +69,7 @@ def test_bench_mesh_writes_figures(tmp_path):
 
 def test_a_stage_count_the_model_cannot_split_into_fails_before_anything_runs(tmp_path, capsys):
     """`--stages 99` ran the single-process measurement first and failed only when it came to the mesh."""
-    try:
-        resolve_model("smollm2")
-    except ModelNotFound as e:
-        pytest.skip(str(e))
-    parser = argparse.ArgumentParser()
-    add_mesh_bench_parser(parser.add_subparsers())
+    parser = _parser()
     args = parser.parse_args(["mesh", "--stages", "99", "--out", str(tmp_path / "mesh.json")])
     with pytest.raises(ValueError, match=r"cannot split 30 layers into 99 stages \(need 1\.\.30\)"):
         run_mesh_bench(args)
