@@ -298,3 +298,22 @@ def test_a_model_file_and_a_model_id_together_are_refused_before_anything_starts
         build_parser().parse_args([*command, "--model", "model.gguf", "--model-id", "smollm2"])
     assert e.value.code == 2
     assert "argument --model-id: not allowed with argument --model" in capsys.readouterr().err
+
+
+def test_a_model_id_the_tracker_cannot_be_asked_for_is_exit_1_and_an_unknown_one_exit_2(capsys):
+    """Both were usage errors (exit 2): a tracker that is down or refuses the token is the mesh's
+    state, as `generate --tracker` without `--model-id` says with exit 1."""
+    from meshnet.cli import main
+    from meshnet.tracker.server import serve_tracker
+
+    server, port = serve_tracker("127.0.0.1", 0, join_token="right")
+    try:
+        tracker = f"127.0.0.1:{port}"
+        assert main(["generate", "--tracker", tracker, "--join-token", "wrong", "--model-id", "smollm2", "hi"]) == 1
+        assert f"error: tracker {tracker}: " in capsys.readouterr().err
+        assert main(["generate", "--tracker", tracker, "--join-token", "right", "--model-id", "0123abc", "hi"]) == 2
+        assert f"error: tracker {tracker}: " in capsys.readouterr().err
+    finally:
+        server.stop(None)
+    assert main(["generate", "--tracker", "127.0.0.1:1", "--model-id", "smollm2", "hi"]) == 1
+    assert "error: tracker 127.0.0.1:1: " in capsys.readouterr().err

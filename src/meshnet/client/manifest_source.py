@@ -18,7 +18,8 @@ from meshnet.model.manifest import ModelManifest
 from meshnet.model.range_file import write_metadata_file
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.wire.security import open_channel
+from meshnet.client.router import MeshUnavailable
+from meshnet.wire.security import open_channel, tracker_hint
 
 
 
@@ -39,6 +40,8 @@ def metadata_gguf(tracker: str, model: str, join_token: str | None = None, tls_c
     Raises:
         ValueError: the tracker knows no such model (or several by that name), or its manifest does
             not verify against its id.
+        MeshUnavailable: the tracker cannot be asked (unreachable, it refuses the join token, the TLS
+            settings do not match, the address serves no tracker).
     """
     from meshnet.model.bundled import tracker_name
 
@@ -49,7 +52,10 @@ def metadata_gguf(tracker: str, model: str, join_token: str | None = None, tls_c
         manifest = ModelManifest.from_compressed(reply.manifest, expect_id=reply.model_id)
     except grpc.RpcError as e:
         known_as = f" ({model} is model {asked[:12]})" if asked != model else ""
-        raise ValueError(f"tracker {tracker}: {e.details() or e.code().name}{known_as}") from None
+        message = f"tracker {tracker}: {e.details() or e.code().name}{known_as}{tracker_hint(e, tls_ca)}"
+        if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+            raise ValueError(message) from None  # what was asked for: a usage error
+        raise MeshUnavailable(message) from None
     except GGUFError as e:
         raise ValueError(f"tracker {tracker}: the manifest of {model!r} does not verify: {e}") from None
     path = Path(cache_dir or models_dir()) / f"{manifest.id}.meta.gguf"
