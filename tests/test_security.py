@@ -288,3 +288,37 @@ def test_an_address_that_serves_no_tracker_is_named_so(not_trackers, capsys):
                          capture_output=True, text=True, timeout=60)
     assert api.returncode == 2 and f"error: --tracker {grpc_address}: " in api.stderr
     assert "is not a meshnet tracker" in api.stderr and "serving" not in api.stderr
+
+
+def test_a_tls_tracker_keeps_failed_handshakes_off_its_stderr(self_signed, tmp_path):
+    """gRPC's C core wrote "I... ssl_transport_security.cc:... Handshake failed ..." for every plaintext
+    client of a `meshnet tracker --tls-cert`: a line per port scan."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "tracker.log"
+    with open(log, "w") as err:
+        tracker = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "tracker", "--port", str(port), "--tls-cert",
+                                    self_signed.cert, "--tls-key", self_signed.key, "--ledger", "sqlite://"],
+                                   stderr=err, env={k: v for k, v in os.environ.items() if k != "GRPC_VERBOSITY"})
+        try:
+            deadline = time.monotonic() + 60
+            while "tracker listening on" not in log.read_text():
+                assert tracker.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            for _ in range(3):
+                with pytest.raises(grpc.RpcError) as e:
+                    pb_grpc.TrackerStub(open_channel(f"127.0.0.1:{port}")).ListNodes(pb.Empty(), timeout=5)
+                assert e.value.code() is grpc.StatusCode.UNAVAILABLE
+            tls = pb_grpc.TrackerStub(open_channel(f"127.0.0.1:{port}", tls_ca=self_signed.cert))
+            assert list(tls.ListNodes(pb.Empty(), timeout=5).nodes) == []  # it serves
+        finally:
+            tracker.terminate()
+            tracker.wait(30)
+    assert "Handshake failed" not in log.read_text() and "tracker stopped" in log.read_text()

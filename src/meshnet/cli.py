@@ -12,6 +12,11 @@ import json
 import os
 import sys
 
+# gRPC's C core writes a line to stderr for every failed TLS handshake (a plaintext client, a port
+# scanner: `meshnet bench hostile` opens a thousand) unless told otherwise before it loads; what a user
+# must know of such a failure our own messages say.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 from meshnet.arg_types import add_join_token_arg, host_port, mode_problem
 from meshnet.client.mesh_client import MeshUnavailable
 from meshnet.contract import SamplingParams
