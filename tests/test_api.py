@@ -465,10 +465,15 @@ class _HeldClient(_FlakyClient):
         return super().step(req, decode)
 
 
+def _gauge(http, name: str) -> str:
+    """The value of the unlabelled metric ``name`` on ``/metrics``, as text."""
+    return next(line.split()[1] for line in http.get("/metrics").text.splitlines() if line.startswith(name + " "))
+
+
 def test_a_request_waiting_past_the_admission_time_for_a_slot_is_503(backend, monkeypatch):
     """One generation slot, held: the next request waits for it at most ADMISSION_WAIT_S (the time the
     wait for room on the stages shares), then gets 503 server_busy with Retry-After, streamed or not; it used
-    to wait on."""
+    to wait on. Refused, its prompt was never processed: the prompt-token counter counted it anyway."""
     import meshnet.api.backend as backend_module
 
     monkeypatch.setattr(backend_module, "ADMISSION_WAIT_S", 0.5)
@@ -484,6 +489,8 @@ def test_a_request_waiting_past_the_admission_time_for_a_slot_is_503(backend, mo
             while "meshnet_api_active_sessions 1.0" not in http.get("/metrics").text:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
+            prompt_tokens = _gauge(http, "meshnet_api_prompt_tokens_total")
+            assert float(prompt_tokens) == len(backend.tokenizer.encode(PROMPT))  # the held one's
             r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
             err = _error(r, 503)
             assert err["code"] == "server_busy" and r.headers["Retry-After"] == "3"
@@ -495,6 +502,7 @@ def test_a_request_waiting_past_the_admission_time_for_a_slot_is_503(backend, mo
                                                         "max_tokens": 2, "stream": True})
             assert _error(r, 503)["code"] == "server_busy" and r.headers["Retry-After"] == "3"
             assert "meshnet_api_active_sessions 1.0" in http.get("/metrics").text  # the held one only
+            assert _gauge(http, "meshnet_api_prompt_tokens_total") == prompt_tokens
             go.set()
             held.join(30)
             assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
@@ -504,9 +512,11 @@ def test_a_request_waiting_past_the_admission_time_for_a_slot_is_503(backend, mo
 
 
 
-def test_a_streamed_request_whose_client_leaves_while_it_waits_for_a_slot_leaves_the_queue(backend, monkeypatch):
-    """A streamed request's response starts with its first token: a client gone while it waits in line
-    must not keep its place (nor, once a slot frees, run its prefill for nobody)."""
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_whose_client_leaves_while_it_waits_for_a_slot_leaves_the_queue(backend, monkeypatch, stream):
+    """A client gone while its request waits in line must not keep its place (nor, once a slot frees, run
+    its prefill for nobody, ahead of those still waiting). A streamed request did not; a plain one kept
+    it until a slot freed."""
     import socket
 
     from mesh_util import wait_for
@@ -519,11 +529,8 @@ def test_a_streamed_request_whose_client_leaves_while_it_waits_for_a_slot_leaves
     server, thread = start_api_in_thread(b, "127.0.0.1", 0)
     port = server.config.port
 
-    def gauge(http, name: str) -> str:
-        return next(line.split()[1] for line in http.get("/metrics").text.splitlines() if line.startswith(name + " "))
-
     def until(http, name: str, value: str, timeout_s: float) -> None:
-        assert wait_for(lambda: gauge(http, name) == value, timeout_s) is not None, f"{name} never {value}"
+        assert wait_for(lambda: _gauge(http, name) == value, timeout_s) is not None, f"{name} never {value}"
 
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
@@ -531,16 +538,18 @@ def test_a_streamed_request_whose_client_leaves_while_it_waits_for_a_slot_leaves
                                                                                       "max_tokens": 2}))
             held.start()
             until(http, "meshnet_api_active_sessions", "1.0", 10)
-            body = json.dumps({"prompt": PROMPT, "max_tokens": 2, "stream": True}).encode()
+            prompt_tokens = _gauge(http, "meshnet_api_prompt_tokens_total")
+            body = json.dumps({"prompt": PROMPT, "max_tokens": 2, "stream": stream}).encode()
             with socket.create_connection(("127.0.0.1", port)) as raw:
                 raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
                 until(http, "meshnet_api_queued_requests", "1.0", 10)
             until(http, "meshnet_api_queued_requests", "0.0", 5)  # it waited on, up to 20 s, and then ran
-            assert gauge(http, "meshnet_api_active_sessions") == "1.0"  # the held one only
+            assert _gauge(http, "meshnet_api_active_sessions") == "1.0"  # the held one only
             go.set()
             held.join(30)
             until(http, "meshnet_api_active_sessions", "0.0", 10)
+            assert _gauge(http, "meshnet_api_prompt_tokens_total") == prompt_tokens  # the gone one's: never run
     finally:
         go.set()
         stop_api(server, thread)

@@ -46,7 +46,7 @@ from meshnet.api.schemas import (
     Usage,
 )
 from meshnet.api.sse import ChatChunks, CompletionChunks
-from meshnet.api.streaming import stream_choices
+from meshnet.api.streaming import stream_choices, unless_gone
 from meshnet.api.structured import grammar_for, response_grammar
 from meshnet.api.tools import plan_tools, tool_calls_from
 from meshnet.api.logprobs import chat_logprobs, completion_logprobs
@@ -226,15 +226,15 @@ class _Api:
         jobs = []
         for p_ids in prompts:
             budget = token_budget(self.backend.n_ctx, p_ids, req.max_tokens, "prompt")
-            for _ in range(req.n or 1):
+            for choice in range(req.n or 1):
                 sp = sampling_params(req, self.backend.tokenizer.n_vocab, n_top, len(jobs), grammar,
                                      logprobs=want_logprobs)
                 jobs.append(GenJob(p_ids, budget, sp,
                                    tuple(stop_sequences(req.stop)),
-                                   speculation=self._speculation(req), ignore_eos=bool(req.ignore_eos)))
+                                   speculation=self._speculation(req), ignore_eos=bool(req.ignore_eos),
+                                   counts_prompt=choice == 0))
         await self._check_route()
         prompt_tokens = sum(len(p) for p in prompts)
-        self.metrics.prompt_tokens.inc(prompt_tokens)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -305,11 +305,11 @@ class _Api:
         ignore_eos = bool(req.ignore_eos)
         jobs = [GenJob(prompt_ids, budget, sampling_params(req, self.backend.tokenizer.n_vocab, n_top, i, grammar,
                                                            logprobs=want_logprobs), stops,
-                       stop_at_control=not ignore_eos, speculation=self._speculation(req), ignore_eos=ignore_eos)
+                       stop_at_control=not ignore_eos, speculation=self._speculation(req), ignore_eos=ignore_eos,
+                       counts_prompt=i == 0)
                 for i in range(req.n or 1)]
         await self._check_route()
         prompt_tokens = len(prompt_ids)  # counted once, however many choices, as OpenAI does
-        self.metrics.prompt_tokens.inc(prompt_tokens)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -353,8 +353,9 @@ class _Api:
         run = ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, request.is_disconnected,
                         observe_ttft=observe_ttft)
         try:
-            await run.start()
-            return await run.collect(), run
+            # A client that leaves while the run waits for a slot frees its place in the queue at once.
+            first = await unless_gone(request, run.start, run.next_piece)
+            return ([first] + await run.collect() if first is not None else []), run
         except ClientGone:
             # Nobody will read the answer; 499 is what proxies log for it.
             raise ApiError(499, "the client closed the connection", code="client_closed") from None

@@ -133,6 +133,9 @@ class GenJob:
     stop_at_control: bool = False
     speculation: Speculation | None = None  # n-gram drafts verified a round at a time; None: none
     ignore_eos: bool = False
+    # Its prompt's tokens go to the prompt-token metric once it holds a slot: one choice of each prompt
+    # says so (a prompt is processed once however many choices it has; a request refused never is).
+    counts_prompt: bool = True
 
 
 class ClientGone(Exception):
@@ -208,6 +211,8 @@ class ChoiceRun:
             self.metrics.add_queued(-1)
         self._holding = True
         self.metrics.add_active(1)
+        if self.job.counts_prompt:
+            self.metrics.prompt_tokens.inc(len(self.job.prompt_ids))
         client = self.backend.new_client(max(0.0, ADMISSION_WAIT_S - (time.monotonic() - t0)))
         # The ledger is charged here, for the tokens read: a stop sequence found in one leaves the
         # RUN_AHEAD steps the generation took beyond it, and their kept drafts, undelivered.

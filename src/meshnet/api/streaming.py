@@ -37,7 +37,7 @@ async def stream_choices(new_run: NewRun, jobs: list[GenJob], t0: float, prompt_
         ApiError: the first choice could not start, or the client went away meanwhile (499)."""
     first = new_run(jobs[0], t0, True)
     try:
-        piece = await _unless_gone(request, first.start, first.next_piece)
+        piece = await unless_gone(request, first.start, first.next_piece)
     except BaseException as e:
         await first.aclose()
         if isinstance(e, ClientGone):  # nobody will read the answer; 499 is what proxies log for it
@@ -48,7 +48,7 @@ async def stream_choices(new_run: NewRun, jobs: list[GenJob], t0: float, prompt_
                        usage_event), on_close=first.aclose)
 
 
-async def _unless_gone(request: Request, start: Callable[[], Awaitable[None]],
+async def unless_gone(request: Request, start: Callable[[], Awaitable[None]],
                        first: Callable[[], Awaitable[Piece | None]]) -> Piece | None:
     """``await start()`` then ``first()``, unless the client goes away meanwhile: then both are cancelled
     and ClientGone raised. The request's body has been read, so its next message is the disconnect; the
