@@ -184,6 +184,11 @@ def test_a_template_that_reads_tools_renders_them(tok):
     ({"tools": [WEATHER, WEATHER]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    # a string or an array of arguments: a named call answered `"arguments": "\"Paris, France\""`
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools.1.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": ["array", "object"]}}}]},
+     "tools.0.function.parameters"),
 ])
 def test_bad_tools_are_400_naming_the_field(served, body, param):
     _, http, _ = served

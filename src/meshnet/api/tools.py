@@ -178,6 +178,12 @@ def _tool(tool: Any, i: int) -> dict:
     if "parameters" in fn and not isinstance(fn["parameters"], dict):
         raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
                           f"tools.{i}.function.parameters")
+    kind = (fn.get("parameters") or {}).get("type", "object")
+    if kind != "object":
+        # A call's arguments are one JSON object (clients call f(**json.loads(arguments))): a string
+        # schema made them a bare JSON string.
+        raise bad_request(f"tools[{i}].function.parameters must describe an object (a call's arguments are "
+                          f"a JSON object), got type {json.dumps(kind)}", f"tools.{i}.function.parameters")
     return tool
 
 
