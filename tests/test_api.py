@@ -340,8 +340,36 @@ def test_oversized_body_is_413(http):
 
 
 def test_unknown_endpoint_and_method_use_openai_errors(http):
+    def errors(kind: str) -> float:
+        return float(next((line.split()[1] for line in http.get("/metrics").text.splitlines()
+                           if line.startswith(f'meshnet_api_errors_total{{kind="{kind}"}}')), 0))
+
+    before = errors("404"), errors("405")
     _error(http.get("/v1/nothing"), 404)
     _error(http.get("/v1/completions"), 405)
+    assert (errors("404"), errors("405")) == (before[0] + 1, before[1] + 1)  # they were not counted
+    _ok(http)
+
+
+def test_a_body_that_stops_arriving_is_408_and_the_server_keeps_serving(served, http, monkeypatch):
+    """Headers, then 6 of 100 bytes of body: the connection and its task were held for good."""
+    import socket
+
+    import meshnet.api.middleware as middleware
+
+    monkeypatch.setattr(middleware, "BODY_TIMEOUT_S", 0.5)
+    port = int(served[1].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\n\r\n{\"prom")
+        answer = b""
+        while chunk := raw.recv(65536):  # the server closes the connection after its answer
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ")
+    err = json.loads(body)["error"]
+    assert err["code"] == "request_timeout" and err["message"] == \
+        "the request body did not arrive within 0.5 s (6 of 100 bytes came)"
     _ok(http)
 
 

@@ -99,6 +99,7 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
             message = f"no such endpoint: {request.method} {request.url.path}"
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
+        metrics.errors.labels(kind=str(exc.status_code)).inc()
         return ApiError(exc.status_code, message).response()
 
     @app.exception_handler(Exception)

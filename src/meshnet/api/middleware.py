@@ -3,6 +3,7 @@ a request that fails inside the app."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -11,10 +12,17 @@ from meshnet.api.metrics import ApiMetrics
 
 log = logging.getLogger("meshnet.api")
 
+# How long a request's body may take to arrive, seconds. The server has no limit of its own: a client
+# that sends headers and a few bytes of body would hold its connection and a task forever (a few hundred
+# such clients, a server's worth of sockets). A chat body of the largest size allowed arrives in
+# milliseconds on any link a model's answer can be streamed over.
+BODY_TIMEOUT_S = 30.0
+
 
 class BodyLimitAndMetrics:
     """Reads a request's whole body up front, refusing more than ``max_body_bytes`` with 413 (on the
-    Content-Length header and on the bytes actually received), then replays it to the app; counts every
+    Content-Length header and on the bytes actually received) and a body that takes longer than
+    :data:`BODY_TIMEOUT_S` to arrive with 408, then replays it to the app; counts every
     answer by endpoint and status. An exception out of the app is logged and answered 500 here, not
     re-raised: Starlette's own handler would answer and then re-raise it to the server, which drops the
     client's keep-alive connection, failing its next request too."""
@@ -59,7 +67,7 @@ class BodyLimitAndMetrics:
             self.metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
 
     async def _read_body(self, scope, receive, send) -> bytes | None:
-        """The whole body, or None when an answer (413/400) was sent or the client left."""
+        """The whole body, or None when an answer (413/408/400) was sent or the client left."""
         limit = self.max_body_bytes
         declared = None
         for k, v in scope.get("headers", ()):
@@ -77,8 +85,15 @@ class BodyLimitAndMetrics:
         if too_big and not drain:
             await self._reply(send, _too_large(limit, declared))
             return None
+        deadline = time.monotonic() + BODY_TIMEOUT_S
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                await self._reply(send, ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s "
+                                                      f"({total} of {declared if declared is not None else '?'} "
+                                                      "bytes came)", code="request_timeout"))
+                return None
             if message["type"] == "http.disconnect":
                 return None
             data = message.get("body", b"")
