@@ -127,7 +127,8 @@ def test_ngram_speculation_keeps_the_constrained_greedy_answer(served):
      "response_format.json_schema.schema", "admits no document"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {  # an object that requires itself
         "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}},
-     "response_format.json_schema.schema", "cannot be enforced: parser error: Too many items"),
+     "response_format.json_schema.schema", "Too many items (limit 50000; ff_tokens); try avoiding single-byte/short "
+     "lexemes; a schema whose required properties lead back to their own object"),
     ({"type": "json_schema", "json_schema": {"schema": PERSON}}, "response_format.json_schema.name", "name"),
     ({"type": "json_schema"}, "response_format.json_schema", "json_schema must be an object"),
     ({"type": "xml"}, "response_format", "'xml'"),

@@ -189,12 +189,19 @@ def test_a_template_that_reads_tools_renders_them(tok):
      "tools.1.function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": ["array", "object"]}}}]},
      "tools.0.function.parameters"),
+    # an error in one tool's schema under a constrained choice named "tools" and the path it had inside
+    # the combined schema (/$defs/tool_1/$defs/Nope)
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/Nope"}}}],
+      "tool_choice": "required"}, "tools.1.function.parameters"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/Nope"}}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools.1.function.parameters"),
 ])
 def test_bad_tools_are_400_naming_the_field(served, body, param):
     _, http, _ = served
     r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    assert "$defs/tool_" not in r.json()["error"]["message"]
 
 
 NAMED = {"type": "function", "function": {"name": "get_weather"}}

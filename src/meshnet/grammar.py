@@ -134,7 +134,11 @@ class GrammarCompiler:
                 break
             fill_next_token_bitmask(matcher, bits)
         if matcher.is_error():
-            raise GrammarError(f"the JSON schema cannot be enforced: {first_line(matcher.get_error())}")
+            error = first_line(matcher.get_error())
+            if "Too many items" in error:  # the library's words say nothing of the schema's
+                error += ("; a schema whose required properties lead back to their own object (a \"$ref\" to "
+                          "\"#\" or to a $defs entry holding it) admits no finite document")
+            raise GrammarError(f"the JSON schema cannot be enforced: {error}")
         with self._lock:
             self._compiled[json_schema] = grammar
             while len(self._compiled) > _CACHED:

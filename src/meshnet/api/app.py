@@ -297,8 +297,12 @@ class _Api:
         prompt_ids = await anyio.to_thread.run_sync(chat_prompt, self.backend.tokenizer, req, plan)
         grammar = await self._grammar(req)
         if plan.schema is not None:
-            grammar = await anyio.to_thread.run_sync(
-                lambda: grammar_for(plan.schema, self.backend.grammars, "tools"))
+            def tools_grammar() -> Grammar:
+                for schema, param in plan.parts:
+                    grammar_for(schema, self.backend.grammars, param)  # an error names its tool
+                return grammar_for(plan.schema, self.backend.grammars, "tools")
+
+            grammar = await anyio.to_thread.run_sync(tools_grammar)
         budget = token_budget(self.backend.n_ctx, prompt_ids, max_tokens, "messages")
         n_top = req.top_logprobs or 0
         want_logprobs = bool(req.logprobs)

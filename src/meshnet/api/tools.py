@@ -41,12 +41,15 @@ _VALUE_KEYS = frozenset({"const", "enum", "default", "examples"})  # JSON values
 class ToolPlan:
     """How one chat request uses its tools: ``mode`` ("none", "auto", "required", "named"), the tools in
     OpenAI's shape (``{"type": "function", "function": {...}}``), the named tool, and the JSON schema that
-    constrains the answer (None: unconstrained)."""
+    constrains the answer (None: unconstrained). ``parts``: each tool's own schema within ``schema``,
+    with the field an error in it names (``tools.N.function.parameters``), to be checked first: within
+    the whole, an error names neither the tool nor its own paths."""
 
     mode: str
     tools: tuple[dict, ...] = ()
     named: str | None = None
     schema: dict | None = None
+    parts: tuple[tuple[dict, str], ...] = ()
 
     def prompt_tools(self) -> list[dict] | None:
         """The tools the prompt shows (None for ``"none"``)."""
@@ -83,7 +86,8 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool = True)
                   "type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not parallel:
             schema["maxItems"] = 1
-        return ToolPlan("required", checked, schema=schema)
+        parts = tuple((_closed(_parameters(t)), f"tools.{i}.function.parameters") for i, t in enumerate(checked))
+        return ToolPlan("required", checked, schema=schema, parts=parts)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None
     if name is None:
@@ -91,7 +95,9 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool = True)
                           "\"function\": {\"name\": ...}}", "tool_choice")
     if name not in names:
         raise bad_request(f"tool_choice names function {name!r}, which is not among the tools", "tool_choice")
-    return ToolPlan("named", checked, named=name, schema=_closed(_parameters(checked[names.index(name)])))
+    i = names.index(name)
+    schema = _closed(_parameters(checked[i]))
+    return ToolPlan("named", checked, named=name, schema=schema, parts=((schema, f"tools.{i}.function.parameters"),))
 
 
 def tools_system_message(tools: list[dict]) -> dict:
