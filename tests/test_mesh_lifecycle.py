@@ -319,6 +319,22 @@ def test_meshnet_up_with_a_taken_api_port_fails_before_loading_anything():
     assert "MESHNET_UP_READY" not in r.stdout and "starting" not in r.stderr
 
 
+@pytest.mark.parametrize("flags, words", [
+    (["--port", "{p}", "--api-port", "{p}"], "--port and --api-port are both {p}"),
+    (["--port", "0", "--api-port", "{p}", "--dashboard-port", "{p}"], "--api-port and --dashboard-port are both {p}"),
+])
+def test_meshnet_up_with_one_port_for_two_of_its_servers_fails_before_loading_anything(flags, words):
+    """The port was free until the tracker took it, and the API failed on it after every node had loaded."""
+    with _taken_port() as p:
+        pass  # a port free now
+    r = subprocess.run([sys.executable, "-m", "meshnet.cli", "up", "--stages", "1",
+                        *[f.format(p=p) for f in flags]], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"error: {words.format(p=p)}: the tracker, the API and the dashboard each need a port of their own" \
+        in r.stderr, r.stderr
+    assert "MESHNET_UP_READY" not in r.stdout and "starting" not in r.stderr
+
+
 def test_a_node_sent_many_signals_at_once_still_drains_and_exits(mesh):
     """A second SIGTERM / SIGINT landing while the first one's handler held its Event's lock (Ctrl-C
     pressed twice; `meshnet up`'s SIGTERM right after the terminal's SIGINT) blocked the node on its own

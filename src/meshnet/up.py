@@ -155,6 +155,12 @@ def run_up(args: argparse.Namespace) -> int:
             problem = problem or f"{flag} must be >= {least}, got {value}"
         elif value > (most := LOAD_SETTING_MOST.get(setting, value)):
             problem = problem or f"{flag} must be <= {most}, got {value}"
+    mine = [(flag, port) for flag, port in (("--port", args.port), ("--api-port", args.api_port),
+                                            ("--dashboard-port", args.dashboard_port)) if port > 0]
+    same = next(((a, b, p) for i, (a, p) in enumerate(mine) for b, q in mine[i + 1:] if p == q), None)
+    if same is not None:  # each is free until one of them takes it, after every node has loaded
+        problem = problem or f"{same[0]} and {same[1]} are both {same[2]}: the tracker, the API and the " \
+                             "dashboard each need a port of their own"
     if not problem and args.api_port > 0:
         problem = _api_port_problem(args.host, args.api_port)
     if problem:
