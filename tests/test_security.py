@@ -322,3 +322,36 @@ def test_a_tls_tracker_keeps_failed_handshakes_off_its_stderr(self_signed, tmp_p
             tracker.terminate()
             tracker.wait(30)
     assert "Handshake failed" not in log.read_text() and "tracker stopped" in log.read_text()
+
+
+def _openssl_cert(d, san: str) -> TlsConfig:
+    """The README's openssl command for a mesh's self-signed certificate, with subjectAltName ``san``."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command on this machine")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                    "-days", "365", "-subj", "/CN=mesh", "-addext", f"subjectAltName={san}",
+                    "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem")], check=True, capture_output=True)
+    return TlsConfig(cert=str(d / "cert.pem"), key=str(d / "key.pem"))
+
+
+def test_the_readmes_certificate_serves_and_one_without_the_dialled_address_is_named_so(tmp_path, capsys):
+    """A certificate naming another host failed with gRPC's "Hostname Verification Check failed" alone."""
+    import argparse
+
+    from meshnet.membership.cli import run_nodes
+
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "other").mkdir()
+    for d, san, rc in ((tmp_path / "ok", "IP:127.0.0.1,IP:192.0.2.10,DNS:localhost", 0),
+                       (tmp_path / "other", "DNS:elsewhere.example", 1)):
+        tls = _openssl_cert(d, san)
+        server, port = serve_tracker(tls=tls)
+        try:
+            assert run_nodes(argparse.Namespace(tracker=f"127.0.0.1:{port}", join_token=None, tls_ca=tls.cert,
+                                                json=True)) == rc
+        finally:
+            server.stop(None)
+    assert "its certificate does not name the address dialled: give it a subjectAltName" in capsys.readouterr().err

@@ -212,6 +212,9 @@ def tls_mismatch(e: grpc.RpcError, tls_ca: str | None) -> str | None:
         return "the server does not speak TLS: drop --tls-ca"
     if tls_ca is not None and "CERTIFICATE_VERIFY_FAILED" in details:
         return f"its certificate does not verify with the CA in --tls-ca {tls_ca}"
+    if tls_ca is not None and "Hostname Verification Check failed" in details:
+        return ("its certificate does not name the address dialled: give it a subjectAltName with that IP or "
+                "DNS name (see the README's TLS paragraph), or dial a name it holds")
     return None
 
 
