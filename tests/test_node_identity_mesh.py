@@ -115,6 +115,7 @@ def test_second_process_with_a_live_id_is_refused_and_the_first_keeps_it(mesh):
     assert "error: tracker refused this node: ALREADY_EXISTS" in stderr
     assert "node id 'b-mid' is in use by a live node at " + first.address in stderr
     assert "Traceback" not in stderr
+    assert "MESHNET_NODE_READY" not in stdout  # it said ready before the tracker's refusal came
     # The refused process did not deregister the id it never held: the first keeps serving under it.
     time.sleep(4 * HEARTBEAT_S)
     assert _listed(mesh) == [("b-mid", first.address, (10, 20))]

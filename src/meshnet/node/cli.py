@@ -1,11 +1,12 @@
 """``meshnet node``'s command line: its flags, ``--fetch``, and the process's life around a
 :class:`~meshnet.node.runner.Node` (signals, the ready line, draining on SIGTERM).
 
-Prints ``MESHNET_NODE_READY node_id=... address=HOST:PORT`` on stdout once serving, so a parent process
-(``meshnet up``, tests) can learn a port chosen by the OS; the log (stderr) names its gRPC and data-plane
-addresses. A node the tracker refuses for good (wrong key or protocol, or an id that a live node at
-another address holds) exits with status 1 and the tracker's message on stderr; so does a node whose
-engine worker keeps dying (a crash loop), after deregistering.
+Prints ``MESHNET_NODE_READY node_id=... address=HOST:PORT`` on stdout once serving and registered (or,
+with the tracker unreachable, after :data:`READY_WAIT_S` of trying: it serves and keeps trying), so a
+parent process (``meshnet up``, tests) can learn a port chosen by the OS; the log (stderr) names its gRPC
+and data-plane addresses. A node the tracker refuses for good (wrong key or protocol, or an id that a live
+node at another address holds) exits with status 1 and the tracker's message on stderr, without the ready
+line; so does a node whose engine worker keeps dying (a crash loop), after deregistering.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import logging
 import sys
 import threading
+import time
 
 from meshnet.arg_types import add_join_token_arg, host_port, node_id, port_number, positive_seconds, seconds
 from meshnet.contract import LayerRange
@@ -26,6 +28,10 @@ from meshnet.supervisor import follow_supervisor, on_stop_signals
 from meshnet.wire.security import TlsConfig, open_channel, server_ssl_context, tracker_refusal
 
 log = logging.getLogger("meshnet.node")
+
+# How long the ready line waits for the tracker to accept the node's registration, seconds: a refusal
+# then comes without it; a tracker that does not answer by then is still being tried.
+READY_WAIT_S = 5.0
 
 
 def add_node_parser(sub) -> None:
@@ -204,6 +210,10 @@ def run_node(args: argparse.Namespace) -> int:
     done = threading.Event()
     on_stop_signals(done.set)
     node.start()
+    if not _registered_or_trying(node):
+        done.wait()  # the refusal has signalled this process: drain and exit 1
+        node.stop(drain=True)
+        return 1
     if cfg.relay:
         # Ready means reachable: wait (bounded) until the tracker has attached the relay stream.
         if not node.relay_attached.wait(30):
@@ -220,3 +230,17 @@ def run_node(args: argparse.Namespace) -> int:
     log.info("draining node %s", node.node_id)
     node.stop(drain=True)
     return 1 if node.failure else 0
+
+
+def _registered_or_trying(node: Node) -> bool:
+    """Wait (at most :data:`READY_WAIT_S`) until the tracker has the node; False when it refused it."""
+    membership = node.membership
+    deadline = time.monotonic() + READY_WAIT_S
+    while membership is not None and not membership.registered.wait(0.05):
+        if membership.refusal is not None:
+            return False
+        if time.monotonic() >= deadline:
+            log.warning("not registered with the tracker yet; serving and still trying")
+            break
+    return membership is None or membership.refusal is None
+
