@@ -323,3 +323,25 @@ def _run(args) -> tuple[int, str]:
     with contextlib.redirect_stdout(out):
         code = args.func(args)
     return code, out.getvalue()
+
+
+def test_a_second_tracker_on_the_same_sqlite_file_is_refused_naming_the_first(tmp_path):
+    """Two trackers on one machine both opened the default ledger.db, each counting its own mesh into it."""
+    import os
+    import subprocess
+    import sys
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    first = Ledger(url)
+    try:
+        r = subprocess.run([sys.executable, "-c", f"from meshnet.ledger.store import Ledger; Ledger({url!r})"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1
+        assert (f"LedgerError: the ledger {tmp_path / 'ledger.db'} is in use by another tracker (pid {os.getpid()}): "
+                "one tracker writes a ledger at a time") in r.stderr
+        r = subprocess.run([sys.executable, "-m", "meshnet.cli", "tracker", "--port", "0", "--ledger", url],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and f"(pid {os.getpid()})" in r.stderr, r.stderr
+    finally:
+        first.close()
+    Ledger(url).close()  # free again once the first is closed

@@ -9,9 +9,12 @@ SQLAlchemy's driver names. A URL naming a driver (``postgresql+psycopg2://...``)
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
+import os
 import threading
 from pathlib import Path
+from typing import IO
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, Connection, Engine, make_url
@@ -71,6 +74,32 @@ def make_ledger_engine(url: str) -> Engine:
         raise LedgerError(f"ledger URL {url!r}: {e} ({URL_HELP})") from None
     except OSError as e:
         raise LedgerError(f"ledger URL {url!r}: cannot create its directory: {e.strerror or e}") from None
+
+
+def hold_sqlite_file(engine: Engine) -> IO | None:
+    """For a ledger in an SQLite file, an exclusive lock on ``<file>.lock`` held by this process until the
+    returned file is closed (or the process dies), else None: one tracker writes a ledger at a time, and a
+    second one on the same machine would otherwise count the same steps into it beside the first.
+
+    Raises:
+        LedgerError: another process holds the file (its pid is named).
+    """
+    if engine.url.get_backend_name() != "sqlite" or _is_memory(engine.url):
+        return None
+    path = Path(engine.url.database).expanduser()
+    lock = open(path.with_name(path.name + ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise LedgerError(f"the ledger {path} is in use by another tracker (pid {holder}): one tracker writes a "
+                          "ledger at a time; give this one --ledger with another file") from None
+    lock.truncate(0)
+    lock.write(str(os.getpid()))
+    lock.flush()
+    return lock
 
 
 def alembic_config(connection: Connection):

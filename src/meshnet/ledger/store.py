@@ -12,7 +12,8 @@ tokens is its token-layers divided by the model's layer count. Clients are charg
 delivered to them.
 
 One tracker process writes a ledger at a time (writes are serialized by a lock inside :class:`Ledger`);
-several trackers sharing one database are not supported.
+several trackers sharing one database are not supported, and a second tracker opening an SQLite file
+another process holds is refused (:func:`~meshnet.ledger.database.hold_sqlite_file`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from sqlalchemy import and_, case, func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from meshnet.ledger.credit import Rect, new_area
-from meshnet.ledger.database import LedgerError, make_ledger_engine, upgrade
+from meshnet.ledger.database import LedgerError, hold_sqlite_file, make_ledger_engine, upgrade
 from meshnet.ledger.schema import deliveries, node_keys, work
 
 MAX_ID_CHARS = 256  # session, client and node ids longer than this are refused (column width)
@@ -165,10 +166,12 @@ class Ledger:
         self._engine = make_ledger_engine(url)
         self._lock = threading.RLock()
         self._keys: dict[str, bytes] = {}
+        self._file_lock = None
         try:
+            self._file_lock = hold_sqlite_file(self._engine)
             upgrade(self._engine)
         except BaseException:
-            self._engine.dispose()
+            self.close()
             raise
 
     @property
@@ -177,8 +180,11 @@ class Ledger:
         return self._engine.url.render_as_string(hide_password=True)
 
     def close(self) -> None:
-        """Release the database connections (an in-memory ledger is gone afterwards)."""
+        """Release the database connections (an in-memory ledger is gone afterwards) and the file."""
         self._engine.dispose()
+        if self._file_lock is not None:
+            self._file_lock.close()
+            self._file_lock = None
 
     # ---- node work ---------------------------------------------------------------------------------
 
