@@ -23,6 +23,11 @@ def test_new_sessions_take_the_last_route_while_the_tracker_is_down(mesh, tok, s
     # A failed node in the last route leaves nothing to take without the tracker.
     with pytest.raises(MeshUnavailable, match="goes through a failed node"):
         client.route({head.node_id})
+    # Nor one whose node died meanwhile: the route came back as it was (the API's /health said "ok" for
+    # it, and each new session waited out a failover's deadline to learn otherwise).
+    tail.kill()
+    with pytest.raises(MeshUnavailable, match=f"node {tail.node_id} of its last route does not answer at "):
+        client.route()
     client.close()
     fresh = MeshClient(mesh.tracker, report_deliveries=False)
     with pytest.raises(MeshUnavailable, match="no route: "):

@@ -81,8 +81,8 @@ class Router:
         hold sessions of ``min_n_ctx`` tokens (0: any).
 
         While the tracker cannot be reached (down, restarting, cut off from this client), the last route
-        it gave serves instead, unless it goes through a node in ``exclude``: the nodes keep serving without
-        the tracker, so new sessions need not fail with it. Its epoch is then ``previous_epoch + 1``: epochs
+        it gave serves instead, unless it goes through a node in ``exclude`` or one that does not answer a
+        health probe: the nodes keep serving without the tracker, so new sessions need not fail with it. Its epoch is then ``previous_epoch + 1``: epochs
         only have to grow per session, and the tracker, once back, numbers above what the client sends.
 
         Raises:
@@ -101,9 +101,15 @@ class Router:
             if exclude & {h.node_id for h in last}:
                 raise MeshUnavailable(f"no route: the tracker is unreachable ({e.code().name}) and its last "
                                       f"route goes through a failed node") from None
+            # Nobody drops a dead node from that route meanwhile: ask each (a health probe), so a new
+            # session, and the API's /health, learn it at once rather than through a failover's deadline.
+            stages = [self.stage(h) for h in last]
+            if (dead := next((st for st in stages if not st.answers()), None)) is not None:
+                raise MeshUnavailable(f"no route: the tracker is unreachable ({e.code().name}) and node "
+                                      f"{dead.node_id} of its last route does not answer at {dead.address}") from None
             log.warning("tracker %s unreachable (%s): using the last route it gave", self.tracker_address,
                         e.code().name)
-            return previous_epoch + 1, [self.stage(h) for h in last]
+            return previous_epoch + 1, stages
         self._last_route = list(r.hops)
         return int(r.epoch), [self.stage(h) for h in r.hops]
 
