@@ -345,3 +345,16 @@ def test_a_second_tracker_on_the_same_sqlite_file_is_refused_naming_the_first(tm
     finally:
         first.close()
     Ledger(url).close()  # free again once the first is closed
+
+
+def test_a_client_closing_with_the_tracker_unreachable_says_how_many_tokens_went_unreported(caplog):
+    """A short-lived client (meshnet generate) exiting during a tracker outage lost its charges silently."""
+    import logging
+
+    deliveries = DeliveryReporter(pb_grpc.TrackerStub(open_channel("127.0.0.1:1")), "bob", interval_s=60)
+    for position in (5, 6, 7):
+        deliveries.delivered("s", position)
+    with caplog.at_level(logging.WARNING, logger="meshnet.ledger"):
+        assert deliveries.close(timeout_s=0.5) is False
+    assert ("the tracker's ledger is unreachable: 3 delivered tokens of client bob go unreported (uncharged)"
+            in caplog.text)

@@ -193,11 +193,16 @@ class DeliveryReporter:
                 _pop_through(self._pending, self._lock, batch[-1][0])
 
     def close(self, timeout_s: float = 2.0) -> bool:
-        """Stop the background thread after one last :meth:`flush`; True when nothing was left unsent."""
+        """Stop the background thread after one last :meth:`flush`; True when nothing was left unsent.
+        What is left (the tracker is unreachable) is lost with this client, and said so in the log: the
+        nodes, which live on and report again, are credited for the work all the same."""
         self._closed = True
         self._wake.set()
         ok = self.flush(timeout_s)
         _live.discard(self)
+        if not ok and (left := self.pending):
+            log.warning("the tracker's ledger is unreachable: %d delivered tokens of client %s go unreported "
+                        "(uncharged)", left, self.client_id)
         return ok
 
     def _loop(self) -> None:
