@@ -121,6 +121,9 @@ def probe_lane(name: str, device_index: int = 0) -> LaneReport:
                                    f"no device {device_index}", devices)
         cert = certifications.recorded_certification(name, device_index)
         if cert is None:
+            if name == "cpu":  # the reference itself: served and advertised either way
+                return report("built", "usable: the reference every node may serve with (not certified here; "
+                                       "`meshnet backends --certify` checks it against llama.cpp's goldens)", devices)
             return report("built", "not certified on this machine: run `meshnet backends --certify`",
                           devices)
         if not cert.get("passed"):
