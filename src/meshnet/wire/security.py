@@ -47,6 +47,12 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     # an address whose last server died (a node restarted on its port, a port the OS handed out again)
     # would fail at once with the dead server's cached "connection refused" until the backoff expires.
     ("grpc.use_local_subchannel_pool", 1),
+    # Reconnect at least every 2 s. gRPC's backoff grows to 120 s by default, and a call in between
+    # fails at once without trying: nodes took 20-65 s to register again with a restarted tracker, and
+    # the mesh routed nothing meanwhile. A connection attempt every 2 s to a peer that is gone costs nothing.
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
 # gRPC servers by default answer a client pinging more often than every 5 minutes with GOAWAY
