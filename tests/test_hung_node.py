@@ -170,3 +170,47 @@ def test_orphan_releaser_gives_up_after_its_horizon():
     assert wait_for(lambda: releaser.pending() == 0, 5.0) is not None
     assert releaser.released == 0 and 3 <= len(stage.calls) <= 10
     releaser.close()
+
+
+def test_steps_lost_inside_a_killed_node_fail_over_once_another_session_finds_it_down(mesh, solo):
+    """Two sessions' decode steps sit inside the middle node when it is killed; nothing answers for them,
+    so each waited out its own deadline (4-8 s under load; 20 s here). A third session's step is refused
+    by the dead node at once: from then on the two stop waiting too, and all three fail over to the spare
+    with the ids of the solo runs."""
+    from meshnet.client.deadline import DeadlinePolicy
+
+    head, victim, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
+    client = MeshClient(mesh.tracker, step_timeout_s=30, step_deadline=DeadlinePolicy(floor_s=20, ceiling_s=30))
+    first = {}
+    for i in range(3):  # every session through b-mid
+        res = client.step(StepRequest(f"s{i}", 0, 0, tuple(solo.prompt_ids(i))), decode=False)
+        assert res.ok and res.token.token_id == solo.greedy(i, 1)[0]
+        first[i] = res.token.token_id
+    mesh.start_nodes([("c-spare", "10:20")])
+
+    def decode(i: int) -> StepRequest:
+        return StepRequest(f"s{i}", 0, len(solo.prompt_ids(i)), (first[i],))
+
+    got: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        got[i] = client.step(decode(i), decode=True)
+
+    victim.proc.send_signal(signal.SIGSTOP)
+    waiting = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in waiting:
+        t.start()
+    time.sleep(1.0)  # both steps forwarded into the stopped node
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(10)
+    t0 = time.monotonic()
+    run(2)  # refused by the dead node at once: the client records it
+    for t in waiting:
+        t.join(30)
+    waited_s = time.monotonic() - t0
+    print(f"\nthe two lost steps answered {waited_s:.2f} s after the third found the node down")
+    assert waited_s < 10, f"the lost steps waited {waited_s:.1f} s: their 20 s deadline, not the finding"
+    for i in range(3):
+        assert got[i].ok and got[i].token.token_id == solo.greedy(i, 2)[1]
+    assert client.failovers == 3
+    client.close()

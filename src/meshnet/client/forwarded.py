@@ -17,6 +17,7 @@ import time
 import grpc
 
 from meshnet.client.deadline import HopClocks
+from meshnet.client.node_failures import WATCH_S, NodeFailures
 from meshnet.client.remote import _CONTRACT_CODES, RemoteStage, StageFailure
 from meshnet.contract import StepRequest, StepResult
 from meshnet.proto import meshnet_pb2 as pb
@@ -28,13 +29,15 @@ def forwardable(hops: list[RemoteStage]) -> bool:
     return len(hops) > 1 and all(getattr(h, "forwards", False) for h in hops)
 
 
-def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool,
-                  clocks: HopClocks) -> tuple[StepResult, RemoteStage | None]:
+def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool, clocks: HopClocks,
+                  failures: NodeFailures | None = None) -> tuple[StepResult, RemoteStage | None]:
     """Run ``req`` (its epoch set) through ``hops`` by forwarding: (the result, the hop whose contract
     status it is, or None when OK).
 
     The route's deadline comes from its own clock in ``clocks`` (key ``forward:<node ids>``): the time of
-    a whole forwarded step, measured like a hop's (:mod:`meshnet.client.deadline`).
+    a whole forwarded step, measured like a hop's (:mod:`meshnet.client.deadline`). A node of the route
+    that ``failures`` records as found down after the step was sent (by another session's step) fails
+    the step at once, rather than at its deadline.
 
     Raises:
         StageFailure: a node could not be reached, or the step went unanswered (the failure names the
@@ -60,8 +63,16 @@ def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool,
             silent.extend(h for h in hops if not h.answers())
             return not silent
 
+        def watch() -> None:
+            found = failures.since(t0, hops) if failures is not None else None
+            if found is not None:
+                hop, why = found
+                raise StageFailure(hop.node_id, hop.address, "UNAVAILABLE",
+                                   f"found down by another session's step ({why})")
+
         try:
-            res, failure = pending.result(timeout_s, all_answer, tail.timeout_s)
+            res, failure = pending.result(timeout_s, all_answer, tail.timeout_s,
+                                          (WATCH_S, watch) if failures is not None else None)
         except StageFailure as f:
             if silent and silent[0] is not tail:
                 raise StageFailure(silent[0].node_id, silent[0].address, f.code, "does not answer Health (or "

@@ -28,6 +28,7 @@ from dataclasses import replace
 from meshnet.client.accounting import StepAccounting
 from meshnet.client.deadline import DeadlinePolicy, HopClocks
 from meshnet.client.forwarded import forwardable, run_forwarded
+from meshnet.client.node_failures import NodeFailures
 from meshnet.client.orphans import OrphanReleaser
 from meshnet.client.replay import SessionLost, first_changed_hop, replay
 from meshnet.client.session_log import RecordedStep, SessionLog
@@ -90,6 +91,8 @@ class MeshClient:
                                                                  ceiling_s=step_timeout_s))
         # Sessions left on nodes this client failed over away from, freed once those nodes answer.
         self.orphans = OrphanReleaser()
+        # Nodes its steps found down: another session's step waiting on one stops at once.
+        self.node_failures = NodeFailures()
         self.client_id = client_id or new_client_id()
         self.accounting = StepAccounting(self.router.tracker, self.client_id, model_sha256, self._routes,
                                          report_deliveries, report_activity)
@@ -217,6 +220,9 @@ class MeshClient:
                 log.warning("session %s: %s; failing over", req.session_id, f)
                 deadline = deadline or time.monotonic() + self.failover_deadline_s
                 failed_at[f.node_id] = next((h.address for h in log_.hops if h.node_id == f.node_id), f.address)
+                if "another session's step" not in f.message:  # already recorded, at its first finding
+                    self.node_failures.record(f.node_id, failed_at[f.node_id], f"{f.code}: {f.message}",
+                                              time.monotonic())
 
     def charged_by_consumer(self, session_id: str) -> None:
         """``session_id``'s consumer reports each token it gets (:meth:`delivered`): its steps charge
@@ -280,7 +286,8 @@ class MeshClient:
     def _run_forwarded(self, log_: SessionLog, req: StepRequest, decode: bool) -> StepResult:
         """Run ``req`` through the route by forwarding (see :mod:`meshnet.client.forwarded`).
         Raises StageFailure."""
-        result, hop = run_forwarded(log_.hops, replace(req, epoch=log_.epoch), decode, self.clocks)
+        result, hop = run_forwarded(log_.hops, replace(req, epoch=log_.epoch), decode, self.clocks,
+                                    self.node_failures)
         if result.status is Status.NOT_FOUND and log_.steps and hop is not None:
             raise SessionLost(hop.node_id, hop.address, "NOT_FOUND", result.message)
         return result

@@ -266,17 +266,22 @@ class PendingStep:
     def __init__(self, tail: RemoteStage, conn: DataPlaneConnection) -> None:
         self.tail, self.conn = tail, conn
 
-    def result(self, timeout_s: float, still_alive, patience_s: float) -> tuple[StepResult, pb.HopFailure | None]:
+    def result(self, timeout_s: float, still_alive, patience_s: float,
+               watch=None) -> tuple[StepResult, pb.HopFailure | None]:
         """(the tail's result, None), or (None, the failure of the hop the step stopped at).
 
         Waits ``timeout_s`` seconds, then on as long as ``still_alive()`` and at most ``patience_s``
-        in all. Raises StageFailure naming the tail when the connection breaks or the wait runs out."""
+        in all; ``watch`` as :meth:`DataPlaneConnection.receive`'s. Raises StageFailure naming the tail
+        when the connection breaks or the wait runs out, or the one ``watch`` raises."""
         tail = self.tail
         try:
-            replies, error = self.conn.receive(timeout_s, still_alive, patience_s)
+            replies, error = self.conn.receive(timeout_s, still_alive, patience_s, watch)
         except (OSError, DataPlaneError) as e:
             self.conn.close()
             raise StageFailure(tail.node_id, tail.data_pool.address, *_socket_failure(e, timeout_s)) from None
+        except BaseException:
+            self.conn.close()  # the answer may still come: this connection cannot be reused
+            raise
         tail.data_pool.release(self.conn)
         if error is not None:
             return tail._refusal(error), None

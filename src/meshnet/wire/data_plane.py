@@ -207,13 +207,15 @@ class DataPlaneConnection:
         self.last_used = time.monotonic()
 
     def receive(self, timeout_s: float | None = None, still_alive: Callable[[], bool] | None = None,
-                patience_s: float = 0.0
+                patience_s: float = 0.0, watch: tuple[float, Callable[[], None]] | None = None
                 ) -> tuple[list[pb.StepReply] | None, tuple[str, float | None, str] | None]:
-        """The answer to the request sent last: see :meth:`call`."""
+        """The answer to the request sent last: see :meth:`call`. ``watch``: ``(every_s, check)``, where
+        ``check()`` is called every ``every_s`` seconds while no byte of the answer has come, and may
+        raise to stop waiting (the connection is then out of step with the node: close it)."""
         if timeout_s is not None:
             self.sock.settimeout(timeout_s)
         if still_alive is not None and timeout_s is not None:
-            self._await_reply(timeout_s, still_alive, patience_s)
+            self._await_reply(timeout_s, still_alive, patience_s, watch)
         replies: list[pb.StepReply] = []
         n = 1
         while len(replies) < n:
@@ -229,15 +231,27 @@ class DataPlaneConnection:
         self.last_used = time.monotonic()
         return replies, None
 
-    def _await_reply(self, timeout_s: float, still_alive: Callable[[], bool], patience_s: float) -> None:
-        """Block until the reply's first byte is readable; see :meth:`call`. Raises TimeoutError."""
+    def _await_reply(self, timeout_s: float, still_alive: Callable[[], bool], patience_s: float,
+                     watch: tuple[float, Callable[[], None]] | None = None) -> None:
+        """Block until the reply's first byte is readable; see :meth:`call` and :meth:`receive`. Raises
+        TimeoutError, or what ``watch`` raises."""
         start = time.monotonic()
         if self.tls and self.sock.pending():
             return  # already decrypted, waiting in the TLS layer where select() cannot see it
-        while not select.select([self.sock], [], [], timeout_s)[0]:
-            waited = time.monotonic() - start
-            if waited >= patience_s or not still_alive():
-                raise TimeoutError(f"no answer within {waited:.2f}s")
+        every_s, check = watch if watch is not None else (timeout_s, None)
+        next_probe = start + timeout_s
+        while True:
+            now = time.monotonic()
+            if select.select([self.sock], [], [], max(0.0, min(every_s, next_probe - now)))[0]:
+                return
+            if check is not None:
+                check()
+            now = time.monotonic()
+            if now >= next_probe:
+                waited = now - start
+                if waited >= patience_s or not still_alive():
+                    raise TimeoutError(f"no answer within {waited:.2f}s")
+                next_probe = now + timeout_s
 
     def close(self) -> None:
         try:

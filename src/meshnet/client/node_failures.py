@@ -1,0 +1,51 @@
+"""Nodes a client's steps found down, shared by all its sessions.
+
+A node that dies takes the steps queued on it with it. The session whose step meets the dead node first
+(its forward was refused, or its deadline ran out and Health went unanswered) fails over at once; the
+others, whose steps were already inside the node, would each wait out their own deadline, which grows
+with the steps queued there (4-8 s at 8 concurrent streams against 1.5 s alone). With the failure
+recorded here, a forwarded step whose route names that node stops waiting for it within
+:data:`WATCH_S` and fails over too.
+
+Only a failure recorded after a step was sent dooms it: a step sent later through the same node means
+its session has found the node back (restarted at its address, resumed), and it is waited for as usual.
+
+Pure bookkeeping: callers pass the clock.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+# How often a step waiting for its outcome looks here, seconds.
+WATCH_S = 0.2
+# How long a failure is kept, seconds: far longer than a step is waited for.
+KEEP_S = 120.0
+
+
+class NodeFailures:
+    """When each node (by id and address) was last found down (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._at: dict[tuple[str, str], tuple[float, str]] = {}  # (node id, address) -> (time, why)
+
+    def record(self, node_id: str, address: str, why: str, now: float) -> None:
+        """``node_id`` at ``address`` (its gRPC address, as routes name it) was found down at ``now``."""
+        with self._lock:
+            self._at[(node_id, address)] = (now, why)
+            for key in [k for k, (t, _) in self._at.items() if now - t > KEEP_S]:
+                del self._at[key]
+
+    def since(self, sent_at: float, hops: Sequence) -> tuple[object, str] | None:
+        """The first of ``hops`` (objects with ``node_id`` and ``address``) found down after ``sent_at``,
+        with why, or None."""
+        with self._lock:
+            if not self._at:
+                return None
+            for hop in hops:
+                found = self._at.get((hop.node_id, hop.address))
+                if found is not None and found[0] > sent_at:
+                    return hop, found[1]
+        return None
