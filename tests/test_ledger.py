@@ -326,7 +326,8 @@ def _run(args) -> tuple[int, str]:
 
 
 def test_a_second_tracker_on_the_same_sqlite_file_is_refused_naming_the_first(tmp_path):
-    """Two trackers on one machine both opened the default ledger.db, each counting its own mesh into it."""
+    """Two trackers on one machine both opened the default ledger.db, each counting its own mesh into it.
+    The second waits a few seconds for the first to let go (a restart), then is refused."""
     import os
     import subprocess
     import sys
@@ -334,14 +335,18 @@ def test_a_second_tracker_on_the_same_sqlite_file_is_refused_naming_the_first(tm
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     first = Ledger(url)
     try:
-        r = subprocess.run([sys.executable, "-c", f"from meshnet.ledger.store import Ledger; Ledger({url!r})"],
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 1
-        assert (f"LedgerError: the ledger {tmp_path / 'ledger.db'} is in use by another tracker (pid {os.getpid()}): "
-                "one tracker writes a ledger at a time") in r.stderr
+        with pytest.raises(LedgerError) as e:
+            Ledger(url, lock_wait_s=0.2)
+        assert str(e.value) == (f"the ledger {tmp_path / 'ledger.db'} is in use by another tracker (pid {os.getpid()}, "
+                                "still after 0.2 s): one tracker writes a ledger at a time; give this one --ledger "
+                                "with another file")
         r = subprocess.run([sys.executable, "-m", "meshnet.cli", "tracker", "--port", "0", "--ledger", url],
                            capture_output=True, text=True, timeout=60)
-        assert r.returncode == 2 and "Traceback" not in r.stderr and f"(pid {os.getpid()})" in r.stderr, r.stderr
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert f"is in use by another tracker (pid {os.getpid()}, still after 5 s)" in r.stderr, r.stderr
+        # A tracker being restarted gets the file once the old one lets go.
+        threading.Timer(0.5, first.close).start()
+        Ledger(url, lock_wait_s=10).close()
     finally:
         first.close()
     Ledger(url).close()  # free again once the first is closed

@@ -13,6 +13,7 @@ import fcntl
 import importlib.util
 import os
 import threading
+import time
 from pathlib import Path
 from typing import IO
 
@@ -76,26 +77,38 @@ def make_ledger_engine(url: str) -> Engine:
         raise LedgerError(f"ledger URL {url!r}: cannot create its directory: {e.strerror or e}") from None
 
 
-def hold_sqlite_file(engine: Engine) -> IO | None:
+# How long a tracker waits for another process to let go of its SQLite ledger file, seconds: a tracker
+# being restarted may start before the old process has exited.
+LOCK_WAIT_S = 5.0
+
+
+def hold_sqlite_file(engine: Engine, wait_s: float = LOCK_WAIT_S) -> IO | None:
     """For a ledger in an SQLite file, an exclusive lock on ``<file>.lock`` held by this process until the
     returned file is closed (or the process dies), else None: one tracker writes a ledger at a time, and a
-    second one on the same machine would otherwise count the same steps into it beside the first.
+    second one on the same machine would otherwise count the same steps into it beside the first. Waits
+    up to ``wait_s`` seconds for a holder to let go.
 
     Raises:
-        LedgerError: another process holds the file (its pid is named).
+        LedgerError: another process still holds the file (its pid is named).
     """
     if engine.url.get_backend_name() != "sqlite" or _is_memory(engine.url):
         return None
     path = Path(engine.url.database).expanduser()
     lock = open(path.with_name(path.name + ".lock"), "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "?"
-        lock.close()
-        raise LedgerError(f"the ledger {path} is in use by another tracker (pid {holder}): one tracker writes a "
-                          "ledger at a time; give this one --ledger with another file") from None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                lock.seek(0)
+                holder = lock.read().strip() or "?"
+                lock.close()
+                raise LedgerError(f"the ledger {path} is in use by another tracker (pid {holder}, still after "
+                                  f"{wait_s:g} s): one tracker writes a ledger at a time; give this one --ledger "
+                                  "with another file") from None
+            time.sleep(0.05)
     lock.truncate(0)
     lock.write(str(os.getpid()))
     lock.flush()

@@ -30,7 +30,7 @@ from sqlalchemy import and_, case, func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from meshnet.ledger.credit import Rect, new_area
-from meshnet.ledger.database import LedgerError, hold_sqlite_file, make_ledger_engine, upgrade
+from meshnet.ledger.database import LOCK_WAIT_S, LedgerError, hold_sqlite_file, make_ledger_engine, upgrade
 from meshnet.ledger.schema import deliveries, node_keys, work
 
 MAX_ID_CHARS = 256  # session, client and node ids longer than this are refused (column width)
@@ -155,12 +155,14 @@ class Ledger:
         url: SQLAlchemy URL; ``"sqlite://"`` (the default) is an in-memory database that lives as long as
             this object.
         clock: Unix seconds for ``recorded_at`` columns.
+        lock_wait_s: how long to wait for another process holding the same SQLite file to let go.
 
     Raises:
         LedgerError: the database cannot be opened or migrated.
     """
 
-    def __init__(self, url: str = "sqlite://", clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, url: str = "sqlite://", clock: Callable[[], float] = time.time,
+                 lock_wait_s: float = LOCK_WAIT_S) -> None:
         self.url = url
         self._clock = clock
         self._engine = make_ledger_engine(url)
@@ -168,7 +170,7 @@ class Ledger:
         self._keys: dict[str, bytes] = {}
         self._file_lock = None
         try:
-            self._file_lock = hold_sqlite_file(self._engine)
+            self._file_lock = hold_sqlite_file(self._engine, lock_wait_s)
             upgrade(self._engine)
         except BaseException:
             self.close()
