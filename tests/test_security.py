@@ -275,7 +275,7 @@ def test_an_address_that_serves_no_tracker_is_named_so(not_trackers, capsys):
     from meshnet.membership.cli import run_nodes
 
     grpc_address, http_address = not_trackers
-    for address, why in ((grpc_address, "that address serves gRPC but is not a meshnet tracker: a node's port?"),
+    for address, why in ((grpc_address, "that address serves gRPC without this tracker call: a node's port (give the tracker's)"),
                          (http_address, "that address is not a gRPC server (an HTTP server, such as meshnet api")):
         assert run_nodes(argparse.Namespace(tracker=address, join_token=None, tls_ca=None, json=True)) == 1
         assert why in capsys.readouterr().err
@@ -287,7 +287,7 @@ def test_an_address_that_serves_no_tracker_is_named_so(not_trackers, capsys):
     api = subprocess.run([sys.executable, "-m", "meshnet.cli", "api", "--tracker", grpc_address, "--port", "0"],
                          capture_output=True, text=True, timeout=60)
     assert api.returncode == 2 and f"error: --tracker {grpc_address}: " in api.stderr
-    assert "is not a meshnet tracker" in api.stderr and "serving" not in api.stderr
+    assert "serves gRPC without this tracker call" in api.stderr and "serving" not in api.stderr
 
 
 def test_a_tls_tracker_keeps_failed_handshakes_off_its_stderr(self_signed, tmp_path):

@@ -50,8 +50,9 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     # Reconnect at least every 2 s. gRPC's backoff grows to 120 s by default, and a call in between
     # fails at once without trying: nodes took 20-65 s to register again with a restarted tracker, and
     # the mesh routed nothing meanwhile. A connection attempt every 2 s to a peer that is gone costs nothing.
+    # (Not grpc.min_reconnect_backoff_ms: it is also the minimum time an attempt may take to connect,
+    # 20 s by default, and at 0.5 s a TLS handshake over a slow link never finished.)
     ("grpc.initial_reconnect_backoff_ms", 500),
-    ("grpc.min_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
@@ -229,7 +230,8 @@ def not_a_tracker(e: grpc.RpcError) -> str | None:
     or None: gRPC without the tracker's service answers UNIMPLEMENTED, an HTTP/1 server breaks the
     HTTP/2 handshake."""
     if e.code() is grpc.StatusCode.UNIMPLEMENTED:
-        return "that address serves gRPC but is not a meshnet tracker: a node's port? give the tracker's"
+        return ("that address serves gRPC without this tracker call: a node's port (give the tracker's), or a "
+                "tracker older than this client")
     if e.code() is grpc.StatusCode.UNAVAILABLE and "Failed parsing HTTP/2" in (e.details() or ""):
         return ("that address is not a gRPC server (an HTTP server, such as meshnet api or the dashboard?): "
                 "give the tracker's")
