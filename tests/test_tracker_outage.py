@@ -3,6 +3,8 @@ sessions through it, and one that never had a route gets a clear error."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from meshnet.client.mesh_client import MeshClient, MeshUnavailable
@@ -23,9 +25,22 @@ def test_new_sessions_take_the_last_route_while_the_tracker_is_down(mesh, tok, s
     # A failed node in the last route leaves nothing to take without the tracker.
     with pytest.raises(MeshUnavailable, match="goes through a failed node"):
         client.route({head.node_id})
+    # A node restarted at its address meanwhile is another process (it cannot tell the tracker), but it
+    # serves: new sessions take it.
+    _, hops = client.route()
+    grpc_port, data_port = hops[-1].address.rsplit(":", 1)[1], hops[-1].data_pool.address.rsplit(":", 1)[1]
+    tail.kill()
+    again = mesh.spawn_node("15:30", tail.node_id, "smollm2", "--port", grpc_port, "--data-port", data_port)
+    try:
+        assert again.stdout.readline().startswith("MESHNET_NODE_READY")  # once it gives up waiting for the tracker
+        after = generate(client, tok, solo.prompt_ids(2), 16, GREEDY, stop_at_eog=False)
+        assert after.generated_token_ids == solo.greedy(2, 16)
+    finally:
+        again.kill()
+        again.wait(10)
     # Nor one whose node died meanwhile: the route came back as it was (the API's /health said "ok" for
     # it, and each new session waited out a failover's deadline to learn otherwise).
-    tail.kill()
+    time.sleep(1.1)  # past the last probe's answer (kept a second)
     with pytest.raises(MeshUnavailable, match=f"node {tail.node_id} of its last route does not answer at "):
         client.route()
     client.close()

@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 import grpc
 
 from meshnet.client.relayed import RelayedStage
-from meshnet.client.remote import RemoteStage
+from meshnet.client.remote import LIVENESS_PROBE_S, RemoteStage
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane import ConnectionPool
 from meshnet.wire.security import client_ssl_context, open_channel, tracker_hint
+
+# How long a health probe of the last route's node is trusted while the tracker is unreachable, seconds
+# (the API asks for a route twice a request: its check, then the session's own).
+PROBE_KEPT_S = 1.0
 
 log = logging.getLogger("meshnet.client")
 
@@ -47,6 +52,7 @@ class Router:
         self.tracker = pb_grpc.TrackerStub(self.tracker_channel)
         self.on_stage: Callable[[RemoteStage], RemoteStage] | None = None
         self._last_route: list[pb.Hop] | None = None  # the tracker's last route, while it is unreachable
+        self._probed: dict[tuple[str, str], tuple[float, str | None]] = {}  # (id, address) -> (when, problem)
         self._channels: dict[str, grpc.Channel] = {}
         self._pools: dict[str, ConnectionPool] = {}
         self._lock = threading.Lock()
@@ -104,14 +110,33 @@ class Router:
             # Nobody drops a dead node from that route meanwhile: ask each (a health probe), so a new
             # session, and the API's /health, learn it at once rather than through a failover's deadline.
             stages = [self.stage(h) for h in last]
-            if (dead := next((st for st in stages if not st.answers()), None)) is not None:
-                raise MeshUnavailable(f"no route: the tracker is unreachable ({e.code().name}) and node "
-                                      f"{dead.node_id} of its last route does not answer at {dead.address}") from None
+            for st in stages:
+                if (problem := self._probe(st)) is not None:
+                    raise MeshUnavailable(f"no route: the tracker is unreachable ({e.code().name}) and node "
+                                          f"{st.node_id} of its last route {problem}") from None
             log.warning("tracker %s unreachable (%s): using the last route it gave", self.tracker_address,
                         e.code().name)
             return previous_epoch + 1, stages
         self._last_route = list(r.hops)
         return int(r.epoch), [self.stage(h) for h in r.hops]
+
+    def _probe(self, stage: RemoteStage) -> str | None:
+        """Why ``stage`` cannot take a new session now (it does not answer Health, or answers unhealthy),
+        or None; a probe's answer is kept :data:`PROBE_KEPT_S`. Another process answering at the node's
+        address is fine here (a node restarted while the tracker was away): a new session starts there."""
+        key, now = (stage.node_id, stage.address), time.monotonic()
+        with self._lock:
+            kept = self._probed.get(key)
+        if kept is not None and now - kept[0] < PROBE_KEPT_S:
+            return kept[1]
+        try:
+            h = stage.health(LIVENESS_PROBE_S)
+            problem = None if h.healthy else f"answers unhealthy at {stage.address}: {h.message}"
+        except grpc.RpcError as err:
+            problem = f"does not answer at {stage.address} ({err.code().name})"
+        with self._lock:
+            self._probed[key] = (now, problem)
+        return problem
 
     def route_through_recovered(self, failed_at: dict[str, str], previous_epoch: int, min_n_ctx: int = 0
                                  ) -> tuple[int, list[RemoteStage]] | None:
