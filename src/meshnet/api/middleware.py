@@ -12,17 +12,19 @@ from meshnet.api.metrics import ApiMetrics
 
 log = logging.getLogger("meshnet.api")
 
-# How long a request's body may take to arrive, seconds. The server has no limit of its own: a client
-# that sends headers and a few bytes of body would hold its connection and a task forever (a few hundred
-# such clients, a server's worth of sockets). A chat body of the largest size allowed arrives in
-# milliseconds on any link a model's answer can be streamed over.
+# How long a request's body may go without a byte, and take in all, seconds. The server has no limit of
+# its own: a client that sends headers and a few bytes of body would hold its connection and a task
+# forever (a few hundred such clients, a server's worth of sockets). The largest body allowed (2 MiB)
+# arrives within the cap on a 64 kbit/s link.
 BODY_TIMEOUT_S = 30.0
+BODY_TOTAL_S = 300.0
 
 
 class BodyLimitAndMetrics:
     """Reads a request's whole body up front, refusing more than ``max_body_bytes`` with 413 (on the
-    Content-Length header and on the bytes actually received) and a body that takes longer than
-    :data:`BODY_TIMEOUT_S` to arrive with 408, then replays it to the app; counts every
+    Content-Length header and on the bytes actually received) and a body whose bytes stop for
+    :data:`BODY_TIMEOUT_S` (or that takes over :data:`BODY_TOTAL_S` in all) with 408, then replays it to
+    the app; counts every
     answer by endpoint and status. An exception out of the app is logged and answered 500 here, not
     re-raised: Starlette's own handler would answer and then re-raise it to the server, which drops the
     client's keep-alive connection, failing its next request too."""
@@ -85,14 +87,17 @@ class BodyLimitAndMetrics:
         if too_big and not drain:
             await self._reply(send, _too_large(limit, declared))
             return None
-        deadline = time.monotonic() + BODY_TIMEOUT_S
+        start = time.monotonic()
         while True:
+            now = time.monotonic()
+            wait_s = min(BODY_TIMEOUT_S, start + BODY_TOTAL_S - now)
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+                message = await asyncio.wait_for(receive(), max(0.0, wait_s))
             except asyncio.TimeoutError:
-                await self._reply(send, ApiError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s "
-                                                      f"({total} of {declared if declared is not None else '?'} "
-                                                      "bytes came)", code="request_timeout"))
+                came = f"{total} of {declared if declared is not None else '?'} bytes came"
+                why = (f"no byte of the request body came for {BODY_TIMEOUT_S:g} s ({came})" if wait_s == BODY_TIMEOUT_S
+                       else f"the request body took over {BODY_TOTAL_S:g} s ({came})")
+                await self._reply(send, ApiError(408, why, code="request_timeout"))
                 return None
             if message["type"] == "http.disconnect":
                 return None
