@@ -17,7 +17,7 @@ import time
 import grpc
 
 from meshnet.client.deadline import HopClocks
-from meshnet.client.node_failures import WATCH_S, NodeFailures
+from meshnet.client.node_failures import WATCH_S, FoundDown, NodeFailures
 from meshnet.client.remote import _CONTRACT_CODES, RemoteStage, StageFailure
 from meshnet.contract import StepRequest, StepResult
 from meshnet.proto import meshnet_pb2 as pb
@@ -67,8 +67,7 @@ def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool, clock
             found = failures.since(t0, hops) if failures is not None else None
             if found is not None:
                 hop, why = found
-                raise StageFailure(hop.node_id, hop.address, "UNAVAILABLE",
-                                   f"found down by another session's step ({why})")
+                raise FoundDown(hop.node_id, hop.address, "UNAVAILABLE", f"found down by another step ({why})")
 
         try:
             res, failure = pending.result(timeout_s, all_answer, tail.timeout_s,

@@ -28,7 +28,7 @@ from dataclasses import replace
 from meshnet.client.accounting import StepAccounting
 from meshnet.client.deadline import DeadlinePolicy, HopClocks
 from meshnet.client.forwarded import forwardable, run_forwarded
-from meshnet.client.node_failures import NodeFailures
+from meshnet.client.node_failures import FoundDown, NodeFailures
 from meshnet.client.orphans import OrphanReleaser
 from meshnet.client.replay import SessionLost, first_changed_hop, replay
 from meshnet.client.session_log import RecordedStep, SessionLog
@@ -220,9 +220,17 @@ class MeshClient:
                 log.warning("session %s: %s; failing over", req.session_id, f)
                 deadline = deadline or time.monotonic() + self.failover_deadline_s
                 failed_at[f.node_id] = next((h.address for h in log_.hops if h.node_id == f.node_id), f.address)
-                if "another session's step" not in f.message:  # already recorded, at its first finding
-                    self.node_failures.record(f.node_id, failed_at[f.node_id], f"{f.code}: {f.message}",
-                                              time.monotonic())
+                self._record_if_down(log_, f)
+
+    def _record_if_down(self, log_: SessionLog, f: StageFailure) -> None:
+        """Tell this client's other steps through ``f``'s node that it is down (:mod:`meshnet.client.node_failures`),
+        if a health probe agrees: a node that refused the step but answers (draining, a request it
+        will not run) finishes the steps it holds."""
+        if isinstance(f, FoundDown):
+            return  # recorded at its first finding
+        hop = next((h for h in log_.hops if h.node_id == f.node_id), None)
+        if hop is not None and not hop.answers():
+            self.node_failures.record(hop.node_id, hop.address, f"{f.code}: {f.message}", time.monotonic())
 
     def charged_by_consumer(self, session_id: str) -> None:
         """``session_id``'s consumer reports each token it gets (:meth:`delivered`): its steps charge

@@ -5,7 +5,9 @@ A node that dies takes the steps queued on it with it. The session whose step me
 others, whose steps were already inside the node, would each wait out their own deadline, which grows
 with the steps queued there (4-8 s at 8 concurrent streams against 1.5 s alone). With the failure
 recorded here, a forwarded step whose route names that node stops waiting for it within
-:data:`WATCH_S` and fails over too.
+:data:`WATCH_S` (raising :class:`FoundDown`) and fails over too. The client records a node only when it
+also fails a health probe: a node that refused a step but answers (draining, a bad request) still
+finishes the steps it holds.
 
 Only a failure recorded after a step was sent dooms it: a step sent later through the same node means
 its session has found the node back (restarted at its address, resumed), and it is waited for as usual.
@@ -18,10 +20,16 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
+from meshnet.client.remote import StageFailure
+
 # How often a step waiting for its outcome looks here, seconds.
 WATCH_S = 0.2
 # How long a failure is kept, seconds: far longer than a step is waited for.
 KEEP_S = 120.0
+
+
+class FoundDown(StageFailure):
+    """A step gave up on a node that another step of the same client found down."""
 
 
 class NodeFailures:
