@@ -337,7 +337,7 @@ def test_a_second_tracker_on_the_same_sqlite_file_is_refused_naming_the_first(tm
     try:
         with pytest.raises(LedgerError) as e:
             Ledger(url, lock_wait_s=0.2)
-        assert str(e.value) == (f"the ledger {tmp_path / 'ledger.db'} is in use by another tracker (pid {os.getpid()}, "
+        assert str(e.value) == (f"the ledger {tmp_path / 'ledger.db'} is in use by another tracker (this process, "
                                 "still after 0.2 s): one tracker writes a ledger at a time; give this one --ledger "
                                 "with another file")
         r = subprocess.run([sys.executable, "-m", "meshnet.cli", "tracker", "--port", "0", "--ledger", url],

@@ -94,7 +94,10 @@ def hold_sqlite_file(engine: Engine, wait_s: float = LOCK_WAIT_S) -> IO | None:
     if engine.url.get_backend_name() != "sqlite" or _is_memory(engine.url):
         return None
     path = Path(engine.url.database).expanduser()
-    lock = open(path.with_name(path.name + ".lock"), "a+")
+    try:
+        lock = open(path.with_name(path.name + ".lock"), "a+")
+    except OSError as e:
+        raise LedgerError(f"the ledger {path}: cannot open its lock file: {e.strerror or e}") from None
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -105,7 +108,8 @@ def hold_sqlite_file(engine: Engine, wait_s: float = LOCK_WAIT_S) -> IO | None:
                 lock.seek(0)
                 holder = lock.read().strip() or "?"
                 lock.close()
-                raise LedgerError(f"the ledger {path} is in use by another tracker (pid {holder}, still after "
+                who = "this process" if holder == str(os.getpid()) else f"pid {holder}"
+                raise LedgerError(f"the ledger {path} is in use by another tracker ({who}, still after "
                                   f"{wait_s:g} s): one tracker writes a ledger at a time; give this one --ledger "
                                   "with another file") from None
             time.sleep(0.05)
