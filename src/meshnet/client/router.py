@@ -88,8 +88,9 @@ class Router:
 
         While the tracker cannot be reached (down, restarting, cut off from this client), the last route
         it gave serves instead, unless it goes through a node in ``exclude`` or one that does not answer a
-        health probe: the nodes keep serving without the tracker, so new sessions need not fail with it. Its epoch is then ``previous_epoch + 1``: epochs
-        only have to grow per session, and the tracker, once back, numbers above what the client sends.
+        health probe: the nodes keep serving without the tracker, so new sessions need not fail with it.
+        Its epoch is then ``previous_epoch + 1``: epochs only have to grow per session, and the tracker,
+        once back, numbers above what the client sends.
 
         Raises:
             MeshUnavailable: the tracker's reason, or why the last route cannot serve.
