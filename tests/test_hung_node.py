@@ -7,6 +7,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 from mesh_util import wait_for
 from meshnet.client.mesh_client import MeshClient
 from meshnet.client.orphans import OrphanReleaser
@@ -172,21 +174,25 @@ def test_orphan_releaser_gives_up_after_its_horizon():
     releaser.close()
 
 
-def test_steps_lost_inside_a_killed_node_fail_over_once_another_session_finds_it_down(mesh, solo):
+@pytest.mark.parametrize("victim_at", [1, 0])
+def test_steps_lost_inside_a_killed_node_fail_over_once_another_session_finds_it_down(mesh, solo, victim_at):
     """Two sessions' decode steps sit inside the middle node when it is killed; nothing answers for them,
-    so each waited out its own deadline (4-8 s under load; 20 s here). A third session's step is refused
-    by the dead node at once: from then on the two stop waiting too, and all three fail over to the spare
-    with the ids of the solo runs."""
+    so each waited out its own deadline at the tail (4-8 s under load; 20 s here). A third session's step
+    is refused by the dead node at once: from then on the two stop waiting too, and all three fail over
+    to the spare with the ids of the solo runs. (Killed, the head breaks the connections its callers
+    wait on, so it needs none of this: the same holds for it.)"""
     from meshnet.client.deadline import DeadlinePolicy
 
-    head, victim, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
+    ranges = ["0:10", "10:20", "20:30"]
+    nodes = mesh.start_nodes([("a-head", ranges[0]), ("b-mid", ranges[1]), ("d-tail", ranges[2])])
+    victim = nodes[victim_at]
     client = MeshClient(mesh.tracker, step_timeout_s=30, step_deadline=DeadlinePolicy(floor_s=20, ceiling_s=30))
     first = {}
-    for i in range(3):  # every session through b-mid
+    for i in range(3):  # every session through the victim
         res = client.step(StepRequest(f"s{i}", 0, 0, tuple(solo.prompt_ids(i))), decode=False)
         assert res.ok and res.token.token_id == solo.greedy(i, 1)[0]
         first[i] = res.token.token_id
-    mesh.start_nodes([("c-spare", "10:20")])
+    mesh.start_nodes([("c-spare", ranges[victim_at])])
 
     def decode(i: int) -> StepRequest:
         return StepRequest(f"s{i}", 0, len(solo.prompt_ids(i)), (first[i],))
