@@ -23,7 +23,7 @@ from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashb
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.supervisor import Supervisor, on_stop_signals
+from meshnet.supervisor import Supervisor, on_stop_signals, wait_for_stop
 from meshnet.wire.addresses import bind_problem, format_address, this_machine_address
 from meshnet.wire.security import open_channel, tracker_hint
 
@@ -251,8 +251,7 @@ def run_up(args: argparse.Namespace) -> int:
         if dashboard:
             print(f"[meshnet up] watch it: {dashboard.url}", file=sys.stderr, flush=True)
         # The supervisor restarts nodes that exit; only a signal ends the mesh.
-        while not stop.wait(0.5):
-            pass
+        wait_for_stop(stop)
     except KeyboardInterrupt:
         pass
     except TimeoutError as e:

@@ -24,7 +24,7 @@ from meshnet.node.config import NodeConfig
 from meshnet.node.engine_loader import pin_to_cpu
 from meshnet.node.runner import Node
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.supervisor import follow_supervisor, on_stop_signals
+from meshnet.supervisor import follow_supervisor, on_stop_signals, wait_for_stop
 from meshnet.wire.security import TlsConfig, open_channel, server_ssl_context, tracker_refusal
 
 log = logging.getLogger("meshnet.node")
@@ -211,7 +211,7 @@ def run_node(args: argparse.Namespace) -> int:
     on_stop_signals(done.set)
     node.start()
     if not _registered_or_trying(node):
-        _wait_for(done)  # the refusal has signalled this process: drain and exit 1
+        wait_for_stop(done)  # the refusal has signalled this process: drain and exit 1
         node.stop(drain=True)
         return 1
     if cfg.relay:
@@ -226,18 +226,10 @@ def run_node(args: argparse.Namespace) -> int:
     log.info("node %s serving layers %s: gRPC %s, data plane %s; %s%s (%.1f tok/s decode probe)",
              node.node_id, layers, node.address, node.data_address or "off (steps over gRPC)",
              node.loaded.caps.backend, f" on {device}" if device else "", node.decode_tokens_per_s)
-    _wait_for(done)
+    wait_for_stop(done)
     log.info("draining node %s", node.node_id)
     node.stop(drain=True)
     return 1 if node.failure else 0
-
-
-def _wait_for(done: threading.Event) -> None:
-    """Until ``done`` is set, waking twice a second: a SIGTERM the kernel hands to another thread only
-    flags its handler for the main thread, which an untimed wait never wakes to run (one node in about
-    ten, sent 200 signals at once, never drained)."""
-    while not done.wait(0.5):
-        pass
 
 
 def _registered_or_trying(node: Node) -> bool:

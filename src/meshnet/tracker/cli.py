@@ -15,7 +15,7 @@ import threading
 
 from meshnet.arg_types import heartbeat_seconds, port_number
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
-from meshnet.supervisor import on_stop_signals
+from meshnet.supervisor import on_stop_signals, wait_for_stop
 from meshnet.tracker.server import start_tracker
 from meshnet.wire.addresses import format_address
 from meshnet.wire.security import JOIN_TOKEN_ENV, TlsConfig
@@ -91,8 +91,7 @@ def run_tracker(args: argparse.Namespace) -> int:
     if extras:
         print(f"tracker: {', '.join(extras)}", file=sys.stderr, flush=True)
     try:
-        while not stop.wait(0.5):  # a timed wait lets signal handlers run promptly
-            pass
+        wait_for_stop(stop)
     except KeyboardInterrupt:
         pass
     finally:
