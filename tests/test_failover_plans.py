@@ -23,6 +23,7 @@ class FakeHop:
         assert self.engine.load(LoadSpec(path="", artifact=ArtifactId("", layers))).ok
         self.fail_on, self.sent = set(fail_on), 0
         self.layers = (layers.start, layers.end)
+        self.numerics = self.engine.capabilities().numerics  # as the route would carry it
 
     def step(self, req: StepRequest, decode: bool, timeout_s: float | None = None):
         self.sent += 1
@@ -57,7 +58,7 @@ def _client(hops: list[FakeHop]) -> MeshClient:
     ranges = sorted({(h.engine.capabilities().artifact.layers.start, h.engine.capabilities().artifact.layers.end)
                      for h in hops})
 
-    def route(exclude=frozenset(), previous_epoch=0, min_n_ctx=0):
+    def route(exclude=frozenset(), previous_epoch=0, min_n_ctx=0, like=()):
         picked = [next(h for h in hops if (h.engine.capabilities().artifact.layers.start,
                                            h.engine.capabilities().artifact.layers.end) == r
                        and h.node_id not in exclude) for r in ranges]

@@ -321,3 +321,27 @@ def test_meshnet_nodes_names_the_layers_no_node_serves():
     assert nodes_dict(reply)["unserved_layers"] == {SHA: [[10, 20]]}
     whole = pb.NodeList(nodes=[pb.NodeStatus(info=node_info("head", 0, 10)), pb.NodeStatus(info=node_info("rest", 10, 30))])
     assert len(format_nodes(whole).splitlines()) == 3 and nodes_dict(whole)["unserved_layers"] == {}
+
+
+def test_meshnet_nodes_names_replicas_that_compute_otherwise():
+    """Overlapping replicas with other numerics keys get a line under the table (a failover between them is
+    within tolerance); nodes on other layers, with the same key, or without one, do not."""
+    from meshnet.membership.cli import nodes_dict
+
+    one = "ggml-python=0.0.37 backend=cpu simd=AVX2 threads=1 weights=repacked"
+    two = one.replace("threads=1", "threads=2")
+    infos = [node_info("head", 0, 10), node_info("mid", 10, 20), node_info("mid2", 10, 30), node_info("twin", 10, 20),
+             node_info("old", 10, 20), node_info("tail", 20, 30)]
+    for i, key in zip(infos, [two, one, two, one, "", one]):
+        i.numerics = key
+    reply = pb.NodeList(nodes=[pb.NodeStatus(info=i) for i in infos])
+    expected = [f"model {SHA[:12]}: mid and mid2 both serve layers [10, 20) but compute otherwise (threads=1 vs "
+                "threads=2): a failover between them continues within tolerance, not bit for bit",
+                f"model {SHA[:12]}: mid2 and twin both serve layers [10, 20) but compute otherwise (threads=2 vs "
+                "threads=1): a failover between them continues within tolerance, not bit for bit",
+                f"model {SHA[:12]}: mid2 and tail both serve layers [20, 30) but compute otherwise (threads=2 vs "
+                "threads=1): a failover between them continues within tolerance, not bit for bit"]
+    assert format_nodes(reply).splitlines()[-3:] == expected
+    data = nodes_dict(reply)
+    assert data["unlike_replicas"] == expected
+    assert [n["numerics"] for n in data["nodes"]] == [two, one, two, one, "", one]

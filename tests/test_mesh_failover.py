@@ -12,6 +12,7 @@ import pytest
 from meshnet.client.mesh_client import MeshClient, MeshUnavailable
 from meshnet.contract import GREEDY, LayerRange, NamedTensor, Outcome, Status, StepRequest
 from meshnet.generation import Generation
+from meshnet.proto import meshnet_pb2 as pb
 from meshnet.local_mesh import load_local_chain
 from meshnet.wire.envelope import request_to_frames
 
@@ -38,6 +39,43 @@ def test_kill_middle_node_with_spare_equals_uninterrupted_run(mesh, tok, solo):
     survivors = [n for n in (head, mid, spare, tail) if n is not victim]
     assert [n.active_sessions() for n in survivors] == [0, 0, 0]
 
+
+
+def test_a_failover_replays_onto_the_spare_that_computes_as_the_dead_node(mesh, tok, solo, caplog):
+    """Two spares of the middle range join mid-generation: one with the dead node's thread count, one with
+    2 threads (another numerics key: ggml splits long attention rows across threads). The replay goes to
+    the one computing alike, silently; when the next session's middle node dies, the other spare takes
+    over with a warning that the output continues within tolerance rather than bit for bit (this prompt stays under the 512 cells
+    where threads change the bits, so its ids still equal the solo run's)."""
+    head, mid, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
+    client = MeshClient(mesh.tracker)
+    spares = []
+
+    def kill_mid():
+        spares.extend(mesh.start_nodes([("c-2threads", "10:20", ("--threads", "2")), ("e-alike", "10:20")]))
+        mid.kill()
+
+    with caplog.at_level("WARNING", logger="meshnet.client"):
+        assert _run_killing(client, tok, solo.prompt_ids(0), kill_mid) == solo.greedy(0)
+        keys = {n.info.node_id: n.info.numerics for n in mesh.tracker_stub().ListNodes(pb.Empty(), timeout=5).nodes}
+        assert keys["e-alike"] == keys["a-head"] and keys["e-alike"].endswith(" threads=1 weights=repacked")
+        assert keys["c-2threads"] == keys["e-alike"].replace(" threads=1 ", " threads=2 ")
+        assert [h.node_id for h in client.last_hops] == ["a-head", "e-alike", "d-tail"]
+        assert not [r for r in caplog.records if "computes otherwise" in r.getMessage()]
+        victims = []
+
+        def kill_its_mid():  # whichever spare the new session's route took
+            victims.append(next(n for n in spares if n.node_id == client.last_hops[1].node_id))
+            victims[0].kill()
+
+        assert _run_killing(client, tok, solo.prompt_ids(1), kill_its_mid) == solo.greedy(1)
+    [survivor] = [n.node_id for n in spares if n is not victims[0]]
+    assert [h.node_id for h in client.last_hops] == ["a-head", survivor, "d-tail"]
+    [warning] = [r.getMessage() for r in caplog.records if "computes otherwise" in r.getMessage()]
+    assert f"node {survivor} replaces {victims[0].node_id} on layers [10, 20) but computes otherwise" in warning
+    assert "threads=2 vs threads=1" in warning or "threads=1 vs threads=2" in warning
+    assert "within tolerance of an uninterrupted run, not bit for bit" in warning
+    client.close()
 
 
 def test_a_spare_too_small_for_the_session_is_not_failed_over_to(mesh, tok, solo):

@@ -167,3 +167,41 @@ def test_a_session_needing_more_context_than_a_node_holds_is_never_routed_throug
     assert e.value.missing == (LayerRange(10, 30),)
     assert e.value.message.endswith("no node serves layers [10, 30) (holding fewer than 300 tokens a session: "
                                     "spare (128))")
+
+
+AVX2, AVX512 = "ggml cpu [AVX2] threads=2 repacked", "ggml cpu [AVX512] threads=2 repacked"
+
+
+def test_a_failover_prefers_the_spare_that_computes_as_the_failed_node_over_a_faster_one():
+    """The route a failover replaces ran [10, 20) on AVX2 kernels: the slow AVX2 spare rebuilds its KV
+    cache bit for bit and is taken ahead of the fast AVX-512 one, which is taken without the preference."""
+    nodes = [node("a", 0, 10, numerics=AVX2), node("fast512", 10, 20, numerics=AVX512, decode_tokens_per_s=90.0),
+             node("slow2", 10, 20, numerics=AVX2, decode_tokens_per_s=10.0), node("c", 20, 30, numerics=AVX2)]
+    like = [(LayerRange(0, 10), AVX2), (LayerRange(10, 20), AVX2), (LayerRange(20, 30), AVX2)]
+    assert ids(plan_route(nodes, SHA, exclude={"dead"})) == ["a", "fast512", "c"]
+    assert ids(plan_route(nodes, SHA, exclude={"dead"}, like=like)) == ["a", "slow2", "c"]
+    # Where no spare computes alike, the cheapest serves (the output then continues within tolerance).
+    assert ids(plan_route([n for n in nodes if n.node_id != "slow2"], SHA, like=like)) == ["a", "fast512", "c"]
+
+
+def test_numerics_yield_to_saturation_and_unknown_keys_ask_for_nothing():
+    full = node("full2", 10, 20, numerics=AVX2, active_sessions=16, max_sessions=16)
+    other = node("free512", 10, 20, numerics=AVX512)
+    ends = [node("a", 0, 10, numerics=AVX2), node("c", 20, 30, numerics=AVX2)]
+    like = [(LayerRange(10, 20), AVX2)]
+    # A saturated node would refuse the replay: a spare computing otherwise is better than none.
+    assert ids(plan_route([*ends, full, other], SHA, like=like)) == ["a", "free512", "c"]
+    # A replaced hop whose key was not said prefers nothing; a node that says none is unlike a known key.
+    fast, slow = node("fast", 10, 20, numerics=AVX512, decode_tokens_per_s=90.0), node("slow", 10, 20, numerics=AVX2)
+    assert ids(plan_route([*ends, fast, slow], SHA, like=[(LayerRange(10, 20), "")])) == ["a", "fast", "c"]
+    silent = node("silent", 10, 20, decode_tokens_per_s=90.0)
+    assert ids(plan_route([*ends, silent, slow], SHA, like=like)) == ["a", "slow", "c"]
+
+
+def test_numerics_are_matched_over_the_layers_a_replacement_shares_with_the_replaced_hop():
+    """A replacement range spanning two replaced hops must compute as both; the split that does wins."""
+    like = [(LayerRange(0, 15), AVX2), (LayerRange(15, 30), AVX512)]
+    whole = node("whole512", 0, 30, numerics=AVX512, decode_tokens_per_s=500.0)
+    split = [node("h2", 0, 15, numerics=AVX2), node("t512", 15, 30, numerics=AVX512)]
+    assert ids(plan_route([whole, *split], SHA)) == ["whole512"]
+    assert ids(plan_route([whole, *split], SHA, like=like)) == ["h2", "t512"]

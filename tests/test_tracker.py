@@ -215,6 +215,38 @@ def test_a_route_names_the_process_registered_last_at_an_address(tracker):
     assert ei.value.details() == "Register: node 'n99' has an instance id of 65 characters (at most 64)"
 
 
+def test_a_failover_route_prefers_nodes_computing_as_the_hops_it_replaces(tracker):
+    """Nodes register their numerics key and routes carry it; a route asked for ``prefer_like`` the old
+    route's hops takes the spare with the replaced hop's key over a faster one, and a malformed
+    ``prefer_like`` is INVALID_ARGUMENT naming the hop."""
+    avx2, avx512 = "ggml cpu [AVX2] threads=1 repacked", "ggml cpu [AVX512] threads=1 repacked"
+    for node_id, s, e, key, speed in [("h", 0, 10, avx2, 50.0), ("fast", 10, 20, avx512, 500.0),
+                                      ("same", 10, 20, avx2, 5.0), ("t", 20, 30, avx2, 50.0)]:
+        msg = info(node_id, s, e, port=9300 + s)
+        msg.numerics, msg.decode_tokens_per_s = key, speed
+        tracker.Register(msg, timeout=5)
+    plain = tracker.GetRoute(pb.RouteRequest(), timeout=5)
+    assert [(h.node_id, h.numerics) for h in plain.hops] == [("h", avx2), ("fast", avx512), ("t", avx2)]
+    like = [pb.Hop(node_id=n, layers=pb.LayerRange(start=s, end=e), numerics=avx2)
+            for n, s, e in [("h", 0, 10), ("dead", 10, 20), ("t", 20, 30)]]
+    route = tracker.GetRoute(pb.RouteRequest(exclude_node_ids=["dead"], prefer_like=like), timeout=5)
+    assert [h.node_id for h in route.hops] == ["h", "same", "t"]
+    listed = {n.info.node_id: n.info.numerics for n in tracker.ListNodes(pb.Empty(), timeout=5).nodes}
+    assert listed == {"h": avx2, "fast": avx512, "same": avx2, "t": avx2}
+    for hop, fragment in [(pb.Hop(layers=pb.LayerRange(start=5, end=5)), "prefer_like[0] has layer range [5, 5); expected start < end"),
+                          (pb.Hop(layers=pb.LayerRange(start=0, end=9), numerics="x" * 513),
+                           "prefer_like[0] has a numerics key of 513 characters (at most 512)")]:
+        with pytest.raises(grpc.RpcError) as ei:
+            tracker.GetRoute(pb.RouteRequest(prefer_like=[hop]), timeout=5)
+        assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert ei.value.details() == f"GetRoute: {fragment}"
+    long = info("n99", 0, 30, port=9399)
+    long.numerics = "y" * 513
+    with pytest.raises(grpc.RpcError) as ei:
+        tracker.Register(long, timeout=5)
+    assert ei.value.details() == "Register: node 'n99' has a numerics key of 513 characters (at most 512)"
+
+
 def test_route_deregister_and_bad_calls(tracker):
     for i, (s, e) in enumerate([(20, 30), (0, 10), (10, 20)]):
         reply = tracker.Register(info(f"n{s}", s, e, port=9000 + i), timeout=5)

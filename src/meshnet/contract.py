@@ -262,6 +262,9 @@ class Capabilities:
     # The stage computes with its step's token ids besides embedding them (hash-routed MoE blocks):
     # a step whose hidden states come without them is refused.
     needs_token_ids: bool = False
+    # What decides the bits the stage computes (see :func:`meshnet.engine.numerics.numerics_key`): stages with
+    # equal keys compute identical outputs from identical inputs. "" = not known.
+    numerics: str = ""
 
     @property
     def hidden_row_shape(self) -> tuple[int, ...]:

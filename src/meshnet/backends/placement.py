@@ -27,6 +27,7 @@ from meshnet.engine.base import EngineError
 from meshnet.engine.ggml_backend import BackendUnavailable, accelerator_backend, accelerator_devices, device_memory
 from meshnet.engine.ggml_engine import GgmlEngine
 from meshnet.engine.ggml_stage import GgmlStage
+from meshnet.engine.numerics import numerics_key
 from meshnet.model.gguf_file import GGUFError
 
 
@@ -91,7 +92,10 @@ class AcceleratorEngine(GgmlEngine):
             raise failure
         self.stage = stage
         cpu_stage.close()
-        return dataclasses.replace(caps, backend=self.lane, n_ctx=stage.n_ctx)
+        dev = stage.device or {}
+        name = dev.get("description") or dev.get("name") or f"device {self.device_index}"
+        return dataclasses.replace(caps, backend=self.lane, n_ctx=stage.n_ctx,
+                                   numerics=numerics_key(self.lane, name, spec.n_threads, spec.repack))
 
     @property
     def device(self) -> dict | None:

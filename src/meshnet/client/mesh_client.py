@@ -30,7 +30,7 @@ from meshnet.client.deadline import DeadlinePolicy, HopClocks
 from meshnet.client.forwarded import forwardable, run_forwarded
 from meshnet.client.node_failures import FoundDown, NodeFailures
 from meshnet.client.orphans import OrphanReleaser
-from meshnet.client.replay import SessionLost, first_changed_hop, replay
+from meshnet.client.replay import SessionLost, first_changed_hop, replay, warn_if_unlike
 from meshnet.client.session_log import RecordedStep, SessionLog
 from meshnet.client.remote import RemoteStage, StageFailure
 from meshnet.client.router import MeshUnavailable, Router
@@ -98,10 +98,10 @@ class MeshClient:
                                          report_deliveries, report_activity)
 
     # ---- routing -----------------------------------------------------------------------------
-    def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0,
-              min_n_ctx: int = 0) -> tuple[int, list[RemoteStage]]:
+    def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0, min_n_ctx: int = 0,
+              like: list[RemoteStage] = ()) -> tuple[int, list[RemoteStage]]:
         """A route from the tracker (see :meth:`Router.route`). Raises MeshUnavailable."""
-        return self.router.route(exclude, previous_epoch, min_n_ctx)
+        return self.router.route(exclude, previous_epoch, min_n_ctx, like)
 
     def route_with_context(self) -> tuple[int, list[RemoteStage], int]:
         """A route and its context length in tokens (the smallest ``n_ctx`` along it: every stage must
@@ -134,16 +134,17 @@ class MeshClient:
                 log.warning("%s; routing around it", f)
                 failed_at[f.node_id] = f.address
 
-    def _route_around(self, failed_at: dict[str, str], previous_epoch: int = 0,
-                      min_n_ctx: int = 0) -> tuple[int, list[RemoteStage]]:
+    def _route_around(self, failed_at: dict[str, str], previous_epoch: int = 0, min_n_ctx: int = 0,
+                      like: list[RemoteStage] = ()) -> tuple[int, list[RemoteStage]]:
         """A route without the nodes in ``failed_at`` (node id -> the address each failed at), or else
         one through them once every one has recovered (:meth:`Router.route_through_recovered`): a mesh
-        without a spare serves again as soon as its failed node is back. Raises MeshUnavailable (the
-        tracker's reason for the route without them)."""
+        without a spare serves again as soon as its failed node is back. ``like``: the route a failover
+        replaces, whose numerics the new hops should share. Raises MeshUnavailable (the tracker's reason
+        for the route without them)."""
         try:
-            return self.route(set(failed_at), previous_epoch, min_n_ctx)
+            return self.route(set(failed_at), previous_epoch, min_n_ctx, like)
         except MeshUnavailable:
-            recovered = (self.router.route_through_recovered(failed_at, previous_epoch, min_n_ctx)
+            recovered = (self.router.route_through_recovered(failed_at, previous_epoch, min_n_ctx, like)
                          if failed_at else None)
             if recovered is None:
                 raise
@@ -354,7 +355,7 @@ class MeshClient:
         needed = log_.tokens_needed  # a replacement holding fewer would refuse the replay
         while True:
             try:
-                epoch, hops = self._route_around(failed_at, log_.epoch, needed)
+                epoch, hops = self._route_around(failed_at, log_.epoch, needed, like=log_.hops)
                 break
             except MeshUnavailable as e:
                 if time.monotonic() >= deadline:
@@ -364,6 +365,7 @@ class MeshClient:
                 time.sleep(0.25)
         old = log_.hops
         first, recorded = first_changed_hop(log_, hops, exclude, lost, from_head)
+        warn_if_unlike(log_.session_id, old, hops[first:])
         # Hops before `first` keep their caches; the replay starts at hop `first`'s input boundary.
         # Tiling guarantees the new hop `first` starts where the old one did, whose inputs we recorded.
         # Every hop the replay reaches may hold an older copy of the session (a node back at its old
@@ -395,3 +397,4 @@ class MeshClient:
         replay(log_, old, first, recorded, self._abandon)
         log_.intact = len(hops)
         return first
+

@@ -51,6 +51,7 @@ class RemoteStage:
         # The node process routed to (Hop.instance; "" = not known): another one at the same address is a
         # restart that lost every session this one held.
         self.instance = ""
+        self.numerics = ""  # Hop.numerics: what decides the bits it computes ("" = not known)
 
     def _fail(self, e: grpc.RpcError) -> StepResult:
         code = e.code()

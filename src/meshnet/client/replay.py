@@ -5,11 +5,13 @@ recorded steps are replayed from that hop on (:func:`replay`): the prompt as the
 then each generated token as its own decode step. Where the new route serves the same layer ranges,
 every replayed hop takes the inputs recorded for it, so the hops replay at the same time; otherwise hop
 by hop, each one's answers the next one's inputs. Same inputs, same kernels, same batch shapes: the
-rebuilt cache is bit-identical. The routing around failed nodes is :class:`~meshnet.client.mesh_client.MeshClient`'s.
+rebuilt cache is bit-identical where the new hop computes as the old one did (:func:`warn_if_unlike` says
+so where it does not). The routing around failed nodes is :class:`~meshnet.client.mesh_client.MeshClient`'s.
 """
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable
@@ -18,6 +20,9 @@ from meshnet.client.remote import RemoteStage, StageFailure
 from meshnet.client.router import MeshUnavailable
 from meshnet.client.session_log import SessionLog, same_ranges
 from meshnet.contract import Status, StepResult
+from meshnet.engine.numerics import differences
+
+log = logging.getLogger("meshnet.client")
 
 
 class SessionLost(StageFailure):
@@ -106,3 +111,17 @@ def _check_replayed(log_: SessionLog, res: StepResult, abandon: Callable[[Sessio
     if not res.ok:
         abandon(log_)
         raise MeshUnavailable(f"session {log_.session_id}: replay refused: {res.status.value} {res.message}")
+
+
+def warn_if_unlike(session_id: str, old: list[RemoteStage], new: list[RemoteStage]) -> None:
+    """Say so when a replayed hop computes otherwise than the hop it replaces over the same layers (no
+    spare with the same kernels, threads and weight layout was left): its rebuilt KV cache then differs in
+    the last bits, and the output continues within tolerance of an uninterrupted run, not identically."""
+    for hop in new:
+        for was in old:
+            if (was.numerics and hop.numerics != was.numerics and was.layers and hop.layers
+                    and was.layers[0] < hop.layers[1] and hop.layers[0] < was.layers[1]):
+                log.warning("session %s: node %s replaces %s on layers [%d, %d) but computes otherwise (%s): "
+                            "the output continues within tolerance of an uninterrupted run, not bit for bit",
+                            session_id, hop.node_id, was.node_id, max(was.layers[0], hop.layers[0]),
+                            min(was.layers[1], hop.layers[1]), differences(hop.numerics, was.numerics))

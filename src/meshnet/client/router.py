@@ -62,6 +62,7 @@ class Router:
         stage = self._connect(hop)
         stage.layers = (hop.layers.start, hop.layers.end)  # which recorded inputs it takes in a replay
         stage.instance = hop.instance
+        stage.numerics = hop.numerics
         return self.on_stage(stage) if self.on_stage is not None else stage
 
     def _connect(self, hop: pb.Hop) -> RemoteStage:
@@ -81,10 +82,11 @@ class Router:
                                                                           self.step_timeout_s, tls)
         return RemoteStage(hop.node_id, hop.address, ch, self.step_timeout_s, data_pool=pool)
 
-    def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0,
-              min_n_ctx: int = 0) -> tuple[int, list[RemoteStage]]:
+    def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0, min_n_ctx: int = 0,
+              like: list[RemoteStage] = ()) -> tuple[int, list[RemoteStage]]:
         """A route from the tracker, numbered with an epoch above ``previous_epoch``, through nodes that
-        hold sessions of ``min_n_ctx`` tokens (0: any).
+        hold sessions of ``min_n_ctx`` tokens (0: any), preferring over each hop of ``like`` (the route a
+        failover replaces) nodes that compute as that hop did (see :mod:`meshnet.engine.numerics`).
 
         While the tracker cannot be reached (down, restarting, cut off from this client), the last route
         it gave serves instead, unless it goes through a node in ``exclude`` or one that does not answer a
@@ -98,7 +100,8 @@ class Router:
         try:
             r = self.tracker.GetRoute(pb.RouteRequest(model_sha256=self.model_sha256,
                                                        exclude_node_ids=sorted(exclude),
-                                                       previous_epoch=previous_epoch, min_n_ctx=min_n_ctx),
+                                                       previous_epoch=previous_epoch, min_n_ctx=min_n_ctx,
+                                                       prefer_like=[_hop_like(h) for h in like if h.layers]),
                                    timeout=5)
         except grpc.RpcError as e:
             last = self._last_route
@@ -139,13 +142,13 @@ class Router:
             self._probed[key] = (now, problem)
         return problem
 
-    def route_through_recovered(self, failed_at: dict[str, str], previous_epoch: int, min_n_ctx: int = 0
-                                 ) -> tuple[int, list[RemoteStage]] | None:
+    def route_through_recovered(self, failed_at: dict[str, str], previous_epoch: int, min_n_ctx: int = 0,
+                                like: list[RemoteStage] = ()) -> tuple[int, list[RemoteStage]] | None:
         """A route in which every node that failed for this session has recovered: it is a new process
         (its address changed since it failed), or it answers Health again at its address (a partition
         healed, a stalled process resumed). None: no such route, or the tracker has none at all."""
         try:
-            epoch, hops = self.route(frozenset(), previous_epoch, min_n_ctx)
+            epoch, hops = self.route(frozenset(), previous_epoch, min_n_ctx, like)
         except MeshUnavailable:
             return None
         for h in hops:
@@ -159,3 +162,9 @@ class Router:
             ch.close()
         for pool in self._pools.values():
             pool.close()
+
+
+def _hop_like(stage: RemoteStage) -> pb.Hop:
+    """What ``RouteRequest.prefer_like`` needs of a hop: its layer range and numerics key."""
+    start, end = stage.layers
+    return pb.Hop(node_id=stage.node_id, layers=pb.LayerRange(start=start, end=end), numerics=stage.numerics)

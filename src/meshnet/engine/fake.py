@@ -174,7 +174,7 @@ class FakeEngine(ShardEngine):
             artifact=ArtifactId(m.sha256, layers), n_layer=m.n_layer, n_embd=m.n_embd,
             n_vocab=m.n_vocab, n_ctx=spec.n_ctx or min(m.n_ctx, 4096),
             is_head=layers.is_head(), is_tail=layers.is_tail(m.n_layer), fixture=True,
-            max_sessions=spec.max_sessions)
+            max_sessions=spec.max_sessions, numerics="fake")
 
     def _new_state(self, req: StepRequest) -> _FakeState:
         # Every step carries at least one token, so a session that cannot cache one is refused up front.

@@ -11,6 +11,7 @@ from dataclasses import replace
 import numpy as np
 
 from meshnet.backends.cpu_features import ggml_cpu_features
+from meshnet.engine.numerics import numerics_key
 from meshnet.contract import ArtifactId, Capabilities, NamedTensor, SampledToken, StepRequest, StepResult, Status
 from meshnet.load_spec import LoadSpec
 from meshnet.engine.base import RETRY_AFTER_S, EngineError, Session, ShardEngine
@@ -68,7 +69,8 @@ class GgmlEngine(ShardEngine):
                             is_head=stage.is_head, is_tail=stage.is_tail, fixture=False,
                             max_sessions=spec.max_sessions,
                             residual_dims=() if cfg.dsv4 is None else cfg.residual_shape,
-                            needs_token_ids=cfg.needs_token_ids(spec.artifact.layers))
+                            needs_token_ids=cfg.needs_token_ids(spec.artifact.layers),
+                            numerics=numerics_key("cpu", "", spec.n_threads, spec.repack))
 
     @property
     def device(self) -> dict | None:

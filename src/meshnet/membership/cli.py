@@ -9,6 +9,7 @@ import sys
 import grpc
 
 from meshnet.arg_types import add_join_token_arg, host_port
+from meshnet.engine.numerics import differences
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.node_info import device_dict, record_from_info
@@ -107,14 +108,32 @@ def unserved_layers(reply: pb.NodeList) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
+def unlike_replicas(reply: pb.NodeList) -> list[str]:
+    """A line for each pair of nodes of one model whose layer ranges overlap but whose numerics keys differ
+    (:mod:`meshnet.engine.numerics`): a failover from one to the other continues within tolerance, not bit
+    for bit. Nodes that did not say their key are left out."""
+    infos = [s.info for s in reply.nodes if s.info.numerics]
+    lines = []
+    for i, a in enumerate(infos):
+        for b in infos[i + 1:]:
+            start, end = max(a.layers.start, b.layers.start), min(a.layers.end, b.layers.end)
+            if a.model.sha256 == b.model.sha256 and start < end and a.numerics != b.numerics:
+                lines.append(f"model {a.model.sha256[:12]}: {a.node_id} and {b.node_id} both serve layers "
+                             f"[{start}, {end}) but compute otherwise ({differences(a.numerics, b.numerics)}): "
+                             f"a failover between them continues within tolerance, not bit for bit")
+    return lines
+
+
 def nodes_dict(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) -> dict:
     """The reply as plain data: ``{"nodes": [...]}`` (what ``--json`` prints); speed in tokens/s,
     heartbeat age in seconds; ``address`` is the node's gRPC HOST:PORT, ``data_address`` its step data
     plane's ("" when it has none: relayed, TLS or ``--no-data-plane``); ``n_ctx`` the tokens a session may
     hold there (0: an older node that does not say; routes prefer the largest a chain offers); ``version`` the node's meshnet
-    release ("" from an older node), ``protocol`` its wire protocol ``MAJOR.MINOR``; ``unserved_layers``:
-    :func:`unserved_layers`."""
+    release ("" from an older node), ``protocol`` its wire protocol ``MAJOR.MINOR``; ``numerics`` what decides
+    the bits it computes ("" from an older node; :mod:`meshnet.engine.numerics`); ``unserved_layers``:
+    :func:`unserved_layers`; ``unlike_replicas``: :func:`unlike_replicas`."""
     return {"unserved_layers": {sha: [list(span) for span in spans] for sha, spans in unserved_layers(reply).items()},
+            "unlike_replicas": unlike_replicas(reply),
             "nodes": [{"node_id": s.info.node_id, "address": s.info.address, "data_address": s.info.data_address,
                        "layers": [s.info.layers.start, s.info.layers.end], "n_layer": s.info.model.n_layer,
                        "n_ctx": s.info.n_ctx,
@@ -125,6 +144,7 @@ def nodes_dict(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) 
                        "free_memory_bytes": s.info.free_memory_bytes,
                        "last_heartbeat_age_s": s.last_heartbeat_age_s, "signed": s.signed,
                        "version": s.info.version, "protocol": f"{s.info.protocol_major}.{s.info.protocol_minor}",
+                       "numerics": s.info.numerics,
                        "load": (loads or {}).get(s.info.node_id)}
                       for s in reply.nodes]}
 
@@ -133,7 +153,8 @@ def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None
     """An aligned table, one row per node (its model's id shortened to 12 hex digits, as ``meshnet ledger``
     prints it), or a line saying none is registered. ``loads`` (node id ->
     :func:`node_load`) adds the KV, BATCH_ROWS, QUEUE and WEIGHTS columns; "-" where a node did not answer.
-    Below the table, a line for each model whose layers are not all served (:func:`unserved_layers`)."""
+    Below the table, a line for each model whose layers are not all served (:func:`unserved_layers`) and
+    for each pair of replicas that compute otherwise (:func:`unlike_replicas`)."""
     if not reply.nodes:
         return "no nodes registered"
     load_head = ("KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE", "WEIGHTS") if loads is not None else ()
@@ -151,7 +172,8 @@ def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     gaps = [f"model {sha[:12]}: no node serves layers {', '.join(f'[{a}, {b})' for a, b in spans)}: no route "
             f"until one does" for sha, spans in unserved_layers(reply).items()]
-    return "\n".join(["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows] + gaps)
+    return "\n".join(["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows] + gaps
+                     + unlike_replicas(reply))
 
 
 def run_nodes(args: argparse.Namespace) -> int:

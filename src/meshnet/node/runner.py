@@ -151,7 +151,8 @@ class Node:
                            protocol_minor=PROTOCOL_MINOR, free_memory_bytes=free,
                            decode_tokens_per_s=self.decode_tokens_per_s, max_sessions=c.max_sessions,
                            data_address=self.data_address, relayed=self.cfg.relay, device=self._device_info(),
-                           version=__version__, instance=self.service.instance, n_ctx=c.n_ctx)
+                           version=__version__, instance=self.service.instance, n_ctx=c.n_ctx,
+                           numerics=c.numerics)
 
     def _device_info(self) -> pb.DeviceInfo | None:
         """The engine's device as registered (None for an engine without one, e.g. the fake)."""

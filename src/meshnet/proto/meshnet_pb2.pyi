@@ -338,7 +338,7 @@ class DeviceInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., type: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., index: _Optional[int] = ..., cpu_features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "address", "model", "layers", "engine", "backend", "protocol_major", "protocol_minor", "free_memory_bytes", "decode_tokens_per_s", "max_sessions", "data_address", "relayed", "device", "version", "instance", "n_ctx", "public_key", "signature", "timestamp")
+    __slots__ = ("node_id", "address", "model", "layers", "engine", "backend", "protocol_major", "protocol_minor", "free_memory_bytes", "decode_tokens_per_s", "max_sessions", "data_address", "relayed", "device", "version", "instance", "n_ctx", "numerics", "public_key", "signature", "timestamp")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -356,6 +356,7 @@ class NodeInfo(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     N_CTX_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
@@ -376,10 +377,11 @@ class NodeInfo(_message.Message):
     version: str
     instance: str
     n_ctx: int
+    numerics: str
     public_key: bytes
     signature: bytes
     timestamp: float
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ..., max_sessions: _Optional[int] = ..., data_address: _Optional[str] = ..., relayed: _Optional[bool] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., version: _Optional[str] = ..., instance: _Optional[str] = ..., n_ctx: _Optional[int] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., timestamp: _Optional[float] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ..., max_sessions: _Optional[int] = ..., data_address: _Optional[str] = ..., relayed: _Optional[bool] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., version: _Optional[str] = ..., instance: _Optional[str] = ..., n_ctx: _Optional[int] = ..., numerics: _Optional[str] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("heartbeat_interval_s", "ttl_s")
@@ -424,32 +426,36 @@ class HeartbeatReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("model_sha256", "exclude_node_ids", "previous_epoch", "min_n_ctx")
+    __slots__ = ("model_sha256", "exclude_node_ids", "previous_epoch", "min_n_ctx", "prefer_like")
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MIN_N_CTX_FIELD_NUMBER: _ClassVar[int]
+    PREFER_LIKE_FIELD_NUMBER: _ClassVar[int]
     model_sha256: str
     exclude_node_ids: _containers.RepeatedScalarFieldContainer[str]
     previous_epoch: int
     min_n_ctx: int
-    def __init__(self, model_sha256: _Optional[str] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ..., previous_epoch: _Optional[int] = ..., min_n_ctx: _Optional[int] = ...) -> None: ...
+    prefer_like: _containers.RepeatedCompositeFieldContainer[Hop]
+    def __init__(self, model_sha256: _Optional[str] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ..., previous_epoch: _Optional[int] = ..., min_n_ctx: _Optional[int] = ..., prefer_like: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ...) -> None: ...
 
 class Hop(_message.Message):
-    __slots__ = ("node_id", "address", "layers", "data_address", "relayed", "instance")
+    __slots__ = ("node_id", "address", "layers", "data_address", "relayed", "instance", "numerics")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RELAYED_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     layers: LayerRange
     data_address: str
     relayed: bool
     instance: str
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., data_address: _Optional[str] = ..., relayed: _Optional[bool] = ..., instance: _Optional[str] = ...) -> None: ...
+    numerics: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., data_address: _Optional[str] = ..., relayed: _Optional[bool] = ..., instance: _Optional[str] = ..., numerics: _Optional[str] = ...) -> None: ...
 
 class Route(_message.Message):
     __slots__ = ("epoch", "model", "hops")

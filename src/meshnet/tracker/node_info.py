@@ -13,6 +13,8 @@ from meshnet.tracker.routing import NodeRecord
 _DEFAULT_MAX_SESSIONS = NodeRecord.__dataclass_fields__["max_sessions"].default
 _MAX_VERSION_CHARS = 64
 _MAX_INSTANCE_CHARS = 64
+_MAX_NUMERICS_CHARS = 512
+_MAX_LIKE_HOPS = 1024  # a route has a hop per node at most; a model has far fewer layers than this
 
 
 def record_from_info(info: pb.NodeInfo) -> NodeRecord:
@@ -39,6 +41,9 @@ def record_from_info(info: pb.NodeInfo) -> NodeRecord:
     if len(info.instance) > _MAX_INSTANCE_CHARS:
         raise ValueError(f"Register: {who} has an instance id of {len(info.instance)} characters "
                          f"(at most {_MAX_INSTANCE_CHARS})")
+    if len(info.numerics) > _MAX_NUMERICS_CHARS:
+        raise ValueError(f"Register: {who} has a numerics key of {len(info.numerics)} characters "
+                         f"(at most {_MAX_NUMERICS_CHARS})")
     if len(info.version) > _MAX_VERSION_CHARS:
         raise ValueError(f"Register: {who} has a version string of {len(info.version)} characters "
                        f"(at most {_MAX_VERSION_CHARS})")
@@ -47,7 +52,7 @@ def record_from_info(info: pb.NodeInfo) -> NodeRecord:
                       engine=info.engine or "ggml", backend=info.backend or "cpu", decode_tokens_per_s=speed,
                       # 0 = the node did not say: assume the engines' default limit
                       max_sessions=info.max_sessions or _DEFAULT_MAX_SESSIONS, data_address=info.data_address,
-                      relayed=info.relayed, instance=info.instance, n_ctx=info.n_ctx)
+                      relayed=info.relayed, instance=info.instance, n_ctx=info.n_ctx, numerics=info.numerics)
 
 
 def info_from_status(s: RegisteredNode) -> pb.NodeInfo:
@@ -59,7 +64,29 @@ def info_from_status(s: RegisteredNode) -> pb.NodeInfo:
                        free_memory_bytes=s.free_memory_bytes, decode_tokens_per_s=r.decode_tokens_per_s,
                        max_sessions=max(r.max_sessions, 0), data_address=r.data_address, relayed=r.relayed,
                        device=pb.DeviceInfo(**s.device) if s.device else None, version=s.version,
-                       instance=r.instance, n_ctx=r.n_ctx)
+                       instance=r.instance, n_ctx=r.n_ctx, numerics=r.numerics)
+
+
+def like_from_hops(hops) -> tuple[tuple[LayerRange, str], ...]:
+    """``RouteRequest.prefer_like`` as :func:`meshnet.tracker.routing.plan_route`'s ``like``: each hop's layer
+    range and numerics key.
+
+    Raises:
+        ValueError: more hops than :data:`_MAX_LIKE_HOPS`, a hop with an empty or reversed range, or a key
+            over :data:`_MAX_NUMERICS_CHARS` characters (naming which).
+    """
+    if len(hops) > _MAX_LIKE_HOPS:
+        raise ValueError(f"prefer_like has {len(hops)} hops (at most {_MAX_LIKE_HOPS})")
+    out = []
+    for i, h in enumerate(hops):
+        if h.layers.start >= h.layers.end:
+            raise ValueError(f"prefer_like[{i}] has layer range [{h.layers.start}, {h.layers.end}); "
+                             "expected start < end")
+        if len(h.numerics) > _MAX_NUMERICS_CHARS:
+            raise ValueError(f"prefer_like[{i}] has a numerics key of {len(h.numerics)} characters "
+                             f"(at most {_MAX_NUMERICS_CHARS})")
+        out.append((LayerRange(h.layers.start, h.layers.end), h.numerics))
+    return tuple(out)
 
 
 def device_dict(info: pb.NodeInfo) -> dict:

@@ -31,8 +31,13 @@ to whole-range nodes. The estimated seconds one decode token spends on a hop are
   a lexicographic key says the same without a magic number.)
 * Relayed hops pay ``RELAY_OVERHEAD_S`` more: traffic crosses an extra network leg whose latency is
   unknown, for which Petals assumes 150 ms.
-* Ties (equal saturation and time) go to the route whose node ids sort first, so the answer never
-  depends on the order of the input.
+* Numerics: a failover asks for a route like the one it replaces (``like``: the replaced hops' layer
+  ranges and numerics keys, :mod:`meshnet.engine.numerics`). Only a replacement that computes exactly as
+  the node it replaces rebuilds the session's KV cache bit for bit, so after saturation routes are
+  compared by how many hops compute otherwise than the hops they replace over some of their layers, and
+  only then by time: a slower spare with the same kernels and threads beats a faster one without.
+* Ties (equal saturation, numerics and time) go to the route whose node ids sort first, so the answer
+  never depends on the order of the input.
 
 Context: a route holds sessions of its smallest node context (``n_ctx``), so before any of the above, a
 route offers the largest context some chain offers: a node holding less is a spare for when no chain
@@ -90,6 +95,7 @@ class NodeRecord:
     data_address: str = ""          # raw-TCP step data plane ("" = steps over gRPC)
     instance: str = ""              # the node process (NodeInfo.instance; "" = the node did not say)
     n_ctx: int = 0                  # tokens a session may hold on the node (0 = the node did not say)
+    numerics: str = ""              # what decides the bits it computes (NodeInfo.numerics; "" = not said)
 
     @property
     def saturated(self) -> bool:
@@ -195,28 +201,37 @@ def missing_layers(nodes: Sequence[NodeRecord], model_sha256: str, n_layer: int,
     return _uncovered(usable, n_layer)
 
 
-def _cheapest_chain(usable: Sequence[NodeRecord], n_layer: int):
+def computes_unlike(node: NodeRecord, like: Sequence[tuple[LayerRange, str]]) -> bool:
+    """Whether ``node`` computes otherwise than a hop of ``like`` (``(layer range, numerics key)`` of the
+    route being replaced) over some of the layers they share. A hop whose key is unknown ("") asks for
+    nothing; a node that did not say its key computes unlike any known key."""
+    return any(key and key != node.numerics and r.start < node.layers.end and node.layers.start < r.end
+               for r, key in like)
+
+
+def _cheapest_chain(usable: Sequence[NodeRecord], n_layer: int, like: Sequence[tuple[LayerRange, str]] = ()):
     """``(hops, best, by_start)``: the cheapest chain of ``usable`` from layer 0 to ``n_layer`` (None when
-    none reaches it), the cheapest chain found to each boundary (``best[b] = (saturated hops, seconds,
-    node ids, hops)``) and the nodes by first layer."""
+    none reaches it), the cheapest chain found to each boundary (``best[b] = (saturated hops, hops
+    computing unlike ``like``, seconds, node ids, hops)``) and the nodes by first layer."""
     by_start: dict[int, list[NodeRecord]] = {}
     for n in usable:
         by_start.setdefault(n.layers.start, []).append(n)
-    best: dict[int, tuple[int, float, tuple[str, ...], tuple[NodeRecord, ...]]] = {0: (0, 0.0, (), ())}
+    best: dict[int, tuple[int, int, float, tuple[str, ...], tuple[NodeRecord, ...]]] = {0: (0, 0, 0.0, (), ())}
     for boundary in sorted({0, *(n.layers.start for n in usable), *(n.layers.end for n in usable)}):
         if boundary not in best or boundary == n_layer:
             continue
-        sat, cost, ids, hops = best[boundary]
+        sat, unlike, cost, ids, hops = best[boundary]
         for n in by_start.get(boundary, ()):
-            cand = (sat + int(n.saturated), cost + hop_cost(n), ids + (n.node_id,), hops + (n,))
+            cand = (sat + int(n.saturated), unlike + int(computes_unlike(n, like)), cost + hop_cost(n),
+                    ids + (n.node_id,), hops + (n,))
             cur = best.get(n.layers.end)
-            if cur is None or cand[:3] < cur[:3]:
+            if cur is None or cand[:4] < cur[:4]:
                 best[n.layers.end] = cand
-    return (best[n_layer][3] if n_layer in best else None), best, by_start
+    return (best[n_layer][4] if n_layer in best else None), best, by_start
 
 
-def plan_route(nodes: Sequence[NodeRecord], model_sha256: str,
-               exclude: Collection[str] = (), min_n_ctx: int = 0) -> tuple[NodeRecord, ...]:
+def plan_route(nodes: Sequence[NodeRecord], model_sha256: str, exclude: Collection[str] = (), min_n_ctx: int = 0,
+               like: Sequence[tuple[LayerRange, str]] = ()) -> tuple[NodeRecord, ...]:
     """The cheapest chain of nodes whose ranges tile ``[0, n_layer)`` of ``model_sha256`` exactly, among
     those holding the largest context a chain offers (see the module docstring).
 
@@ -225,6 +240,8 @@ def plan_route(nodes: Sequence[NodeRecord], model_sha256: str,
         model_sha256: the model to route.
         exclude: node ids never to use (e.g. nodes a client just saw fail).
         min_n_ctx: tokens a session must be able to hold on every hop (0: any).
+        like: ``(layer range, numerics key)`` of each hop of the route being replaced (a failover): nodes
+            computing as those hops did are preferred over their layers (see the module docstring).
 
     Returns:
         The hops in layer order: hop 0 starts at layer 0, each hop ends where the next starts and the
@@ -254,10 +271,10 @@ def plan_route(nodes: Sequence[NodeRecord], model_sha256: str,
     # The widest context first: each node context, largest first, that some chain of nodes holding it
     # offers (the smallest admits every node; nodes that did not say fit any).
     for width in sorted({n.n_ctx for n in usable if n.n_ctx > 0}, reverse=True)[:-1]:
-        chain = _cheapest_chain([n for n in usable if _holds(n, width)], n_layer)[0]
+        chain = _cheapest_chain([n for n in usable if _holds(n, width)], n_layer, like)[0]
         if chain is not None:
             return chain
-    chain, best, by_start = _cheapest_chain(usable, n_layer)
+    chain, best, by_start = _cheapest_chain(usable, n_layer, like)
     if chain is not None:
         return chain
 

@@ -35,7 +35,7 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.activity import ActivityBoard
 from meshnet.tracker.manifests import ManifestFull, ManifestNotFound, ManifestRefused, ManifestStore
-from meshnet.tracker.node_info import device_dict, info_from_status, record_from_info
+from meshnet.tracker.node_info import device_dict, info_from_status, like_from_hops, record_from_info
 from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry
 from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayHub
 from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
@@ -179,7 +179,12 @@ class TrackerService(pb_grpc.TrackerServicer):
                                "name one in model_sha256")
             model = models[0]
         try:
-            hops = plan_route(nodes, model, exclude=frozenset(request.exclude_node_ids), min_n_ctx=request.min_n_ctx)
+            like = like_from_hops(request.prefer_like)
+        except ValueError as e:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"GetRoute: {e}") from None
+        try:
+            hops = plan_route(nodes, model, exclude=frozenset(request.exclude_node_ids), min_n_ctx=request.min_n_ctx,
+                              like=like)
         except NoRoute as e:
             message = e.message
             if not any(n.model_sha256 == model for n in nodes):
@@ -190,7 +195,8 @@ class TrackerService(pb_grpc.TrackerServicer):
             epoch=self.registry.next_epoch(request.previous_epoch),
             model=pb.ModelIdentity(sha256=head.model_sha256, architecture=head.architecture, n_layer=head.n_layer),
             hops=[pb.Hop(node_id=h.node_id, address=h.address, data_address=h.data_address, relayed=h.relayed,
-                         layers=pb.LayerRange(start=h.layers.start, end=h.layers.end), instance=h.instance)
+                         layers=pb.LayerRange(start=h.layers.start, end=h.layers.end), instance=h.instance,
+                         numerics=h.numerics)
                   for h in hops])
 
     @_rpc
