@@ -238,6 +238,27 @@ def test_bad_load_settings_are_named(field, value):
     # a bench that ran nothing and wrote empty results (exit 0), or failed on Python's own words
     (["bench", "serve", "--targets", "llama-server,bogus"], "argument --targets: unknown target 'bogus'; choose "
                                                             "from llama-server, meshnet, mesh, llama-rpc"),
+    # text Python cannot encode: a Latin-1 prompt was a TypeError traceback, a model name a 500 on /v1/models
+    (["generate", "caf\udce9"], "argument prompt: is not valid UTF-8 (byte 0xe9 at character 3)"),
+    (["api", "--name", "caf\udce9"], "argument --name: is not valid UTF-8 (byte 0xe9 at character 3)"),
+    (["api", "--name", ""], "argument --name: must not be empty"),  # quietly the default name
+    # gRPC refused it as metadata ("INTERNAL: Invalid metadata"), and a tracker started with one nobody could send
+    (["nodes", "--tracker", "127.0.0.1:9", "--join-token", "p\u00e4ss"],
+     "argument --join-token: may hold only printable ASCII characters (gRPC carries it as metadata), got '\\xe4' "
+     "at character 1"),
+    (["nodes", "--tracker", "127.0.0.1:9", "--join-token", "s3cret "],
+     "argument --join-token: may not start or end with a space (HTTP/2 would drop it)"),
+    (["tracker", "--join-token", "a" * 1025], "argument --join-token: must be at most 1024 characters, got 1025"),
+    # registered, and every client then failed on it first
+    (["node", "--engine", "fake", "--advertise", "nonexistent.invalid:9512"],
+     "argument --advertise: host 'nonexistent.invalid' does not resolve here"),
+    (["node", "--engine", "fake", "--advertise", "0.0.0.0:9512"],
+     "argument --advertise: 0.0.0.0 is where a server listens on every interface"),
+    (["node", "--engine", "fake", "--worker-restarts", "-1"], "argument --worker-restarts: must be >= 0, got -1"),
+    (["api", "--max-body-mb", "1e20"], "argument --max-body-mb: must be at most 1024 (MiB), got 1e20"),
+    (["up", "--api-port", "-1", "--speculative", "model", "--dashboard-port", "-1", "--port", "0"],
+     "error: --speculative, --draft-model and --draft-tokens set the API's speculative decoding; with --api-port -1 "
+     "there is no API"),
     (["bench", "speculative", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),  # "no median for empty"
     (["bench", "structured", "--requests", "0"], "argument --requests: must be >= 1, got 0"),
     (["bench", "wan", "--rtt-ms", "abc"], "--rtt-ms takes comma-separated milliseconds, e.g. 0,10,25,50; got 'abc'"),
@@ -299,3 +320,36 @@ def test_a_node_on_a_taken_port_says_so_in_one_line(flag, what):
                            capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and f"error: cannot listen on {what.format(port=port)}" in r.stderr
     assert "Traceback" not in r.stderr and "add_port.cc" not in r.stderr  # gRPC's own C-level log line
+
+
+def test_a_join_token_from_the_environment_that_grpc_cannot_send_is_refused_naming_it():
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "meshnet.cli", "tracker", "--port", "0", "--dashboard-port", "-1"],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "MESHNET_JOIN_TOKEN": "p\u00e4ss"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "argument --join-token: may hold only printable ASCII characters (gRPC carries" in r.stderr
+    assert "(from $MESHNET_JOIN_TOKEN)" in r.stderr
+
+
+def test_output_that_cannot_be_written_and_ctrl_c_while_loading_end_without_a_traceback():
+    """``> /dev/full`` was an OSError traceback; Ctrl-C in the first second (modules loading) a
+    KeyboardInterrupt traceback. Now one line and exit 1, and exit 130 (or the signal's own status before
+    Python has its handler) with nothing on stderr."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cli = [sys.executable, "-m", "meshnet.cli", "generate", "--max-tokens", "4", "--temperature", "0", "hi"]
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(cli, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert r.returncode == 1 and "error: No space left on device" in r.stderr and "Traceback" not in r.stderr
+    for delay in (0.1, 0.3, 0.6, 1.0):
+        proc = subprocess.Popen(cli, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode in (130, -signal.SIGINT) and "Traceback" not in err, (delay, proc.returncode, err)

@@ -180,7 +180,8 @@ def test_dashboard_port_options_and_a_busy_port(capsys):
     import argparse
     import socket
 
-    from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
+    from meshnet.dashboard.cli import (add_dashboard_args, dashboard_from_args, dashboard_port_problem,
+                                       dashboard_port_taken)
     from meshnet.tracker.server import start_tracker
 
     assert [dashboard_port_problem(p) for p in (-1, 0, 7780, 65535)] == [None] * 4
@@ -200,6 +201,15 @@ def test_dashboard_port_options_and_a_busy_port(capsys):
             assert dashboard_from_args(service, args, "tracker:") is None
             assert f"tracker: no dashboard: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
             assert dashboard_from_args(service, parser.parse_args(["--dashboard-port", "-1"]), "x") is None
+            # Asked for by name, a taken port is an error before anything starts (meshnet tracker and
+            # meshnet up exit 2 with it); the default port taken only costs the dashboard, as above.
+            assert dashboard_port_taken(args) == (
+                f"the dashboard cannot listen on 127.0.0.1:{port} (Address already in use); pass another "
+                "--dashboard-port (0 = any free port, -1 = no dashboard)")
+            default_args = argparse.ArgumentParser()
+            add_dashboard_args(default_args, default_port=port)
+            assert dashboard_port_taken(default_args.parse_args([])) is None
+            assert dashboard_port_taken(parser.parse_args(["--dashboard-port", "0"])) is None
         finally:
             server.stop(None)
 

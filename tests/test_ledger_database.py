@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+import grpc
 import pytest
 from alembic import command
 from alembic.autogenerate import compare_metadata
@@ -57,6 +58,61 @@ def test_an_unreachable_postgresql_server_is_named_without_its_password():
         Ledger("postgresql://alice:s3cret@127.0.0.1:1/ledger")
     message = str(ei.value)
     assert "127.0.0.1:1/ledger" in message and "s3cret" not in message
+
+
+def test_a_ledger_of_another_release_a_damaged_one_and_a_garbage_file_are_refused_in_one_line(tmp_path):
+    """A schema revision this release does not know (a newer meshnet's), a ledger missing a table or a
+    column, and a file that is not a database are refused when the tracker opens them, each in one line
+    naming the database and what is wrong (no SQL, no traceback)."""
+    newer = tmp_path / "newer.db"
+    Ledger(f"sqlite:///{newer}").close()
+    with make_ledger_engine(f"sqlite:///{newer}").begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = 'deadbeef'"))
+    with pytest.raises(LedgerError) as ei:
+        Ledger(f"sqlite:///{newer}")
+    assert "Can't locate revision identified by 'deadbeef'" in str(ei.value)
+    assert "its schema comes from another meshnet release" in str(ei.value) and "\n" not in str(ei.value)
+
+    damaged = tmp_path / "damaged.db"
+    Ledger(f"sqlite:///{damaged}").close()
+    with make_ledger_engine(f"sqlite:///{damaged}").begin() as conn:
+        conn.execute(text("DROP TABLE deliveries"))
+        conn.execute(text("ALTER TABLE node_keys DROP COLUMN bound_at"))
+    with pytest.raises(LedgerError) as ei:
+        Ledger(f"sqlite:///{damaged}")
+    assert str(ei.value) == (f"ledger sqlite:///{damaged} is at the newest schema revision but lacks table "
+                             "deliveries, column node_keys.bound_at: it is damaged or not a meshnet ledger; give "
+                             "--ledger another database")
+
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"not a database " * 100)
+    with pytest.raises(LedgerError) as ei:
+        Ledger(f"sqlite:///{garbage}")
+    assert str(ei.value) == f"cannot open or migrate ledger sqlite:///{garbage}: file is not a database"
+
+
+def test_a_ledger_failing_under_a_running_tracker_answers_in_one_line(tmp_path):
+    """Reads and writes that fail once the tracker runs (a table dropped behind its back) are LedgerError
+    with the driver's one line, which the tracker answers UNAVAILABLE."""
+    path = tmp_path / "l.db"
+    ledger = Ledger(f"sqlite:///{path}")
+    with make_ledger_engine(f"sqlite:///{path}").begin() as conn:
+        conn.execute(text("DROP TABLE deliveries"))
+    with pytest.raises(LedgerError) as ei:
+        ledger.client_balances()
+    assert str(ei.value) == "ledger read failed: no such table: deliveries"
+    with pytest.raises(LedgerError) as ei:
+        ledger.record_deliveries("c", [("s", 0)])
+    assert str(ei.value) == "ledger write failed: no such table: deliveries"
+    server, port = serve_tracker("127.0.0.1", 0, ledger=ledger)
+    try:
+        with open_channel(f"127.0.0.1:{port}") as ch, pytest.raises(grpc.RpcError) as ei:
+            pb_grpc.TrackerStub(ch).GetLedger(pb.Empty(), timeout=5)
+        assert ei.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert ei.value.details() == "GetLedger: ledger read failed: no such table: deliveries"
+    finally:
+        server.stop(None)
+        ledger.close()
 
 
 @needs_postgres

@@ -11,6 +11,7 @@ import argparse
 import math
 import os
 import re
+import socket
 
 from meshnet.membership.identity import NODE_ID_CHARS, NODE_ID_MAX_CHARS
 from meshnet.wire.addresses import check_address
@@ -73,6 +74,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def count(text: str) -> int:
+    """A count >= 0."""
+    value = _parse(text, int, "a whole number")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def host_port(text: str) -> str:
     """An address to dial, ``HOST:PORT`` (no scheme: ``127.0.0.1:7700``, ``[::1]:7700``)."""
     try:
@@ -82,12 +91,72 @@ def host_port(text: str) -> str:
     return text
 
 
+def advertised_address(text: str) -> str:
+    """An address others dial to reach this machine, ``HOST:PORT``: a host that resolves here (a node
+    advertising a name nobody can resolve registers fine, and every client then fails on it first) and
+    not a wildcard (0.0.0.0 names no machine)."""
+    host_port(text)
+    host = text.rpartition(":")[0].strip("[]")
+    if host in ("0.0.0.0", "::"):
+        raise argparse.ArgumentTypeError(f"{host} is where a server listens on every interface, not an address "
+                                         "others can dial; give this machine's address")
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as e:
+        reason = e.strerror if isinstance(e, socket.gaierror) else str(e)
+        raise argparse.ArgumentTypeError(f"host {host!r} does not resolve here ({reason}); give a name or IP "
+                                         "address this machine and its peers can reach it by") from None
+    return text
+
+
 def node_id(text: str) -> str:
     """A node id: 1 to NODE_ID_MAX_CHARS of NODE_ID_CHARS (ASCII letters, digits, ``.``, ``_``, ``-``)."""
     if not 1 <= len(text) <= NODE_ID_MAX_CHARS:
         raise argparse.ArgumentTypeError(f"must be 1 to {NODE_ID_MAX_CHARS} characters, got {len(text)}")
     if not re.fullmatch(f"[{NODE_ID_CHARS}]+", text):
         raise argparse.ArgumentTypeError(f"may hold only ASCII letters, digits, '.', '_' and '-', got {text!r}")
+    return text
+
+
+def utf8_text(text: str) -> str:
+    """Text that is valid UTF-8. Python hands undecodable bytes of an argument on as lone surrogates
+    (``"caf\\udce9"`` for Latin-1 ``caf\\xe9``), which nothing downstream can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(text[e.start])
+        byte = f"byte 0x{bad - 0xDC00:02x}" if 0xDC80 <= bad <= 0xDCFF else f"U+{bad:04X}"
+        raise argparse.ArgumentTypeError(f"is not valid UTF-8 ({byte} at character {e.start}); convert it, "
+                                         f"e.g. with iconv -f latin1 -t utf-8") from None
+    return text
+
+
+def name_text(text: str) -> str:
+    """A non-empty name in valid UTF-8 (see :func:`utf8_text`)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return utf8_text(text)
+
+
+# A join token travels as gRPC metadata and in the data plane's hello: printable ASCII (gRPC refuses
+# other bytes in a metadata value, and HTTP/2 trims spaces at either end), far below gRPC's 16 KiB of
+# metadata.
+JOIN_TOKEN_MAX_CHARS = 1024
+
+
+def join_token(text: str) -> str:
+    """The mesh's shared secret: 0 (none) to JOIN_TOKEN_MAX_CHARS printable ASCII characters, spaces only
+    between others."""
+    source = f" (from ${JOIN_TOKEN_ENV})" if text == os.environ.get(JOIN_TOKEN_ENV) else ""
+    if len(text) > JOIN_TOKEN_MAX_CHARS:
+        raise argparse.ArgumentTypeError(f"must be at most {JOIN_TOKEN_MAX_CHARS} characters, got {len(text)}{source}")
+    bad = next((i for i, c in enumerate(text) if not " " <= c <= "~"), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(
+            f"may hold only printable ASCII characters (gRPC carries it as metadata), got {ascii(text[bad])} at "
+            f"character {bad}{source}")
+    if text != text.strip(" "):
+        raise argparse.ArgumentTypeError(f"may not start or end with a space (HTTP/2 would drop it){source}")
     return text
 
 
@@ -114,7 +183,7 @@ def _at_most_a_year(value: float, text: str) -> float:
 def add_join_token_arg(p: argparse.ArgumentParser) -> None:
     """``--join-token``, the mesh's shared secret, defaulting to ``$MESHNET_JOIN_TOKEN`` (read when the
     parser is built), for every command that calls a tracker or a node."""
-    p.add_argument("--join-token", default=os.environ.get(JOIN_TOKEN_ENV),
+    p.add_argument("--join-token", type=join_token, default=os.environ.get(JOIN_TOKEN_ENV),
                    help=f"the mesh's shared secret (default ${JOIN_TOKEN_ENV})")
 
 

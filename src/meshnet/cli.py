@@ -11,17 +11,17 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 # gRPC's C core writes a line to stderr for every failed TLS handshake (a plaintext client, a port
 # scanner: `meshnet bench hostile` opens a thousand) unless told otherwise before it loads; what a user
 # must know of such a failure our own messages say.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from meshnet.arg_types import add_join_token_arg, host_port, mode_problem
-from meshnet.client.mesh_client import MeshUnavailable
-from meshnet.contract import SamplingParams
-from meshnet.load_spec import NO_HUGE_PAGES_HELP
-from meshnet.model.bundled import DEFAULT_MODEL, ModelNotFound, resolve_model
+# Only the standard library at the top: a Ctrl-C while meshnet's modules load (grpc, numpy, ggml take a
+# second or two on a busy machine) then lands in main's handler instead of a traceback.
+if TYPE_CHECKING:
+    from meshnet.contract import SamplingParams
 
 
 def package_version() -> str:
@@ -50,6 +50,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _sampling_from(args: argparse.Namespace) -> SamplingParams:
+    from meshnet.contract import SamplingParams
+
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                           repetition_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, seed=args.seed)
@@ -58,6 +60,9 @@ def _sampling_from(args: argparse.Namespace) -> SamplingParams:
 def _add_model_args(p: argparse.ArgumentParser):
     """Add the model and split arguments; returns the group ``--model`` is in (other ways of naming the
     model join it, so that giving two is refused)."""
+    from meshnet.load_spec import NO_HUGE_PAGES_HELP
+    from meshnet.model.bundled import DEFAULT_MODEL
+
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", default=DEFAULT_MODEL,
                         help="a GGUF path or a bundled name (smollm2, gemma3-270m); default %(default)s")
@@ -72,13 +77,16 @@ def _add_model_args(p: argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from meshnet.arg_types import add_join_token_arg, host_port, utf8_text
+    from meshnet.model.bundled import DEFAULT_MODEL
+
     parser = argparse.ArgumentParser(prog="meshnet", description="Run one GGUF language model across several "
                                      "machines, each serving a range of its layers.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete a prompt, streaming the text to stdout")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", type=utf8_text)
     source = _add_model_args(gen)
     _add_sampling_args(gen)
     gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default %(default)s)")
@@ -167,7 +175,10 @@ def _run_engine_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from meshnet.arg_types import mode_problem
+    from meshnet.client.router import MeshUnavailable
     from meshnet.generation import Generation, GenerationError
+    from meshnet.model.bundled import resolve_model
     from meshnet.local_mesh import load_local_chain, plan_ranges
     from meshnet.speculative import speculation_from_args
     from meshnet.tokenizer import GGUFTokenizer
@@ -265,6 +276,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C at any point, while the modules load included
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    from meshnet.client.router import MeshUnavailable
+    from meshnet.model.bundled import ModelNotFound
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
@@ -274,13 +295,17 @@ def main(argv: list[str] | None = None) -> int:
     except MeshUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        return 130
     except BrokenPipeError:
         # The reader went away (e.g. `| head`): not an error of ours. Point stdout at /dev/null so the
         # interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:
+        # Most often the output could not be written (a full disk: `> /dev/full`); the final flush of what
+        # stdout still buffers would fail again, so it goes nowhere.
+        print(f"error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", file=sys.stderr)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from meshnet.arg_types import add_join_token_arg, heartbeat_seconds, port_number, positive_seconds
 from meshnet.load_spec import LOAD_SETTING_LEAST, LOAD_SETTING_MOST, NO_HUGE_PAGES_HELP
-from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
+from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem, dashboard_port_taken
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
@@ -163,6 +163,7 @@ def run_up(args: argparse.Namespace) -> int:
                              "dashboard each need a port of their own"
     if not problem and args.api_port > 0:
         problem = _api_port_problem(args.host, args.api_port)
+    problem = problem or dashboard_port_taken(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -178,6 +179,11 @@ def run_up(args: argparse.Namespace) -> int:
         return 2
     if problem := _node_ports_problem(args.host, ports):
         print(f"error: {problem}", file=sys.stderr)
+        return 2
+    if args.api_port < 0 and (args.speculative != "none" or args.draft_model or args.draft_tokens is not None):
+        print("error: --speculative, --draft-model and --draft-tokens set the API's speculative decoding; with "
+              "--api-port -1 there is no API (a client speculates with its own flags, e.g. meshnet generate "
+              "--speculative ngram)", file=sys.stderr)
         return 2
     speculation = speculation_from_args(args, path) if args.api_port >= 0 else None  # ValueError: status 2
     registry = Registry(args.heartbeat)

@@ -11,7 +11,8 @@ import time
 
 import uvicorn
 
-from meshnet.arg_types import add_join_token_arg, host_port, mode_problem, port_number, positive_int, positive_number
+from meshnet.arg_types import (add_join_token_arg, host_port, mode_problem, name_text, port_number, positive_int,
+                               positive_number)
 from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.backend import ApiBackend
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
@@ -19,6 +20,18 @@ from meshnet.speculative import add_speculation_args, speculation_from_args
 from meshnet.wire.security import tracker_refusal
 
 log = logging.getLogger("meshnet.api")
+
+
+# The largest --max-body-mb: a request is JSON text, and a body is read into memory whole.
+MAX_BODY_MB = 1024
+
+
+def body_mb(text: str) -> float:
+    """``--max-body-mb``: a number of MiB > 0 and at most :data:`MAX_BODY_MB`."""
+    value = positive_number(text)
+    if value > MAX_BODY_MB:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_BODY_MB} (MiB), got {text}")
+    return value
 
 
 def add_api_parser(sub) -> None:
@@ -34,7 +47,7 @@ def add_api_parser(sub) -> None:
                         help="with --tracker, instead of --model: no file here; the model the tracker knows by "
                              "this id (or 8+ hex digits of it), general.name or bundled name (tokenizer and chat "
                              "template from its manifest)")
-    p.add_argument("--name", default=None, help="the model id clients use (default: the bundled name or "
+    p.add_argument("--name", type=name_text, default=None, help="the model id clients use (default: the bundled name or "
                                                 "the file's stem)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=port_number, default=8000, help="port (default %(default)s; 0 = any free port)")
@@ -45,7 +58,8 @@ def add_api_parser(sub) -> None:
     p.add_argument("--max-concurrency", type=positive_int, default=None,
                    help="generations at once; more wait (default: 8 for a mesh, the stages' session limit "
                         "in process)")
-    p.add_argument("--max-body-mb", type=positive_number, default=MAX_BODY_BYTES / 2**20, help="request body limit, MiB")
+    p.add_argument("--max-body-mb", type=body_mb, default=MAX_BODY_BYTES / 2**20,
+                   help="request body limit, MiB (at most %d)" % MAX_BODY_MB)
     local = p.add_argument_group("in-process stages (without --tracker)")
     split = local.add_mutually_exclusive_group()
     split.add_argument("--stages", type=int, default=None, help="split the layers into N ranges of about equal decode cost")

@@ -13,9 +13,18 @@ if TYPE_CHECKING:
 DEFAULT_PORT = 7780
 
 
+class _StoreGiven(argparse.Action):
+    """Store the value and note that it was given (``<dest>_given``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
 def add_dashboard_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_PORT) -> None:
     """``--dashboard-port`` and ``--dashboard-host`` on the argparse parser ``p``."""
-    p.add_argument("--dashboard-port", type=int, default=default_port, metavar="PORT",
+    p.set_defaults(dashboard_port_given=False)
+    p.add_argument("--dashboard-port", type=int, default=default_port, metavar="PORT", action=_StoreGiven,
                    help="serve the web dashboard (layer map, nodes, sessions, tokens/s, ledger) over HTTP on this "
                         "port (default %(default)s; 0 = any free port, -1 = no dashboard)")
     p.add_argument("--dashboard-host", default="127.0.0.1", metavar="HOST",
@@ -28,6 +37,20 @@ def dashboard_port_problem(port: int) -> str | None:
     if port == -1 or 0 <= port <= 65535:
         return None
     return f"--dashboard-port must be -1 (none) or in 0..65535, got {port}"
+
+
+def dashboard_port_taken(args) -> str | None:
+    """Why the dashboard could not listen where ``--dashboard-port`` was given explicitly (taken, or not
+    an address of this machine), as the error to print, or None. Checked before anything starts: asked
+    for by name, a dashboard that cannot start is an error; the default port taken (another tracker's
+    dashboard on this machine) only costs this one its dashboard (:func:`dashboard_from_args`)."""
+    from meshnet.wire.addresses import bind_problem
+
+    port = args.dashboard_port
+    if not args.dashboard_port_given or port <= 0 or (why := bind_problem(args.dashboard_host, port)) is None:
+        return None
+    return (f"the dashboard cannot listen on {args.dashboard_host}:{port} ({why}); pass another --dashboard-port "
+            "(0 = any free port, -1 = no dashboard)")
 
 
 def dashboard_from_args(service, args, who: str) -> "Dashboard | None":

@@ -32,6 +32,12 @@ _MIGRATION_LOCK = 0x6D6573686E6574  # "meshnet"
 _UPGRADE_LOCK = threading.Lock()
 
 
+def db_error(e: BaseException) -> str:
+    """A database error in one line: the driver's own message (SQLAlchemy's text adds the SQL and a link)."""
+    lines = str(getattr(e, "orig", None) or e).strip().splitlines()
+    return lines[0] if lines else type(e).__name__
+
+
 class LedgerError(RuntimeError):
     """The ledger database cannot be opened, migrated or written; the message names the URL's database."""
 
@@ -147,6 +153,7 @@ def upgrade(engine: Engine) -> None:
 
 def _upgrade(engine: Engine) -> None:
     from alembic import command
+    from alembic.util.exc import CommandError
 
     for attempt in range(2):
         try:
@@ -158,11 +165,40 @@ def _upgrade(engine: Engine) -> None:
                     # file's write lock first, so the migration is atomic and other processes wait for it.
                     conn.exec_driver_sql("BEGIN IMMEDIATE")
                 command.upgrade(alembic_config(conn), "head")
-            return
+                missing = _missing_schema(conn)
+            break
         except OperationalError as e:
             # A database busy for a moment gets a second try; one that does not answer (a server that
             # is down, an SQLite file locked past its timeout) fails both.
             if attempt:
-                raise LedgerError(f"cannot migrate ledger {engine.url.render_as_string()}: {e.orig}") from None
+                raise LedgerError(f"cannot migrate ledger {engine.url.render_as_string()}: {db_error(e)}") from None
         except SQLAlchemyError as e:
-            raise LedgerError(f"cannot open or migrate ledger {engine.url.render_as_string()}: {e}") from None
+            raise LedgerError(f"cannot open or migrate ledger {engine.url.render_as_string()}: {db_error(e)}") from None
+        except CommandError as e:  # a revision this release's migrations do not hold
+            raise LedgerError(f"ledger {engine.url.render_as_string()}: {e}: its schema comes from another meshnet "
+                              "release (a newer one?); run that release's tracker on it, or give --ledger another "
+                              "database") from None
+    if missing:
+        raise LedgerError(f"ledger {engine.url.render_as_string()} is at the newest schema revision but lacks "
+                          f"{', '.join(missing)}: it is damaged or not a meshnet ledger; give --ledger another "
+                          "database")
+
+
+def _missing_schema(conn: Connection) -> list[str]:
+    """The tables and columns of :mod:`meshnet.ledger.schema` that the database lacks (``table``,
+    ``table.column``), checked after a migration: a table dropped by hand would otherwise fail every
+    write later, and the ledger would lose what it is sent."""
+    from sqlalchemy import inspect
+
+    from meshnet.ledger.schema import metadata
+
+    found = inspect(conn)
+    tables = set(found.get_table_names())
+    missing = []
+    for table in metadata.sorted_tables:
+        if table.name not in tables:
+            missing.append(f"table {table.name}")
+            continue
+        have = {c["name"] for c in found.get_columns(table.name)}
+        missing += [f"column {table.name}.{c.name}" for c in table.columns if c.name not in have]
+    return missing

@@ -18,6 +18,7 @@ another process holds is refused (:func:`~meshnet.ledger.database.hold_sqlite_fi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -30,7 +31,7 @@ from sqlalchemy import and_, case, func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from meshnet.ledger.credit import Rect, new_area
-from meshnet.ledger.database import LOCK_WAIT_S, LedgerError, hold_sqlite_file, make_ledger_engine, upgrade
+from meshnet.ledger.database import LOCK_WAIT_S, LedgerError, db_error, hold_sqlite_file, make_ledger_engine, upgrade
 from meshnet.ledger.schema import deliveries, node_keys, work
 
 MAX_ID_CHARS = 256  # session, client and node ids longer than this are refused (column width)
@@ -188,6 +189,15 @@ class Ledger:
             self._file_lock.close()
             self._file_lock = None
 
+    @contextlib.contextmanager
+    def _reading(self):
+        """A connection for reads; a database error becomes :class:`LedgerError` in one line."""
+        try:
+            with self._engine.connect() as conn:
+                yield conn
+        except SQLAlchemyError as e:
+            raise LedgerError(f"ledger read failed: {db_error(e)}") from None
+
     # ---- node work ---------------------------------------------------------------------------------
 
     def record_work(self, records: Iterable[WorkRecord]) -> WorkOutcome:
@@ -243,7 +253,7 @@ class Ledger:
                         if new_rows:
                             conn.execute(work.insert(), new_rows)
             except SQLAlchemyError as e:
-                raise LedgerError(f"ledger write failed: {e}") from None
+                raise LedgerError(f"ledger write failed: {db_error(e)}") from None
         return WorkOutcome(recorded, duplicates, credited)
 
     def node_balances(self) -> list[NodeBalance]:
@@ -255,7 +265,7 @@ class Ledger:
                     func.count(),
                     func.sum(case((work.c.credited_token_layers < full, 1), else_=0)))
              .group_by(work.c.node_id, work.c.model_sha256).order_by(work.c.node_id, work.c.model_sha256))
-        with self._lock, self._engine.connect() as conn:
+        with self._lock, self._reading() as conn:
             return [NodeBalance(node, model, int(n_layer), int(pre or 0), int(dec or 0), int(steps), int(unc or 0))
                     for node, model, n_layer, pre, dec, steps, unc in conn.execute(q)]
 
@@ -306,14 +316,14 @@ class Ledger:
                     if new_rows:
                         conn.execute(deliveries.insert(), new_rows)
             except SQLAlchemyError as e:
-                raise LedgerError(f"ledger write failed: {e}") from None
+                raise LedgerError(f"ledger write failed: {db_error(e)}") from None
         return recorded, duplicates
 
     def client_balances(self) -> list[ClientBalance]:
         """Every client's delivered tokens, sorted by client id."""
         q = (select(deliveries.c.client_id, func.count(), func.count(func.distinct(deliveries.c.session_id)))
              .group_by(deliveries.c.client_id).order_by(deliveries.c.client_id))
-        with self._lock, self._engine.connect() as conn:
+        with self._lock, self._reading() as conn:
             return [ClientBalance(c, int(n), int(s)) for c, n, s in conn.execute(q)]
 
     # ---- node keys (meshnet.membership.auth.KeyBindings) -------------------------------------------
@@ -323,7 +333,7 @@ class Ledger:
         with self._lock:
             key = self._keys.get(node_id)
             if key is None:
-                with self._engine.connect() as conn:
+                with self._reading() as conn:
                     key = conn.execute(select(node_keys.c.public_key)
                                        .where(node_keys.c.node_id == node_id)).scalar()
                 if key is not None:
@@ -345,6 +355,6 @@ class Ledger:
                     conn.execute(node_keys.insert().values(node_id=node_id, public_key=bytes(public_key),
                                                            bound_at=self._clock()))
             except SQLAlchemyError as e:
-                raise LedgerError(f"ledger write failed: {e}") from None
+                raise LedgerError(f"ledger write failed: {db_error(e)}") from None
             self._keys[node_id] = bytes(public_key)
             return self._keys[node_id]

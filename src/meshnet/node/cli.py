@@ -17,7 +17,8 @@ import sys
 import threading
 import time
 
-from meshnet.arg_types import add_join_token_arg, host_port, node_id, port_number, positive_seconds, seconds
+from meshnet.arg_types import (add_join_token_arg, advertised_address, count, host_port, node_id, port_number,
+                               positive_seconds, seconds)
 from meshnet.contract import LayerRange
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
 from meshnet.node.config import NodeConfig
@@ -50,7 +51,7 @@ def add_node_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s; 0.0.0.0 = every "
                                                         "interface)")
     p.add_argument("--port", type=port_number, default=0, help="gRPC port (default 0 = any free port)")
-    p.add_argument("--advertise", type=host_port, default=None,
+    p.add_argument("--advertise", type=advertised_address, default=None,
                    help="address others dial (default HOST:PORT; with HOST 0.0.0.0 or ::, this machine's "
                         "address on the way to the tracker)")
     p.add_argument("--node-id", type=node_id, default=None,
@@ -68,7 +69,7 @@ def add_node_parser(sub) -> None:
     p.add_argument("--in-process-engine", action="store_true",
                    help="run the engine in the node process instead of a supervised worker process (an engine "
                         "crash then takes the node down)")
-    p.add_argument("--worker-restarts", type=int, default=5, metavar="N",
+    p.add_argument("--worker-restarts", type=count, default=5, metavar="N",
                    help="engine worker deaths in a row, each soon after its start, that are restarted (with "
                         "backoff) before the node deregisters and exits")
     p.add_argument("--worker-hang-timeout", type=positive_seconds, default=5.0, metavar="S",

@@ -13,8 +13,8 @@ import signal
 import sys
 import threading
 
-from meshnet.arg_types import heartbeat_seconds, port_number
-from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem
+from meshnet.arg_types import heartbeat_seconds, join_token, port_number
+from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem, dashboard_port_taken
 from meshnet.supervisor import on_stop_signals, wait_for_stop
 from meshnet.tracker.server import start_tracker
 from meshnet.wire.addresses import format_address
@@ -34,7 +34,7 @@ def add_tracker_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--heartbeat", type=heartbeat_seconds, default=2.0, metavar="SECONDS",
                    help="heartbeat interval nodes are told to use; a node silent for 3 intervals leaves "
                         "routing (default %(default)s)")
-    p.add_argument("--join-token", default=None,
+    p.add_argument("--join-token", type=join_token, default=os.environ.get(JOIN_TOKEN_ENV),
                    help=f"refuse callers without this shared secret (default: ${JOIN_TOKEN_ENV}, if set)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate: serve TLS (needs --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
@@ -57,7 +57,7 @@ def run_tracker(args: argparse.Namespace) -> int:
     if (args.tls_cert is None) != (args.tls_key is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
-    problem = dashboard_port_problem(args.dashboard_port)
+    problem = dashboard_port_problem(args.dashboard_port) or dashboard_port_taken(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

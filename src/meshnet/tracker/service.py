@@ -272,9 +272,13 @@ class TrackerService(pb_grpc.TrackerServicer):
 
     @_rpc
     def GetLedger(self, request: pb.Empty, context) -> pb.LedgerReply:
+        from meshnet.ledger.store import LedgerError
         from meshnet.ledger.wire import ledger_reply
 
-        return ledger_reply(self.ledger)
+        try:
+            return ledger_reply(self.ledger)
+        except LedgerError as e:
+            raise _Refusal(grpc.StatusCode.UNAVAILABLE, f"GetLedger: {e}") from None
 
     @_rpc
     def ReportActivity(self, request: pb.ActivityReport, context) -> pb.Empty:
