@@ -210,6 +210,40 @@ def test_trackers_opening_an_empty_database_at_once_migrate_it_once(ledger_url, 
         engine.dispose()
 
 
+@needs_postgres
+def test_a_second_tracker_on_the_same_postgresql_database_is_refused_naming_the_first(tmp_path):
+    """Two trackers on one PostgreSQL ledger each counted their own mesh into it. The second waits for the
+    first to let go (a restart), then is refused naming the first's server process; a tracker on another
+    database of the same server is not held up, and a killed tracker's lock goes with its session."""
+    with fresh_database("postgresql", tmp_path) as url, fresh_database("postgresql", tmp_path) as other:
+        first = Ledger(url)
+        try:
+            with pytest.raises(LedgerError) as ei:
+                Ledger(url, lock_wait_s=0.2)
+            message = str(ei.value)
+            assert "is in use by another tracker (PostgreSQL server process " in message
+            assert "still after 0.2 s): one tracker writes a ledger at a time; give this one --ledger with " \
+                   "another database" in message
+            Ledger(other, lock_wait_s=0.2).close()
+            threading.Timer(0.5, first.close).start()
+            Ledger(url, lock_wait_s=10).close()  # a tracker being restarted gets it once the old one lets go
+        finally:
+            first.close()
+        code = ("import os, sys\nfrom meshnet.ledger.store import Ledger\nLedger(sys.argv[1])\n"
+                "print('held', flush=True)\nsys.stdin.read()\n")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        holder = subprocess.Popen([sys.executable, "-c", code, url], env=env, text=True, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE)
+        try:
+            assert holder.stdout.readline() == "held\n"
+            with pytest.raises(LedgerError, match="is in use by another tracker"):
+                Ledger(url, lock_wait_s=0.2)
+        finally:
+            holder.kill()
+            holder.wait(timeout=10)
+        Ledger(url, lock_wait_s=10).close()  # the server ended the killed process's session and its lock
+
+
 # ---- many nodes at once --------------------------------------------------------------------------------
 
 N_NODES = 50

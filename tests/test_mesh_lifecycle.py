@@ -61,6 +61,34 @@ def test_sigterm_drains_and_deregisters(mesh):
     assert "only" not in mesh.registered()
 
 
+def test_a_draining_node_does_not_wait_for_sessions_whose_client_is_gone(mesh):
+    """A session left open by a client that died kept a stopped node up for its whole --drain-timeout (30
+    s). While draining, a session without a step for DRAIN_IDLE_S is released and the node exits; one that
+    keeps stepping is waited for."""
+    from meshnet.node.runner import DRAIN_IDLE_S
+
+    (node,) = mesh.start_nodes([("only", "0:30")], "smollm2", "--engine", "fake", "--drain-timeout", "60")
+    client = MeshClient(mesh.tracker)
+    assert client.step(StepRequest("orphan", 0, 0, (5, 6, 7)), decode=False).ok  # its client never comes back
+    assert client.step(StepRequest("live", 0, 0, (5, 6, 7)), decode=False).ok
+    t0 = time.monotonic()
+    node.proc.send_signal(signal.SIGTERM)
+    position, token = 3, 8
+    while time.monotonic() - t0 < DRAIN_IDLE_S + 2:  # the live session steps on through the drain
+        res = client.step(StepRequest("live", 0, position, (token,)), decode=True)
+        assert res.ok, res.message
+        position, token = position + 1, res.token.token_id
+        time.sleep(0.2)
+    assert node.proc.poll() is None  # "live" still open: the node waits for it
+    client.release("live")
+    assert node.proc.wait(timeout=10) == 0
+    assert time.monotonic() - t0 < 20
+    log = node.log_tail()
+    assert "draining: waiting up to 60 s for 2 open session(s) to end" in log
+    assert f"draining: released session orphan, which had no step for {DRAIN_IDLE_S:.0f} s" in log
+    client.close()
+
+
 def test_idle_session_is_freed(mesh):
     (node,) = mesh.start_nodes([("only", "0:30")], "smollm2", "--idle-timeout", "0.5")
     client = MeshClient(mesh.tracker)
@@ -137,9 +165,10 @@ def _free_port_run(n: int) -> int:
 
 def test_meshnet_up_then_generate_through_the_mesh(solo, tmp_path):
     port, first_node_port = free_port(), _free_port_run(6)
+    ledger_url = f"sqlite:///{tmp_path / 'ledger.db'}"
     up = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "up", "--stages", "3", "--port", str(port),
-                           "--api-port", "0", "--dashboard-port", "0", "--node-ports", str(first_node_port)],
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                           "--api-port", "0", "--dashboard-port", "0", "--node-ports", str(first_node_port),
+                           "--ledger", ledger_url], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = up.stdout.readline()
         assert line.startswith("MESHNET_UP_READY"), line
@@ -171,6 +200,15 @@ def test_meshnet_up_then_generate_through_the_mesh(solo, tmp_path):
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0
+    # --ledger: the balances outlive the mesh (16 tokens to generate's client, 5 to the API's).
+    from meshnet.ledger.store import Ledger
+
+    ledger = Ledger(ledger_url)
+    try:
+        assert sorted(c.delivered_tokens for c in ledger.client_balances()) == [5, 16]
+        assert len({n.node_id for n in ledger.node_balances()}) == 3
+    finally:
+        ledger.close()
 
 
 def test_meshnet_up_restarts_a_killed_node_while_the_api_keeps_serving(solo, tmp_path):

@@ -32,7 +32,9 @@ def add_up_parser(sub) -> None:
     p = sub.add_parser("up", help="start a tracker and N local nodes for a model; serve until Ctrl-C")
     p.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
     p.add_argument("--stages", type=int, default=3, help="node processes, one layer range each")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the tracker, nodes and API listen on (default %(default)s; 0.0.0.0 = every "
+                        "interface, and the others are told this machine's address)")
     p.add_argument("--port", type=port_number, default=7700, help="tracker port (default %(default)s)")
     p.add_argument("--node-ports", type=port_number, default=0, metavar="FIRST",
                    help="node i listens on FIRST + 2i (gRPC) and FIRST + 2i + 1 (its step data plane), for a "
@@ -53,6 +55,9 @@ def add_up_parser(sub) -> None:
                    help="the API's steps: " + "every step through the client, hop by hop (default: nodes forward hidden states to the next node themselves where the route allows)")
     add_join_token_arg(p)
     p.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds to wait for a complete route")
+    p.add_argument("--ledger", default=None, metavar="URL",
+                   help="the tracker's ledger, as for meshnet tracker --ledger (sqlite:///PATH, postgresql://...); "
+                        "default in memory: its balances end with this mesh")
     p.add_argument("--api-port", type=int, default=8000,
                    help="serve the OpenAI-compatible API on this port (default %(default)s; 0 = any free port, -1 = no API)")
     add_dashboard_args(p)
@@ -187,12 +192,26 @@ def run_up(args: argparse.Namespace) -> int:
         return 2
     speculation = speculation_from_args(args, path) if args.api_port >= 0 else None  # ValueError: status 2
     registry = Registry(args.heartbeat)
+    ledger = None
+    if args.ledger:
+        from meshnet.ledger.store import Ledger, LedgerError
+
+        try:
+            ledger = Ledger(args.ledger)
+        except LedgerError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     try:
-        server, port, service = start_tracker(args.host, args.port, join_token=args.join_token, registry=registry)
+        server, port, service = start_tracker(args.host, args.port, join_token=args.join_token, registry=registry,
+                                              ledger=ledger)
     except RuntimeError as e:  # the port is taken: another tracker, or an earlier `meshnet up` still running
+        if ledger is not None:
+            ledger.close()
         print(f"error: the tracker {str(e).rstrip('.')}. Is another tracker or `meshnet up` running there? "
               f"Pass another --port.", file=sys.stderr)
         return 2
+    if ledger is not None:
+        print(f"[meshnet up] ledger {ledger.display_url}", file=sys.stderr, flush=True)
     # Bound to every interface, the mesh is named (to its nodes, which register the address they reach
     # it by, and in the hints printed) by this machine's address that other machines can dial.
     tracker = format_address(this_machine_address(args.host), port)
@@ -279,4 +298,6 @@ def run_up(args: argparse.Namespace) -> int:
         if dashboard is not None:
             dashboard.stop()
         server.stop(grace=1).wait()
+        if ledger is not None:
+            ledger.close()
     return code

@@ -49,7 +49,8 @@ def add_api_parser(sub) -> None:
                              "template from its manifest)")
     p.add_argument("--name", type=name_text, default=None, help="the model id clients use (default: the bundled name or "
                                                 "the file's stem)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default %(default)s; 0.0.0.0 = every interface)")
     p.add_argument("--port", type=port_number, default=8000, help="port (default %(default)s; 0 = any free port)")
     add_join_token_arg(p)
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker and nodes")

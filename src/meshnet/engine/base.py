@@ -241,10 +241,11 @@ class ShardEngine(ABC):
         self._scheduler.forget(s)
 
     def release_idle(self, idle_s: float) -> list[str]:
-        """Release sessions unused for more than ``idle_s`` seconds; returns their ids."""
+        """Release sessions unused for more than ``idle_s`` seconds (a session whose step is running is in
+        use, however long ago its last one ended); returns their ids."""
         now = time.monotonic()
         with self._lock:
-            stale = [sid for sid, s in self._sessions.items() if now - s.last_used > idle_s]
+            stale = [sid for sid, s in self._sessions.items() if now - s.last_used > idle_s and not s.busy]
         for sid in stale:
             self.release(sid)
         return stale

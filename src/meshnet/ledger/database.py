@@ -88,6 +88,72 @@ def make_ledger_engine(url: str) -> Engine:
 LOCK_WAIT_S = 5.0
 
 
+# The advisory lock a tracker holds on a PostgreSQL ledger while it writes it ("mldg": below 2**31, so
+# pg_locks shows it as objid with classid 0).
+_LEDGER_LOCK = 0x6D6C6467
+
+
+def hold_ledger(engine: Engine, wait_s: float = LOCK_WAIT_S):
+    """What keeps a second tracker from writing the ledger behind ``engine`` while this process does
+    (closed with ``.close()``), or None for an in-memory one: an SQLite file's lock file
+    (:func:`hold_sqlite_file`), or a PostgreSQL session-level advisory lock held on a connection of its
+    own, which the server drops with the session if the process dies. Waits up to ``wait_s`` seconds for a
+    holder to let go (a tracker being restarted).
+
+    Raises:
+        LedgerError: another tracker still holds it (named: its pid, or its PostgreSQL server process and
+            the address it connected from), or the database cannot be reached.
+    """
+    if engine.url.get_backend_name() == "postgresql":
+        return _hold_postgres(engine, wait_s)
+    return hold_sqlite_file(engine, wait_s)
+
+
+class _PostgresHold:
+    """A session-level advisory lock on a connection of its own, until :meth:`close`."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn: Connection | None = conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.invalidate()  # the connection is closed, not pooled: the server ends the session's lock
+            self._conn.close()
+            self._conn = None
+
+
+def _hold_postgres(engine: Engine, wait_s: float) -> _PostgresHold:
+    url = engine.url.render_as_string()
+    deadline = time.monotonic() + wait_s
+    try:
+        conn = engine.connect()
+    except SQLAlchemyError as e:
+        raise LedgerError(f"cannot open ledger {url}: {db_error(e)}") from None
+    try:
+        while not conn.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": _LEDGER_LOCK}).scalar():
+            conn.rollback()
+            if time.monotonic() >= deadline:
+                holder = conn.execute(text(
+                    "SELECT a.pid, a.client_addr FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+                    "WHERE l.locktype = 'advisory' AND l.classid = 0 AND l.objid = :key AND l.granted AND l.database = "
+                    "(SELECT oid FROM pg_database WHERE datname = current_database())"),
+                    {"key": _LEDGER_LOCK}).first()
+                who = (f"PostgreSQL server process {holder[0]}, connected from {holder[1] or 'a local socket'}"
+                       if holder else "another session")
+                raise LedgerError(f"the ledger {url} is in use by another tracker ({who}, still after {wait_s:g} "
+                                  "s): one tracker writes a ledger at a time; give this one --ledger with another "
+                                  "database")
+            time.sleep(0.05)
+        conn.commit()
+    except LedgerError:
+        conn.close()
+        raise
+    except SQLAlchemyError as e:
+        conn.close()
+        raise LedgerError(f"cannot open ledger {url}: {db_error(e)}") from None
+    return _PostgresHold(conn)
+
+
 def hold_sqlite_file(engine: Engine, wait_s: float = LOCK_WAIT_S) -> IO | None:
     """For a ledger in an SQLite file, an exclusive lock on ``<file>.lock`` held by this process until the
     returned file is closed (or the process dies), else None: one tracker writes a ledger at a time, and a

@@ -13,7 +13,7 @@ delivered to them.
 
 One tracker process writes a ledger at a time (writes are serialized by a lock inside :class:`Ledger`);
 several trackers sharing one database are not supported, and a second tracker opening an SQLite file
-another process holds is refused (:func:`~meshnet.ledger.database.hold_sqlite_file`).
+or PostgreSQL database another tracker holds is refused (:func:`~meshnet.ledger.database.hold_ledger`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from sqlalchemy import and_, case, func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from meshnet.ledger.credit import Rect, new_area
-from meshnet.ledger.database import LOCK_WAIT_S, LedgerError, db_error, hold_sqlite_file, make_ledger_engine, upgrade
+from meshnet.ledger.database import LOCK_WAIT_S, LedgerError, db_error, hold_ledger, make_ledger_engine, upgrade
 from meshnet.ledger.schema import deliveries, node_keys, work
 
 MAX_ID_CHARS = 256  # session, client and node ids longer than this are refused (column width)
@@ -169,9 +169,9 @@ class Ledger:
         self._engine = make_ledger_engine(url)
         self._lock = threading.RLock()
         self._keys: dict[str, bytes] = {}
-        self._file_lock = None
+        self._holder = None
         try:
-            self._file_lock = hold_sqlite_file(self._engine, lock_wait_s)
+            self._holder = hold_ledger(self._engine, lock_wait_s)
             upgrade(self._engine)
         except BaseException:
             self.close()
@@ -185,9 +185,9 @@ class Ledger:
     def close(self) -> None:
         """Release the database connections (an in-memory ledger is gone afterwards) and the file."""
         self._engine.dispose()
-        if self._file_lock is not None:
-            self._file_lock.close()
-            self._file_lock = None
+        if self._holder is not None:
+            self._holder.close()
+            self._holder = None
 
     @contextlib.contextmanager
     def _reading(self):

@@ -121,7 +121,8 @@ class Authenticator:
             if bound != key:
                 raise AuthError(f"{kind}: node id {node_id!r} belongs to another key (fingerprint "
                                 f"{node_id_for(bound)[:12]}, this message's is {node_id_for(key)[:12]}); "
-                                "refused")
+                                "refused: start the node with the --identity key file it first registered with, "
+                                "or give it another --node-id")
         elif node_id != node_id_for(key) and not bind:
             raise AuthError(f"{kind}: node id {node_id!r} is neither this key's id ({node_id_for(key)}) nor "
                             "registered with it; register first")

@@ -199,6 +199,9 @@ def run_node(args: argparse.Namespace) -> int:
     if cfg.relay and not cfg.tracker:
         print("error: --relay needs --tracker (a relayed node is reached only through its tracker)", file=sys.stderr)
         return 2
+    if not cfg.tracker:  # fine for a test or a peer to fetch from, but no client will find it
+        print("warning: no --tracker: this node registers nowhere, so no route or client finds it; give it "
+              "--tracker HOST:PORT to join a mesh", file=sys.stderr, flush=True)
     refused = tracker_refusal(cfg.tracker, args.join_token, args.tls_ca) if cfg.tracker else None
     if refused:
         print(f"error: --tracker {cfg.tracker}: {refused}", file=sys.stderr)

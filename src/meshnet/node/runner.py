@@ -41,6 +41,11 @@ from meshnet.wire.security import add_port, client_ssl_context, make_server, ope
 
 log = logging.getLogger("meshnet.node")
 
+# While draining, a session without a step for this long is released: a client mid-generation steps every
+# few milliseconds, and one that exited (killed, cut off) never ends its session, which would otherwise hold
+# the node up for the whole --drain-timeout. A live client that comes back replays the session elsewhere.
+DRAIN_IDLE_S = 5.0
+
 
 class Node:
     """A running node: engine, session service, transports, tracker membership, idle sweeper.
@@ -210,8 +215,17 @@ class Node:
             self.membership.deregister()
         if drain:
             deadline = time.monotonic() + self.cfg.drain_timeout_s
+            if open_sessions := self.engine.health().active_sessions:
+                log.info("draining: waiting up to %.0f s for %d open session(s) to end; one without a step for "
+                         "%.0f s is released (its client is gone)", self.cfg.drain_timeout_s, open_sessions,
+                         DRAIN_IDLE_S)
             while self.engine.health().active_sessions and time.monotonic() < deadline:
+                for sid in self.engine.release_idle(DRAIN_IDLE_S):
+                    log.info("draining: released session %s, which had no step for %.0f s", sid, DRAIN_IDLE_S)
                 time.sleep(0.05)
+            if left := self.engine.health().active_sessions:
+                log.warning("draining: %d session(s) still open after --drain-timeout %.0f s; stopping",
+                            left, self.cfg.drain_timeout_s)
             self.service.wait_idle(max(0.0, deadline - time.monotonic()))
         if self.membership is not None:
             self.membership.flush()  # steps finished while draining
