@@ -171,3 +171,10 @@ def test_a_denormal_rope_scaling_factor_is_refused_naming_the_key(tmp_path):
     src = GOLDEN_DIR / "models-moe" / "tiny-deepseek2.gguf"
     bad = rewrite(src, tmp_path / "m.gguf", {"deepseek2.rope.scaling.factor": 1e-45})
     assert_refused(bad, "rope.scaling.factor")
+
+
+def test_a_vocab_size_below_the_tokenizers_token_count_is_refused_at_load(tmp_path):
+    """llama.vocab_size = 10 under a tokenizer of many more tokens: it loaded, then the first step holding a
+    token id past 10 failed mid-run (exit 1, INVALID_ARGUMENT ``token id ... outside the vocabulary``)."""
+    bad = rewrite(LLAMA, tmp_path / "m.gguf", {"llama.vocab_size": 10}, {"llama.vocab_size": (V.UINT32, None)})
+    assert_refused(bad, "vocab_size 10 but its tokenizer lists")

@@ -235,6 +235,10 @@ def test_bad_load_settings_are_named(field, value):
      "error: --layers splits the model in this process; with --tracker the mesh's nodes hold the layers"),
     (["node", "--fetch", "smollm2", "--model", "x.gguf"], "argument --model: not allowed with argument --fetch"),
     (["api", "--client-orchestrated", "--port", "0"], "error: --client-orchestrated needs --tracker"),
+    (["generate", "--tracker", "127.0.0.1:9", "--n-ctx", "5", "hi"],
+     "error: --n-ctx applies to stages in this process; with --tracker each node of the mesh has its own"),
+    (["api", "--tracker", "127.0.0.1:9", "--max-sessions", "4", "--port", "0"],
+     "error: --max-sessions applies to stages in this process; with --tracker each node of the mesh has its own"),
     # a bench that ran nothing and wrote empty results (exit 0), or failed on Python's own words
     (["bench", "serve", "--targets", "llama-server,bogus"], "argument --targets: unknown target 'bogus'; choose "
                                                             "from llama-server, meshnet, mesh, llama-rpc"),

@@ -187,10 +187,12 @@ def add_join_token_arg(p: argparse.ArgumentParser) -> None:
                    help=f"the mesh's shared secret (default ${JOIN_TOKEN_ENV})")
 
 
-def mode_problem(args: argparse.Namespace, client_flags: dict[str, object]) -> str | None:
+def mode_problem(args: argparse.Namespace, client_flags: dict[str, object],
+                 local_flags: dict[str, bool] | None = None) -> str | None:
     """Why flags given do nothing in the mode ``--tracker`` picks, or None: ``client_flags`` (flag ->
     its value; a truthy one was given) serve only a running mesh's client, ``--stages`` / ``--layers``
-    only stages in this process. For ``meshnet generate`` and ``meshnet api``, which run either way."""
+    and ``local_flags`` (flag -> whether a value other than its default was given) only stages in this
+    process. For ``meshnet generate`` and ``meshnet api``, which run either way."""
     if not args.tracker:
         given = next((flag for flag, value in client_flags.items() if value), None)
         return given and (f"{given} needs --tracker (it applies to a running mesh's client; without "
@@ -198,4 +200,6 @@ def mode_problem(args: argparse.Namespace, client_flags: dict[str, object]) -> s
     if args.stages is not None or args.layers is not None:
         return (f"{'--stages' if args.stages is not None else '--layers'} splits the model in this process; "
                 "with --tracker the mesh's nodes hold the layers")
-    return None
+    given = next((flag for flag, changed in (local_flags or {}).items() if changed), None)
+    return given and (f"{given} applies to stages in this process; with --tracker each node of the mesh has "
+                      f"its own (meshnet node {given})")

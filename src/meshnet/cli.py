@@ -8,6 +8,7 @@ compute backends this machine has built and proved), ``ledger``, ``nodes`` and `
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -196,7 +197,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     model_id = None
     problem = mode_problem(args, {"--wait": args.wait, "--tls-ca": args.tls_ca,
-                                  "--client-orchestrated": args.client_orchestrated})
+                                  "--client-orchestrated": args.client_orchestrated},
+                           {"--threads": args.threads != 2, "--n-ctx": args.n_ctx != 0,
+                            "--no-huge-pages": not args.huge_pages})
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -257,6 +260,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except (GenerationError, RuntimeError) as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        with contextlib.suppress(OSError):  # what is logged while exiting starts a line of its own
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
     finally:
         events.close()  # on Ctrl-C too: the session is released on every stage now, not at exit
     r = gen.result

@@ -85,7 +85,11 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
     from meshnet.speculative import mtp_problem
 
     name = args.name
-    if problem := mode_problem(args, {"--client-orchestrated": args.client_orchestrated, "--tls-ca": args.tls_ca}):
+    local_flags = {"--threads": args.threads != 2, "--n-ctx": args.n_ctx != 0, "--max-sessions": args.max_sessions != 16,
+                   "--kv-tokens": args.kv_tokens != 0, "--prefix-cache": args.prefix_cache != 4,
+                   "--no-huge-pages": not args.huge_pages}
+    if problem := mode_problem(args, {"--client-orchestrated": args.client_orchestrated, "--tls-ca": args.tls_ca},
+                               local_flags):
         raise ValueError(problem)
     if args.tracker and (refused := tracker_refusal(args.tracker, args.join_token, args.tls_ca)):
         # It served anyway and answered every request 503 with the tracker's refusal.

@@ -257,7 +257,11 @@ class ModelConfig:
         head_dim_v = int(opt(gguf.Keys.Attention.VALUE_LENGTH, head_dim))
         if head_dim < 1:
             raise GGUFError(f"{arch} GGUF has attention.key_length {head_dim}: must be >= 1")
-        n_vocab = int(opt(gguf.Keys.LLM.VOCAB_SIZE, array_length(reader, gguf.Keys.Tokenizer.LIST) or 0))
+        n_tokens = array_length(reader, gguf.Keys.Tokenizer.LIST) or 0
+        n_vocab = int(opt(gguf.Keys.LLM.VOCAB_SIZE, n_tokens))
+        if n_vocab < n_tokens:  # else a token the tokenizer emits fails the first step that holds it
+            raise GGUFError(f"{arch} GGUF has vocab_size {n_vocab} but its tokenizer lists {n_tokens} tokens: "
+                            "token ids would run past the vocabulary")
         tensors = model_tensors(reader)  # a range-only file: the whole model's list it carries
         names = {t.name for t in tensors}
         tied = tensor_name(gguf.MODEL_TENSOR.OUTPUT) not in names
