@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import gguf
@@ -259,6 +260,8 @@ def test_bad_load_settings_are_named(field, value):
     (["node", "--engine", "fake", "--advertise", "0.0.0.0:9512"],
      "argument --advertise: 0.0.0.0 is where a server listens on every interface"),
     (["node", "--engine", "fake", "--worker-restarts", "-1"], "argument --worker-restarts: must be >= 0, got -1"),
+    (["node", "--engine", "fake", "--tracker", "127.0.0.1:9", "--relay", "--port", "9510"],  # ignored
+     "error: --port does not apply with --relay: a relayed node opens no port"),
     (["api", "--max-body-mb", "1e20"], "argument --max-body-mb: must be at most 1024 (MiB), got 1e20"),
     (["up", "--api-port", "-1", "--speculative", "model", "--dashboard-port", "-1", "--port", "0"],
      "error: --speculative, --draft-model and --draft-tokens set the API's speculative decoding; with --api-port -1 "
@@ -307,6 +310,12 @@ def test_tls_files_that_are_not_pem_are_named_at_start(tmp_path):
     r = subprocess.run([*cli, "generate", "--tracker", "127.0.0.1:9", "--tls-ca", str(junk), "hi"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and f"cannot read TLS CA certificate '{junk}'" in r.stderr and "Traceback" not in r.stderr
+    # A FIFO (or a device) in place of a PEM file blocked the node's start for good.
+    fifo = tmp_path / "cert.fifo"
+    os.mkfifo(fifo)
+    r = subprocess.run([*cli, "node", "--engine", "fake", "--port", "0", "--tls-cert", str(fifo), "--tls-key",
+                        str(fifo)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"error: cannot read TLS certificate '{fifo}': not a regular file" in r.stderr
 
 
 @pytest.mark.parametrize("flag,what", [("--port", "127.0.0.1:{port}: Address already in use"),

@@ -199,6 +199,11 @@ def run_node(args: argparse.Namespace) -> int:
     if cfg.relay and not cfg.tracker:
         print("error: --relay needs --tracker (a relayed node is reached only through its tracker)", file=sys.stderr)
         return 2
+    if cfg.relay and (given := next((f for f, v in (("--port", args.port), ("--data-port", args.data_port),
+                                                    ("--advertise", args.advertise)) if v), None)):
+        print(f"error: {given} does not apply with --relay: a relayed node opens no port (everything reaches it "
+              "through the tracker)", file=sys.stderr)
+        return 2
     if not cfg.tracker:  # fine for a test or a peer to fetch from, but no client will find it
         print("warning: no --tracker: this node registers nowhere, so no route or client finds it; give it "
               "--tracker HOST:PORT to join a mesh", file=sys.stderr, flush=True)

@@ -131,6 +131,9 @@ def _refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode,
 
 def _read_pem(path: str, what: str) -> bytes:
     try:
+        if not Path(path).is_file():  # a FIFO or a device would block the read, or never end it
+            raise ValueError(f"cannot read TLS {what} {path!r}: "
+                             f"{'not a regular file' if Path(path).exists() else 'No such file or directory'}")
         return Path(path).read_bytes()
     except OSError as e:
         raise ValueError(f"cannot read TLS {what} {path!r}: {e.strerror or e}") from None
