@@ -251,12 +251,8 @@ def test_bad_load_settings_are_named(field, value):
     (["nodes", "--tracker", "127.0.0.1:9", "--join-token", "p\u00e4ss"],
      "argument --join-token: may hold only printable ASCII characters (gRPC carries it as metadata), got '\\xe4' "
      "at character 1"),
-    (["nodes", "--tracker", "127.0.0.1:9", "--join-token", "s3cret "],
-     "argument --join-token: may not start or end with a space (HTTP/2 would drop it)"),
-    (["tracker", "--join-token", "a" * 1025], "argument --join-token: must be at most 1024 characters, got 1025"),
-    # registered, and every client then failed on it first
-    (["node", "--engine", "fake", "--advertise", "nonexistent.invalid:9512"],
-     "argument --advertise: host 'nonexistent.invalid' does not resolve here"),
+    (["tracker", "--join-token", "a" * 4097], "argument --join-token: must be at most 4096 characters, got 4097"),
+    # an address nobody can dial: it registered, and every client then failed on it first
     (["node", "--engine", "fake", "--advertise", "0.0.0.0:9512"],
      "argument --advertise: 0.0.0.0 is where a server listens on every interface"),
     (["node", "--engine", "fake", "--worker-restarts", "-1"], "argument --worker-restarts: must be >= 0, got -1"),
@@ -366,3 +362,21 @@ def test_output_that_cannot_be_written_and_ctrl_c_while_loading_end_without_a_tr
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode in (130, -signal.SIGINT) and "Traceback" not in err, (delay, proc.returncode, err)
+
+
+def test_an_advertised_name_that_does_not_resolve_here_is_warned_about():
+    """Registered without a word, and every client then failed on it first; refusing it would refuse
+    names only the peers resolve (split DNS, a pod's name published once it is ready), so it is a warning."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "node", "--engine", "fake", "--port", "0",
+                             "--advertise", "nonexistent.invalid:9512"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    assert line.startswith("warning: --advertise nonexistent.invalid:9512: the name does not resolve on this "
+                           "machine ("), line

@@ -223,7 +223,8 @@ def test_a_second_tracker_on_the_same_postgresql_database_is_refused_naming_the_
             message = str(ei.value)
             assert "is in use by another tracker (PostgreSQL server process " in message
             assert "still after 0.2 s): one tracker writes a ledger at a time; give this one --ledger with " \
-                   "another database" in message
+                   "another database; if that tracker is gone, its session ends within about 25 s" in message
+            assert "or now with SELECT pg_terminate_backend(" in message
             Ledger(other, lock_wait_s=0.2).close()
             threading.Timer(0.5, first.close).start()
             Ledger(url, lock_wait_s=10).close()  # a tracker being restarted gets it once the old one lets go

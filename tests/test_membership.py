@@ -324,8 +324,9 @@ def test_meshnet_nodes_names_the_layers_no_node_serves():
 
 
 def test_meshnet_nodes_names_replicas_that_compute_otherwise():
-    """Overlapping replicas with other numerics keys get a line under the table (a failover between them is
-    within tolerance); nodes on other layers, with the same key, or without one, do not."""
+    """Layers served by replicas with other numerics keys get a line under the table (a failover between
+    them is within tolerance), one per run of layers whatever the number of replicas; nodes on other
+    layers, with the same key, or without one, add none."""
     from meshnet.membership.cli import nodes_dict
 
     one = "ggml-python=0.0.37 backend=cpu simd=AVX2 threads=1 weights=repacked"
@@ -335,13 +336,16 @@ def test_meshnet_nodes_names_replicas_that_compute_otherwise():
     for i, key in zip(infos, [two, one, two, one, "", one]):
         i.numerics = key
     reply = pb.NodeList(nodes=[pb.NodeStatus(info=i) for i in infos])
-    expected = [f"model {SHA[:12]}: mid and mid2 both serve layers [10, 20) but compute otherwise (threads=1 vs "
-                "threads=2): a failover between them continues within tolerance, not bit for bit",
-                f"model {SHA[:12]}: mid2 and twin both serve layers [10, 20) but compute otherwise (threads=2 vs "
-                "threads=1): a failover between them continues within tolerance, not bit for bit",
-                f"model {SHA[:12]}: mid2 and tail both serve layers [20, 30) but compute otherwise (threads=2 vs "
-                "threads=1): a failover between them continues within tolerance, not bit for bit"]
-    assert format_nodes(reply).splitlines()[-3:] == expected
+    expected = [f"model {SHA[:12]}: layers [10, 20) are served by nodes that compute otherwise (mid, twin: "
+                "threads=1; mid2: threads=2): a failover between them continues within tolerance, not bit for bit",
+                f"model {SHA[:12]}: layers [20, 30) are served by nodes that compute otherwise (mid2: threads=2; "
+                "tail: threads=1): a failover between them continues within tolerance, not bit for bit"]
+    assert format_nodes(reply).splitlines()[-2:] == expected
     data = nodes_dict(reply)
     assert data["unlike_replicas"] == expected
+    crowd = [node_info(f"r{i}", 10, 20) for i in range(40)]
+    for i, info in enumerate(crowd):
+        info.numerics = (one, two)[i % 2]
+    assert len(format_nodes(pb.NodeList(nodes=[pb.NodeStatus(info=i) for i in infos + crowd])).splitlines()) == \
+        1 + len(infos) + len(crowd) + 2  # header, rows, and still a line per run of layers
     assert [n["numerics"] for n in data["nodes"]] == [two, one, two, one, "", one]

@@ -63,13 +63,17 @@ def test_sigterm_drains_and_deregisters(mesh):
 
 def test_a_draining_node_does_not_wait_for_sessions_whose_client_is_gone(mesh):
     """A session left open by a client that died kept a stopped node up for its whole --drain-timeout (30
-    s). While draining, a session without a step for DRAIN_IDLE_S is released and the node exits; one that
-    keeps stepping is waited for."""
+    s). While draining, a session without a step for DRAIN_IDLE_S (and 10x its longest gap between steps)
+    is released and the node exits; one that keeps stepping is waited for, and so is one of a single step
+    (its usual gap is not known: a long prefill on a later hop may be running)."""
     from meshnet.node.runner import DRAIN_IDLE_S
 
     (node,) = mesh.start_nodes([("only", "0:30")], "smollm2", "--engine", "fake", "--drain-timeout", "60")
     client = MeshClient(mesh.tracker)
-    assert client.step(StepRequest("orphan", 0, 0, (5, 6, 7)), decode=False).ok  # its client never comes back
+    token = client.step(StepRequest("orphan", 0, 0, (5, 6, 7)), decode=False).token.token_id
+    for position in (3, 4):  # then its client never comes back
+        token = client.step(StepRequest("orphan", 0, position, (token,)), decode=True).token.token_id
+    assert client.step(StepRequest("one-step", 0, 0, (5, 6, 7)), decode=False).ok
     assert client.step(StepRequest("live", 0, 0, (5, 6, 7)), decode=False).ok
     t0 = time.monotonic()
     node.proc.send_signal(signal.SIGTERM)
@@ -79,13 +83,16 @@ def test_a_draining_node_does_not_wait_for_sessions_whose_client_is_gone(mesh):
         assert res.ok, res.message
         position, token = position + 1, res.token.token_id
         time.sleep(0.2)
-    assert node.proc.poll() is None  # "live" still open: the node waits for it
+    assert node.proc.poll() is None  # "live" and "one-step" still open: the node waits for them
+    assert node.active_sessions() == 2
     client.release("live")
+    client.release("one-step")
     assert node.proc.wait(timeout=10) == 0
     assert time.monotonic() - t0 < 20
     log = node.log_tail()
-    assert "draining: waiting up to 60 s for 2 open session(s) to end" in log
-    assert f"draining: released session orphan, which had no step for {DRAIN_IDLE_S:.0f} s" in log
+    assert "draining: waiting up to 60 s for 3 open session(s) to end" in log
+    assert f"draining: released session orphan, which had no step for over {DRAIN_IDLE_S:.0f} s" in log
+    assert "released session live" not in log and "released session one-step" not in log
     client.close()
 
 

@@ -92,21 +92,26 @@ def host_port(text: str) -> str:
 
 
 def advertised_address(text: str) -> str:
-    """An address others dial to reach this machine, ``HOST:PORT``: a host that resolves here (a node
-    advertising a name nobody can resolve registers fine, and every client then fails on it first) and
-    not a wildcard (0.0.0.0 names no machine)."""
+    """An address others dial to reach this machine, ``HOST:PORT``, not a wildcard (0.0.0.0 names no
+    machine). Whether the name resolves is :func:`unresolved_host`'s warning: a name only the peers resolve
+    (split DNS, a pod's name published once it is ready) is fine."""
     host_port(text)
     host = text.rpartition(":")[0].strip("[]")
     if host in ("0.0.0.0", "::"):
         raise argparse.ArgumentTypeError(f"{host} is where a server listens on every interface, not an address "
                                          "others can dial; give this machine's address")
+    return text
+
+
+def unresolved_host(address: str) -> str | None:
+    """Why the host of ``address`` (``HOST:PORT``) does not resolve here, or None: a node advertising a name
+    nobody can resolve registers fine, and every client then fails on it first."""
+    host = address.rpartition(":")[0].strip("[]")
     try:
         socket.getaddrinfo(host, None)
     except (socket.gaierror, UnicodeError) as e:
-        reason = e.strerror if isinstance(e, socket.gaierror) else str(e)
-        raise argparse.ArgumentTypeError(f"host {host!r} does not resolve here ({reason}); give a name or IP "
-                                         "address this machine and its peers can reach it by") from None
-    return text
+        return e.strerror if isinstance(e, socket.gaierror) else str(e)
+    return None
 
 
 def node_id(text: str) -> str:
@@ -139,14 +144,12 @@ def name_text(text: str) -> str:
 
 
 # A join token travels as gRPC metadata and in the data plane's hello: printable ASCII (gRPC refuses
-# other bytes in a metadata value, and HTTP/2 trims spaces at either end), far below gRPC's 16 KiB of
-# metadata.
-JOIN_TOKEN_MAX_CHARS = 1024
+# other bytes in a metadata value: "Invalid metadata"), within gRPC's 8 KiB of metadata with room to spare.
+JOIN_TOKEN_MAX_CHARS = 4096
 
 
 def join_token(text: str) -> str:
-    """The mesh's shared secret: 0 (none) to JOIN_TOKEN_MAX_CHARS printable ASCII characters, spaces only
-    between others."""
+    """The mesh's shared secret: 0 (none) to JOIN_TOKEN_MAX_CHARS printable ASCII characters."""
     source = f" (from ${JOIN_TOKEN_ENV})" if text == os.environ.get(JOIN_TOKEN_ENV) else ""
     if len(text) > JOIN_TOKEN_MAX_CHARS:
         raise argparse.ArgumentTypeError(f"must be at most {JOIN_TOKEN_MAX_CHARS} characters, got {len(text)}{source}")
@@ -155,8 +158,6 @@ def join_token(text: str) -> str:
         raise argparse.ArgumentTypeError(
             f"may hold only printable ASCII characters (gRPC carries it as metadata), got {ascii(text[bad])} at "
             f"character {bad}{source}")
-    if text != text.strip(" "):
-        raise argparse.ArgumentTypeError(f"may not start or end with a space (HTTP/2 would drop it){source}")
     return text
 
 

@@ -309,10 +309,13 @@ def _main(argv: list[str] | None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except OSError as e:
-        # Most often the output could not be written (a full disk: `> /dev/full`); the final flush of what
-        # stdout still buffers would fail again, so it goes nowhere.
+        # Often the output could not be written (a full disk: `> /dev/full`): then the final flush of what
+        # stdout still buffers would fail again, and it goes nowhere. Otherwise what it holds is written.
         print(f"error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", file=sys.stderr)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        try:
+            sys.stdout.flush()
+        except OSError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 
 

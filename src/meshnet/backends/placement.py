@@ -95,7 +95,7 @@ class AcceleratorEngine(GgmlEngine):
         dev = stage.device or {}
         name = dev.get("description") or dev.get("name") or f"device {self.device_index}"
         return dataclasses.replace(caps, backend=self.lane, n_ctx=stage.n_ctx,
-                                   numerics=numerics_key(self.lane, name, spec.n_threads, spec.repack))
+                                   numerics=numerics_key(self.lane, name, spec.n_threads, spec.repack, spec.n_ubatch))
 
     @property
     def device(self) -> dict | None:

@@ -61,6 +61,8 @@ class Session:
     token_ids: list[int] = field(default_factory=list)
     cancelled: bool = False
     last_used: float = field(default_factory=time.monotonic)
+    steps: int = 0  # steps it ran, and the longest time from one's end to the next's (its first: from opening)
+    longest_gap_s: float = 0.0
     busy: bool = False  # a step of it is queued or running; the next one waits, release waits too
     grammar: Any = None  # on the tail, its SessionGrammar while its steps carry a grammar
 
@@ -240,14 +242,20 @@ class ShardEngine(ABC):
             self._free_state(s.state, s.token_ids if keep_prefix else [])
         self._scheduler.forget(s)
 
-    def release_idle(self, idle_s: float) -> list[str]:
+    def release_idle(self, idle_s: float, gap_factor: float = 0.0) -> list[str]:
         """Release sessions unused for more than ``idle_s`` seconds (a session whose step is running is in
-        use, however long ago its last one ended); returns their ids."""
+        use, however long ago its last one ended); returns their ids. ``gap_factor`` > 0: only sessions
+        that ran 2 steps or more, unused for ``gap_factor`` times their longest wait between steps too (a
+        client stepping through a slow pipeline comes back after a longer gap than one over a fast one)."""
         now = time.monotonic()
-        with self._lock:
-            stale = [sid for sid, s in self._sessions.items() if now - s.last_used > idle_s and not s.busy]
-        for sid in stale:
-            self.release(sid)
+        stale = []
+        with self._lock:  # checked and freed under one hold: a step starting meanwhile keeps its session
+            for sid, s in list(self._sessions.items()):
+                idle = now - s.last_used
+                if s.busy or idle <= idle_s or (gap_factor and (s.steps < 2 or idle <= gap_factor * s.longest_gap_s)):
+                    continue
+                self._retire(s)
+                stale.append(sid)
         return stale
 
     def session_ids(self) -> list[str]:
@@ -395,7 +403,11 @@ class ShardEngine(ABC):
         with self._lock:
             session.busy = False
             self._idle.notify_all()
-            session.last_used = time.monotonic()
+            now = time.monotonic()
+            if result is not None and result.ok:
+                session.steps += 1
+                session.longest_gap_s = max(session.longest_gap_s, now - session.last_used)
+            session.last_used = now
             if result is None:
                 return None
             if result.ok:

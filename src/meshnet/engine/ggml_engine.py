@@ -70,7 +70,7 @@ class GgmlEngine(ShardEngine):
                             max_sessions=spec.max_sessions,
                             residual_dims=() if cfg.dsv4 is None else cfg.residual_shape,
                             needs_token_ids=cfg.needs_token_ids(spec.artifact.layers),
-                            numerics=numerics_key("cpu", "", spec.n_threads, spec.repack))
+                            numerics=numerics_key("cpu", "", spec.n_threads, spec.repack, spec.n_ubatch))
 
     @property
     def device(self) -> dict | None:

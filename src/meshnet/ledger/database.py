@@ -91,6 +91,10 @@ LOCK_WAIT_S = 5.0
 # The advisory lock a tracker holds on a PostgreSQL ledger while it writes it ("mldg": below 2**31, so
 # pg_locks shows it as objid with classid 0).
 _LEDGER_LOCK = 0x6D6C6467
+# TCP keepalives the server sends on the connection holding it (idle, interval, probes: about 25 s from
+# silence to the session's end), so that a tracker whose machine died does not hold the ledger for hours.
+_HOLD_KEEPALIVES = (("tcp_keepalives_idle", 10), ("tcp_keepalives_interval", 5), ("tcp_keepalives_count", 3))
+_HOLD_DEAD_S = 25
 
 
 def hold_ledger(engine: Engine, wait_s: float = LOCK_WAIT_S):
@@ -130,6 +134,10 @@ def _hold_postgres(engine: Engine, wait_s: float) -> _PostgresHold:
     except SQLAlchemyError as e:
         raise LedgerError(f"cannot open ledger {url}: {db_error(e)}") from None
     try:
+        # The server keeps a session, and its lock, until it sees the connection die: at once for a killed
+        # process, but for a machine gone or cut off only by TCP keepalives, which default to 2 hours.
+        for setting, value in _HOLD_KEEPALIVES:
+            conn.execute(text(f"SET {setting} = {value}"))
         while not conn.execute(text("SELECT pg_try_advisory_lock(:key)"), {"key": _LEDGER_LOCK}).scalar():
             conn.rollback()
             if time.monotonic() >= deadline:
@@ -138,11 +146,13 @@ def _hold_postgres(engine: Engine, wait_s: float) -> _PostgresHold:
                     "WHERE l.locktype = 'advisory' AND l.classid = 0 AND l.objid = :key AND l.granted AND l.database = "
                     "(SELECT oid FROM pg_database WHERE datname = current_database())"),
                     {"key": _LEDGER_LOCK}).first()
-                who = (f"PostgreSQL server process {holder[0]}, connected from {holder[1] or 'a local socket'}"
-                       if holder else "another session")
+                who = "another session" if holder is None else f"PostgreSQL server process {holder[0]}" + (
+                    f", connected from {holder[1]}" if holder[1] else "")
+                end = (f"; if that tracker is gone, its session ends within about {_HOLD_DEAD_S} s of its machine "
+                       f"going silent, or now with SELECT pg_terminate_backend({holder[0]})" if holder else "")
                 raise LedgerError(f"the ledger {url} is in use by another tracker ({who}, still after {wait_s:g} "
                                   "s): one tracker writes a ledger at a time; give this one --ledger with another "
-                                  "database")
+                                  f"database{end}")
             time.sleep(0.05)
         conn.commit()
     except LedgerError:

@@ -9,7 +9,7 @@ import sys
 import grpc
 
 from meshnet.arg_types import add_join_token_arg, host_port
-from meshnet.engine.numerics import differences
+from meshnet.engine.numerics import distinct_words
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.node_info import device_dict, record_from_info
@@ -109,18 +109,30 @@ def unserved_layers(reply: pb.NodeList) -> dict[str, list[tuple[int, int]]]:
 
 
 def unlike_replicas(reply: pb.NodeList) -> list[str]:
-    """A line for each pair of nodes of one model whose layer ranges overlap but whose numerics keys differ
-    (:mod:`meshnet.engine.numerics`): a failover from one to the other continues within tolerance, not bit
-    for bit. Nodes that did not say their key are left out."""
-    infos = [s.info for s in reply.nodes if s.info.numerics]
+    """A line for each run of layers of a model that nodes computing otherwise (their numerics keys differ,
+    :mod:`meshnet.engine.numerics`) both serve: a failover from one to another continues within tolerance,
+    not bit for bit. Nodes that did not say their key are left out; one line per run of layers with the
+    same nodes, however many replicas."""
     lines = []
-    for i, a in enumerate(infos):
-        for b in infos[i + 1:]:
-            start, end = max(a.layers.start, b.layers.start), min(a.layers.end, b.layers.end)
-            if a.model.sha256 == b.model.sha256 and start < end and a.numerics != b.numerics:
-                lines.append(f"model {a.model.sha256[:12]}: {a.node_id} and {b.node_id} both serve layers "
-                             f"[{start}, {end}) but compute otherwise ({differences(a.numerics, b.numerics)}): "
-                             f"a failover between them continues within tolerance, not bit for bit")
+    infos = [s.info for s in reply.nodes if s.info.numerics]
+    for sha in dict.fromkeys(i.model.sha256 for i in infos):
+        mine = [i for i in infos if i.model.sha256 == sha]
+        bounds = sorted({b for i in mine for b in (i.layers.start, i.layers.end)})
+        runs: list[list] = []  # [start, end, the nodes serving it]
+        for a, b in zip(bounds, bounds[1:]):
+            serving = tuple(i for i in mine if i.layers.start <= a and b <= i.layers.end)
+            if len({i.numerics for i in serving}) < 2:
+                continue
+            if runs and runs[-1][1] == a and runs[-1][2] == serving:
+                runs[-1][1] = b
+            else:
+                runs.append([a, b, serving])
+        for a, b, serving in runs:
+            keys = list(dict.fromkeys(i.numerics for i in serving))
+            words = distinct_words(keys)
+            groups = "; ".join(f"{', '.join(i.node_id for i in serving if i.numerics == k)}: {words[k]}" for k in keys)
+            lines.append(f"model {sha[:12]}: layers [{a}, {b}) are served by nodes that compute otherwise "
+                         f"({groups}): a failover between them continues within tolerance, not bit for bit")
     return lines
 
 

@@ -18,7 +18,7 @@ import threading
 import time
 
 from meshnet.arg_types import (add_join_token_arg, advertised_address, count, host_port, node_id, port_number,
-                               positive_seconds, seconds)
+                               positive_seconds, seconds, unresolved_host)
 from meshnet.contract import LayerRange
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
 from meshnet.node.config import NodeConfig
@@ -204,6 +204,9 @@ def run_node(args: argparse.Namespace) -> int:
         print(f"error: {given} does not apply with --relay: a relayed node opens no port (everything reaches it "
               "through the tracker)", file=sys.stderr)
         return 2
+    if cfg.advertise and (why := unresolved_host(cfg.advertise)):
+        print(f"warning: --advertise {cfg.advertise}: the name does not resolve on this machine ({why}); clients "
+              "and nodes that cannot resolve it either will fail to reach this node", file=sys.stderr, flush=True)
     if not cfg.tracker:  # fine for a test or a peer to fetch from, but no client will find it
         print("warning: no --tracker: this node registers nowhere, so no route or client finds it; give it "
               "--tracker HOST:PORT to join a mesh", file=sys.stderr, flush=True)

@@ -41,10 +41,13 @@ from meshnet.wire.security import add_port, client_ssl_context, make_server, ope
 
 log = logging.getLogger("meshnet.node")
 
-# While draining, a session without a step for this long is released: a client mid-generation steps every
-# few milliseconds, and one that exited (killed, cut off) never ends its session, which would otherwise hold
-# the node up for the whole --drain-timeout. A live client that comes back replays the session elsewhere.
+# While draining, a session unused for DRAIN_IDLE_S and for DRAIN_GAP_FACTOR times its longest wait between
+# two steps so far is released: a client that exited (killed, cut off) never ends its session, which would
+# otherwise hold the node up for the whole --drain-timeout, while a live one comes back within its usual
+# gap (a session of one step, whose gap is not known yet, is waited for). A live client that does come back
+# later replays the session elsewhere.
 DRAIN_IDLE_S = 5.0
+DRAIN_GAP_FACTOR = 10.0
 
 
 class Node:
@@ -217,11 +220,12 @@ class Node:
             deadline = time.monotonic() + self.cfg.drain_timeout_s
             if open_sessions := self.engine.health().active_sessions:
                 log.info("draining: waiting up to %.0f s for %d open session(s) to end; one without a step for "
-                         "%.0f s is released (its client is gone)", self.cfg.drain_timeout_s, open_sessions,
-                         DRAIN_IDLE_S)
+                         "%.0f s and %.0fx its longest gap between steps is released (its client is gone)",
+                         self.cfg.drain_timeout_s, open_sessions, DRAIN_IDLE_S, DRAIN_GAP_FACTOR)
             while self.engine.health().active_sessions and time.monotonic() < deadline:
-                for sid in self.engine.release_idle(DRAIN_IDLE_S):
-                    log.info("draining: released session %s, which had no step for %.0f s", sid, DRAIN_IDLE_S)
+                for sid in self.engine.release_idle(DRAIN_IDLE_S, DRAIN_GAP_FACTOR):
+                    log.info("draining: released session %s, which had no step for over %.0f s and %.0fx its "
+                             "longest gap", sid, DRAIN_IDLE_S, DRAIN_GAP_FACTOR)
                 time.sleep(0.05)
             if left := self.engine.health().active_sessions:
                 log.warning("draining: %d session(s) still open after --drain-timeout %.0f s; stopping",

@@ -60,8 +60,8 @@ class WorkerEngine:
     def release_superseded(self, session_id: str, epoch: int) -> Outcome:
         return self._control("release_superseded", session_id, epoch)
 
-    def release_idle(self, idle_s: float) -> list[str]:
-        return self._control("release_idle", idle_s, empty=[])
+    def release_idle(self, idle_s: float, gap_factor: float = 0.0) -> list[str]:
+        return self._control("release_idle", idle_s, gap_factor, empty=[])
 
     def session_ids(self) -> list[str]:
         return self._control("session_ids", empty=[])
