@@ -397,4 +397,3 @@ class MeshClient:
         replay(log_, old, first, recorded, self._abandon)
         log_.intact = len(hops)
         return first
-
