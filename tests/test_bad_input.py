@@ -249,7 +249,7 @@ def test_bad_load_settings_are_named(field, value):
     (["api", "--name", ""], "argument --name: must not be empty"),  # quietly the default name
     # gRPC refused it as metadata ("INTERNAL: Invalid metadata"), and a tracker started with one nobody could send
     (["nodes", "--tracker", "127.0.0.1:9", "--join-token", "p\u00e4ss"],
-     "argument --join-token: may hold only printable ASCII characters (gRPC carries it as metadata), got '\\xe4' "
+     "argument --join-token: may hold only printable ASCII characters (gRPC carries it as metadata), got '\u00e4' "
      "at character 1"),
     (["tracker", "--join-token", "a" * 4097], "argument --join-token: must be at most 4096 characters, got 4097"),
     # an address nobody can dial: it registered, and every client then failed on it first

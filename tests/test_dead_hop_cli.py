@@ -101,3 +101,30 @@ def test_generate_json_names_the_route_it_ended_on_after_a_failover(mesh, solo):
     survivor = next(n for n in mids if n is not victim)
     assert result["failovers"] == 1
     assert result["layers"] == [f"{n.node_id}@{n.address}" for n in (nodes[0], survivor, nodes[3])]
+
+
+def test_generate_json_still_ends_with_the_object_when_the_mesh_fails_mid_answer(mesh, solo):
+    """The only middle node is killed mid-answer and no spare exists: exit 1 with the error on stderr, and
+    --json's last line (which scripts read) is still the object: the ids and text so far, finish_reason
+    "error" and the error. It was the answer's partial text."""
+    import signal
+    import subprocess
+    import sys
+
+    nodes = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
+    proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "generate", "--tracker", mesh.tracker,
+                             "--temperature", "0", "--json", "--ignore-eos", "--max-tokens", "4000", PROMPTS[0]],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.read(1)  # the answer has begun
+        nodes[1].kill()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+    assert proc.returncode == 1 and "a node failed and no replacement route exists" in err, err[-2000:]
+    last = json.loads(out.strip().splitlines()[-1])
+    assert last["finish_reason"] == "error" and "no replacement route exists" in last["error"]
+    ids = last["generated_token_ids"]
+    assert 1 <= len(ids) < 4000 and ids[:64] == solo.greedy(0)[:len(ids)]
+    assert last["failovers"] == 0 and last["failovers_not_bit_exact"] == 0

@@ -62,6 +62,7 @@ def test_a_failover_replays_onto_the_spare_that_computes_as_the_dead_node(mesh, 
         assert keys["c-2threads"] == keys["e-alike"].replace(" threads=1 ", " threads=2 ")
         assert [h.node_id for h in client.last_hops] == ["a-head", "e-alike", "d-tail"]
         assert not [r for r in caplog.records if "computes otherwise" in r.getMessage()]
+        assert (client.failovers, client.unlike_failovers) == (1, 0)
         victims = []
 
         def kill_its_mid():  # whichever spare the new session's route took
@@ -69,6 +70,7 @@ def test_a_failover_replays_onto_the_spare_that_computes_as_the_dead_node(mesh, 
             victims[0].kill()
 
         assert _run_killing(client, tok, solo.prompt_ids(1), kill_its_mid) == solo.greedy(1)
+    assert (client.failovers, client.unlike_failovers) == (2, 1)  # what generate --json reports
     [survivor] = [n.node_id for n in spares if n is not victims[0]]
     assert [h.node_id for h in client.last_hops] == ["a-head", survivor, "d-tail"]
     [warning] = [r.getMessage() for r in caplog.records if "computes otherwise" in r.getMessage()]

@@ -156,7 +156,7 @@ def join_token(text: str) -> str:
     bad = next((i for i, c in enumerate(text) if not " " <= c <= "~"), None)
     if bad is not None:
         raise argparse.ArgumentTypeError(
-            f"may hold only printable ASCII characters (gRPC carries it as metadata), got {ascii(text[bad])} at "
+            f"may hold only printable ASCII characters (gRPC carries it as metadata), got {text[bad]!r} at "
             f"character {bad}{source}")
     return text
 

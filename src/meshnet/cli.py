@@ -253,12 +253,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     gen = Generation(chain, tok, prompt_ids, min(args.max_tokens, n_ctx - len(prompt_ids) + 1), sampling,
                      stop_at_eog=not args.ignore_eos, speculation=speculation)
     events = iter(gen)
+    streamed: list[str] = []
     try:
         for ev in events:
+            streamed.append(ev.text)
             sys.stdout.write(ev.text)
             sys.stdout.flush()
-    except (GenerationError, RuntimeError) as e:
+    except (GenerationError, RuntimeError) as e:  # MeshUnavailable too
         print(f"\nerror: {e}", file=sys.stderr)
+        if args.json:  # the last line is still the object, saying what came before the failure
+            print(_json_line(args, gen.result, ranges, chain, "".join(streamed), error=str(e)))
         return 1
     except KeyboardInterrupt:
         with contextlib.suppress(OSError):  # what is logged while exiting starts a line of its own
@@ -273,14 +277,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"prefill {r.prefill_tokens_per_s:.1f} tok/s, decode {r.decode_tokens_per_s:.1f} tok/s",
           file=sys.stderr)
     if args.json:
-        extra = {}
-        if args.tracker:  # the route the generation ended on (a failover moves it), and how often it moved
-            ranges = [f"{h.node_id}@{h.address}" for h in chain.last_hops] or ranges
-            extra = {"failovers": chain.failovers}
-        print(json.dumps({"prompt_token_ids": r.prompt_token_ids, "generated_token_ids": r.generated_token_ids,
-                          "text": r.text, "finish_reason": r.finish_reason,
-                          "layers": [str(x) for x in ranges], "timings": r.timings(), **extra}, ensure_ascii=False))
+        print(_json_line(args, r, ranges, chain, r.text))
     return 0
+
+
+def _json_line(args: argparse.Namespace, r, ranges: list, chain, text: str, error: str | None = None) -> str:
+    """``generate --json``'s last line: ids, text, finish reason, the stages (over a mesh the route the
+    generation ended on, a failover moving it, with how often it moved and how often onto a node that
+    computes otherwise: within tolerance, not bit for bit), timings; with ``error``, what came before it."""
+    extra = {}
+    if args.tracker:
+        ranges = [f"{h.node_id}@{h.address}" for h in chain.last_hops] or ranges
+        extra = {"failovers": chain.failovers, "failovers_not_bit_exact": chain.unlike_failovers}
+    if error is not None:
+        extra["error"] = error
+    return json.dumps({"prompt_token_ids": r.prompt_token_ids, "generated_token_ids": r.generated_token_ids,
+                       "text": text, "finish_reason": "error" if error is not None else r.finish_reason,
+                       "layers": [str(x) for x in ranges], "timings": r.timings(), **extra}, ensure_ascii=False)
 
 
 def main(argv: list[str] | None = None) -> int:

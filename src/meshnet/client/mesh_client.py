@@ -85,6 +85,7 @@ class MeshClient:
         self.router = Router(tracker, model_sha256, join_token, tls_ca, step_timeout_s)
         self._sessions: dict[str, SessionLog] = {}
         self.failovers = 0
+        self.unlike_failovers = 0  # of them, onto a node computing otherwise (within tolerance, not bit for bit)
         # The route a session last took: where it opened, or where its last failover moved it.
         self.last_hops: list[RemoteStage] = []
         self.clocks = HopClocks(step_deadline or DeadlinePolicy(floor_s=min(1.5, step_timeout_s),
@@ -365,7 +366,8 @@ class MeshClient:
                 time.sleep(0.25)
         old = log_.hops
         first, recorded = first_changed_hop(log_, hops, exclude, lost, from_head)
-        warn_if_unlike(log_.session_id, old, hops[first:])
+        if warn_if_unlike(log_.session_id, old, hops[first:]):
+            self.unlike_failovers += 1
         # Hops before `first` keep their caches; the replay starts at hop `first`'s input boundary.
         # Tiling guarantees the new hop `first` starts where the old one did, whose inputs we recorded.
         # Every hop the replay reaches may hold an older copy of the session (a node back at its old

@@ -113,10 +113,12 @@ def _check_replayed(log_: SessionLog, res: StepResult, abandon: Callable[[Sessio
         raise MeshUnavailable(f"session {log_.session_id}: replay refused: {res.status.value} {res.message}")
 
 
-def warn_if_unlike(session_id: str, old: list[RemoteStage], new: list[RemoteStage]) -> None:
+def warn_if_unlike(session_id: str, old: list[RemoteStage], new: list[RemoteStage]) -> bool:
     """Say so when a replayed hop computes otherwise than the hop it replaces over the same layers (no
     spare with the same kernels, threads and weight layout was left): its rebuilt KV cache then differs in
-    the last bits, and the output continues within tolerance of an uninterrupted run, not identically."""
+    the last bits, and the output continues within tolerance of an uninterrupted run, not identically.
+    Returns whether it said so."""
+    warned = False
     for hop in new:
         for was in old:
             if (was.numerics and hop.numerics != was.numerics and was.layers and hop.layers
@@ -125,3 +127,5 @@ def warn_if_unlike(session_id: str, old: list[RemoteStage], new: list[RemoteStag
                             "the output continues within tolerance of an uninterrupted run, not bit for bit",
                             session_id, hop.node_id, was.node_id, max(was.layers[0], hop.layers[0]),
                             min(was.layers[1], hop.layers[1]), differences(hop.numerics, was.numerics))
+                warned = True
+    return warned

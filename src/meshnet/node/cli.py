@@ -239,8 +239,9 @@ def run_node(args: argparse.Namespace) -> int:
              node.node_id, layers, node.address, node.data_address or "off (steps over gRPC)",
              node.loaded.caps.backend, f" on {device}" if device else "", node.decode_tokens_per_s)
     wait_for_stop(done)
-    log.info("draining node %s", node.node_id)
+    log.info("draining node %s (a second signal changes nothing; SIGKILL stops it at once)", node.node_id)
     node.stop(drain=True)
+    log.info("node %s stopped", node.node_id)
     return 1 if node.failure else 0
 
 
