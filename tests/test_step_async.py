@@ -13,7 +13,7 @@ import pytest
 from mesh_util import greedy_steps
 from meshnet.contract import ArtifactId, LayerRange, SamplingParams, Status, StepRequest, StepResult
 from meshnet.load_spec import LoadSpec
-from meshnet.engine.base import Session
+from meshnet.engine.session import Session
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.engine.fake_faults import FakeCrash, FakeFaults
 from meshnet.engine.scheduler import StepScheduler

@@ -17,7 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
@@ -26,6 +26,7 @@ from meshnet.contract import Capabilities, NamedTensor, Health, Metrics, Outcome
 
 from meshnet.load_spec import LoadSpec
 from meshnet.engine.scheduler import Chunk, Job, StepScheduler
+from meshnet.engine.session import Session
 from meshnet.engine.step_validation import (
     follow_grammar,
     grammar_problem,
@@ -48,23 +49,6 @@ class EngineError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
-
-
-@dataclass
-class Session:
-    """One session's bookkeeping on this stage; ``state`` is the engine's own (its KV cache)."""
-
-    session_id: str
-    epoch: int
-    state: Any
-    n_past: int = 0
-    token_ids: list[int] = field(default_factory=list)
-    cancelled: bool = False
-    last_used: float = field(default_factory=time.monotonic)
-    steps: int = 0  # steps it ran, and the longest time from one's end to the next's (its first: from opening)
-    longest_gap_s: float = 0.0
-    busy: bool = False  # a step of it is queued or running; the next one waits, release waits too
-    grammar: Any = None  # on the tail, its SessionGrammar while its steps carry a grammar
 
 
 class ShardEngine(ABC):

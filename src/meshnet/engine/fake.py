@@ -34,7 +34,8 @@ import numpy as np
 from meshnet.contract import ArtifactId, Capabilities, Health, NamedTensor, SampledToken, SamplingParams, Status, StepRequest, StepResult
 
 from meshnet.load_spec import LoadSpec
-from meshnet.engine.base import EngineError, Session, ShardEngine
+from meshnet.engine.base import EngineError, ShardEngine
+from meshnet.engine.session import Session
 from meshnet.engine.fake_faults import FakeCrash, FakeFaults, crash
 from meshnet.engine.fake_sampler import sample_fake
 

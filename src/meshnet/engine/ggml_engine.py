@@ -14,7 +14,8 @@ from meshnet.backends.cpu_features import ggml_cpu_features
 from meshnet.engine.numerics import numerics_key
 from meshnet.contract import ArtifactId, Capabilities, NamedTensor, SampledToken, StepRequest, StepResult, Status
 from meshnet.load_spec import LoadSpec
-from meshnet.engine.base import RETRY_AFTER_S, EngineError, Session, ShardEngine
+from meshnet.engine.base import RETRY_AFTER_S, EngineError, ShardEngine
+from meshnet.engine.session import Session
 from meshnet.engine.ggml_backend import registry_devices
 from meshnet.engine.ggml_mtp import mtp_step
 from meshnet.engine.ggml_stage import BatchItem, GgmlStage

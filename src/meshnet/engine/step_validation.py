@@ -14,7 +14,7 @@ import numpy as np
 from meshnet.contract import MAX_DRAFT_TOKENS, Capabilities, Status, StepRequest
 
 if TYPE_CHECKING:
-    from meshnet.engine.base import Session
+    from meshnet.engine.session import Session
 
 Problem = tuple[Status, str]
 
