@@ -166,7 +166,7 @@ def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None
     prints it), or a line saying none is registered. ``loads`` (node id ->
     :func:`node_load`) adds the KV, BATCH_ROWS, QUEUE and WEIGHTS columns; "-" where a node did not answer.
     Below the table, a line for each model whose layers are not all served (:func:`unserved_layers`) and
-    for each pair of replicas that compute otherwise (:func:`unlike_replicas`)."""
+    for each run of layers served by replicas that compute otherwise (:func:`unlike_replicas`)."""
     if not reply.nodes:
         return "no nodes registered"
     load_head = ("KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE", "WEIGHTS") if loads is not None else ()
