@@ -188,12 +188,17 @@ def add_join_token_arg(p: argparse.ArgumentParser) -> None:
                    help=f"the mesh's shared secret (default ${JOIN_TOKEN_ENV})")
 
 
-def mode_problem(args: argparse.Namespace, client_flags: dict[str, object],
-                 local_flags: dict[str, bool] | None = None) -> str | None:
+# The settings of stages run in this process (``meshnet generate`` and ``meshnet api`` without
+# ``--tracker``), by argparse dest, with the defaults their parsers give them: a mesh's nodes have their own.
+LOCAL_STAGE_DEFAULTS = {"threads": 2, "n_ctx": 0, "max_sessions": 16, "kv_tokens": 0, "prefix_cache": 4,
+                        "huge_pages": True}
+
+
+def mode_problem(args: argparse.Namespace, client_flags: dict[str, object]) -> str | None:
     """Why flags given do nothing in the mode ``--tracker`` picks, or None: ``client_flags`` (flag ->
     its value; a truthy one was given) serve only a running mesh's client, ``--stages`` / ``--layers``
-    and ``local_flags`` (flag -> whether a value other than its default was given) only stages in this
-    process. For ``meshnet generate`` and ``meshnet api``, which run either way."""
+    and the settings of :data:`LOCAL_STAGE_DEFAULTS` given another value only stages in this process.
+    For ``meshnet generate`` and ``meshnet api``, which run either way."""
     if not args.tracker:
         given = next((flag for flag, value in client_flags.items() if value), None)
         return given and (f"{given} needs --tracker (it applies to a running mesh's client; without "
@@ -201,6 +206,9 @@ def mode_problem(args: argparse.Namespace, client_flags: dict[str, object],
     if args.stages is not None or args.layers is not None:
         return (f"{'--stages' if args.stages is not None else '--layers'} splits the model in this process; "
                 "with --tracker the mesh's nodes hold the layers")
-    given = next((flag for flag, changed in (local_flags or {}).items() if changed), None)
-    return given and (f"{given} applies to stages in this process; with --tracker each node of the mesh has "
-                      f"its own (meshnet node {given})")
+    dest = next((d for d, default in LOCAL_STAGE_DEFAULTS.items() if getattr(args, d, default) != default), None)
+    if dest is None:
+        return None
+    given = "--no-huge-pages" if dest == "huge_pages" else f"--{dest.replace('_', '-')}"
+    return (f"{given} applies to stages in this process; with --tracker each node of the mesh has its own "
+            f"(meshnet node {given})")

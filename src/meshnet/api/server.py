@@ -11,8 +11,8 @@ import time
 
 import uvicorn
 
-from meshnet.arg_types import (add_join_token_arg, host_port, mode_problem, name_text, port_number, positive_int,
-                               positive_number)
+from meshnet.arg_types import (LOCAL_STAGE_DEFAULTS, add_join_token_arg, host_port, mode_problem, name_text, port_number,
+                               positive_int, positive_number)
 from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.backend import ApiBackend
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
@@ -65,12 +65,14 @@ def add_api_parser(sub) -> None:
     split = local.add_mutually_exclusive_group()
     split.add_argument("--stages", type=int, default=None, help="split the layers into N ranges of about equal decode cost")
     split.add_argument("--layers", default=None, help='explicit half-open ranges, e.g. "0:10,10:30"')
-    local.add_argument("--threads", type=int, default=2, help="CPU threads per stage")
-    local.add_argument("--n-ctx", type=int, default=0, help="context length (0 = model's, capped at 4096)")
-    local.add_argument("--max-sessions", type=int, default=16, help="sessions each stage holds at once")
-    local.add_argument("--kv-tokens", type=int, default=0,
+    local.add_argument("--threads", type=int, default=LOCAL_STAGE_DEFAULTS["threads"], help="CPU threads per stage")
+    local.add_argument("--n-ctx", type=int, default=LOCAL_STAGE_DEFAULTS["n_ctx"],
+                       help="context length (0 = model's, capped at 4096)")
+    local.add_argument("--max-sessions", type=int, default=LOCAL_STAGE_DEFAULTS["max_sessions"],
+                       help="sessions each stage holds at once")
+    local.add_argument("--kv-tokens", type=int, default=LOCAL_STAGE_DEFAULTS["kv_tokens"],
                        help="KV cells sessions may reserve at once (0 = half the memory available)")
-    local.add_argument("--prefix-cache", type=int, default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
+    local.add_argument("--prefix-cache", type=int, default=LOCAL_STAGE_DEFAULTS["prefix_cache"], help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
     local.add_argument("--no-huge-pages", dest="huge_pages", action="store_false", help=NO_HUGE_PAGES_HELP)
     add_speculation_args(p)
     p.set_defaults(func=run_api)
@@ -85,11 +87,7 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
     from meshnet.speculative import mtp_problem
 
     name = args.name
-    local_flags = {"--threads": args.threads != 2, "--n-ctx": args.n_ctx != 0, "--max-sessions": args.max_sessions != 16,
-                   "--kv-tokens": args.kv_tokens != 0, "--prefix-cache": args.prefix_cache != 4,
-                   "--no-huge-pages": not args.huge_pages}
-    if problem := mode_problem(args, {"--client-orchestrated": args.client_orchestrated, "--tls-ca": args.tls_ca},
-                               local_flags):
+    if problem := mode_problem(args, {"--client-orchestrated": args.client_orchestrated, "--tls-ca": args.tls_ca}):
         raise ValueError(problem)
     if args.tracker and (refused := tracker_refusal(args.tracker, args.join_token, args.tls_ca)):
         # It served anyway and answered every request 503 with the tracker's refusal.

@@ -366,8 +366,7 @@ class MeshClient:
                 time.sleep(0.25)
         old = log_.hops
         first, recorded = first_changed_hop(log_, hops, exclude, lost, from_head)
-        if warn_if_unlike(log_.session_id, old, hops[first:]):
-            self.unlike_failovers += 1
+        self.unlike_failovers += warn_if_unlike(log_.session_id, old, hops[first:])
         # Hops before `first` keep their caches; the replay starts at hop `first`'s input boundary.
         # Tiling guarantees the new hop `first` starts where the old one did, whose inputs we recorded.
         # Every hop the replay reaches may hold an older copy of the session (a node back at its old

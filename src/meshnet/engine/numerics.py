@@ -5,7 +5,7 @@ one bit for bit only where the replacement computes exactly as the node it repla
 release (its graphs) and ggml build (``ggml-python``'s version), engine and backend (an accelerator's
 kernels round otherwise than the CPU's), the same device model, the same prefill micro-batch
 (``n_ubatch``: a prompt's rows are computed in chunks of it), and on the CPU the same SIMD features of
-ggml's kernels (AVX-512 kernels sum in another order than AVX2 ones: the llama.cpp goldens differ between
+ggml's kernels (AVX512 kernels sum in another order than AVX2 ones: the llama.cpp goldens differ between
 them), the same thread count (ggml's flash attention splits a decode row over 512 or more KV cells across
 the threads, ``ggml_compute_forward_flash_attn_ext``) and the same weight layout (repacked or as stored).
 Nodes register the key; routing prefers a replacement whose key equals the replaced node's
@@ -52,12 +52,12 @@ def numerics_key(backend: str, device: str, n_threads: int, repack: bool, n_ubat
 def differences(a: str, b: str) -> str:
     """What sets two keys apart, word by word: ``"threads=2 vs threads=1"`` (the whole keys when they do
     not share a word)."""
-    wa, wb = a.split(), b.split()
-    only_a, only_b = [w for w in wa if w not in wb], [w for w in wb if w not in wa]
-    return f"{' '.join(only_a) or 'nothing'} vs {' '.join(only_b) or 'nothing'}"
+    words = distinct_words([a, b], none="nothing")
+    return f"{words[a]} vs {words[b]}"
 
 
-def distinct_words(keys: list[str]) -> dict[str, str]:
-    """Each key's words that not every key holds: ``{"...threads=1...": "threads=1", ...}``."""
+def distinct_words(keys: list[str], none: str = "the same words") -> dict[str, str]:
+    """Each key's words that not every key holds: ``{"...threads=1...": "threads=1", ...}`` (``none`` for a
+    key all of whose words the others hold)."""
     shared = set.intersection(*(set(k.split()) for k in keys)) if keys else set()
-    return {k: " ".join(w for w in k.split() if w not in shared) or "the same words" for k in keys}
+    return {k: " ".join(w for w in k.split() if w not in shared) or none for k in keys}

@@ -61,7 +61,7 @@ def run_tracker(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    token = args.join_token or os.environ.get(JOIN_TOKEN_ENV) or None
+    token = args.join_token or None  # the flag's default is $MESHNET_JOIN_TOKEN
     tls = TlsConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
     from meshnet.ledger.store import Ledger, LedgerError, default_ledger_url
 
