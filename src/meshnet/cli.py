@@ -297,10 +297,35 @@ def _json_line(args: argparse.Namespace, r, ranges: list, chain, text: str, erro
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; its exit code. Ctrl-C at any point, while the modules load included, exits
+    130 without a traceback: also where a library turned the KeyboardInterrupt into an error of its own
+    (pydantic-core reports one raised while it builds a validator as a ``SchemaError``)."""
+    import signal
+    import threading
+
+    interrupted = False
+
+    def on_sigint(signum, frame):
+        nonlocal interrupted
+        interrupted = True
+        raise KeyboardInterrupt
+
+    previous = None
+    # Only over Python's own handler: a SIGINT ignored (a shell's background job) stays ignored.
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+        previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         return _main(argv)
-    except KeyboardInterrupt:  # Ctrl-C at any point, while the modules load included
+    except KeyboardInterrupt:
         return 130
+    except BaseException:
+        if interrupted:
+            return 130
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def _main(argv: list[str] | None) -> int:
