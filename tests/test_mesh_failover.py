@@ -335,3 +335,19 @@ def test_replay_onto_a_node_holding_a_stale_copy_of_the_session(mesh, tok, solo)
     survivor = spare if victim is head else head
     assert [survivor.active_sessions(), tail.active_sessions()] == [0, 0]
     client.close()
+
+
+def test_new_sessions_route_around_a_node_this_client_cannot_reach(mesh, tok, solo):
+    """A node the tracker lists but this client cannot reach (it advertises a name only its own network
+    resolves): the first session pays a failover onto the two-hop chain, the next ones are routed around
+    it at once instead of each paying its own."""
+    mesh.start_nodes([("a-unreachable", "0:30", ("--advertise", "a-unreachable.invalid:9512")),
+                      ("b-head", "0:15"), ("c-tail", "15:30")])
+    client = MeshClient(mesh.tracker)
+    _, plain = client.route()
+    assert [h.node_id for h in plain] == ["a-unreachable"]  # one hop is cheaper than two
+    assert _run_killing(client, tok, solo.prompt_ids(0), lambda: None, n=16) == solo.greedy(0)[:16]
+    assert client.failovers == 1 and [h.node_id for h in client.last_hops] == ["b-head", "c-tail"]
+    assert _run_killing(client, tok, solo.prompt_ids(1), lambda: None, n=16) == solo.greedy(1)[:16]
+    assert client.failovers == 1 and [h.node_id for h in client.last_hops] == ["b-head", "c-tail"]
+    client.close()

@@ -271,7 +271,8 @@ def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = 
     Raises:
         ModelNotFound: unknown model name or missing package.
     """
-    from meshnet.client.mesh_client import MeshClient, context_length
+    from meshnet.client.mesh_client import MeshClient
+    from meshnet.client.router import context_length
     from meshnet.model.bundled import resolve_model
     from meshnet.model.gguf_file import open_gguf
     from meshnet.model.manifest import model_id

@@ -33,7 +33,7 @@ from meshnet.client.orphans import OrphanReleaser
 from meshnet.client.replay import SessionLost, first_changed_hop, replay, warn_if_unlike
 from meshnet.client.session_log import RecordedStep, SessionLog
 from meshnet.client.remote import RemoteStage, StageFailure
-from meshnet.client.router import MeshUnavailable, Router
+from meshnet.client.router import MeshUnavailable, Router, context_length
 from meshnet.ledger.reporting import new_client_id
 from meshnet.contract import NamedTensor, Status, StepRequest, StepResult
 
@@ -45,12 +45,6 @@ RELEASE_WAIT_S = 1.0
 # Steps in a row that may find one node had lost the session (each rebuilt there by a replay of the
 # whole history) before the session is given up: a restarted engine worker loses it once.
 MAX_LOSSES_IN_A_ROW = 4
-
-
-def context_length(hops: list[RemoteStage]) -> int:
-    """The smallest ``n_ctx`` (tokens) along a route: every stage must hold the whole session.
-    Raises StageFailure when a hop does not answer."""
-    return min(h.capabilities().n_ctx for h in hops)
 
 
 class MeshClient:
@@ -165,7 +159,8 @@ class MeshClient:
                 return StepResult(Status.NOT_FOUND, f"session {req.session_id!r} is not open on this client")
             self.accounting.opened(req.session_id)
             try:
-                epoch, hops = self.route()
+                # Around the nodes this client's steps found down lately, where the mesh has another way.
+                epoch, hops = self.router.route_avoiding(self.node_failures.recent(time.monotonic()))
             except BaseException:
                 self.accounting.ended(req.session_id)
                 raise

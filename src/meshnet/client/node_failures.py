@@ -12,6 +12,11 @@ finishes the steps it holds.
 Only a failure recorded after a step was sent dooms it: a step sent later through the same node means
 its session has found the node back (restarted at its address, resumed), and it is waited for as usual.
 
+New sessions steer around the nodes found down in the last :data:`AVOID_S` where the mesh has another
+way (:meth:`NodeFailures.recent`): a node the tracker still lists but this client cannot reach (an
+``--advertise`` address only its own network resolves, a one-way partition) costs one session's failover
+per window, not every session's.
+
 Pure bookkeeping: callers pass the clock.
 """
 
@@ -26,6 +31,9 @@ from meshnet.client.remote import StageFailure
 WATCH_S = 0.2
 # How long a failure is kept, seconds: far longer than a step is waited for.
 KEEP_S = 120.0
+# How long new sessions route around a node found down, seconds: long against a step's failover (about
+# 1-2 s each), short enough that a node back at its address soon serves new sessions again.
+AVOID_S = 30.0
 
 
 class FoundDown(StageFailure):
@@ -57,3 +65,8 @@ class NodeFailures:
                 if found is not None and found[0] > sent_at:
                     return hop, found[1]
         return None
+
+    def recent(self, now: float, within_s: float = AVOID_S) -> set[str]:
+        """The ids of the nodes found down in the ``within_s`` seconds before ``now``."""
+        with self._lock:
+            return {node_id for (node_id, _), (t, _) in self._at.items() if now - t <= within_s}
