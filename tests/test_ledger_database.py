@@ -350,3 +350,49 @@ def test_fifty_nodes_reporting_at_once_lose_and_double_no_credit(ledger_url):
         assert a.steps + b.steps == 3 * ROUNDS
         assert a.uncredited_steps == b.uncredited_steps == 0
     assert sorted(charges) == [(f"client-{c}", 100, 1) for c in range(N_CLIENTS)]
+
+
+@needs_postgres
+def test_a_tracker_whose_postgresql_session_ended_takes_the_ledger_again_unless_another_holds_it(
+        tmp_path, monkeypatch, caplog):
+    """The session holding a tracker's lock can end while it runs (a server restart, an
+    idle_session_timeout, pg_terminate_backend): it went on writing without the lock, beside a second
+    tracker that then took it. Now a write first takes the lock again (a warning), and while another
+    tracker holds it writes are refused, and succeed again once it lets go."""
+    from sqlalchemy import create_engine
+
+    from meshnet.ledger import hold
+    from meshnet.ledger.database import normalise_url
+
+    monkeypatch.setattr(hold, "CHECK_EVERY_S", 0.0)
+    with fresh_database("postgresql", tmp_path) as url:
+        admin = create_engine(normalise_url(url), isolation_level="AUTOCOMMIT")
+
+        def end_the_holding_session() -> None:
+            with admin.connect() as conn:
+                assert conn.execute(text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_locks WHERE locktype = 'advisory' "
+                    "AND classid = 0 AND objid = :key AND granted"), {"key": hold._LEDGER_LOCK}).scalar() == 1
+
+        ledger = Ledger(url)
+        try:
+            end_the_holding_session()
+            with caplog.at_level("WARNING", logger="meshnet.ledger"):
+                assert ledger.record_deliveries("client-a", [("s1", 0)]) == (1, 0)
+            assert "this tracker's session holding it ended (terminating connection due to administrator " \
+                   "command); taken again" in caplog.text
+            end_the_holding_session()
+            second = Ledger(url, lock_wait_s=0.2)  # the lock was free: a second tracker takes it
+            try:
+                with pytest.raises(LedgerError, match="this tracker's session holding the ledger ended .* and it "
+                                                      "could not take it again: the ledger .* is in use by another "
+                                                      "tracker"):
+                    ledger.record_deliveries("client-a", [("s1", 1)])
+                assert second.record_deliveries("client-b", [("s2", 0)]) == (1, 0)
+            finally:
+                second.close()
+            assert ledger.record_deliveries("client-a", [("s1", 1)]) == (1, 0)
+            assert [(b.client_id, b.delivered_tokens) for b in ledger.client_balances()] == [("client-a", 2), ("client-b", 1)]
+        finally:
+            ledger.close()
+            admin.dispose()

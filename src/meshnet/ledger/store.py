@@ -13,7 +13,7 @@ delivered to them.
 
 One tracker process writes a ledger at a time (writes are serialized by a lock inside :class:`Ledger`);
 several trackers sharing one database are not supported, and a second tracker opening an SQLite file
-or PostgreSQL database another tracker holds is refused (:func:`~meshnet.ledger.database.hold_ledger`).
+or PostgreSQL database another tracker holds is refused (:func:`~meshnet.ledger.hold.hold_ledger`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from sqlalchemy import and_, case, func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from meshnet.ledger.credit import Rect, new_area
-from meshnet.ledger.database import LOCK_WAIT_S, LedgerError, db_error, hold_ledger, make_ledger_engine, upgrade
+from meshnet.ledger.database import LedgerError, db_error, make_ledger_engine, upgrade
+from meshnet.ledger.hold import LOCK_WAIT_S, PostgresHold, hold_ledger
 from meshnet.ledger.schema import deliveries, node_keys, work
 
 MAX_ID_CHARS = 256  # session, client and node ids longer than this are refused (column width)
@@ -198,6 +199,19 @@ class Ledger:
         except SQLAlchemyError as e:
             raise LedgerError(f"ledger read failed: {db_error(e)}") from None
 
+    @contextlib.contextmanager
+    def _writing(self):
+        """A transaction for writes, while this tracker still holds the ledger (a PostgreSQL session's
+        lock can end under it: :meth:`PostgresHold.check <meshnet.ledger.hold.PostgresHold.check>`); a
+        database error becomes :class:`LedgerError` in one line. Call with ``self._lock`` held."""
+        if isinstance(self._holder, PostgresHold):
+            self._holder.check()
+        try:
+            with self._engine.begin() as conn:
+                yield conn
+        except SQLAlchemyError as e:
+            raise LedgerError(f"ledger write failed: {db_error(e)}") from None
+
     # ---- node work ---------------------------------------------------------------------------------
 
     def record_work(self, records: Iterable[WorkRecord]) -> WorkOutcome:
@@ -222,38 +236,35 @@ class Ledger:
         recorded = duplicates = credited = 0
         now = self._clock()
         with self._lock:
-            try:
-                with self._engine.begin() as conn:
-                    for (model, session), items in groups.items():
-                        same = and_(work.c.model_sha256 == model, work.c.session_id == session)
-                        max_n = conn.execute(select(func.max(work.c.n_tokens)).where(same)).scalar() or 1
-                        lo = min(r.position for r in items)
-                        hi = max(r.position + r.n_tokens for r in items)
-                        # Every stored step overlapping [lo, hi): it starts before hi and less than the
-                        # session's longest step before lo.
-                        rows = conn.execute(select(work.c.layer_start, work.c.layer_end, work.c.position,
-                                                   work.c.n_tokens)
-                                            .where(same, work.c.position < hi, work.c.position > lo - max_n)).all()
-                        keys = {(model, session, *row) for row in rows}
-                        rects = [Rect(p, p + n, ls, le) for ls, le, p, n in rows]
-                        new_rows = []
-                        for r in items:
-                            if r.key in keys:
-                                duplicates += 1
-                                continue
-                            area = new_area(r.rect, rects)
-                            keys.add(r.key)
-                            rects.append(r.rect)
-                            new_rows.append(dict(model_sha256=model, session_id=session, layer_start=r.layer_start,
-                                                 layer_end=r.layer_end, position=r.position, n_tokens=r.n_tokens,
-                                                 decode=r.decode, node_id=r.node_id, n_layer=r.n_layer,
-                                                 credited_token_layers=area, recorded_at=now))
-                            recorded += 1
-                            credited += area
-                        if new_rows:
-                            conn.execute(work.insert(), new_rows)
-            except SQLAlchemyError as e:
-                raise LedgerError(f"ledger write failed: {db_error(e)}") from None
+            with self._writing() as conn:
+                for (model, session), items in groups.items():
+                    same = and_(work.c.model_sha256 == model, work.c.session_id == session)
+                    max_n = conn.execute(select(func.max(work.c.n_tokens)).where(same)).scalar() or 1
+                    lo = min(r.position for r in items)
+                    hi = max(r.position + r.n_tokens for r in items)
+                    # Every stored step overlapping [lo, hi): it starts before hi and less than the
+                    # session's longest step before lo.
+                    rows = conn.execute(select(work.c.layer_start, work.c.layer_end, work.c.position,
+                                               work.c.n_tokens)
+                                        .where(same, work.c.position < hi, work.c.position > lo - max_n)).all()
+                    keys = {(model, session, *row) for row in rows}
+                    rects = [Rect(p, p + n, ls, le) for ls, le, p, n in rows]
+                    new_rows = []
+                    for r in items:
+                        if r.key in keys:
+                            duplicates += 1
+                            continue
+                        area = new_area(r.rect, rects)
+                        keys.add(r.key)
+                        rects.append(r.rect)
+                        new_rows.append(dict(model_sha256=model, session_id=session, layer_start=r.layer_start,
+                                             layer_end=r.layer_end, position=r.position, n_tokens=r.n_tokens,
+                                             decode=r.decode, node_id=r.node_id, n_layer=r.n_layer,
+                                             credited_token_layers=area, recorded_at=now))
+                        recorded += 1
+                        credited += area
+                    if new_rows:
+                        conn.execute(work.insert(), new_rows)
         return WorkOutcome(recorded, duplicates, credited)
 
     def node_balances(self) -> list[NodeBalance]:
@@ -295,28 +306,25 @@ class Ledger:
         recorded = duplicates = 0
         now = self._clock()
         with self._lock:
-            try:
-                with self._engine.begin() as conn:
-                    by_session: dict[str, list[int]] = defaultdict(list)
-                    for s, p in tokens:
-                        by_session[s].append(p)
-                    new_rows = []
-                    for s, positions in by_session.items():
-                        seen = set(conn.execute(select(deliveries.c.position).where(
-                            deliveries.c.client_id == client_id, deliveries.c.session_id == s,
-                            deliveries.c.position.between(min(positions), max(positions)))).scalars())
-                        for p in positions:
-                            if p in seen:
-                                duplicates += 1
-                                continue
-                            seen.add(p)
-                            new_rows.append(dict(client_id=client_id, session_id=s, position=p,
-                                                 model_sha256=model_sha256, recorded_at=now))
-                            recorded += 1
-                    if new_rows:
-                        conn.execute(deliveries.insert(), new_rows)
-            except SQLAlchemyError as e:
-                raise LedgerError(f"ledger write failed: {db_error(e)}") from None
+            with self._writing() as conn:
+                by_session: dict[str, list[int]] = defaultdict(list)
+                for s, p in tokens:
+                    by_session[s].append(p)
+                new_rows = []
+                for s, positions in by_session.items():
+                    seen = set(conn.execute(select(deliveries.c.position).where(
+                        deliveries.c.client_id == client_id, deliveries.c.session_id == s,
+                        deliveries.c.position.between(min(positions), max(positions)))).scalars())
+                    for p in positions:
+                        if p in seen:
+                            duplicates += 1
+                            continue
+                        seen.add(p)
+                        new_rows.append(dict(client_id=client_id, session_id=s, position=p,
+                                             model_sha256=model_sha256, recorded_at=now))
+                        recorded += 1
+                if new_rows:
+                    conn.execute(deliveries.insert(), new_rows)
         return recorded, duplicates
 
     def client_balances(self) -> list[ClientBalance]:
@@ -350,11 +358,8 @@ class Ledger:
             existing = self.node_key(node_id)
             if existing is not None:
                 return existing
-            try:
-                with self._engine.begin() as conn:
-                    conn.execute(node_keys.insert().values(node_id=node_id, public_key=bytes(public_key),
-                                                           bound_at=self._clock()))
-            except SQLAlchemyError as e:
-                raise LedgerError(f"ledger write failed: {db_error(e)}") from None
+            with self._writing() as conn:
+                conn.execute(node_keys.insert().values(node_id=node_id, public_key=bytes(public_key),
+                                                       bound_at=self._clock()))
             self._keys[node_id] = bytes(public_key)
             return self._keys[node_id]
