@@ -105,3 +105,27 @@ def test_a_cancelled_waiter_leaves_the_line_at_once():
     assert "cancelled while it waited in line" in results["behind"].message
     _join(results)
     assert line.waiting() == 0
+
+
+def test_a_long_first_prefill_does_not_hold_up_the_next_request():
+    """A 4000-token prompt's prefill held the front of the line all through: a request arriving meanwhile
+    waited for it to end, with room for both (30 s, then a 503). With nobody waiting for room, first
+    prefills go to the stages side by side."""
+    started, finish_long = set(), threading.Event()
+
+    class SlowLong(Room):
+        def step(self, req: StepRequest, decode: bool) -> StepResult:
+            started.add(req.session_id)
+            if req.session_id == "long":
+                finish_long.wait(10)
+            return super().step(req, decode)
+
+    line, room, results = AdmissionLine(), SlowLong(free=2), {}
+    _start(line, room, "long", results)
+    _wait_for(lambda: "long" in started)
+    _start(line, room, "short", results)
+    _wait_for(lambda: "short" in results, timeout_s=2.0)
+    assert results["short"].ok and "long" not in results
+    finish_long.set()
+    _join(results)
+    assert results["long"].ok and room.admitted == ["short", "long"] and line.waiting() == 0

@@ -4,6 +4,7 @@ KV pool holds memory for the tokens sessions hold, not for their context length.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from meshnet.contract import GREEDY, ArtifactId, LayerRange, Status, StepRequest
 from meshnet.load_spec import LoadSpec
 from meshnet.engine.ggml_engine import GgmlEngine
 from meshnet.engine.ggml_stage import GgmlStage
-from meshnet.generation import generate
+from meshnet.generation import Generation, generate
 from meshnet.local_mesh import load_local_chain, plan_ranges
 from solo_reference import PROMPTS
 
@@ -72,6 +73,42 @@ def test_concurrent_requests_equal_each_request_alone(smollm2_path, tok, solo, n
 
 
 @pytest.mark.slow
+def test_a_short_prompt_behind_a_long_prefill_answers_first_and_both_equal_each_alone(smollm2_path, tok):
+    """Prefills ran in arrival order: a question arriving during a long document's prefill got its first
+    token only after the whole prefill (24 s behind 3000 tokens on one thread). Now the fewest tokens
+    left go first: the question's first token comes while the document (3 chunks of 512) still
+    prefills, and each output equals its run alone."""
+    path = str(smollm2_path)
+    # no prefix cache: the runs alone would leave the document's cells for the run together to reuse
+    chain = load_local_chain(path, plan_ranges(path, 1), n_threads=2, n_ctx=2048, max_sessions=2, prefix_cache=0)
+    long_ids = tok.encode(" ".join(OTHER_PROMPTS) * 40)[:1536]  # whole chunks: the question never fits beside one
+    short_ids = tok.encode(PROMPTS[0])
+    alone = [generate(chain, tok, p, 4, GREEDY, stop_at_eog=False).generated_token_ids for p in (long_ids, short_ids)]
+    firsts: list[str] = []
+    out: dict = {}
+
+    def run(name: str, ids: list[int]) -> None:
+        ids_out = []
+        for ev in Generation(chain, tok, ids, 4, GREEDY, stop_at_eog=False):
+            if not ids_out:
+                firsts.append(name)
+            ids_out.append(ev.token.token_id)
+        out[name] = ids_out
+
+    stage = chain.stages[0]
+    long_t = threading.Thread(target=run, args=("long", long_ids))
+    long_t.start()
+    deadline = time.monotonic() + 30
+    while stage.metrics().waiting_steps == 0 and time.monotonic() < deadline:  # the document's prefill is queued
+        time.sleep(0.001)
+    short_t = threading.Thread(target=run, args=("short", short_ids))
+    short_t.start()
+    long_t.join(120)
+    short_t.join(120)
+    assert firsts == ["short", "long"]
+    assert [out["long"], out["short"]] == alone
+
+
 def test_sessions_past_the_split_kv_depth_equal_each_alone(smollm2_path, tok):
     """2 concurrent greedy sessions decoding past 256 tokens (where a decode row reads 512 cells and ggml's
     attention changes path) give the ids each gives alone; kept prefixes on (the defaults). (8 took 55 s,

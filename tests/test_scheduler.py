@@ -26,10 +26,11 @@ class Recorder:
         return [StepResult(Status.OK, n_past=c.end) for c in chunks]
 
 
-def run_queued(decode_groups: int, n_open: int, decodes: list[str], prefill: tuple[str, int] | None = None,
+def run_queued(decode_groups: int, n_open: int, decodes: list[str], prefills: list[tuple[str, int]] = (),
                chunk_tokens: int = 0) -> list[list[tuple[str, int, int]]]:
-    """Queue ``decodes`` (one-token steps of those sessions) and an optional prefill behind a first step
-    that holds the worker, then let them all run; returns the iterations after the first."""
+    """Queue ``decodes`` (one-token steps of those sessions), then prefills of ``(session, n_tokens)``,
+    in that order behind a first step that holds the worker, then let them all run; returns the
+    iterations after the first."""
     rec = Recorder()
     sched = StepScheduler(rec, lambda job: job.parts[-1], chunk_tokens, lambda s: False, lambda: n_open)
     sched.decode_groups = decode_groups
@@ -37,8 +38,7 @@ def run_queued(decode_groups: int, n_open: int, decodes: list[str], prefill: tup
     threads[0].start()
     time.sleep(0.05)  # the worker holds "first"
     steps = [(s, StepRequest(s, 1, 5, (7,))) for s in decodes]
-    if prefill:
-        steps.append((prefill[0], StepRequest(prefill[0], 1, 0, tuple(range(prefill[1])))))
+    steps += [(sid, StepRequest(sid, 1, 0, tuple(range(n)))) for sid, n in prefills]
     for s, req in steps:
         t = threading.Thread(target=sched.submit, args=(s, req))
         t.start()
@@ -69,7 +69,21 @@ def test_decode_groups_split_the_open_sessions_in_arrival_order(groups, sizes):
 def test_a_group_is_sized_by_the_decoding_sessions_not_the_prefilling_ones():
     # 7 open sessions, one of them in a 40-token prefill: 6 decode in 3 groups of 2; the prefill rides
     # in the first iteration, in chunks of 16 tokens, while the decodes take turns
-    its = run_queued(decode_groups=3, n_open=7, decodes=[f"s{i}" for i in range(6)], prefill=("p", 40),
+    its = run_queued(decode_groups=3, n_open=7, decodes=[f"s{i}" for i in range(6)], prefills=[("p", 40)],
                      chunk_tokens=16)
     assert its == [[("s0", 0, 1), ("s1", 0, 1), ("p", 0, 16)], [("s2", 0, 1), ("s3", 0, 1), ("p", 16, 32)],
                    [("s4", 0, 1), ("s5", 0, 1), ("p", 32, 40)]]
+
+
+def test_a_short_prompt_behind_a_long_prefill_waits_one_chunk_and_the_long_one_every_other_iteration():
+    """Prefills in arrival order made a 30-token question wait out a 3000-token document's whole
+    prefill. Now the fewest tokens left go first, and a prefill passed over goes first in the next
+    iteration: here a 40-token prefill (chunks of 16) and, queued behind it, two 4-token ones."""
+    assert run_queued(1, 3, [], [("long", 40), ("q1", 4), ("q2", 4)], chunk_tokens=16) == [
+        [("q1", 0, 4), ("q2", 0, 4)], [("long", 0, 16)], [("long", 16, 32)], [("long", 32, 40)]]
+
+
+def test_two_long_prefills_take_turns_chunk_by_chunk():
+    # b has fewer tokens left, a was passed over: they alternate, each chunk where it would fall alone
+    assert run_queued(1, 2, [], [("a", 48), ("b", 40)], chunk_tokens=16) == [
+        [("b", 0, 16)], [("a", 0, 16)], [("b", 16, 32)], [("a", 16, 32)], [("b", 32, 40)], [("a", 32, 48)]]

@@ -150,7 +150,8 @@ class AdmissionRetry:
     """Wraps a client so that a first prefill refused with RESOURCE_EXHAUSTED (a stage at its session or
     memory limit, e.g. nodes shared with other users) is retried after the stage's suggested back-off,
     for up to ``wait_s`` seconds in total, in turn with the other waiting requests of ``line`` (the API
-    server's :class:`AdmissionLine`; None: a line of its own). Any other result passes through unchanged."""
+    server's :class:`AdmissionLine`; None: a line of its own). A first prefill that finds nobody in line
+    goes to the stages at once, beside the others running. Any other result passes through unchanged."""
 
     def __init__(self, client: StepClient, wait_s: float = ADMISSION_WAIT_S,
                  line: AdmissionLine | None = None) -> None:
@@ -165,8 +166,17 @@ class AdmissionRetry:
             return self.client.step(req, decode)
         deadline = time.monotonic() + self.wait_s
         res = None
+        if self.line.waiting() == 0:
+            # Nobody waits for room: straight to the stages, beside the other first prefills running (a
+            # place in line held through a whole prefill kept every later request out until it ended).
+            res = self.client.step(req, decode)
+            if self._settled(res, deadline, req.session_id):
+                return res
+            self.client.release(req.session_id)  # stages before the refusing one may hold it
         with self.line.place() as ticket:
             while True:
+                if res is not None:  # refused: the stage's back-off, holding the place
+                    time.sleep(min(res.retry_after_s or 0.5, max(0.0, deadline - time.monotonic())))
                 if not self.line.wait_first(ticket, deadline, lambda: self._is_cancelled(req.session_id)):
                     if res is not None:
                         return res
@@ -177,12 +187,16 @@ class AdmissionRetry:
                     return StepResult(Status.RESOURCE_EXHAUSTED, f"no room for a new session: waited "
                                       f"{self.wait_s:g} s in line behind other requests", retry_after_s=2.0)
                 res = self.client.step(req, decode)
-                if (res.status is not Status.RESOURCE_EXHAUSTED or time.monotonic() >= deadline
-                        or self._is_cancelled(req.session_id)):
+                if self._settled(res, deadline, req.session_id):
                     return res
                 # Stages before the refusing one may hold the session already: start clean.
                 self.client.release(req.session_id)
-                time.sleep(min(res.retry_after_s or 0.5, max(0.0, deadline - time.monotonic())))
+
+    def _settled(self, res: StepResult, deadline: float, session_id: str) -> bool:
+        """Whether ``res`` is the answer: anything but a refusal for lack of room, or one past the
+        deadline or after a cancel."""
+        return (res.status is not Status.RESOURCE_EXHAUSTED or time.monotonic() >= deadline
+                or self._is_cancelled(session_id))
 
     def _is_cancelled(self, session_id: str) -> bool:
         with self._lock:

@@ -60,6 +60,7 @@ class Job:
     done_tokens: int = 0
     parts: list[StepResult] = field(default_factory=list)
     started: bool = False  # picked for an iteration
+    passed_over: bool = False  # a prefill left out of the last iteration for the budget: first in the next
     result: StepResult | None = None
     error: BaseException | None = None  # raised in the caller's thread, as if the step ran there
     event: threading.Event = field(default_factory=threading.Event)
@@ -169,23 +170,29 @@ class StepScheduler:
 
     def _next_iteration(self) -> list[tuple[Job, Chunk]]:
         """The waiting steps with one token left (in arrival order, one decode group's worth), then
-        prefill chunks in arrival order while the prefill tokens stay within the budget (always at least
-        one chunk)."""
+        prefill chunks while the prefill tokens stay within the budget (always at least one chunk).
+
+        Prefills take turns: those left out of the last iteration first, then the fewest tokens left
+        first (arrival order among equals). A short prompt arriving behind a long one's prefill so waits
+        one chunk, not the whole prefill (in arrival order, as ``llama-server``'s slots fill a batch, a
+        30-token question waited 24 s behind a 3000-token document on one thread), and a long prefill
+        passed over runs in the next iteration, so it takes at least every other one."""
         picked, budget = [], self.chunk_tokens or float("inf")
         used = 0
         group = self._group_size()
         for job in self._queue:
             if job.one_token and len(picked) < group:
                 picked.append((job, Chunk(job.session, job.req, 0, 1)))
-        for job in self._queue:
-            if job.one_token:
-                continue
+        prefills = sorted((job for job in self._queue if not job.one_token),
+                          key=lambda job: (not job.passed_over, job.remaining))
+        for job in prefills:
             start = job.done_tokens
             # chunks end where the step's micro-batches alone would, also after leading tokens it skipped
             size = job.remaining if not self.chunk_tokens else \
                 min(job.remaining, self.chunk_tokens - start % self.chunk_tokens)
-            if used and used + size > budget:
-                break
+            job.passed_over = bool(used and used + size > budget)
+            if job.passed_over:
+                continue
             picked.append((job, Chunk(job.session, job.req, start, start + size)))
             used += size
         return picked
