@@ -267,6 +267,8 @@ def _error(r, status: int, param: str | None = "any") -> dict:
     ("/v1/completions", b'{"prompt": "x", "top_p": 0}', "top_p"),
     ("/v1/completions", b'{"prompt": "x", "top_p": 1e-46}', "top_p"),  # 0 as the float32 steps carry
     ("/v1/completions", b'{"prompt": "x", "repetition_penalty": 1e-300}', "repetition_penalty"),
+    ("/v1/completions", b'{"prompt": "x", "repetition_penalty": 1e-38}', "repetition_penalty"),  # overflowed
+    ("/v1/completions", b'{"prompt": "x", "repetition_penalty": 0.09}', "repetition_penalty"),
     ("/v1/completions", b'{"prompt": "x", "presence_penalty": 3}', "presence_penalty"),
     ("/v1/completions", b'{"prompt": "x", "logprobs": 6}', "logprobs"),
     ("/v1/completions", b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop"),

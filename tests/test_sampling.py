@@ -319,6 +319,8 @@ def test_temperatures_too_cold_for_float32_are_greedy(temperature):
     ("temperature", 1e39, "temperature 1e+39 is out of the 32-bit float range"),
     ("temperature", math.inf, "temperature must be finite and >= 0"),
     ("repetition_penalty", math.inf, "repetition_penalty must be finite and > 0"),
+    ("repetition_penalty", 1e-38, "repetition_penalty must be in [0.1, 10], got 1e-38"),
+    ("repetition_penalty", 10.5, "repetition_penalty must be in [0.1, 10], got 10.5"),
     ("frequency_penalty", math.nan, "frequency_penalty must be finite"),
 ])
 def test_values_the_wire_cannot_carry_are_refused(field, value, message):
@@ -328,7 +330,7 @@ def test_values_the_wire_cannot_carry_are_refused(field, value, message):
 
 
 def test_smallest_float32_values_still_pass():
-    assert SamplingParams(top_p=1e-44, repetition_penalty=1e-44).validate() is None
+    assert SamplingParams(top_p=1e-44, presence_penalty=1e-44).validate() is None
     assert SamplingParams(temperature=1e-46).validate() is None  # 0 as float32: greedy
 
 

@@ -25,6 +25,11 @@ MAX_GRAMMAR_BYTES = 32 * 1024
 MAX_INT32 = 2**31 - 1
 
 
+# A repetition penalty divides a seen token's positive logit and multiplies a negative one: beyond 10x
+# either way it bans or forces rather than penalises, and a tiny one overflows the 32-bit logits (1e-38
+# turned every answer into one repeated token).
+REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.1, 10.0
+
 @dataclass(frozen=True)
 class Grammar:
     """A constraint on the generated tokens: their text must be a JSON document valid under
@@ -120,6 +125,9 @@ class SamplingParams:
             if tiny or not math.isfinite(as_float32(value)):
                 return (f"{name} {value} is out of the 32-bit float range that steps carry "
                         f"(magnitudes {F32_TINY:g} to {F32_MAX:g})")
+        if not REPETITION_PENALTY_MIN <= self.repetition_penalty <= REPETITION_PENALTY_MAX:
+            return (f"repetition_penalty must be in [{REPETITION_PENALTY_MIN:g}, {REPETITION_PENALTY_MAX:g}], got "
+                    f"{self.repetition_penalty}")
         if self.n_top_logprobs < 0 or self.n_top_logprobs > 20:
             return f"n_top_logprobs must be in [0, 20], got {self.n_top_logprobs}"
         if not -1 <= self.penalty_last_n <= MAX_INT32:

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from meshnet.contract import MAX_DRAFT_TOKENS
-from meshnet.sampling_params import MAX_INT32
+from meshnet.sampling_params import MAX_INT32, REPETITION_PENALTY_MAX, REPETITION_PENALTY_MIN
 
 # Largest ``n`` (choices per prompt) one request may ask for; each choice is a full generation.
 MAX_N = 16
@@ -51,8 +51,10 @@ class _SamplingFields(_Strict):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)  # default 1.0 (off)
     top_k: int | None = Field(default=None, ge=0, le=MAX_INT32)  # default 0 (off); int32 on the wire
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # default 0.0 (off)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # default 1.0 (off)
-    repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # llama-server's name for the same
+    repetition_penalty: float | None = Field(default=None, ge=REPETITION_PENALTY_MIN,
+                                             le=REPETITION_PENALTY_MAX)  # default 1.0 (off)
+    repeat_penalty: float | None = Field(default=None, ge=REPETITION_PENALTY_MIN,
+                                         le=REPETITION_PENALTY_MAX)  # llama-server's name for the same
     # true: end-of-generation tokens (and, in chat, turn markers) do not end the answer: it runs to max_tokens
     ignore_eos: bool | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # default 0.0
