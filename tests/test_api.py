@@ -287,6 +287,26 @@ def test_bad_requests_are_400(backend, http, path, body, param):
     _ok(http)
 
 
+def test_a_request_a_web_page_of_another_origin_sent_is_refused(backend, http):
+    """A page on another site can send a form or text/plain body without asking the browser first, and
+    the API read it as JSON: any page a user visited could start generations on an unauthenticated API.
+    Its Origin names another host than the request's: 403, nothing reaches the engine. The API's own
+    origin, and clients without an Origin (curl, SDKs), are served."""
+    port = http.base_url.port
+    before = _engines(backend)[0].metrics().prefill_tokens
+    body = b'{"prompt": "Hi", "max_tokens": 1}'
+    for origin in ("https://evil.example", "null", f"http://localhost:{port + 1}"):
+        err = _error(http.post("/v1/completions", content=body, headers={"Content-Type": "text/plain",
+                                                                            "Origin": origin}), 403, None)
+        assert err["code"] == "cross_origin" and f"a request from the web page at {origin} is refused" in err["message"]
+    assert _engines(backend)[0].metrics().prefill_tokens == before
+    r = http.post("/v1/completions", content=body, headers={"Origin": f"http://127.0.0.1:{port}"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    assert http.get("/v1/models", headers={"Origin": "https://evil.example"}).status_code == 200
+    assert http.get("/openapi.json").status_code == 404  # no schema pages either
+    _ok(http)
+
+
 def test_a_body_nested_too_deeply_says_so_not_invalid_json(http):
     body = b'{"prompt": "x", "stop": ' + b"[" * 300 + b"]" * 300 + b"}"
     err = _error(http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"}), 400, None)

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from meshnet.api.backend import ApiBackend
 from meshnet.api.errors import ApiError, bad_request, internal_error
 from meshnet.api.metrics import ApiMetrics
-from meshnet.api.middleware import BodyLimitAndMetrics
+from meshnet.api.middleware import BodyLimitAndMetrics, SameOriginOnly
 from meshnet.api.prompts import chat_prompt, completion_prompts
 from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece
 from meshnet.api.schemas import (
@@ -72,13 +72,14 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
         max_queued: generations allowed to wait for a free slot; beyond that requests get 503.
     """
     app = FastAPI(title="meshnet", description="OpenAI-compatible API over a meshnet mesh",
-                  version="1", docs_url=None, redoc_url=None)
+                  version="1", docs_url=None, redoc_url=None, openapi_url=None)
     line = getattr(backend, "admission", None)
     metrics = ApiMetrics(getattr(backend, "stage_metrics", None), line.waiting if line is not None else None)
     api = _Api(backend, metrics, max_queued)
     app.state.api = api
     app.state.metrics = metrics
-    app.add_middleware(BodyLimitAndMetrics, metrics=metrics, max_body_bytes=max_body_bytes)
+    app.add_middleware(SameOriginOnly)
+    app.add_middleware(BodyLimitAndMetrics, metrics=metrics, max_body_bytes=max_body_bytes)  # the outer one
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:

@@ -1,11 +1,12 @@
-"""ASGI middleware in front of the API: a limit on request bodies, a count of every answer, and a 500 for
-a request that fails inside the app."""
+"""ASGI middleware in front of the API: a limit on request bodies, a count of every answer, a 500 for a
+request that fails inside the app, and a refusal of requests that web pages of other origins send."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from urllib.parse import urlsplit
 
 from meshnet.api.errors import ApiError, internal_error
 from meshnet.api.metrics import ApiMetrics
@@ -121,6 +122,42 @@ class BodyLimitAndMetrics:
         resp = err.response()
         resp.headers["Connection"] = "close"
         await resp({"type": "http"}, _no_receive, send)
+
+
+class SameOriginOnly:
+    """Refuses (403) a request that a web page of another origin sent (its ``Origin`` header names
+    another host and port than its ``Host``), but for GET, HEAD and OPTIONS. The API sends no CORS headers,
+    so a browser already keeps such pages from reading its answers and from sending JSON; but a "simple"
+    request (a ``text/plain`` or form body) is sent without asking, and the API reads any body as JSON: any
+    page a user of an unauthenticated API visited could start generations on it. Clients that are not
+    browsers send no ``Origin``."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope.get("method") not in ("GET", "HEAD", "OPTIONS"):
+            headers = dict(scope.get("headers", ()))
+            origin = headers.get(b"origin")
+            if origin is not None and not _same_origin(origin, headers.get(b"host")):
+                err = ApiError(403, f"a request from the web page at {origin.decode('latin-1')[:200]} is refused: "
+                                    "this API serves only its own origin and clients that are not browsers",
+                               code="cross_origin")
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _same_origin(origin: bytes, host: bytes | None) -> bool:
+    """Whether an ``Origin`` header (``scheme://host[:port]``, or ``null``) names the ``Host`` the
+    request was sent to."""
+    if host is None:
+        return False
+    try:
+        netloc = urlsplit(origin.decode("latin-1")).netloc
+    except ValueError:
+        return False
+    return bool(netloc) and netloc.lower() == host.decode("latin-1").lower()
 
 
 async def _no_receive() -> dict:
