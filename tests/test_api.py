@@ -273,6 +273,9 @@ def _error(r, status: int, param: str | None = "any") -> dict:
     ("/v1/completions", b'{"prompt": "x", "logprobs": 6}', "logprobs"),
     ("/v1/completions", b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
     ("/v1/completions", b'{"prompt": "x", "bogus": 1}', "bogus"),
+    ("/v1/completions", b'{"prompt": "x", "stream_options": {"include_usage": true}}', "stream_options"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": false, '
+                             b'"stream_options": {"include_usage": true}}', "stream_options"),
     ("/v1/completions", b'{"prompt": [999999]}', "prompt"),
     ("/v1/completions", b'{"prompt": "x", "model": "gpt-4"}', "model"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}', "top_logprobs"),
@@ -305,6 +308,13 @@ def test_a_request_a_web_page_of_another_origin_sent_is_refused(backend, http):
     assert http.get("/v1/models", headers={"Origin": "https://evil.example"}).status_code == 200
     assert http.get("/openapi.json").status_code == 404  # no schema pages either
     _ok(http)
+
+
+def test_head_probes_of_health_and_models_are_answered(http):
+    """Load balancers probe with HEAD: it was 405."""
+    for path in ("/health", "/v1/models"):
+        r = http.head(path)
+        assert (r.status_code, r.content) == (200, b"")
 
 
 def test_a_body_nested_too_deeply_says_so_not_invalid_json(http):

@@ -110,7 +110,7 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
         metrics.errors.labels(kind="internal_error").inc()
         return internal_error(exc).response()
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])  # HEAD: what a load balancer probes with
     async def list_models() -> Response:
         return JSONResponse(ModelList(data=[api.model_card()]).model_dump())
 
@@ -129,7 +129,7 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
     async def chat_completions(request: Request) -> Response:
         return await api.chat_completions(request)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         from meshnet.client.mesh_client import MeshUnavailable
 
@@ -173,6 +173,8 @@ class _Api:
             raise bad_request(f"model {req.model!r} is not served here; this server serves "
                               f"{self.backend.model_name!r}", "model", "model_not_found")
         stop_sequences(req.stop)  # refuses too many
+        if req.stream_options is not None and not req.stream:  # as OpenAI answers it
+            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
 
     async def _grammar(self, req) -> Grammar | None:
         """The grammar the request's ``response_format`` asks for (compiled off the event loop: a new
