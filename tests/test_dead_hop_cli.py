@@ -123,8 +123,27 @@ def test_generate_json_still_ends_with_the_object_when_the_mesh_fails_mid_answer
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
     assert proc.returncode == 1 and "a node failed and no replacement route exists" in err, err[-2000:]
-    last = json.loads(out.strip().splitlines()[-1])
+    line = out.splitlines()[-1]
+    last = json.loads(line)
+    assert out.endswith("\n" + line + "\n")  # on a line of its own: it followed the text on the text's last line
     assert last["finish_reason"] == "error" and "no replacement route exists" in last["error"]
     ids = last["generated_token_ids"]
     assert 1 <= len(ids) < 4000 and ids[:64] == solo.greedy(0)[:len(ids)]
     assert last["failovers"] == 0 and last["failovers_not_bit_exact"] == 0
+    assert last["timings"]["decode_s"] > 0  # was 0.0, however many tokens had come
+
+
+def test_generate_json_ends_with_the_object_also_when_no_route_exists(mesh):
+    """No node has registered: exit 1 naming why, and --json's last line is still the object (it printed
+    none when the failure came before the first token)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "meshnet.cli", "generate", "--tracker", mesh.tracker, "--json",
+                        "--temperature", "0", "Hello"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines()[-1].startswith("error: no route")
+    last = json.loads(r.stdout)
+    assert (last["generated_token_ids"], last["text"], last["finish_reason"]) == ([], "", "error")
+    assert last["error"].startswith("no route") and last["prompt_token_ids"] and last["layers"] == []
+    assert last["failovers"] == 0

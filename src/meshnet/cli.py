@@ -226,18 +226,25 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     if args.tracker:
         from meshnet.client.mesh_client import MeshClient
+        from meshnet.generation import GenerationResult
         from meshnet.model.manifest import model_manifest
         from meshnet.up import wait_for_route
 
-        if args.wait:
-            try:
-                wait_for_route(args.tracker, args.wait, args.join_token, progress=sys.stderr.isatty(),
-                               tls_ca=args.tls_ca)
-            except TimeoutError as e:  # no route, as without --wait: exit status 1, not a usage error's 2
-                raise MeshUnavailable(str(e)) from None
         chain = MeshClient(args.tracker, model_sha256=model_id or model_manifest(path).id, join_token=args.join_token,
                            tls_ca=args.tls_ca, forwarding=not args.client_orchestrated)
-        _, hops, n_ctx = chain.route_with_context()
+        try:
+            if args.wait:
+                try:
+                    wait_for_route(args.tracker, args.wait, args.join_token, progress=sys.stderr.isatty(),
+                                   tls_ca=args.tls_ca)
+                except TimeoutError as e:  # no route, as without --wait: exit status 1, not a usage error's 2
+                    raise MeshUnavailable(str(e)) from None
+            _, hops, n_ctx = chain.route_with_context()
+        except MeshUnavailable as e:
+            if args.json:  # the last line is the object, also when no token came
+                print(_json_line(args, GenerationResult(prompt_token_ids=list(prompt_ids)), [], chain, "",
+                                 error=str(e)))
+            raise
         ranges = [f"{h.node_id}@{h.address}" for h in hops]
     else:
         chain = load_local_chain(path, ranges, n_threads=args.threads, n_ctx=args.n_ctx,
@@ -260,6 +267,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(ev.text)
             sys.stdout.flush()
     except (GenerationError, RuntimeError) as e:  # MeshUnavailable too
+        if streamed:  # the text's line ends on stdout too: the object gets a line of its own
+            sys.stdout.write("\n")
         print(f"\nerror: {e}", file=sys.stderr)
         if args.json:  # the last line is still the object, saying what came before the failure
             print(_json_line(args, gen.result, ranges, chain, "".join(streamed), error=str(e)))

@@ -222,7 +222,7 @@ class Generation:
         r = self.result
         stream = self.tokenizer.stream_decoder()
         parts: list[str] = []
-        t0 = time.perf_counter()
+        t0 = t1 = time.perf_counter()
         if self._consumer_charged is not None:
             self._consumer_charged(self.session_id)
         try:
@@ -270,6 +270,8 @@ class Generation:
             # budget ran out mid-character): it stays out of the text rather than becoming U+FFFD.
             r.text = "".join(parts)
         finally:
+            if r.generated_token_ids and not r.decode_s:  # ended early (a failure): the time until then
+                r.decode_s = time.perf_counter() - t1
             self.client.release(self.session_id)
             if self.speculation is not None and self.speculation.drafter is not None:
                 self.speculation.drafter.end(self.session_id)
