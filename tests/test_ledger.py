@@ -352,6 +352,30 @@ def test_a_second_tracker_on_the_same_sqlite_file_is_refused_naming_the_first(tm
     Ledger(url).close()  # free again once the first is closed
 
 
+def test_a_client_closing_while_its_tracker_restarts_still_reports_its_tokens():
+    """A client exiting while its tracker was being restarted made one attempt, which failed at once,
+    and its charges were lost (the nodes' credits not): its close now keeps trying while the tracker
+    comes back (here 1.5 s later, on the same port)."""
+    from mesh_util import free_port
+
+    port = free_port()
+    deliveries = DeliveryReporter(pb_grpc.TrackerStub(open_channel(f"127.0.0.1:{port}")), "carol", interval_s=60)
+    for position in (5, 6, 7):
+        deliveries.delivered("s", position)
+    ledger = Ledger()
+    started = {}
+    timer = threading.Timer(1.5, lambda: started.setdefault(
+        "server", serve_tracker("127.0.0.1", port, heartbeat_interval_s=5.0, ledger=ledger)[0]))
+    timer.start()
+    try:
+        assert deliveries.close() and deliveries.pending == 0
+        assert [(c.client_id, c.delivered_tokens) for c in ledger.client_balances()] == [("carol", 3)]
+    finally:
+        timer.join()
+        started["server"].stop(None)
+        ledger.close()
+
+
 def test_a_client_closing_with_the_tracker_unreachable_says_how_many_tokens_went_unreported(caplog):
     """A short-lived client (meshnet generate) exiting during a tracker outage lost its charges silently."""
     import logging

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 import uuid
 import weakref
 from collections import deque
@@ -25,6 +26,9 @@ log = logging.getLogger("meshnet.ledger")
 # a node cut off for days does not grow without bound. ~100 bytes each.
 MAX_PENDING = 200_000
 BATCH = 2048  # records per report: a few tens of KB, far below gRPC's message limit
+# How long a client's delivery reporter keeps trying at its close (the process's exit) while the tracker
+# does not answer, seconds: a tracker restarted on the same machine is back within it.
+CLOSE_WAIT_S = 5.0
 
 
 class WorkReporter:
@@ -169,8 +173,10 @@ class DeliveryReporter:
         with self._lock:
             return len(self._pending)
 
-    def flush(self, timeout_s: float | None = None) -> bool:
-        """Send every pending token now. Returns True when none is left (False: the tracker is down)."""
+    def flush(self, timeout_s: float | None = None, wait_for_ready: bool = False) -> bool:
+        """Send every pending token now. Returns True when none is left (False: the tracker is down).
+        ``wait_for_ready``: each call waits for the tracker's channel to connect, within ``timeout_s``
+        (a tracker restarting), rather than failing while it does not."""
         with self._send_lock:
             while True:
                 with self._lock:
@@ -181,7 +187,7 @@ class DeliveryReporter:
                     self.tracker.ReportDelivery(pb.DeliveryReport(client_id=self.client_id,
                                                                   tokens=[t for _, t in batch],
                                                                   model_sha256=self.model_sha256),
-                                                timeout=timeout_s or self.timeout_s)
+                                                timeout=timeout_s or self.timeout_s, wait_for_ready=wait_for_ready)
                 except grpc.RpcError as e:
                     if e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED):
                         # Refused for good (or a tracker without a ledger): resending cannot help.
@@ -192,13 +198,18 @@ class DeliveryReporter:
                         return False
                 _pop_through(self._pending, self._lock, batch[-1][0])
 
-    def close(self, timeout_s: float = 2.0) -> bool:
-        """Stop the background thread after one last :meth:`flush`; True when nothing was left unsent.
-        What is left (the tracker is unreachable) is lost with this client, and said so in the log: the
-        nodes, which live on and report again, are credited for the work all the same."""
+    def close(self, timeout_s: float = CLOSE_WAIT_S) -> bool:
+        """Stop the background thread after a last :meth:`flush`, tried for up to ``timeout_s`` seconds
+        while the tracker does not answer (a tracker being restarted); True when nothing was left unsent.
+        What is left is lost with this client, and said so in the log: the nodes, which live on and
+        report again, are credited for the work all the same. Returns at once when nothing is pending."""
         self._closed = True
         self._wake.set()
-        ok = self.flush(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while not (ok := self.flush(max(0.05, deadline - time.monotonic()), wait_for_ready=True)):
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
         _live.discard(self)
         if not ok and (left := self.pending):
             log.warning("the tracker's ledger is unreachable: %d delivered tokens of client %s go unreported "
@@ -231,9 +242,9 @@ _live: "weakref.WeakSet[DeliveryReporter]" = weakref.WeakSet()
 
 @atexit.register
 def _flush_at_exit() -> None:
-    # A CLI generation ends the process right after its last token: give those tokens one short try.
+    # A CLI generation ends the process right after its last token: those tokens still get their tries.
     for reporter in list(_live):
         try:
-            reporter.close(timeout_s=1.0)
+            reporter.close()
         except Exception:  # noqa: BLE001 - never fail interpreter exit over a report
             pass
