@@ -147,3 +147,21 @@ def test_generate_json_ends_with_the_object_also_when_no_route_exists(mesh):
     assert (last["generated_token_ids"], last["text"], last["finish_reason"]) == ([], "", "error")
     assert last["error"].startswith("no route") and last["prompt_token_ids"] and last["layers"] == []
     assert last["failovers"] == 0
+
+
+def test_a_client_the_nodes_refuse_is_told_why_at_once(mesh):
+    """The tracker asks for no join token but the node does, and the client has none: it routed around
+    the refusing node for the whole failover deadline (8 s), then said the route was excluded. A refusal
+    does not heal by waiting: it fails at once, naming it."""
+    import subprocess
+    import sys
+    import time
+
+    mesh.start_nodes([("a-guarded", "0:30", ("--join-token", "s3cret"))])
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "meshnet.cli", "generate", "--tracker", mesh.tracker,
+                        "--temperature", "0", "Hello"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    last = r.stderr.splitlines()[-1]
+    assert last.startswith("error: no route") and "node a-guarded at " in last and ": UNAUTHENTICATED: " in last
+    assert time.monotonic() - t0 < 6.0  # the interpreter's start and the imports, not the 8 s deadline

@@ -112,10 +112,13 @@ class MeshClient:
         """
         deadline = time.monotonic() + self.failover_deadline_s
         failed_at: dict[str, str] = {}  # node id -> the address it did not answer at
+        refusals: dict[str, str] = {}  # node id -> why it refused this client (its join token, its CA)
         while True:
             try:
                 epoch, hops = self._route_around(failed_at)
             except MeshUnavailable as e:
+                if refusals and len(refusals) == len(failed_at):  # waiting does not change a refusal
+                    raise MeshUnavailable(f"{e}; {'; '.join(refusals.values())}") from None
                 if not failed_at or time.monotonic() >= deadline:
                     raise
                 log.info("%s; asking again", e)
@@ -128,6 +131,8 @@ class MeshClient:
                     raise MeshUnavailable(f"no route whose nodes all answer: {f}") from None
                 log.warning("%s; routing around it", f)
                 failed_at[f.node_id] = f.address
+                if f.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+                    refusals[f.node_id] = str(f)
 
     def _route_around(self, failed_at: dict[str, str], previous_epoch: int = 0, min_n_ctx: int = 0,
                       like: list[RemoteStage] = ()) -> tuple[int, list[RemoteStage]]:
