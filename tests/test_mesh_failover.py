@@ -80,12 +80,15 @@ def test_a_failover_replays_onto_the_spare_that_computes_as_the_dead_node(mesh, 
     client.close()
 
 
-def test_a_spare_too_small_for_the_session_is_not_failed_over_to(mesh, tok, solo):
-    """The only spare of the middle range holds 32-token sessions: new routes keep the 4096-token chain,
-    and when its middle node dies under a 64-token session the client does not replay onto the spare
-    (which refused the replay, and the request was blamed), but reports that no route holds the session."""
+@pytest.mark.parametrize("small", [("--n-ctx", "32"), ("--kv-tokens", "32")], ids=["n-ctx", "kv-pool"])
+def test_a_spare_too_small_for_the_session_is_not_failed_over_to(mesh, tok, solo, small):
+    """The only spare of the middle range holds 32-token sessions (its context, or its whole KV pool: a
+    pool that small registered with the model's context and took routes and failovers, whose every
+    session it then refused): new routes keep the 4096-token chain, and when its middle node dies under
+    a 64-token session the client does not replay onto the spare (which refused the replay, and the
+    request was blamed), but reports that no route holds the session."""
     head, mid, small, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"),
-                                               ("c-small", "10:20", ("--n-ctx", "32")), ("d-tail", "20:30")])
+                                               ("c-small", "10:20", small), ("d-tail", "20:30")])
     client = MeshClient(mesh.tracker, failover_deadline_s=3)
     _, hops, n_ctx = client.route_with_context()
     assert [h.node_id for h in hops] == ["a-head", "b-mid", "d-tail"] and n_ctx == 4096
