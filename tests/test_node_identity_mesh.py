@@ -120,3 +120,24 @@ def test_second_process_with_a_live_id_is_refused_and_the_first_keeps_it(mesh):
     time.sleep(4 * HEARTBEAT_S)
     assert _listed(mesh) == [("b-mid", first.address, (10, 20))]
     assert first.proc.poll() is None
+
+
+def test_a_node_killed_and_restarted_on_another_port_gets_its_id_back():
+    """Restarted under its --node-id before the tracker's entry for the dead process expired (any free
+    port: another address), it was refused for good and exited. The tracker says when that entry
+    expires (trailing metadata), and the node asks again until then: it registers at its new address.
+    A live holder (the test above) is heard from in time, so the refusal stands."""
+    from mesh_util import Mesh
+
+    mesh = Mesh(heartbeat_s=2.0)  # an entry lives 6 s: longer than a node takes to start again
+    try:
+        (first,) = mesh.start_nodes([("b-mid", "10:20")], "smollm2", "--engine", "fake")
+        first.kill()
+        t0 = time.monotonic()
+        (again,) = mesh.start_nodes([("b-mid", "10:20")], "smollm2", "--engine", "fake")
+        assert again.address != first.address and again.proc.poll() is None
+        assert _listed(mesh) == [("b-mid", again.address, (10, 20))]
+        assert "asking again until then" in again.log_tail()
+        assert time.monotonic() - t0 < 6.0 + 10  # the entry's TTL and a start, not a give-up
+    finally:
+        mesh.close()

@@ -242,9 +242,11 @@ _live: "weakref.WeakSet[DeliveryReporter]" = weakref.WeakSet()
 
 @atexit.register
 def _flush_at_exit() -> None:
-    # A CLI generation ends the process right after its last token: those tokens still get their tries.
+    # A CLI generation ends the process right after its last token: those tokens still get their tries,
+    # within one CLOSE_WAIT_S for all the process's reporters.
+    deadline = time.monotonic() + CLOSE_WAIT_S
     for reporter in list(_live):
         try:
-            reporter.close()
+            reporter.close(timeout_s=max(0.0, deadline - time.monotonic()))
         except Exception:  # noqa: BLE001 - never fail interpreter exit over a report
             pass

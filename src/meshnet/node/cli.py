@@ -246,13 +246,14 @@ def run_node(args: argparse.Namespace) -> int:
 
 
 def _registered_or_trying(node: Node) -> bool:
-    """Wait (at most :data:`READY_WAIT_S`) until the tracker has the node; False when it refused it."""
+    """Wait (at most :data:`READY_WAIT_S`, or while the tracker holds the node's id for an entry that may
+    expire) until the tracker has the node; False when it refused it."""
     membership = node.membership
     deadline = time.monotonic() + READY_WAIT_S
     while membership is not None and not membership.registered.wait(0.05):
         if membership.refusal is not None:
             return False
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline and not membership.waiting_for_id:
             log.warning("not registered with the tracker yet; serving and still trying")
             break
     return membership is None or membership.refusal is None

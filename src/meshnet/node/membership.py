@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 import grpc
@@ -19,12 +20,18 @@ from meshnet.ledger.reporting import WorkReporter
 from meshnet.membership.identity import NodeIdentity
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.wire.security import RETRY_AFTER_METADATA
 
 log = logging.getLogger("meshnet.node")
 
 # Tracker answers after which a node stops instead of retrying its registration.
 FATAL_REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
                   grpc.StatusCode.ALREADY_EXISTS)
+# A node that has not registered yet asks again for an id the tracker holds for a live-looking entry at
+# another address until that entry would expire (the tracker says when), plus this margin, seconds: that
+# entry is usually this node's own, killed and restarted on another port (``--port`` defaults to any free
+# one) before the tracker's TTL (3 heartbeats) ran out; one heartbeat from a live node keeps it.
+ID_WAIT_MARGIN_S = 1.0
 
 
 class Membership:
@@ -50,19 +57,22 @@ class Membership:
         self.registered = threading.Event()  # set while the tracker knows this node
         self.refusal: str | None = None  # why the tracker refused this node for good, or None
         self.leaving = False  # set by deregister: the loop must not register again
+        self.waiting_for_id = False  # the tracker holds our id for an entry elsewhere, which may expire
         self.manifest = manifest
 
     def run(self, stop: threading.Event) -> None:
         """Register, then heartbeat until ``stop`` or :meth:`deregister`; re-register whenever the
         tracker forgot us (e.g. it restarted)."""
         interval, registered, warned = 1.0, False, False
+        ever_registered, id_deadline = False, 0.0
         while not stop.is_set() and not self.leaving:
             try:
                 if not registered:
                     self._publish()
                     reply = self.tracker.Register(self.identity.sign(self._info()), timeout=5)
                     interval = min(max(MIN_HEARTBEAT_S, reply.heartbeat_interval_s), MAX_HEARTBEAT_S)
-                    registered, warned = True, False
+                    registered = ever_registered = True
+                    warned = self.waiting_for_id = False
                     self.registered.set()
                     log.info("registered with the tracker (heartbeat %.2fs)", interval)
                 else:
@@ -72,6 +82,16 @@ class Membership:
                     # Unacknowledged work is kept and resent after an outage (the tracker counts it once).
                     registered = hb.known and self.work.flush(self.tracker, max_batches=4)
             except grpc.RpcError as e:
+                expires_in = _retry_after_s(e)
+                if e.code() is grpc.StatusCode.ALREADY_EXISTS and not ever_registered and expires_in is not None:
+                    id_deadline = id_deadline or time.monotonic() + expires_in + ID_WAIT_MARGIN_S
+                    if time.monotonic() < id_deadline:
+                        if not self.waiting_for_id:
+                            log.warning("%s; asking again until then", e.details())
+                        self.waiting_for_id = True
+                        stop.wait(0.25)
+                        continue
+                    self.waiting_for_id = False
                 if e.code() in FATAL_REFUSALS:
                     self.refusal = f"{e.code().name}: {e.details()}"
                     self._on_refused(self.refusal)
@@ -115,3 +135,14 @@ class Membership:
             self.work.flush(self.tracker, timeout_s=2)
         except grpc.RpcError:
             pass
+
+
+def _retry_after_s(e: grpc.RpcError) -> float | None:
+    """The seconds after which the tracker said a refusal may pass (its trailing metadata), or None."""
+    for key, value in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
+        if key == RETRY_AFTER_METADATA:
+            try:
+                return max(0.0, float(value))
+            except ValueError:
+                return None
+    return None

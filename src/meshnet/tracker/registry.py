@@ -32,10 +32,12 @@ class NodeIdInUse(ValueError):
     Attributes:
         node_id: the id claimed.
         live_address: the address the live entry was registered with.
+        expires_in_s: seconds until that entry expires unless its node is heard from again.
     """
 
-    def __init__(self, message: str, node_id: str, live_address: str):
+    def __init__(self, message: str, node_id: str, live_address: str, expires_in_s: float = 0.0):
         super().__init__(message)
+        self.expires_in_s = expires_in_s
         self.node_id = node_id
         self.live_address = live_address
 
@@ -127,7 +129,7 @@ class Registry:
                     f"node id {record.node_id!r} is in use by a live node at {live.record.address} (last heard "
                     f"{age:.1f} s ago); start this one with another --node-id, or without one for a fresh id "
                     f"(if that node has just died, its entry expires in {self.ttl_s - age:.1f} s)",
-                    record.node_id, live.record.address)
+                    record.node_id, live.record.address, self.ttl_s - age)
             self._entries[record.node_id] = _Entry(record, now, protocol_major, protocol_minor,
                                                    max(int(free_memory_bytes), 0), device, version)
 

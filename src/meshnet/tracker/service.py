@@ -39,6 +39,7 @@ from meshnet.tracker.node_info import device_dict, info_from_status, like_from_h
 from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry
 from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayHub
 from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
+from meshnet.wire.security import RETRY_AFTER_METADATA
 
 if TYPE_CHECKING:  # the ledger pulls in SQLAlchemy: imported when a tracker starts, not with the CLI
     from meshnet.ledger.store import Ledger
@@ -51,10 +52,11 @@ _DEPARTED_S = 300.0
 class _Refusal(Exception):
     """Raised inside a handler to answer with a gRPC status instead of a result."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s  # sent as trailing metadata RETRY_AFTER_METADATA (seconds)
 
 
 def _rpc(method):
@@ -66,6 +68,8 @@ def _rpc(method):
             return method(self, request, context)
         except _Refusal as r:
             code, message = r.code, r.message
+            if r.retry_after_s is not None:
+                context.set_trailing_metadata(((RETRY_AFTER_METADATA, f"{r.retry_after_s:.3f}"),))
         except Exception as e:  # noqa: BLE001 - a bug must not take the tracker down or leak a trace
             code, message = grpc.StatusCode.INTERNAL, f"tracker error in {method.__name__}: {type(e).__name__}: {e}"
         context.abort(code, message)
@@ -126,8 +130,8 @@ class TrackerService(pb_grpc.TrackerServicer):
                                        version=request.version)
             except ProtocolMismatch as e:
                 raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"Register: {e}") from None
-            except NodeIdInUse as e:
-                raise _Refusal(grpc.StatusCode.ALREADY_EXISTS, f"Register: {e}") from None
+            except NodeIdInUse as e:  # when the entry holding the id expires, if its node is gone
+                raise _Refusal(grpc.StatusCode.ALREADY_EXISTS, f"Register: {e}", e.expires_in_s) from None
             except ValueError as e:
                 raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {e}") from None
         return pb.RegisterReply(heartbeat_interval_s=self.registry.heartbeat_interval_s, ttl_s=self.registry.ttl_s)

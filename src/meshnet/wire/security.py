@@ -28,6 +28,8 @@ from meshnet.wire.addresses import bind_problem, check_address
 from meshnet.wire.request_decoding import RequestDecodingInterceptor
 
 JOIN_TOKEN_METADATA = "x-meshnet-join-token"
+# Trailing metadata of a refusal that may pass: seconds after which asking again may succeed.
+RETRY_AFTER_METADATA = "x-meshnet-retry-after-s"
 # Env variable the CLI reads the join token from when no flag gives it.
 JOIN_TOKEN_ENV = "MESHNET_JOIN_TOKEN"
 
