@@ -76,12 +76,14 @@ def test_concurrent_requests_equal_each_request_alone(smollm2_path, tok, solo, n
 def test_a_short_prompt_behind_a_long_prefill_answers_first_and_both_equal_each_alone(smollm2_path, tok):
     """Prefills ran in arrival order: a question arriving during a long document's prefill got its first
     token only after the whole prefill (24 s behind 3000 tokens on one thread). Now the fewest tokens
-    left go first: the question's first token comes while the document (3 chunks of 512) still
+    left go first: the question's first token comes while the document (3 chunks) still
     prefills, and each output equals its run alone."""
     path = str(smollm2_path)
     # no prefix cache: the runs alone would leave the document's cells for the run together to reuse
-    chain = load_local_chain(path, plan_ranges(path, 1), n_threads=2, n_ctx=2048, max_sessions=2, prefix_cache=0)
-    long_ids = tok.encode(" ".join(OTHER_PROMPTS) * 40)[:1536]  # whole chunks: the question never fits beside one
+    # micro-batches of 64 tokens: the document is 3 whole chunks, and the question never fits beside one
+    chain = load_local_chain(path, plan_ranges(path, 1), n_threads=2, n_ctx=512, max_sessions=2, prefix_cache=0,
+                             n_ubatch=64)
+    long_ids = tok.encode(" ".join(OTHER_PROMPTS) * 10)[:192]
     short_ids = tok.encode(PROMPTS[0])
     alone = [generate(chain, tok, p, 4, GREEDY, stop_at_eog=False).generated_token_ids for p in (long_ids, short_ids)]
     firsts: list[str] = []
