@@ -87,3 +87,29 @@ def test_two_long_prefills_take_turns_chunk_by_chunk():
     # b has fewer tokens left, a was passed over: they alternate, each chunk where it would fall alone
     assert run_queued(1, 2, [], [("a", 48), ("b", 40)], chunk_tokens=16) == [
         [("b", 0, 16)], [("a", 0, 16)], [("b", 16, 32)], [("a", 16, 32)], [("b", 32, 40)], [("a", 32, 48)]]
+
+
+def test_a_long_prefill_is_not_passed_over_for_good_by_a_stream_of_short_ones():
+    """Three 4-token prompts arrive every iteration (budget 16) beside a 48-token one. Had those left out
+    gone first by the fewest tokens left, the shorts left out would always precede the long prefill,
+    whose chunk then never fitted; those left out longest go first, so it runs within a few iterations."""
+    from meshnet.engine.scheduler import Job
+
+    sched = StepScheduler(lambda chunks: [], lambda job: None, 16, lambda s: False)
+    sched._queue.append(Job("long", StepRequest("long", 1, 0, tuple(range(48)))))
+    served = []
+    for it in range(8):
+        for k in range(3):
+            sid = f"q{it}.{k}"
+            sched._queue.append(Job(sid, StepRequest(sid, 1, 0, (1, 2, 3, 4))))
+        picked = sched._next_iteration()
+        sched.stats.iterations += 1
+        assert sum(c.end - c.start for _, c in picked) <= 16
+        for job, chunk in picked:
+            job.done_tokens = chunk.end
+            if chunk.last:
+                sched._queue.remove(job)
+        served.append([(job.session, chunk.start, chunk.end) for job, chunk in picked if job.session == "long"])
+    # every chunk within two iterations of the last (the cohort left out before it goes first)
+    assert [(i, chunk) for i, chunks in enumerate(served) for chunk in chunks] == [
+        (1, ("long", 0, 16)), (3, ("long", 16, 32)), (6, ("long", 32, 48))]

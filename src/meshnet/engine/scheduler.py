@@ -60,7 +60,7 @@ class Job:
     done_tokens: int = 0
     parts: list[StepResult] = field(default_factory=list)
     started: bool = False  # picked for an iteration
-    passed_over: bool = False  # a prefill left out of the last iteration for the budget: first in the next
+    passed_over_at: int = -1  # the iteration a prefill was first left out of for the budget (-1: it was not)
     result: StepResult | None = None
     error: BaseException | None = None  # raised in the caller's thread, as if the step ran there
     event: threading.Event = field(default_factory=threading.Event)
@@ -172,11 +172,12 @@ class StepScheduler:
         """The waiting steps with one token left (in arrival order, one decode group's worth), then
         prefill chunks while the prefill tokens stay within the budget (always at least one chunk).
 
-        Prefills take turns: those left out of the last iteration first, then the fewest tokens left
-        first (arrival order among equals). A short prompt arriving behind a long one's prefill so waits
-        one chunk, not the whole prefill (in arrival order, as ``llama-server``'s slots fill a batch, a
-        30-token question waited 24 s behind a 3000-token document on one thread), and a long prefill
-        passed over runs in the next iteration, so it takes at least every other one."""
+        Prefills take turns: those left out of earlier iterations first, the longest left out first (in
+        arrival order), then the fewest tokens left first (arrival order among equals). A short prompt arriving behind a
+        long one's prefill so waits one chunk, not the whole prefill (in arrival order, as
+        ``llama-server``'s slots fill a batch, a 30-token question waited 24 s behind a 3000-token
+        document on one thread), and no prefill is passed over for good: the one left out longest is
+        the first, which always runs."""
         picked, budget = [], self.chunk_tokens or float("inf")
         used = 0
         group = self._group_size()
@@ -184,15 +185,18 @@ class StepScheduler:
             if job.one_token and len(picked) < group:
                 picked.append((job, Chunk(job.session, job.req, 0, 1)))
         prefills = sorted((job for job in self._queue if not job.one_token),
-                          key=lambda job: (not job.passed_over, job.remaining))
+                          key=lambda job: (job.passed_over_at < 0, job.passed_over_at,
+                                           job.enqueued if job.passed_over_at >= 0 else job.remaining))
         for job in prefills:
             start = job.done_tokens
             # chunks end where the step's micro-batches alone would, also after leading tokens it skipped
             size = job.remaining if not self.chunk_tokens else \
                 min(job.remaining, self.chunk_tokens - start % self.chunk_tokens)
-            job.passed_over = bool(used and used + size > budget)
-            if job.passed_over:
+            if used and used + size > budget:
+                if job.passed_over_at < 0:
+                    job.passed_over_at = self.stats.iterations
                 continue
+            job.passed_over_at = -1
             picked.append((job, Chunk(job.session, job.req, start, start + size)))
             used += size
         return picked
