@@ -79,15 +79,15 @@ class PostgresHold:
             LedgerError: another tracker holds the ledger now (asked again at the next write).
         """
         now = time.monotonic()
-        if now - self._checked < CHECK_EVERY_S:
-            return
-        self._checked = now
+        if self._conn is not None and now - self._checked < CHECK_EVERY_S:
+            return  # held a moment ago (lost, it is asked for at every write until taken again)
         why = "its session's lock is gone"
         try:
             if self._conn is not None:
                 held = self._conn.execute(text(_HELD), {"key": _LEDGER_LOCK}).scalar()
                 self._conn.rollback()  # not left idle in a transaction
                 if held:
+                    self._checked = now
                     return
         except SQLAlchemyError as e:
             why = db_error(e)
@@ -97,6 +97,7 @@ class PostgresHold:
         except LedgerError as e:
             raise LedgerError(f"this tracker's session holding the ledger ended ({why}) and it could not "
                               f"take it again: {e}") from None
+        self._checked = time.monotonic()
         log.warning("ledger %s: this tracker's session holding it ended (%s); taken again",
                     self._engine.url.render_as_string(), why)
 
