@@ -21,6 +21,7 @@ in-process :class:`~meshnet.chain.LocalChain`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import replace
@@ -28,7 +29,7 @@ from dataclasses import replace
 from meshnet.client.accounting import StepAccounting
 from meshnet.client.deadline import DeadlinePolicy, HopClocks
 from meshnet.client.forwarded import forwardable, run_forwarded
-from meshnet.client.node_failures import FoundDown, NodeFailures
+from meshnet.client.node_failures import NodeFailures
 from meshnet.client.orphans import OrphanReleaser
 from meshnet.client.replay import SessionLost, first_changed_hop, replay, warn_if_unlike
 from meshnet.client.session_log import RecordedStep, SessionLog
@@ -134,6 +135,14 @@ class MeshClient:
                 if f.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
                     refusals[f.node_id] = str(f)
 
+    def _new_route(self) -> tuple[int, list[RemoteStage]]:
+        """A new session's route: around the nodes found down lately (:meth:`NodeFailures.recent`) where
+        the mesh has another way, else the plain one (they may be back). Raises MeshUnavailable."""
+        if down := self.node_failures.recent(time.monotonic()):
+            with contextlib.suppress(MeshUnavailable):
+                return self.route(down)
+        return self.route()
+
     def _route_around(self, failed_at: dict[str, str], previous_epoch: int = 0, min_n_ctx: int = 0,
                       like: list[RemoteStage] = ()) -> tuple[int, list[RemoteStage]]:
         """A route without the nodes in ``failed_at`` (node id -> the address each failed at), or else
@@ -164,8 +173,7 @@ class MeshClient:
                 return StepResult(Status.NOT_FOUND, f"session {req.session_id!r} is not open on this client")
             self.accounting.opened(req.session_id)
             try:
-                # Around the nodes this client's steps found down lately, where the mesh has another way.
-                epoch, hops = self.router.route_avoiding(self.node_failures.recent(time.monotonic()))
+                epoch, hops = self._new_route()
             except BaseException:
                 self.accounting.ended(req.session_id)
                 raise
@@ -222,17 +230,7 @@ class MeshClient:
                 log.warning("session %s: %s; failing over", req.session_id, f)
                 deadline = deadline or time.monotonic() + self.failover_deadline_s
                 failed_at[f.node_id] = next((h.address for h in log_.hops if h.node_id == f.node_id), f.address)
-                self._record_if_down(log_, f)
-
-    def _record_if_down(self, log_: SessionLog, f: StageFailure) -> None:
-        """Tell this client's other steps through ``f``'s node that it is down (:mod:`meshnet.client.node_failures`),
-        if a health probe agrees: a node that refused the step but answers (draining, a request it
-        will not run) finishes the steps it holds."""
-        if isinstance(f, FoundDown):
-            return  # recorded at its first finding
-        hop = next((h for h in log_.hops if h.node_id == f.node_id), None)
-        if hop is not None and not hop.answers():
-            self.node_failures.record(hop.node_id, hop.address, f"{f.code}: {f.message}", time.monotonic())
+                self.node_failures.record_if_down(log_.hops, f, time.monotonic())
 
     def charged_by_consumer(self, session_id: str) -> None:
         """``session_id``'s consumer reports each token it gets (:meth:`delivered`): its steps charge

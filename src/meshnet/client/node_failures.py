@@ -54,6 +54,15 @@ class NodeFailures:
             for key in [k for k, (t, _) in self._at.items() if now - t > KEEP_S]:
                 del self._at[key]
 
+    def record_if_down(self, hops: Sequence, f: StageFailure, now: float) -> None:
+        """Record ``f``'s node (one of ``hops``) as down if a health probe agrees: a node that refused a
+        step but answers (draining, a request it will not run) finishes the steps it holds."""
+        if isinstance(f, FoundDown):
+            return  # recorded at its first finding
+        hop = next((h for h in hops if h.node_id == f.node_id), None)
+        if hop is not None and not hop.answers():
+            self.record(hop.node_id, hop.address, f"{f.code}: {f.message}", now)
+
     def since(self, sent_at: float, hops: Sequence) -> tuple[object, str] | None:
         """The first of ``hops`` (objects with ``node_id`` and ``address``) found down after ``sent_at``,
         with why, or None."""

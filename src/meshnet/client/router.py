@@ -3,7 +3,6 @@ the connections to their nodes, shared by every session of the client."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -130,16 +129,6 @@ class Router:
             return previous_epoch + 1, stages
         self._last_route = list(r.hops)
         return int(r.epoch), [self.stage(h) for h in r.hops]
-
-    def route_avoiding(self, avoid: set[str]) -> tuple[int, list[RemoteStage]]:
-        """A new session's route: around the nodes in ``avoid`` (found down lately by this client's steps:
-        :meth:`NodeFailures.recent <meshnet.client.node_failures.NodeFailures.recent>`) where the mesh has
-        another way, else :meth:`route`'s plain answer (such a node may be back; a failover finds out).
-        Raises MeshUnavailable."""
-        if avoid:
-            with contextlib.suppress(MeshUnavailable):
-                return self.route(avoid)
-        return self.route()
 
     def _probe(self, stage: RemoteStage) -> str | None:
         """Why ``stage`` cannot take a new session now (it does not answer Health, or answers unhealthy),

@@ -29,6 +29,8 @@ BATCH = 2048  # records per report: a few tens of KB, far below gRPC's message l
 # How long a client's delivery reporter keeps trying at its close (the process's exit) while the tracker
 # does not answer, seconds: a tracker restarted on the same machine is back within it.
 CLOSE_WAIT_S = 5.0
+# Report failures that asking again may cure: the tracker (or its ledger database) does not answer yet.
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class WorkReporter:
@@ -146,6 +148,7 @@ class DeliveryReporter:
         self._wake = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._last_failure: grpc.StatusCode | None = None  # the code of the last report that failed
         _live.add(self)
 
     def delivered(self, session_id: str, position: int) -> None:
@@ -195,6 +198,7 @@ class DeliveryReporter:
                                   e.details())
                     else:
                         log.debug("delivery report failed (%s); will retry", e.code().name)
+                        self._last_failure = e.code()
                         return False
                 _pop_through(self._pending, self._lock, batch[-1][0])
 
@@ -207,7 +211,8 @@ class DeliveryReporter:
         self._wake.set()
         deadline = time.monotonic() + timeout_s
         while not (ok := self.flush(max(0.05, deadline - time.monotonic()), wait_for_ready=True)):
-            if time.monotonic() >= deadline:
+            # Only a tracker that does not answer (yet) is waited for; a refusal (its join token) is final.
+            if time.monotonic() >= deadline or self._last_failure not in _TRANSIENT:
                 break
             time.sleep(0.1)
         _live.discard(self)
@@ -248,5 +253,5 @@ def _flush_at_exit() -> None:
     for reporter in list(_live):
         try:
             reporter.close(timeout_s=max(0.0, deadline - time.monotonic()))
-        except Exception:  # noqa: BLE001 - never fail interpreter exit over a report
+        except BaseException:  # noqa: BLE001 - never fail interpreter exit over a report (a Ctrl-C included)
             pass

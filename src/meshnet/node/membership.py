@@ -91,9 +91,9 @@ class Membership:
                         self.waiting_for_id = True
                         stop.wait(0.25)
                         continue
-                    self.waiting_for_id = False
-                if e.code() in FATAL_REFUSALS:
+                if e.code() in FATAL_REFUSALS:  # (refusal set before waiting_for_id clears: never "ready")
                     self.refusal = f"{e.code().name}: {e.details()}"
+                    self.waiting_for_id = False
                     self._on_refused(self.refusal)
                     return
                 if registered or not warned:
