@@ -3,6 +3,11 @@
 # as three ranges of about equal decode cost), complete a prompt through it, then stop the mesh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Its arguments are the prompt; the tracker's port comes from $MESHNET_PORT (a flag would be prompt text).
+case "${1:-}" in
+  -*) echo "usage: [MESHNET_PORT=7700] bash scripts/demo.sh [PROMPT...]: no flags (got $1); set MESHNET_PORT" \
+           "to move the tracker's port" >&2; exit 2 ;;
+esac
 scripts/setup.sh
 PORT="${MESHNET_PORT:-7700}"
 PROMPT="${*:-The capital of France is}"
@@ -13,7 +18,11 @@ up_pid=$!
 trap 'kill -TERM "$up_pid" 2>/dev/null; wait "$up_pid" 2>/dev/null; rm -f "$log"' EXIT
 for _ in $(seq 1 600); do
   grep -q MESHNET_UP_READY "$log" && break
-  kill -0 "$up_pid" 2>/dev/null || { cat "$log" >&2; exit 1; }
+  if ! kill -0 "$up_pid" 2>/dev/null; then
+    cat "$log" >&2
+    grep -q "cannot listen" "$log" && echo "demo: set MESHNET_PORT to another port (it is $PORT)" >&2
+    exit 1
+  fi
   sleep 0.2
 done
 grep -q MESHNET_UP_READY "$log" || { echo "the mesh did not come up:" >&2; cat "$log" >&2; exit 1; }

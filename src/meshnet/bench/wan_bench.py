@@ -53,6 +53,9 @@ def add_wan_bench_parser(bench_subparsers) -> None:
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--bandwidth-mbit", type=float, default=None, help="each link's bandwidth per direction "
                                                                       "(default: unlimited)")
+    p.add_argument("--in-process-engine", action="store_true",
+                   help="run each meshnet node's engine in the node process (meshnet node --in-process-engine: "
+                        "no engine worker to hand steps to) rather than in its supervised worker")
     p.add_argument("--out", default="bench-results/wan.json")
     p.set_defaults(func=run_wan_bench)
 
@@ -134,7 +137,7 @@ def run_wan_bench(args: argparse.Namespace) -> int:
     result = {"benchmark": "wan", "model": "smollm2", "stages": len(ranges),
               "layers": [f"{r.start}:{r.end}" for r in ranges], "rtt_ms": rtts, "max_tokens": args.max_tokens,
               "repeats": args.repeats, "bandwidth_mbit": args.bandwidth_mbit, "threads_per_stage": 1,
-              "prefix_cache": 0,
+              "prefix_cache": 0, "in_process_engine": args.in_process_engine,
               "prompts": {n: {"text": PROMPTS[n], "tokens": len(ids)} for n, ids in prompts.items()},
               "modes": {m: {"rtts": {}} for m in modes}}
     tools = llama_rpc.rpc_tools() if LLAMA_RPC in modes else None
@@ -148,7 +151,8 @@ def run_wan_bench(args: argparse.Namespace) -> int:
         try:
             # No prefix reuse: every TTFT is a whole prefill, as llama-bench's prompt test is.
             mesh.start_nodes([(h, f"{r.start}:{r.end}") for h, r in zip(stage_hosts, ranges)], threads=1,
-                             node_args=["--prefix-cache", "0"])
+                             node_args=["--prefix-cache", "0", *(["--in-process-engine"] if args.in_process_engine
+                                                                 else [])])
             live = [m for m in modes if "rtts" in result["modes"][m]]
             for m in live:
                 for ids in prompts.values() if m in MESHNET_MODES else ():
