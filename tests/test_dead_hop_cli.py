@@ -143,6 +143,7 @@ def test_generate_json_ends_with_the_object_also_when_no_route_exists(mesh):
                         "--temperature", "0", "Hello"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.splitlines()[-1].startswith("error: no route")
+    assert r.stderr.splitlines()[-1].endswith("(nodes still loading? --wait SECONDS waits for a complete route)")
     last = json.loads(r.stdout)
     assert (last["generated_token_ids"], last["text"], last["finish_reason"]) == ([], "", "error")
     assert last["error"].startswith("no route") and last["prompt_token_ids"] and last["layers"] == []

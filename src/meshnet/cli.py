@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "it), general.name or bundled name (smollm2); the tokenizer and chat template come "
                              "from the tracker's manifest")
     gen.add_argument("--wait", type=float, default=0.0,
-                     help="with --tracker: seconds to wait for a complete route before giving up")
+                     help="with --tracker: seconds to wait for a complete route before giving up (default 0: "
+                          "give up at once)")
     add_join_token_arg(gen)
     gen.add_argument("--tls-ca", default=None, help="CA/cert to verify TLS tracker and nodes")
     gen.add_argument("--client-orchestrated", action="store_true",
@@ -241,10 +242,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     raise MeshUnavailable(str(e)) from None
             _, hops, n_ctx = chain.route_with_context()
         except MeshUnavailable as e:
+            if not args.wait and str(e).startswith("no route: GetRoute:") and "(excluded: " not in str(e):
+                e = MeshUnavailable(f"{e} (nodes still loading? --wait SECONDS waits for a complete route)")
             if args.json:  # the last line is the object, also when no token came
                 print(_json_line(args, GenerationResult(prompt_token_ids=list(prompt_ids)), [], chain, "",
                                  error=str(e)))
-            raise
+            raise e from None
         ranges = [f"{h.node_id}@{h.address}" for h in hops]
     else:
         chain = load_local_chain(path, ranges, n_threads=args.threads, n_ctx=args.n_ctx,
