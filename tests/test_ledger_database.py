@@ -368,11 +368,24 @@ def test_a_tracker_whose_postgresql_session_ended_takes_the_ledger_again_unless_
     with fresh_database("postgresql", tmp_path) as url:
         admin = create_engine(normalise_url(url), isolation_level="AUTOCOMMIT")
 
+        def held_by_anyone() -> bool:
+            with admin.connect() as conn:
+                return bool(conn.execute(text(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = 0 AND objid = :key "
+                    "AND granted"), {"key": hold._LEDGER_LOCK}).scalar())
+
+        def until_nobody_holds_it() -> None:
+            # The server ends a session (and drops its lock) once its process has seen the end: not at once.
+            deadline = time.monotonic() + 10
+            while held_by_anyone() and time.monotonic() < deadline:
+                time.sleep(0.05)
+
         def end_the_holding_session() -> None:
             with admin.connect() as conn:
                 assert conn.execute(text(
                     "SELECT count(pg_terminate_backend(pid)) FROM pg_locks WHERE locktype = 'advisory' "
                     "AND classid = 0 AND objid = :key AND granted"), {"key": hold._LEDGER_LOCK}).scalar() == 1
+            until_nobody_holds_it()
 
         ledger = Ledger(url)
         try:
@@ -393,6 +406,7 @@ def test_a_tracker_whose_postgresql_session_ended_takes_the_ledger_again_unless_
                 assert second.record_deliveries("client-b", [("s2", 0)]) == (1, 0)
             finally:
                 second.close()
+            until_nobody_holds_it()
             assert ledger.record_deliveries("client-a", [("s1", 1)]) == (1, 0)
             assert [(b.client_id, b.delivered_tokens) for b in ledger.client_balances()] == [("client-a", 2), ("client-b", 1)]
         finally:
