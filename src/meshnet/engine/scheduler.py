@@ -173,9 +173,9 @@ class StepScheduler:
         prefill chunks while the prefill tokens stay within the budget (always at least one chunk).
 
         Prefills take turns: those left out of earlier iterations first, the longest left out first (in
-        arrival order), then the fewest tokens left first (arrival order among equals). A short prompt arriving behind a
-        long one's prefill so waits one chunk, not the whole prefill (in arrival order, as
-        ``llama-server``'s slots fill a batch, a 30-token question waited 24 s behind a 3000-token
+        arrival order), then the fewest tokens left first (arrival order among equals). A short prompt
+        arriving behind a long one's prefill so waits one chunk, not the whole prefill (in arrival order,
+        as ``llama-server``'s slots fill a batch, a 30-token question waited 24 s behind a 3000-token
         document on one thread), and no prefill is passed over for good: the one left out longest is
         the first, which always runs."""
         picked, budget = [], self.chunk_tokens or float("inf")
