@@ -263,10 +263,8 @@ def local_backend(model: str = "smollm2", stages: int | None = None, layers: str
     tok = GGUFTokenizer.from_gguf(path)
     caps = [s.capabilities() for s in chain.stages]
     desc = [f"in-process {c.artifact.layers}" for c in caps]
-    # A session never holds more cells than a stage's whole KV pool (--kv-tokens): its context is the
-    # smaller of the two, so that budgets are capped by it rather than refused at the first prefill.
-    pools = [m.kv_tokens_capacity for m in (s.metrics() for s in chain.stages) if m.kv_tokens_capacity]
-    backend = ApiBackend(lambda: chain, tok, name or served_name(model), min([c.n_ctx for c in caps] + pools),
+    # A stage's context is what one session can hold there, its KV pool included (GgmlStage.session_tokens).
+    backend = ApiBackend(lambda: chain, tok, name or served_name(model), min(c.n_ctx for c in caps),
                          check_route=lambda: desc, max_concurrency=min(c.max_sessions for c in caps))
     backend.chain = chain  # type: ignore[attr-defined]  # tests read the engines' health through it
     backend.stage_metrics = lambda: [(str(c.artifact.layers), s.metrics()) for c, s in zip(caps, chain.stages)]

@@ -94,7 +94,7 @@ class AcceleratorEngine(GgmlEngine):
         cpu_stage.close()
         dev = stage.device or {}
         name = dev.get("description") or dev.get("name") or f"device {self.device_index}"
-        return dataclasses.replace(caps, backend=self.lane, n_ctx=stage.n_ctx,
+        return dataclasses.replace(caps, backend=self.lane, n_ctx=stage.session_tokens,
                                    numerics=numerics_key(self.lane, name, spec.n_threads, spec.repack, spec.n_ubatch))
 
     @property

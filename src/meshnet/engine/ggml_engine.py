@@ -66,9 +66,7 @@ class GgmlEngine(ShardEngine):
         cfg = stage.cfg
         return Capabilities(engine="ggml", backend="cpu", architecture=cfg.architecture,
                             artifact=ArtifactId(sha, spec.artifact.layers), n_layer=cfg.n_layer,
-                            # a session never holds more cells than the whole pool (--kv-tokens): that
-                            # is its context too, so routes and failovers pass over a pool too small
-                            n_embd=cfg.n_embd, n_vocab=cfg.n_vocab, n_ctx=min(stage.n_ctx, stage.pool.kv_tokens),
+                            n_embd=cfg.n_embd, n_vocab=cfg.n_vocab, n_ctx=stage.session_tokens,
                             is_head=stage.is_head, is_tail=stage.is_tail, fixture=False,
                             max_sessions=spec.max_sessions,
                             residual_dims=() if cfg.dsv4 is None else cfg.residual_shape,

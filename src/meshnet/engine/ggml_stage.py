@@ -139,6 +139,13 @@ class GgmlStage:
         return self.sessions.open(reserve_tokens, prompt)
 
     @property
+    def session_tokens(self) -> int:
+        """The most tokens one session can hold: ``n_ctx``, or the whole KV pool where that is smaller
+        (``--kv-tokens``): what the stage reports as its context, so routes, failovers and the API's
+        budgets pass over a pool too small rather than be refused at the first prefill."""
+        return min(self.n_ctx, self.pool.kv_tokens)
+
+    @property
     def prefix_cache(self) -> PrefixCache:
         """The finished sessions this stage keeps for their prefixes."""
         return self.sessions.kept
