@@ -232,15 +232,11 @@ class ShardEngine(ABC):
         that ran 2 steps or more, unused for ``gap_factor`` times their longest wait between steps too (a
         client stepping through a slow pipeline comes back after a longer gap than one over a fast one)."""
         now = time.monotonic()
-        stale = []
         with self._lock:  # checked and freed under one hold: a step starting meanwhile keeps its session
-            for sid, s in list(self._sessions.items()):
-                idle = now - s.last_used
-                if s.busy or idle <= idle_s or (gap_factor and (s.steps < 2 or idle <= gap_factor * s.longest_gap_s)):
-                    continue
+            stale = [s for s in self._sessions.values() if s.idle_past(now, idle_s, gap_factor)]
+            for s in stale:
                 self._retire(s)
-                stale.append(sid)
-        return stale
+        return [s.session_id for s in stale]
 
     def session_ids(self) -> list[str]:
         with self._lock:
@@ -387,11 +383,7 @@ class ShardEngine(ABC):
         with self._lock:
             session.busy = False
             self._idle.notify_all()
-            now = time.monotonic()
-            if result is not None and result.ok:
-                session.steps += 1
-                session.longest_gap_s = max(session.longest_gap_s, now - session.last_used)
-            session.last_used = now
+            session.stepped(time.monotonic(), result is not None and result.ok)
             if result is None:
                 return None
             if result.ok:
