@@ -18,6 +18,7 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane import AWAIT, ConnectionPool, DataPlaneConnection, DataPlaneError
 from meshnet.wire.envelope import MAX_FRAME_BYTES, WireError, replies_to_result, request_to_frames
+from meshnet.wire.security import retry_after_s
 
 log = logging.getLogger("meshnet.client")
 
@@ -58,11 +59,7 @@ class RemoteStage:
         status = _CONTRACT_CODES.get(code)
         if status is None:
             raise self._unanswered(e) from None
-        retry = None
-        for key, value in e.trailing_metadata() or ():
-            if key == "retry-after-s":
-                retry = float(value)
-        return StepResult(status, message=f"{self.node_id}: {e.details()}", retry_after_s=retry)
+        return StepResult(status, message=f"{self.node_id}: {e.details()}", retry_after_s=retry_after_s(e))
 
     def _step_tcp(self, frames, timeout_s: float) -> StepResult:
         answer = self._call_tcp(frames, timeout_s)

@@ -20,7 +20,7 @@ from meshnet.ledger.reporting import WorkReporter
 from meshnet.membership.identity import NodeIdentity
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.wire.security import RETRY_AFTER_METADATA
+from meshnet.wire.security import retry_after_s
 
 log = logging.getLogger("meshnet.node")
 
@@ -82,7 +82,7 @@ class Membership:
                     # Unacknowledged work is kept and resent after an outage (the tracker counts it once).
                     registered = hb.known and self.work.flush(self.tracker, max_batches=4)
             except grpc.RpcError as e:
-                expires_in = _retry_after_s(e)
+                expires_in = retry_after_s(e)
                 if e.code() is grpc.StatusCode.ALREADY_EXISTS and not ever_registered and expires_in is not None:
                     id_deadline = id_deadline or time.monotonic() + expires_in + ID_WAIT_MARGIN_S
                     if time.monotonic() < id_deadline:
@@ -135,14 +135,3 @@ class Membership:
             self.work.flush(self.tracker, timeout_s=2)
         except grpc.RpcError:
             pass
-
-
-def _retry_after_s(e: grpc.RpcError) -> float | None:
-    """The seconds after which the tracker said a refusal may pass (its trailing metadata), or None."""
-    for key, value in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
-        if key == RETRY_AFTER_METADATA:
-            try:
-                return max(0.0, float(value))
-            except ValueError:
-                return None
-    return None

@@ -37,6 +37,7 @@ from meshnet.wire.envelope import (
     request_to_frames,
     result_to_replies,
 )
+from meshnet.wire.security import RETRY_AFTER_METADATA
 
 log = logging.getLogger("meshnet.node")
 
@@ -284,7 +285,7 @@ class NodeService(pb_grpc.NodeServicer):
         out = self.run_step(frames)
         if out.code != "OK":
             if out.retry_after_s is not None:
-                context.set_trailing_metadata((("retry-after-s", f"{out.retry_after_s:.3f}"),))
+                context.set_trailing_metadata(((RETRY_AFTER_METADATA, f"{out.retry_after_s:.3f}"),))
             context.abort(grpc.StatusCode[out.code], out.message)
         return out.replies
 

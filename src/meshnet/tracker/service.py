@@ -340,7 +340,7 @@ class TrackerService(pb_grpc.TrackerServicer):
     @staticmethod
     def _abort_relayed(context, answer) -> None:
         if answer.retry_after_s is not None:
-            context.set_trailing_metadata((("retry-after-s", f"{answer.retry_after_s:.3f}"),))
+            context.set_trailing_metadata(((RETRY_AFTER_METADATA, f"{answer.retry_after_s:.3f}"),))
         code = grpc.StatusCode.__members__.get(answer.code, grpc.StatusCode.UNKNOWN)
         context.abort(code, answer.message)
 

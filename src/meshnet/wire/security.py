@@ -28,8 +28,9 @@ from meshnet.wire.addresses import bind_problem, check_address
 from meshnet.wire.request_decoding import RequestDecodingInterceptor
 
 JOIN_TOKEN_METADATA = "x-meshnet-join-token"
-# Trailing metadata of a refusal that may pass: seconds after which asking again may succeed.
-RETRY_AFTER_METADATA = "x-meshnet-retry-after-s"
+# Trailing metadata of a refusal that may pass (a node's RESOURCE_EXHAUSTED, the tracker's ALREADY_EXISTS
+# for an id whose entry may expire): seconds after which asking again may succeed.
+RETRY_AFTER_METADATA = "retry-after-s"
 # Env variable the CLI reads the join token from when no flag gives it.
 JOIN_TOKEN_ENV = "MESHNET_JOIN_TOKEN"
 
@@ -390,3 +391,15 @@ def open_channel(address: str, join_token: str | None = None, tls_ca: str | None
     if join_token:
         channel = grpc.intercept_channel(channel, _MetadataInterceptor([(JOIN_TOKEN_METADATA, join_token)]))
     return channel
+
+
+def retry_after_s(e: grpc.RpcError) -> float | None:
+    """The seconds a refusal said to wait before asking again (its :data:`RETRY_AFTER_METADATA` trailing
+    metadata), or None."""
+    for key, value in (e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else ():
+        if key == RETRY_AFTER_METADATA:
+            try:
+                return max(0.0, float(value))
+            except ValueError:
+                return None
+    return None
