@@ -88,3 +88,51 @@ def test_a_client_reaches_a_restarted_tracker_within_seconds_however_long_it_was
     finally:
         channel.close()
         server.stop(None)
+
+
+def test_once_the_tracker_has_not_answered_route_requests_wait_a_second_for_it_until_it_answers_again():
+    """A tracker that drops packets (a partition, not a refused connection) cost every new session the
+    whole 5 s GetRoute timeout before the last route served, and each API request (which asks twice) 10 s."""
+    import grpc
+
+    from meshnet.client.router import ROUTE_TIMEOUT_S, ROUTE_TIMEOUT_UNREACHABLE_S, Router
+    from meshnet.proto import meshnet_pb2 as pb
+
+    class Unanswered(grpc.RpcError):
+        def __init__(self, code):
+            self._code = code
+
+        def code(self):
+            return self._code
+
+        def details(self):
+            return "deadline"
+
+    class Tracker:  # answers in turn: each item a Route, or a status code to fail with
+        def __init__(self, answers):
+            self.answers, self.timeouts = list(answers), []
+
+        def GetRoute(self, request, timeout):
+            self.timeouts.append(timeout)
+            answer = self.answers.pop(0)
+            if isinstance(answer, grpc.StatusCode):
+                raise Unanswered(answer)
+            return answer
+
+    deadline, unavailable, denied = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
+                                     grpc.StatusCode.PERMISSION_DENIED)
+    router = Router("127.0.0.1:1")
+    router.tracker = Tracker([deadline, deadline, unavailable, pb.Route(epoch=7), deadline, denied, deadline])
+    results = []
+    for _ in range(7):
+        try:
+            results.append(router.route()[0])
+        except MeshUnavailable:
+            results.append("unavailable")
+    # Once a route came (no hops here), the last route serves while the tracker does not answer.
+    assert results == ["unavailable", "unavailable", "unavailable", 7, 1, "unavailable", 1]
+    assert ROUTE_TIMEOUT_S == 5.0 and ROUTE_TIMEOUT_UNREACHABLE_S == 1.0
+    # A refusal (PERMISSION_DENIED) is an answer: the tracker is reachable again.
+    assert router.tracker.timeouts == [5.0, 1.0, 1.0, 1.0, 5.0, 1.0, 5.0]
+    router.close()
+    router.tracker_channel.close()
