@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import sys
@@ -79,14 +80,68 @@ def _add_model_args(p: argparse.ArgumentParser):
     return source
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from meshnet.arg_types import add_join_token_arg, host_port, utf8_text
-    from meshnet.model.bundled import DEFAULT_MODEL
+# Where each subcommand's parser comes from (its module and the function that adds it), in the order
+# `meshnet --help` lists them after generate and bench. A command line that names a subcommand builds only
+# that one's parser: building all of them imports gRPC, numpy, FastAPI and ggml, a second or more before
+# `meshnet node --port 0` could say what is wrong.
+_COMMANDS = {
+    "up": ("meshnet.up", "add_up_parser"),
+    "api": ("meshnet.api.server", "add_api_parser"),
+    "tracker": ("meshnet.tracker.cli", "add_tracker_parser"),
+    "node": ("meshnet.node.cli", "add_node_parser"),
+    "backends": ("meshnet.backends.cli", "add_backends_parser"),
+    "ledger": ("meshnet.ledger.cli", "add_ledger_parser"),
+    "nodes": ("meshnet.membership.cli", "add_nodes_parser"),
+}
+_BENCHES = {
+    "engine": (__name__, "_add_engine_bench_parser"),
+    "mesh": ("meshnet.bench.mesh_bench", "add_mesh_bench_parser"),
+    "serve": ("meshnet.bench.serve_bench", "add_serve_bench_parser"),
+    "worker": ("meshnet.bench.worker_bench", "add_worker_bench_parser"),
+    "hostile": ("meshnet.bench.hostile_bench", "add_hostile_bench_parser"),
+    "wan": ("meshnet.bench.wan_bench", "add_wan_bench_parser"),
+    "speculative": ("meshnet.bench.spec_bench", "add_spec_bench_parser"),
+    "scale": ("meshnet.bench.scale_bench", "add_scale_bench_parser"),
+    "structured": ("meshnet.bench.structured_bench", "add_structured_bench_parser"),
+}
 
+
+def _named(argv: list[str], names) -> str | None:
+    """The subcommand ``argv`` names (its first argument that is not an option), when it is one of ``names``."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    return first if first in names else None
+
+
+def _add_command(sub: argparse._SubParsersAction, name: str, module: str, adder: str, named: str | None) -> None:
+    """Add subcommand ``name``: its whole parser when no subcommand is named or it is the one, else only its
+    name (so that argparse still knows it)."""
+    if named is None or named == name:
+        getattr(importlib.import_module(module), adder)(sub)
+    else:
+        sub.add_parser(name)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``meshnet`` parser; for a command line ``argv`` (default: none) that names a subcommand, with only
+    that subcommand's arguments (see :data:`_COMMANDS`)."""
+    argv = list(argv or ())
+    named = _named(argv, {"generate", "bench", *_COMMANDS})
     parser = argparse.ArgumentParser(prog="meshnet", description="Run one GGUF language model across several "
                                      "machines, each serving a range of its layers.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_command(sub, "generate", __name__, "_add_generate_parser", named)
+    if named in (None, "bench"):
+        _add_bench_parser(sub, _named(argv[argv.index("bench") + 1:], _BENCHES) if named else None)
+    else:
+        sub.add_parser("bench")
+    for name, (module, adder) in _COMMANDS.items():
+        _add_command(sub, name, module, adder, named)
+    return parser
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    from meshnet.arg_types import add_join_token_arg, host_port, utf8_text
 
     gen = sub.add_parser("generate", help="complete a prompt, streaming the text to stdout")
     gen.add_argument("prompt", type=utf8_text)
@@ -115,8 +170,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_speculation_args(gen)
     gen.set_defaults(func=cmd_generate)
 
+
+def _add_bench_parser(sub: argparse._SubParsersAction, named_bench: str | None) -> None:
+    """``meshnet bench`` and its benchmarks: all of them, or only ``named_bench`` (see :func:`_add_command`)."""
     bench = sub.add_parser("bench", help="benchmarks that write JSON")
     bsub = bench.add_subparsers(dest="bench", required=True)
+    for name, (module, adder) in _BENCHES.items():
+        _add_command(bsub, name, module, adder, named_bench)
+
+
+def _add_engine_bench_parser(bsub: argparse._SubParsersAction) -> None:
+    from meshnet.model.bundled import DEFAULT_MODEL
+
     be = bsub.add_parser("engine", help="prefill/decode tokens/s for 1 and 3 stages, RSS per stage, llama.cpp")
     be.add_argument("--model", default=DEFAULT_MODEL)
     be.add_argument("--threads", type=int, default=2)
@@ -132,44 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also measure this accelerator lane beside the CPU (it must be certified here)")
     be.add_argument("--out", default="bench-results/engine.json")
     be.set_defaults(func=_run_engine_bench)
-    from meshnet.bench.mesh_bench import add_mesh_bench_parser
-    from meshnet.bench.serve_bench import add_serve_bench_parser
-    from meshnet.bench.hostile_bench import add_hostile_bench_parser
-    from meshnet.bench.worker_bench import add_worker_bench_parser
-    from meshnet.bench.wan_bench import add_wan_bench_parser
-
-    add_mesh_bench_parser(bsub)
-    add_serve_bench_parser(bsub)
-    add_worker_bench_parser(bsub)
-    add_hostile_bench_parser(bsub)
-    add_wan_bench_parser(bsub)
-    from meshnet.bench.spec_bench import add_spec_bench_parser
-
-    add_spec_bench_parser(bsub)
-    from meshnet.bench.scale_bench import add_scale_bench_parser
-
-    add_scale_bench_parser(bsub)
-    from meshnet.bench.structured_bench import add_structured_bench_parser
-
-    add_structured_bench_parser(bsub)
-
-    from meshnet.node.cli import add_node_parser
-    from meshnet.tracker.cli import add_tracker_parser
-    from meshnet.up import add_up_parser
-
-    from meshnet.api.server import add_api_parser
-    from meshnet.backends.cli import add_backends_parser
-    from meshnet.ledger.cli import add_ledger_parser
-    from meshnet.membership.cli import add_nodes_parser
-
-    add_up_parser(sub)
-    add_api_parser(sub)
-    add_tracker_parser(sub)
-    add_node_parser(sub)
-    add_backends_parser(sub)
-    add_ledger_parser(sub)
-    add_nodes_parser(sub)
-    return parser
 
 
 def _run_engine_bench(args: argparse.Namespace) -> int:
@@ -344,7 +371,8 @@ def _main(argv: list[str] | None) -> int:
     from meshnet.client.router import MeshUnavailable
     from meshnet.model.bundled import ModelNotFound
 
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.func(args)
     except (ModelNotFound, ValueError, FileNotFoundError, TimeoutError) as e:
