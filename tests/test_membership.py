@@ -224,6 +224,50 @@ def test_a_readable_id_stays_bound_to_its_key_across_a_tracker_restart(tracker):
     assert stub.ListNodes(pb.Empty(), timeout=5).nodes[0].signed is True
 
 
+def test_a_registration_refused_after_its_signature_passed_binds_no_id(tracker):
+    """A signed registration refused for its protocol version, or because a live node holds the id, bound
+    the id to its key all the same: the id's owner was then refused as "another key"."""
+    stub, _ = tracker
+    squatter, owner = NodeIdentity.generate(), NodeIdentity.generate()
+    old = node_info("c-mid", 10, 20)
+    old.protocol_major = PROTOCOL_MAJOR + 1
+    code, msg = refusal(stub.Register, squatter.sign(old))
+    assert code is grpc.StatusCode.FAILED_PRECONDITION and "speaks protocol" in msg
+    unsigned_holder = node_info("d-tail", 20, 30, port=11)
+    stub.Register(unsigned_holder, timeout=5)
+    code, msg = refusal(stub.Register, squatter.sign(node_info("d-tail", 20, 30, port=12)))
+    assert code is grpc.StatusCode.ALREADY_EXISTS
+    stub.Deregister(pb.NodeRef(node_id="d-tail"), timeout=5)
+    stub.Register(owner.sign(node_info("c-mid", 10, 20)), timeout=5)
+    stub.Register(owner.sign(node_info("d-tail", 20, 30, port=12)), timeout=5)
+    listed = {n.info.node_id: n.signed for n in stub.ListNodes(pb.Empty(), timeout=5).nodes}
+    assert listed == {"c-mid": True, "d-tail": True}
+
+
+def test_registrations_with_oversized_fields_are_refused_and_routes_stay_small(tracker):
+    """Two registrations with 9 MiB addresses made every route larger than gRPC's message limit: no client
+    got a route although honest nodes held every layer."""
+    stub, _ = tracker
+    stub.Register(node_info("honest", 0, 30), timeout=5)
+    for field, value, what in [("address", "127.0.0.1:" + "1" * 400, "an address of 410 characters (at most 300)"),
+                               ("data_address", "h" * 301, "a data address of 301 characters (at most 300)"),
+                               ("engine", "e" * 65, "an engine name of 65 characters (at most 64)")]:
+        big = node_info("liar", 0, 30, port=8)
+        setattr(big, field, value)
+        code, msg = refusal(stub.Register, big)
+        assert code is grpc.StatusCode.INVALID_ARGUMENT
+        assert msg == f"Register: node 'liar' has {what}"
+    big = node_info("liar", 0, 30, port=8)
+    big.device.description = "d" * 257
+    code, msg = refusal(stub.Register, big)
+    assert msg == "Register: node 'liar' has a device description of 257 characters (at most 256)"
+    big = node_info("liar", 0, 30, port=8)
+    big.device.cpu_features.extend(["x" * 100] * 30)
+    code, msg = refusal(stub.Register, big)
+    assert msg == "Register: node 'liar' has a CPU feature list of 3029 characters (at most 2048)"
+    assert route_ids(stub) == ["honest"]
+
+
 def test_required_signatures_refuse_unsigned_nodes():
     server, port = serve_tracker("127.0.0.1", 0, require_signatures=True)
     try:

@@ -6,14 +6,32 @@ from __future__ import annotations
 import math
 
 from meshnet.contract import LayerRange
+from meshnet.membership.identity import NODE_ID_MAX_CHARS
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.tracker.registry import RegisteredNode
 from meshnet.tracker.routing import NodeRecord
 
 _DEFAULT_MAX_SESSIONS = NodeRecord.__dataclass_fields__["max_sessions"].default
-_MAX_VERSION_CHARS = 64
-_MAX_INSTANCE_CHARS = 64
 _MAX_NUMERICS_CHARS = 512
+# The longest text each field of a registration may hold, characters, with what the refusal calls it:
+# every route and node list repeats these fields, so one registration with megabytes in them made every
+# route larger than gRPC's message limit and no client got a route.
+_MAX_CHARS = (
+    (lambda i: i.node_id, NODE_ID_MAX_CHARS, "a node id"),
+    (lambda i: i.address, 300, "an address"),  # a DNS name (253) and a port
+    (lambda i: i.data_address, 300, "a data address"),
+    (lambda i: i.model.sha256, 64, "a model sha256"),
+    (lambda i: i.model.architecture, 64, "an architecture name"),
+    (lambda i: i.engine, 64, "an engine name"),
+    (lambda i: i.backend, 64, "a backend name"),
+    (lambda i: i.instance, 64, "an instance id"),
+    (lambda i: i.numerics, _MAX_NUMERICS_CHARS, "a numerics key"),
+    (lambda i: i.version, 64, "a version string"),
+    (lambda i: i.device.name, 256, "a device name"),
+    (lambda i: i.device.description, 256, "a device description"),
+    (lambda i: i.device.type, 64, "a device type"),
+    (lambda i: ",".join(i.device.cpu_features), 2048, "a CPU feature list"),
+)
 _MAX_LIKE_HOPS = 1024  # a route has a hop per node at most; a model has far fewer layers than this
 
 
@@ -24,7 +42,7 @@ def record_from_info(info: pb.NodeInfo) -> NodeRecord:
         ValueError: naming the bad field (empty id/address/model, bad layer range, speed, version); the
             tracker answers it INVALID_ARGUMENT.
     """
-    who = f"node {info.node_id!r}" if info.node_id else "node"
+    who = f"node {info.node_id[:40]!r}" if info.node_id else "node"
     if not info.node_id.strip():
         raise ValueError("Register: node_id is empty")
     if not info.address.strip():
@@ -38,15 +56,9 @@ def record_from_info(info: pb.NodeInfo) -> NodeRecord:
     speed = info.decode_tokens_per_s
     if not (speed >= 0 and math.isfinite(speed)):
         raise ValueError(f"Register: {who} has decode_tokens_per_s={speed}; expected a finite number >= 0")
-    if len(info.instance) > _MAX_INSTANCE_CHARS:
-        raise ValueError(f"Register: {who} has an instance id of {len(info.instance)} characters "
-                         f"(at most {_MAX_INSTANCE_CHARS})")
-    if len(info.numerics) > _MAX_NUMERICS_CHARS:
-        raise ValueError(f"Register: {who} has a numerics key of {len(info.numerics)} characters "
-                         f"(at most {_MAX_NUMERICS_CHARS})")
-    if len(info.version) > _MAX_VERSION_CHARS:
-        raise ValueError(f"Register: {who} has a version string of {len(info.version)} characters "
-                       f"(at most {_MAX_VERSION_CHARS})")
+    for field, most, what in _MAX_CHARS:
+        if len(text := field(info)) > most:
+            raise ValueError(f"Register: {who} has {what} of {len(text)} characters (at most {most})")
     return NodeRecord(node_id=info.node_id, address=info.address, model_sha256=info.model.sha256,
                       architecture=info.model.architecture, n_layer=n_layer, layers=LayerRange(start, end),
                       engine=info.engine or "ggml", backend=info.backend or "cpu", decode_tokens_per_s=speed,

@@ -115,14 +115,11 @@ class TrackerService(pb_grpc.TrackerServicer):
             record = record_from_info(request)
         except ValueError as e:
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        # Check, bind and register as one step: two keys racing for a new id cannot both win it, and a
-        # refused registration leaves no entry behind.
+        # Check, register and bind as one step: two keys racing for a new id cannot both win it, and a
+        # refused registration (a protocol mismatch, the id held by a live entry) neither leaves an entry
+        # behind nor binds the id to its key.
         with self._register_lock:
             self._authenticate("Register", record.node_id, request, bind=True)
-            try:
-                self.auth.bind(record.node_id, request)
-            except AuthError as e:
-                raise _Refusal(grpc.StatusCode.UNAUTHENTICATED, f"Register: {e.message}") from None
             try:
                 self.registry.register(record, request.protocol_major, request.protocol_minor,
                                        free_memory_bytes=request.free_memory_bytes,
@@ -134,6 +131,13 @@ class TrackerService(pb_grpc.TrackerServicer):
                 raise _Refusal(grpc.StatusCode.ALREADY_EXISTS, f"Register: {e}", e.expires_in_s) from None
             except ValueError as e:
                 raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {e}") from None
+            try:
+                self.auth.bind(record.node_id, request)
+            except Exception as e:
+                self.registry.deregister(record.node_id)  # not listed under a key the ledger does not hold
+                if isinstance(e, AuthError):
+                    raise _Refusal(grpc.StatusCode.UNAUTHENTICATED, f"Register: {e.message}") from None
+                raise
         return pb.RegisterReply(heartbeat_interval_s=self.registry.heartbeat_interval_s, ttl_s=self.registry.ttl_s)
 
     @_rpc
