@@ -9,15 +9,31 @@ fails over as fast as it would for a direct node whose connection dropped.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
 from dataclasses import dataclass
 
+import grpc
+
 from meshnet.proto import meshnet_pb2 as pb
+from meshnet.wire.data_plane_server import MAX_REQUEST_BYTES
 
 # Header of a RelayStep call naming the node to forward to.
 RELAY_NODE_METADATA = "meshnet-relay-node"
+# The tracker's gRPC worker threads. Each relay stream (a relayed node's Relay, a RelayStep in flight)
+# holds one while it lasts; MAX_RELAY_STREAMS of them at most, so that registrations, heartbeats and
+# routes always find a thread: 64 streams that never sent a message held them all, and the tracker
+# answered nothing until they ended.
+TRACKER_WORKERS = 128
+MAX_RELAY_STREAMS = 96
+# Step frames buffered for relayed nodes at once, bytes (each step's own at most MAX_REQUEST_BYTES, as on
+# the data plane): a stream that sent 15 MiB frames and never ended grew the tracker without bound.
+MAX_RELAY_BYTES = 512 << 20
+# How long a relay stream may take to send what it must before anything is forwarded (a node's hello,
+# a step's frames), seconds; then it is cancelled and its thread goes back.
+RELAY_READ_S = 30.0
 
 
 @dataclass
@@ -126,3 +142,69 @@ class RelayHub:
         if link is None:
             return RelayAnswer("UNAVAILABLE", f"node {node_id} has no relay stream open")
         return link.call(down, timeout_s)
+
+
+class RelayLimits:
+    """What relayed traffic may hold of the tracker at once (thread-safe): :data:`MAX_RELAY_STREAMS`
+    streams and :data:`MAX_RELAY_BYTES` of buffered step frames."""
+
+    def __init__(self, max_streams: int = MAX_RELAY_STREAMS, max_bytes: int = MAX_RELAY_BYTES,
+                 read_s: float = RELAY_READ_S) -> None:
+        self.max_streams, self.max_bytes, self.read_s = max_streams, max_bytes, read_s
+        self._streams = threading.BoundedSemaphore(max_streams)
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def stream(self, context, method: str):
+        """Hold one of the streams for the ``with`` block; the call is cancelled unless the block calls the
+        yielded function (what it had to read has arrived) within ``read_s``. Aborts the call with
+        RESOURCE_EXHAUSTED when every stream is taken."""
+        if not self._streams.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{method}: the tracker relays {self.max_streams} streams at once already; try again later")
+        timer = threading.Timer(self.read_s, context.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield timer.cancel
+        finally:
+            timer.cancel()
+            self._streams.release()
+
+    def read_step(self, request_iterator, context) -> list[pb.Envelope]:
+        """A RelayStep's frames, read whole within the limits; the caller gives their bytes back with
+        :meth:`give_back` (``sum(f.ByteSize() for f in frames)``). Aborts the call with INVALID_ARGUMENT for
+        a step over MAX_REQUEST_BYTES, RESOURCE_EXHAUSTED when the buffered steps of all streams are at
+        :data:`MAX_RELAY_BYTES`; raises grpc.RpcError when the call was cancelled or broke."""
+        frames: list[pb.Envelope] = []
+        held = 0
+        try:
+            for frame in request_iterator:
+                n = frame.ByteSize()
+                if held + n > MAX_REQUEST_BYTES:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"RelayStep: the step's frames exceed {MAX_REQUEST_BYTES} bytes")
+                with self._lock:
+                    full = self._bytes + n > self.max_bytes
+                    if not full:
+                        self._bytes += n
+                if full:
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"RelayStep: the tracker buffers {self.max_bytes} bytes of relayed steps "
+                                  f"already; try again later")
+                held += n
+                frames.append(frame)
+        except BaseException:
+            self.give_back(held)
+            raise
+        return frames
+
+    def give_back(self, n_bytes: int) -> None:
+        with self._lock:
+            self._bytes -= n_bytes
+
+    @property
+    def buffered_bytes(self) -> int:
+        with self._lock:
+            return self._bytes

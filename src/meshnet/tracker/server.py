@@ -8,6 +8,7 @@ import grpc
 
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.registry import Registry
+from meshnet.tracker.relay import TRACKER_WORKERS
 from meshnet.tracker.service import TrackerService
 from meshnet.wire.addresses import format_address
 from meshnet.wire.security import TlsConfig, add_port, make_server
@@ -59,8 +60,8 @@ def start_tracker(host: str = "127.0.0.1", port: int = 0, heartbeat_interval_s: 
         ledger = Ledger(ledger)
     service = TrackerService(registry, ledger)
     service.auth.require_signatures = require_signatures
-    # Each attached relay stream and each relayed step in flight holds a worker thread.
-    server = make_server(join_token, max_workers=64)
+    # Each attached relay stream and each relayed step in flight holds a worker thread (see RelayLimits).
+    server = make_server(join_token, max_workers=TRACKER_WORKERS)
     pb_grpc.add_TrackerServicer_to_server(service, server)
     try:
         bound = add_port(server, format_address(host, port), tls)

@@ -37,7 +37,7 @@ from meshnet.tracker.activity import ActivityBoard
 from meshnet.tracker.manifests import ManifestFull, ManifestNotFound, ManifestRefused, ManifestStore
 from meshnet.tracker.node_info import device_dict, info_from_status, like_from_hops, record_from_info
 from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry
-from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayHub
+from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayHub, RelayLimits
 from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
 from meshnet.wire.security import RETRY_AFTER_METADATA
 
@@ -100,6 +100,7 @@ class TrackerService(pb_grpc.TrackerServicer):
         # Nodes that deregistered, kept a while so the work they finish while draining is still credited.
         self._departed: dict[str, tuple[NodeRecord, float]] = {}
         self.relays = RelayHub()
+        self.relay_limits = RelayLimits()
         self.activity = ActivityBoard()  # clients' sessions, tokens/s and TTFT, for the dashboard
         self.manifests = ManifestStore()
 
@@ -303,10 +304,15 @@ class TrackerService(pb_grpc.TrackerServicer):
         Refusals: INVALID_ARGUMENT (no hello), UNAUTHENTICATED (unsigned or bad signature),
         FAILED_PRECONDITION (the node is not registered as relayed: register first).
         """
-        try:
-            first = next(request_iterator)
-        except (StopIteration, grpc.RpcError):
-            return
+        with self.relay_limits.stream(context, "Relay") as arrived:
+            try:
+                first = next(request_iterator)
+            except (StopIteration, grpc.RpcError):
+                return
+            arrived()
+            yield from self._relay(first, request_iterator, context)
+
+    def _relay(self, first: pb.RelayUp, request_iterator, context):
         node_id = first.hello.node_id
         if not node_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "Relay: the first message must carry the node's hello")
@@ -355,12 +361,22 @@ class TrackerService(pb_grpc.TrackerServicer):
         if not node_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"RelayStep: name the node in the {RELAY_NODE_METADATA!r} request metadata")
-        frames = list(request_iterator)
-        answer = self.relays.call(node_id, pb.RelayDown(kind=pb.RelayDown.STEP, frames=frames),
-                                  context.time_remaining())
-        if answer.code != "OK":
-            self._abort_relayed(context, answer)
-        yield from answer.up.replies
+        if not self.relays.attached(node_id):  # before reading what could not go anywhere
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"node {node_id} has no relay stream open")
+        with self.relay_limits.stream(context, "RelayStep") as arrived:
+            try:
+                frames = self.relay_limits.read_step(request_iterator, context)
+            except grpc.RpcError:
+                return  # cancelled (by the caller, or for taking longer than RELAY_READ_S)
+            arrived()
+            try:
+                answer = self.relays.call(node_id, pb.RelayDown(kind=pb.RelayDown.STEP, frames=frames),
+                                          context.time_remaining())
+            finally:
+                self.relay_limits.give_back(sum(f.ByteSize() for f in frames))
+            if answer.code != "OK":
+                self._abort_relayed(context, answer)
+            yield from answer.up.replies
 
     def RelayControl(self, request: pb.RelayControlRequest, context) -> pb.RelayControlReply:
         """Cancel / release a session on, or ask health / capabilities of, a relayed node."""

@@ -1,0 +1,117 @@
+"""What relayed traffic may hold of a tracker: streams that never send, steps for nodes that are not
+attached, and steps larger than the tracker buffers, against a real tracker server over gRPC."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from meshnet.proto import meshnet_pb2 as pb
+from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayLimits
+from meshnet.tracker.server import start_tracker
+from meshnet.wire.data_plane_server import MAX_REQUEST_BYTES
+from meshnet.wire.security import open_channel
+
+
+@pytest.fixture
+def tracker():
+    server, port, service = start_tracker("127.0.0.1", 0)
+    channel = open_channel(f"127.0.0.1:{port}")
+    try:
+        yield pb_grpc.TrackerStub(channel), service
+    finally:
+        channel.close()
+        server.stop(None)
+
+
+def _silent(stop: threading.Event):
+    """A request stream that sends nothing until ``stop`` is set."""
+    stop.wait()
+    return
+    yield
+
+
+def test_streams_that_never_send_cannot_take_every_thread_and_are_cancelled(tracker):
+    """64 Relay / RelayStep streams that never sent a message held all of the tracker's threads: nothing,
+    not even ListNodes, was answered until they ended."""
+    stub, service = tracker
+    service.relay_limits = RelayLimits(max_streams=2, read_s=1.0)
+    stop = threading.Event()
+    try:
+        held = [stub.Relay(_silent(stop)) for _ in range(2)]
+        time.sleep(0.3)  # both are open on the tracker
+        with pytest.raises(grpc.RpcError) as ei:
+            next(stub.Relay(_silent(stop), timeout=5))
+        assert ei.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert ei.value.details() == "Relay: the tracker relays 2 streams at once already; try again later"
+        assert stub.ListNodes(pb.Empty(), timeout=2).nodes == []
+        # Past read_s without a hello, each is cancelled and its thread goes back.
+        for call in held:
+            with pytest.raises(grpc.RpcError) as ei:
+                next(call)
+            assert ei.value.code() is grpc.StatusCode.CANCELLED
+        # A slot is free again: the next stream gets as far as its hello.
+        with pytest.raises(grpc.RpcError) as ei:
+            next(stub.Relay(iter([pb.RelayUp(hello=pb.NodeRef(node_id="x"))]), timeout=5))
+        assert ei.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        assert ei.value.details() == "Relay: node 'x' sent an unsigned hello"
+    finally:
+        stop.set()
+
+
+def test_a_step_for_a_node_that_is_not_attached_is_refused_before_its_frames_are_read(tracker):
+    """Frames for a node with no relay stream were all buffered (60 x 15 MiB: the tracker grew by 1 GB)
+    before the refusal."""
+    stub, service = tracker
+    stop = threading.Event()
+    try:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stub.RelayStep(_silent(stop), metadata=((RELAY_NODE_METADATA, "nobody"),), timeout=10))
+        assert ei.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert ei.value.details() == "node nobody has no relay stream open"
+        assert time.monotonic() - started < 5  # it did not wait for the stream to end (10 s deadline)
+    finally:
+        stop.set()
+    assert service.relay_limits.buffered_bytes == 0
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    def __init__(self):
+        self.status = None
+
+    def abort(self, code, details):
+        self.status = (code, details)
+        raise _Aborted(details)
+
+
+def test_buffered_step_frames_are_bounded_per_step_and_in_all():
+    limits = RelayLimits(max_bytes=3 << 20)
+    frame = pb.Envelope(payload=b"x" * (1 << 20))
+    n = frame.ByteSize()
+    assert limits.read_step(iter([frame, frame]), _Context()) == [frame, frame]
+    assert limits.buffered_bytes == 2 * n
+    ctx = _Context()
+    with pytest.raises(_Aborted):
+        limits.read_step(iter([frame, frame]), ctx)  # a third and fourth MiB: over the 3 MiB in all
+    assert ctx.status == (grpc.StatusCode.RESOURCE_EXHAUSTED, "RelayStep: the tracker buffers 3145728 bytes of "
+                                                              "relayed steps already; try again later")
+    assert limits.buffered_bytes == 2 * n  # what the refused step had taken went back
+    limits.give_back(2 * n)
+    assert limits.buffered_bytes == 0
+    big = RelayLimits(max_bytes=1 << 40)
+    huge = pb.Envelope(payload=b"y" * (16 << 20))
+    ctx = _Context()
+    with pytest.raises(_Aborted):
+        big.read_step(iter([huge] * 17), ctx)
+    assert ctx.status == (grpc.StatusCode.INVALID_ARGUMENT,
+                          f"RelayStep: the step's frames exceed {MAX_REQUEST_BYTES} bytes")
+    assert big.buffered_bytes == 0
