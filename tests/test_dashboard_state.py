@@ -235,3 +235,25 @@ def test_report_activity_refuses_a_route_too_long_or_hop_ids_too_long():
     assert check_report(long_route) == f"session 's' has {MAX_HOPS + 1} hops (at most {MAX_HOPS})"
     fat = pb.ActivityReport(client_id="c", sessions=[pb.SessionActivity(session_id="s", hops=[pb.Hop(node_id="n" * 300)])])
     assert check_report(fat) == "session 's' has a hop whose node_id or address is over 256 characters"
+
+
+def test_reports_are_bounded_in_bytes_each_and_all_together():
+    """1000 sessions of 30 hops with 200-character ids passed every count (12.6 MB a report): 40 clients
+    grew the tracker by 700 MB and an /api/state answer to 565 MB."""
+    from meshnet.tracker.activity import MAX_BOARD_BYTES, MAX_REPORT_BYTES, check_report
+
+    hop = pb.Hop(node_id="n" * 200, address="a" * 200, layers=pb.LayerRange(start=0, end=30))
+    fat = pb.ActivityReport(client_id="c", sessions=[pb.SessionActivity(session_id=f"s{i}", hops=[hop] * 30)
+                                                     for i in range(1000)])
+    assert check_report(fat) == f"the report has {fat.ByteSize()} bytes (at most {MAX_REPORT_BYTES})"
+    # Reports just under the bound each: the board keeps the newest that fit MAX_BOARD_BYTES together.
+    n = MAX_REPORT_BYTES // (30 * hop.ByteSize() + 40)
+    board = ActivityBoard(_Clock(1000.0))
+    for c in range(40):
+        report = pb.ActivityReport(client_id=f"c{c:02}", sessions=[
+            pb.SessionActivity(session_id=f"s{i}", hops=[hop] * 30) for i in range(n)])
+        assert report.ByteSize() <= MAX_REPORT_BYTES
+        board.record(report)
+    kept = [c["client_id"] for c in board.snapshot()["clients"]]
+    assert len(kept) == MAX_BOARD_BYTES // report.ByteSize() and kept[-1] == "c39"
+    assert board._bytes == sum(report.ByteSize() for _ in kept) <= MAX_BOARD_BYTES

@@ -33,12 +33,19 @@ MAX_HOPS = 256
 # TTFTs kept for the chart, newest last: without a bound one client reporting many times a second could
 # grow the history (and every /api/state) without limit within HISTORY_S.
 MAX_TTFT_HISTORY = 10_000
+# Bytes (serialized) of one report, and of all clients' latest reports together: the counts above allow
+# a report of megabytes, and 40 clients' reports of 12 MB grew the tracker by 700 MB (and each
+# /api/state to 565 MB). A client with 1000 sessions on 3-hop routes reports about 150 KB.
+MAX_REPORT_BYTES = 1 << 20
+MAX_BOARD_BYTES = 16 << 20
 
 
 def check_report(report: pb.ActivityReport) -> str | None:
     """None when ``report`` can be recorded, else a message naming what is wrong with it."""
     if not report.client_id.strip():
         return "client_id is empty"
+    if (size := report.ByteSize()) > MAX_REPORT_BYTES:
+        return f"the report has {size} bytes (at most {MAX_REPORT_BYTES})"
     if len(report.client_id) > MAX_ID_CHARS:
         return f"client_id has {len(report.client_id)} characters (at most {MAX_ID_CHARS})"
     if len(report.sessions) > MAX_SESSIONS_PER_REPORT:
@@ -71,6 +78,7 @@ class ActivityBoard:
         self._clock = clock
         self._lock = threading.Lock()
         self._clients: dict[str, tuple[float, pb.ActivityReport]] = {}  # id -> (time heard, last report)
+        self._bytes = 0  # of the reports in _clients (see MAX_BOARD_BYTES)
         self._buckets: deque[list] = deque()  # [whole second, tokens], oldest first
         self._ttft: deque[tuple[float, float]] = deque(maxlen=MAX_TTFT_HISTORY)  # (time, seconds), oldest first
 
@@ -82,13 +90,15 @@ class ActivityBoard:
         with self._lock:
             now = self._clock()
             self._expire(now)
-            previous = self._clients.pop(report.client_id, None)
+            previous = self._forget(report.client_id)
             # Cumulative counts: a client that restarted (its count went down) starts again from 0.
             before = previous[1].generated_tokens if previous else 0
             new = report.generated_tokens - before if report.generated_tokens >= before else report.generated_tokens
-            if previous is None and len(self._clients) >= MAX_CLIENTS:
-                self._clients.pop(next(iter(self._clients)))  # the longest silent
+            size = report.ByteSize()
+            while self._clients and (len(self._clients) >= MAX_CLIENTS or self._bytes + size > MAX_BOARD_BYTES):
+                self._forget(next(iter(self._clients)))  # the longest silent
             self._clients[report.client_id] = (now, report)
+            self._bytes += size
             if new:
                 second = math.floor(now)
                 if self._buckets and self._buckets[-1][0] == second:
@@ -133,8 +143,15 @@ class ActivityBoard:
     def _expire(self, now: float) -> None:
         """Forget silent clients and history older than :data:`HISTORY_S` (lock held)."""
         for cid in [c for c, (heard, _) in self._clients.items() if now - heard > CLIENT_TTL_S]:
-            del self._clients[cid]
+            self._forget(cid)
         while self._buckets and self._buckets[0][0] <= now - HISTORY_S:
             self._buckets.popleft()
         while self._ttft and self._ttft[0][0] <= now - HISTORY_S:
             self._ttft.popleft()
+
+    def _forget(self, client_id: str) -> tuple[float, pb.ActivityReport] | None:
+        """Drop ``client_id``'s report (lock held); returns it (time heard, report), or None."""
+        dropped = self._clients.pop(client_id, None)
+        if dropped is not None:
+            self._bytes -= dropped[1].ByteSize()
+        return dropped
