@@ -260,6 +260,27 @@ def test_report_work_and_delivery_over_grpc(tracker):
     assert lines[0].split() == ["NODE", "MODEL", "PREFILL_TL", "DECODE_TL", "TOKENS", "STEPS"]
     assert lines[1].split() == [me.node_id, SHA[:12], "30", "10", "1.33", "2"]
     assert lines[4].split() == ["alice", "6", "1"]
+    # Steps no node could have run: a decode step of 2^32-1 tokens was credited (2.1e12 tokens for a node
+    # at a dead address).
+    sized = node_info(me.node_id, 0, 10)
+    sized.n_ctx = 2048
+    stub.Register(me.sign(sized), timeout=5)
+    for position, n_tokens, decode, problem in [
+            (5, 2**32 - 1, True, "as a decode step of 4294967295 tokens (at most 17: one and its drafts)"),
+            (0, 0, False, "of 0 tokens"),
+            (2000, 49, False, "through positions [2000, 2049), past the 2048 tokens of context it registered")]:
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.ReportWork(me.sign(pb.WorkReport(node_id=me.node_id, items=[
+                pb.WorkItem(session_id="s2", position=position, n_tokens=n_tokens, decode=decode, model_sha256=SHA,
+                            layers=pb.LayerRange(start=0, end=10))])), timeout=5)
+        assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert ei.value.details() == f"ReportWork: node {me.node_id!r} reports a step of session 's2' {problem}"
+    reply = stub.ReportWork(me.sign(pb.WorkReport(node_id=me.node_id, items=[
+        pb.WorkItem(session_id="s2", position=2000, n_tokens=48, model_sha256=SHA,
+                    layers=pb.LayerRange(start=0, end=10)),
+        pb.WorkItem(session_id="s2", position=2048 - 17, n_tokens=17, decode=True, model_sha256=SHA,
+                    layers=pb.LayerRange(start=0, end=10))])), timeout=5)
+    assert (reply.known, reply.recorded) == (True, 2)
 
 
 def test_reporters_keep_records_through_a_tracker_outage(ledger_url):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from meshnet.contract import MAX_DRAFT_TOKENS
 from meshnet.ledger.store import Ledger, WorkRecord
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.tracker.routing import NodeRecord, format_range
@@ -21,10 +22,25 @@ def work_records(report: pb.WorkReport, node: NodeRecord) -> list[WorkRecord]:
             raise ValueError(f"node {node.node_id!r} is registered for layers {format_range(node.layers)} of model "
                              f"{node.model_sha256[:12]}, but reports a step of session {item.session_id[:64]!r} "
                              f"through [{item.layers.start}, {item.layers.end}) of model {item.model_sha256[:12]}")
+        if problem := _step_problem(item, node):
+            raise ValueError(f"node {node.node_id!r} reports a step of session {item.session_id[:64]!r} {problem}")
         out.append(WorkRecord(node_id=node.node_id, model_sha256=node.model_sha256, n_layer=node.n_layer,
                               session_id=item.session_id, layer_start=item.layers.start, layer_end=item.layers.end,
                               position=item.position, n_tokens=item.n_tokens, decode=item.decode))
     return out
+
+
+def _step_problem(item: pb.WorkItem, node: NodeRecord) -> str | None:
+    """Why ``item`` cannot be a step ``node`` ran, or None: no tokens, a decode step of more tokens than a
+    verification step holds, or tokens past the context the node registered."""
+    if item.n_tokens == 0:
+        return "of 0 tokens"
+    if item.decode and item.n_tokens > MAX_DRAFT_TOKENS + 1:
+        return f"as a decode step of {item.n_tokens} tokens (at most {MAX_DRAFT_TOKENS + 1}: one and its drafts)"
+    if node.n_ctx and item.position + item.n_tokens > node.n_ctx:
+        return (f"through positions [{item.position}, {item.position + item.n_tokens}), past the {node.n_ctx} "
+                f"tokens of context it registered")
+    return None
 
 
 def ledger_reply(ledger: Ledger) -> pb.LedgerReply:
