@@ -340,6 +340,34 @@ def test_replay_onto_a_node_holding_a_stale_copy_of_the_session(mesh, tok, solo)
     client.close()
 
 
+def test_a_registration_claiming_all_layers_at_a_head_nodes_address_is_failed_over(mesh, tok, solo):
+    """A registration that claims layers 0:30 at the address of a node serving 0:15 (a liar, or a stale
+    entry): the node answered hidden states where the route wanted the tail's token, and generation died
+    of an AssertionError. The client now fails that hop over and the answer is unchanged."""
+    head, tail = mesh.start_nodes([("b-head", "0:15"), ("c-tail", "15:30")])
+    stub = mesh.tracker_stub()
+    liar = next(n.info for n in stub.ListNodes(pb.Empty(), timeout=5).nodes if n.info.node_id == "b-head")
+    liar.node_id, liar.layers.end, liar.decode_tokens_per_s = "a-liar", 30, 1e6
+    stub.Register(liar, timeout=5)
+    stop = threading.Event()
+
+    def heartbeat():
+        while not stop.wait(0.1):
+            stub.Heartbeat(pb.HeartbeatRequest(node_id="a-liar"), timeout=5)
+
+    beating = threading.Thread(target=heartbeat, daemon=True)
+    beating.start()
+    try:
+        client = MeshClient(mesh.tracker)
+        assert [h.node_id for h in client.route()[1]] == ["a-liar"]
+        assert _run_killing(client, tok, solo.prompt_ids(0), lambda: None, n=16) == solo.greedy(0)[:16]
+        assert client.failovers == 1 and [h.node_id for h in client.last_hops] == ["b-head", "c-tail"]
+        client.close()
+    finally:
+        stop.set()
+        beating.join(5)
+
+
 def test_new_sessions_route_around_a_node_this_client_cannot_reach(mesh, tok, solo):
     """A node the tracker lists but this client cannot reach (it advertises a name only its own network
     resolves): the first session pays a failover onto the two-hop chain, the next ones are routed around

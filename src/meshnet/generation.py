@@ -169,7 +169,8 @@ class Generation:
         if not res.ok:
             raise GenerationError(res.status, res.message)
         self._mtp_drafts = res.drafts
-        assert res.token is not None
+        if res.token is None:  # a client that checks its route's replies never passes this on
+            raise GenerationError(Status.FAILED_PRECONDITION, "the step's reply carried no sampled token")
         if req.verify and len(res.tokens) != len(req.token_ids):
             raise GenerationError(Status.FAILED_PRECONDITION, f"a verification step of {len(req.token_ids)} "
                                   f"rows came back with {len(res.tokens)} tokens")

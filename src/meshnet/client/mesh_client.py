@@ -33,7 +33,7 @@ from meshnet.client.node_failures import NodeFailures
 from meshnet.client.orphans import OrphanReleaser
 from meshnet.client.replay import SessionLost, first_changed_hop, replay, warn_if_unlike
 from meshnet.client.session_log import RecordedStep, SessionLog
-from meshnet.client.remote import RemoteStage, StageFailure
+from meshnet.client.remote import RemoteStage, StageFailure, check_reply
 from meshnet.client.router import MeshUnavailable, Router, context_length
 from meshnet.ledger.reporting import new_client_id
 from meshnet.contract import NamedTensor, Status, StepRequest, StepResult
@@ -289,6 +289,7 @@ class MeshClient:
             if not result.ok:
                 return result
             x = result.hidden
+            check_reply(hop, result, last=i == len(log_.hops) - 1)
         return result
 
     def _run_forwarded(self, log_: SessionLog, req: StepRequest, decode: bool) -> StepResult:
@@ -298,6 +299,8 @@ class MeshClient:
                                     self.node_failures)
         if result.status is Status.NOT_FOUND and log_.steps and hop is not None:
             raise SessionLost(hop.node_id, hop.address, "NOT_FOUND", result.message)
+        if result.ok:
+            check_reply(log_.hops[-1], result, last=True)
         return result
 
     def _timed_step(self, hop: RemoteStage, req: StepRequest, decode: bool) -> StepResult:

@@ -37,6 +37,18 @@ class StageFailure(Exception):
         self.node_id, self.address, self.code, self.message = node_id, address, code, message
 
 
+def check_reply(hop: "RemoteStage", result: StepResult, last: bool) -> None:
+    """Raise StageFailure (FAILED_PRECONDITION) when ``hop``'s successful reply is not what its place in the
+    route calls for: the last hop's a sampled token, any other's hidden states. A node registered for
+    layers it does not serve (or at another node's address) answers otherwise, and is failed over."""
+    if last and result.token is None:
+        raise StageFailure(hop.node_id, hop.address, "FAILED_PRECONDITION", "answered without a sampled token "
+                           "as the route's tail: the node there does not serve the layers the route says")
+    if not last and result.hidden is None:
+        raise StageFailure(hop.node_id, hop.address, "FAILED_PRECONDITION", "answered without hidden states "
+                           "before the route's tail: the node there does not serve the layers the route says")
+
+
 class RemoteStage:
     """One node of a route. ``timeout_s`` bounds each step, seconds, unless the caller passes its own
     to :meth:`step` (a node silent that long counts as failed)."""
