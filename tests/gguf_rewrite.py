@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import gguf
@@ -18,16 +19,11 @@ def rewrite_gguf(src: Path, dst: Path, fields: dict | None = None, typed: dict |
     as a split set of that many tensors a shard, as gguf-py splits (``dst`` names the set:
     ``PREFIX.gguf`` gives ``PREFIX-0000N-of-0000M.gguf``)."""
     fields, typed = fields or {}, typed or {}
-    r = gguf.GGUFReader(src)
-    w = gguf.GGUFWriter(str(dst), r.get_field(gguf.Keys.General.ARCHITECTURE).contents(),
-                        split_max_tensors=split_max_tensors)
+    stat = Path(src).stat()
+    arch, kvs, r = _read(Path(src).resolve(), stat.st_mtime_ns, stat.st_size)
+    w = gguf.GGUFWriter(str(dst), arch, split_max_tensors=split_max_tensors)
     done = set()
-    for key, f in r.fields.items():
-        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
-            continue  # the header's own fields; the architecture the writer adds itself
-        vt = f.types[0]
-        sub = f.types[-1] if vt == V.ARRAY else None
-        val = f.contents()
+    for key, vt, sub, val in kvs:
         if key in fields:
             done.add(key)
             val = fields[key]
@@ -46,3 +42,18 @@ def rewrite_gguf(src: Path, dst: Path, fields: dict | None = None, typed: dict |
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+@functools.lru_cache(maxsize=4)
+def _read(src: Path, mtime_ns: int, size: int) -> tuple[str, list, gguf.GGUFReader]:
+    """``src``'s architecture (a file whose mtime and size are as given), its key-values as ``(key, value type, item type, value)`` and its reader
+    (for the tensors), parsed once per test session: gguf-py takes about 2 s to parse a 49k-token vocabulary,
+    and the bad-file tests rewrite the same golden models over and over."""
+    r = gguf.GGUFReader(src)
+    kvs = []
+    for key, f in r.fields.items():
+        if key.startswith("GGUF.") or key == gguf.Keys.General.ARCHITECTURE:
+            continue  # the header's own fields; the architecture the writer adds itself
+        vt = f.types[0]
+        kvs.append((key, vt, f.types[-1] if vt == V.ARRAY else None, f.contents()))
+    return r.get_field(gguf.Keys.General.ARCHITECTURE).contents(), kvs, r
