@@ -234,7 +234,14 @@ def test_report_activity_refuses_a_route_too_long_or_hop_ids_too_long():
     long_route = pb.ActivityReport(client_id="c", sessions=[pb.SessionActivity(session_id="s", hops=[hop] * (MAX_HOPS + 1))])
     assert check_report(long_route) == f"session 's' has {MAX_HOPS + 1} hops (at most {MAX_HOPS})"
     fat = pb.ActivityReport(client_id="c", sessions=[pb.SessionActivity(session_id="s", hops=[pb.Hop(node_id="n" * 300)])])
-    assert check_report(fat) == "session 's' has a hop whose node_id or address is over 256 characters"
+    message = "session 's' has a hop whose node_id is over 256 characters or address over 300"
+    assert check_report(fat) == message
+    # Any address a node may register fits (a 253-character DNS name and a port).
+    named = pb.ActivityReport(client_id="c", sessions=[pb.SessionActivity(
+        session_id="s", hops=[pb.Hop(node_id="n", address="h" * 253 + ":7700")])])
+    assert check_report(named) is None
+    far = pb.ActivityReport(client_id="c", sessions=[pb.SessionActivity(session_id="s", hops=[pb.Hop(address="a" * 301)])])
+    assert check_report(far) == message
 
 
 def test_reports_are_bounded_in_bytes_each_and_all_together():

@@ -17,6 +17,7 @@ from collections import deque
 from typing import Callable
 
 from meshnet.proto import meshnet_pb2 as pb
+from meshnet.wire.addresses import MAX_ADDRESS_CHARS
 
 # A client that has not reported for this long has gone (it reports every second while it works).
 CLIENT_TTL_S = 10.0
@@ -35,7 +36,7 @@ MAX_HOPS = 256
 MAX_TTFT_HISTORY = 10_000
 # Bytes (serialized) of one report, and of all clients' latest reports together: the counts above allow
 # a report of megabytes, and 40 clients' reports of 12 MB grew the tracker by 700 MB (and each
-# /api/state to 565 MB). A client with 1000 sessions on 3-hop routes reports about 150 KB.
+# /api/state to 565 MB). A client with 1000 sessions on 3-hop routes reports about 250 KB.
 MAX_REPORT_BYTES = 1 << 20
 MAX_BOARD_BYTES = 16 << 20
 
@@ -62,8 +63,9 @@ def check_report(report: pb.ActivityReport) -> str | None:
             return f"session {s.session_id!r} has age_s={s.age_s}; expected finite seconds >= 0"
         if len(s.hops) > MAX_HOPS:
             return f"session {s.session_id!r} has {len(s.hops)} hops (at most {MAX_HOPS})"
-        if any(len(h.node_id) > MAX_ID_CHARS or len(h.address) > MAX_ID_CHARS for h in s.hops):
-            return f"session {s.session_id!r} has a hop whose node_id or address is over {MAX_ID_CHARS} characters"
+        if any(len(h.node_id) > MAX_ID_CHARS or len(h.address) > MAX_ADDRESS_CHARS for h in s.hops):
+            return (f"session {s.session_id!r} has a hop whose node_id is over {MAX_ID_CHARS} characters or "
+                    f"address over {MAX_ADDRESS_CHARS}")
     return None
 
 

@@ -7,6 +7,7 @@ import math
 
 from meshnet.contract import LayerRange
 from meshnet.membership.identity import NODE_ID_MAX_CHARS
+from meshnet.wire.addresses import MAX_ADDRESS_CHARS
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.tracker.registry import RegisteredNode
 from meshnet.tracker.routing import NodeRecord
@@ -18,8 +19,8 @@ _MAX_NUMERICS_CHARS = 512
 # route larger than gRPC's message limit and no client got a route.
 _MAX_CHARS = (
     (lambda i: i.node_id, NODE_ID_MAX_CHARS, "a node id"),
-    (lambda i: i.address, 300, "an address"),  # a DNS name (253) and a port
-    (lambda i: i.data_address, 300, "a data address"),
+    (lambda i: i.address, MAX_ADDRESS_CHARS, "an address"),
+    (lambda i: i.data_address, MAX_ADDRESS_CHARS, "a data address"),
     (lambda i: i.model.sha256, 64, "a model sha256"),
     (lambda i: i.model.architecture, 64, "an architecture name"),
     (lambda i: i.engine, 64, "an engine name"),
@@ -39,8 +40,8 @@ def record_from_info(info: pb.NodeInfo) -> NodeRecord:
     """The NodeRecord a NodeInfo describes.
 
     Raises:
-        ValueError: naming the bad field (empty id/address/model, bad layer range, speed, version); the
-            tracker answers it INVALID_ARGUMENT.
+        ValueError: naming the bad field (empty id/address/model, bad layer range, speed, a text field
+            longer than its bound); the tracker answers it INVALID_ARGUMENT.
     """
     who = f"node {info.node_id[:40]!r}" if info.node_id else "node"
     if not info.node_id.strip():

@@ -112,6 +112,18 @@ class Registry:
                 (minor versions may differ: they only add fields older readers ignore).
             ValueError: empty node id, address or model sha256, or a layer range outside ``[0, n_layer)``.
         """
+        with self._lock:
+            now = self._admit(record, protocol_major, protocol_minor)
+            self._entries[record.node_id] = _Entry(record, now, protocol_major, protocol_minor,
+                                                   max(int(free_memory_bytes), 0), device, version)
+
+    def check_admissible(self, record: NodeRecord, protocol_major: int, protocol_minor: int) -> None:
+        """Raise what :meth:`register` would for ``record``, registering nothing."""
+        with self._lock:
+            self._admit(record, protocol_major, protocol_minor)
+
+    def _admit(self, record: NodeRecord, protocol_major: int, protocol_minor: int) -> float:
+        """:meth:`register`'s checks (lock held); returns the clock's time."""
         if protocol_major != PROTOCOL_MAJOR:
             newer = "newer" if protocol_major > PROTOCOL_MAJOR else "older"
             raise ProtocolMismatch(
@@ -120,18 +132,16 @@ class Registry:
         problem = validate_record(record)
         if problem:
             raise ValueError(problem)
-        with self._lock:
-            now = self._clock()
-            live = self._entries.get(record.node_id)
-            if live is not None and now - live.last_seen < self.ttl_s and live.record.address != record.address:
-                age = now - live.last_seen
-                raise NodeIdInUse(
-                    f"node id {record.node_id!r} is in use by a live node at {live.record.address} (last heard "
-                    f"{age:.1f} s ago); start this one with another --node-id, or without one for a fresh id "
-                    f"(if that node has just died, its entry expires in {self.ttl_s - age:.1f} s)",
-                    record.node_id, live.record.address, self.ttl_s - age)
-            self._entries[record.node_id] = _Entry(record, now, protocol_major, protocol_minor,
-                                                   max(int(free_memory_bytes), 0), device, version)
+        now = self._clock()
+        live = self._entries.get(record.node_id)
+        if live is not None and now - live.last_seen < self.ttl_s and live.record.address != record.address:
+            age = now - live.last_seen
+            raise NodeIdInUse(
+                f"node id {record.node_id!r} is in use by a live node at {live.record.address} (last heard "
+                f"{age:.1f} s ago); start this one with another --node-id, or without one for a fresh id "
+                f"(if that node has just died, its entry expires in {self.ttl_s - age:.1f} s)",
+                record.node_id, live.record.address, self.ttl_s - age)
+        return now
 
     def heartbeat(self, node_id: str, active_sessions: int, decode_tokens_per_s: float) -> bool:
         """Record that ``node_id`` is alive, with its current load and (if > 0) a fresh speed.

@@ -116,29 +116,26 @@ class TrackerService(pb_grpc.TrackerServicer):
             record = record_from_info(request)
         except ValueError as e:
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        # Check, register and bind as one step: two keys racing for a new id cannot both win it, and a
-        # refused registration (a protocol mismatch, the id held by a live entry) neither leaves an entry
-        # behind nor binds the id to its key.
+        # Check, bind and register as one step (under one lock): two keys racing for a new id cannot both
+        # win it, and a refused registration (a protocol mismatch, the id held by a live entry) neither
+        # leaves an entry behind nor binds the id to its key.
         with self._register_lock:
             self._authenticate("Register", record.node_id, request, bind=True)
             try:
+                self.registry.check_admissible(record, request.protocol_major, request.protocol_minor)
+                self.auth.bind(record.node_id, request)
                 self.registry.register(record, request.protocol_major, request.protocol_minor,
                                        free_memory_bytes=request.free_memory_bytes,
                                        device=device_dict(request) if request.HasField("device") else None,
                                        version=request.version)
+            except AuthError as e:
+                raise _Refusal(grpc.StatusCode.UNAUTHENTICATED, f"Register: {e.message}") from None
             except ProtocolMismatch as e:
                 raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"Register: {e}") from None
             except NodeIdInUse as e:  # when the entry holding the id expires, if its node is gone
                 raise _Refusal(grpc.StatusCode.ALREADY_EXISTS, f"Register: {e}", e.expires_in_s) from None
             except ValueError as e:
                 raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {e}") from None
-            try:
-                self.auth.bind(record.node_id, request)
-            except Exception as e:
-                self.registry.deregister(record.node_id)  # not listed under a key the ledger does not hold
-                if isinstance(e, AuthError):
-                    raise _Refusal(grpc.StatusCode.UNAUTHENTICATED, f"Register: {e.message}") from None
-                raise
         return pb.RegisterReply(heartbeat_interval_s=self.registry.heartbeat_interval_s, ttl_s=self.registry.ttl_s)
 
     @_rpc
@@ -302,7 +299,9 @@ class TrackerService(pb_grpc.TrackerServicer):
         """A relayed node's stream: check its signed hello, then push calls down until either side ends.
 
         Refusals: INVALID_ARGUMENT (no hello), UNAUTHENTICATED (unsigned or bad signature),
-        FAILED_PRECONDITION (the node is not registered as relayed: register first).
+        FAILED_PRECONDITION (the node is not registered as relayed: register first), UNAVAILABLE (the
+        tracker relays as many nodes as :class:`RelayLimits` allows); a stream that has not sent its hello
+        within RELAY_READ_S is cancelled.
         """
         with self.relay_limits.stream(context, "Relay") as arrived:
             try:
@@ -356,7 +355,9 @@ class TrackerService(pb_grpc.TrackerServicer):
 
     def RelayStep(self, request_iterator, context):
         """Forward one step's frames to the node named in the ``meshnet-relay-node`` metadata and stream
-        back its reply frames; the node's status code is returned unchanged (UNAVAILABLE: not attached)."""
+        back its reply frames. The node's status code is returned unchanged; the tracker's own refusals are
+        UNAVAILABLE (the node is not attached, or :class:`RelayLimits` are reached), and a stream that has
+        not sent its frames within RELAY_READ_S is cancelled."""
         node_id = dict(context.invocation_metadata()).get(RELAY_NODE_METADATA, "")
         if not node_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,

@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import socket
 
+# The longest address a node may register, characters: a DNS name (253) and a port, with room to spare.
+MAX_ADDRESS_CHARS = 300
+
 
 def format_address(host: str, port: int) -> str:
     """``host:port``, bracketing IPv6 literals (``[::1]:7700``)."""
