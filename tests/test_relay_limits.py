@@ -39,15 +39,17 @@ def test_streams_that_never_send_cannot_take_every_thread_and_are_cancelled(trac
     """64 Relay / RelayStep streams that never sent a message held all of the tracker's threads: nothing,
     not even ListNodes, was answered until they ended."""
     stub, service = tracker
-    service.relay_limits = RelayLimits(max_streams=2, read_s=1.0)
+    service.relay_limits = RelayLimits(max_nodes=2, max_steps=1, read_s=1.0)
     stop = threading.Event()
     try:
         held = [stub.Relay(_silent(stop)) for _ in range(2)]
         time.sleep(0.3)  # both are open on the tracker
         with pytest.raises(grpc.RpcError) as ei:
             next(stub.Relay(_silent(stop), timeout=5))
-        assert ei.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert ei.value.details() == "Relay: the tracker relays 2 streams at once already; try again later"
+        # As for a relayed node the tracker cannot reach: the client fails over or waits, with a retry-after.
+        assert ei.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert ei.value.details() == "Relay: the tracker relays 2 of these at once already; try again later"
+        assert dict(ei.value.trailing_metadata())["retry-after-s"] == "1.000"
         assert stub.ListNodes(pb.Empty(), timeout=2).nodes == []
         # Past read_s without a hello, each is cancelled and its thread goes back.
         for call in held:
@@ -88,6 +90,9 @@ class _Context:
     def __init__(self):
         self.status = None
 
+    def set_trailing_metadata(self, metadata):
+        self.trailing = metadata
+
     def abort(self, code, details):
         self.status = (code, details)
         raise _Aborted(details)
@@ -102,8 +107,8 @@ def test_buffered_step_frames_are_bounded_per_step_and_in_all():
     ctx = _Context()
     with pytest.raises(_Aborted):
         limits.read_step(iter([frame, frame]), ctx)  # a third and fourth MiB: over the 3 MiB in all
-    assert ctx.status == (grpc.StatusCode.RESOURCE_EXHAUSTED, "RelayStep: the tracker buffers 3145728 bytes of "
-                                                              "relayed steps already; try again later")
+    assert ctx.status == (grpc.StatusCode.UNAVAILABLE, "RelayStep: the tracker buffers 3145728 bytes of "
+                                                       "relayed steps already; try again later")
     assert limits.buffered_bytes == 2 * n  # what the refused step had taken went back
     limits.give_back(2 * n)
     assert limits.buffered_bytes == 0
@@ -115,3 +120,19 @@ def test_buffered_step_frames_are_bounded_per_step_and_in_all():
     assert ctx.status == (grpc.StatusCode.INVALID_ARGUMENT,
                           f"RelayStep: the step's frames exceed {MAX_REQUEST_BYTES} bytes")
     assert big.buffered_bytes == 0
+
+
+def test_attached_nodes_and_steps_in_flight_have_budgets_of_their_own():
+    """One budget for both let relayed nodes, attached for their whole lives, take the slots their own
+    steps needed."""
+    limits = RelayLimits(max_nodes=2, max_steps=1)
+    with limits.stream(_Context(), "Relay"), limits.stream(_Context(), "Relay"):
+        with limits.stream(_Context(), "RelayStep"):
+            ctx = _Context()
+            with pytest.raises(_Aborted):
+                with limits.stream(ctx, "RelayStep"):
+                    pass
+            assert ctx.status == (grpc.StatusCode.UNAVAILABLE,
+                                  "RelayStep: the tracker relays 1 of these at once already; try again later")
+        with limits.stream(_Context(), "RelayStep"):  # its slot came back
+            pass

@@ -13,27 +13,32 @@ import contextlib
 import itertools
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import grpc
 
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.wire.data_plane_server import MAX_REQUEST_BYTES
+from meshnet.wire.security import RETRY_AFTER_METADATA
 
 # Header of a RelayStep call naming the node to forward to.
 RELAY_NODE_METADATA = "meshnet-relay-node"
-# The tracker's gRPC worker threads. Each relay stream (a relayed node's Relay, a RelayStep in flight)
-# holds one while it lasts; MAX_RELAY_STREAMS of them at most, so that registrations, heartbeats and
-# routes always find a thread: 64 streams that never sent a message held them all, and the tracker
-# answered nothing until they ended.
-TRACKER_WORKERS = 128
-MAX_RELAY_STREAMS = 96
+# The tracker's gRPC worker threads. Each relay stream holds one while it lasts: a relayed node's Relay
+# stream for the node's whole life, a RelayStep until the node has answered. Each kind has its own budget
+# (MAX_RELAYED_NODES, MAX_RELAY_STEPS), and the rest of the threads stay for registrations, heartbeats and
+# routes: 64 streams that never sent a message held every thread, and the tracker answered nothing.
+MAX_RELAYED_NODES = 64
+MAX_RELAY_STEPS = 224
+TRACKER_WORKERS = MAX_RELAYED_NODES + MAX_RELAY_STEPS + 32
 # Step frames buffered for relayed nodes at once, bytes (each step's own at most MAX_REQUEST_BYTES, as on
 # the data plane): a stream that sent 15 MiB frames and never ended grew the tracker without bound.
 MAX_RELAY_BYTES = 512 << 20
-# How long a relay stream may take to send what it must before anything is forwarded (a node's hello,
-# a step's frames), seconds; then it is cancelled and its thread goes back.
-RELAY_READ_S = 30.0
+# How long a relay stream may take to send what it must before anything is forwarded (a node's hello, a
+# step's frames), seconds: a client's step deadline is 60 s at most, so no step it still waits for takes
+# longer. Past it the call is cancelled and its thread goes back.
+RELAY_READ_S = 60.0
+_WATCH_TICK_S = 0.5  # how often the read deadlines are checked
 
 
 @dataclass
@@ -145,37 +150,70 @@ class RelayHub:
 
 
 class RelayLimits:
-    """What relayed traffic may hold of the tracker at once (thread-safe): :data:`MAX_RELAY_STREAMS`
-    streams and :data:`MAX_RELAY_BYTES` of buffered step frames."""
+    """What relayed traffic may hold of the tracker at once (thread-safe): :data:`MAX_RELAYED_NODES`
+    Relay streams, :data:`MAX_RELAY_STEPS` RelaySteps and :data:`MAX_RELAY_BYTES` of buffered step frames.
 
-    def __init__(self, max_streams: int = MAX_RELAY_STREAMS, max_bytes: int = MAX_RELAY_BYTES,
-                 read_s: float = RELAY_READ_S) -> None:
-        self.max_streams, self.max_bytes, self.read_s = max_streams, max_bytes, read_s
-        self._streams = threading.BoundedSemaphore(max_streams)
+    Refusals are UNAVAILABLE (with a retry-after), as for a relayed node the tracker cannot reach: the
+    client fails over, or waits for the node, rather than taking it for the node's own answer."""
+
+    def __init__(self, max_nodes: int = MAX_RELAYED_NODES, max_steps: int = MAX_RELAY_STEPS,
+                 max_bytes: int = MAX_RELAY_BYTES, read_s: float = RELAY_READ_S) -> None:
+        self.max_bytes, self.read_s = max_bytes, read_s
+        self._slots = {"Relay": (threading.BoundedSemaphore(max_nodes), max_nodes),
+                       "RelayStep": (threading.BoundedSemaphore(max_steps), max_steps)}
         self._bytes = 0
+        self._deadlines: dict[int, tuple[float, object]] = {}  # id(context) -> (read deadline, context)
         self._lock = threading.Lock()
+        self._watching = False  # a _cancel_late thread runs (while any deadline is pending)
 
     @contextlib.contextmanager
     def stream(self, context, method: str):
-        """Hold one of the streams for the ``with`` block; the call is cancelled unless the block calls the
-        yielded function (what it had to read has arrived) within ``read_s``. Aborts the call with
-        RESOURCE_EXHAUSTED when every stream is taken."""
-        if not self._streams.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{method}: the tracker relays {self.max_streams} streams at once already; try again later")
-        timer = threading.Timer(self.read_s, context.cancel)
-        timer.daemon = True
-        timer.start()
+        """Hold one of ``method``'s ("Relay" or "RelayStep") slots for the ``with`` block; the call is
+        cancelled unless the block calls the yielded function (what it had to read has arrived) within
+        ``read_s``. Aborts the call with UNAVAILABLE when every slot is taken."""
+        slots, most = self._slots[method]
+        if not slots.acquire(blocking=False):
+            context.set_trailing_metadata(((RETRY_AFTER_METADATA, "1.000"),))
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"{method}: the tracker relays {most} of these at once already; try again later")
+        key = id(context)
         try:
-            yield timer.cancel
+            with self._lock:
+                self._deadlines[key] = (time.monotonic() + self.read_s, context)
+                start, self._watching = not self._watching, True
+            if start:
+                threading.Thread(target=self._cancel_late, daemon=True, name="relay-read-deadlines").start()
+            yield lambda: self._arrived(key)
         finally:
-            timer.cancel()
-            self._streams.release()
+            self._arrived(key)
+            slots.release()
+
+    def _arrived(self, key: int) -> None:
+        with self._lock:
+            self._deadlines.pop(key, None)
+
+    def _cancel_late(self) -> None:
+        """Cancel the calls past their read deadline, every :data:`_WATCH_TICK_S` (one thread for all
+        of them, not a timer per step), until none is pending."""
+        while True:
+            time.sleep(_WATCH_TICK_S)
+            now = time.monotonic()
+            with self._lock:
+                late = [(key, ctx) for key, (deadline, ctx) in self._deadlines.items() if deadline < now]
+                for key, _ in late:
+                    del self._deadlines[key]
+                done = not self._deadlines
+                if done:
+                    self._watching = False
+            for _, ctx in late:
+                ctx.cancel()
+            if done:
+                return
 
     def read_step(self, request_iterator, context) -> list[pb.Envelope]:
         """A RelayStep's frames, read whole within the limits; the caller gives their bytes back with
         :meth:`give_back` (``sum(f.ByteSize() for f in frames)``). Aborts the call with INVALID_ARGUMENT for
-        a step over MAX_REQUEST_BYTES, RESOURCE_EXHAUSTED when the buffered steps of all streams are at
+        a step over MAX_REQUEST_BYTES, UNAVAILABLE when the buffered steps of all streams are at
         :data:`MAX_RELAY_BYTES`; raises grpc.RpcError when the call was cancelled or broke."""
         frames: list[pb.Envelope] = []
         held = 0
@@ -190,7 +228,8 @@ class RelayLimits:
                     if not full:
                         self._bytes += n
                 if full:
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    context.set_trailing_metadata(((RETRY_AFTER_METADATA, "1.000"),))
+                    context.abort(grpc.StatusCode.UNAVAILABLE,
                                   f"RelayStep: the tracker buffers {self.max_bytes} bytes of relayed steps "
                                   f"already; try again later")
                 held += n
