@@ -27,10 +27,12 @@ log = logging.getLogger("meshnet.client")
 _TRACKER_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # How long the tracker has to answer GetRoute, seconds: a tracker under load across a WAN answers well within it.
 ROUTE_TIMEOUT_S = 5.0
-# The same once the tracker has not answered, until it answers again: a tracker that drops packets would
-# otherwise cost each new session (and each API request, which asks twice) the whole timeout before the
-# last route serves.
+# The same for ROUTE_RETRY_FULL_S after the tracker did not answer within ROUTE_TIMEOUT_S, where the last
+# route can serve meanwhile: a tracker that drops packets would otherwise cost each new session (and each
+# API request, which asks twice) the whole timeout before the last route serves. Then a request gets the
+# whole timeout again, so a tracker slower than the short one is not given up on for good.
 ROUTE_TIMEOUT_UNREACHABLE_S = 1.0
+ROUTE_RETRY_FULL_S = 10.0
 
 
 def context_length(hops: list[RemoteStage]) -> int:
@@ -64,7 +66,9 @@ class Router:
         self.tracker = pb_grpc.TrackerStub(self.tracker_channel)
         self.on_stage: Callable[[RemoteStage], RemoteStage] | None = None
         self._last_route: list[pb.Hop] | None = None  # the tracker's last route, while it is unreachable
-        self._unreachable = False  # the tracker's last GetRoute went unanswered (see ROUTE_TIMEOUT_UNREACHABLE_S)
+        # When a GetRoute with the whole timeout last went unanswered (see ROUTE_TIMEOUT_UNREACHABLE_S).
+        self._unreachable_at: float | None = None
+        self._clock = time.monotonic
         self._probed: dict[tuple[str, str], tuple[float, str | None]] = {}  # (id, address) -> (when, problem)
         self._channels: dict[str, grpc.Channel] = {}
         self._pools: dict[str, ConnectionPool] = {}
@@ -106,21 +110,26 @@ class Router:
         health probe: the nodes keep serving without the tracker, so new sessions need not fail with it.
         Its epoch is then ``previous_epoch + 1``: epochs only have to grow per session, and the tracker,
         once back, numbers above what the client sends.
-        The tracker has :data:`ROUTE_TIMEOUT_S` to answer, and once it has not answered,
-        :data:`ROUTE_TIMEOUT_UNREACHABLE_S` until it answers again.
+        The tracker has :data:`ROUTE_TIMEOUT_S` to answer; once it has not, and for
+        :data:`ROUTE_RETRY_FULL_S`, :data:`ROUTE_TIMEOUT_UNREACHABLE_S` where the last route can serve.
 
         Raises:
             MeshUnavailable: the tracker's reason, or why the last route cannot serve.
         """
+        now, last = self._clock(), self._last_route
+        short = (self._unreachable_at is not None and now - self._unreachable_at < ROUTE_RETRY_FULL_S
+                 and last is not None and not exclude & {h.node_id for h in last})
         try:
             r = self.tracker.GetRoute(pb.RouteRequest(model_sha256=self.model_sha256,
                                                        exclude_node_ids=sorted(exclude),
                                                        previous_epoch=previous_epoch, min_n_ctx=min_n_ctx,
                                                        prefer_like=[_hop_like(h) for h in like if h.layers]),
-                                   timeout=ROUTE_TIMEOUT_UNREACHABLE_S if self._unreachable else ROUTE_TIMEOUT_S)
+                                   timeout=ROUTE_TIMEOUT_UNREACHABLE_S if short else ROUTE_TIMEOUT_S)
         except grpc.RpcError as e:
-            self._unreachable = e.code() in _TRACKER_UNREACHABLE
-            last = self._last_route
+            if e.code() not in _TRACKER_UNREACHABLE:
+                self._unreachable_at = None  # it answered, if with a refusal
+            elif not short:
+                self._unreachable_at = now
             if e.code() not in _TRACKER_UNREACHABLE or last is None:
                 raise MeshUnavailable(f"no route: {e.details() or e.code().name}"
                                       f"{tracker_hint(e, self.tls_ca)}") from None
@@ -137,7 +146,7 @@ class Router:
             log.warning("tracker %s unreachable (%s): using the last route it gave", self.tracker_address,
                         e.code().name)
             return previous_epoch + 1, stages
-        self._last_route, self._unreachable = list(r.hops), False
+        self._last_route, self._unreachable_at = list(r.hops), None
         return int(r.epoch), [self.stage(h) for h in r.hops]
 
     def _probe(self, stage: RemoteStage) -> str | None:
