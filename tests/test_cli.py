@@ -152,5 +152,9 @@ def test_a_command_line_builds_only_the_parser_of_the_subcommand_it_names():
     helped = meshnet("--help")
     assert helped.returncode == 0
     assert "serve a layer range of a model and join a tracker" in helped.stdout  # node's, from its module
+    for argv in (["-h", "node"], ["bench", "-h", "wan"]):  # help before a subcommand lists every one
+        helped = meshnet(*argv)
+        assert helped.returncode == 0
+        assert ("run the tracker" in helped.stdout) if argv[0] == "-h" else ("meshnet api vs llama-server" in helped.stdout)
     proc = meshnet("tracker", "--port", "99999")
     assert proc.returncode == 2 and "--port" in proc.stderr and "Traceback" not in proc.stderr

@@ -107,9 +107,14 @@ _BENCHES = {
 
 
 def _named(argv: list[str], names) -> str | None:
-    """The subcommand ``argv`` names (its first argument that is not an option), when it is one of ``names``."""
-    first = next((a for a in argv if not a.startswith("-")), None)
-    return first if first in names else None
+    """The subcommand ``argv`` names (its first argument that is not an option), when it is one of ``names``
+    and no help is asked for before it (``meshnet -h node`` lists every subcommand)."""
+    for a in argv:
+        if a in ("-h", "--help"):
+            return None
+        if not a.startswith("-"):
+            return a if a in names else None
+    return None
 
 
 def _add_command(sub: argparse._SubParsersAction, name: str, module: str, adder: str, named: str | None) -> None:
