@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable
 
-from meshnet.client.remote import RemoteStage, StageFailure
+from meshnet.client.remote import RemoteStage, StageFailure, check_reply
 from meshnet.client.router import MeshUnavailable
 from meshnet.client.session_log import SessionLog, same_ranges
 from meshnet.contract import Status, StepResult
@@ -103,6 +103,7 @@ def _replay_hop(log_: SessionLog, i: int, abandon: Callable[[SessionLog], None])
         if res.status is Status.NOT_FOUND:  # its engine restarted during the replay
             raise SessionLost(hop.node_id, hop.address, "NOT_FOUND", res.message)
         _check_replayed(log_, res, abandon)
+        check_reply(hop, res, last=i == len(log_.hops) - 1)
     return results
 
 
