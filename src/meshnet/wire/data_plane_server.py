@@ -73,7 +73,7 @@ class DataPlaneServer:
         run_await: ``run_await(pb.AwaitStep, answer)`` arranges for ``answer(StepOutcome)`` to be called
             at most once, from any thread, with the awaited step's outcome, and may return a function
             that withdraws the await (called when the client hangs up first); None refuses AWAIT.
-        join_token: the secret every connection's AUTH message must carry (None: an empty one).
+        join_token: the secret every connection's AUTH message must carry (None: any AUTH message will do).
         tls: a server context (:func:`meshnet.wire.security.server_ssl_context`): every connection
             speaks TLS; None: plain TCP.
         max_message_bytes: largest frame message accepted, bytes (header excluded).
@@ -272,7 +272,8 @@ class DataPlaneServer:
         """A whole message is in ``c.body``; returns True when a complete request went to a worker."""
         body, c.body = bytes(c.body), None
         if not c.authed:
-            if not hmac.compare_digest(body, self._token):
+            # A node without a join token serves anyone, whatever token they bring (as its gRPC port does).
+            if self._token and not hmac.compare_digest(body, self._token):
                 raise Refuse("unauthenticated", "UNAUTHENTICATED", "missing or wrong join token")
             c.authed = True
             c.deadline = time.monotonic() + self.idle_timeout_s
