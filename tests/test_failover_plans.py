@@ -104,3 +104,41 @@ def test_a_step_resumes_no_later_than_the_first_hop_it_has_not_reached():
     client.release("s")
     assert [h.engine.session_ids() for h in hops] == [[], [], [], []]
     client.close()
+
+
+def test_a_node_that_answers_health_but_fails_every_step_is_given_up_at_the_failover_deadline():
+    """A node that refused this client's data-plane connections while its gRPC port answered Health was
+    let back in at once, over and over: `meshnet generate` failed over 150 times a second without end."""
+    import threading
+
+    from meshnet.client.mesh_client import MeshUnavailable
+
+    head, tail = FakeHop("a", LayerRange(0, 15)), FakeHop("b", LayerRange(15, 30), fail_on=set(range(2, 10**6)))
+    client = _client([head, tail])
+
+    def route(exclude=frozenset(), previous_epoch=0, min_n_ctx=0, like=()):
+        if "b" in exclude:
+            raise MeshUnavailable("no node serves [15, 30)")
+        return previous_epoch + 1, [head, tail]
+
+    client.route = route  # type: ignore[method-assign]
+    client.router.route_through_recovered = lambda failed_at, previous_epoch, *_: (previous_epoch + 1, [head, tail])
+    client.failover_deadline_s = 1.0
+    res = client.step(StepRequest("s", 0, 0, PROMPT), decode=False)
+    assert res.ok
+    outcome = []
+
+    def decode():
+        try:
+            client.step(StepRequest("s", 0, len(PROMPT), (res.token.token_id,)), decode=True)
+        except MeshUnavailable as e:
+            outcome.append(str(e))
+
+    worker = threading.Thread(target=decode, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "still failing over after 10 s"
+    [message] = outcome
+    assert message.startswith("session s: still failing after 1 s of failovers: node b at b:1: UNAVAILABLE: step ")
+    assert 4 <= tail.sent <= 8  # a failover every REPEAT_FAILURE_PAUSE_S, not a hot loop
+    client.close()

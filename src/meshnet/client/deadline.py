@@ -19,6 +19,7 @@ Pure bookkeeping: no clocks or I/O here; callers pass the measured durations in.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 
@@ -129,3 +130,18 @@ class HopClocks:
             if clock is None:
                 clock = self._clocks[node_id] = HopClock(self.policy)
             return clock
+
+    def timed_step(self, hop, req, decode: bool):
+        """``hop.step(req, decode, timeout_s)`` (a :class:`~meshnet.client.remote.RemoteStage`) within the
+        hop's step deadline; the time it took, when answered, goes to the hop's clock. Returns its
+        StepResult; raises StageFailure."""
+        clock = self[hop.node_id]
+        ticket, timeout_s = clock.begin(decode, len(req.token_ids))
+        t0, elapsed = time.monotonic(), None
+        try:
+            result = hop.step(req, decode, timeout_s)
+            if result.ok:
+                elapsed = time.monotonic() - t0
+        finally:
+            clock.end(ticket, elapsed)
+        return result

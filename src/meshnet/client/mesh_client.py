@@ -46,6 +46,8 @@ RELEASE_WAIT_S = 1.0
 # Steps in a row that may find one node had lost the session (each rebuilt there by a replay of the
 # whole history) before the session is given up: a restarted engine worker loses it once.
 MAX_LOSSES_IN_A_ROW = 4
+# Seconds between failovers of one step through a node that failed it before (and answers Health again).
+REPEAT_FAILURE_PAUSE_S = 0.25
 
 
 class MeshClient:
@@ -227,10 +229,20 @@ class MeshClient:
                 lost.add(f.node_id)
                 lost_this_step.add(f.node_id)
             except StageFailure as f:
-                log.warning("session %s: %s; failing over", req.session_id, f)
-                deadline = deadline or time.monotonic() + self.failover_deadline_s
+                now = time.monotonic()
+                deadline = deadline or now + self.failover_deadline_s
+                again = f.node_id in failed_at  # it failed this step before, then answered Health again
                 failed_at[f.node_id] = next((h.address for h in log_.hops if h.node_id == f.node_id), f.address)
-                self.node_failures.record_if_down(log_.hops, f, time.monotonic())
+                self.node_failures.record_if_down(log_.hops, f, now)
+                if again and now >= deadline:
+                    # A node that answers Health but fails every step (one that refuses this client's
+                    # data-plane connections) was let back in at once, over and over, without end.
+                    self._abandon(log_, {f.node_id})
+                    raise MeshUnavailable(f"session {req.session_id}: still failing after "
+                                          f"{self.failover_deadline_s:g} s of failovers: {f}") from None
+                log.warning("session %s: %s; failing over", req.session_id, f)
+                if again:
+                    time.sleep(REPEAT_FAILURE_PAUSE_S)
 
     def charged_by_consumer(self, session_id: str) -> None:
         """``session_id``'s consumer reports each token it gets (:meth:`delivered`): its steps charge
@@ -283,7 +295,7 @@ class MeshClient:
         for i in range(start, len(log_.hops)):
             inputs[i] = x
             hop = log_.hops[i]
-            result = self._timed_step(hop, replace(req, epoch=log_.epoch, hidden=x), decode)
+            result = self.clocks.timed_step(hop, replace(req, epoch=log_.epoch, hidden=x), decode)
             if result.status is Status.NOT_FOUND and log_.steps:
                 raise SessionLost(hop.node_id, hop.address, "NOT_FOUND", result.message)
             if not result.ok:
@@ -301,20 +313,6 @@ class MeshClient:
             raise SessionLost(hop.node_id, hop.address, "NOT_FOUND", result.message)
         if result.ok:
             check_reply(log_.hops[-1], result, last=True)
-        return result
-
-    def _timed_step(self, hop: RemoteStage, req: StepRequest, decode: bool) -> StepResult:
-        """``hop.step`` within the hop's step deadline; the time it took, when answered, goes to the hop's
-        clock (:mod:`meshnet.client.deadline`). Raises StageFailure."""
-        clock = self.clocks[hop.node_id]
-        ticket, timeout_s = clock.begin(decode, len(req.token_ids))
-        t0, elapsed = time.monotonic(), None
-        try:
-            result = hop.step(req, decode, timeout_s)
-            if result.ok:
-                elapsed = time.monotonic() - t0
-        finally:
-            clock.end(ticket, elapsed)
         return result
 
     def _release_or_orphan(self, hop: RemoteStage, session_id: str, epoch: int,
