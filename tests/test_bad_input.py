@@ -364,6 +364,22 @@ def test_output_that_cannot_be_written_and_ctrl_c_while_loading_end_without_a_tr
         assert proc.returncode in (130, -signal.SIGINT) and "Traceback" not in err, (delay, proc.returncode, err)
 
 
+def test_a_closed_stdout_or_stderr_is_written_to_nowhere_without_a_traceback(tmp_path):
+    """`meshnet generate ... >&-` was an AttributeError traceback (sys.stdout is None), and with stderr closed
+    it exited 1 having written nothing, its text included."""
+    import os
+    import subprocess
+    import sys
+
+    cli = [sys.executable, "-m", "meshnet.cli", "generate", "--max-tokens", "4", "--temperature", "0", "hi"]
+    r = subprocess.run(cli, stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=lambda: os.close(1))
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "4 tokens, finish_reason=length" in r.stderr
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        r = subprocess.run(cli, stdout=f, timeout=120, preexec_fn=lambda: os.close(2))
+    assert r.returncode == 0 and len(out.read_text()) > 0
+
+
 def test_ctrl_c_that_a_library_turned_into_an_error_of_its_own_still_exits_130(monkeypatch):
     """pydantic-core reports a KeyboardInterrupt raised while it builds a validator as a ``SchemaError``
     (CI caught it at 0.6 s into ``generate``): that was a traceback and exit 1. Any error after a SIGINT is

@@ -390,3 +390,25 @@ def test_a_node_sent_many_signals_at_once_still_drains_and_exits(mesh):
     for i in range(200):
         node.proc.send_signal(sig.SIGTERM if i % 2 else sig.SIGINT)
     assert node.proc.wait(timeout=30) == 0
+
+
+def test_a_node_whose_stdout_nobody_reads_keeps_serving_and_deregisters_at_its_stop(mesh):
+    """`meshnet node ... | true`: the READY line met a closed pipe and the node exited 0, still registered
+    (a ghost in `meshnet nodes` until its entry expired)."""
+    proc = mesh.spawn_node("25:30", "e-piped")
+    proc.stdout.close()  # the reader is gone before the node prints its READY line
+    try:
+        deadline = time.monotonic() + 60
+        while "e-piped" not in mesh.registered():
+            assert proc.poll() is None and time.monotonic() < deadline, f"exit {proc.returncode}"
+            time.sleep(0.1)
+        time.sleep(1.0)  # past the READY line
+        assert proc.poll() is None
+        assert "stdout cannot be written (Broken pipe)" in open(proc.meshnet_log).read()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert "e-piped" not in mesh.registered()  # it deregistered on its way out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -373,6 +373,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is None:
+            # Closed by the caller (`>&-`): what would go there goes nowhere, rather than raising (a
+            # traceback; uvicorn's logging could not be configured). The lowest free descriptor is the
+            # closed one, so child processes find /dev/null there too.
+            setattr(sys, name, open(os.devnull, "w"))
     from meshnet.client.router import MeshUnavailable
     from meshnet.model.bundled import ModelNotFound
 

@@ -70,12 +70,31 @@ def wait_for_stop(stop: threading.Event) -> None:
         pass
 
 
+def announce(line: str) -> None:
+    """Print ``line`` (a READY line) on stdout for whoever started this server. A stdout nobody reads any
+    more (a closed pipe, a full disk) does not stop the server, which exited 0 at its READY line, still
+    registered: stdout goes to /dev/null from then on, with a warning on stderr."""
+    try:
+        print(line, flush=True)
+    except OSError as e:
+        print(f"warning: stdout cannot be written ({e.strerror or e}); serving on without it", file=sys.stderr,
+              flush=True)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def follow_supervisor() -> bool:
     """In a process a :class:`Supervisor` started: be sent SIGTERM (drain, then exit) when the supervisor
-    dies, so a killed ``meshnet up`` leaves no node running. False when the supervisor is gone already."""
+    dies, so a killed ``meshnet up`` leaves no node running. False when the supervisor is gone already.
+
+    Raises:
+        ValueError: the supervisor's variable holds something other than a process id.
+    """
     pid = os.environ.get(SUPERVISOR_PID_ENV)
     if not pid:
         return True
+    if not pid.isdigit():
+        raise ValueError(f"${SUPERVISOR_PID_ENV} must be the supervisor's process id, not {pid[:40]!r} "
+                         f"(meshnet up sets it for its nodes; unset it)")
     die_with_parent(signal.SIGTERM)
     return os.getppid() == int(pid)  # else it died before the line above took effect
 

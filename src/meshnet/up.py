@@ -23,7 +23,7 @@ from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashb
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.supervisor import Supervisor, on_stop_signals, wait_for_stop
+from meshnet.supervisor import Supervisor, announce, on_stop_signals, wait_for_stop
 from meshnet.wire.addresses import bind_problem, format_address, this_machine_address
 from meshnet.wire.security import open_channel, tracker_hint
 
@@ -268,8 +268,8 @@ def run_up(args: argparse.Namespace) -> int:
                 api_backend.close()
                 raise _Refused(f"the API cannot listen on {args.host}:{args.api_port} ({e}); pass another "
                                "--api-port (0 = any free port, -1 = no API)") from None
-        print(f"MESHNET_UP_READY tracker={tracker}" + (f" api={api_url}" if api_url else "")
-              + (f" dashboard={dashboard.url}" if dashboard else ""), flush=True)
+        announce(f"MESHNET_UP_READY tracker={tracker}" + (f" api={api_url}" if api_url else "")
+                 + (f" dashboard={dashboard.url}" if dashboard else ""))
         token = " --join-token YOUR_TOKEN" if args.join_token else ""  # the secret stays out of logs
         print(f"[meshnet up] try: meshnet generate --tracker {tracker}{token} \"Hello\"   (Ctrl-C stops the mesh)",
               file=sys.stderr, flush=True)

@@ -25,7 +25,7 @@ from meshnet.node.config import NodeConfig
 from meshnet.node.engine_loader import pin_to_cpu
 from meshnet.node.runner import Node
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.supervisor import follow_supervisor, on_stop_signals, wait_for_stop
+from meshnet.supervisor import announce, follow_supervisor, on_stop_signals, wait_for_stop
 from meshnet.wire.security import TlsConfig, open_channel, server_ssl_context, tracker_refusal
 
 log = logging.getLogger("meshnet.node")
@@ -231,7 +231,7 @@ def run_node(args: argparse.Namespace) -> int:
         if not node.relay_attached.wait(30):
             log.warning("relay stream not attached yet; the node stays out of routes until it is")
     layers = node.loaded.caps.artifact.layers
-    print(f"MESHNET_NODE_READY node_id={node.node_id} address={node.address} layers={layers}", flush=True)
+    announce(f"MESHNET_NODE_READY node_id={node.node_id} address={node.address} layers={layers}")
     dev = node.loaded.device or {}
     # Both addresses: clients dial the data plane for steps, so a firewall must pass it too.
     device = dev.get("description") or dev.get("name")  # the fake engine has none
