@@ -356,8 +356,10 @@ def test_output_that_cannot_be_written_and_ctrl_c_while_loading_end_without_a_tr
     with open("/dev/full", "w") as full:
         r = subprocess.run(cli, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
     assert r.returncode == 1 and "error: No space left on device" in r.stderr and "Traceback" not in r.stderr
+    # Long enough to be running still at 1 s: the CLI loads in well under a second now.
+    long = [*cli[:-1], "--max-tokens", "256", "--ignore-eos", "hi"]
     for delay in (0.1, 0.3, 0.6, 1.0):
-        proc = subprocess.Popen(cli, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(long, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         time.sleep(delay)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)

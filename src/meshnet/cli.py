@@ -83,7 +83,7 @@ def _add_model_args(p: argparse.ArgumentParser):
 # Where each subcommand's parser comes from (its module and the function that adds it), in the order
 # `meshnet --help` lists them after generate and bench. A command line that names a subcommand builds only
 # that one's parser: building all of them imports gRPC, numpy, FastAPI and ggml, a second or more before
-# `meshnet node --port 0` could say what is wrong.
+# `meshnet node --port 70000` could say what is wrong.
 _COMMANDS = {
     "up": ("meshnet.up", "add_up_parser"),
     "api": ("meshnet.api.server", "add_api_parser"),
