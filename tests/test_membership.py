@@ -58,6 +58,13 @@ def test_identity_is_created_once_with_private_permissions(tmp_path, monkeypatch
     os.chmod(bad, 0o600)
     with pytest.raises(IdentityError, match="not an unencrypted PEM private key"):
         load_or_create_identity(bad)
+    # A path under a file said "File exists"; a directory got the chmod advice.
+    with pytest.raises(IdentityError) as ei:
+        load_or_create_identity(bad / "sub" / "node.key")
+    assert str(ei.value) == f"cannot create identity file {bad}/sub/node.key: {bad} is a file, not a directory"
+    with pytest.raises(IdentityError) as ei:
+        load_or_create_identity(tmp_path)
+    assert str(ei.value) == f"identity file {tmp_path} is a directory; name a key file (it is created when missing)"
 
 
 def test_unnamed_nodes_get_a_fresh_key_each_named_ones_keep_theirs(tmp_path, monkeypatch):

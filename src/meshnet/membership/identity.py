@@ -205,6 +205,8 @@ def load_identity(path: str | os.PathLike) -> NodeIdentity:
         IdentityError: unreadable, readable by group/others (POSIX), or not an Ed25519 PEM private key.
     """
     p = Path(path)
+    if p.is_dir():
+        raise IdentityError(f"identity file {p} is a directory; name a key file (it is created when missing)")
     _check_permissions(p)
     try:
         key = serialization.load_pem_private_key(p.read_bytes(), password=None)
@@ -230,6 +232,8 @@ def load_or_create_identity(path: str | os.PathLike) -> NodeIdentity:
     p = Path(path).expanduser()
     if p.exists():
         return load_identity(p)
+    if (above := next((d for d in p.parents if d.exists()), None)) is not None and not above.is_dir():
+        raise IdentityError(f"cannot create identity file {p}: {above} is a file, not a directory")
     key = Ed25519PrivateKey.generate()
     pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                             serialization.NoEncryption())
