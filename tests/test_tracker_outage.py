@@ -126,8 +126,13 @@ def test_once_the_tracker_has_not_answered_route_requests_wait_a_second_while_th
     now = [100.0]
     router = Router("127.0.0.1:1")
     router._clock = lambda: now[0]
+    router.tracker = Tracker([lost])
+    with pytest.raises(MeshUnavailable) as ei:  # said only "Deadline Exceeded", naming no tracker
+        router.route()
+    assert str(ei.value) == "no route: DEADLINE_EXCEEDED (the tracker at 127.0.0.1:1 did not answer within 5 s)"
     route = pb.Route(epoch=7, hops=[pb.Hop(node_id="a", address="127.0.0.1:1")])
     router.tracker = Tracker([lost, route, lost, lost, lost, lost, lost, denied, lost])
+    router._unreachable_at = None  # as before the check above
     calls = [set(), set(), set(), set(), {"a"}, "later", set(), set(), set()]
     for exclude in calls:
         if exclude == "later":

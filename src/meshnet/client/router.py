@@ -131,7 +131,9 @@ class Router:
             elif not short:
                 self._unreachable_at = now
             if e.code() not in _TRACKER_UNREACHABLE or last is None:
-                raise MeshUnavailable(f"no route: {e.details() or e.code().name}"
+                unanswered = (f" (the tracker at {self.tracker_address} did not answer within "
+                              f"{ROUTE_TIMEOUT_S:g} s)" if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED else "")
+                raise MeshUnavailable(f"no route: {e.details() or e.code().name}{unanswered}"
                                       f"{tracker_hint(e, self.tls_ca)}") from None
             if exclude & {h.node_id for h in last}:
                 raise MeshUnavailable(f"no route: the tracker is unreachable ({e.code().name}) and its last "
