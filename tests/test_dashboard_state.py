@@ -210,6 +210,13 @@ def test_dashboard_port_options_and_a_busy_port(capsys):
             add_dashboard_args(default_args, default_port=port)
             assert dashboard_port_taken(default_args.parse_args([])) is None
             assert dashboard_port_taken(parser.parse_args(["--dashboard-port", "0"])) is None
+            # A host that is not an address of this machine gets advice about the host, not the port.
+            foreign = parser.parse_args(["--dashboard-port", str(port), "--dashboard-host", "192.0.2.1"])
+            assert dashboard_port_taken(foreign) == (
+                f"the dashboard cannot listen on 192.0.2.1:{port} (Cannot assign requested address); pass a "
+                "--dashboard-host that is an address of this machine (127.0.0.1, or 0.0.0.0 for all)")
+            assert dashboard_from_args(service, foreign, "tracker:") is None
+            assert "(127.0.0.1, or 0.0.0.0 for all)" in capsys.readouterr().err
         finally:
             server.stop(None)
 

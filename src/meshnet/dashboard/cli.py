@@ -4,6 +4,8 @@ FastAPI and uvicorn, which load only when a dashboard starts)."""
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -49,8 +51,15 @@ def dashboard_port_taken(args) -> str | None:
     port = args.dashboard_port
     if not args.dashboard_port_given or port <= 0 or (why := bind_problem(args.dashboard_host, port)) is None:
         return None
-    return (f"the dashboard cannot listen on {args.dashboard_host}:{port} ({why}); pass another --dashboard-port "
-            "(0 = any free port, -1 = no dashboard)")
+    return f"the dashboard cannot listen on {args.dashboard_host}:{port} ({why}); {_advice(why)}"
+
+
+def _advice(why: str) -> str:
+    """What to change when the dashboard cannot listen, for the system's reason ``why``: the port when it
+    is taken, else the host (a name that does not resolve, or not an address of this machine)."""
+    if why == os.strerror(errno.EADDRINUSE):
+        return "pass another --dashboard-port (0 = any free port, -1 = no dashboard)"
+    return "pass a --dashboard-host that is an address of this machine (127.0.0.1, or 0.0.0.0 for all)"
 
 
 def dashboard_from_args(service, args, who: str) -> "Dashboard | None":
@@ -64,8 +73,9 @@ def dashboard_from_args(service, args, who: str) -> "Dashboard | None":
     try:
         dashboard = start_dashboard(service, args.dashboard_host, args.dashboard_port)
     except (OSError, RuntimeError) as e:
-        print(f"{who} no dashboard: cannot listen on {args.dashboard_host}:{args.dashboard_port} ({e}); "
-              "pass --dashboard-port 0 for any free port", file=sys.stderr, flush=True)
+        why = os.strerror(e.errno) if isinstance(e, OSError) and e.errno and e.errno > 0 else str(e)
+        print(f"{who} no dashboard: cannot listen on {args.dashboard_host}:{args.dashboard_port} ({why}); "
+              f"{_advice(why)}", file=sys.stderr, flush=True)
         return None
     print(f"{who} dashboard on {dashboard.url}", file=sys.stderr, flush=True)
     return dashboard
