@@ -178,6 +178,10 @@ def test_bad_load_settings_are_named(field, value):
 
 
 @pytest.mark.parametrize("args,message", [
+    # An empty host: gRPC's core logged "host must not be empty", then the tracker blamed a taken port.
+    (["tracker", "--host", "", "--port", "0"], "argument --host: expected a host name or address to listen on"),
+    (["node", "--tracker", "127.0.0.1:1", "--engine", "fake", "--host", " "],
+     "argument --host: expected a host name or address to listen on"),
     (["node", "--tracker", "127.0.0.1:1", "--engine", "fake", "--idle-timeout", "0"],
      "argument --idle-timeout: must be a number of seconds > 0, got 0"),  # it freed every session at once
     (["node", "--tracker", "127.0.0.1:1", "--engine", "fake", "--port", "-5"], "argument --port: must be in 0..65535"),

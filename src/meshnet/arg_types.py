@@ -91,6 +91,15 @@ def host_port(text: str) -> str:
     return text
 
 
+def listen_host(text: str) -> str:
+    """A ``--host`` to listen on: a name or address, not empty (gRPC logged "host must not be empty" from its
+    core, then the tracker blamed a taken port) and without spaces."""
+    if not text.strip() or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(f"expected a host name or address to listen on (e.g. 127.0.0.1, or "
+                                         f"0.0.0.0 for every interface), got {text!r}")
+    return text
+
+
 def advertised_address(text: str) -> str:
     """An address others dial to reach this machine, ``HOST:PORT``, not a wildcard (0.0.0.0 names no
     machine). Whether the name resolves is :func:`unresolved_host`'s warning: a name only the peers resolve

@@ -17,7 +17,7 @@ import time
 import grpc
 from tqdm import tqdm
 
-from meshnet.arg_types import add_join_token_arg, heartbeat_seconds, port_number, positive_seconds
+from meshnet.arg_types import add_join_token_arg, heartbeat_seconds, listen_host, port_number, positive_seconds
 from meshnet.load_spec import LOAD_SETTING_LEAST, LOAD_SETTING_MOST, NO_HUGE_PAGES_HELP
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem, dashboard_port_taken
 from meshnet.proto import meshnet_pb2 as pb
@@ -32,7 +32,7 @@ def add_up_parser(sub) -> None:
     p = sub.add_parser("up", help="start a tracker and N local nodes for a model; serve until Ctrl-C")
     p.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
     p.add_argument("--stages", type=int, default=3, help="node processes, one layer range each")
-    p.add_argument("--host", default="127.0.0.1",
+    p.add_argument("--host", type=listen_host, default="127.0.0.1",
                    help="address the tracker, nodes and API listen on (default %(default)s; 0.0.0.0 = every "
                         "interface, and the others are told this machine's address)")
     p.add_argument("--port", type=port_number, default=7700, help="tracker port (default %(default)s)")

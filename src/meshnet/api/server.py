@@ -11,7 +11,7 @@ import time
 
 import uvicorn
 
-from meshnet.arg_types import (LOCAL_STAGE_DEFAULTS, add_join_token_arg, host_port, mode_problem, name_text, port_number,
+from meshnet.arg_types import (LOCAL_STAGE_DEFAULTS, add_join_token_arg, host_port, listen_host, mode_problem, name_text, port_number,
                                positive_int, positive_number)
 from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.backend import ApiBackend
@@ -49,7 +49,7 @@ def add_api_parser(sub) -> None:
                              "template from its manifest)")
     p.add_argument("--name", type=name_text, default=None, help="the model id clients use (default: the bundled name or "
                                                 "the file's stem)")
-    p.add_argument("--host", default="127.0.0.1",
+    p.add_argument("--host", type=listen_host, default="127.0.0.1",
                    help="address to listen on (default %(default)s; 0.0.0.0 = every interface)")
     p.add_argument("--port", type=port_number, default=8000, help="port (default %(default)s; 0 = any free port)")
     add_join_token_arg(p)

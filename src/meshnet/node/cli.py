@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 
-from meshnet.arg_types import (add_join_token_arg, advertised_address, count, host_port, node_id, port_number,
+from meshnet.arg_types import (add_join_token_arg, advertised_address, count, host_port, listen_host, node_id, port_number,
                                positive_seconds, seconds, unresolved_host)
 from meshnet.contract import LayerRange
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
@@ -48,7 +48,7 @@ def add_node_parser(sub) -> None:
     p.add_argument("--models-dir", default=None,
                    help="where --fetch writes (and resumes) range-only files; default $MESHNET_CACHE_DIR/models "
                         "(~/.cache/meshnet/models)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s; 0.0.0.0 = every "
+    p.add_argument("--host", type=listen_host, default="127.0.0.1", help="address to listen on (default %(default)s; 0.0.0.0 = every "
                                                         "interface)")
     p.add_argument("--port", type=port_number, default=0, help="gRPC port (default 0 = any free port)")
     p.add_argument("--advertise", type=advertised_address, default=None,

@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 
-from meshnet.arg_types import heartbeat_seconds, join_token, port_number
+from meshnet.arg_types import heartbeat_seconds, join_token, listen_host, port_number
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem, dashboard_port_taken
 from meshnet.supervisor import on_stop_signals, wait_for_stop
 from meshnet.tracker.server import start_tracker
@@ -28,7 +28,7 @@ def add_tracker_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p = subparsers.add_parser("tracker", help="run the tracker: node registry and route planner",
                               description="Run the tracker: nodes register and heartbeat here, clients ask it "
                                           "for a route (a chain of nodes covering every layer).")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s; "
+    p.add_argument("--host", type=listen_host, default="127.0.0.1", help="address to listen on (default %(default)s; "
                                                        "0.0.0.0 for every interface)")
     p.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="port (default %(default)s; 0 = any free port)")
     p.add_argument("--heartbeat", type=heartbeat_seconds, default=2.0, metavar="SECONDS",
