@@ -381,6 +381,7 @@ def _main(argv: list[str] | None) -> int:
             setattr(sys, name, open(os.devnull, "w"))
     from meshnet.client.router import MeshUnavailable
     from meshnet.model.bundled import ModelNotFound
+    from meshnet.supervisor import stdout_to_devnull
 
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
@@ -395,7 +396,7 @@ def _main(argv: list[str] | None) -> int:
     except BrokenPipeError:
         # The reader went away (e.g. `| head`): not an error of ours. Point stdout at /dev/null so the
         # interpreter's final flush does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        stdout_to_devnull()
         return 0
     except OSError as e:
         # Often the output could not be written (a full disk: `> /dev/full`): then the final flush of what
@@ -404,7 +405,7 @@ def _main(argv: list[str] | None) -> int:
         try:
             sys.stdout.flush()
         except OSError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            stdout_to_devnull()
         return 1
 
 

@@ -79,7 +79,15 @@ def announce(line: str) -> None:
     except OSError as e:
         print(f"warning: stdout cannot be written ({e.strerror or e}); serving on without it", file=sys.stderr,
               flush=True)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        stdout_to_devnull()
+
+
+def stdout_to_devnull() -> None:
+    """Point stdout's descriptor at /dev/null: what it still buffers, and all later output, goes nowhere
+    rather than failing again (its reader gone, its disk full)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def follow_supervisor() -> bool:

@@ -173,9 +173,7 @@ class RelayLimits:
         ``read_s``. Aborts the call with UNAVAILABLE when every slot is taken."""
         slots, most = self._slots[method]
         if not slots.acquire(blocking=False):
-            context.set_trailing_metadata(((RETRY_AFTER_METADATA, "1.000"),))
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"{method}: the tracker relays {most} of these at once already; try again later")
+            _refuse(context, f"{method}: the tracker relays {most} of these at once already; try again later")
         key = id(context)
         try:
             with self._lock:
@@ -228,10 +226,8 @@ class RelayLimits:
                     if not full:
                         self._bytes += n
                 if full:
-                    context.set_trailing_metadata(((RETRY_AFTER_METADATA, "1.000"),))
-                    context.abort(grpc.StatusCode.UNAVAILABLE,
-                                  f"RelayStep: the tracker buffers {self.max_bytes} bytes of relayed steps "
-                                  f"already; try again later")
+                    _refuse(context, f"RelayStep: the tracker buffers {self.max_bytes} bytes of relayed steps "
+                                     f"already; try again later")
                 held += n
                 frames.append(frame)
         except BaseException:
@@ -247,3 +243,9 @@ class RelayLimits:
     def buffered_bytes(self) -> int:
         with self._lock:
             return self._bytes
+
+
+def _refuse(context, message: str) -> None:
+    """End the call UNAVAILABLE with a retry-after of a second (see :class:`RelayLimits`)."""
+    context.set_trailing_metadata(((RETRY_AFTER_METADATA, "1.000"),))
+    context.abort(grpc.StatusCode.UNAVAILABLE, message)
