@@ -26,7 +26,7 @@ from pathlib import Path
 
 from meshnet.bench.llama_bench import llama_bench_reference
 from meshnet.contract import GREEDY, StepRequest
-from meshnet.model.bundled import resolve_model
+from meshnet.model.bundled import DEFAULT_MODEL, resolve_model
 from meshnet.model.gguf_file import sha256_file
 
 # Public-domain-style filler text; repeated until the prompt has enough tokens.
@@ -299,3 +299,21 @@ def run_engine_bench(args: argparse.Namespace) -> int:
     print(format_table(result))
     print(f"[bench] wrote {out}", file=sys.stderr)
     return 0
+
+
+def add_engine_bench_parser(bsub: argparse._SubParsersAction) -> None:
+    be = bsub.add_parser("engine", help="prefill/decode tokens/s for 1 and 3 stages, RSS per stage, llama.cpp")
+    be.add_argument("--model", default=DEFAULT_MODEL)
+    be.add_argument("--threads", type=int, default=2)
+    be.add_argument("--stages", type=int, default=3, help="the multi-stage configuration to compare")
+    be.add_argument("--prompt-tokens", type=int, default=128)
+    be.add_argument("--decode-tokens", type=int, default=64)
+    be.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
+    be.add_argument("--rounds", type=int, default=1,
+                    help="measure the single stage and llama-bench this many times in turn; ratios are the "
+                         "median of the rounds' (for machines whose speed drifts)")
+    be.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
+    be.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "rocm", "vulkan", "metal"],
+                    help="also measure this accelerator lane beside the CPU (it must be certified here)")
+    be.add_argument("--out", default="bench-results/engine.json")
+    be.set_defaults(func=run_engine_bench)
