@@ -25,7 +25,8 @@ from meshnet.speculative import add_speculation_args, mtp_problem, speculation_f
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.supervisor import Supervisor, announce, on_stop_signals, wait_for_stop
 from meshnet.wire.addresses import bind_problem, format_address, this_machine_address
-from meshnet.wire.security import open_channel, tracker_hint
+from meshnet.wire.call_problems import tracker_hint
+from meshnet.wire.security import open_channel
 
 
 def add_up_parser(sub) -> None:

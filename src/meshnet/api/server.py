@@ -17,7 +17,7 @@ from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.backend import ApiBackend
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
 from meshnet.speculative import add_speculation_args, speculation_from_args
-from meshnet.wire.security import tracker_refusal
+from meshnet.wire.call_problems import tracker_refusal
 
 log = logging.getLogger("meshnet.api")
 

@@ -19,7 +19,8 @@ from meshnet.model.range_file import write_metadata_file
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.client.router import MeshUnavailable
-from meshnet.wire.security import open_channel, tracker_hint
+from meshnet.wire.call_problems import tracker_hint
+from meshnet.wire.security import open_channel
 
 
 

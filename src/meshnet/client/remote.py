@@ -18,7 +18,7 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane import AWAIT, ConnectionPool, DataPlaneConnection, DataPlaneError
 from meshnet.wire.envelope import MAX_FRAME_BYTES, WireError, replies_to_result, request_to_frames
-from meshnet.wire.security import retry_after_s
+from meshnet.wire.call_problems import retry_after_s
 
 log = logging.getLogger("meshnet.client")
 

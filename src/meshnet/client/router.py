@@ -15,7 +15,8 @@ from meshnet.client.remote import LIVENESS_PROBE_S, RemoteStage
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane import ConnectionPool
-from meshnet.wire.security import client_ssl_context, open_channel, tracker_hint
+from meshnet.wire.call_problems import tracker_hint
+from meshnet.wire.security import client_ssl_context, open_channel
 
 # How long a health probe of the last route's node is trusted while the tracker is unreachable, seconds
 # (the API asks for a route twice a request: its check, then the session's own).

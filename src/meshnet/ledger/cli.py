@@ -11,7 +11,8 @@ import grpc
 from meshnet.arg_types import add_join_token_arg, host_port
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.wire.security import open_channel, tracker_hint
+from meshnet.wire.call_problems import tracker_hint
+from meshnet.wire.security import open_channel
 
 
 def add_ledger_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -14,7 +14,8 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.node_info import device_dict, record_from_info
 from meshnet.tracker.routing import missing_layers
-from meshnet.wire.security import open_channel, tracker_hint
+from meshnet.wire.call_problems import tracker_hint
+from meshnet.wire.security import open_channel
 
 
 def add_nodes_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -26,7 +26,8 @@ from meshnet.node.engine_loader import pin_to_cpu
 from meshnet.node.runner import Node
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.supervisor import announce, follow_supervisor, on_stop_signals, wait_for_stop
-from meshnet.wire.security import TlsConfig, open_channel, server_ssl_context, tracker_refusal
+from meshnet.wire.call_problems import tracker_refusal
+from meshnet.wire.security import TlsConfig, open_channel, server_ssl_context
 
 log = logging.getLogger("meshnet.node")
 

@@ -20,7 +20,7 @@ from meshnet.ledger.reporting import WorkReporter
 from meshnet.membership.identity import NodeIdentity
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.wire.security import retry_after_s
+from meshnet.wire.call_problems import retry_after_s
 
 log = logging.getLogger("meshnet.node")
 
