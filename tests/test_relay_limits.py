@@ -48,7 +48,7 @@ def test_streams_that_never_send_cannot_take_every_thread_and_are_cancelled(trac
             next(stub.Relay(_silent(stop), timeout=5))
         # As for a relayed node the tracker cannot reach: the client fails over or waits, with a retry-after.
         assert ei.value.code() is grpc.StatusCode.UNAVAILABLE
-        assert ei.value.details() == "Relay: the tracker relays 2 of these at once already; try again later"
+        assert ei.value.details() == "Relay: the tracker relays for 2 nodes already; try again later"
         assert dict(ei.value.trailing_metadata())["retry-after-s"] == "1.000"
         assert stub.ListNodes(pb.Empty(), timeout=2).nodes == []
         # Past read_s without a hello, each is cancelled and its thread goes back.
@@ -133,6 +133,31 @@ def test_attached_nodes_and_steps_in_flight_have_budgets_of_their_own():
                 with limits.stream(ctx, "RelayStep"):
                     pass
             assert ctx.status == (grpc.StatusCode.UNAVAILABLE,
-                                  "RelayStep: the tracker relays 1 of these at once already; try again later")
+                                  "RelayStep: the tracker has 1 calls to relayed nodes in flight already; try "
+                                  "again later")
         with limits.stream(_Context(), "RelayStep"):  # its slot came back
             pass
+
+
+def test_relay_control_calls_share_the_calls_budget_and_wait_a_bounded_time(tracker):
+    """RelayControl had no budget and, without a deadline of its own, waited as long as the node's stream
+    lived: calls to a relayed node that never answers could take every tracker thread."""
+    stub, service = tracker
+    service.relay_limits = RelayLimits(max_steps=1, answer_s=0.5)
+    service.relays.attach("mute")  # attached, never answers
+    health = pb.RelayControlRequest(node_id="mute", kind=pb.RelayDown.HEALTH)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.RelayControl(health)  # no deadline of its own
+    assert ei.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert ei.value.details() == "node mute did not answer through the relay within 0.5s"
+    assert time.monotonic() - started < 3
+    held = stub.RelayControl.future(health)
+    time.sleep(0.2)  # on the tracker, waiting for the node: the one call slot is taken
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.RelayControl(health, timeout=5)
+    assert ei.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert ei.value.details() == ("RelayControl: the tracker has 1 calls to relayed nodes in flight already; try "
+                                  "again later")
+    assert dict(ei.value.trailing_metadata())["retry-after-s"] == "1.000"
+    assert held.exception(timeout=5).code() is grpc.StatusCode.DEADLINE_EXCEEDED

@@ -38,6 +38,9 @@ MAX_RELAY_BYTES = 512 << 20
 # step's frames), seconds: a client's step deadline is 60 s at most, so no step it still waits for takes
 # longer. Past it the call is cancelled and its thread goes back.
 RELAY_READ_S = 60.0
+# How long the tracker waits for a relayed node to answer a call that has no deadline of its own, seconds
+# (the client's step deadline at most, as above): a node that never answered held a tracker thread for good.
+RELAY_ANSWER_S = 60.0
 _WATCH_TICK_S = 0.5  # how often the read deadlines are checked
 
 
@@ -151,16 +154,19 @@ class RelayHub:
 
 class RelayLimits:
     """What relayed traffic may hold of the tracker at once (thread-safe): :data:`MAX_RELAYED_NODES`
-    Relay streams, :data:`MAX_RELAY_STEPS` RelaySteps and :data:`MAX_RELAY_BYTES` of buffered step frames.
+    Relay streams, :data:`MAX_RELAY_STEPS` calls to relayed nodes (RelayStep and RelayControl, each waiting
+    :data:`RELAY_ANSWER_S` at most for the node's answer) and :data:`MAX_RELAY_BYTES` of buffered step frames.
 
     Refusals are UNAVAILABLE (with a retry-after), as for a relayed node the tracker cannot reach: the
     client fails over, or waits for the node, rather than taking it for the node's own answer."""
 
     def __init__(self, max_nodes: int = MAX_RELAYED_NODES, max_steps: int = MAX_RELAY_STEPS,
-                 max_bytes: int = MAX_RELAY_BYTES, read_s: float = RELAY_READ_S) -> None:
-        self.max_bytes, self.read_s = max_bytes, read_s
-        self._slots = {"Relay": (threading.BoundedSemaphore(max_nodes), max_nodes),
-                       "RelayStep": (threading.BoundedSemaphore(max_steps), max_steps)}
+                 max_bytes: int = MAX_RELAY_BYTES, read_s: float = RELAY_READ_S,
+                 answer_s: float = RELAY_ANSWER_S) -> None:
+        self.max_bytes, self.read_s, self.answer_s = max_bytes, read_s, answer_s
+        self._slots = {"nodes": (threading.BoundedSemaphore(max_nodes), max_nodes, "relays for {} nodes"),
+                       "calls": (threading.BoundedSemaphore(max_steps), max_steps,
+                                 "has {} calls to relayed nodes in flight")}
         self._bytes = 0
         self._deadlines: dict[int, tuple[float, object]] = {}  # id(context) -> (read deadline, context)
         self._lock = threading.Lock()
@@ -168,12 +174,12 @@ class RelayLimits:
 
     @contextlib.contextmanager
     def stream(self, context, method: str):
-        """Hold one of ``method``'s ("Relay" or "RelayStep") slots for the ``with`` block; the call is
-        cancelled unless the block calls the yielded function (what it had to read has arrived) within
-        ``read_s``. Aborts the call with UNAVAILABLE when every slot is taken."""
-        slots, most = self._slots[method]
+        """Hold one of ``method``'s slots for the ``with`` block (a Relay stream's, or a call's: RelayStep,
+        RelayControl); the call is cancelled unless the block calls the yielded function (what it had to
+        read has arrived) within ``read_s``. Aborts the call with UNAVAILABLE when every slot is taken."""
+        slots, most, what = self._slots["nodes" if method == "Relay" else "calls"]
         if not slots.acquire(blocking=False):
-            _refuse(context, f"{method}: the tracker relays {most} of these at once already; try again later")
+            _refuse(context, f"{method}: the tracker {what.format(most)} already; try again later")
         key = id(context)
         try:
             with self._lock:
@@ -207,6 +213,11 @@ class RelayLimits:
                 ctx.cancel()
             if done:
                 return
+
+    def answer_timeout(self, context) -> float:
+        """Seconds to wait for a relayed node's answer: the call's own deadline, :attr:`answer_s` at most."""
+        remaining = context.time_remaining()
+        return self.answer_s if remaining is None else min(remaining, self.answer_s)
 
     def read_step(self, request_iterator, context) -> list[pb.Envelope]:
         """A RelayStep's frames, read whole within the limits; the caller gives their bytes back with

@@ -356,8 +356,9 @@ class TrackerService(pb_grpc.TrackerServicer):
     def RelayStep(self, request_iterator, context):
         """Forward one step's frames to the node named in the ``meshnet-relay-node`` metadata and stream
         back its reply frames. The node's status code is returned unchanged; the tracker's own refusals are
-        UNAVAILABLE (the node is not attached, or :class:`RelayLimits` are reached), and a stream that has
-        not sent its frames within RELAY_READ_S is cancelled."""
+        UNAVAILABLE (the node is not attached, or :class:`RelayLimits` are reached), DEADLINE_EXCEEDED (the
+        node did not answer within the call's deadline, RELAY_ANSWER_S at most), and a stream that has not
+        sent its frames within RELAY_READ_S is cancelled."""
         node_id = dict(context.invocation_metadata()).get(RELAY_NODE_METADATA, "")
         if not node_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -372,7 +373,7 @@ class TrackerService(pb_grpc.TrackerServicer):
             arrived()
             try:
                 answer = self.relays.call(node_id, pb.RelayDown(kind=pb.RelayDown.STEP, frames=frames),
-                                          context.time_remaining())
+                                          self.relay_limits.answer_timeout(context))
             finally:
                 self.relay_limits.give_back(sum(f.ByteSize() for f in frames))
             if answer.code != "OK":
@@ -380,14 +381,17 @@ class TrackerService(pb_grpc.TrackerServicer):
             yield from answer.up.replies
 
     def RelayControl(self, request: pb.RelayControlRequest, context) -> pb.RelayControlReply:
-        """Cancel / release a session on, or ask health / capabilities of, a relayed node."""
+        """Cancel / release a session on, or ask health / capabilities of, a relayed node. Refusals as
+        for :meth:`RelayStep`; the call shares its budget of calls in flight."""
         if not request.node_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "RelayControl: node_id is empty")
         if request.kind in (pb.RelayDown.ATTACHED, pb.RelayDown.STEP):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "RelayControl: kind must be CANCEL, RELEASE, HEALTH or CAPABILITIES (steps use RelayStep)")
         down = pb.RelayDown(kind=request.kind, session_id=request.session_id, epoch=request.epoch)
-        answer = self.relays.call(request.node_id, down, context.time_remaining())
+        with self.relay_limits.stream(context, "RelayControl") as arrived:
+            arrived()  # a unary call: nothing left to read
+            answer = self.relays.call(request.node_id, down, self.relay_limits.answer_timeout(context))
         if answer.code != "OK":
             self._abort_relayed(context, answer)
         return pb.RelayControlReply(health=answer.up.health, capabilities=answer.up.capabilities)
