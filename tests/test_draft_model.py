@@ -58,3 +58,24 @@ def test_generate_without_a_draft_model_says_what_is_missing():
     proc = subprocess.run([sys.executable, "-m", "meshnet.cli", "generate", "--speculative", "model", "Hi"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--draft-model" in proc.stderr
+
+
+def test_a_draft_model_alone_turns_drafting_by_it_on_and_with_another_kind_is_refused(smollm2_path):
+    """``--draft-model`` without ``--speculative`` was loaded and never used (llama-server's
+    --model-draft drafts with it); beside ngram or mtp it would not be used either."""
+    import argparse
+
+    from meshnet.speculative import speculation_from_args
+
+    path = str(smollm2_path)
+    spec = speculation_from_args(argparse.Namespace(speculative=None, draft_model=path, draft_tokens=3), path)
+    try:
+        assert isinstance(spec.drafter, ModelDrafter) and spec.draft_tokens == 3 and not spec.mtp
+    finally:
+        spec.drafter.close()
+    assert speculation_from_args(argparse.Namespace(speculative=None, draft_model=None, draft_tokens=None),
+                                 path) is None
+    for kind in ("ngram", "none"):
+        with pytest.raises(ValueError) as ei:
+            speculation_from_args(argparse.Namespace(speculative=kind, draft_model=path, draft_tokens=None), path)
+        assert str(ei.value) == f"--draft-model drafts only with --speculative model, not --speculative {kind}: drop one"

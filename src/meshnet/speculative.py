@@ -297,15 +297,20 @@ def speculation_from_args(args: argparse.Namespace, target_path: str) -> Specula
         ValueError: a bad kind or count, "model" without ``--draft-model``, or a draft model whose
             vocabulary differs from the target's.
     """
+    # --draft-model alone turns drafting by that model on, as llama-server's --model-draft does; with any
+    # other kind it would be loaded and never used.
+    kind = args.speculative or ("model" if args.draft_model else "none")
+    if args.draft_model and kind != "model":
+        raise ValueError(f"--draft-model drafts only with --speculative model, not --speculative {kind}: drop one")
     drafter = None
-    if args.speculative == "model":
+    if kind == "model":
         if not args.draft_model:
             raise ValueError("--speculative model needs --draft-model GGUF (a model with the same vocabulary)")
         from meshnet.draft_model import ModelDrafter
 
         drafter = ModelDrafter(args.draft_model, target_path)
-    return speculation_from(args.speculative, args.draft_tokens, drafter=drafter,
-                            mtp_problem=mtp_problem(target_path) if args.speculative == "mtp" else None)
+    return speculation_from(kind, args.draft_tokens, drafter=drafter,
+                            mtp_problem=mtp_problem(target_path) if kind == "mtp" else None)
 
 
 def mtp_problem(path: str, shown: str | None = None) -> str | None:
@@ -326,12 +331,13 @@ def mtp_problem(path: str, shown: str | None = None) -> str | None:
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     """``--speculative {none,ngram,model}``, ``--draft-model GGUF`` and ``--draft-tokens K`` (read back with :func:`speculation_from`)."""
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculative", choices=SPECULATIVE_KINDS, default="none",
+    g.add_argument("--speculative", choices=SPECULATIVE_KINDS, default=None,
                    help="ngram: draft tokens by prompt lookup in the session's own text; model: decode them "
                         "with --draft-model; mtp: the model's own next-token-prediction layers (GGUFs with "
                         "nextn tensors) draft them on the tail; any way verified in one step (greedy output "
-                        "unchanged)")
+                        "unchanged). Default: none, or model with --draft-model")
     g.add_argument("--draft-model", default=None,
-                   help="GGUF (path or bundled name) with the model's vocabulary, run here to draft tokens")
+                   help="GGUF (path or bundled name) with the model's vocabulary, run here to draft tokens "
+                        "(implies --speculative model)")
     g.add_argument("--draft-tokens", type=int, default=None,
                    help=f"draft tokens per verification step, 1..{MAX_DRAFT_TOKENS} (default 10; fewer where drafts do not pay)")

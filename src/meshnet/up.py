@@ -186,7 +186,7 @@ def run_up(args: argparse.Namespace) -> int:
     if problem := _node_ports_problem(args.host, ports):
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    if args.api_port < 0 and (args.speculative != "none" or args.draft_model or args.draft_tokens is not None):
+    if args.api_port < 0 and (args.speculative not in (None, "none") or args.draft_model or args.draft_tokens is not None):
         print("error: --speculative, --draft-model and --draft-tokens set the API's speculative decoding; with "
               "--api-port -1 there is no API (a client speculates with its own flags, e.g. meshnet generate "
               "--speculative ngram)", file=sys.stderr)
