@@ -3,6 +3,7 @@ KV pool holds memory for the tokens sessions hold, not for their context length.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -176,6 +177,35 @@ def test_kv_pool_memory_follows_the_tokens_held(smollm2_path):
         kv.free()
     assert pool.resident_bytes() <= 32 * 4 * 2 * 4096  # at most the partial edge pages of each slot
     stage.close()
+
+
+def test_a_pool_larger_than_the_machines_memory_maps_and_serves(smollm2_path):
+    """A pool's address space is not committed memory: on Python 3.11, whose mmap module lacks
+    MAP_NORESERVE, 20 slots of 100k tokens (46 GB for SmolLM2) failed with ENOMEM on a 24 GiB machine."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    bytes_per_token = 23_040  # SmolLM2: 30 layers x (K + V) x 192 F16 values
+    n_ctx = -(-2 * total // (20 * bytes_per_token))  # twice the machine's memory in all
+    stage = GgmlStage(str(smollm2_path), LayerRange(0, 30), n_threads=2, n_ctx=n_ctx, n_slots=20,
+                      kv_tokens=1024)
+    try:
+        assert stage.pool.bytes_per_token == bytes_per_token
+        assert stage.pool.nbytes_virtual == 20 * n_ctx * bytes_per_token > 2 * total - 20 * bytes_per_token
+        kv = stage.new_session(reserve_tokens=100)
+        stage.forward(kv, 0, token_ids=np.arange(1, 101, dtype=np.int32))
+        assert 100 * bytes_per_token <= stage.pool.resident_bytes() <= 1.25 * 100 * bytes_per_token
+        kv.free()
+    finally:
+        stage.close()
+
+
+def test_a_context_past_the_trained_one_is_warned_about_once_a_model(smollm2_path, caplog):
+    """llama.cpp warns when n_ctx passes the model's training context; --n-ctx 100000 said nothing."""
+    with caplog.at_level("WARNING", logger="meshnet.engine"):
+        for layers, n_ctx in ((LayerRange(0, 1), 8193), (LayerRange(1, 2), 8193), (LayerRange(0, 1), 8192)):
+            GgmlStage(str(smollm2_path), layers, n_threads=1, n_ctx=n_ctx, n_slots=1).close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "n_ctx 8193 is past the 8192 tokens of context the model was trained on: positions past them may give "
+        "worse text"]  # the head warns; the other stage and a context within the trained one do not
 
 
 def test_a_pool_counts_only_its_own_pages_beside_another(smollm2_path):

@@ -8,6 +8,7 @@ by shape); it can be used directly to read logits (the parity tests do). ``GgmlE
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -28,6 +29,8 @@ from meshnet.engine.prefix_cache import PrefixCache
 from meshnet.engine.stage_sessions import SessionKV, StageSessions
 from meshnet.model.gguf_file import GGUFError, drop_pages, open_gguf, stage_tensor_names
 from meshnet.model.hparams import ModelConfig
+
+log = logging.getLogger("meshnet.engine")
 
 # Weights only ever multiplied whole, as 2-D matrices (``ggml_mul_mat``) or expert stacks
 # (``ggml_mul_mat_id``), which may be repacked; embeddings (read by get_rows, also as a tied output) and
@@ -97,6 +100,10 @@ class GgmlStage:
         self.is_head = layers.is_head()
         self.is_tail = layers.is_tail(self.cfg.n_layer)
         self.n_ctx = n_ctx or min(self.cfg.n_ctx_train, DEFAULT_MAX_CTX)
+        if self.n_ctx > self.cfg.n_ctx_train and self.is_head:  # once a model, not once a stage
+            # As llama.cpp's llama_context warns: positions past the trained context run, and may degrade.
+            log.warning("n_ctx %d is past the %d tokens of context the model was trained on: positions past "
+                        "them may give worse text", self.n_ctx, self.cfg.n_ctx_train)
         self.n_ubatch = max(1, n_ubatch)
         on_host = backend is None
         self.backend = backend if backend is not None else cpu_backend(n_threads)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import platform
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -34,6 +36,12 @@ from meshnet.contract import LayerRange
 from meshnet.engine.ggml_backend import cpu_buffer_from_ptr, new_meta_context, new_tensor
 
 PAGE = mmap.PAGESIZE
+# Python's mmap module names MAP_NORESERVE only from 3.12; before it, Linux's value where the kernel's
+# generic one holds. Without it a pool of n_slots * n_ctx cells counts whole against the commit limit:
+# with 20 slots of 100k tokens (46 GB of address space) the map failed with ENOMEM on a 24 GiB machine,
+# though a pool's pages are only touched as cells are handed out.
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" and platform.machine() in (
+    "x86_64", "aarch64", "arm64", "riscv64", "s390x", "i686") else 0)
 # This process's C library, with the prototypes of the memory calls meshnet makes through it (the KV pool
 # here; huge_pages' madvise).
 libc = ctypes.CDLL(None, use_errno=True)
@@ -187,7 +195,7 @@ class KVPool:
                 per_slot = row * rows_per_slot(self.n_ctx, ratio)
                 offsets.append((t, size, per_slot, row, ratio))
                 size = _align_up(size + ggml.ggml_nbytes(t), PAGE)
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
         # One inaccessible page on each side: the kernel merges adjacent anonymous mappings of the same
         # kind (another stage's pool, say) into one, whose Rss in /proc/self/smaps would count both.
         self._map = mmap.mmap(-1, size + 2 * PAGE, flags=flags)
