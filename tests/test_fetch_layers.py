@@ -289,6 +289,30 @@ def test_publish_manifest_refuses_a_hostile_manifest_as_invalid_argument(canonic
         server.stop(None)
 
 
+def test_an_overlong_model_name_is_refused_naming_its_length_and_long_refusals_are_cut():
+    """A 100 kB --model-id was quoted whole in the refusal, which gRPC sends as a header: the client saw
+    'metadata size exceeds hard limit' instead of the tracker's answer."""
+    from meshnet.tracker.refusals import _bounded
+    from meshnet.tracker.server import serve_tracker
+    from meshnet.wire.security import open_channel
+
+    server, port = serve_tracker("127.0.0.1", 0)
+    try:
+        t = pb_grpc.TrackerStub(open_channel(f"127.0.0.1:{port}"))
+        with pytest.raises(grpc.RpcError) as e:
+            t.GetManifest(pb.ManifestRequest(model="x" * 100_000), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details() == ("GetManifest: the model asked for is 100000 characters long; an id or name "
+                                     "has at most 1024")
+        with pytest.raises(grpc.RpcError) as e:  # at the bound: looked up, and quoted in the answer
+            t.GetManifest(pb.ManifestRequest(model="\u00e9" * 1024), timeout=5)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "\u00e9" * 1024 in e.value.details()
+    finally:
+        server.stop(None)
+    assert _bounded("a" * 4096) == "a" * 4096
+    assert _bounded("\u00e9" * 3000) == "\u00e9" * 2048 + "... (952 more characters)"  # 2 bytes each
+
+
 @pytest.mark.parametrize("command", [["generate", "a prompt", "--tracker", "127.0.0.1:1"],
                                      ["api", "--tracker", "127.0.0.1:1"]])
 def test_a_model_file_and_a_model_id_together_are_refused_before_anything_starts(command, capsys):

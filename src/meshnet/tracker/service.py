@@ -22,7 +22,6 @@ It is served by :func:`meshnet.tracker.server.start_tracker`; the ``meshnet trac
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 import time
@@ -36,6 +35,7 @@ from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.activity import ActivityBoard
 from meshnet.tracker.manifests import ManifestFull, ManifestNotFound, ManifestRefused, ManifestStore
 from meshnet.tracker.node_info import device_dict, info_from_status, like_from_hops, record_from_info
+from meshnet.tracker.refusals import Refusal, rpc
 from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry
 from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayHub, RelayLimits
 from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
@@ -47,34 +47,9 @@ if TYPE_CHECKING:  # the ledger pulls in SQLAlchemy: imported when a tracker sta
 _UINT64_MAX = (1 << 64) - 1
 # Seconds a deregistered node may still report work: its drain (30 s by default) with margin.
 _DEPARTED_S = 300.0
-
-
-class _Refusal(Exception):
-    """Raised inside a handler to answer with a gRPC status instead of a result."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.retry_after_s = retry_after_s  # sent as trailing metadata RETRY_AFTER_METADATA (seconds)
-
-
-def _rpc(method):
-    """Turn _Refusal into its status and any other exception into INTERNAL, never a bare trace."""
-
-    @functools.wraps(method)
-    def wrapper(self, request, context):
-        try:
-            return method(self, request, context)
-        except _Refusal as r:
-            code, message = r.code, r.message
-            if r.retry_after_s is not None:
-                context.set_trailing_metadata(((RETRY_AFTER_METADATA, f"{r.retry_after_s:.3f}"),))
-        except Exception as e:  # noqa: BLE001 - a bug must not take the tracker down or leak a trace
-            code, message = grpc.StatusCode.INTERNAL, f"tracker error in {method.__name__}: {type(e).__name__}: {e}"
-        context.abort(code, message)
-
-    return wrapper
+# The longest model id or name GetManifest looks up, characters (ids are 64 hex digits; names, a GGUF's
+# general.name, are short).
+MAX_MODEL_NAME_CHARS = 1024
 
 
 class TrackerService(pb_grpc.TrackerServicer):
@@ -108,14 +83,14 @@ class TrackerService(pb_grpc.TrackerServicer):
         try:
             self.auth.check(node_id, message, bind=bind)
         except AuthError as e:
-            raise _Refusal(grpc.StatusCode.UNAUTHENTICATED, f"{method}: {e.message}") from None
+            raise Refusal(grpc.StatusCode.UNAUTHENTICATED, f"{method}: {e.message}") from None
 
-    @_rpc
+    @rpc
     def Register(self, request: pb.NodeInfo, context) -> pb.RegisterReply:
         try:
             record = record_from_info(request)
         except ValueError as e:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         # Check, bind and register as one step (under one lock): two keys racing for a new id cannot both
         # win it, and a refused registration (a protocol mismatch, the id held by a live entry) neither
         # leaves an entry behind nor binds the id to its key.
@@ -129,22 +104,22 @@ class TrackerService(pb_grpc.TrackerServicer):
                                        device=device_dict(request) if request.HasField("device") else None,
                                        version=request.version)
             except AuthError as e:
-                raise _Refusal(grpc.StatusCode.UNAUTHENTICATED, f"Register: {e.message}") from None
+                raise Refusal(grpc.StatusCode.UNAUTHENTICATED, f"Register: {e.message}") from None
             except ProtocolMismatch as e:
-                raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"Register: {e}") from None
+                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"Register: {e}") from None
             except NodeIdInUse as e:  # when the entry holding the id expires, if its node is gone
-                raise _Refusal(grpc.StatusCode.ALREADY_EXISTS, f"Register: {e}", e.expires_in_s) from None
+                raise Refusal(grpc.StatusCode.ALREADY_EXISTS, f"Register: {e}", e.expires_in_s) from None
             except ValueError as e:
-                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {e}") from None
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {e}") from None
         return pb.RegisterReply(heartbeat_interval_s=self.registry.heartbeat_interval_s, ttl_s=self.registry.ttl_s)
 
-    @_rpc
+    @rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:
         if not request.node_id:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "Heartbeat: node_id is empty")
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "Heartbeat: node_id is empty")
         speed = request.decode_tokens_per_s
         if not (speed >= 0 and math.isfinite(speed)):
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                            f"Heartbeat: decode_tokens_per_s={speed}; expected a finite number >= 0 (0 = unchanged)")
         if self.registry.get(request.node_id) is None:
             # Nothing to update and nothing revealed: the node registers (and proves its key) again.
@@ -153,10 +128,10 @@ class TrackerService(pb_grpc.TrackerServicer):
         known = self.registry.heartbeat(request.node_id, request.active_sessions, speed)
         return pb.HeartbeatReply(known=known)
 
-    @_rpc
+    @rpc
     def Deregister(self, request: pb.NodeRef, context) -> pb.Empty:
         if not request.node_id:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "Deregister: node_id is empty")
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "Deregister: node_id is empty")
         self._authenticate("Deregister", request.node_id, request)
         record = self.registry.get(request.node_id)
         if self.registry.deregister(request.node_id) and record is not None:
@@ -166,10 +141,10 @@ class TrackerService(pb_grpc.TrackerServicer):
                 self._departed[record.node_id] = (record, now + _DEPARTED_S)
         return pb.Empty()
 
-    @_rpc
+    @rpc
     def GetRoute(self, request: pb.RouteRequest, context) -> pb.Route:
         if request.previous_epoch >= _UINT64_MAX:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                            f"GetRoute: previous_epoch {request.previous_epoch} leaves no larger epoch")
         # A relayed node is reachable only while its relay stream is open.
         nodes = [n for n in self.registry.alive() if not n.relayed or self.relays.attached(n.node_id)]
@@ -177,17 +152,17 @@ class TrackerService(pb_grpc.TrackerServicer):
         model = request.model_sha256
         if not model:
             if not models:
-                raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                raise Refusal(grpc.StatusCode.FAILED_PRECONDITION,
                                "GetRoute: no node is registered, so no model is served yet")
             if len(models) > 1:
-                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                                f"GetRoute: {len(models)} models are served ({', '.join(models)}); "
                                "name one in model_sha256")
             model = models[0]
         try:
             like = like_from_hops(request.prefer_like)
         except ValueError as e:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"GetRoute: {e}") from None
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"GetRoute: {e}") from None
         try:
             hops = plan_route(nodes, model, exclude=frozenset(request.exclude_node_ids), min_n_ctx=request.min_n_ctx,
                               like=like)
@@ -195,7 +170,7 @@ class TrackerService(pb_grpc.TrackerServicer):
             message = e.message
             if not any(n.model_sha256 == model for n in nodes):
                 message += f"; models served: {', '.join(models) or 'none'}"
-            raise _Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"GetRoute: {message}") from None
+            raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"GetRoute: {message}") from None
         head = hops[0]
         return pb.Route(
             epoch=self.registry.next_epoch(request.previous_epoch),
@@ -205,28 +180,31 @@ class TrackerService(pb_grpc.TrackerServicer):
                          numerics=h.numerics)
                   for h in hops])
 
-    @_rpc
+    @rpc
     def PublishManifest(self, request: pb.ModelManifest, context) -> pb.Empty:
         if not request.model_id:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "PublishManifest: model_id is empty")
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "PublishManifest: model_id is empty")
         try:
             self.manifests.publish(request.model_id, request.manifest)
         except ManifestRefused as e:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"PublishManifest: {e}") from None
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"PublishManifest: {e}") from None
         except ManifestFull as e:
-            raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"PublishManifest: {e}") from None
+            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"PublishManifest: {e}") from None
         return pb.Empty()
 
-    @_rpc
+    @rpc
     def GetManifest(self, request: pb.ManifestRequest, context) -> pb.ModelManifest:
+        if len(request.model) > MAX_MODEL_NAME_CHARS:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"GetManifest: the model asked for is "
+                           f"{len(request.model)} characters long; an id or name has at most {MAX_MODEL_NAME_CHARS}")
         try:
             model_id, blob = self.manifests.get(request.model)
         except ManifestNotFound as e:
             code = grpc.StatusCode.FAILED_PRECONDITION if e.ambiguous else grpc.StatusCode.NOT_FOUND
-            raise _Refusal(code, f"GetManifest: {e}") from None
+            raise Refusal(code, f"GetManifest: {e}") from None
         return pb.ModelManifest(model_id=model_id, manifest=blob)
 
-    @_rpc
+    @rpc
     def ListNodes(self, request: pb.Empty, context) -> pb.NodeList:
         return self.node_list()
 
@@ -241,13 +219,13 @@ class TrackerService(pb_grpc.TrackerServicer):
         """Whether relayed node ``node_id`` has its relay stream open (routing skips it otherwise)."""
         return self.relays.attached(node_id)
 
-    @_rpc
+    @rpc
     def ReportWork(self, request: pb.WorkReport, context) -> pb.WorkReportReply:
         from meshnet.ledger.store import LedgerError
         from meshnet.ledger.wire import work_records
 
         if not request.node_id:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "ReportWork: node_id is empty")
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "ReportWork: node_id is empty")
         node = self.registry.get(request.node_id)
         if node is None:
             with self._register_lock:
@@ -258,12 +236,12 @@ class TrackerService(pb_grpc.TrackerServicer):
         try:
             outcome = self.ledger.record_work(work_records(request, node))
         except LedgerError as e:
-            raise _Refusal(grpc.StatusCode.UNAVAILABLE, f"ReportWork: {e}; resend later") from None
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, f"ReportWork: {e}; resend later") from None
         except ValueError as e:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"ReportWork: {e}") from None
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"ReportWork: {e}") from None
         return pb.WorkReportReply(known=True, recorded=outcome.recorded, duplicates=outcome.duplicates)
 
-    @_rpc
+    @rpc
     def ReportDelivery(self, request: pb.DeliveryReport, context) -> pb.DeliveryReportReply:
         from meshnet.ledger.store import LedgerError
 
@@ -271,12 +249,12 @@ class TrackerService(pb_grpc.TrackerServicer):
             recorded, duplicates = self.ledger.record_deliveries(
                 request.client_id, [(t.session_id, t.position) for t in request.tokens], request.model_sha256)
         except LedgerError as e:
-            raise _Refusal(grpc.StatusCode.UNAVAILABLE, f"ReportDelivery: {e}; resend later") from None
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, f"ReportDelivery: {e}; resend later") from None
         except ValueError as e:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"ReportDelivery: {e}") from None
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"ReportDelivery: {e}") from None
         return pb.DeliveryReportReply(recorded=recorded, duplicates=duplicates)
 
-    @_rpc
+    @rpc
     def GetLedger(self, request: pb.Empty, context) -> pb.LedgerReply:
         from meshnet.ledger.store import LedgerError
         from meshnet.ledger.wire import ledger_reply
@@ -284,14 +262,14 @@ class TrackerService(pb_grpc.TrackerServicer):
         try:
             return ledger_reply(self.ledger)
         except LedgerError as e:
-            raise _Refusal(grpc.StatusCode.UNAVAILABLE, f"GetLedger: {e}") from None
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, f"GetLedger: {e}") from None
 
-    @_rpc
+    @rpc
     def ReportActivity(self, request: pb.ActivityReport, context) -> pb.Empty:
         try:
             self.activity.record(request)
         except ValueError as e:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"ReportActivity: {e}") from None
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"ReportActivity: {e}") from None
         return pb.Empty()
 
     # ---- relay -------------------------------------------------------------------------------------

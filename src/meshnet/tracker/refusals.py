@@ -1,0 +1,55 @@
+"""How the tracker's handlers refuse a call: raise :class:`Refusal` inside a handler wrapped in :func:`rpc`,
+and the caller gets its status (and retry-after), any other exception becoming INTERNAL with a message,
+never a trace."""
+
+from __future__ import annotations
+
+import functools
+
+import grpc
+
+from meshnet.wire.security import RETRY_AFTER_METADATA
+
+
+class Refusal(Exception):
+    """Raised inside a handler to answer with a gRPC status instead of a result."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s  # sent as trailing metadata RETRY_AFTER_METADATA (seconds)
+
+
+# gRPC sends a status's message as a header, percent-encoding what is not printable ASCII (3 characters a
+# byte), and a client refuses headers past 16 KiB ("metadata size exceeds hard limit"): a refusal that quoted
+# 100 kB of a request reached its caller as neither. 4 KiB of UTF-8 stays under it however encoded.
+_MAX_MESSAGE_BYTES = 4096
+
+
+def _bounded(message: str) -> str:
+    """``message``, cut to :data:`_MAX_MESSAGE_BYTES` of UTF-8 with how much was left out."""
+    data = message.encode()
+    if len(data) <= _MAX_MESSAGE_BYTES:
+        return message
+    kept = data[:_MAX_MESSAGE_BYTES].decode(errors="ignore")
+    return f"{kept}... ({len(message) - len(kept)} more characters)"
+
+
+def rpc(method):
+    """Turn Refusal into its status and any other exception into INTERNAL, never a bare trace; the
+    message is bounded (:func:`_bounded`)."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except Refusal as r:
+            code, message = r.code, r.message
+            if r.retry_after_s is not None:
+                context.set_trailing_metadata(((RETRY_AFTER_METADATA, f"{r.retry_after_s:.3f}"),))
+        except Exception as e:  # noqa: BLE001 - a bug must not take the tracker down or leak a trace
+            code, message = grpc.StatusCode.INTERNAL, f"tracker error in {method.__name__}: {type(e).__name__}: {e}"
+        context.abort(code, _bounded(message))
+
+    return wrapper
