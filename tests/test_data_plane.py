@@ -336,3 +336,26 @@ def test_many_requests_go_out_at_once_and_their_answers_come_back_in_order():
         conn.close()
     finally:
         server.stop()
+
+
+def test_a_data_port_or_an_http_server_given_as_the_tracker_is_named_so():
+    """A node's data port given as --tracker was taken for an HTTP server ("such as meshnet api or the
+    dashboard?"); an HTTP server still is."""
+    import http.server
+    import threading
+
+    from meshnet.wire.call_problems import tracker_refusal
+
+    plane = DataPlaneServer("127.0.0.1", 0, _service().run_step, None)
+    plane.start()
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        refusal = tracker_refusal(f"127.0.0.1:{plane.port}", None, None, retry_s=0)
+        assert refusal.endswith(" (that address is not a gRPC server (a node's --data-port?): give the tracker's)")
+        refusal = tracker_refusal(f"127.0.0.1:{web.server_address[1]}", None, None, retry_s=0)
+        assert refusal.endswith(" (that address is not a gRPC server (an HTTP server, such as meshnet api or the "
+                                "dashboard?): give the tracker's)")
+    finally:
+        plane.stop()
+        web.shutdown()

@@ -38,7 +38,10 @@ def not_a_tracker(e: grpc.RpcError) -> str | None:
     if e.code() is grpc.StatusCode.UNIMPLEMENTED:
         return ("that address serves gRPC without this tracker call: a node's port (give the tracker's), or a "
                 "tracker older than this client")
-    if e.code() is grpc.StatusCode.UNAVAILABLE and "Failed parsing HTTP/2" in (e.details() or ""):
+    details = e.details() or ""
+    if e.code() is grpc.StatusCode.UNAVAILABLE and "Failed parsing HTTP/2" in details:
+        if "got frame type 0)" in details:  # the first bytes a node's data plane answers with
+            return "that address is not a gRPC server (a node's --data-port?): give the tracker's"
         return ("that address is not a gRPC server (an HTTP server, such as meshnet api or the dashboard?): "
                 "give the tracker's")
     return None
