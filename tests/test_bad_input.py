@@ -269,6 +269,9 @@ def test_bad_load_settings_are_named(field, value):
     (["bench", "speculative", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),  # "no median for empty"
     (["bench", "structured", "--requests", "0"], "argument --requests: must be >= 1, got 0"),
     (["bench", "wan", "--rtt-ms", "abc"], "--rtt-ms takes comma-separated milliseconds, e.g. 0,10,25,50; got 'abc'"),
+    # The CPU lane has one device: the index was ignored.
+    (["node", "--engine", "fake", "--port", "0", "--device", "1"],
+     "error: --device 1 picks one of an accelerator's devices; give --backend too"),
 ])
 def test_ports_and_timeouts_out_of_range_are_refused_up_front(args, message):
     import subprocess

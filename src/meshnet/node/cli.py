@@ -144,6 +144,10 @@ def run_node(args: argparse.Namespace) -> int:
     if device < 0:
         print(f"error: --device must be 0 or more, got {device}", file=sys.stderr)
         return 2
+    if device and backend == "cpu":  # the CPU lane has one device: a GPU index here would be ignored
+        print(f"error: --device {device} picks one of an accelerator's devices; give --backend too (cuda, rocm, "
+              "vulkan, metal)", file=sys.stderr)
+        return 2
     if backend != "cpu":
         # Refuse before loading anything: an accelerator that has not proved itself here stays dark.
         from meshnet.backends.errors import BackendUnavailable
