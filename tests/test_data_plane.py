@@ -22,8 +22,9 @@ from meshnet.load_spec import LoadSpec
 from meshnet.engine.fake import FakeEngine, FakeModel
 from meshnet.node.service import NodeService
 from meshnet.proto import meshnet_pb2 as pb
-from meshnet.wire.data_plane import (AUTH, ENVELOPE, ERROR, HEADER, ConnectionPool, DataPlaneConnection,
-                                     DataPlaneError, decode_error, recv_message, send_message)
+from meshnet.wire.data_plane import (AUTH, ENVELOPE, ERROR, HEADER, REPLY, ConnectionPool, DataPlaneConnection,
+                                     DataPlaneError, decode_error, encode_messages, recv_message,
+                                     send_message)
 from meshnet.wire.data_plane_server import DataPlaneServer
 from meshnet.wire.envelope import replies_to_result, request_to_frames
 
@@ -359,3 +360,43 @@ def test_a_data_port_or_an_http_server_given_as_the_tracker_is_named_so():
     finally:
         plane.stop()
         web.shutdown()
+
+
+def test_requests_still_arriving_are_bounded_over_all_connections(serve):
+    """Each request was bounded, not all of them: 6 connections that sent 31 frames of 8 MiB each and then
+    a byte every 20 s grew a node by 1.5 GB. Past the node's budget a frame is refused RESOURCE_EXHAUSTED
+    with a retry-after; what a connection held goes back when it closes or its request completes."""
+    from meshnet.wire.request_budget import RequestBudget
+
+    frames = _prefill(2000)  # 64000 bytes of hidden states in 4 KiB frames
+    assert len(frames) > 8
+    share = sum(max(f.ByteSize(), 4096) for f in frames[:8])  # each frame counts 4 KiB at least
+    budget = RequestBudget(2 * share)
+    server, address = serve(budget=budget)
+    first, second = _authed(address), _authed(address)
+    half = b"".join(encode_messages(ENVELOPE, (f.SerializeToString(),)) for f in frames[:8])
+    first.sendall(half)  # 8 of the request's frames
+    second.sendall(half)  # as many more: the budget is full
+    deadline = time.monotonic() + 5
+    while budget.held < 2 * share and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert budget.held == 2 * share
+    third = _authed(address)
+    third.sendall(encode_messages(ENVELOPE, (frames[0].SerializeToString(),)))
+    code, retry, message = _error(third)
+    assert (code, retry) == ("RESOURCE_EXHAUSTED", 1.0)
+    assert message == (f"the node holds {2 * share} bytes of step requests still arriving, near its limit of "
+                       f"{2 * share}; try again shortly")
+    assert _closed(third) and server.stats["busy"] == 1
+    first.close()
+    deadline = time.monotonic() + 5
+    while budget.held > share and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert budget.held == share  # the closed connection's share went back
+    second.sendall(b"".join(encode_messages(ENVELOPE, (f.SerializeToString(),)) for f in frames[8:]))
+    kind, _ = recv_message(second)  # its request completed and ran
+    assert kind == REPLY and budget.held == 0
+    conn = DataPlaneConnection(address, TOKEN, 5)
+    replies, error = conn.call(_prefill(4, session="after"))
+    assert error is None and replies_to_result(replies).n_past == 4
+    conn.close()

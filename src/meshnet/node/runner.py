@@ -135,7 +135,8 @@ class Node:
                                                   tls=tls, run_forward=self.service.run_forward,
                                                   start_step=self.service.start_step,
                                                   start_forward=self.service.start_forward,
-                                                  run_await=self.service.run_await, workers=cfg.max_sessions + 2)
+                                                  run_await=self.service.run_await, budget=self.service.budget,
+                                                  workers=cfg.max_sessions + 2)
             except OSError as e:
                 raise ValueError(f"cannot listen on {format_address(cfg.host, cfg.data_port)} (the data plane): "
                                  f"{e.strerror or e}; pass another --data-port") from None

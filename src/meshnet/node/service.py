@@ -37,6 +37,9 @@ from meshnet.wire.envelope import (
     request_to_frames,
     result_to_replies,
 )
+from meshnet.wire.data_plane_conn import FRAME_CHARGE
+from meshnet.wire.data_plane_server import MAX_REQUEST_BYTES
+from meshnet.wire.request_budget import RequestBudget, RequestRefused, read_request
 from meshnet.wire.security import RETRY_AFTER_METADATA
 
 log = logging.getLogger("meshnet.node")
@@ -85,6 +88,8 @@ class NodeService(pb_grpc.NodeServicer):
         self.awaited = AwaitedOutcomes(StepOutcome)
         # The model's stored tensors, for peers that fetch their layers (None: a model without a file).
         self.tensors: TensorSource | None = None
+        # Step requests still arriving, on gRPC and the data plane together.
+        self.budget = RequestBudget()
 
     # ---- steps -------------------------------------------------------------------------------
     def run_step(self, frames) -> StepOutcome:
@@ -298,7 +303,13 @@ class NodeService(pb_grpc.NodeServicer):
         return replies[0]
 
     def StepStream(self, request_iterator, context):
-        yield from self._grpc_step(request_iterator, context)
+        try:  # bounded as on the data plane: its frames were all buffered, however many came
+            frames = read_request(request_iterator, self.budget, MAX_REQUEST_BYTES, FRAME_CHARGE)
+        except RequestRefused as e:
+            if e.retry_after_s is not None:
+                context.set_trailing_metadata(((RETRY_AFTER_METADATA, f"{e.retry_after_s:.3f}"),))
+            context.abort(grpc.StatusCode[e.code], e.message)
+        yield from self._grpc_step(frames, context)
 
     # ---- session control ---------------------------------------------------------------------
     def Cancel(self, request, context):

@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.wire.data_plane import AUTH, HEADER, encode_messages
+from meshnet.wire.request_budget import RETRY_AFTER_S, RequestBudget
 
 MAX_AUTH_BYTES = 4096  # a join token is a short secret; nothing longer is read before it is checked
 # Bytes a frame counts toward max_request_bytes at least: a request announcing 2**30 chunks of empty
@@ -28,7 +29,7 @@ class Conn:
     """One connection's state; touched only by the selector thread, or by the one worker running its step."""
 
     __slots__ = ("sock", "authed", "header", "body", "need", "kind", "frames", "n_frames", "request_bytes",
-                 "deadline", "busy", "cancel_await", "forwards", "paused", "handshaking")
+                 "charged", "deadline", "busy", "cancel_await", "forwards", "paused", "handshaking")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock = sock
@@ -40,6 +41,7 @@ class Conn:
         self.frames: list[pb.Envelope] = []
         self.n_frames = 1
         self.request_bytes = 0
+        self.charged = 0  # bytes of its request still arriving held against the node's RequestBudget
         self.deadline = deadline
         self.busy = False  # a worker owns the socket (its step runs, or its reply is being sent)
         # Awaiting a forwarded step's outcome: drops the await (None: not awaiting). The socket stays
@@ -105,12 +107,27 @@ class Conn:
         return frames
 
 
-class Refuse(Exception):
-    """Close the connection after sending ``code``/``message`` as an ERROR; ``stat`` names the counter."""
+    def hold(self, budget: RequestBudget, n: int) -> None:
+        """Hold ``n`` more bytes (negative: give back) of this connection's request still arriving against
+        the node's ``budget``.
 
-    def __init__(self, stat: str, code: str, message: str) -> None:
+        Raises:
+            Refuse: RESOURCE_EXHAUSTED, with a retry-after, past the budget.
+        """
+        if n > 0 and not budget.take(n):
+            raise Refuse("busy", "RESOURCE_EXHAUSTED", budget.refusal(), RETRY_AFTER_S)
+        if n < 0:
+            budget.give_back(-n)
+        self.charged += n
+
+
+class Refuse(Exception):
+    """Close the connection after sending ``code``/``message`` (and ``retry_after_s``) as an ERROR; ``stat``
+    names the counter."""
+
+    def __init__(self, stat: str, code: str, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
-        self.stat, self.code, self.message = stat, code, message
+        self.stat, self.code, self.message, self.retry_after_s = stat, code, message, retry_after_s
 
 
 def send_now(sock: socket.socket, kind: int, payload: bytes) -> bool:

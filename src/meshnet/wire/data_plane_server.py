@@ -3,7 +3,8 @@
 The port is open to whoever can reach it, so nothing a peer announces is trusted before it has shown the
 join token (the rules each message must meet: :mod:`meshnet.wire.data_plane_conn`); after it, a message's
 bytes are buffered only as they arrive (so a length announced and never sent costs nothing), up to
-``max_message_bytes`` per frame and ``max_request_bytes`` per request. Silent connections are closed
+``max_message_bytes`` per frame and ``max_request_bytes`` per request, and the requests still arriving
+on all connections within a :class:`~meshnet.wire.request_budget.RequestBudget`. Silent connections are closed
 (``auth_timeout_s`` to authenticate, ``read_timeout_s`` of silence inside a request, ``idle_timeout_s``
 between requests), and at most ``max_connections`` are open at once: a new one beyond that replaces the
 oldest connection that has not authenticated yet, or is refused when every connection has. Steps run on
@@ -21,7 +22,7 @@ wait in the socket's TLS layer, where the selector cannot see them, so connectio
 read again on the next turn without waiting.
 
 Counters (``DataPlaneServer.stats``): ``accepted``, ``refused`` (over the cap, all authenticated),
-``evicted`` (an unauthenticated connection replaced by a newer one), ``timed_out``, ``unauthenticated``
+``evicted`` (an unauthenticated connection replaced by a newer one), ``busy`` (past the budget), ``timed_out``, ``unauthenticated``
 (wrong token or not an AUTH message first), ``too_large`` and ``malformed`` (protocol violations after
 authentication), ``steps`` (requests handed to a worker).
 """
@@ -42,8 +43,9 @@ from google.protobuf.message import DecodeError
 
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.wire.data_plane import AUTH, AWAIT, ENVELOPE, ERROR, FORWARD, HEADER, MAX_MESSAGE_BYTES, encode_error
-from meshnet.wire.data_plane_conn import Conn, Refuse, send_at_once, send_now
+from meshnet.wire.data_plane_conn import FRAME_CHARGE, Conn, Refuse, send_at_once, send_now
 from meshnet.wire.data_plane_steps import StepPool, encode_outcome
+from meshnet.wire.request_budget import RequestBudget
 
 log = logging.getLogger("meshnet.data_plane")
 
@@ -78,6 +80,7 @@ class DataPlaneServer:
             speaks TLS; None: plain TCP.
         max_message_bytes: largest frame message accepted, bytes (header excluded).
         max_request_bytes: largest request (all its frames' messages together), bytes.
+        budget: the node's bytes of requests still arriving (shared with its gRPC port); default its own.
         max_connections: open connections at most (>= 1).
         max_pending_forwards: forwarded steps of one connection waiting or running at most before the
             connection is not read (>= 1).
@@ -94,7 +97,7 @@ class DataPlaneServer:
                  start_step: Callable | None = None, start_forward: Callable | None = None,
                  tls: ssl.SSLContext | None = None,
                  max_message_bytes: int = MAX_MESSAGE_BYTES, max_request_bytes: int = MAX_REQUEST_BYTES,
-                 max_connections: int = 256, max_pending_forwards: int = MAX_PENDING_FORWARDS,
+                 budget: RequestBudget | None = None, max_connections: int = 256, max_pending_forwards: int = MAX_PENDING_FORWARDS,
                  workers: int = 8, auth_timeout_s: float = 10.0,
                  read_timeout_s: float = 30.0, idle_timeout_s: float = 300.0) -> None:
         for name, value in (("max_message_bytes", max_message_bytes), ("max_request_bytes", max_request_bytes),
@@ -114,6 +117,7 @@ class DataPlaneServer:
         self._kinds = frozenset({ENVELOPE} | ({FORWARD} if run_forward is not None else set())
                                 | ({AWAIT} if run_await is not None else set()))
         self.max_message_bytes, self.max_request_bytes = max_message_bytes, max_request_bytes
+        self.budget = budget if budget is not None else RequestBudget()
         self.max_connections, self.max_pending_forwards = max_connections, max_pending_forwards
         self.auth_timeout_s, self.read_timeout_s, self.idle_timeout_s = auth_timeout_s, read_timeout_s, idle_timeout_s
         self.stats: collections.Counter[str] = collections.Counter()
@@ -239,6 +243,8 @@ class DataPlaneServer:
                     c.header += data
                     if len(c.header) == HEADER.size:
                         c.start_message(self._kinds, self.max_message_bytes, self.max_request_bytes)
+                        if c.kind in (ENVELOPE, FORWARD):  # a frame: held until its request is complete
+                            c.hold(self.budget, max(c.need, FRAME_CHARGE))
                 else:
                     c.body += data
                 if c.body is not None and len(c.body) == c.need and self._finish_message(c):
@@ -248,7 +254,7 @@ class DataPlaneServer:
             pass
         except Refuse as e:
             self.stats[e.stat] += 1
-            send_now(c.sock, ERROR, encode_error(e.code, e.message))
+            send_now(c.sock, ERROR, encode_error(e.code, e.message, e.retry_after_s))
             self._close(c)
         except OSError:
             self._close(c)
@@ -296,6 +302,7 @@ class DataPlaneServer:
         frames = c.take_frame(body)
         if frames is None:
             return False
+        c.hold(self.budget, -c.charged)
         self.stats["steps"] += 1
         if c.kind == FORWARD:
             # One way: the connection goes on being read, so the sender can stream the next step at once,
@@ -377,6 +384,7 @@ class DataPlaneServer:
             self._unread.add(c)
 
     def _close(self, c: Conn) -> None:
+        c.hold(self.budget, -c.charged)
         self._conns.pop(id(c), None)
         self._unread.discard(c)
         if c.cancel_await is not None:
