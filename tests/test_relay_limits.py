@@ -102,7 +102,7 @@ def test_buffered_step_frames_are_bounded_per_step_and_in_all():
     limits = RelayLimits(max_bytes=3 << 20)
     frame = pb.Envelope(payload=b"x" * (1 << 20))
     n = frame.ByteSize()
-    assert limits.read_step(iter([frame, frame]), _Context()) == [frame, frame]
+    assert limits.read_step(iter([frame, frame]), _Context()) == ([frame, frame], 2 * n)
     assert limits.buffered_bytes == 2 * n
     ctx = _Context()
     with pytest.raises(_Aborted):
@@ -118,7 +118,8 @@ def test_buffered_step_frames_are_bounded_per_step_and_in_all():
     with pytest.raises(_Aborted):
         big.read_step(iter([huge] * 17), ctx)
     assert ctx.status == (grpc.StatusCode.INVALID_ARGUMENT,
-                          f"RelayStep: the step's frames exceed {MAX_REQUEST_BYTES} bytes")
+                          f"RelayStep: the request reaches {16 * huge.ByteSize()} bytes, over the limit of "
+                          f"{MAX_REQUEST_BYTES} bytes a request")
     assert big.buffered_bytes == 0
 
 

@@ -304,7 +304,7 @@ class NodeService(pb_grpc.NodeServicer):
 
     def StepStream(self, request_iterator, context):
         try:  # bounded as on the data plane: its frames were all buffered, however many came
-            frames = read_request(request_iterator, self.budget, MAX_REQUEST_BYTES, FRAME_CHARGE)
+            frames, _ = read_request(request_iterator, self.budget, MAX_REQUEST_BYTES, FRAME_CHARGE)
         except RequestRefused as e:
             if e.retry_after_s is not None:
                 context.set_trailing_metadata(((RETRY_AFTER_METADATA, f"{e.retry_after_s:.3f}"),))

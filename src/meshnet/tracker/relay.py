@@ -20,6 +20,7 @@ import grpc
 
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.wire.data_plane_server import MAX_REQUEST_BYTES
+from meshnet.wire.request_budget import RequestBudget, RequestRefused, read_request
 from meshnet.wire.security import RETRY_AFTER_METADATA
 
 # Header of a RelayStep call naming the node to forward to.
@@ -167,7 +168,7 @@ class RelayLimits:
         self._slots = {"nodes": (threading.BoundedSemaphore(max_nodes), max_nodes, "relays for {} nodes"),
                        "calls": (threading.BoundedSemaphore(max_steps), max_steps,
                                  "has {} calls to relayed nodes in flight")}
-        self._bytes = 0
+        self.budget = RequestBudget(max_bytes)  # step frames buffered
         self._deadlines: dict[int, tuple[float, object]] = {}  # id(context) -> (read deadline, context)
         self._lock = threading.Lock()
         self._watching = False  # a _cancel_late thread runs (while any deadline is pending)
@@ -219,41 +220,25 @@ class RelayLimits:
         remaining = context.time_remaining()
         return self.answer_s if remaining is None else min(remaining, self.answer_s)
 
-    def read_step(self, request_iterator, context) -> list[pb.Envelope]:
-        """A RelayStep's frames, read whole within the limits; the caller gives their bytes back with
-        :meth:`give_back` (``sum(f.ByteSize() for f in frames)``). Aborts the call with INVALID_ARGUMENT for
-        a step over MAX_REQUEST_BYTES, UNAVAILABLE when the buffered steps of all streams are at
+    def read_step(self, request_iterator, context) -> tuple[list[pb.Envelope], int]:
+        """A RelayStep's frames, read whole within the limits, and the bytes they hold, which the caller
+        gives back with :meth:`give_back` once the node has answered. Aborts the call with INVALID_ARGUMENT
+        for a step over MAX_REQUEST_BYTES, UNAVAILABLE when the buffered steps of all streams are at
         :data:`MAX_RELAY_BYTES`; raises grpc.RpcError when the call was cancelled or broke."""
-        frames: list[pb.Envelope] = []
-        held = 0
         try:
-            for frame in request_iterator:
-                n = frame.ByteSize()
-                if held + n > MAX_REQUEST_BYTES:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"RelayStep: the step's frames exceed {MAX_REQUEST_BYTES} bytes")
-                with self._lock:
-                    full = self._bytes + n > self.max_bytes
-                    if not full:
-                        self._bytes += n
-                if full:
-                    _refuse(context, f"RelayStep: the tracker buffers {self.max_bytes} bytes of relayed steps "
-                                     f"already; try again later")
-                held += n
-                frames.append(frame)
-        except BaseException:
-            self.give_back(held)
-            raise
-        return frames
+            return read_request(request_iterator, self.budget, MAX_REQUEST_BYTES, keep=True)
+        except RequestRefused as e:
+            if e.code == "INVALID_ARGUMENT":
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"RelayStep: {e.message}")
+            _refuse(context, f"RelayStep: the tracker buffers {self.max_bytes} bytes of relayed steps already; "
+                             "try again later")
 
     def give_back(self, n_bytes: int) -> None:
-        with self._lock:
-            self._bytes -= n_bytes
+        self.budget.give_back(n_bytes)
 
     @property
     def buffered_bytes(self) -> int:
-        with self._lock:
-            return self._bytes
+        return self.budget.held
 
 
 def _refuse(context, message: str) -> None:

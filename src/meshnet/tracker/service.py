@@ -345,7 +345,7 @@ class TrackerService(pb_grpc.TrackerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"node {node_id} has no relay stream open")
         with self.relay_limits.stream(context, "RelayStep") as arrived:
             try:
-                frames = self.relay_limits.read_step(request_iterator, context)
+                frames, held = self.relay_limits.read_step(request_iterator, context)
             except grpc.RpcError:
                 return  # cancelled (by the caller, or for taking longer than RELAY_READ_S)
             arrived()
@@ -353,7 +353,7 @@ class TrackerService(pb_grpc.TrackerServicer):
                 answer = self.relays.call(node_id, pb.RelayDown(kind=pb.RelayDown.STEP, frames=frames),
                                           self.relay_limits.answer_timeout(context))
             finally:
-                self.relay_limits.give_back(sum(f.ByteSize() for f in frames))
+                self.relay_limits.give_back(held)
             if answer.code != "OK":
                 self._abort_relayed(context, answer)
             yield from answer.up.replies

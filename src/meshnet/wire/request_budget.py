@@ -60,10 +60,12 @@ class RequestRefused(Exception):
         self.code, self.message, self.retry_after_s = code, message, retry_after_s
 
 
-def read_request(frames, budget: RequestBudget, max_request_bytes: int, frame_charge: int) -> list:
-    """All of a streamed request's frames (``pb.Envelope`` s, e.g. a gRPC StepStream's), held against
-    ``budget`` while they arrive and given back once read; each frame counts ``frame_charge`` bytes at least
-    (as on the data plane).
+def read_request(frames, budget: RequestBudget, max_request_bytes: int, frame_charge: int = 0,
+                 keep: bool = False) -> tuple[list, int]:
+    """All of a streamed request's frames (``pb.Envelope`` s, e.g. a gRPC StepStream's) and the bytes they
+    held against ``budget`` while they arrived (each frame counting ``frame_charge`` at least, as on the data
+    plane), given back once read, or with ``keep`` by the caller (``budget.give_back(held)``) once done with
+    them; a refused request's are always given back.
 
     Raises:
         RequestRefused: INVALID_ARGUMENT past ``max_request_bytes``, RESOURCE_EXHAUSTED (with a retry-after)
@@ -75,13 +77,16 @@ def read_request(frames, budget: RequestBudget, max_request_bytes: int, frame_ch
         for frame in frames:
             n = max(frame.ByteSize(), frame_charge)
             if held + n > max_request_bytes:
-                raise RequestRefused("INVALID_ARGUMENT", f"the request reaches {held + n} bytes (each frame counting "
-                                     f"at least {frame_charge}), over the limit of {max_request_bytes} bytes a "
-                                     f"request")
+                least = f" (each frame counting at least {frame_charge})" if frame_charge else ""
+                raise RequestRefused("INVALID_ARGUMENT", f"the request reaches {held + n} bytes{least}, over the "
+                                     f"limit of {max_request_bytes} bytes a request")
             if not budget.take(n):
                 raise RequestRefused("RESOURCE_EXHAUSTED", budget.refusal(), RETRY_AFTER_S)
             held += n
             out.append(frame)
-    finally:
+    except BaseException:
         budget.give_back(held)
-    return out
+        raise
+    if not keep:
+        budget.give_back(held)
+    return out, held
