@@ -175,7 +175,24 @@ def test_next_hops_must_be_a_route_that_never_loops():
     assert "named twice" in next_hops_error(same_address, "a")
     assert "HOST:PORT" in next_hops_error([pb.ForwardHop(node_id="b", data_address="nowhere")], "a")
     many = [pb.ForwardHop(node_id=f"n{i}", data_address=f"10.0.{i // 250}.{i % 250}:1") for i in range(MAX_NEXT_HOPS + 1)]
-    assert f"more than {MAX_NEXT_HOPS}" in next_hops_error(many, "a")
+    assert next_hops_error(many, "a", 10_000) == (f"next_hops names {MAX_NEXT_HOPS + 1} hops, but {MAX_NEXT_HOPS} at "
+                                                  f"most can follow this node (10000 layers come after its range)")
+
+
+def test_next_hops_are_at_most_the_layers_after_the_node_and_addresses_differ_in_more_than_case():
+    """A middle node reached under 511 spellings of its own address (localhost, LOCALHOST, lOcalhost...)
+    with one request ran that step 512 times (72 s of compute): each later hop serves one layer at least,
+    and a DNS name is the same name in any case."""
+    aliases = [pb.ForwardHop(node_id=f"x{i}", data_address=f"{'LOCALHOST'[:i]}{'localhost'[i:]}:7000")
+               for i in range(3)]
+    assert next_hops_error(aliases[:1], "a", 10) is None
+    assert next_hops_error(aliases[:2], "a", 10) == "next_hops[1] (x1 at Localhost:7000) is named twice in the route"
+    eleven = [pb.ForwardHop(node_id=f"n{i}", data_address=f"10.0.0.{i + 1}:7000") for i in range(11)]
+    assert next_hops_error(eleven[:10], "a", 10) is None
+    assert next_hops_error(eleven, "a", 10) == ("next_hops names 11 hops, but 10 at most can follow this node (10 "
+                                                "layers come after its range)")
+    assert next_hops_error(eleven[:1], "a", 0) == ("next_hops names 1 hops, but 0 at most can follow this node (0 "
+                                                   "layers come after its range)")  # the tail
 
 
 def test_a_step_naming_a_looping_route_is_refused_before_it_runs():
@@ -195,10 +212,11 @@ def test_a_step_naming_a_looping_route_is_refused_before_it_runs():
         conn = DataPlaneConnection(address, None, 10)
         hidden = NamedTensor.from_numpy("hidden", np.ones((1, 8), np.float32))
         assert conn.call(request_to_frames(StepRequest("s", 1, 0, (5,), hidden=hidden), False))[1] is None
-        loop = [pb.ForwardHop(node_id="m", data_address=address)] * 300
-        _, error = conn.call(request_to_frames(StepRequest("s", 1, 0, (5,), hidden=hidden, rollback=True), False,
-                                               next_hops=loop))
-        assert error is not None and error[0] == "INVALID_ARGUMENT" and "this node (m)" in error[2]
+        for n, words in ((300, "300 hops, but 10 at most can follow this node"), (1, "this node (m)")):
+            loop = [pb.ForwardHop(node_id="m", data_address=address)] * n
+            _, error = conn.call(request_to_frames(StepRequest("s", 1, 0, (5,), hidden=hidden, rollback=True), False,
+                                                   next_hops=loop))
+            assert error is not None and error[0] == "INVALID_ARGUMENT" and words in error[2]
         time.sleep(0.5)
         assert steps == [0]
         conn.close()

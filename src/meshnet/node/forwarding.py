@@ -40,25 +40,32 @@ MAX_NEXT_HOPS = 512
 AwaitKey = tuple[str, int, int]  # (session_id, step_id, epoch)
 
 
-def next_hops_error(hops, own_node_id: str) -> str | None:
+def next_hops_error(hops, own_node_id: str, layers_after: int = MAX_NEXT_HOPS) -> str | None:
     """Why ``hops`` (the ``ForwardHop`` s a step names after this node) is no route, or None.
 
     A route names each node once and never the node it is at: a list that loops back (through this node,
-    or twice through another) would make one request run and forward steps without end."""
-    if len(hops) > MAX_NEXT_HOPS:
-        return f"next_hops names {len(hops)} hops, more than {MAX_NEXT_HOPS}"
+    or twice through another) would make one request run and forward steps without end. Each later hop
+    serves a layer at least, so there are at most ``layers_after`` of them (the model's layers after this
+    node's range): a node reached under 511 spellings of its own address (``LOCALHOST``, ``localHost``...)
+    ran one step 512 times. Addresses are compared without case, as DNS names are.
+    """
+    most = min(layers_after, MAX_NEXT_HOPS)
+    if len(hops) > most:
+        return (f"next_hops names {len(hops)} hops, but {most} at most can follow this node "
+                f"({layers_after} layers come after its range)")
     ids, addresses = set(), set()
     for i, hop in enumerate(hops):
         if hop.node_id == own_node_id:
             return f"next_hops[{i}] is this node ({own_node_id}): a route never comes back to a node"
-        if hop.node_id in ids or hop.data_address in addresses:
+        address = hop.data_address.lower()
+        if hop.node_id in ids or address in addresses:
             return f"next_hops[{i}] ({hop.node_id} at {hop.data_address}) is named twice in the route"
         try:
             check_address(hop.data_address)
         except ValueError as e:
             return f"next_hops[{i}] ({hop.node_id}): {e}"
         ids.add(hop.node_id)
-        addresses.add(hop.data_address)
+        addresses.add(address)
     return None
 
 

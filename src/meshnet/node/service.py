@@ -90,8 +90,16 @@ class NodeService(pb_grpc.NodeServicer):
         self.tensors: TensorSource | None = None
         # Step requests still arriving, on gRPC and the data plane together.
         self.budget = RequestBudget()
+        self._layers_after: int | None = None  # the model's layers after this node's range (known once asked)
 
     # ---- steps -------------------------------------------------------------------------------
+    def _hops_error(self, hops) -> str | None:
+        """:func:`next_hops_error` for this node: its id, and the model's layers after its range."""
+        if self._layers_after is None:
+            c = self.engine.capabilities()
+            self._layers_after = c.n_layer - c.artifact.layers.end
+        return next_hops_error(hops, self.node_id, self._layers_after)
+
     def run_step(self, frames) -> StepOutcome:
         """Validate frames, run the step, and say what to answer; shared by gRPC and the TCP data plane.
 
@@ -100,7 +108,7 @@ class NodeService(pb_grpc.NodeServicer):
         reached (the client learns the token from the tail)."""
         frames = list(frames)
         hops = frames[0].next_hops if frames else ()
-        refused = next_hops_error(hops, self.node_id)
+        refused = self._hops_error(hops)
         if refused is not None:
             return StepOutcome("INVALID_ARGUMENT", refused)
         out, req, decode, res = self._execute(frames)
@@ -127,7 +135,7 @@ class NodeService(pb_grpc.NodeServicer):
             self.awaited.deliver(await_key(head), StepOutcome("OK", replies=[pb.StepReply(failure=head.failure)]))
             return
         hops = head.next_hops
-        refused = next_hops_error(hops, self.node_id)
+        refused = self._hops_error(hops)
         if refused is not None:  # the head refuses such a route: only a misbehaving node sends it on
             log.warning("dropped a forwarded step of session %s: %s", head.session_id, refused)
             return
@@ -186,7 +194,7 @@ class NodeService(pb_grpc.NodeServicer):
             return False
         head = frames[0]
         n_tokens = head.shape[0] if head.shape else len(head.token_ids)
-        if n_tokens > ASYNC_STEP_TOKENS or next_hops_error(head.next_hops, self.node_id) is not None:
+        if n_tokens > ASYNC_STEP_TOKENS or self._hops_error(head.next_hops) is not None:
             return False
         try:
             req, decode = frames_to_request(frames)
