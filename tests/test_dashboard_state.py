@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import grpc
@@ -154,7 +155,8 @@ def test_activity_reporter_counts_tokens_once_and_reports_routes():
     r = tracker.reports[-1]
     assert (r.client_id, r.model_sha256, r.generated_tokens, len(r.ttft_s)) == ("client-x", "sha", 5, 1)
     (s,) = r.sessions
-    assert (s.session_id, s.epoch, s.tokens) == ("s1", 4, 5)
+    # A label, not the id, which would let anyone reading the dashboard end the session on its nodes.
+    assert (s.session_id, s.epoch, s.tokens) == (hashlib.sha256(b"s1").hexdigest()[:16], 4, 5)
     assert [(h.node_id, h.address, h.layers.start, h.layers.end, h.relayed) for h in s.hops] == [
         ("a", "127.0.0.1:9", 0, 15, False), ("r", "relay:r", 15, 30, True)]
     assert rep.report() and list(tracker.reports[-1].ttft_s) == []  # sent once

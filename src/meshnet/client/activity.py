@@ -10,6 +10,7 @@ token count; only the TTFT samples of a failed report are kept and resent).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -23,6 +24,13 @@ from meshnet.proto import meshnet_pb2 as pb
 log = logging.getLogger("meshnet.client")
 
 MAX_PENDING_TTFT = 1024  # first-token samples kept while the tracker does not answer
+
+
+def session_label(session_id: str) -> str:
+    """A session's name in activity reports and on the dashboard: 16 hex digits of its id's SHA-256. The id
+    itself is a bearer secret: whoever knows it can cancel, release or fence the session on its nodes, and
+    the dashboard answers anyone who reaches it."""
+    return hashlib.sha256(session_id.encode()).hexdigest()[:16]
 
 
 def hop_message(stage) -> pb.Hop:
@@ -105,7 +113,7 @@ class ActivityReporter:
         with self._lock:
             now = time.monotonic()
             ttft, self._dirty = list(self._ttft), False
-            sessions = [pb.SessionActivity(session_id=sid, epoch=epoch, hops=[hop_message(h) for h in hops],
+            sessions = [pb.SessionActivity(session_id=session_label(sid), epoch=epoch, hops=[hop_message(h) for h in hops],
                                            tokens=s.tokens, age_s=now - s.opened)
                         for sid, (epoch, hops) in routes.items()
                         if (s := self._sessions.get(sid)) is not None]
