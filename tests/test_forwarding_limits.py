@@ -243,3 +243,38 @@ def test_steps_the_head_refuses_leave_the_tail_open_to_clients(mesh, tok, solo):
     assert client.failovers == 0
     client.close()
     assert [n.active_sessions() for n in nodes] == [0, 0, 0]
+
+
+def test_a_next_node_that_cannot_be_reached_fails_at_once_for_a_while(monkeypatch):
+    """Each step naming an address that accepts and never answers held a step thread for the whole
+    connect timeout: 24 of them kept every thread of a node busy, and a chat prompt waited 4.5 s for its
+    first token. After one failed connection, sends there fail at once for UNREACHABLE_S."""
+    import meshnet.node.forwarding as forwarding
+    from meshnet.node.forwarding import Forwarder
+
+    hole = socket.create_server(("127.0.0.1", 0))  # accepts into its backlog, never answers
+    address = f"127.0.0.1:{hole.getsockname()[1]}"
+    hop = pb.ForwardHop(node_id="hole", data_address=address)
+    frame = pb.Envelope(session_id="s", n_chunks=1)
+    forwarder = Forwarder(None, timeout_s=0.5)
+    monkeypatch.setattr(forwarding, "UNREACHABLE_S", 0.6)
+    try:
+        started = time.monotonic()
+        failure = forwarder.send(hop, [frame])
+        assert failure.code == "UNAVAILABLE" and time.monotonic() - started >= 0.5
+        started = time.monotonic()
+        failure = forwarder.send(hop, [frame])
+        assert time.monotonic() - started < 0.1
+        assert failure.message == f"the hop before it could not reach {address} within the last 0.6 s"
+        time.sleep(0.7)
+        started = time.monotonic()
+        assert forwarder.send(hop, [frame]).code == "UNAVAILABLE"
+        assert time.monotonic() - started >= 0.5  # tried again once the mark expired
+        # Made-up addresses are not kept for good: past MAX_PEERS, pools without idle connections go.
+        monkeypatch.setattr(forwarding, "MAX_PEERS", 2)
+        for port in (1, 2, 3):
+            forwarder.send(pb.ForwardHop(node_id="x", data_address=f"127.0.0.1:{port}"), [frame])
+        assert len(forwarder._pools) <= 2
+    finally:
+        forwarder.close()
+        hole.close()

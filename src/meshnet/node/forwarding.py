@@ -36,6 +36,13 @@ MAX_PENDING = 4096
 
 # Hops a forwarded step may still have to go through: a route has one hop per layer range at most.
 MAX_NEXT_HOPS = 512
+# After a next node could not be reached (the connection or its handshake failed, or took the timeout),
+# sends to it fail at once for this long, seconds: each would hold a step thread up to the timeout, and 24
+# steps naming an address that never answers kept every thread of a node busy.
+UNREACHABLE_S = 5.0
+# Next nodes a node keeps connection pools (and unreachable marks) for: past it, those holding no idle
+# connection are dropped (an address named once, by a client that made it up, is not kept for good).
+MAX_PEERS = 256
 
 AwaitKey = tuple[str, int, int]  # (session_id, step_id, epoch)
 
@@ -174,6 +181,7 @@ class Forwarder:
     def __init__(self, join_token: str | None, timeout_s: float = 10.0, tls: ssl.SSLContext | None = None) -> None:
         self.join_token, self.timeout_s, self.tls = join_token, timeout_s, tls
         self._pools: dict[str, ConnectionPool] = {}
+        self._unreachable: dict[str, float] = {}  # address -> monotonic time until which sends fail at once
         self._lock = threading.Lock()
 
     def send(self, hop: pb.ForwardHop, frames: list[pb.Envelope], connect: bool = True) -> pb.HopFailure | None:
@@ -181,15 +189,25 @@ class Forwarder:
 
         A pooled connection the node closed meanwhile is replaced once (its idle timeout, a restart).
         ``connect`` False: raises :class:`WouldConnect`, having sent nothing, where that would take a new
-        connection (up to ``timeout_s`` to a node that accepts and then hangs)."""
+        connection (up to ``timeout_s`` to a node that accepts and then hangs). A node that could not be
+        reached fails at once for :data:`UNREACHABLE_S` after."""
+        address = hop.data_address
+        with self._lock:
+            until = self._unreachable.get(address, 0.0)
+        if time.monotonic() < until:
+            return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0,
+                                 message=f"the hop before it could not reach {address} within the last "
+                                         f"{UNREACHABLE_S:g} s")
         payloads = [f.SerializeToString() for f in frames]
-        pool = self._pool(hop.data_address)
+        pool = self._pool(address)
         error: Exception | None = None
         for _ in range(2):
             try:
                 conn = pool.acquire(connect=connect)
             except (OSError, DataPlaneError) as e:
                 error = e
+                with self._lock:
+                    self._unreachable[address] = time.monotonic() + UNREACHABLE_S
                 break
             if conn is None:
                 raise WouldConnect(hop.data_address)
@@ -202,7 +220,7 @@ class Forwarder:
             pool.release(conn)
             return None
         return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0,
-                             message=f"the hop before it could not forward to {hop.data_address}: {error}")
+                             message=f"the hop before it could not forward to {address}: {error}")
 
     def report(self, tail: pb.ForwardHop, step: pb.Envelope, failure: pb.HopFailure, connect: bool = True) -> None:
         """Tell ``tail`` that the step ``step`` heads (its header fields) failed with ``failure``, so it
@@ -217,8 +235,18 @@ class Forwarder:
         with self._lock:
             pool = self._pools.get(address)
             if pool is None:
+                if len(self._pools) >= MAX_PEERS:
+                    self._forget_idle_peers()
                 pool = self._pools[address] = ConnectionPool(address, self.join_token, self.timeout_s, self.tls)
             return pool
+
+    def _forget_idle_peers(self) -> None:
+        """Drop the pools holding no idle connection and the unreachable marks that expired (under the lock)."""
+        for address in [a for a, p in self._pools.items() if not p.idle_count()]:
+            del self._pools[address]
+        now = time.monotonic()
+        for address in [a for a, until in self._unreachable.items() if until <= now]:
+            del self._unreachable[address]
 
     def close(self) -> None:
         with self._lock:

@@ -288,6 +288,10 @@ class ConnectionPool:
         with self._lock:
             self._idle.append(conn)
 
+    def idle_count(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
     def close(self) -> None:
         with self._lock:
             for c in self._idle:
