@@ -9,7 +9,9 @@ are byte for byte what the schemas give.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi.responses import Response, StreamingResponse
@@ -26,6 +28,13 @@ from meshnet.api.schemas import (
 )
 
 DONE = "data: [DONE]\n\n"
+
+# How long a stream waits for its client to take what it was sent, seconds. A client that read nothing
+# (its socket's buffers full) held its generation slot and KV cells for as long as it kept the connection;
+# two such clients of a server with two slots turned everyone else away.
+STALL_S = 60.0
+
+log = logging.getLogger("meshnet.api")
 
 # A text whose JSON string occurs nowhere else in a chunk: where the fixed parts are cut.
 _MARK = "\x00meshnet-text\x00"
@@ -121,22 +130,39 @@ class CompletionChunks:
                                         usage=usage).model_dump())
 
 
+class _Stalled(Exception):
+    """The client took nothing for :data:`STALL_S` seconds."""
+
+
 class SSEResponse(StreamingResponse):
     """A server-sent-event stream whose body iterator is always closed when the response ends, so a
     client that goes away (however the server notices) releases its session promptly; ``on_close`` then
-    runs too (a generator that never started runs none of its own cleanup)."""
+    runs too (a generator that never started runs none of its own cleanup). A client that takes nothing
+    for :data:`STALL_S` seconds is let go the same way, and its connection closed."""
 
     on_close: Callable[[], Awaitable[None]] | None = None
 
     async def stream_response(self, send) -> None:
+        async def send_in_time(message) -> None:
+            # The server's send waits only while the client's socket is full (uvicorn's flow control).
+            try:
+                async with asyncio.timeout(STALL_S):
+                    await send(message)
+            except TimeoutError:
+                raise _Stalled() from None
+
         try:
-            await super().stream_response(send)
+            await super().stream_response(send_in_time)
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except _Stalled:  # the server closes a connection whose response is left incomplete
+            client = scope.get("client") or ("?", 0)
+            log.warning("the client at %s:%s took nothing of its stream for %g s: the stream ends and its "
+                        "generation is stopped", client[0], client[1], STALL_S)
         finally:  # here, not in stream_response: a client gone at once cancels that before it runs
             if self.on_close is not None:
                 await self.on_close()
