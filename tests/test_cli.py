@@ -158,3 +158,56 @@ def test_a_command_line_builds_only_the_parser_of_the_subcommand_it_names():
         assert ("run the tracker" in helped.stdout) if argv[0] == "-h" else ("meshnet api vs llama-server" in helped.stdout)
     proc = meshnet("tracker", "--port", "99999")
     assert proc.returncode == 2 and "--port" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_ctrl_c_on_the_api_ends_open_requests_with_a_503_and_no_traceback(stream, tmp_path):
+    """Ctrl-C with a request in flight: uvicorn waited its 5 s grace, then cancelled the generation
+    mid-step ("Exception in ASGI application", a CancelledError traceback, a plain-text 500 or a stream
+    cut without an end). Now the request ends at its next token with the API's own 503."""
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "api", "--model", "smollm2", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "stream": stream,
+                "temperature": 0}
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        if stream:
+            with httpx.Client(timeout=60) as http, http.stream("POST", url, json=body) as r:
+                lines = r.iter_lines()
+                assert r.status_code == 200 and next(line for line in lines if line.startswith("data: {"))
+                proc.send_signal(signal.SIGINT)
+                last = [line for line in lines if line.startswith("data: ")][-1]
+                assert json.loads(last[6:])["error"]["code"] == "server_shutdown"
+        else:  # its answer comes whole, at the end: asked on a thread of its own
+            import concurrent.futures
+
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                answer = pool.submit(httpx.post, url, json=body, timeout=60)
+                time.sleep(1.5)  # the generation is under way (2000 tokens take 10 s or more)
+                proc.send_signal(signal.SIGINT)
+                r = answer.result(timeout=30)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown"
+        started = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - started < 4  # within uvicorn's 5 s grace: nothing was cancelled
+        assert proc.returncode in (0, 130) and "Traceback" not in err and "ASGI" not in err, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -292,6 +292,7 @@ def run_up(args: argparse.Namespace) -> int:
         if api is not None:
             from meshnet.api.server import stop_api
 
+            api[0].stopping.set()  # its generations end with a 503 at their next token, as meshnet api's
             stop_api(api[1], api[2])
             api[0].close()
         print("[meshnet up] stopping nodes", file=sys.stderr)

@@ -71,6 +71,9 @@ class ApiBackend:
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
         self.admission = AdmissionLine()  # first prefills waiting for room, in arrival order
+        # Set when the server begins to stop: generations end at their next token with a 503, and requests
+        # waiting for a slot stop waiting, so every answer ends cleanly within the server's grace period.
+        self.stopping = threading.Event()
 
     @property
     def grammars(self) -> GrammarCompiler:

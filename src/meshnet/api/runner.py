@@ -138,6 +138,10 @@ class GenJob:
     counts_prompt: bool = True
 
 
+# How often a request waiting for a generation slot looks whether the server is stopping, seconds.
+_STOP_POLL_S = 0.25
+
+
 class ClientGone(Exception):
     """The HTTP client disconnected while its answer was being generated."""
 
@@ -202,11 +206,17 @@ class ChoiceRun:
         t0 = time.monotonic()
         self.metrics.add_queued(1)
         try:
-            await asyncio.wait_for(self.limiter.acquire(), ADMISSION_WAIT_S)
-        except asyncio.TimeoutError:
-            raise ApiError(503, f"the server is busy: waited {ADMISSION_WAIT_S:g} s for one of its "
-                                f"{self.backend.max_concurrency} generation slots; retry later", code="server_busy",
-                           retry_after_s=self.backend.retry_after_s) from None
+            while True:  # in slices: a server that begins to stop lets its waiting requests go
+                self._check_stopping()
+                wait = min(_STOP_POLL_S, ADMISSION_WAIT_S - (time.monotonic() - t0))
+                try:
+                    await asyncio.wait_for(self.limiter.acquire(), max(wait, 0.0))
+                    break
+                except asyncio.TimeoutError:
+                    if time.monotonic() - t0 >= ADMISSION_WAIT_S:
+                        raise ApiError(503, f"the server is busy: waited {ADMISSION_WAIT_S:g} s for one of its "
+                                            f"{self.backend.max_concurrency} generation slots; retry later",
+                                       code="server_busy", retry_after_s=self.backend.retry_after_s) from None
         finally:
             self.metrics.add_queued(-1)
         self._holding = True
@@ -232,11 +242,18 @@ class ChoiceRun:
                 return None
             if self.is_disconnected is not None and await self.is_disconnected():
                 raise ClientGone()
+            self._check_stopping()
             try:
                 ev = await self._driver.next_event()
             except (GenerationError, RuntimeError) as e:
                 raise map_generation_error(e, self.backend.retry_after_s) from e
             self._on_event(ev)
+
+    def _check_stopping(self) -> None:
+        """Raises ApiError 503 ``server_shutdown`` once the server has begun to stop."""
+        if self.backend.stopping.is_set():
+            raise ApiError(503, "the server is shutting down; retry the request", code="server_shutdown",
+                           retry_after_s=self.backend.retry_after_s)
 
     def _on_event(self, ev: TokenEvent | None) -> None:
         assert self._driver is not None

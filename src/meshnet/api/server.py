@@ -139,11 +139,25 @@ def run_api(args: argparse.Namespace) -> int:
         print(f"[meshnet api] serving {backend.model_name!r} on http://{args.host}:{port}/v1 "
               f"(context {backend.n_ctx} tokens)", file=sys.stderr, flush=True)
         try:
-            uvicorn.Server(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
-                                          timeout_graceful_shutdown=5)).run(sockets=[sock])
+            _StoppingServer(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
+                                           timeout_graceful_shutdown=5), backend.stopping).run(sockets=[sock])
         finally:
             backend.close()
     return 0
+
+
+class _StoppingServer(uvicorn.Server):
+    """uvicorn's server, which also sets ``stopping`` when a signal tells it to exit: its generations then
+    end at their next token (a 503 ``server_shutdown``; a stream's last event) well within the grace
+    period, after which uvicorn cancelled them mid-step (a traceback, and a stream cut without an end)."""
+
+    def __init__(self, config: uvicorn.Config, stopping: threading.Event) -> None:
+        super().__init__(config)
+        self._stopping = stopping
+
+    def handle_exit(self, sig, frame) -> None:
+        self._stopping.set()
+        super().handle_exit(sig, frame)
 
 
 def start_api_in_thread(backend: ApiBackend, host: str = "127.0.0.1", port: int = 8000,
