@@ -94,7 +94,7 @@ def test_wheel_carries_the_runtime_files_and_nothing_else(wheel):
     assert not [n for n in names if "__pycache__" in n or n.endswith((".pyc", ".so", ".gguf", ".whl"))]
     big = {n: i.file_size for n, i in infos.items() if i.file_size > MAX_FILE_BYTES}
     assert not big, big
-    assert re.search(r"^meshnet\s*=\s*meshnet\.cli:main$", entry_points, re.M)
+    assert re.search(r"^meshnet\s*=\s*meshnet\.cli:run$", entry_points, re.M)
     # accelerator lanes are built by scripts/build_ggml_lane.sh; optional references sit behind extras
     base = [r for r in meta.get_all("Requires-Dist") or [] if "extra ==" not in r]
     assert not [r for r in base if NOT_IN_BASE.match(r)], base
