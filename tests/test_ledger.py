@@ -170,6 +170,21 @@ def test_unusable_urls_are_named():
         Ledger("not a url")
 
 
+def test_the_log_names_an_sqlite_ledgers_file_by_its_absolute_path(tmp_path, monkeypatch):
+    """``--ledger sqlite:///tmp/x.db`` is SQLAlchemy's relative path (tmp/x.db here): the tracker's line said
+    only the URL, and the file turned up under the working directory."""
+    monkeypatch.chdir(tmp_path)
+    ledger = Ledger("sqlite:///tmp/x.db")
+    try:
+        assert ledger.display_url == f"sqlite:///tmp/x.db (file {tmp_path}/tmp/x.db)"
+        assert (tmp_path / "tmp" / "x.db").is_file()
+    finally:
+        ledger.close()
+    memory = Ledger("sqlite://")
+    assert memory.display_url == "sqlite://"
+    memory.close()
+
+
 # ---- over gRPC -----------------------------------------------------------------------------------------
 
 def node_info(node_id: str, start: int, end: int) -> pb.NodeInfo:

@@ -19,7 +19,7 @@ from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, S
 from sqlalchemy.pool import StaticPool
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
-URL_HELP = ("SQLite: sqlite:///PATH; PostgreSQL: postgresql://USER:PASS@HOST:PORT/DB with psycopg installed "
+URL_HELP = ("SQLite: sqlite:////ABSOLUTE/PATH or sqlite:///RELATIVE/PATH; PostgreSQL: postgresql://USER:PASS@HOST:PORT/DB with psycopg installed "
             "(pip install 'meshnet[postgres]')")
 # pg_advisory_xact_lock key held while migrating, so trackers starting at once on an empty PostgreSQL
 # database migrate one after the other (the later one finds the schema current).
@@ -40,7 +40,8 @@ class LedgerError(RuntimeError):
 
 def normalise_url(url: str | URL) -> URL:
     """``url`` parsed, with a bare PostgreSQL scheme (``postgresql://``, ``postgres://``) given the
-    psycopg driver when psycopg is installed (otherwise SQLAlchemy's default, psycopg2).
+    psycopg driver when psycopg is installed (otherwise SQLAlchemy's default, psycopg2). An SQLite URL is
+    SQLAlchemy's: ``sqlite:///x.db`` is relative to the working directory, ``sqlite:////tmp/x.db`` absolute.
 
     Raises:
         sqlalchemy.exc.ArgumentError: not a URL.

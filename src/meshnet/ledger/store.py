@@ -31,7 +31,7 @@ from sqlalchemy import and_, case, func, select
 from sqlalchemy.exc import SQLAlchemyError
 
 from meshnet.ledger.credit import Rect, new_area
-from meshnet.ledger.database import LedgerError, db_error, make_ledger_engine, upgrade
+from meshnet.ledger.database import LedgerError, db_error, is_memory, make_ledger_engine, upgrade
 from meshnet.ledger.hold import LOCK_WAIT_S, PostgresHold, hold_ledger
 from meshnet.ledger.schema import deliveries, node_keys, work
 
@@ -180,8 +180,12 @@ class Ledger:
 
     @property
     def display_url(self) -> str:
-        """The URL with any password masked, for logs."""
-        return self._engine.url.render_as_string(hide_password=True)
+        """The URL with any password masked, for logs; an SQLite file's absolute path beside it."""
+        url = self._engine.url
+        shown = url.render_as_string(hide_password=True)
+        if url.get_backend_name() == "sqlite" and not is_memory(url):
+            shown += f" (file {Path(url.database).expanduser().resolve()})"
+        return shown
 
     def close(self) -> None:
         """Release the database connections (an in-memory ledger is gone afterwards) and the file."""

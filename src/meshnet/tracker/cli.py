@@ -40,7 +40,8 @@ def add_tracker_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     p.add_argument("--tls-key", default=None, help="PEM private key for --tls-cert")
     p.add_argument("--ledger", default=None, metavar="URL",
                    help="SQLAlchemy URL of the ledger database (work credited to nodes, tokens charged to "
-                        "clients, node keys): sqlite:///PATH or postgresql+psycopg://USER:PASS@HOST/DB; "
+                        "clients, node keys): sqlite:////ABSOLUTE/PATH (four slashes; with three the path is "
+                        "relative) or postgresql+psycopg://USER:PASS@HOST/DB; "
                         "default sqlite:///$XDG_DATA_HOME/meshnet/ledger.db (~/.local/share/meshnet/ledger.db); "
                         "sqlite:// keeps it in memory")
     p.add_argument("--require-signatures", action="store_true",
