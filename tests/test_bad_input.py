@@ -269,6 +269,15 @@ def test_bad_load_settings_are_named(field, value):
     (["bench", "speculative", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),  # "no median for empty"
     (["bench", "structured", "--requests", "0"], "argument --requests: must be >= 1, got 0"),
     (["bench", "wan", "--rtt-ms", "abc"], "--rtt-ms takes comma-separated milliseconds, e.g. 0,10,25,50; got 'abc'"),
+    # Unknown arguments are named under their subcommand's usage (argparse named them under meshnet's),
+    # with the flag a misspelled one is closest to; words past a prompt are a prompt left unquoted.
+    (["generate", "--temprature", "0", "Hi"],
+     "meshnet generate: error: unrecognized arguments: --temprature (did you mean --temperature?) Hi; put a "
+     "prompt of several words in quotes"),
+    (["bench", "serve", "--concurency", "8"],
+     "meshnet bench serve: error: unrecognized arguments: --concurency (did you mean --concurrency?) 8"),
+    (["generate", "Hi", "there"], "meshnet generate: error: unrecognized arguments: there; put a prompt of several "
+                                  "words in quotes"),
     # The CPU lane has one device: the index was ignored.
     (["node", "--engine", "fake", "--port", "0", "--device", "1"],
      "error: --device 1 picks one of an accelerator's devices; give --backend too"),

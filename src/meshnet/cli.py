@@ -152,7 +152,10 @@ def _main(argv: list[str] | None) -> int:
     from meshnet.supervisor import stdout_to_devnull
 
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    parser = build_parser(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        _unrecognized(parser, args, extras)
     try:
         return args.func(args)
     except (ModelNotFound, ValueError, FileNotFoundError, TimeoutError) as e:
@@ -175,6 +178,25 @@ def _main(argv: list[str] | None) -> int:
         except OSError:
             stdout_to_devnull()
         return 1
+
+
+def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> None:
+    """Exit 2 naming ``extras`` under the usage of the subcommand they were given to (argparse names
+    them under ``meshnet``'s own), with the option each misspelled flag is closest to."""
+    import difflib
+
+    sub = parser
+    for dest in ("command", "bench"):  # down to the innermost subcommand named
+        action = next((a for a in sub._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if action is None or getattr(args, dest, None) not in action.choices:
+            break
+        sub = action.choices[getattr(args, dest)]
+    flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    hints = [f"{x} (did you mean {near[0]}?)" if (near := difflib.get_close_matches(x.split("=")[0], flags, 1))
+             else x for x in extras]
+    quote = ("; put a prompt of several words in quotes" if getattr(args, "command", None) == "generate"
+             and any(not x.startswith("-") for x in extras) else "")
+    sub.error(f"unrecognized arguments: {' '.join(hints)}{quote}")
 
 
 def run() -> None:
