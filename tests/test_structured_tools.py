@@ -167,6 +167,21 @@ def test_required_resolves_each_tools_own_refs_and_allows_one_call_without_paral
     assert all(call["additionalProperties"] is False for call in plan.schema["items"]["anyOf"])
 
 
+def test_a_parameter_named_like_a_value_keyword_is_a_name_when_refs_are_moved():
+    """A parameter called ``default`` (or ``enum``, ``const``, ``examples``) was taken for the keyword: its
+    ``$ref`` stayed unmoved under tool_choice "required", pointing at nothing (400) or at another tool's
+    parameters (tool calls that broke their own schema)."""
+    level = {"type": "integer", "enum": [1, 2, 3]}
+    for name in ("default", "enum", "const", "examples", "level"):
+        params = {"type": "object", "properties": {name: {"$ref": "#/$defs/Level"}}, "required": [name],
+                  "$defs": {"Level": level}}
+        plan = plan_tools([{"type": "function", "function": {"name": "set_level", "parameters": params}}],
+                          "required")
+        own = plan.schema["$defs"]["tool_0"]
+        assert own["properties"][name] == {"$ref": "#/$defs/tool_0/$defs/Level"}, name
+        assert own["$defs"]["Level"] == level and own["additionalProperties"] is False
+
+
 def test_a_template_that_reads_tools_renders_them(tok):
     template = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
                 "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}")

@@ -209,6 +209,8 @@ _SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitio
 # of an object that has properties), or say what it must not be (not). Neither side is closed there.
 _SAME_OBJECT = frozenset({"allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas", "$ref"})
 _OPEN_KEYS = frozenset({"additionalProperties", "patternProperties", "unevaluatedProperties"})
+# Keywords whose value maps names to schemas: their keys are names, not keywords.
+_NAMED_SCHEMAS = _SCHEMA_MAPS | {"dependentSchemas"}
 
 
 def _closed(schema: Any) -> Any:
@@ -262,6 +264,10 @@ def _merged_refs(schema: Any) -> set[str]:
             for k, v in node.items():
                 if k in _VALUE_KEYS:
                     continue
+                if k in _NAMED_SCHEMAS and isinstance(v, dict):  # names (a property called "default"...)
+                    for sub in v.values():
+                        walk(sub, k == "dependentSchemas")
+                    continue
                 alternatives = k in ("anyOf", "oneOf")
                 walk(v, k in combining and not alternatives or alternatives and "properties" in node)
 
@@ -271,10 +277,13 @@ def _merged_refs(schema: Any) -> set[str]:
 
 def _moved(schema: Any, root: str) -> Any:
     """``schema`` with every local ``$ref`` (``#``, ``#/...``) pointing below ``root`` instead: where the
-    schema goes when it is placed at ``root`` of a larger one. Values (``const``, ``enum``, ...) stay."""
+    schema goes when it is placed at ``root`` of a larger one. Values (``const``, ``enum``, ...) stay; the
+    keys of ``properties`` and the other maps of :data:`_NAMED_SCHEMAS` are names, whatever they spell."""
     if isinstance(schema, dict):
         return {k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#")
-                else v if k in _VALUE_KEYS else _moved(v, root) for k, v in schema.items()}
+                else v if k in _VALUE_KEYS
+                else {name: _moved(sub, root) for name, sub in v.items()}
+                if k in _NAMED_SCHEMAS and isinstance(v, dict) else _moved(v, root) for k, v in schema.items()}
     if isinstance(schema, list):
         return [_moved(v, root) for v in schema]
     return schema
