@@ -185,6 +185,10 @@ def test_openai_client_sends_logit_bias_and_extra_body(served):
     ({"top_k": -1}, "top_k"),
     ({"top_k": 2**31}, "top_k"),
     ({"top_k": 10**12}, "top_k"),
+    # Wrapped modulo 2**64 on the wire: seeds 0, 2**64 and 10**100 drew the same tokens.
+    ({"seed": 2**63}, "seed"),
+    ({"seed": 10**100}, "seed"),
+    ({"seed": -2**63 - 1}, "seed"),
 ])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_bad_values_are_400_naming_the_field(served, path, body, param):

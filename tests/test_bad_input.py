@@ -278,6 +278,8 @@ def test_bad_load_settings_are_named(field, value):
      "meshnet bench serve: error: unrecognized arguments: --concurency (did you mean --concurrency?) 8"),
     (["generate", "Hi", "there"], "meshnet generate: error: unrecognized arguments: there; put a prompt of several "
                                   "words in quotes"),
+    (["generate", "--seed", str(2**64), "hi"], "error: seed must be a 64-bit integer, in [-2**63, 2**64), got "
+                                              "18446744073709551616"),  # it wrapped to seed 0
     # The CPU lane has one device: the index was ignored.
     (["node", "--engine", "fake", "--port", "0", "--device", "1"],
      "error: --device 1 picks one of an accelerator's devices; give --backend too"),

@@ -59,7 +59,7 @@ class _SamplingFields(_Strict):
     ignore_eos: bool | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # default 0.0
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)  # default 0.0
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(1 << 63), le=(1 << 63) - 1)  # int64, as OpenAI's
     # meshnet's own: speculative decoding ("none" / "ngram" / "model": the server's --draft-model / "mtp":
     # the model's next-token-prediction layers; null: the server's --speculative) and the draft tokens per
     # verification step (null: the server's --draft-tokens, else 10)
