@@ -280,6 +280,9 @@ def test_bad_load_settings_are_named(field, value):
                                   "words in quotes"),
     (["generate", "--seed", str(2**64), "hi"], "error: seed must be a 64-bit integer, in [-2**63, 2**64), got "
                                               "18446744073709551616"),  # it wrapped to seed 0
+    (["generate", "--client-id", "alice", "hi"], "error: --client-id needs --tracker"),
+    (["generate", "--tracker", "127.0.0.1:1", "--client-id", "x" * 257, "hi"],
+     "argument --client-id: has 257 characters; at most 256"),
     # The CPU lane has one device: the index was ignored.
     (["node", "--engine", "fake", "--port", "0", "--device", "1"],
      "error: --device 1 picks one of an accelerator's devices; give --backend too"),

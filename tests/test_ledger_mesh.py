@@ -166,6 +166,13 @@ def test_cli_generation_is_charged_and_shown_by_meshnet_ledger(tmp_path, monkeyp
         assert {(c["client_id"], c["delivered_tokens"]) for c in data["clients"]} == {(client_id, 8)}
         assert {(x["node_id"], x["tokens"]) for x in data["nodes"]} == \
             {("a-head", (n + 7) * 15 / 30), ("d-tail", (n + 7) * 15 / 30)}
+        # --client-id names who is charged (a random client-... id per process, which no one could tie to a
+        # user, was the only way).
+        proc = subprocess.run([sys.executable, "-m", "meshnet.cli", "generate", "--tracker", mesh.tracker,
+                               "--client-id", "alice", "--temperature", "0", "--max-tokens", "4", "--ignore-eos",
+                               PROMPTS[0]], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert mesh.charges() == {client_id: (8, 1), "alice": (4, 1)}
     finally:
         mesh.close()
 

@@ -152,6 +152,25 @@ def name_text(text: str) -> str:
     return utf8_text(text)
 
 
+# The longest client id the tracker's ledger and dashboard take (meshnet.ledger.store.MAX_ID_CHARS).
+CLIENT_ID_MAX_CHARS = 256
+
+
+def client_id(text: str) -> str:
+    """A name the ledger charges a client's tokens to: non-empty UTF-8 of at most CLIENT_ID_MAX_CHARS."""
+    text = name_text(text)
+    if len(text) > CLIENT_ID_MAX_CHARS:
+        raise argparse.ArgumentTypeError(f"has {len(text)} characters; at most {CLIENT_ID_MAX_CHARS}")
+    return text
+
+
+def add_client_id_arg(p: argparse.ArgumentParser) -> None:
+    """``--client-id NAME``: who a running mesh's ledger charges for the tokens this process receives."""
+    p.add_argument("--client-id", type=client_id, default=None, metavar="NAME",
+                   help="with --tracker: the name the mesh's ledger charges the tokens this process receives to "
+                        "(meshnet ledger lists clients by it); default a random client-... id per process")
+
+
 # A join token travels as gRPC metadata and in the data plane's hello: printable ASCII (gRPC refuses
 # other bytes in a metadata value: "Invalid metadata"), within gRPC's 8 KiB of metadata with room to spare.
 JOIN_TOKEN_MAX_CHARS = 4096

@@ -55,7 +55,7 @@ def _add_model_args(p: argparse.ArgumentParser):
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
-    from meshnet.arg_types import add_join_token_arg, host_port, utf8_text
+    from meshnet.arg_types import add_client_id_arg, add_join_token_arg, host_port, utf8_text
 
     gen = sub.add_parser("generate", help="complete a prompt, streaming the text to stdout")
     gen.add_argument("prompt", type=utf8_text)
@@ -76,6 +76,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                      help="with --tracker: seconds to wait for a complete route before giving up (default 0: "
                           "give up at once)")
     add_join_token_arg(gen)
+    add_client_id_arg(gen)
     gen.add_argument("--tls-ca", default=None, help="CA/cert to verify TLS tracker and nodes")
     gen.add_argument("--client-orchestrated", action="store_true",
                      help="every step through the client, hop by hop (default: nodes forward hidden states to the next node themselves where the route allows)")
@@ -106,7 +107,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     model_id = None
-    problem = mode_problem(args, {"--wait": args.wait, "--tls-ca": args.tls_ca,
+    problem = mode_problem(args, {"--wait": args.wait, "--tls-ca": args.tls_ca, "--client-id": args.client_id,
                                   "--client-orchestrated": args.client_orchestrated})
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -139,7 +140,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from meshnet.up import wait_for_route
 
         chain = MeshClient(args.tracker, model_sha256=model_id or model_manifest(path).id, join_token=args.join_token,
-                           tls_ca=args.tls_ca, forwarding=not args.client_orchestrated)
+                           tls_ca=args.tls_ca, forwarding=not args.client_orchestrated, client_id=args.client_id)
         try:
             if args.wait:
                 try:

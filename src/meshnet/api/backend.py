@@ -276,9 +276,10 @@ def local_backend(model: str = "smollm2", stages: int | None = None, layers: str
 
 def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = None,
                  tls_ca: str | None = None, name: str | None = None, max_concurrency: int = 8,
-                 step_timeout_s: float = 60.0, forwarding: bool = True) -> ApiBackend:
+                 step_timeout_s: float = 60.0, forwarding: bool = True, client_id: str | None = None) -> ApiBackend:
     """An :class:`ApiBackend` over a running mesh: one shared MeshClient (sessions have distinct ids);
-    ``forwarding``: node-to-node steps where the route allows (see :class:`MeshClient`).
+    ``forwarding``: node-to-node steps where the route allows (see :class:`MeshClient`); ``client_id``: who
+    the ledger charges (default a random id).
 
     The GGUF must be readable here too: the API tokenizes and renders chat templates itself, and routes
     only to nodes serving the same model id (:func:`meshnet.model.manifest.model_id`).
@@ -296,7 +297,7 @@ def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = 
     path = str(resolve_model(model))
     tok = GGUFTokenizer.from_gguf(path)
     client = MeshClient(tracker, model_sha256=model_id(path), join_token=join_token, tls_ca=tls_ca,
-                        step_timeout_s=step_timeout_s, forwarding=forwarding)
+                        step_timeout_s=step_timeout_s, forwarding=forwarding, client_id=client_id)
     # Until a route has been seen, assume the engines' default context (the model's, capped at 4096).
     from meshnet.engine.ggml_stage import DEFAULT_MAX_CTX
 

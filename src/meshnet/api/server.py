@@ -11,7 +11,7 @@ import time
 
 import uvicorn
 
-from meshnet.arg_types import (LOCAL_STAGE_DEFAULTS, add_join_token_arg, host_port, listen_host, mode_problem, name_text, port_number,
+from meshnet.arg_types import (LOCAL_STAGE_DEFAULTS, add_client_id_arg, add_join_token_arg, host_port, listen_host, mode_problem, name_text, port_number,
                                positive_int, positive_number)
 from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.backend import ApiBackend
@@ -53,6 +53,7 @@ def add_api_parser(sub) -> None:
                    help="address to listen on (default %(default)s; 0.0.0.0 = every interface)")
     p.add_argument("--port", type=port_number, default=8000, help="port (default %(default)s; 0 = any free port)")
     add_join_token_arg(p)
+    add_client_id_arg(p)
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker and nodes")
     p.add_argument("--client-orchestrated", action="store_true",
                    help="with --tracker: " + "every step through the client, hop by hop (default: nodes forward hidden states to the next node themselves where the route allows)")
@@ -87,7 +88,8 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
     from meshnet.speculative import mtp_problem
 
     name = args.name
-    if problem := mode_problem(args, {"--client-orchestrated": args.client_orchestrated, "--tls-ca": args.tls_ca}):
+    if problem := mode_problem(args, {"--client-orchestrated": args.client_orchestrated, "--tls-ca": args.tls_ca,
+                                      "--client-id": args.client_id}):
         raise ValueError(problem)
     if args.tracker and (refused := tracker_refusal(args.tracker, args.join_token, args.tls_ca)):
         # It served anyway and answered every request 503 with the tracker's refusal.
@@ -108,7 +110,7 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
     if args.tracker:
         backend = mesh_backend(args.tracker, model_path, join_token=args.join_token, tls_ca=args.tls_ca,
                                name=name or served_name(args.model), max_concurrency=args.max_concurrency or 8,
-                               forwarding=not args.client_orchestrated)
+                               forwarding=not args.client_orchestrated, client_id=args.client_id)
         backend.speculation = speculation
         backend.mtp_problem = mtp_problem(model_path, backend.model_name)
         return backend
