@@ -247,3 +247,22 @@ def test_a_step_stream_is_bounded_per_request_and_by_the_nodes_budget(monkeypatc
         assert pb_grpc.NodeStub(channel).Health(pb.Empty(), timeout=5).healthy
     finally:
         server.stop(0).wait()
+
+
+def test_a_data_plane_failure_names_the_node_at_its_routed_address_and_the_data_port_in_the_message():
+    """The failover line named the node at its data port (127.0.0.1:45189) while the route, `meshnet
+    nodes` and --json's layers show its gRPC address: the same node looked like two."""
+    import socket
+
+    from meshnet.client.remote import StageFailure
+    from meshnet.wire.data_plane import ConnectionPool
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    stage = RemoteStage("n1", "127.0.0.1:7700", open_channel("127.0.0.1:7700"),
+                        data_pool=ConnectionPool(dead, None, 2.0))
+    with pytest.raises(StageFailure) as e:
+        stage.prefill(StepRequest("s", 0, 0, (1, 2, 3)))
+    assert (e.value.node_id, e.value.address, e.value.code) == ("n1", "127.0.0.1:7700", "UNAVAILABLE")
+    assert str(e.value).startswith(f"node n1 at 127.0.0.1:7700: UNAVAILABLE: data plane {dead}: ")
