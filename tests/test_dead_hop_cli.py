@@ -166,3 +166,28 @@ def test_a_client_the_nodes_refuse_is_told_why_at_once(mesh):
     last = r.stderr.splitlines()[-1]
     assert last.startswith("error: no route") and "node a-guarded at " in last and ": UNAUTHENTICATED: " in last
     assert time.monotonic() - t0 < 6.0  # the interpreter's start and the imports, not the 8 s deadline
+
+
+def test_generate_waits_for_room_on_a_full_mesh_as_the_api_does(solo):
+    """A stage at its session limit answered `meshnet generate --tracker` RESOURCE_EXHAUSTED at once: a
+    user could only retry by hand. It now waits in line for room, as the API does, and completes."""
+    import threading
+    import time
+
+    from meshnet.contract import GREEDY, StepRequest
+
+    mesh = Mesh()
+    try:
+        mesh.start_nodes([("a-head", "0:15"), ("d-tail", "15:30")], "smollm2", "--max-sessions", "1")
+        holder = MeshClient(mesh.tracker, report_deliveries=False)
+        ids = solo.prompt_ids(1)
+        assert holder.step(StepRequest("held", 0, 0, tuple(ids), sampling=GREEDY), decode=False).ok
+        threading.Timer(3.0, holder.release, args=("held",)).start()  # room frees in 3 s
+        started = time.monotonic()
+        proc = run_generate(mesh.tracker, PROMPTS[0], "--max-tokens", "8", "--ignore-eos")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout.splitlines()[-1])["generated_token_ids"] == solo.greedy(0, 8)
+        assert time.monotonic() - started >= 3.0  # it waited for the held session to go
+        holder.close()
+    finally:
+        mesh.close()

@@ -167,8 +167,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 2
     print(f"[meshnet] {args.model_id or args.model}: {len(ranges)} stage(s) {', '.join(str(r) for r in ranges)}, "
           f"{len(prompt_ids)} prompt tokens", file=sys.stderr)
+    stepper = chain
+    if args.tracker:
+        from meshnet.api.backend import ADMISSION_WAIT_S, AdmissionRetry
+
+        # A stage at its session or KV limit (nodes shared with others) is waited for, as the API does: it
+        # answered at once with RESOURCE_EXHAUSTED, which a user could only retry by hand.
+        stepper = AdmissionRetry(chain, wait_s=ADMISSION_WAIT_S)
     # As the API's budget: the last generated token is never fed back, so a context of n_ctx holds one more.
-    gen = Generation(chain, tok, prompt_ids, min(args.max_tokens, n_ctx - len(prompt_ids) + 1), sampling,
+    gen = Generation(stepper, tok, prompt_ids, min(args.max_tokens, n_ctx - len(prompt_ids) + 1), sampling,
                      stop_at_eog=not args.ignore_eos, speculation=speculation)
     events = iter(gen)
     streamed: list[str] = []
