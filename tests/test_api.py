@@ -417,6 +417,36 @@ def test_a_body_that_stops_arriving_is_408_and_the_server_keeps_serving(served, 
     _ok(http)
 
 
+def test_headers_that_stop_arriving_close_the_connection_and_the_server_keeps_serving(served, http, monkeypatch):
+    """``POST ... HTTP/1.1`` and then a byte every few seconds held a connection for good, before or after
+    a first request on it: 20,000 of them took every file descriptor of the process."""
+    import socket
+
+    import meshnet.api.http_protocol as http_protocol
+
+    monkeypatch.setattr(http_protocol, "HEADERS_S", 0.6)
+    port = int(served[1].rsplit(":", 1)[1])
+
+    def closed_within(raw, seconds: float) -> bool:
+        started = time.monotonic()
+        while raw.recv(65536):
+            pass
+        return time.monotonic() - started < seconds
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        for _ in range(2):  # a byte every 0.2 s is not a request (the deadline counts from connecting)
+            time.sleep(0.2)
+            raw.sendall(b"X")
+        assert closed_within(raw, 5)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
+        raw.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # a whole request first: answered
+        assert raw.recv(65536).startswith(b"HTTP/1.1 200 ")
+        raw.sendall(b"GET /health HTTP/1.1\r\n")  # then half of the next one, and nothing more
+        assert closed_within(raw, 5)
+    _ok(http)
+
+
 def test_an_internal_error_is_a_500_and_the_connection_keeps_serving(served, monkeypatch):
     """A bug inside a request (here: planning the tools raising) answers 500 in OpenAI's shape, and the
     client's keep-alive connection serves its next request (Starlette's handler re-raised to the server,

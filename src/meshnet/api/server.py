@@ -14,6 +14,7 @@ import uvicorn
 from meshnet.arg_types import (LOCAL_STAGE_DEFAULTS, add_client_id_arg, add_join_token_arg, host_port, listen_host, mode_problem, name_text, port_number,
                                positive_int, positive_number)
 from meshnet.api.app import MAX_BODY_BYTES, create_app
+from meshnet.api.http_protocol import HeaderDeadlineProtocol
 from meshnet.api.backend import ApiBackend
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
 from meshnet.speculative import add_speculation_args, speculation_from_args
@@ -142,7 +143,8 @@ def run_api(args: argparse.Namespace) -> int:
               f"(context {backend.n_ctx} tokens)", file=sys.stderr, flush=True)
         try:
             _StoppingServer(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5), backend.stopping).run(sockets=[sock])
+                                           timeout_graceful_shutdown=5, http=HeaderDeadlineProtocol),
+                            backend.stopping).run(sockets=[sock])
         finally:
             backend.close()
     return 0
@@ -202,6 +204,7 @@ def serve_app_in_thread(app, host: str = "127.0.0.1", port: int = 8000, log_leve
     sock.set_inheritable(True)
     bound = sock.getsockname()[1]
     config = uvicorn.Config(app, host=host, port=bound, log_level=log_level, timeout_graceful_shutdown=5,
+                            http=HeaderDeadlineProtocol,
                             lifespan="off")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"{name}-{bound}", daemon=True)
