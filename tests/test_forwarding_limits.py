@@ -270,11 +270,26 @@ def test_a_next_node_that_cannot_be_reached_fails_at_once_for_a_while(monkeypatc
         started = time.monotonic()
         assert forwarder.send(hop, [frame]).code == "UNAVAILABLE"
         assert time.monotonic() - started >= 0.5  # tried again once the mark expired
-        # Made-up addresses are not kept for good: past MAX_PEERS, pools without idle connections go.
+        # A refused connection costs no wait and is not marked: a node restarting on its port is used at once.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        restarting = pb.ForwardHop(node_id="r", data_address=f"127.0.0.1:{port}")
+        assert forwarder.send(restarting, [frame]).code == "UNAVAILABLE"
+        engine = FakeEngine(FakeModel())
+        assert engine.load(LoadSpec(path="", artifact=ArtifactId("", LayerRange(10, 20)))).ok
+        service = NodeService(engine, "r", pb.ModelIdentity())
+        server = DataPlaneServer("127.0.0.1", port, service.run_step, run_forward=service.run_forward)
+        server.start()
+        try:
+            assert forwarder.send(restarting, [frame]) is None
+        finally:
+            server.stop()
+        # Made-up addresses are not kept for good: past MAX_PEERS, the least recently used pool goes.
         monkeypatch.setattr(forwarding, "MAX_PEERS", 2)
         for port in (1, 2, 3):
             forwarder.send(pb.ForwardHop(node_id="x", data_address=f"127.0.0.1:{port}"), [frame])
-        assert len(forwarder._pools) <= 2
+        assert list(forwarder._pools) == ["127.0.0.1:2", "127.0.0.1:3"]
     finally:
         forwarder.close()
         hole.close()

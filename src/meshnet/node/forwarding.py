@@ -36,12 +36,12 @@ MAX_PENDING = 4096
 
 # Hops a forwarded step may still have to go through: a route has one hop per layer range at most.
 MAX_NEXT_HOPS = 512
-# After a next node could not be reached (the connection or its handshake failed, or took the timeout),
-# sends to it fail at once for this long, seconds: each would hold a step thread up to the timeout, and 24
+# After connecting to a next node, or its handshake, took the whole timeout, sends to it fail at once for
+# this long, seconds: each would hold a step thread up to the timeout, and 24
 # steps naming an address that never answers kept every thread of a node busy.
 UNREACHABLE_S = 5.0
-# Next nodes a node keeps connection pools (and unreachable marks) for: past it, those holding no idle
-# connection are dropped (an address named once, by a client that made it up, is not kept for good).
+# Next nodes a node keeps connection pools (and unreachable marks) for: past it, the least recently used
+# is closed (an address named once, by a client that made it up, is not kept for good).
 MAX_PEERS = 256
 
 AwaitKey = tuple[str, int, int]  # (session_id, step_id, epoch)
@@ -180,7 +180,7 @@ class Forwarder:
 
     def __init__(self, join_token: str | None, timeout_s: float = 10.0, tls: ssl.SSLContext | None = None) -> None:
         self.join_token, self.timeout_s, self.tls = join_token, timeout_s, tls
-        self._pools: dict[str, ConnectionPool] = {}
+        self._pools: collections.OrderedDict[str, ConnectionPool] = collections.OrderedDict()
         self._unreachable: dict[str, float] = {}  # address -> monotonic time until which sends fail at once
         self._lock = threading.Lock()
 
@@ -189,25 +189,28 @@ class Forwarder:
 
         A pooled connection the node closed meanwhile is replaced once (its idle timeout, a restart).
         ``connect`` False: raises :class:`WouldConnect`, having sent nothing, where that would take a new
-        connection (up to ``timeout_s`` to a node that accepts and then hangs). A node that could not be
-        reached fails at once for :data:`UNREACHABLE_S` after."""
+        connection (up to ``timeout_s`` to a node that accepts and then hangs). A node whose connection
+        or handshake took the whole timeout fails at once for :data:`UNREACHABLE_S` after, unless a
+        pooled connection to it is idle (a refused connection is not marked: it costs no wait, and a node
+        restarting on its port, or at its connection cap a moment, is back at once)."""
         address = hop.data_address
+        pool = self._pool(address)
         with self._lock:
             until = self._unreachable.get(address, 0.0)
-        if time.monotonic() < until:
+        if time.monotonic() < until and not pool.idle_count():
             return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0,
                                  message=f"the hop before it could not reach {address} within the last "
                                          f"{UNREACHABLE_S:g} s")
         payloads = [f.SerializeToString() for f in frames]
-        pool = self._pool(address)
         error: Exception | None = None
         for _ in range(2):
             try:
                 conn = pool.acquire(connect=connect)
             except (OSError, DataPlaneError) as e:
                 error = e
-                with self._lock:
-                    self._unreachable[address] = time.monotonic() + UNREACHABLE_S
+                if isinstance(e, TimeoutError):
+                    with self._lock:
+                        self._unreachable[address] = time.monotonic() + UNREACHABLE_S
                 break
             if conn is None:
                 raise WouldConnect(hop.data_address)
@@ -217,7 +220,13 @@ class Forwarder:
                 conn.close()
                 error = e
                 continue
-            pool.release(conn)
+            with self._lock:
+                self._unreachable.pop(address, None)
+                kept = self._pools.get(address) is pool
+            if kept:
+                pool.release(conn)
+            else:  # its pool was dropped meanwhile (see _pool): nobody would use it again
+                conn.close()
             return None
         return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0,
                              message=f"the hop before it could not forward to {address}: {error}")
@@ -232,21 +241,19 @@ class Forwarder:
         self.send(tail, [note], connect)
 
     def _pool(self, address: str) -> ConnectionPool:
+        """The pool of connections to ``address``, the most recently used last; past :data:`MAX_PEERS` the
+        least recently used pool is closed and dropped (with its unreachable mark)."""
         with self._lock:
             pool = self._pools.get(address)
-            if pool is None:
-                if len(self._pools) >= MAX_PEERS:
-                    self._forget_idle_peers()
-                pool = self._pools[address] = ConnectionPool(address, self.join_token, self.timeout_s, self.tls)
+            if pool is not None:
+                self._pools.move_to_end(address)
+                return pool
+            while len(self._pools) >= MAX_PEERS:
+                old_address, old = self._pools.popitem(last=False)
+                self._unreachable.pop(old_address, None)
+                old.close()
+            pool = self._pools[address] = ConnectionPool(address, self.join_token, self.timeout_s, self.tls)
             return pool
-
-    def _forget_idle_peers(self) -> None:
-        """Drop the pools holding no idle connection and the unreachable marks that expired (under the lock)."""
-        for address in [a for a, p in self._pools.items() if not p.idle_count()]:
-            del self._pools[address]
-        now = time.monotonic()
-        for address in [a for a, until in self._unreachable.items() if until <= now]:
-            del self._unreachable[address]
 
     def close(self) -> None:
         with self._lock:
