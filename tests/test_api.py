@@ -614,6 +614,38 @@ def test_a_request_waiting_past_the_admission_time_for_a_slot_is_503(backend, mo
 
 
 
+def test_requests_waiting_for_a_slot_get_it_in_arrival_order(backend):
+    """A waiting request gave its place up every 0.25 s (to look whether the server was stopping) and
+    queued again behind later ones: a slot freed at 0.4 s went to the second request, not the first."""
+    go = threading.Event()
+    b = ApiBackend(lambda: _HeldClient(go), backend.tokenizer, "smollm2", N_CTX, max_concurrency=1, retry_after_s=3)
+    server, thread = start_api_in_thread(b, "127.0.0.1", 0)
+    done: list[str] = []
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.config.port}", timeout=30) as http:
+            def ask(name: str) -> None:
+                assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+                done.append(name)
+
+            threads = [threading.Thread(target=ask, args=(name,)) for name in ("held", "first", "second")]
+            threads[0].start()
+            deadline = time.monotonic() + 10
+            while "meshnet_api_active_sessions 1.0" not in http.get("/metrics").text:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            threads[1].start()
+            time.sleep(0.1)
+            threads[2].start()
+            time.sleep(0.4)  # both wait, the first past a 0.25 s slice
+            go.set()
+            for t in threads:
+                t.join(30)
+        assert done == ["held", "first", "second"]
+    finally:
+        go.set()
+        stop_api(server, thread)
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_request_whose_client_leaves_while_it_waits_for_a_slot_leaves_the_queue(backend, monkeypatch, stream):
     """A client gone while its request waits in line must not keep its place (nor, once a slot frees, run

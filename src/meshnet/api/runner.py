@@ -205,18 +205,25 @@ class ChoiceRun:
 
         t0 = time.monotonic()
         self.metrics.add_queued(1)
+        # One acquire, kept in the semaphore's line however long it waits (slots go first come, first
+        # served), looked at in slices: a server that begins to stop lets its waiting requests go.
+        acquiring = asyncio.ensure_future(self.limiter.acquire())
         try:
-            while True:  # in slices: a server that begins to stop lets its waiting requests go
+            while not acquiring.done():
                 self._check_stopping()
-                wait = min(_STOP_POLL_S, ADMISSION_WAIT_S - (time.monotonic() - t0))
-                try:
-                    await asyncio.wait_for(self.limiter.acquire(), max(wait, 0.0))
-                    break
-                except asyncio.TimeoutError:
-                    if time.monotonic() - t0 >= ADMISSION_WAIT_S:
-                        raise ApiError(503, f"the server is busy: waited {ADMISSION_WAIT_S:g} s for one of its "
-                                            f"{self.backend.max_concurrency} generation slots; retry later",
-                                       code="server_busy", retry_after_s=self.backend.retry_after_s) from None
+                left = ADMISSION_WAIT_S - (time.monotonic() - t0)
+                if left <= 0:
+                    raise ApiError(503, f"the server is busy: waited {ADMISSION_WAIT_S:g} s for one of its "
+                                        f"{self.backend.max_concurrency} generation slots; retry later",
+                                   code="server_busy", retry_after_s=self.backend.retry_after_s)
+                await asyncio.wait({acquiring}, timeout=min(_STOP_POLL_S, left))
+            acquiring.result()
+        except BaseException:
+            if acquiring.done() and not acquiring.cancelled() and acquiring.exception() is None:
+                self.limiter.release()  # it got the slot as we gave up: hand it on
+            else:
+                acquiring.cancel()
+            raise
         finally:
             self.metrics.add_queued(-1)
         self._holding = True

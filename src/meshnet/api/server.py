@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -141,13 +142,25 @@ def run_api(args: argparse.Namespace) -> int:
         port = sock.getsockname()[1]
         print(f"[meshnet api] serving {backend.model_name!r} on http://{args.host}:{port}/v1 "
               f"(context {backend.n_ctx} tokens)", file=sys.stderr, flush=True)
+        # uvicorn raises the signal that stopped it again once it has stopped: with SIGTERM's default
+        # action the process was killed there (status -15), before the backend closed and before the
+        # atexit handlers sent the ledger what the mesh client had not reported yet.
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         try:
             _StoppingServer(uvicorn.Config(app, host=args.host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=5, http=HeaderDeadlineProtocol),
                             backend.stopping).run(sockets=[sock])
         finally:
             backend.close()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(0)  # unwinds through run_api's finally, then the interpreter's exit (atexit) runs
 
 
 class _StoppingServer(uvicorn.Server):
