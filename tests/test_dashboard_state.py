@@ -273,3 +273,19 @@ def test_reports_are_bounded_in_bytes_each_and_all_together():
     kept = [c["client_id"] for c in board.snapshot()["clients"]]
     assert len(kept) == MAX_BOARD_BYTES // report.ByteSize() and kept[-1] == "c39"
     assert board._bytes == sum(report.ByteSize() for _ in kept) <= MAX_BOARD_BYTES
+
+
+def test_processes_under_one_named_client_id_report_activity_apart_and_are_charged_together():
+    """``--client-id alice`` in two processes: the tracker keeps one activity report per id, so they
+    replaced each other's session lists every second and their token counts read as restarts. Their
+    activity now carries a suffix of each process's own; the ledger still charges alice."""
+    from meshnet.client.accounting import StepAccounting
+
+    tracker = _Tracker()
+    a, b = (StepAccounting(tracker, "alice", "sha", dict, shared_id=True) for _ in range(2))
+    assert a.deliveries.client_id == b.deliveries.client_id == "alice"
+    ids = {a.activity.client_id, b.activity.client_id}
+    assert len(ids) == 2 and all(i.startswith("alice (") and len(i) == len("alice (abcdef)") for i in ids)
+    assert StepAccounting(tracker, "client-1234", "sha", dict).activity.client_id == "client-1234"  # its own
+    for acc in (a, b):
+        acc.close()

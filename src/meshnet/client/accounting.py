@@ -15,6 +15,7 @@ delivered depends on who drives the session:
 
 from __future__ import annotations
 
+import secrets
 from typing import Callable
 
 from meshnet.client.activity import ActivityReporter
@@ -33,12 +34,16 @@ class StepAccounting:
         routes: ``() -> {session_id: (epoch, hops)}``, the sessions open now (the activity report lists
             them).
         report_deliveries / report_activity: whether to report to the ledger / the dashboard at all.
+        shared_id: ``client_id`` was given by the user, so other processes may report under it too: the
+            dashboard's reports then carry a suffix of this process's own (the tracker keeps one activity
+            report per id, and two processes under one id replaced each other's and inflated tokens/s).
     """
 
     def __init__(self, tracker, client_id: str, model_sha256: str, routes: Callable[[], dict],
-                 report_deliveries: bool = True, report_activity: bool = True) -> None:
+                 report_deliveries: bool = True, report_activity: bool = True, shared_id: bool = False) -> None:
         self.deliveries = DeliveryReporter(tracker, client_id, model_sha256) if report_deliveries else None
-        self.activity = ActivityReporter(tracker, client_id, model_sha256, routes) if report_activity else None
+        shown = f"{client_id} ({secrets.token_hex(3)})" if shared_id else client_id
+        self.activity = ActivityReporter(tracker, shown, model_sha256, routes) if report_activity else None
         self._consumer_charged: set[str] = set()  # sessions whose consumer reports what it got
 
     def opened(self, session_id: str) -> None:

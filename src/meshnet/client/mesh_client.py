@@ -93,7 +93,7 @@ class MeshClient:
         self.node_failures = NodeFailures()
         self.client_id = client_id or new_client_id()
         self.accounting = StepAccounting(self.router.tracker, self.client_id, model_sha256, self._routes,
-                                         report_deliveries, report_activity)
+                                         report_deliveries, report_activity, shared_id=client_id is not None)
 
     # ---- routing -----------------------------------------------------------------------------
     def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0, min_n_ctx: int = 0,
