@@ -400,3 +400,29 @@ def test_requests_still_arriving_are_bounded_over_all_connections(serve):
     replies, error = conn.call(_prefill(4, session="after"))
     assert error is None and replies_to_result(replies).n_past == 4
     conn.close()
+
+
+def test_a_forwarded_step_is_not_held_against_the_budget_its_sender_would_never_hear_of():
+    """A node forwarding a step reads no answer: refused for the budget, the step was lost without a word
+    and its client waited out its deadline. Forwarded steps are bounded per connection instead."""
+    from meshnet.wire.data_plane import FORWARD
+    from meshnet.wire.request_budget import RequestBudget
+
+    ran = []
+    budget = RequestBudget(1)  # not even one frame of a client's request fits
+    s = DataPlaneServer("127.0.0.1", 0, _service().run_step, None, run_forward=ran.append, budget=budget)
+    s.start()
+    try:
+        sock = _raw(f"127.0.0.1:{s.port}")
+        send_message(sock, AUTH, b"")
+        assert recv_message(sock) == (AUTH, b"")
+        frames = _prefill(4, session="fwd")
+        sock.sendall(b"".join(encode_messages(FORWARD, (f.SerializeToString(),)) for f in frames))
+        deadline = time.monotonic() + 5
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [f.session_id for f in ran[0]] == ["fwd"] * len(frames) and budget.held == 0
+        assert s.stats["busy"] == 0
+        sock.close()
+    finally:
+        s.stop()

@@ -2,9 +2,10 @@
 
 The port is open to whoever can reach it, so nothing a peer announces is trusted before it has shown the
 join token (the rules each message must meet: :mod:`meshnet.wire.data_plane_conn`); after it, a message's
-bytes are buffered only as they arrive (so a length announced and never sent costs nothing), up to
-``max_message_bytes`` per frame and ``max_request_bytes`` per request, and the requests still arriving
-on all connections within a :class:`~meshnet.wire.request_budget.RequestBudget`. Silent connections are closed
+bytes are buffered only as they arrive, up to ``max_message_bytes`` per frame and ``max_request_bytes`` per
+request, and the client requests still arriving on all connections within a
+:class:`~meshnet.wire.request_budget.RequestBudget` (a frame's announced length counts from its header
+until its request completes or its connection closes). Silent connections are closed
 (``auth_timeout_s`` to authenticate, ``read_timeout_s`` of silence inside a request, ``idle_timeout_s``
 between requests), and at most ``max_connections`` are open at once: a new one beyond that replaces the
 oldest connection that has not authenticated yet, or is refused when every connection has. Steps run on
@@ -243,7 +244,9 @@ class DataPlaneServer:
                     c.header += data
                     if len(c.header) == HEADER.size:
                         c.start_message(self._kinds, self.max_message_bytes, self.max_request_bytes)
-                        if c.kind in (ENVELOPE, FORWARD):  # a frame: held until its request is complete
+                        # A client's frame: held until its request is complete. Not a forwarded step's:
+                        # its sender reads no answer, so a refusal would lose the step without a word.
+                        if c.kind == ENVELOPE:
                             c.hold(self.budget, max(c.need, FRAME_CHARGE))
                 else:
                     c.body += data
