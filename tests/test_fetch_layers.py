@@ -292,7 +292,7 @@ def test_publish_manifest_refuses_a_hostile_manifest_as_invalid_argument(canonic
 def test_an_overlong_model_name_is_refused_naming_its_length_and_long_refusals_are_cut():
     """A 100 kB --model-id was quoted whole in the refusal, which gRPC sends as a header: the client saw
     'metadata size exceeds hard limit' instead of the tracker's answer."""
-    from meshnet.tracker.refusals import _bounded
+    from meshnet.tracker.refusals import bounded
     from meshnet.tracker.server import serve_tracker
     from meshnet.wire.security import open_channel
 
@@ -309,8 +309,8 @@ def test_an_overlong_model_name_is_refused_naming_its_length_and_long_refusals_a
         assert e.value.code() == grpc.StatusCode.NOT_FOUND and "\u00e9" * 1024 in e.value.details()
     finally:
         server.stop(None)
-    assert _bounded("a" * 4096) == "a" * 4096
-    assert _bounded("\u00e9" * 3000) == "\u00e9" * 2048 + "... (952 more characters)"  # 2 bytes each
+    assert bounded("a" * 4096) == "a" * 4096
+    assert bounded("\u00e9" * 3000) == "\u00e9" * 2048 + "... (952 more characters)"  # 2 bytes each
 
 
 @pytest.mark.parametrize("command", [["generate", "a prompt", "--tracker", "127.0.0.1:1"],

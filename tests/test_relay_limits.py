@@ -134,17 +134,21 @@ def test_attached_nodes_and_steps_in_flight_have_budgets_of_their_own():
                 with limits.stream(ctx, "RelayStep"):
                     pass
             assert ctx.status == (grpc.StatusCode.UNAVAILABLE,
-                                  "RelayStep: the tracker has 1 calls to relayed nodes in flight already; try "
+                                  "RelayStep: the tracker has 1 steps for relayed nodes in flight already; try "
                                   "again later")
         with limits.stream(_Context(), "RelayStep"):  # its slot came back
             pass
 
 
-def test_relay_control_calls_share_the_calls_budget_and_wait_a_bounded_time(tracker):
+def test_relay_control_calls_have_a_budget_and_wait_a_bounded_time(tracker):
     """RelayControl had no budget and, without a deadline of its own, waited as long as the node's stream
-    lived: calls to a relayed node that never answers could take every tracker thread."""
+    lived: calls to a relayed node that never answers could take every tracker thread. Its budget is its
+    own: sharing the steps' let a flood of steps refuse health probes (a live node recorded as down)."""
     stub, service = tracker
-    service.relay_limits = RelayLimits(max_steps=1, answer_s=0.5)
+    service.relay_limits = RelayLimits(max_steps=1, max_controls=1, answer_s=0.5)
+    with service.relay_limits.stream(_Context(), "RelayStep"):  # the steps' budget is full: controls pass
+        with service.relay_limits.stream(_Context(), "RelayControl"):
+            pass
     service.relays.attach("mute")  # attached, never answers
     health = pb.RelayControlRequest(node_id="mute", kind=pb.RelayDown.HEALTH)
     started = time.monotonic()
@@ -158,7 +162,17 @@ def test_relay_control_calls_share_the_calls_budget_and_wait_a_bounded_time(trac
     with pytest.raises(grpc.RpcError) as ei:
         stub.RelayControl(health, timeout=5)
     assert ei.value.code() is grpc.StatusCode.UNAVAILABLE
-    assert ei.value.details() == ("RelayControl: the tracker has 1 calls to relayed nodes in flight already; try "
-                                  "again later")
+    assert ei.value.details() == ("RelayControl: the tracker has 1 control calls for relayed nodes in flight "
+                                  "already; try again later")
     assert dict(ei.value.trailing_metadata())["retry-after-s"] == "1.000"
     assert held.exception(timeout=5).code() is grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_an_overlong_relayed_node_id_is_refused_without_quoting_it(tracker):
+    """A 100,000-character node id was quoted whole in RelayControl's refusal, which gRPC sends as a header:
+    the caller saw 'metadata size exceeds hard limit' instead."""
+    stub, _ = tracker
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.RelayControl(pb.RelayControlRequest(node_id="\u00e9" * 100_000, kind=pb.RelayDown.HEALTH), timeout=5)
+    assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details() == "RelayControl: node_id must have 1 to 128 characters, got 100000"

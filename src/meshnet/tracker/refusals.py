@@ -27,7 +27,7 @@ class Refusal(Exception):
 _MAX_MESSAGE_BYTES = 4096
 
 
-def _bounded(message: str) -> str:
+def bounded(message: str) -> str:
     """``message``, cut to :data:`_MAX_MESSAGE_BYTES` of UTF-8 with how much was left out."""
     data = message.encode()
     if len(data) <= _MAX_MESSAGE_BYTES:
@@ -38,7 +38,7 @@ def _bounded(message: str) -> str:
 
 def rpc(method):
     """Turn Refusal into its status and any other exception into INTERNAL, never a bare trace; the
-    message is bounded (:func:`_bounded`)."""
+    message is bounded (:func:`bounded`)."""
 
     @functools.wraps(method)
     def wrapper(self, request, context):
@@ -50,6 +50,6 @@ def rpc(method):
                 context.set_trailing_metadata(((RETRY_AFTER_METADATA, f"{r.retry_after_s:.3f}"),))
         except Exception as e:  # noqa: BLE001 - a bug must not take the tracker down or leak a trace
             code, message = grpc.StatusCode.INTERNAL, f"tracker error in {method.__name__}: {type(e).__name__}: {e}"
-        context.abort(code, _bounded(message))
+        context.abort(code, bounded(message))
 
     return wrapper

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from meshnet.proto import meshnet_pb2 as pb
+from meshnet.tracker.refusals import bounded
 from meshnet.wire.data_plane_server import MAX_REQUEST_BYTES
 from meshnet.wire.request_budget import RequestBudget, RequestRefused, read_request
 from meshnet.wire.security import RETRY_AFTER_METADATA
@@ -31,7 +32,10 @@ RELAY_NODE_METADATA = "meshnet-relay-node"
 # routes: 64 streams that never sent a message held every thread, and the tracker answered nothing.
 MAX_RELAYED_NODES = 64
 MAX_RELAY_STEPS = 224
-TRACKER_WORKERS = MAX_RELAYED_NODES + MAX_RELAY_STEPS + 32
+# RelayControl calls (health probes, cancels, releases) have a budget of their own: under a flood of steps
+# a probe refused made the client record a live node as down, and releases were dropped.
+MAX_RELAY_CONTROLS = 32
+TRACKER_WORKERS = MAX_RELAYED_NODES + MAX_RELAY_STEPS + MAX_RELAY_CONTROLS + 32
 # Step frames buffered for relayed nodes at once, bytes (each step's own at most MAX_REQUEST_BYTES, as on
 # the data plane): a stream that sent 15 MiB frames and never ended grew the tracker without bound.
 MAX_RELAY_BYTES = 512 << 20
@@ -155,19 +159,22 @@ class RelayHub:
 
 class RelayLimits:
     """What relayed traffic may hold of the tracker at once (thread-safe): :data:`MAX_RELAYED_NODES`
-    Relay streams, :data:`MAX_RELAY_STEPS` calls to relayed nodes (RelayStep and RelayControl, each waiting
-    :data:`RELAY_ANSWER_S` at most for the node's answer) and :data:`MAX_RELAY_BYTES` of buffered step frames.
+    Relay streams, :data:`MAX_RELAY_STEPS` RelaySteps and :data:`MAX_RELAY_CONTROLS` RelayControls (each call
+    waiting :data:`RELAY_ANSWER_S` at most for the node's answer) and :data:`MAX_RELAY_BYTES` of buffered
+    step frames.
 
     Refusals are UNAVAILABLE (with a retry-after), as for a relayed node the tracker cannot reach: the
     client fails over, or waits for the node, rather than taking it for the node's own answer."""
 
     def __init__(self, max_nodes: int = MAX_RELAYED_NODES, max_steps: int = MAX_RELAY_STEPS,
                  max_bytes: int = MAX_RELAY_BYTES, read_s: float = RELAY_READ_S,
-                 answer_s: float = RELAY_ANSWER_S) -> None:
+                 answer_s: float = RELAY_ANSWER_S, max_controls: int = MAX_RELAY_CONTROLS) -> None:
         self.max_bytes, self.read_s, self.answer_s = max_bytes, read_s, answer_s
-        self._slots = {"nodes": (threading.BoundedSemaphore(max_nodes), max_nodes, "relays for {} nodes"),
-                       "calls": (threading.BoundedSemaphore(max_steps), max_steps,
-                                 "has {} calls to relayed nodes in flight")}
+        self._slots = {"Relay": (threading.BoundedSemaphore(max_nodes), max_nodes, "relays for {} nodes"),
+                       "RelayStep": (threading.BoundedSemaphore(max_steps), max_steps,
+                                     "has {} steps for relayed nodes in flight"),
+                       "RelayControl": (threading.BoundedSemaphore(max_controls), max_controls,
+                                        "has {} control calls for relayed nodes in flight")}
         self.budget = RequestBudget(max_bytes)  # step frames buffered
         self._deadlines: dict[int, tuple[float, object]] = {}  # id(context) -> (read deadline, context)
         self._lock = threading.Lock()
@@ -175,10 +182,10 @@ class RelayLimits:
 
     @contextlib.contextmanager
     def stream(self, context, method: str):
-        """Hold one of ``method``'s slots for the ``with`` block (a Relay stream's, or a call's: RelayStep,
-        RelayControl); the call is cancelled unless the block calls the yielded function (what it had to
+        """Hold one of ``method``'s slots ("Relay", "RelayStep" or "RelayControl") for the ``with`` block;
+        the call is cancelled unless the block calls the yielded function (what it had to
         read has arrived) within ``read_s``. Aborts the call with UNAVAILABLE when every slot is taken."""
-        slots, most, what = self._slots["nodes" if method == "Relay" else "calls"]
+        slots, most, what = self._slots[method]
         if not slots.acquire(blocking=False):
             _refuse(context, f"{method}: the tracker {what.format(most)} already; try again later")
         key = id(context)
@@ -244,4 +251,4 @@ class RelayLimits:
 def _refuse(context, message: str) -> None:
     """End the call UNAVAILABLE with a retry-after of a second (see :class:`RelayLimits`)."""
     context.set_trailing_metadata(((RETRY_AFTER_METADATA, "1.000"),))
-    context.abort(grpc.StatusCode.UNAVAILABLE, message)
+    context.abort(grpc.StatusCode.UNAVAILABLE, bounded(message))

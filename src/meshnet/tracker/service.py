@@ -30,12 +30,13 @@ from typing import TYPE_CHECKING
 import grpc
 
 from meshnet.membership.auth import AuthError, Authenticator
+from meshnet.membership.identity import NODE_ID_MAX_CHARS
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.activity import ActivityBoard
 from meshnet.tracker.manifests import ManifestFull, ManifestNotFound, ManifestRefused, ManifestStore
 from meshnet.tracker.node_info import device_dict, info_from_status, like_from_hops, record_from_info
-from meshnet.tracker.refusals import Refusal, rpc
+from meshnet.tracker.refusals import Refusal, bounded, rpc
 from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry
 from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayHub, RelayLimits
 from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
@@ -329,7 +330,7 @@ class TrackerService(pb_grpc.TrackerServicer):
         if answer.retry_after_s is not None:
             context.set_trailing_metadata(((RETRY_AFTER_METADATA, f"{answer.retry_after_s:.3f}"),))
         code = grpc.StatusCode.__members__.get(answer.code, grpc.StatusCode.UNKNOWN)
-        context.abort(code, answer.message)
+        context.abort(code, bounded(answer.message))
 
     def RelayStep(self, request_iterator, context):
         """Forward one step's frames to the node named in the ``meshnet-relay-node`` metadata and stream
@@ -338,9 +339,9 @@ class TrackerService(pb_grpc.TrackerServicer):
         node did not answer within the call's deadline, RELAY_ANSWER_S at most), and a stream that has not
         sent its frames within RELAY_READ_S is cancelled."""
         node_id = dict(context.invocation_metadata()).get(RELAY_NODE_METADATA, "")
-        if not node_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"RelayStep: name the node in the {RELAY_NODE_METADATA!r} request metadata")
+        if not node_id or len(node_id) > NODE_ID_MAX_CHARS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"RelayStep: name the node (1 to {NODE_ID_MAX_CHARS} "
+                          f"characters) in the {RELAY_NODE_METADATA!r} request metadata")
         if not self.relays.attached(node_id):  # before reading what could not go anywhere
             context.abort(grpc.StatusCode.UNAVAILABLE, f"node {node_id} has no relay stream open")
         with self.relay_limits.stream(context, "RelayStep") as arrived:
@@ -360,9 +361,10 @@ class TrackerService(pb_grpc.TrackerServicer):
 
     def RelayControl(self, request: pb.RelayControlRequest, context) -> pb.RelayControlReply:
         """Cancel / release a session on, or ask health / capabilities of, a relayed node. Refusals as
-        for :meth:`RelayStep`; the call shares its budget of calls in flight."""
-        if not request.node_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "RelayControl: node_id is empty")
+        for :meth:`RelayStep`, with a budget of calls of its own (see :class:`RelayLimits`)."""
+        if not request.node_id or len(request.node_id) > NODE_ID_MAX_CHARS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"RelayControl: node_id must have 1 to "
+                          f"{NODE_ID_MAX_CHARS} characters, got {len(request.node_id)}")
         if request.kind in (pb.RelayDown.ATTACHED, pb.RelayDown.STEP):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "RelayControl: kind must be CANCEL, RELEASE, HEALTH or CAPABILITIES (steps use RelayStep)")
