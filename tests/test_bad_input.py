@@ -278,8 +278,9 @@ def test_bad_load_settings_are_named(field, value):
      "meshnet bench serve: error: unrecognized arguments: --concurency (did you mean --concurrency?) 8"),
     (["generate", "Hi", "there"], "meshnet generate: error: unrecognized arguments: there; put a prompt of several "
                                   "words in quotes"),
-    (["generate", "--seed", str(2**64), "hi"], "error: seed must be a 64-bit integer, in [-2**63, 2**64), got "
-                                              "18446744073709551616"),  # it wrapped to seed 0
+    (["generate", "--seed", str(2**64), "hi"], "error: seed must be a 64-bit signed integer, in [-2**63, "
+                                              "2**63), got 18446744073709551616"),  # it wrapped to seed 0
+    (["generate", "--seed", str(2**64 - 1), "hi"], "in [-2**63, 2**63), got 18446744073709551615"),  # seed -1's
     (["generate", "--client-id", "alice", "hi"], "error: --client-id needs --tracker"),
     (["generate", "--tracker", "127.0.0.1:1", "--client-id", "x" * 257, "hi"],
      "argument --client-id: has 257 characters; at most 256"),

@@ -128,9 +128,9 @@ class SamplingParams:
         if not REPETITION_PENALTY_MIN <= self.repetition_penalty <= REPETITION_PENALTY_MAX:
             return (f"repetition_penalty must be in [{REPETITION_PENALTY_MIN:g}, {REPETITION_PENALTY_MAX:g}], got "
                     f"{self.repetition_penalty}")
-        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 64:
-            # the wire holds it modulo 2**64: a larger seed would draw what a smaller one draws
-            return f"seed must be a 64-bit integer, in [-2**63, 2**64), got {self.seed}"
+        if self.seed is not None and not -(1 << 63) <= self.seed < 1 << 63:
+            # the wire holds it modulo 2**64: outside int64 (OpenAI's seed) one seed would draw another's
+            return f"seed must be a 64-bit signed integer, in [-2**63, 2**63), got {self.seed}"
         if self.n_top_logprobs < 0 or self.n_top_logprobs > 20:
             return f"n_top_logprobs must be in [0, 20], got {self.n_top_logprobs}"
         if not -1 <= self.penalty_last_n <= MAX_INT32:

@@ -83,12 +83,12 @@ class RemoteStage:
         try:
             conn = self.data_pool.acquire(timeout_s)
         except (OSError, DataPlaneError) as e:
-            raise self._data_failure(*_socket_failure(e, timeout_s)) from None
+            raise self.data_failure(*_socket_failure(e, timeout_s)) from None
         try:
             replies, error = conn.call(frames, timeout_s, self.answers, self.timeout_s)
         except (OSError, DataPlaneError) as e:
             conn.close()  # a late reply would otherwise answer the next step on this connection
-            raise self._data_failure(*_socket_failure(e, timeout_s)) from None
+            raise self.data_failure(*_socket_failure(e, timeout_s)) from None
         self.data_pool.release(conn)
         return self._refusal(error) if error is not None else replies
 
@@ -97,10 +97,10 @@ class RemoteStage:
         code, retry, message = error
         status = _CONTRACT_CODES.get(grpc.StatusCode[code]) if code in grpc.StatusCode.__members__ else None
         if status is None:
-            raise self._data_failure(code, message)
+            raise self.data_failure(code, message)
         return StepResult(status, message=f"{self.node_id}: {message}", retry_after_s=retry)
 
-    def _data_failure(self, code: str, message: str) -> StageFailure:
+    def data_failure(self, code: str, message: str) -> StageFailure:
         """A failure on the node's data plane, at the node's address as its route gives it (the one ``meshnet
         nodes`` and ``--json``'s layers show), with the data plane's own in the message."""
         return StageFailure(self.node_id, self.address, code, f"data plane {self.data_pool.address}: {message}")
@@ -128,12 +128,12 @@ class RemoteStage:
         try:
             conn = self.data_pool.acquire(timeout_s)
         except (OSError, DataPlaneError) as e:
-            raise self._data_failure(*_socket_failure(e, timeout_s)) from None
+            raise self.data_failure(*_socket_failure(e, timeout_s)) from None
         try:
             answers = conn.call_many(requests, timeout_s)
         except (OSError, DataPlaneError) as e:
             conn.close()
-            raise StageFailure(self.node_id, self.data_pool.address, *_socket_failure(e, timeout_s)) from None
+            raise self.data_failure(*_socket_failure(e, timeout_s)) from None
         results = [self._refusal(error) if error is not None else self._decode(replies) for replies, error in answers]
         if len(answers) < len(requests):
             conn.close()  # the node answers the requests after the refused one too
@@ -167,13 +167,13 @@ class RemoteStage:
         try:
             conn = self.data_pool.acquire(timeout_s)
         except (OSError, DataPlaneError) as e:
-            raise self._data_failure(*_socket_failure(e, timeout_s)) from None
+            raise self.data_failure(*_socket_failure(e, timeout_s)) from None
         try:
             conn.send(AWAIT, [pb.AwaitStep(session_id=req.session_id, step_id=req.step_id,
                                            epoch=req.epoch).SerializeToString()], timeout_s)
         except OSError as e:
             conn.close()
-            raise StageFailure(self.node_id, self.data_pool.address, *_socket_failure(e, timeout_s)) from None
+            raise self.data_failure(*_socket_failure(e, timeout_s)) from None
         return PendingStep(self, conn)
 
     def step(self, req: StepRequest, decode: bool, timeout_s: float | None = None) -> StepResult:
@@ -293,7 +293,7 @@ class PendingStep:
             replies, error = self.conn.receive(timeout_s, still_alive, patience_s, watch)
         except (OSError, DataPlaneError) as e:
             self.conn.close()
-            raise StageFailure(tail.node_id, tail.data_pool.address, *_socket_failure(e, timeout_s)) from None
+            raise tail.data_failure(*_socket_failure(e, timeout_s)) from None
         except BaseException:
             self.conn.close()  # the answer may still come: this connection cannot be reused
             raise
