@@ -183,6 +183,14 @@ def test_the_log_names_an_sqlite_ledgers_file_by_its_absolute_path(tmp_path, mon
     memory = Ledger("sqlite://")
     assert memory.display_url == "sqlite://"
     memory.close()
+    # "~" is the home folder, as the shell's: SQLite took it for a folder named "~" and failed to open.
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    home = Ledger("sqlite:///~/ledger.db")
+    try:
+        assert home.display_url == f"sqlite:///{tmp_path}/home/ledger.db (file {tmp_path}/home/ledger.db)"
+        assert (tmp_path / "home" / "ledger.db").is_file()
+    finally:
+        home.close()
 
 
 # ---- over gRPC -----------------------------------------------------------------------------------------

@@ -194,8 +194,10 @@ def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, ext
     flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
     hints = [f"{x} (did you mean {near[0]}?)" if (near := difflib.get_close_matches(x.split("=")[0], flags, 1))
              else x for x in extras]
+    # Bare words left over are a prompt of several words, unless a flag was not known: then they may be its
+    # value, and the prompt taken was another word (--temprature 0 Hi: the prompt is "0").
     quote = ("; put a prompt of several words in quotes" if getattr(args, "command", None) == "generate"
-             and any(not x.startswith("-") for x in extras) else "")
+             and not any(x.startswith("-") for x in extras) else "")
     sub.error(f"unrecognized arguments: {' '.join(hints)}{quote}")
 
 

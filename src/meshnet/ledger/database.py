@@ -47,6 +47,9 @@ def normalise_url(url: str | URL) -> URL:
         sqlalchemy.exc.ArgumentError: not a URL.
     """
     u = make_url(url)
+    if u.get_backend_name() == "sqlite" and u.database and u.database.startswith("~"):
+        # SQLite opens "~/x.db" as a directory named "~": the file went where its lock file did not
+        u = u.set(database=str(Path(u.database).expanduser()))
     if u.drivername in ("postgresql", "postgres"):
         have_psycopg = importlib.util.find_spec("psycopg") is not None
         u = u.set(drivername="postgresql+psycopg" if have_psycopg else "postgresql")
