@@ -427,23 +427,34 @@ def test_headers_that_stop_arriving_close_the_connection_and_the_server_keeps_se
     monkeypatch.setattr(http_protocol, "HEADERS_S", 0.6)
     port = int(served[1].rsplit(":", 1)[1])
 
-    def closed_within(raw, seconds: float) -> bool:
+    def trickle_until_closed(raw) -> float:
+        """Send a byte every 0.1 s until the server closes the connection; seconds it took."""
         started = time.monotonic()
-        while raw.recv(65536):
-            pass
-        return time.monotonic() - started < seconds
+        raw.setblocking(False)
+        while time.monotonic() - started < 10:
+            try:
+                if raw.recv(65536) == b"":
+                    break
+            except BlockingIOError:
+                pass
+            except OSError:  # reset
+                break
+            try:
+                raw.send(b"X")
+            except OSError:  # closed under us
+                break
+            time.sleep(0.1)
+        return time.monotonic() - started
 
     with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
         raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-        for _ in range(2):  # a byte every 0.2 s is not a request (the deadline counts from connecting)
-            time.sleep(0.2)
-            raw.sendall(b"X")
-        assert closed_within(raw, 5)
+        # A byte every 0.1 s is not a request: the deadline counts from connecting, not from the last byte.
+        assert 0.5 <= trickle_until_closed(raw) < 3
     with socket.create_connection(("127.0.0.1", port), timeout=30) as raw:
         raw.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # a whole request first: answered
         assert raw.recv(65536).startswith(b"HTTP/1.1 200 ")
-        raw.sendall(b"GET /health HTTP/1.1\r\n")  # then half of the next one, and nothing more
-        assert closed_within(raw, 5)
+        raw.sendall(b"GET /health HTTP/1.1\r\n")  # then the next one a byte at a time
+        assert 0.5 <= trickle_until_closed(raw) < 3
     _ok(http)
 
 
@@ -634,8 +645,13 @@ def test_requests_waiting_for_a_slot_get_it_in_arrival_order(backend):
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             threads[1].start()
-            time.sleep(0.1)
+            while _gauge(http, "meshnet_api_queued_requests") != "1.0":  # the first is in line
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
             threads[2].start()
+            while _gauge(http, "meshnet_api_queued_requests") != "2.0":
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
             time.sleep(0.4)  # both wait, the first past a 0.25 s slice
             go.set()
             for t in threads:

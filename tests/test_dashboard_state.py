@@ -287,5 +287,7 @@ def test_processes_under_one_named_client_id_report_activity_apart_and_are_charg
     ids = {a.activity.client_id, b.activity.client_id}
     assert len(ids) == 2 and all(i.startswith("alice (") and len(i) == len("alice (abcdef)") for i in ids)
     assert StepAccounting(tracker, "client-1234", "sha", dict).activity.client_id == "client-1234"  # its own
-    for acc in (a, b):
+    longest = StepAccounting(tracker, "x" * 256, "sha", dict, shared_id=True)  # the tracker takes 256 at most
+    assert len(longest.activity.client_id) == 256 and longest.deliveries.client_id == "x" * 256
+    for acc in (a, b, longest):
         acc.close()

@@ -171,7 +171,8 @@ def test_a_client_the_nodes_refuse_is_told_why_at_once(mesh):
 def test_generate_waits_for_room_on_a_full_mesh_as_the_api_does(solo):
     """A stage at its session limit answered `meshnet generate --tracker` RESOURCE_EXHAUSTED at once: a
     user could only retry by hand. It now waits in line for room, as the API does, and completes."""
-    import threading
+    import subprocess
+    import sys
     import time
 
     from meshnet.contract import GREEDY, StepRequest
@@ -182,12 +183,19 @@ def test_generate_waits_for_room_on_a_full_mesh_as_the_api_does(solo):
         holder = MeshClient(mesh.tracker, report_deliveries=False)
         ids = solo.prompt_ids(1)
         assert holder.step(StepRequest("held", 0, 0, tuple(ids), sampling=GREEDY), decode=False).ok
-        threading.Timer(3.0, holder.release, args=("held",)).start()  # room frees in 3 s
+        proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "generate", "--tracker", mesh.tracker,
+                                 "--temperature", "0", "--json", "--max-tokens", "8", "--ignore-eos", PROMPTS[0]],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = proc.stderr.readline()  # "[meshnet] ...: 2 stage(s) ..., N prompt tokens": its prefill is next
+        assert "prompt tokens" in line, line
         started = time.monotonic()
-        proc = run_generate(mesh.tracker, PROMPTS[0], "--max-tokens", "8", "--ignore-eos")
-        assert proc.returncode == 0, proc.stderr
-        assert json.loads(proc.stdout.splitlines()[-1])["generated_token_ids"] == solo.greedy(0, 8)
-        assert time.monotonic() - started >= 3.0  # it waited for the held session to go
+        time.sleep(2.0)  # refused meanwhile: before, it had exited 1 by now
+        assert proc.poll() is None
+        holder.release("held")
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        assert json.loads(out.splitlines()[-1])["generated_token_ids"] == solo.greedy(0, 8)
+        assert time.monotonic() - started >= 2.0
         holder.close()
     finally:
         mesh.close()

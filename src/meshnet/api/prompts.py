@@ -66,11 +66,9 @@ def chat_prompt(tok: GGUFTokenizer, req: ChatCompletionRequest, plan: ToolPlan) 
     # null content: the call is shown as the Hermes block the tools' system message teaches.
     template_reads_tool_calls = "tool_calls" in (tok.chat_template or "")
     for i, m in enumerate(req.messages):
-        # As OpenAI's API: a tool's answer names the call it answers, and only the assistant calls tools.
-        if m.role == "tool" and not m.tool_call_id:
-            raise bad_request(f"messages[{i}] has role 'tool' but no tool_call_id: name the call it answers",
-                              f"messages.{i}.tool_call_id", "invalid_messages")
-        if m.tool_calls is not None and m.role != "assistant":
+        # Only the assistant calls tools: calls on another message would be dropped without a word. (A tool's
+        # answer without tool_call_id is taken, as llama-server and Ollama take it; OpenAI's API refuses it.)
+        if m.tool_calls and m.role != "assistant":
             raise bad_request(f"messages[{i}] has role {m.role!r} and tool_calls: only an assistant message "
                               "calls tools", f"messages.{i}.tool_calls", "invalid_messages")
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}

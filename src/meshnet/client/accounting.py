@@ -19,6 +19,7 @@ import secrets
 from typing import Callable
 
 from meshnet.client.activity import ActivityReporter
+from meshnet.arg_types import CLIENT_ID_MAX_CHARS
 from meshnet.contract import StepRequest, StepResult
 from meshnet.ledger.reporting import DeliveryReporter
 from meshnet.speculative import accepted_prefix
@@ -42,7 +43,8 @@ class StepAccounting:
     def __init__(self, tracker, client_id: str, model_sha256: str, routes: Callable[[], dict],
                  report_deliveries: bool = True, report_activity: bool = True, shared_id: bool = False) -> None:
         self.deliveries = DeliveryReporter(tracker, client_id, model_sha256) if report_deliveries else None
-        shown = f"{client_id} ({secrets.token_hex(3)})" if shared_id else client_id
+        suffix = f" ({secrets.token_hex(3)})"  # cut to the length the tracker takes
+        shown = client_id[:CLIENT_ID_MAX_CHARS - len(suffix)] + suffix if shared_id else client_id
         self.activity = ActivityReporter(tracker, shown, model_sha256, routes) if report_activity else None
         self._consumer_charged: set[str] = set()  # sessions whose consumer reports what it got
 

@@ -36,8 +36,8 @@ MAX_PENDING = 4096
 
 # Hops a forwarded step may still have to go through: a route has one hop per layer range at most.
 MAX_NEXT_HOPS = 512
-# After connecting to a next node, or its handshake, took the whole timeout, sends to it fail at once for
-# this long, seconds: each would hold a step thread up to the timeout, and 24
+# After connecting to a next node, or its handshake, failed after a second or more, sends to it fail at
+# once for this long, seconds: each would hold a step thread up to the timeout, and 24
 # steps naming an address that never answers kept every thread of a node busy.
 UNREACHABLE_S = 5.0
 # Next nodes a node keeps connection pools (and unreachable marks) for: past it, the least recently used
@@ -190,9 +190,9 @@ class Forwarder:
         A pooled connection the node closed meanwhile is replaced once (its idle timeout, a restart).
         ``connect`` False: raises :class:`WouldConnect`, having sent nothing, where that would take a new
         connection (up to ``timeout_s`` to a node that accepts and then hangs). A node whose connection
-        or handshake took the whole timeout fails at once for :data:`UNREACHABLE_S` after, unless a
-        pooled connection to it is idle (a refused connection is not marked: it costs no wait, and a node
-        restarting on its port, or at its connection cap a moment, is back at once)."""
+        or handshake failed after a second or more fails at once for :data:`UNREACHABLE_S` after, unless
+        a pooled connection to it is idle (a refusal answered at once is not marked: it costs no wait, and
+        a node restarting on its port, or at its connection cap a moment, is back at once)."""
         address = hop.data_address
         pool = self._pool(address)
         with self._lock:
@@ -204,11 +204,14 @@ class Forwarder:
         payloads = [f.SerializeToString() for f in frames]
         error: Exception | None = None
         for _ in range(2):
+            started = time.monotonic()
             try:
                 conn = pool.acquire(connect=connect)
             except (OSError, DataPlaneError) as e:
                 error = e
-                if isinstance(e, TimeoutError):
+                # Marked by the time it cost, whatever the error: a timeout, or a host that is gone from its
+                # LAN ("no route to host" after seconds of ARP), not a refusal answered at once.
+                if time.monotonic() - started >= min(1.0, self.timeout_s / 2):
                     with self._lock:
                         self._unreachable[address] = time.monotonic() + UNREACHABLE_S
                 break
@@ -222,11 +225,10 @@ class Forwarder:
                 continue
             with self._lock:
                 self._unreachable.pop(address, None)
-                kept = self._pools.get(address) is pool
-            if kept:
-                pool.release(conn)
-            else:  # its pool was dropped meanwhile (see _pool): nobody would use it again
-                conn.close()
+                if self._pools.get(address) is pool:
+                    pool.release(conn)
+                else:  # its pool was dropped meanwhile (see _pool): nobody would use it again
+                    conn.close()
             return None
         return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0,
                              message=f"the hop before it could not forward to {address}: {error}")
@@ -242,16 +244,18 @@ class Forwarder:
 
     def _pool(self, address: str) -> ConnectionPool:
         """The pool of connections to ``address``, the most recently used last; past :data:`MAX_PEERS` the
-        least recently used pool is closed and dropped (with its unreachable mark)."""
+        least recently used pool is closed and dropped, and the unreachable marks that expired too."""
         with self._lock:
             pool = self._pools.get(address)
             if pool is not None:
                 self._pools.move_to_end(address)
                 return pool
             while len(self._pools) >= MAX_PEERS:
-                old_address, old = self._pools.popitem(last=False)
-                self._unreachable.pop(old_address, None)
+                _, old = self._pools.popitem(last=False)
                 old.close()
+            if len(self._unreachable) >= MAX_PEERS:  # the marks stay with their pools gone, until they expire
+                now = time.monotonic()
+                self._unreachable = {a: until for a, until in self._unreachable.items() if until > now}
             pool = self._pools[address] = ConnectionPool(address, self.join_token, self.timeout_s, self.tls)
             return pool
 
