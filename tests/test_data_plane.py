@@ -402,27 +402,33 @@ def test_requests_still_arriving_are_bounded_over_all_connections(serve):
     conn.close()
 
 
-def test_a_forwarded_step_is_not_held_against_the_budget_its_sender_would_never_hear_of():
-    """A node forwarding a step reads no answer: refused for the budget, the step was lost without a word
-    and its client waited out its deadline. Forwarded steps are bounded per connection instead."""
+def test_a_forwarded_step_waits_for_room_in_the_budget_rather_than_being_refused():
+    """A node forwarding a step reads no answer: refused for the budget, the step was lost without a word,
+    and left out of the budget, forwarded frames were bounded by nothing in total. A forwarded frame past
+    the budget now waits, unread (its sender waits on TCP), until there is room."""
     from meshnet.wire.data_plane import FORWARD
     from meshnet.wire.request_budget import RequestBudget
 
     ran = []
-    budget = RequestBudget(1)  # not even one frame of a client's request fits
+    frames = _prefill(4, session="fwd")
+    need = sum(max(f.ByteSize(), 4096) for f in frames)
+    budget = RequestBudget(need)
+    assert budget.take(need)  # another request holds all of it (a gRPC StepStream, say)
     s = DataPlaneServer("127.0.0.1", 0, _service().run_step, None, run_forward=ran.append, budget=budget)
     s.start()
     try:
         sock = _raw(f"127.0.0.1:{s.port}")
         send_message(sock, AUTH, b"")
         assert recv_message(sock) == (AUTH, b"")
-        frames = _prefill(4, session="fwd")
         sock.sendall(b"".join(encode_messages(FORWARD, (f.SerializeToString(),)) for f in frames))
+        time.sleep(0.6)
+        assert ran == [] and s.stats["held_back"] == 1 and s.stats["busy"] == 0
+        budget.give_back(need)  # room: the frame is read, the step runs
         deadline = time.monotonic() + 5
         while not ran and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert [f.session_id for f in ran[0]] == ["fwd"] * len(frames) and budget.held == 0
-        assert s.stats["busy"] == 0
+        assert [f.session_id for f in ran[0]] == ["fwd"] * len(frames)
+        assert budget.held == 0  # given back once its request was complete
         sock.close()
     finally:
         s.stop()

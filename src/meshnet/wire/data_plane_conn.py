@@ -9,6 +9,7 @@ one message kind.
 
 from __future__ import annotations
 
+import collections
 import socket
 import ssl
 from typing import Callable
@@ -29,7 +30,7 @@ class Conn:
     """One connection's state; touched only by the selector thread, or by the one worker running its step."""
 
     __slots__ = ("sock", "authed", "header", "body", "need", "kind", "frames", "n_frames", "request_bytes",
-                 "charged", "deadline", "busy", "cancel_await", "forwards", "paused", "handshaking")
+                 "charged", "waits_for", "deadline", "busy", "cancel_await", "forwards", "paused", "handshaking")
 
     def __init__(self, sock: socket.socket, deadline: float) -> None:
         self.sock = sock
@@ -42,6 +43,7 @@ class Conn:
         self.n_frames = 1
         self.request_bytes = 0
         self.charged = 0  # bytes of its request still arriving held against the node's RequestBudget
+        self.waits_for = 0  # bytes its next frame waits to hold (see WaitingRoom); 0: it waits for none
         self.deadline = deadline
         self.busy = False  # a worker owns the socket (its step runs, or its reply is being sent)
         # Awaiting a forwarded step's outcome: drops the await (None: not awaiting). The socket stays
@@ -119,6 +121,43 @@ class Conn:
         if n < 0:
             budget.give_back(-n)
         self.charged += n
+
+
+class WaitingRoom:
+    """Connections whose next frame waits for room in the node's RequestBudget, first come first in: a
+    forwarded step's sender reads no answer, so such a frame is not refused (the step would be lost without
+    a word) but not read until there is room, its sender waiting on TCP meanwhile."""
+
+    def __init__(self, budget: RequestBudget) -> None:
+        self.budget = budget
+        self._line: collections.deque[Conn] = collections.deque()
+
+    def __bool__(self) -> bool:
+        return bool(self._line)
+
+    def hold(self, c: Conn, n: int) -> bool:
+        """Hold ``n`` more bytes of ``c``'s request when the budget has room and nobody waits before it;
+        else False, and ``c`` waits in line for them (the caller stops reading it)."""
+        if not self._line and self.budget.take(n):
+            c.charged += n
+            return True
+        c.waits_for = n
+        self._line.append(c)
+        return False
+
+    def admit(self, is_open: Callable[[Conn], bool]) -> list[Conn]:
+        """The connections at the front of the line that the budget now has room for, their bytes held
+        (closed ones, ``not is_open(c)``, leave the line)."""
+        out = []
+        while self._line:
+            c = self._line[0]
+            if is_open(c) and not self.budget.take(c.waits_for):
+                break
+            self._line.popleft()
+            if is_open(c):
+                c.charged, c.waits_for = c.charged + c.waits_for, 0
+                out.append(c)
+        return out
 
 
 class Refuse(Exception):

@@ -23,7 +23,8 @@ wait in the socket's TLS layer, where the selector cannot see them, so connectio
 read again on the next turn without waiting.
 
 Counters (``DataPlaneServer.stats``): ``accepted``, ``refused`` (over the cap, all authenticated),
-``evicted`` (an unauthenticated connection replaced by a newer one), ``busy`` (past the budget), ``timed_out``, ``unauthenticated``
+``evicted`` (an unauthenticated connection replaced by a newer one), ``busy`` (past the budget),
+``held_back`` (a forwarded frame waiting for room in it), ``timed_out``, ``unauthenticated``
 (wrong token or not an AUTH message first), ``too_large`` and ``malformed`` (protocol violations after
 authentication), ``steps`` (requests handed to a worker).
 """
@@ -44,7 +45,7 @@ from google.protobuf.message import DecodeError
 
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.wire.data_plane import AUTH, AWAIT, ENVELOPE, ERROR, FORWARD, HEADER, MAX_MESSAGE_BYTES, encode_error
-from meshnet.wire.data_plane_conn import FRAME_CHARGE, Conn, Refuse, send_at_once, send_now
+from meshnet.wire.data_plane_conn import FRAME_CHARGE, Conn, Refuse, WaitingRoom, send_at_once, send_now
 from meshnet.wire.data_plane_steps import StepPool, encode_outcome
 from meshnet.wire.request_budget import RequestBudget
 
@@ -119,6 +120,7 @@ class DataPlaneServer:
                                 | ({AWAIT} if run_await is not None else set()))
         self.max_message_bytes, self.max_request_bytes = max_message_bytes, max_request_bytes
         self.budget = budget if budget is not None else RequestBudget()
+        self._room = WaitingRoom(self.budget)
         self.max_connections, self.max_pending_forwards = max_connections, max_pending_forwards
         self.auth_timeout_s, self.read_timeout_s, self.idle_timeout_s = auth_timeout_s, read_timeout_s, idle_timeout_s
         self.stats: collections.Counter[str] = collections.Counter()
@@ -172,6 +174,10 @@ class DataPlaneServer:
                     self._read(key.data)
             if self._steps.forwards_done:  # finished without waking this thread (see StepPool.forward_finished)
                 self._take_finished_forwards()
+            if self._room:
+                for c in self._room.admit(lambda c: id(c) in self._conns):
+                    if c.forwards < self.max_pending_forwards:
+                        self._resume(c)
             for c in list(self._unread):
                 self._unread.discard(c)
                 if id(c) in self._conns and not c.busy and not c.paused:
@@ -244,10 +250,15 @@ class DataPlaneServer:
                     c.header += data
                     if len(c.header) == HEADER.size:
                         c.start_message(self._kinds, self.max_message_bytes, self.max_request_bytes)
-                        # A client's frame: held until its request is complete. Not a forwarded step's:
-                        # its sender reads no answer, so a refusal would lose the step without a word.
+                        # A frame is held until its request is complete: a client's is refused past the
+                        # budget, a forwarded step's waits for room (see WaitingRoom).
                         if c.kind == ENVELOPE:
                             c.hold(self.budget, max(c.need, FRAME_CHARGE))
+                        elif c.kind == FORWARD and not self._room.hold(c, max(c.need, FRAME_CHARGE)):
+                            self.stats["held_back"] += 1
+                            c.paused = True
+                            self._sel.unregister(c.sock)
+                            return
                 else:
                     c.body += data
                 if c.body is not None and len(c.body) == c.need and self._finish_message(c):
@@ -375,11 +386,15 @@ class DataPlaneServer:
         while self._steps.forwards_done:
             c = self._steps.forwards_done.popleft()
             c.forwards -= 1
-            if c.paused and c.forwards < self.max_pending_forwards and id(c) in self._conns:
-                c.paused = False
-                c.deadline = time.monotonic() + self.idle_timeout_s
-                self._sel.register(c.sock, selectors.EVENT_READ, c)
-                self._mark_unread(c)
+            if c.paused and not c.waits_for and c.forwards < self.max_pending_forwards and id(c) in self._conns:
+                self._resume(c)
+
+    def _resume(self, c: Conn) -> None:
+        """Read ``c`` again, paused for its forwarded steps or for room in the budget."""
+        c.paused = False
+        c.deadline = time.monotonic() + self.idle_timeout_s
+        self._sel.register(c.sock, selectors.EVENT_READ, c)
+        self._mark_unread(c)
 
     def _mark_unread(self, c: Conn) -> None:
         """Read ``c`` again on the next turn if its TLS layer holds decrypted bytes."""
