@@ -95,6 +95,8 @@ class NodeService(pb_grpc.NodeServicer):
     # ---- steps -------------------------------------------------------------------------------
     def _hops_error(self, hops) -> str | None:
         """:func:`next_hops_error` for this node: its id, and the model's layers after its range."""
+        if not hops:  # a client-orchestrated step (most): nothing to check
+            return None
         if self._layers_after is None:
             c = self.engine.capabilities()
             self._layers_after = c.n_layer - c.artifact.layers.end
