@@ -34,6 +34,14 @@ class StubWorkerEngine:
     def session_ids(self) -> list[str]:
         return []
 
+    def capabilities(self):
+        """What a forwarded step's next hops are checked against: a middle stage of 30 layers."""
+        from types import SimpleNamespace
+
+        from meshnet.contract import LayerRange
+
+        return SimpleNamespace(n_layer=30, artifact=SimpleNamespace(layers=LayerRange(10, 20)))
+
 
 def _service(engine) -> NodeService:
     return NodeService(engine, "tail-node", pb.ModelIdentity())
