@@ -174,23 +174,20 @@ def test_the_log_names_an_sqlite_ledgers_file_by_its_absolute_path(tmp_path, mon
     """``--ledger sqlite:///tmp/x.db`` is SQLAlchemy's relative path (tmp/x.db here): the tracker's line said
     only the URL, and the file turned up under the working directory."""
     monkeypatch.chdir(tmp_path)
-    ledger = Ledger("sqlite:///tmp/x.db")
-    try:
-        assert ledger.display_url == f"sqlite:///tmp/x.db (file {tmp_path}/tmp/x.db)"
-        assert (tmp_path / "tmp" / "x.db").is_file()
-    finally:
-        ledger.close()
+    # "~" is the home folder, as the shell's: SQLite took it for a folder named "~" and failed to open.
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for url, shown, file in (("sqlite:///tmp/x.db", "sqlite:///tmp/x.db", tmp_path / "tmp" / "x.db"),
+                             ("sqlite:///~/ledger.db", f"sqlite:///{tmp_path}/home/ledger.db",
+                              tmp_path / "home" / "ledger.db")):
+        ledger = Ledger(url)
+        try:
+            assert ledger.display_url == f"{shown} (file {file})"
+            assert file.is_file()
+        finally:
+            ledger.close()
     memory = Ledger("sqlite://")
     assert memory.display_url == "sqlite://"
     memory.close()
-    # "~" is the home folder, as the shell's: SQLite took it for a folder named "~" and failed to open.
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    home = Ledger("sqlite:///~/ledger.db")
-    try:
-        assert home.display_url == f"sqlite:///{tmp_path}/home/ledger.db (file {tmp_path}/home/ledger.db)"
-        assert (tmp_path / "home" / "ledger.db").is_file()
-    finally:
-        home.close()
 
 
 # ---- over gRPC -----------------------------------------------------------------------------------------

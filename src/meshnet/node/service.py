@@ -40,7 +40,7 @@ from meshnet.wire.envelope import (
 from meshnet.wire.data_plane_conn import FRAME_CHARGE
 from meshnet.wire.data_plane_server import MAX_REQUEST_BYTES
 from meshnet.wire.request_budget import RequestBudget, RequestRefused, read_request
-from meshnet.wire.security import RETRY_AFTER_METADATA
+from meshnet.wire.call_problems import abort_call
 
 log = logging.getLogger("meshnet.node")
 
@@ -299,9 +299,7 @@ class NodeService(pb_grpc.NodeServicer):
     def _grpc_step(self, frames, context) -> list[pb.StepReply]:
         out = self.run_step(frames)
         if out.code != "OK":
-            if out.retry_after_s is not None:
-                context.set_trailing_metadata(((RETRY_AFTER_METADATA, f"{out.retry_after_s:.3f}"),))
-            context.abort(grpc.StatusCode[out.code], out.message)
+            abort_call(context, grpc.StatusCode[out.code], out.message, out.retry_after_s)
         return out.replies
 
     def Step(self, request, context):
@@ -316,9 +314,7 @@ class NodeService(pb_grpc.NodeServicer):
         try:  # bounded as on the data plane: its frames were all buffered, however many came
             frames, _ = read_request(request_iterator, self.budget, MAX_REQUEST_BYTES, FRAME_CHARGE)
         except RequestRefused as e:
-            if e.retry_after_s is not None:
-                context.set_trailing_metadata(((RETRY_AFTER_METADATA, f"{e.retry_after_s:.3f}"),))
-            context.abort(grpc.StatusCode[e.code], e.message)
+            abort_call(context, grpc.StatusCode[e.code], e.message, e.retry_after_s)
         yield from self._grpc_step(frames, context)
 
     # ---- session control ---------------------------------------------------------------------

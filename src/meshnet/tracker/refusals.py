@@ -8,7 +8,7 @@ import functools
 
 import grpc
 
-from meshnet.wire.security import RETRY_AFTER_METADATA
+from meshnet.wire.call_problems import abort_call
 
 
 class Refusal(Exception):
@@ -45,11 +45,10 @@ def rpc(method):
         try:
             return method(self, request, context)
         except Refusal as r:
-            code, message = r.code, r.message
-            if r.retry_after_s is not None:
-                context.set_trailing_metadata(((RETRY_AFTER_METADATA, f"{r.retry_after_s:.3f}"),))
+            code, message, retry = r.code, r.message, r.retry_after_s
         except Exception as e:  # noqa: BLE001 - a bug must not take the tracker down or leak a trace
-            code, message = grpc.StatusCode.INTERNAL, f"tracker error in {method.__name__}: {type(e).__name__}: {e}"
-        context.abort(code, bounded(message))
+            code, message, retry = (grpc.StatusCode.INTERNAL,
+                                    f"tracker error in {method.__name__}: {type(e).__name__}: {e}", None)
+        abort_call(context, code, bounded(message), retry)
 
     return wrapper

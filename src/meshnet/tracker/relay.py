@@ -20,9 +20,9 @@ import grpc
 
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.tracker.refusals import bounded
+from meshnet.wire.call_problems import abort_call
 from meshnet.wire.data_plane_server import MAX_REQUEST_BYTES
 from meshnet.wire.request_budget import RequestBudget, RequestRefused, read_request
-from meshnet.wire.security import RETRY_AFTER_METADATA
 
 # Header of a RelayStep call naming the node to forward to.
 RELAY_NODE_METADATA = "meshnet-relay-node"
@@ -250,5 +250,4 @@ class RelayLimits:
 
 def _refuse(context, message: str) -> None:
     """End the call UNAVAILABLE with a retry-after of a second (see :class:`RelayLimits`)."""
-    context.set_trailing_metadata(((RETRY_AFTER_METADATA, "1.000"),))
-    context.abort(grpc.StatusCode.UNAVAILABLE, bounded(message))
+    abort_call(context, grpc.StatusCode.UNAVAILABLE, bounded(message), 1.0)

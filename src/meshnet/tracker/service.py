@@ -40,7 +40,7 @@ from meshnet.tracker.refusals import Refusal, bounded, rpc
 from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry
 from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayHub, RelayLimits
 from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
-from meshnet.wire.security import RETRY_AFTER_METADATA
+from meshnet.wire.call_problems import abort_call
 
 if TYPE_CHECKING:  # the ledger pulls in SQLAlchemy: imported when a tracker starts, not with the CLI
     from meshnet.ledger.store import Ledger
@@ -327,10 +327,8 @@ class TrackerService(pb_grpc.TrackerServicer):
 
     @staticmethod
     def _abort_relayed(context, answer) -> None:
-        if answer.retry_after_s is not None:
-            context.set_trailing_metadata(((RETRY_AFTER_METADATA, f"{answer.retry_after_s:.3f}"),))
         code = grpc.StatusCode.__members__.get(answer.code, grpc.StatusCode.UNKNOWN)
-        context.abort(code, bounded(answer.message))
+        abort_call(context, code, bounded(answer.message), answer.retry_after_s)
 
     def RelayStep(self, request_iterator, context):
         """Forward one step's frames to the node named in the ``meshnet-relay-node`` metadata and stream

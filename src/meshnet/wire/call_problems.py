@@ -86,6 +86,15 @@ def tracker_refusal(tracker: str, join_token: str | None, tls_ca: str | None, re
     return None
 
 
+def abort_call(context, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
+    """End a gRPC call with ``code`` and ``message``, and with ``retry_after_s`` (the seconds after which
+    asking again may succeed) as :data:`RETRY_AFTER_METADATA` trailing metadata when given: what
+    :func:`retry_after_s` reads back on the caller's side. Raises, as ``context.abort`` does."""
+    if retry_after_s is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_METADATA, f"{retry_after_s:.3f}"),))
+    context.abort(code, message)
+
+
 def retry_after_s(e: grpc.RpcError) -> float | None:
     """The seconds a refusal said to wait before asking again (its :data:`RETRY_AFTER_METADATA` trailing
     metadata), or None."""
