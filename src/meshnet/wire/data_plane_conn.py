@@ -1,5 +1,6 @@
 """One step data-plane connection as the node's server sees it, and the rules each message it sends
-must meet before its bytes are buffered (the server: :mod:`meshnet.wire.data_plane_server`).
+must meet before its bytes are buffered, and how connections are let in (the server:
+:mod:`meshnet.wire.data_plane_server`).
 
 Before authentication a connection holds a 5-byte header buffer and at most ``MAX_AUTH_BYTES`` of
 token. After it, every frame counts at least ``FRAME_CHARGE`` bytes toward the server's
@@ -10,6 +11,7 @@ one message kind.
 from __future__ import annotations
 
 import collections
+import logging
 import socket
 import ssl
 from typing import Callable
@@ -17,8 +19,10 @@ from typing import Callable
 from google.protobuf.message import DecodeError
 
 from meshnet.proto import meshnet_pb2 as pb
-from meshnet.wire.data_plane import AUTH, HEADER, encode_messages
+from meshnet.wire.data_plane import AUTH, ERROR, HEADER, encode_error, encode_messages
 from meshnet.wire.request_budget import RETRY_AFTER_S, RequestBudget
+
+log = logging.getLogger("meshnet.data_plane")
 
 MAX_AUTH_BYTES = 4096  # a join token is a short secret; nothing longer is read before it is checked
 # Bytes a frame counts toward max_request_bytes at least: a request announcing 2**30 chunks of empty
@@ -167,6 +171,54 @@ class Refuse(Exception):
     def __init__(self, stat: str, code: str, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.stat, self.code, self.message, self.retry_after_s = stat, code, message, retry_after_s
+
+
+def accept_connections(listener: socket.socket, conns: dict[int, Conn], max_connections: int,
+                       tls: ssl.SSLContext | None, auth_deadline: float, stats: collections.Counter[str],
+                       close: Callable[[Conn], None]) -> list[Conn]:
+    """Accept the connections waiting on ``listener`` (at most 64, so that a flood of them does not starve
+    reads on those already open); the new ones, to be registered by the caller.
+
+    ``conns`` (by ``id()``, oldest first) holds at most ``max_connections``: past it a newcomer replaces
+    the oldest connection that has not authenticated yet (``close(oldest)``), or is refused
+    RESOURCE_EXHAUSTED when every one has. With ``tls`` each socket is wrapped for a handshake the
+    selector thread drives. Counts ``accepted``, ``refused`` and ``evicted`` in ``stats``.
+    """
+    out: list[Conn] = []
+    for _ in range(64):
+        try:
+            sock, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            break
+        except OSError:  # e.g. out of file descriptors: try again on the next event
+            log.warning("data plane accept failed", exc_info=True)
+            break
+        stats["accepted"] += 1
+        if len(conns) + len(out) >= max_connections:
+            oldest = next((c for c in (*conns.values(), *out) if not c.authed), None)
+            if oldest is None:
+                stats["refused"] += 1
+                send_now(sock, ERROR, encode_error(
+                    "RESOURCE_EXHAUSTED", f"the data plane is at its limit of {max_connections} "
+                                          f"connections (max_connections)"))
+                sock.close()
+                continue
+            stats["evicted"] += 1
+            if oldest in out:
+                out.remove(oldest)
+                oldest.sock.close()
+            else:
+                close(oldest)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            try:
+                sock = tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            except (OSError, ValueError):
+                sock.close()
+                continue
+        out.append(Conn(sock, auth_deadline))
+    return out
 
 
 def send_now(sock: socket.socket, kind: int, payload: bytes) -> bool:

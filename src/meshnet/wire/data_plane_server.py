@@ -45,7 +45,8 @@ from google.protobuf.message import DecodeError
 
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.wire.data_plane import AUTH, AWAIT, ENVELOPE, ERROR, FORWARD, HEADER, MAX_MESSAGE_BYTES, encode_error
-from meshnet.wire.data_plane_conn import FRAME_CHARGE, Conn, Refuse, WaitingRoom, send_at_once, send_now
+from meshnet.wire.data_plane_conn import (FRAME_CHARGE, Conn, Refuse, WaitingRoom, accept_connections, send_at_once,
+                                         send_now)
 from meshnet.wire.data_plane_steps import StepPool, encode_outcome
 from meshnet.wire.request_budget import RequestBudget
 
@@ -188,38 +189,10 @@ class DataPlaneServer:
                 next_sweep = now + _TICK_S
 
     def _accept(self) -> None:
-        # Bounded per wake-up so that a flood of connections does not starve reads on those already open.
-        for _ in range(64):
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:  # e.g. out of file descriptors: try again on the next event
-                log.warning("data plane accept failed", exc_info=True)
-                return
-            self.stats["accepted"] += 1
-            if len(self._conns) >= self.max_connections:
-                oldest = next((c for c in self._conns.values() if not c.authed), None)
-                if oldest is None:
-                    self.stats["refused"] += 1
-                    send_now(sock, ERROR, encode_error(
-                        "RESOURCE_EXHAUSTED", f"the data plane is at its limit of {self.max_connections} "
-                                              f"connections (max_connections)"))
-                    sock.close()
-                    continue
-                self.stats["evicted"] += 1
-                self._close(oldest)
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._tls is not None:
-                try:
-                    sock = self._tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-                except (OSError, ValueError):
-                    sock.close()
-                    continue
-            c = Conn(sock, time.monotonic() + self.auth_timeout_s)
+        for c in accept_connections(self._listener, self._conns, self.max_connections, self._tls,
+                                    time.monotonic() + self.auth_timeout_s, self.stats, self._close):
             self._conns[id(c)] = c
-            self._sel.register(sock, selectors.EVENT_READ, c)
+            self._sel.register(c.sock, selectors.EVENT_READ, c)
 
     def _read(self, c: Conn) -> None:
         if c.cancel_await is not None:
