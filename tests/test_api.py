@@ -625,6 +625,46 @@ def test_a_request_waiting_past_the_admission_time_for_a_slot_is_503(backend, mo
 
 
 
+def test_a_burst_of_requests_queues_no_more_than_max_queued(backend):
+    """One slot, held, and room for 2 in line: of 10 requests sent at once, 2 wait and 8 get 503
+    server_busy. The bound was checked before the prompt's work, and the queue joined after it, with
+    awaits between: a burst all passed the check and queued past the bound (257 of 256)."""
+    from meshnet.api.app import create_app
+    from meshnet.api.server import serve_app_in_thread
+
+    go = threading.Event()
+    b = ApiBackend(lambda: _HeldClient(go), backend.tokenizer, "smollm2", N_CTX, max_concurrency=1, retry_after_s=3)
+    server, thread = serve_app_in_thread(create_app(b, max_queued=2), "127.0.0.1", 0)
+    codes: list[tuple[int, str]] = []
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.config.port}", timeout=60) as http:
+            def ask() -> None:
+                r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+                codes.append((r.status_code, r.json().get("error", {}).get("code", "")))
+
+            held = threading.Thread(target=ask)
+            held.start()
+            deadline = time.monotonic() + 10
+            while "meshnet_api_active_sessions 1.0" not in http.get("/metrics").text:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            burst = [threading.Thread(target=ask) for _ in range(10)]
+            for t in burst:
+                t.start()
+            while len(codes) < 8:
+                assert time.monotonic() < deadline + 20
+                time.sleep(0.02)
+            assert _gauge(http, "meshnet_api_queued_requests") == "2.0"
+            assert sorted(codes) == [(503, "server_busy")] * 8
+            go.set()
+            for t in [held, *burst]:
+                t.join(30)
+        assert sorted(codes) == [(200, "")] * 3 + [(503, "server_busy")] * 8
+    finally:
+        go.set()
+        stop_api(server, thread)
+
+
 def test_requests_waiting_for_a_slot_get_it_in_arrival_order(backend):
     """A waiting request gave its place up every 0.25 s (to look whether the server was stopping) and
     queued again behind later ones: a slot freed at 0.4 s went to the second request, not the first."""

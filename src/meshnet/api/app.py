@@ -31,7 +31,7 @@ from meshnet.api.errors import ApiError, bad_request, internal_error
 from meshnet.api.metrics import ApiMetrics
 from meshnet.api.middleware import BodyLimitAndMetrics, SameOriginOnly
 from meshnet.api.prompts import chat_prompt, completion_prompts
-from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece
+from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece, queue_full
 from meshnet.api.schemas import (
     MAX_CHOICES,
     ChatChoice,
@@ -205,9 +205,8 @@ class _Api:
         except MeshUnavailable as e:
             raise ApiError(503, f"no complete route through the mesh: {e}", code="mesh_unavailable",
                            retry_after_s=self.backend.retry_after_s) from None
-        if self.metrics.n_queued >= self.max_queued:
-            raise ApiError(503, f"the server is busy ({self.max_queued} requests waiting); retry later",
-                           code="server_busy", retry_after_s=self.backend.retry_after_s)
+        if self.metrics.n_queued >= self.max_queued:  # early, before the prompt's work (exact: ChoiceRun.start)
+            raise queue_full(self.max_queued, self.backend.retry_after_s)
 
     # ---- completions ----
     async def completions(self, request: Request) -> Response:
@@ -270,7 +269,8 @@ class _Api:
 
     def _runs(self, job: GenJob, t0: float, observe_ttft: bool) -> ChoiceRun:
         """A streamed choice's run (see :mod:`meshnet.api.streaming`)."""
-        return ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, observe_ttft=observe_ttft)
+        return ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, observe_ttft=observe_ttft,
+                         max_queued=self.max_queued)
 
     # ---- chat ----
     async def chat_completions(self, request: Request) -> Response:
@@ -359,7 +359,7 @@ class _Api:
     async def _run_whole(self, job: GenJob, request: Request, t0: float,
                          observe_ttft: bool) -> tuple[list[Piece], ChoiceRun]:
         run = ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, request.is_disconnected,
-                        observe_ttft=observe_ttft)
+                        observe_ttft=observe_ttft, max_queued=self.max_queued)
         try:
             # A client that leaves while the run waits for a slot frees its place in the queue at once.
             first = await unless_gone(request, run.start, run.next_piece)

@@ -161,6 +161,12 @@ def map_generation_error(e: BaseException, retry_after_s: float) -> ApiError:
     return ApiError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error")
 
 
+def queue_full(max_queued: int, retry_after_s: float) -> ApiError:
+    """The 503 for a request that finds ``max_queued`` others waiting for a generation slot."""
+    return ApiError(503, f"the server is busy ({max_queued} requests waiting); retry later", code="server_busy",
+                    retry_after_s=retry_after_s)
+
+
 class ChoiceRun:
     """Runs one :class:`GenJob` and hands out :class:`Piece` objects; always :meth:`aclose` it.
 
@@ -168,6 +174,8 @@ class ChoiceRun:
         backend: an :class:`~meshnet.api.backend.ApiBackend`.
         job: what to generate.
         limiter: admission: the run holds one slot of it while it holds a mesh session.
+        max_queued: runs allowed to wait for a slot (``metrics.n_queued``) when none is free; one more is
+            refused 503 ``server_busy`` as it would join them (None: no bound).
         metrics: updated with active sessions, TTFT (from ``t_request``, a ``time.perf_counter()``
             value) and generated tokens.
         is_disconnected: awaited between tokens; when it returns True the run stops with
@@ -179,8 +187,9 @@ class ChoiceRun:
 
     def __init__(self, backend, job: GenJob, limiter: asyncio.Semaphore, metrics: ApiMetrics,
                  t_request: float, is_disconnected: Callable[[], Awaitable[bool]] | None = None,
-                 observe_ttft: bool = True) -> None:
+                 observe_ttft: bool = True, max_queued: int | None = None) -> None:
         self.backend, self.job, self.limiter, self.metrics = backend, job, limiter, metrics
+        self.max_queued = max_queued
         self.t_request, self.is_disconnected, self.observe_ttft = t_request, is_disconnected, observe_ttft
         self.tokenizer: GGUFTokenizer = backend.tokenizer
         self.text = ChoiceText(job.stops)
@@ -200,10 +209,15 @@ class ChoiceRun:
         :data:`~meshnet.api.backend.ADMISSION_WAIT_S`.
 
         Raises:
-            ApiError: 503 ``server_busy`` with Retry-After when no slot freed within that time."""
+            ApiError: 503 ``server_busy`` with Retry-After when no slot freed within that time, or when
+                ``max_queued`` runs wait already."""
         from meshnet.api.backend import ADMISSION_WAIT_S
 
         t0 = time.monotonic()
+        # Checked and counted with no await between (the request's early check has awaits after it, so
+        # a burst of requests all passed it and then queued past the bound).
+        if self.max_queued is not None and self.limiter.locked() and self.metrics.n_queued >= self.max_queued:
+            raise queue_full(self.max_queued, self.backend.retry_after_s)
         self.metrics.add_queued(1)
         # One acquire, kept in the semaphore's line however long it waits (slots go first come, first
         # served), looked at in slices: a server that begins to stop lets its waiting requests go.
