@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -167,11 +168,14 @@ def chat_prompt_ids(tok: "GGUFTokenizer", messages: list[dict], *, template: str
                     add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
     """Render ``messages`` with the model's chat template and tokenize the result.
 
-    Control-token text in the rendering (``"<|im_start|>"``, ``"<start_of_turn>"``) becomes those
-    tokens (``parse_special=True``).  BOS handling follows llama.cpp's ``common_chat_templates_apply``:
-    when the model adds BOS, a BOS the template wrote at the very start is dropped from the text
-    and the tokenizer adds the single BOS, so the ids start with exactly one BOS.  When the model
-    does not add BOS, none is added (templates that do not write ``bos_token`` produce no BOS).
+    Control-token text the template writes (``"<|im_start|>"``, ``"<start_of_turn>"``) becomes those
+    tokens (``parse_special=True``); in the messages it stays text, as OpenAI's API keeps it: a user's
+    ``"<|im_end|>"`` does not end their turn (llama-server and Hugging Face's ``apply_chat_template`` let
+    it). Messages without such text tokenize exactly as the whole rendering would.  BOS handling follows
+    llama.cpp's ``common_chat_templates_apply``: when the model adds BOS, a BOS the template wrote at the
+    very start is dropped from the text and the tokenizer adds the single BOS, so the ids start with
+    exactly one BOS.  When the model does not add BOS, none is added (templates that do not write
+    ``bos_token`` produce no BOS).
 
     Args:
         tok: the model's tokenizer.
@@ -192,8 +196,42 @@ def chat_prompt_ids(tok: "GGUFTokenizer", messages: list[dict], *, template: str
         raise ValueError("this GGUF has no tokenizer.chat_template; pass template=...")
     bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
     eos_text = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
+    literals: list[str] = []
+    messages = _mark_literals(tok, normalize_messages(messages), literals)
     text = render_chat(template, messages, bos_token=bos_text, eos_token=eos_text,
                        add_generation_prompt=add_generation_prompt, tools=tools)
     if tok.add_bos and bos_text and text.startswith(bos_text):
         text = text[len(bos_text):]
-    return tok.encode(text, add_bos=tok.add_bos, parse_special=True, add_eos=False)
+    if not literals:
+        return tok.encode(text, add_bos=tok.add_bos, parse_special=True, add_eos=False)
+    # The template's text around the markers parses control tokens; each marker becomes its text again.
+    parts = _MARKER.split(text)
+    pieces = [(part, True) if k % 2 == 0 else (literals[int(part)], False) for k, part in enumerate(parts)]
+    return tok.encode_pieces(pieces, add_bos=tok.add_bos, add_eos=False)
+
+
+# Stands for the k-th literal text in a message while the template renders it (private-use characters,
+# which messages' own text is marked for too, so a message cannot spell a marker).
+_MARKER = re.compile("\ue000([0-9]+)\ue001")
+
+
+def _mark_literals(tok: "GGUFTokenizer", value: Any, literals: list[str]) -> Any:
+    """``value`` (the messages, recursively) with each control-token text in its strings, and each
+    marker character, replaced by a marker for it, appended to ``literals``."""
+    if isinstance(value, str):
+        found = tok.control_texts_in(value)
+        if "\ue000" in value or "\ue001" in value:
+            found += ["\ue000", "\ue001"]
+        if not found:
+            return value
+
+        def mark(m: re.Match) -> str:
+            literals.append(m.group(0))
+            return f"\ue000{len(literals) - 1}\ue001"
+
+        return re.sub("|".join(map(re.escape, found)), mark, value)  # longest texts first
+    if isinstance(value, Mapping):
+        return {k: _mark_literals(tok, v, literals) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_mark_literals(tok, v, literals) for v in value]
+    return value

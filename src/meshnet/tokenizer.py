@@ -301,8 +301,13 @@ class GGUFTokenizer:
             TypeError: ``text`` is not a ``str``.
             ValueError: BOS/EOS was requested but the GGUF defines no such token.
         """
-        if not isinstance(text, str):
-            raise TypeError(f"text must be str, not {type(text).__name__}")
+        return self.encode_pieces([(text, parse_special)], add_bos, add_eos)
+
+    def encode_pieces(self, pieces: Sequence[tuple[str, bool]], add_bos: bool | None = None,
+                      add_eos: bool | None = None) -> list[int]:
+        """Tokenize the concatenation of ``pieces``, each ``(text, parse_special)``: control-token text
+        becomes those tokens only in pieces that parse it (a chat template's own text), while the text
+        between them is tokenized as one (the BPE does not see the seams). See :meth:`encode`."""
         add_bos = self.add_bos if add_bos is None else add_bos
         add_eos = self.add_eos if add_eos is None else add_eos
         out: list[int] = []
@@ -311,7 +316,15 @@ class GGUFTokenizer:
                 raise ValueError("this GGUF defines no BOS token")
             out.append(self.bos_id)
 
-        fragments = self._partition(text, parse_special) if text else []
+        fragments: list[str | int] = []
+        for text, parse_special in pieces:
+            if not isinstance(text, str):
+                raise TypeError(f"text must be str, not {type(text).__name__}")
+            for frag in self._partition(text, parse_special) if text else []:
+                if isinstance(frag, str) and fragments and isinstance(fragments[-1], str):
+                    fragments[-1] += frag
+                else:
+                    fragments.append(frag)
         raw: list[str] = []
         prev_special = True
         for frag in fragments:
@@ -338,6 +351,12 @@ class GGUFTokenizer:
                 raise ValueError("this GGUF defines no EOS token")
             out.append(self.eos_id)
         return out
+
+    def control_texts_in(self, text: str) -> list[str]:
+        """The texts of control tokens that occur in ``text`` (those :meth:`encode` turns into tokens only
+        with ``parse_special``), longest first."""
+        plain = {t for _, t, _ in self._specials_plain.present_in(text)}
+        return [t for _, t, _ in self._specials_all.present_in(text) if t not in plain]
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """Split ``text`` into raw-text fragments and special-token ids, longest special text first."""
