@@ -73,6 +73,40 @@ def test_a_node_killed_while_forwarding_is_replaced_with_identical_output(mesh, 
                    in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
+def test_a_forwarded_step_reaching_a_node_of_other_layers_is_refused_not_run(mesh, tok, solo, monkeypatch):
+    """With the tracker away, the middle node restarts serving other layers at the same address: the head
+    went on forwarding the session's steps there, and the replay after its NOT_FOUND ran them on layers
+    15:20 in place of 10:20 (wrong tokens, no error). Each forwarded hop now names the range the route
+    gave it, and the node refuses other ranges: the session fails (no other route without the tracker)
+    rather than go on wrong. The client's health probe of the last route, whose answer is kept a second,
+    is made to miss the change here, as it does within that second."""
+    from meshnet.client.mesh_client import MeshUnavailable
+    from meshnet.client.router import Router
+
+    monkeypatch.setattr(Router, "_serves_other", lambda self, stage, caps: None)
+    nodes = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
+    client = MeshClient(mesh.tracker, forwarding=True)
+    _, route = client.route()
+    grpc_port, data_port = route[1].address.rsplit(":", 1)[1], route[1].data_pool.address.rsplit(":", 1)[1]
+    other = []
+
+    def restart_mid_with_other_layers():
+        mesh.server.stop(grace=0).wait()
+        nodes[1].kill()
+        other.append(mesh.spawn_node("15:20", "b-mid", "smollm2", "--port", grpc_port, "--data-port", data_port))
+        assert other[0].stdout.readline().startswith("MESHNET_NODE_READY")
+
+    try:
+        with pytest.raises(MeshUnavailable, match="its last route goes through a failed node"):
+            out = _generate(client, tok, solo.prompt_ids(3), kill=restart_mid_with_other_layers)
+            assert out == solo.greedy(3, N)  # never reached: before, the wrong tokens came here
+    finally:
+        for p in other:
+            p.kill()
+            p.wait(10)
+    client.close()
+
+
 def test_a_middle_node_that_lost_the_session_is_rebuilt_by_replay(mesh, tok, solo):
     """The middle node frees the session behind the client's back: its NOT_FOUND reaches the tail as a
     HopFailure, the tail answers the client's await with it, and the client replays the session."""

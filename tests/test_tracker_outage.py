@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from meshnet.client.mesh_client import MeshClient, MeshUnavailable
-from meshnet.contract import GREEDY
+from meshnet.client.remote import StageFailure
+from meshnet.contract import GREEDY, NamedTensor, StepRequest
 from meshnet.generation import generate
 
 
@@ -38,6 +40,25 @@ def test_new_sessions_take_the_last_route_while_the_tracker_is_down(mesh, tok, s
     finally:
         again.kill()
         again.wait(10)
+    # Nor one where a node of other layers now answers at the address: its layers in place of the route's
+    # gave wrong tokens with a 200 (the probe asked only whether something answered there).
+    other = mesh.spawn_node("20:30", "y-other", "smollm2", "--port", grpc_port, "--data-port", data_port)
+    try:
+        assert other.stdout.readline().startswith("MESHNET_NODE_READY")
+        time.sleep(1.1)  # past the last probe's answer (kept a second)
+        with pytest.raises(MeshUnavailable, match=f"node {tail.node_id} of its last route is now a node serving "
+                                                  f"layers 20:30 at 127.0.0.1:{grpc_port}, not 15:30"):
+            client.route()
+        # A step of a route from before, sent for layers 15:30, is refused there rather than run on 20:30:
+        # to the client, a node gone from its route (it fails over).
+        hidden = NamedTensor.from_numpy("hidden", np.zeros((2, 576), dtype=np.float32))
+        step = StepRequest(session_id="s-old-route", epoch=1, position=0, token_ids=(1, 2), hidden=hidden)
+        with pytest.raises(StageFailure, match="UNAVAILABLE: .*serves layers 20:30, but the step was routed "
+                                               "to it for layers 15:30"):
+            hops[-1].step(step, decode=False)
+    finally:
+        other.kill()
+        other.wait(10)
     # Nor one whose node died meanwhile: the route came back as it was (the API's /health said "ok" for
     # it, and each new session waited out a failover's deadline to learn otherwise).
     time.sleep(1.1)  # past the last probe's answer (kept a second)

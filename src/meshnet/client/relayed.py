@@ -39,7 +39,7 @@ class RelayedStage(RemoteStage):
         self._metadata = ((RELAY_NODE_METADATA, node_id),)
 
     def _step(self, req: StepRequest, decode: bool, timeout_s: float) -> StepResult:
-        frames = request_to_frames(req, decode, self.max_frame_bytes)
+        frames = request_to_frames(req, decode, self.max_frame_bytes, layers=self.layers)
         try:
             # The tracker waits for the node only as long as this call's deadline leaves it.
             replies = self.tracker.RelayStep(iter(frames), timeout=timeout_s, metadata=self._metadata)

@@ -124,7 +124,8 @@ class RemoteStage:
                 if not results[-1].ok:
                     break
             return results
-        requests = [request_to_frames(req, decode, self.max_frame_bytes) for req, decode in steps]
+        requests = [request_to_frames(req, decode, self.max_frame_bytes, layers=self.layers)
+                    for req, decode in steps]
         try:
             conn = self.data_pool.acquire(timeout_s)
         except (OSError, DataPlaneError) as e:
@@ -148,14 +149,18 @@ class RemoteStage:
         return self.data_pool is not None
 
     def forward_hop(self) -> pb.ForwardHop:
-        return pb.ForwardHop(node_id=self.node_id, data_address=self.data_pool.address)
+        hop = pb.ForwardHop(node_id=self.node_id, data_address=self.data_pool.address)
+        if self.layers is not None:
+            hop.layers.start, hop.layers.end = self.layers
+        return hop
 
     def step_forwarded(self, req: StepRequest, decode: bool, next_hops: list[pb.ForwardHop],
                        timeout_s: float) -> tuple[StepResult, pb.HopFailure | None]:
         """Run ``req`` here and have this node forward its output along ``next_hops``: (this node's
         result, which holds only ``n_past``, and the failure of the next hop if it could not be reached).
         Raises StageFailure."""
-        answer = self._call_tcp(request_to_frames(req, decode, self.max_frame_bytes, next_hops), timeout_s)
+        frames = request_to_frames(req, decode, self.max_frame_bytes, next_hops, self.layers)
+        answer = self._call_tcp(frames, timeout_s)
         if isinstance(answer, StepResult):
             return answer, None
         first = answer[0]
@@ -187,7 +192,7 @@ class RemoteStage:
         return self._step(req, decode, self.timeout_s if timeout_s is None else timeout_s)
 
     def _step(self, req: StepRequest, decode: bool, timeout_s: float) -> StepResult:
-        frames = request_to_frames(req, decode, self.max_frame_bytes)
+        frames = request_to_frames(req, decode, self.max_frame_bytes, layers=self.layers)
         if self.data_pool is not None:
             return self._step_tcp(frames, timeout_s)
         try:

@@ -11,7 +11,7 @@ from typing import Callable
 import grpc
 
 from meshnet.client.relayed import RelayedStage
-from meshnet.client.remote import LIVENESS_PROBE_S, RemoteStage
+from meshnet.client.remote import LIVENESS_PROBE_S, RemoteStage, StageFailure
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane import ConnectionPool
@@ -78,7 +78,9 @@ class Router:
     def stage(self, hop: pb.Hop) -> RemoteStage:
         """The stage object for one hop of a route (its connections shared with other routes)."""
         stage = self._connect(hop)
-        stage.layers = (hop.layers.start, hop.layers.end)  # which recorded inputs it takes in a replay
+        # Which recorded inputs it takes in a replay, and the range each step names (a node serving
+        # another range refuses it); a tracker's hops always give it.
+        stage.layers = (hop.layers.start, hop.layers.end) if hop.HasField("layers") else None
         stage.instance = hop.instance
         stage.numerics = hop.numerics
         return self.on_stage(stage) if self.on_stage is not None else stage
@@ -153,9 +155,11 @@ class Router:
         return int(r.epoch), [self.stage(h) for h in r.hops]
 
     def _probe(self, stage: RemoteStage) -> str | None:
-        """Why ``stage`` cannot take a new session now (it does not answer Health, or answers unhealthy),
-        or None; a probe's answer is kept :data:`PROBE_KEPT_S`. Another process answering at the node's
-        address is fine here (a node restarted while the tracker was away): a new session starts there."""
+        """Why ``stage`` cannot take a new session now (it does not answer Health, answers unhealthy, or
+        serves another layer range or model than the route says), or None; a probe's answer is kept
+        :data:`PROBE_KEPT_S`. Another process answering at the node's address is fine here if it serves
+        the same layers of the same model (a node restarted while the tracker was away): a new session
+        starts there."""
         key, now = (stage.node_id, stage.address), time.monotonic()
         with self._lock:
             kept = self._probed.get(key)
@@ -164,11 +168,25 @@ class Router:
         try:
             h = stage.health(LIVENESS_PROBE_S)
             problem = None if h.healthy else f"answers unhealthy at {stage.address}: {h.message}"
+            if problem is None:
+                problem = self._serves_other(stage, stage.capabilities(LIVENESS_PROBE_S))
         except grpc.RpcError as err:
             problem = f"does not answer at {stage.address} ({err.code().name})"
+        except StageFailure as f:
+            problem = f"does not answer at {stage.address} ({f.code})"
         with self._lock:
             self._probed[key] = (now, problem)
         return problem
+
+    def _serves_other(self, stage: RemoteStage, caps: pb.Capabilities) -> str | None:
+        """Why the node answering at ``stage``'s address is not the route's (another layer range, another
+        model), or None."""
+        if stage.layers is not None and (caps.layers.start, caps.layers.end) != tuple(stage.layers):
+            return (f"is now a node serving layers {caps.layers.start}:{caps.layers.end} at {stage.address}, "
+                    f"not {stage.layers[0]}:{stage.layers[1]}")
+        if self.model_sha256 and caps.model.sha256 and caps.model.sha256 != self.model_sha256:
+            return f"is now a node serving another model ({caps.model.sha256[:12]}) at {stage.address}"
+        return None
 
     def route_through_recovered(self, failed_at: dict[str, str], previous_epoch: int, min_n_ctx: int = 0,
                                 like: list[RemoteStage] = ()) -> tuple[int, list[RemoteStage]] | None:

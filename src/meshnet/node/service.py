@@ -102,6 +102,19 @@ class NodeService(pb_grpc.NodeServicer):
             self._layers_after = c.n_layer - c.artifact.layers.end
         return next_hops_error(hops, self.node_id, self._layers_after)
 
+    def _range_error(self, head: pb.Envelope) -> str | None:
+        """Why this node does not run a step routed to it for another layer range (``head.layers``):
+        another process now answers at the address the route names (a node restarted with another
+        range while the tracker was away), and its layers in place of the route's would yield wrong
+        tokens without an error. None: the range is this node's, or the step names none."""
+        if not head.HasField("layers"):
+            return None
+        own = self.engine.capabilities().artifact.layers
+        if (head.layers.start, head.layers.end) == (own.start, own.end):
+            return None
+        return (f"node {self.node_id} serves layers {own.start}:{own.end}, but the step was routed to "
+                f"it for layers {head.layers.start}:{head.layers.end}; get a new route")
+
     def run_step(self, frames) -> StepOutcome:
         """Validate frames, run the step, and say what to answer; shared by gRPC and the TCP data plane.
 
@@ -113,6 +126,8 @@ class NodeService(pb_grpc.NodeServicer):
         refused = self._hops_error(hops)
         if refused is not None:
             return StepOutcome("INVALID_ARGUMENT", refused)
+        if frames and (wrong := self._range_error(frames[0])) is not None:
+            return StepOutcome("UNAVAILABLE", wrong)  # for the client a node gone from its route: fail over
         out, req, decode, res = self._execute(frames)
         return self._reply(hops, out, req, decode, res)
 
@@ -140,6 +155,9 @@ class NodeService(pb_grpc.NodeServicer):
         refused = self._hops_error(hops)
         if refused is not None:  # the head refuses such a route: only a misbehaving node sends it on
             log.warning("dropped a forwarded step of session %s: %s", head.session_id, refused)
+            return
+        if (wrong := self._range_error(head)) is not None:  # the tail tells the client, which fails over
+            self._pass_on(head, StepOutcome("UNAVAILABLE", wrong), None, False, None)
             return
         out, req, decode, res = self._execute(frames)
         self._pass_on(head, out, req, decode, res)
@@ -196,7 +214,8 @@ class NodeService(pb_grpc.NodeServicer):
             return False
         head = frames[0]
         n_tokens = head.shape[0] if head.shape else len(head.token_ids)
-        if n_tokens > ASYNC_STEP_TOKENS or self._hops_error(head.next_hops) is not None:
+        if (n_tokens > ASYNC_STEP_TOKENS or self._hops_error(head.next_hops) is not None
+                or self._range_error(head) is not None):
             return False
         try:
             req, decode = frames_to_request(frames)
@@ -243,8 +262,10 @@ class NodeService(pb_grpc.NodeServicer):
                  connect: bool = True) -> pb.HopFailure | None:
         """Send this stage's output for ``req`` to ``hops[0]`` with the rest of the route (``connect``:
         as Forwarder.send)."""
-        frames = request_to_frames(replace(req, hidden=res.hidden), decode, next_hops=hops[1:])
-        return self.forwarder.send(hops[0], frames, connect)
+        nxt = hops[0]
+        layers = (nxt.layers.start, nxt.layers.end) if nxt.HasField("layers") else None
+        frames = request_to_frames(replace(req, hidden=res.hidden), decode, next_hops=hops[1:], layers=layers)
+        return self.forwarder.send(nxt, frames, connect)
 
     @staticmethod
     def _answer(out: StepOutcome, req: StepRequest | None, res: StepResult | None) -> StepOutcome:

@@ -32,7 +32,8 @@ PROTOCOL_MAJOR = 1
 # Minor versions add fields a node of an older minor ignores (protobuf drops unknown fields), so a client
 # must not rely on them there. 1: forwarding (Envelope.next_hops, AWAIT), speculative verify/rollback,
 # logit_bias, grammar (Sampling 12, 13), MTP drafts (Envelope 26, StepReply 13), manifests, NodeInfo.version.
-PROTOCOL_MINOR = 1
+# 2: the range a step was routed for (Envelope.layers, ForwardHop.layers).
+PROTOCOL_MINOR = 2
 # Payload bytes per frame: large prompts stream in frames of 1 MiB (gRPC's default limit is 4 MiB).
 MAX_FRAME_BYTES = 1 << 20
 # A session id is a client's uuid (32 hex digits); a far longer one is refused before any stage echoes it
@@ -120,13 +121,18 @@ def tensor_frames(header: pb.Envelope, tensor: NamedTensor | None,
 
 
 def request_to_frames(req: StepRequest, decode: bool, max_frame: int = MAX_FRAME_BYTES,
-                      next_hops: Iterable[pb.ForwardHop] = ()) -> list[pb.Envelope]:
+                      next_hops: Iterable[pb.ForwardHop] = (),
+                      layers: tuple[int, int] | None = None) -> list[pb.Envelope]:
     """Encode a step request as envelope frames (one frame unless the hidden states are large);
-    ``next_hops``: the hops the receiver forwards its output to (see :mod:`meshnet.node.forwarding`)."""
+    ``next_hops``: the hops the receiver forwards its output to (see :mod:`meshnet.node.forwarding`);
+    ``layers``: the ``[start, end)`` the route gave the receiver, which refuses the step when it serves
+    another range (None: not checked)."""
     header = pb.Envelope(session_id=req.session_id, epoch=req.epoch, position=req.position, step_id=req.step_id,
                          decode=decode, token_ids=list(req.token_ids), sampling=sampling_to_pb(req.sampling),
                          reserve_tokens=req.reserve_tokens, verify=req.verify, rollback=req.rollback,
                          mtp_drafts=req.mtp_drafts, next_hops=list(next_hops))
+    if layers is not None:
+        header.layers.start, header.layers.end = layers
     return tensor_frames(header, req.hidden, max_frame)
 
 
