@@ -51,6 +51,34 @@ def test_stopped_middle_node_fails_over_in_seconds_and_frees_its_session_on_resu
     client.close()
 
 
+@pytest.mark.parametrize("forwarding", [False, True])
+def test_a_node_stopped_before_a_clients_first_step_there_is_left_in_seconds(mesh, tok, solo, forwarding):
+    """A hop this client has not timed got the whole step timeout (60 s) as its deadline: a fresh API's
+    first request waited a minute on a stopped node with a spare ready. It now gets a few seconds, then
+    its Health is asked."""
+    head, mid, spare, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-spare", "10:20"),
+                                               ("d-tail", "20:30")])
+    client = MeshClient(mesh.tracker, forwarding=forwarding)
+    _, route = client.route()
+    victim = mid if mid.node_id in {h.node_id for h in route} else spare
+    victim.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        gen = Generation(client, tok, solo.prompt_ids(1), 16, GREEDY, stop_at_eog=False)
+        tokens = iter(gen)
+        next(tokens)
+        first_token_s = time.monotonic() - t0
+        for _ in tokens:
+            pass
+        assert gen.result.generated_token_ids == solo.greedy(1, 16)
+        assert client.failovers == 1 and victim.node_id not in {h.node_id for h in client.last_hops}
+        print(f"\nfirst token past a stopped node: {first_token_s:.2f} s")
+        assert first_token_s < 30  # it was the 60 s step timeout
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    client.close()
+
+
 def test_the_only_node_of_a_range_stopped_then_resumed_takes_its_session_back(mesh, tok, solo):
     """No spare: the middle node stops after token 10 and resumes 3 s later, within the client's
     failover deadline. The client routes through it again (it answers Health at its old address),

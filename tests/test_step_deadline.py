@@ -21,9 +21,25 @@ def measured(decode_s: float | None = None, prefill: tuple[int, float] | None = 
     return clock
 
 
-def test_unmeasured_hop_gets_the_ceiling():
-    assert HopClock(POLICY).deadline_s(True, 1) == 60.0
-    assert HopClock(POLICY).deadline_s(False, 500) == 60.0
+def test_unmeasured_hop_gets_a_few_seconds_before_its_health_is_asked():
+    """It got the ceiling: a node hung in a client's first step there held it 60 s, a spare ready. A slow
+    first step is not failed over for it: past its deadline the node's Health is asked, and one that
+    answers is waited for on (RemoteStage)."""
+    assert HopClock(POLICY).deadline_s(True, 1) == 5.0
+    assert HopClock(POLICY).deadline_s(False, 500) == 5.0
+    assert HopClock(DeadlinePolicy(floor_s=1.5, ceiling_s=3.0)).deadline_s(True, 1) == 3.0  # within the ceiling
+    assert HopClock(DeadlinePolicy(floor_s=8.0, ceiling_s=30.0)).deadline_s(True, 1) == 8.0  # and the floor
+
+
+def test_a_verification_step_expects_a_decode_step_a_row_and_leaves_the_decode_time_alone():
+    """A decode of 17 rows (token and drafts) got one decode's deadline, and its time went into the
+    decode average, lengthening the next plain decodes' deadlines."""
+    clock = measured(decode_s=0.5)
+    assert clock.deadline_s(True, 17) == pytest.approx(60.0)  # 10 x 17 x 0.5 s, capped
+    assert clock.deadline_s(True, 4) == pytest.approx(20.0)
+    t, _ = clock.begin(True, 17)
+    clock.end(t, 3.0)
+    assert clock.decode_s == 0.5
 
 
 def test_fast_decodes_give_the_floor_so_a_hung_node_is_detected_in_seconds():
@@ -89,10 +105,11 @@ def test_clocks_are_per_node_and_shared():
     t, _ = clocks["a"].begin(True, 1)
     clocks["a"].end(t, 0.5)
     assert clocks["a"].deadline_s(True, 1) == pytest.approx(5.0)
-    assert clocks["b"].deadline_s(True, 1) == 60.0
+    assert clocks["b"].deadline_s(True, 1) == 5.0
 
 
-@pytest.mark.parametrize("kw", [dict(floor_s=0), dict(floor_s=70), dict(factor=0.5), dict(smoothing=0)])
+@pytest.mark.parametrize("kw", [dict(floor_s=0), dict(floor_s=70), dict(factor=0.5), dict(smoothing=0),
+                                dict(unmeasured_s=0)])
 def test_policy_refuses_nonsense(kw):
     with pytest.raises(ValueError):
         DeadlinePolicy(**kw)

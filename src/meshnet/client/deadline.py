@@ -8,10 +8,14 @@ kind of step scaled to the work in it (a prefill of N tokens costs N times the p
 plus the work this client already has in flight on the same hop (a node runs one step at a time, so a
 step queued behind another session's waits for it). A node ``factor / 2`` times slower than measured
 still finishes well inside its deadline: it is slow, not hung. Before a hop has been measured at all
-(its first steps may include one-off setup) the deadline is the configured ceiling. A step past its
-deadline is not given up at once: the stage probes the node's Health (``RemoteStage.answers``), and a
-node that answers is busy (another client's long prefill ahead of this step), so the step is waited for
-on, up to the ceiling; only a node that answers nothing is failed over.
+(its first steps may include one-off setup, and take any time) the deadline is a few seconds, after
+which its Health is asked: a step past its deadline is not given up at once: the stage probes the node's
+Health (``RemoteStage.answers``), and a node that answers is busy (another client's long prefill ahead
+of this step, or its own first graphs), so the step is waited for on, a deadline at a time, up to the
+ceiling; only a node that answers nothing is failed over. (With the ceiling as an unmeasured hop's
+deadline, a node hung in a client's first step with it held the step for the whole ceiling, 60 s, with a
+spare ready.) A verification step of speculative decoding (a decode of several rows) is expected to
+cost at most a decode step a row.
 
 Pure bookkeeping: no clocks or I/O here; callers pass the measured durations in.
 """
@@ -31,14 +35,16 @@ class DeadlinePolicy:
         floor_s: no deadline is shorter (covers jitter, GC pauses and scheduling on a shared CPU).
         factor: deadline = factor x the expected duration; 10 leaves a node 5x slower than measured a
             2x margin.
-        ceiling_s: no deadline is longer, and an unmeasured hop gets exactly this.
+        ceiling_s: no deadline is longer.
         smoothing: weight of the newest measurement in the running average (0 < smoothing <= 1).
+        unmeasured_s: the deadline of a step on a hop not yet measured (then within floor and ceiling).
     """
 
     floor_s: float = 1.5
     factor: float = 10.0
     ceiling_s: float = 60.0
     smoothing: float = 0.3
+    unmeasured_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not 0 < self.floor_s <= self.ceiling_s:
@@ -47,6 +53,8 @@ class DeadlinePolicy:
             raise ValueError(f"factor must be >= 1, got {self.factor}")
         if not 0 < self.smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+        if not self.unmeasured_s > 0:
+            raise ValueError(f"unmeasured_s must be > 0, got {self.unmeasured_s}")
 
 
 class HopClock:
@@ -69,8 +77,11 @@ class HopClock:
         """Expected duration in seconds of one step of ``n_tokens`` tokens; None before any measurement.
 
         A decode step not yet measured is bounded by a whole prefill (one token is less work than
-        several); a prefill not yet measured by ``n_tokens`` decode steps (batching only helps)."""
+        several); a prefill not yet measured by ``n_tokens`` decode steps (batching only helps); a
+        verification step (a decode of ``n_tokens`` rows) by a decode step a row."""
         if decode:
+            if n_tokens > 1 and self.decode_s is not None:
+                return self.decode_s * n_tokens
             return self.decode_s if self.decode_s is not None else self.prefill_step_s
         if self.prefill_token_s is not None:
             return self.prefill_token_s * n_tokens
@@ -85,7 +96,7 @@ class HopClock:
             mine = self.expected_s(decode, n_tokens)
             ahead = [self.expected_s(d, n) for d, n in queued]
         if mine is None or any(e is None for e in ahead):
-            return p.ceiling_s
+            return min(p.ceiling_s, max(p.floor_s, p.unmeasured_s))
         return min(p.ceiling_s, max(p.floor_s, p.factor * (mine + sum(ahead))))
 
     def begin(self, decode: bool, n_tokens: int) -> tuple[int, float]:
@@ -105,6 +116,8 @@ class HopClock:
             if elapsed_s is None:
                 return
             a = self.policy.smoothing
+            if decode and n > 1:
+                return  # a verification step: its rows say little of one decode step's time
             if decode:
                 self.decode_s = _blend(self.decode_s, elapsed_s, a)
             else:

@@ -47,21 +47,28 @@ def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool, clock
     clock = clocks["forward:" + ">".join(h.node_id for h in hops)]
     ticket, timeout_s = clock.begin(decode, len(req.token_ids))
     t0, elapsed = time.monotonic(), None
+    silent: list[RemoteStage] = []
+
+    def all_answer() -> bool:
+        silent.extend(h for h in hops if not h.answers())
+        return not silent
+
     try:
         pending = tail.await_step(req, timeout_s)
         try:
-            res, failure = head.step_forwarded(req, decode, [h.forward_hop() for h in hops[1:]], timeout_s)
+            # The head answers once it has sent its output on: a next hop that hung holds it (its connect
+            # and handshake time out only after the forwarder's 10 s), so every hop's Health is asked.
+            res, failure = head.step_forwarded(req, decode, [h.forward_hop() for h in hops[1:]], timeout_s,
+                                               all_answer)
+        except StageFailure as f:
+            pending.abandon()
+            raise _silent_one(silent, head, f) from None
         except BaseException:
             pending.abandon()
             raise
         if not res.ok or failure is not None:
             pending.abandon()
             return _stopped_at(hops, failure) if failure is not None else (res, head)
-        silent: list[RemoteStage] = []
-
-        def all_answer() -> bool:
-            silent.extend(h for h in hops if not h.answers())
-            return not silent
 
         def watch() -> None:
             found = failures.since(t0, hops) if failures is not None else None
@@ -73,10 +80,7 @@ def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool, clock
             res, failure = pending.result(timeout_s, all_answer, tail.timeout_s,
                                           (WATCH_S, watch) if failures is not None else None)
         except StageFailure as f:
-            if silent and silent[0] is not tail:
-                raise StageFailure(silent[0].node_id, silent[0].address, f.code, "does not answer Health (or "
-                                   "another process does: it restarted); " + f.message) from None
-            raise
+            raise _silent_one(silent, tail, f) from None
         if failure is not None:
             return _stopped_at(hops, failure)
         if res.ok:
@@ -84,6 +88,15 @@ def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool, clock
         return res, (None if res.ok else tail)
     finally:
         clock.end(ticket, elapsed)
+
+
+def _silent_one(silent: list[RemoteStage], waited_on: RemoteStage, f: StageFailure) -> StageFailure:
+    """The failure to report for a step ``waited_on`` left unanswered (``f``): the first hop that left
+    its Health probe unanswered (``silent``), if another one, else ``f``."""
+    if silent and silent[0] is not waited_on:
+        return StageFailure(silent[0].node_id, silent[0].address, f.code, "does not answer Health (or another "
+                            "process does: it restarted); " + f.message)
+    return f
 
 
 def _stopped_at(hops: list[RemoteStage], failure: pb.HopFailure) -> tuple[StepResult, RemoteStage]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import grpc
 
@@ -77,15 +78,17 @@ class RemoteStage:
         answer = self._call_tcp(frames, timeout_s)
         return answer if isinstance(answer, StepResult) else self._decode(answer)
 
-    def _call_tcp(self, frames, timeout_s: float) -> list[pb.StepReply] | StepResult:
+    def _call_tcp(self, frames, timeout_s: float,
+                  still_alive: Callable[[], bool] | None = None) -> list[pb.StepReply] | StepResult:
         """One request on the data plane: the node's reply messages, or its refusal as a StepResult.
-        Raises StageFailure."""
+        An answer overdue past ``timeout_s`` is waited for on while ``still_alive()`` (default: this
+        node answers Health). Raises StageFailure."""
         try:
             conn = self.data_pool.acquire(timeout_s)
         except (OSError, DataPlaneError) as e:
             raise self.data_failure(*_socket_failure(e, timeout_s)) from None
         try:
-            replies, error = conn.call(frames, timeout_s, self.answers, self.timeout_s)
+            replies, error = conn.call(frames, timeout_s, still_alive or self.answers, self.timeout_s)
         except (OSError, DataPlaneError) as e:
             conn.close()  # a late reply would otherwise answer the next step on this connection
             raise self.data_failure(*_socket_failure(e, timeout_s)) from None
@@ -154,13 +157,14 @@ class RemoteStage:
             hop.layers.start, hop.layers.end = self.layers
         return hop
 
-    def step_forwarded(self, req: StepRequest, decode: bool, next_hops: list[pb.ForwardHop],
-                       timeout_s: float) -> tuple[StepResult, pb.HopFailure | None]:
+    def step_forwarded(self, req: StepRequest, decode: bool, next_hops: list[pb.ForwardHop], timeout_s: float,
+                       still_alive: Callable[[], bool] | None = None) -> tuple[StepResult, pb.HopFailure | None]:
         """Run ``req`` here and have this node forward its output along ``next_hops``: (this node's
         result, which holds only ``n_past``, and the failure of the next hop if it could not be reached).
-        Raises StageFailure."""
+        ``still_alive``: as :meth:`_call_tcp` (this node answers only once it has sent the output on, so
+        a next hop that hangs holds its answer). Raises StageFailure."""
         frames = request_to_frames(req, decode, self.max_frame_bytes, next_hops, self.layers)
-        answer = self._call_tcp(frames, timeout_s)
+        answer = self._call_tcp(frames, timeout_s, still_alive)
         if isinstance(answer, StepResult):
             return answer, None
         first = answer[0]
