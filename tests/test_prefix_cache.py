@@ -178,3 +178,13 @@ def test_the_start_up_speed_probe_takes_no_place_in_the_prefix_cache(smollm2_pat
     m = eng.metrics()
     assert len(eng.stage.prefix_cache) == 0 and m.kv_tokens_kept == m.kv_tokens_held == 0
     assert m.decode_tokens == 8  # the probe ran its steps
+
+
+def test_the_speed_probe_runs_on_a_pool_smaller_than_the_context(smollm2_path):
+    """With a small --kv-tokens the probe's session asked for a whole context's cells, was refused, and the
+    node registered 0 tokens/s (routing then guessed its speed)."""
+    from meshnet.node.engine_loader import measure_decode_speed
+
+    eng = _engine(smollm2_path, 4, layers=LayerRange(20, 30), kv_tokens=400)
+    assert measure_decode_speed(eng, steps=8) > 0
+    assert eng.metrics().decode_tokens == 8

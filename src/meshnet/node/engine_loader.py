@@ -89,7 +89,9 @@ def measure_decode_speed(engine: ShardEngine, steps: int = 8) -> float:
     caps = engine.capabilities()
     sid = f"speed-probe-{uuid.uuid4().hex}"
     hidden = None if caps.is_head else NamedTensor.from_numpy("hidden", np.zeros((1, *caps.hidden_row_shape), np.float32))
-    if not engine.prefill(StepRequest(sid, 0, 0, (1,), hidden=hidden)).ok:
+    # Its own cells only (reserve_tokens 0 would ask for n_ctx: refused by a pool below that, --kv-tokens).
+    first = StepRequest(sid, 0, 0, (1,), hidden=hidden, reserve_tokens=steps + 1)
+    if not engine.prefill(first).ok:
         engine.release(sid, keep_prefix=False)
         return 0.0
     t0 = time.perf_counter()
