@@ -58,7 +58,7 @@ def _client(hops: list[FakeHop]) -> MeshClient:
     ranges = sorted({(h.engine.capabilities().artifact.layers.start, h.engine.capabilities().artifact.layers.end)
                      for h in hops})
 
-    def route(exclude=frozenset(), previous_epoch=0, min_n_ctx=0, like=()):
+    def route(exclude=frozenset(), previous_epoch=0, min_n_ctx=0, like=(), opens_session=False):
         picked = [next(h for h in hops if (h.engine.capabilities().artifact.layers.start,
                                            h.engine.capabilities().artifact.layers.end) == r
                        and h.node_id not in exclude) for r in ranges]
@@ -116,7 +116,7 @@ def test_a_node_that_answers_health_but_fails_every_step_is_given_up_at_the_fail
     head, tail = FakeHop("a", LayerRange(0, 15)), FakeHop("b", LayerRange(15, 30), fail_on=set(range(2, 10**6)))
     client = _client([head, tail])
 
-    def route(exclude=frozenset(), previous_epoch=0, min_n_ctx=0, like=()):
+    def route(exclude=frozenset(), previous_epoch=0, min_n_ctx=0, like=(), opens_session=False):
         if "b" in exclude:
             raise MeshUnavailable("no node serves [15, 30)")
         return previous_epoch + 1, [head, tail]

@@ -215,6 +215,29 @@ def test_a_route_names_the_process_registered_last_at_an_address(tracker):
     assert ei.value.details() == "Register: node 'n99' has an instance id of 65 characters (at most 64)"
 
 
+def test_routes_handed_out_together_spread_over_replicas_until_the_nodes_heartbeat(tracker):
+    """Eight requests at once saw the same session counts (from the last heartbeats) and all took the
+    cheapest replica, the other idle: 8/0, then 0/8. A route a session opens on now counts on its nodes
+    until their next heartbeat, which reports the sessions themselves."""
+    for node_id, s, e, speed in [("h", 0, 10, 90.0), ("m1", 10, 20, 93.7), ("m2", 10, 20, 91.7), ("t", 20, 30, 90.0)]:
+        msg = info(node_id, s, e, port=9400 + len(node_id) * 10 + s)
+        msg.decode_tokens_per_s, msg.max_sessions = speed, 16
+        tracker.Register(msg, timeout=5)
+    opening = pb.RouteRequest(opens_session=True)
+    mids = [tracker.GetRoute(opening, timeout=5).hops[1].node_id for _ in range(8)]
+    assert sorted(mids) == ["m1"] * 4 + ["m2"] * 4
+    # A route asked for without a session (a health check) counts nothing.
+    for node_id in ("m1", "m2"):
+        assert tracker.Heartbeat(pb.HeartbeatRequest(node_id=node_id, active_sessions=0), timeout=5).known
+    assert [tracker.GetRoute(pb.RouteRequest(), timeout=5).hops[1].node_id for _ in range(3)] == ["m1"] * 3
+    # A heartbeat replaces the routes counted on a node by the sessions it reports.
+    assert tracker.Heartbeat(pb.HeartbeatRequest(node_id="m1", active_sessions=0), timeout=5).known
+    assert tracker.Heartbeat(pb.HeartbeatRequest(node_id="m2", active_sessions=8), timeout=5).known
+    assert [tracker.GetRoute(opening, timeout=5).hops[1].node_id for _ in range(4)] == ["m1"] * 4
+    listed = {n.info.node_id: n.active_sessions for n in tracker.ListNodes(pb.Empty(), timeout=5).nodes}
+    assert listed["m2"] == 8 and listed["m1"] == 0  # what the nodes said, routes not counted
+
+
 def test_a_failover_route_prefers_nodes_computing_as_the_hops_it_replaces(tracker):
     """Nodes register their numerics key and routes carry it; a route asked for ``prefer_like`` the old
     route's hops takes the spare with the replaced hop's key over a faster one, and a malformed

@@ -97,9 +97,10 @@ class MeshClient:
 
     # ---- routing -----------------------------------------------------------------------------
     def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0, min_n_ctx: int = 0,
-              like: list[RemoteStage] = ()) -> tuple[int, list[RemoteStage]]:
-        """A route from the tracker (see :meth:`Router.route`). Raises MeshUnavailable."""
-        return self.router.route(exclude, previous_epoch, min_n_ctx, like)
+              like: list[RemoteStage] = (), opens_session: bool = False) -> tuple[int, list[RemoteStage]]:
+        """A route from the tracker (see :meth:`Router.route`; ``opens_session``: a session opens on it,
+        which the tracker counts on its nodes). Raises MeshUnavailable."""
+        return self.router.route(exclude, previous_epoch, min_n_ctx, like, opens_session)
 
     def route_with_context(self) -> tuple[int, list[RemoteStage], int]:
         """A route and its context length in tokens (the smallest ``n_ctx`` along it: every stage must
@@ -142,8 +143,8 @@ class MeshClient:
         the mesh has another way, else the plain one (they may be back). Raises MeshUnavailable."""
         if down := self.node_failures.recent(time.monotonic()):
             with contextlib.suppress(MeshUnavailable):
-                return self.route(down)
-        return self.route()
+                return self.route(down, opens_session=True)
+        return self.route(opens_session=True)
 
     def _route_around(self, failed_at: dict[str, str], previous_epoch: int = 0, min_n_ctx: int = 0,
                       like: list[RemoteStage] = ()) -> tuple[int, list[RemoteStage]]:

@@ -103,10 +103,12 @@ class Router:
         return RemoteStage(hop.node_id, hop.address, ch, self.step_timeout_s, data_pool=pool)
 
     def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0, min_n_ctx: int = 0,
-              like: list[RemoteStage] = ()) -> tuple[int, list[RemoteStage]]:
+              like: list[RemoteStage] = (), opens_session: bool = False) -> tuple[int, list[RemoteStage]]:
         """A route from the tracker, numbered with an epoch above ``previous_epoch``, through nodes that
         hold sessions of ``min_n_ctx`` tokens (0: any), preferring over each hop of ``like`` (the route a
         failover replaces) nodes that compute as that hop did (see :mod:`meshnet.engine.numerics`).
+        ``opens_session``: a session opens on the route (the tracker counts it on the route's nodes until
+        they next heartbeat, so that sessions opening together spread over replicas).
 
         While the tracker cannot be reached (down, restarting, cut off from this client), the last route
         it gave serves instead, unless it goes through a node in ``exclude`` or one that does not answer a
@@ -126,7 +128,8 @@ class Router:
             r = self.tracker.GetRoute(pb.RouteRequest(model_sha256=self.model_sha256,
                                                        exclude_node_ids=sorted(exclude),
                                                        previous_epoch=previous_epoch, min_n_ctx=min_n_ctx,
-                                                       prefer_like=[_hop_like(h) for h in like if h.layers]),
+                                                       prefer_like=[_hop_like(h) for h in like if h.layers],
+                                                       opens_session=opens_session),
                                    timeout=ROUTE_TIMEOUT_UNREACHABLE_S if short else ROUTE_TIMEOUT_S)
         except grpc.RpcError as e:
             if e.code() not in _TRACKER_UNREACHABLE:

@@ -430,18 +430,20 @@ class HeartbeatReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ("model_sha256", "exclude_node_ids", "previous_epoch", "min_n_ctx", "prefer_like")
+    __slots__ = ("model_sha256", "exclude_node_ids", "previous_epoch", "min_n_ctx", "prefer_like", "opens_session")
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     MIN_N_CTX_FIELD_NUMBER: _ClassVar[int]
     PREFER_LIKE_FIELD_NUMBER: _ClassVar[int]
+    OPENS_SESSION_FIELD_NUMBER: _ClassVar[int]
     model_sha256: str
     exclude_node_ids: _containers.RepeatedScalarFieldContainer[str]
     previous_epoch: int
     min_n_ctx: int
     prefer_like: _containers.RepeatedCompositeFieldContainer[Hop]
-    def __init__(self, model_sha256: _Optional[str] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ..., previous_epoch: _Optional[int] = ..., min_n_ctx: _Optional[int] = ..., prefer_like: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ...) -> None: ...
+    opens_session: bool
+    def __init__(self, model_sha256: _Optional[str] = ..., exclude_node_ids: _Optional[_Iterable[str]] = ..., previous_epoch: _Optional[int] = ..., min_n_ctx: _Optional[int] = ..., prefer_like: _Optional[_Iterable[_Union[Hop, _Mapping]]] = ..., opens_session: _Optional[bool] = ...) -> None: ...
 
 class Hop(_message.Message):
     __slots__ = ("node_id", "address", "layers", "data_address", "relayed", "instance", "numerics")

@@ -12,7 +12,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from meshnet.tracker.routing import NodeRecord
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
@@ -74,6 +74,7 @@ class _Entry:
     free_memory_bytes: int
     device: dict | None = None
     version: str = ""
+    granted: int = 0  # routes through it handed out since its last heartbeat
 
 
 class Registry:
@@ -159,6 +160,7 @@ class Registry:
                 del self._entries[node_id]
                 return False
             changes: dict = {"active_sessions": max(int(active_sessions), 0)}
+            entry.granted = 0  # the sessions they opened are in its count now
             # 0 means "no new measurement": keep the last known speed.
             if decode_tokens_per_s > 0 and math.isfinite(decode_tokens_per_s):
                 changes["decode_tokens_per_s"] = float(decode_tokens_per_s)
@@ -184,6 +186,24 @@ class Registry:
         with self._lock:
             self._sweep()
             return [self._entries[k].record for k in sorted(self._entries)]
+
+    def routable(self) -> list[NodeRecord]:
+        """:meth:`alive`, each node's sessions counting the routes through it handed out since its last
+        heartbeat: requests that arrive together saw the same count, and the same cheapest replica, and all
+        went to it, its twin idle, until heartbeats told otherwise."""
+        with self._lock:
+            self._sweep()
+            entries = [self._entries[k] for k in sorted(self._entries)]
+            return [dataclasses.replace(e.record, active_sessions=e.record.active_sessions + e.granted)
+                    if e.granted else e.record for e in entries]
+
+    def granted(self, node_ids: Iterable[str]) -> None:
+        """A route through ``node_ids`` was handed out: each counts a session more until it heartbeats."""
+        with self._lock:
+            for node_id in node_ids:
+                entry = self._entries.get(node_id)
+                if entry is not None:
+                    entry.granted += 1
 
     def statuses(self) -> list[RegisteredNode]:
         """Every live node with the age of its last heartbeat (seconds), sorted by node id."""

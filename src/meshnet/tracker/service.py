@@ -148,7 +148,7 @@ class TrackerService(pb_grpc.TrackerServicer):
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
                            f"GetRoute: previous_epoch {request.previous_epoch} leaves no larger epoch")
         # A relayed node is reachable only while its relay stream is open.
-        nodes = [n for n in self.registry.alive() if not n.relayed or self.relays.attached(n.node_id)]
+        nodes = [n for n in self.registry.routable() if not n.relayed or self.relays.attached(n.node_id)]
         models = sorted({n.model_sha256 for n in nodes})
         model = request.model_sha256
         if not model:
@@ -172,6 +172,8 @@ class TrackerService(pb_grpc.TrackerServicer):
             if not any(n.model_sha256 == model for n in nodes):
                 message += f"; models served: {', '.join(models) or 'none'}"
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"GetRoute: {message}") from None
+        if request.opens_session:
+            self.registry.granted(h.node_id for h in hops)
         head = hops[0]
         return pb.Route(
             epoch=self.registry.next_epoch(request.previous_epoch),
