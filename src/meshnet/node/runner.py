@@ -28,10 +28,11 @@ from meshnet.engine.kv_pool import available_memory_bytes
 from meshnet.ledger.reporting import WorkReporter
 from meshnet.membership.identity import node_identity
 from meshnet.node.config import NodeConfig
-from meshnet.node.engine_loader import load_engine, load_failure
+from meshnet.node.engine_loader import load_engine, load_failure, measure_decode_speed
 from meshnet.node.membership import Membership
 from meshnet.node.relay_link import RelayLink
 from meshnet.node.service import NodeService
+from meshnet.node.speed_probe import REPROBE_EVERY_S, IdleSpeed
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane_server import DataPlaneServer
@@ -84,6 +85,9 @@ class Node:
             self.loaded = self.supervisor.info
         self.model = self.loaded.model
         self.decode_tokens_per_s = self.loaded.decode_tokens_per_s
+        # Measured again while idle (not under injected faults, whose step counts a probe would shift).
+        self.speed = IdleSpeed(self.decode_tokens_per_s, lambda: measure_decode_speed(self.engine),
+                               every_s=REPROBE_EVERY_S if not cfg.fault else float("inf"))
         # Under TLS the node forwards steps over TLS, verifying its peers as clients verify it.
         peer_tls = client_ssl_context(cfg.tls_ca) if cfg.tls is not None else None
         self.service = NodeService(self.engine, self.node_id, self.model, cfg.join_token, peer_tls)
@@ -173,7 +177,9 @@ class Node:
                              cpu_features=dev.get("cpu_features", ()))
 
     def _load(self) -> tuple[int, float]:
-        return self.engine.health().active_sessions, self.decode_tokens_per_s
+        active = self.engine.health().active_sessions
+        self.decode_tokens_per_s = self.speed.report(active)
+        return active, self.decode_tokens_per_s
 
     def _refused(self, refusal: str) -> None:
         # Retrying cannot help (wrong key, wrong protocol, an id another live node holds): stop, and
