@@ -100,6 +100,31 @@ def test_a_spare_too_small_for_the_session_is_not_failed_over_to(mesh, tok, solo
     assert [n.active_sessions() for n in (head, small, tail)] == [0, 0, 0]
     client.close()
 
+def test_a_failover_onto_a_spare_at_its_session_limit_waits_for_room(mesh, tok, solo):
+    """The only spare holds its one session when the middle node dies: the replay's first step there is
+    refused RESOURCE_EXHAUSTED, and the session failed at once, its user's answer lost mid-way. It now
+    waits for room (as a new session does) and finishes as the solo run, once the spare's session ends."""
+    head, mid, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
+    client = MeshClient(mesh.tracker)
+    held = []
+
+    def fill_spare_then_kill_mid():
+        (spare,) = mesh.start_nodes([("c-spare", "10:20", ["--max-sessions", "1"])])
+        stub = spare.stub()
+        hidden = NamedTensor.from_numpy("hidden", np.zeros((2, 576), dtype=np.float32))
+        frames = request_to_frames(StepRequest("other-user", 1, 0, (1, 2), hidden=hidden), decode=False)
+        assert stub.Step(frames[0], timeout=30).n_past == 2  # the spare's one session, another user's
+        held.append(spare)
+        mid.kill()
+        threading.Timer(3.0, lambda: stub.Release(pb.SessionRequest(session_id="other-user"), timeout=5)).start()
+
+    out = _run_killing(client, tok, solo.prompt_ids(2), fill_spare_then_kill_mid, n=32)
+    assert out == solo.greedy(2, 32)
+    assert client.failovers == 1 and [h.node_id for h in client.last_hops] == ["a-head", "c-spare", "d-tail"]
+    client.close()
+    assert [n.active_sessions() for n in (head, held[0], tail)] == [0, 0, 0]
+
+
 def test_kill_without_spare_fails_fast_and_survivors_release(mesh, tok, solo):
     head, mid, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
     client = MeshClient(mesh.tracker)

@@ -12,6 +12,7 @@ so where it does not). The routing around failed nodes is :class:`~meshnet.clien
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable
@@ -23,6 +24,12 @@ from meshnet.contract import Status, StepResult
 from meshnet.engine.numerics import differences
 
 log = logging.getLogger("meshnet.client")
+
+# How long a replay waits for room on a replacement at its session or memory limit (RESOURCE_EXHAUSTED on
+# the step that opens the session there): as long as a new session waits in line for room (the API's
+# ADMISSION_WAIT_S). The spare's own sessions end meanwhile; failing the session at once lost its user's
+# answer mid-way.
+ROOM_WAIT_S = 30.0
 
 
 class SessionLost(StageFailure):
@@ -97,14 +104,26 @@ def _replay_hop(log_: SessionLog, i: int, abandon: Callable[[SessionLog], None])
     (:meth:`RemoteStage.replay`); returns the hop's results. Raises StageFailure (SessionLost when
     its engine restarted meanwhile) or MeshUnavailable (a refused step)."""
     hop = log_.hops[i]
-    results = hop.replay([(replace(rec.req, epoch=log_.epoch, hidden=rec.inputs[i]), rec.decode)
-                          for rec in log_.steps])
+    steps = [(replace(rec.req, epoch=log_.epoch, hidden=rec.inputs[i]), rec.decode) for rec in log_.steps]
+    deadline = time.monotonic() + ROOM_WAIT_S
+    results = hop.replay(steps)
+    while results and _no_room(results[0]) and time.monotonic() < deadline:
+        # Refused before it opened the session there: nothing to undo, the same replay again.
+        log.info("session %s: %s has no room for it yet (%s); waiting", log_.session_id, hop.node_id,
+                 results[0].message)
+        time.sleep(min(results[0].retry_after_s or 0.5, max(0.0, deadline - time.monotonic())))
+        results = hop.replay(steps)
     for res in results:
         if res.status is Status.NOT_FOUND:  # its engine restarted during the replay
             raise SessionLost(hop.node_id, hop.address, "NOT_FOUND", res.message)
         _check_replayed(log_, res, abandon)
         check_reply(hop, res, last=i == len(log_.hops) - 1)
     return results
+
+
+def _no_room(res: StepResult) -> bool:
+    """Whether ``res`` is a refusal for lack of room (a node at its session or KV limit)."""
+    return res.status is Status.RESOURCE_EXHAUSTED
 
 
 def _check_replayed(log_: SessionLog, res: StepResult, abandon: Callable[[SessionLog], None]) -> None:
