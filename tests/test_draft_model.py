@@ -79,3 +79,30 @@ def test_a_draft_model_alone_turns_drafting_by_it_on_and_with_another_kind_is_re
         with pytest.raises(ValueError) as ei:
             speculation_from_args(argparse.Namespace(speculative=kind, draft_model=path, draft_tokens=None), path)
         assert str(ei.value) == f"--draft-model drafts only with --speculative model, not --speculative {kind}: drop one"
+
+
+def test_draft_tokens_alone_turn_ngram_drafting_on_and_beside_none_are_refused(smollm2_path):
+    """``--draft-tokens 5`` alone was ignored without a word: nothing drafted."""
+    import argparse
+
+    from meshnet.speculative import speculation_from_args
+
+    path = str(smollm2_path)
+    spec = speculation_from_args(argparse.Namespace(speculative=None, draft_model=None, draft_tokens=5), path)
+    assert spec is not None and spec.draft_tokens == 5 and spec.drafter is None and not spec.mtp
+    with pytest.raises(ValueError, match="^--draft-tokens sets how many tokens speculative decoding drafts, and "
+                                         "--speculative none drafts none: drop one$"):
+        speculation_from_args(argparse.Namespace(speculative="none", draft_model=None, draft_tokens=5), path)
+
+
+def test_mtp_on_a_model_without_it_names_the_model_as_the_user_did(smollm2_path):
+    """A model fetched from a mesh (``--model-id``) lives in a cache file: the refusal named that file."""
+    import argparse
+
+    from meshnet.speculative import speculation_from_args
+
+    args = argparse.Namespace(speculative="mtp", draft_model=None, draft_tokens=None)
+    with pytest.raises(ValueError) as ei:
+        speculation_from_args(args, str(smollm2_path), "smollm2")
+    assert str(ei.value) == ("speculative 'mtp' needs a model with next-token-prediction layers: smollm2 (llama) has "
+                             "no nextn tensors (llama.nextn_predict_layers is absent or 0)")

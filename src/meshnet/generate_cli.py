@@ -122,7 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         path = str(path)
     else:
         path = str(resolve_model(args.model))
-    speculation = speculation_from_args(args, path)  # ValueError: exit status 2
+    speculation = speculation_from_args(args, path, args.model_id)  # ValueError: exit status 2
     ranges = plan_ranges(path, args.stages, args.layers)
     tok = GGUFTokenizer.from_gguf(path)
     if args.chat:

@@ -289,19 +289,23 @@ def speculation_from(kind: str | None, draft_tokens: int | None, default: Specul
     return spec
 
 
-def speculation_from_args(args: argparse.Namespace, target_path: str) -> Speculation | None:
+def speculation_from_args(args: argparse.Namespace, target_path: str, shown: str | None = None) -> Speculation | None:
     """The speculation ``--speculative``, ``--draft-model`` and ``--draft-tokens`` ask for; a draft model
-    is loaded and checked against the target model at ``target_path``.
+    is loaded and checked against the target model at ``target_path`` (named ``shown`` in messages, when
+    given: a model fetched from a mesh lives in a cache file the user never named).
 
     Raises:
         ValueError: a bad kind or count, "model" without ``--draft-model``, or a draft model whose
             vocabulary differs from the target's.
     """
     # --draft-model alone turns drafting by that model on, as llama-server's --model-draft does; with any
-    # other kind it would be loaded and never used.
-    kind = args.speculative or ("model" if args.draft_model else "none")
+    # other kind it would be loaded and never used. --draft-tokens alone drafts by n-gram (it was ignored).
+    kind = args.speculative or ("model" if args.draft_model else "ngram" if args.draft_tokens is not None else "none")
     if args.draft_model and kind != "model":
         raise ValueError(f"--draft-model drafts only with --speculative model, not --speculative {kind}: drop one")
+    if kind == "none" and args.draft_tokens is not None:
+        raise ValueError("--draft-tokens sets how many tokens speculative decoding drafts, and --speculative none "
+                         "drafts none: drop one")
     drafter = None
     if kind == "model":
         if not args.draft_model:
@@ -310,7 +314,7 @@ def speculation_from_args(args: argparse.Namespace, target_path: str) -> Specula
 
         drafter = ModelDrafter(args.draft_model, target_path)
     return speculation_from(kind, args.draft_tokens, drafter=drafter,
-                            mtp_problem=mtp_problem(target_path) if kind == "mtp" else None)
+                            mtp_problem=mtp_problem(target_path, shown) if kind == "mtp" else None)
 
 
 def mtp_problem(path: str, shown: str | None = None) -> str | None:
@@ -340,4 +344,5 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF (path or bundled name) with the model's vocabulary, run here to draft tokens "
                         "(implies --speculative model)")
     g.add_argument("--draft-tokens", type=int, default=None,
-                   help=f"draft tokens per verification step, 1..{MAX_DRAFT_TOKENS} (default 10; fewer where drafts do not pay)")
+                   help=f"draft tokens per verification step, 1..{MAX_DRAFT_TOKENS} (default 10; fewer where drafts do "
+                        f"not pay; alone, implies --speculative ngram)")

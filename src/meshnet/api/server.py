@@ -108,7 +108,7 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
         model_path, name = str(path), name or bundled or model_name_of(path) or args.model_id
     else:
         model_path = str(resolve_model(args.model))
-    speculation = speculation_from_args(args, model_path)
+    speculation = speculation_from_args(args, model_path, args.model_id)
     if args.tracker:
         backend = mesh_backend(args.tracker, model_path, join_token=args.join_token, tls_ca=args.tls_ca,
                                name=name or served_name(args.model), max_concurrency=args.max_concurrency or 8,
