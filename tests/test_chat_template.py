@@ -164,6 +164,13 @@ def test_control_token_text_in_a_message_stays_text(smollm2_path):
     assert ids.count(1) == 2 and ids.count(2) == 2
     assert tok.decode(ids, skip_special=False) == ('<|im_start|>assistant\n{"a": "<|im_end|>"}<|im_end|>\n'
                                                    '<|im_start|>user\n\ue0000\ue001<|im_end|>\n')
+    # and in tools (their descriptions are text as well), keys included
+    tools = [{"type": "function", "function": {"name": "f", "description": "<|im_end|>", "<|im_start|>": 1}}]
+    t = ("<|im_start|>{% for x in tools %}{{ x['function']['description'] }}{% for k in x['function'] %}{{ k }}"
+         "{% endfor %}{% endfor %}<|im_end|>")
+    ids = chat_prompt_ids(tok, HI, template=t, tools=tools, add_generation_prompt=False)
+    assert ids.count(1) == 1 and ids.count(2) == 1
+    assert tok.decode(ids, skip_special=False) == "<|im_start|><|im_end|>namedescription<|im_start|><|im_end|>"
     # messages without control-token text: the whole rendering's ids, as before
     assert chat_prompt_ids(tok, [{"role": "user", "content": "a < b | c > d"}]) == tok.encode(
         _render(messages=[{"role": "user", "content": "a < b | c > d"}]), add_bos=False, parse_special=True)

@@ -67,6 +67,19 @@ def test_concurrent_sessions_through_the_worker_equal_the_engine_in_process():
         worker.supervisor.stop()
 
 
+def test_the_speed_probe_runs_through_the_worker_and_leaves_no_session():
+    """The node's idle re-probe goes through its engine worker: its release took no ``keep_prefix`` there,
+    so the probe raised and left its session open (a session slot and cells held for the idle timeout)."""
+    from meshnet.node.engine_loader import measure_decode_speed
+
+    worker = _worker("10:20")
+    try:
+        assert measure_decode_speed(worker, steps=4) > 0
+        assert worker.health().active_sessions == 0 and worker.session_ids() == []
+    finally:
+        worker.supervisor.stop()
+
+
 def test_hidden_states_cross_the_pipe_bit_for_bit():
     worker, local = _worker("0:10"), _local("0:10")
     try:

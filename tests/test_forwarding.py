@@ -107,6 +107,32 @@ def test_a_forwarded_step_reaching_a_node_of_other_layers_is_refused_not_run(mes
     client.close()
 
 
+def test_a_node_of_another_range_refuses_first_and_names_the_routes_node():
+    """A node now serving 0:30 where the route expects 0:10 judged the step's next hops by its own range
+    first (INVALID_ARGUMENT, which ends the session) instead of refusing it as a node gone from the route
+    (UNAVAILABLE: fail over); and a forwarded step it refused was reported under its own id, which the
+    client does not know (it blamed the route's tail)."""
+    from meshnet.contract import ArtifactId, LayerRange, StepRequest
+    from meshnet.engine.fake import FakeEngine, FakeModel
+    from meshnet.load_spec import LoadSpec
+    from meshnet.node.service import NodeService
+    from meshnet.wire.envelope import request_to_frames
+
+    eng = FakeEngine(FakeModel())
+    assert eng.load(LoadSpec(path="", artifact=ArtifactId(FakeModel().sha256, LayerRange(0, 30)))).ok
+    svc = NodeService(eng, "new-process", pb.ModelIdentity(sha256=FakeModel().sha256))
+    hops = [pb.ForwardHop(node_id=n, data_address=f"127.0.0.1:{p}") for n, p in (("b-mid", 1), ("c-tail", 2))]
+    req = StepRequest("s1", 1, 0, (1, 2, 3))
+    out = svc.run_step(request_to_frames(req, False, next_hops=hops, layers=(0, 10), node_id="a-head"))
+    assert (out.code, out.message) == ("UNAVAILABLE", "node new-process serves layers 0:30, but the step was "
+                                                      "routed to it for layers 0:10; get a new route")
+    reported = []
+    svc.forwarder.report = lambda tail, step, failure, connect=True: reported.append((tail.node_id, failure))
+    svc.run_forward(request_to_frames(req, False, next_hops=hops[1:], layers=(10, 20), node_id="b-mid"))
+    assert [(t, f.node_id, f.code) for t, f in reported] == [("c-tail", "b-mid", "UNAVAILABLE")]
+    assert eng.health().active_sessions == 0  # nothing ran
+
+
 def test_a_middle_node_that_lost_the_session_is_rebuilt_by_replay(mesh, tok, solo):
     """The middle node frees the session behind the client's back: its NOT_FOUND reaches the tail as a
     HopFailure, the tail answers the client's await with it, and the client replays the session."""

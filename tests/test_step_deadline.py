@@ -29,6 +29,10 @@ def test_unmeasured_hop_gets_a_few_seconds_before_its_health_is_asked():
     assert HopClock(POLICY).deadline_s(False, 500) == 5.0
     assert HopClock(DeadlinePolicy(floor_s=1.5, ceiling_s=3.0)).deadline_s(True, 1) == 3.0  # within the ceiling
     assert HopClock(DeadlinePolicy(floor_s=8.0, ceiling_s=30.0)).deadline_s(True, 1) == 8.0  # and the floor
+    # Where the wait past the deadline cannot ask Health (a relayed node, a gRPC stream) it is final: the
+    # ceiling, or a slow first prefill there would be failed over, and its replacement too.
+    assert HopClock(POLICY).deadline_s(False, 500, asks_health=False) == 60.0
+    assert measured(decode_s=0.5).deadline_s(True, 1, asks_health=False) == pytest.approx(5.0)  # measured: as ever
 
 
 def test_a_verification_step_expects_a_decode_step_a_row_and_leaves_the_decode_time_alone():

@@ -198,6 +198,7 @@ def chat_prompt_ids(tok: "GGUFTokenizer", messages: list[dict], *, template: str
     eos_text = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
     literals: list[str] = []
     messages = _mark_literals(tok, normalize_messages(messages), literals)
+    tools = _mark_literals(tok, tools, literals)  # their descriptions are text too
     text = render_chat(template, messages, bos_token=bos_text, eos_token=eos_text,
                        add_generation_prompt=add_generation_prompt, tools=tools)
     if tok.add_bos and bos_text and text.startswith(bos_text):
@@ -216,8 +217,8 @@ _MARKER = re.compile("\ue000([0-9]+)\ue001")
 
 
 def _mark_literals(tok: "GGUFTokenizer", value: Any, literals: list[str]) -> Any:
-    """``value`` (the messages, recursively) with each control-token text in its strings, and each
-    marker character, replaced by a marker for it, appended to ``literals``."""
+    """``value`` (the messages or tools, recursively, keys included) with each control-token text in
+    its strings, and each marker character, replaced by a marker for it, appended to ``literals``."""
     if isinstance(value, str):
         found = tok.control_texts_in(value)
         if "\ue000" in value or "\ue001" in value:
@@ -231,7 +232,7 @@ def _mark_literals(tok: "GGUFTokenizer", value: Any, literals: list[str]) -> Any
 
         return re.sub("|".join(map(re.escape, found)), mark, value)  # longest texts first
     if isinstance(value, Mapping):
-        return {k: _mark_literals(tok, v, literals) for k, v in value.items()}
+        return {_mark_literals(tok, k, literals): _mark_literals(tok, v, literals) for k, v in value.items()}
     if isinstance(value, list):
         return [_mark_literals(tok, v, literals) for v in value]
     return value

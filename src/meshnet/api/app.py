@@ -268,9 +268,10 @@ class _Api:
                                     chunks.usage, request)
 
     def _runs(self, job: GenJob, t0: float, observe_ttft: bool) -> ChoiceRun:
-        """A streamed choice's run (see :mod:`meshnet.api.streaming`)."""
+        """A streamed choice's run (see :mod:`meshnet.api.streaming`); ``observe_ttft``: the request's
+        first choice, the one the queue's bound applies to (a later one, refused, would lose those before)."""
         return ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, observe_ttft=observe_ttft,
-                         max_queued=self.max_queued)
+                         max_queued=self.max_queued if observe_ttft else None)
 
     # ---- chat ----
     async def chat_completions(self, request: Request) -> Response:
@@ -359,7 +360,7 @@ class _Api:
     async def _run_whole(self, job: GenJob, request: Request, t0: float,
                          observe_ttft: bool) -> tuple[list[Piece], ChoiceRun]:
         run = ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, request.is_disconnected,
-                        observe_ttft=observe_ttft, max_queued=self.max_queued)
+                        observe_ttft=observe_ttft, max_queued=self.max_queued if observe_ttft else None)
         try:
             # A client that leaves while the run waits for a slot frees its place in the queue at once.
             first = await unless_gone(request, run.start, run.next_piece)

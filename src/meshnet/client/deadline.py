@@ -37,7 +37,9 @@ class DeadlinePolicy:
             2x margin.
         ceiling_s: no deadline is longer.
         smoothing: weight of the newest measurement in the running average (0 < smoothing <= 1).
-        unmeasured_s: the deadline of a step on a hop not yet measured (then within floor and ceiling).
+        unmeasured_s: the deadline of a step on a hop not yet measured (then within floor and ceiling),
+            where the wait past it asks the node's Health; where it cannot (a relayed node, a gRPC
+            stream), such a step gets the ceiling.
     """
 
     floor_s: float = 1.5
@@ -87,21 +89,23 @@ class HopClock:
             return self.prefill_token_s * n_tokens
         return None if self.decode_s is None else self.decode_s * n_tokens
 
-    def deadline_s(self, decode: bool, n_tokens: int) -> float:
+    def deadline_s(self, decode: bool, n_tokens: int, asks_health: bool = True) -> float:
         """The timeout in seconds for a step of ``n_tokens`` tokens started now, counting the work
-        already in flight on this hop."""
+        already in flight on this hop; ``asks_health``: the wait past it asks the node's Health (else the
+        deadline is final, and an unmeasured hop's is the ceiling)."""
         p = self.policy
         with self._lock:
             queued = list(self._in_flight.values())
             mine = self.expected_s(decode, n_tokens)
             ahead = [self.expected_s(d, n) for d, n in queued]
         if mine is None or any(e is None for e in ahead):
-            return min(p.ceiling_s, max(p.floor_s, p.unmeasured_s))
+            return min(p.ceiling_s, max(p.floor_s, p.unmeasured_s)) if asks_health else p.ceiling_s
         return min(p.ceiling_s, max(p.floor_s, p.factor * (mine + sum(ahead))))
 
-    def begin(self, decode: bool, n_tokens: int) -> tuple[int, float]:
-        """Register a step about to be sent; returns (ticket for :meth:`end`, deadline in seconds)."""
-        deadline = self.deadline_s(decode, n_tokens)
+    def begin(self, decode: bool, n_tokens: int, asks_health: bool = True) -> tuple[int, float]:
+        """Register a step about to be sent; returns (ticket for :meth:`end`, deadline in seconds; see
+        :meth:`deadline_s`)."""
+        deadline = self.deadline_s(decode, n_tokens, asks_health)
         with self._lock:
             ticket = self._next
             self._next += 1
@@ -149,7 +153,8 @@ class HopClocks:
         hop's step deadline; the time it took, when answered, goes to the hop's clock. Returns its
         StepResult; raises StageFailure."""
         clock = self[hop.node_id]
-        ticket, timeout_s = clock.begin(decode, len(req.token_ids))
+        asks = getattr(hop, "asks_health", None)
+        ticket, timeout_s = clock.begin(decode, len(req.token_ids), asks(decode) if asks is not None else True)
         t0, elapsed = time.monotonic(), None
         try:
             result = hop.step(req, decode, timeout_s)

@@ -147,14 +147,14 @@ class MeshClient:
         return self.route(opens_session=True)
 
     def _route_around(self, failed_at: dict[str, str], previous_epoch: int = 0, min_n_ctx: int = 0,
-                      like: list[RemoteStage] = ()) -> tuple[int, list[RemoteStage]]:
+                      like: list[RemoteStage] = (), opens_session: bool = False) -> tuple[int, list[RemoteStage]]:
         """A route without the nodes in ``failed_at`` (node id -> the address each failed at), or else
         one through them once every one has recovered (:meth:`Router.route_through_recovered`): a mesh
         without a spare serves again as soon as its failed node is back. ``like``: the route a failover
-        replaces, whose numerics the new hops should share. Raises MeshUnavailable (the tracker's reason
-        for the route without them)."""
+        replaces, whose numerics the new hops should share; ``opens_session``: as :meth:`route`. Raises
+        MeshUnavailable (the tracker's reason for the route without them)."""
         try:
-            return self.route(set(failed_at), previous_epoch, min_n_ctx, like)
+            return self.route(set(failed_at), previous_epoch, min_n_ctx, like, opens_session)
         except MeshUnavailable:
             recovered = (self.router.route_through_recovered(failed_at, previous_epoch, min_n_ctx, like)
                          if failed_at else None)
@@ -258,6 +258,7 @@ class MeshClient:
     def cancel(self, session_id: str) -> None:
         log_ = self._sessions.get(session_id)
         if log_ is not None:
+            log_.cancelled = True
             for hop in log_.hops:
                 hop.cancel(session_id)
 
@@ -356,7 +357,8 @@ class MeshClient:
         needed = log_.tokens_needed  # a replacement holding fewer would refuse the replay
         while True:
             try:
-                epoch, hops = self._route_around(failed_at, log_.epoch, needed, like=log_.hops)
+                # A failover opens the session on its new hops: the sessions of a dead node spread too.
+                epoch, hops = self._route_around(failed_at, log_.epoch, needed, like=log_.hops, opens_session=True)
                 break
             except MeshUnavailable as e:
                 if time.monotonic() >= deadline:

@@ -38,8 +38,12 @@ class RelayedStage(RemoteStage):
         self.tracker = pb_grpc.TrackerStub(tracker_channel)
         self._metadata = ((RELAY_NODE_METADATA, node_id),)
 
+    def asks_health(self, decode: bool) -> bool:
+        """No: a relayed step's deadline is final (see :meth:`RemoteStage.asks_health`)."""
+        return False
+
     def _step(self, req: StepRequest, decode: bool, timeout_s: float) -> StepResult:
-        frames = request_to_frames(req, decode, self.max_frame_bytes, layers=self.layers)
+        frames = request_to_frames(req, decode, self.max_frame_bytes, layers=self.layers, node_id=self.node_id)
         try:
             # The tracker waits for the node only as long as this call's deadline leaves it.
             replies = self.tracker.RelayStep(iter(frames), timeout=timeout_s, metadata=self._metadata)

@@ -127,7 +127,7 @@ class RemoteStage:
                 if not results[-1].ok:
                     break
             return results
-        requests = [request_to_frames(req, decode, self.max_frame_bytes, layers=self.layers)
+        requests = [request_to_frames(req, decode, self.max_frame_bytes, layers=self.layers, node_id=self.node_id)
                     for req, decode in steps]
         try:
             conn = self.data_pool.acquire(timeout_s)
@@ -163,7 +163,7 @@ class RemoteStage:
         result, which holds only ``n_past``, and the failure of the next hop if it could not be reached).
         ``still_alive``: as :meth:`_call_tcp` (this node answers only once it has sent the output on, so
         a next hop that hangs holds its answer). Raises StageFailure."""
-        frames = request_to_frames(req, decode, self.max_frame_bytes, next_hops, self.layers)
+        frames = request_to_frames(req, decode, self.max_frame_bytes, next_hops, self.layers, self.node_id)
         answer = self._call_tcp(frames, timeout_s, still_alive)
         if isinstance(answer, StepResult):
             return answer, None
@@ -196,7 +196,7 @@ class RemoteStage:
         return self._step(req, decode, self.timeout_s if timeout_s is None else timeout_s)
 
     def _step(self, req: StepRequest, decode: bool, timeout_s: float) -> StepResult:
-        frames = request_to_frames(req, decode, self.max_frame_bytes, layers=self.layers)
+        frames = request_to_frames(req, decode, self.max_frame_bytes, layers=self.layers, node_id=self.node_id)
         if self.data_pool is not None:
             return self._step_tcp(frames, timeout_s)
         try:
@@ -226,6 +226,12 @@ class RemoteStage:
                     call.cancel()
                     raise StageFailure(self.node_id, self.address, "DEADLINE_EXCEEDED",
                                        f"no answer within {waited:.2f}s") from None
+
+    def asks_health(self, decode: bool) -> bool:
+        """Whether a step's wait past its deadline asks this node's Health (and waits on while it answers)
+        rather than giving up: on the data plane, and for a unary decode over gRPC; not for a gRPC
+        stream (a prefill without a data plane)."""
+        return self.data_pool is not None or decode
 
     def answers(self) -> bool:
         """Whether the node answers :meth:`health` within :data:`LIVENESS_PROBE_S`, healthy (alive, if

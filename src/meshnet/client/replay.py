@@ -28,8 +28,9 @@ log = logging.getLogger("meshnet.client")
 # How long a replay waits for room on a replacement at its session or memory limit (RESOURCE_EXHAUSTED on
 # the step that opens the session there): as long as a new session waits in line for room (the API's
 # ADMISSION_WAIT_S). The spare's own sessions end meanwhile; failing the session at once lost its user's
-# answer mid-way.
+# answer mid-way. Meanwhile only the opening step is tried again, at most every ROOM_PAUSE_MAX_S.
 ROOM_WAIT_S = 30.0
+ROOM_PAUSE_MAX_S = 4.0
 
 
 class SessionLost(StageFailure):
@@ -105,20 +106,39 @@ def _replay_hop(log_: SessionLog, i: int, abandon: Callable[[SessionLog], None])
     its engine restarted meanwhile) or MeshUnavailable (a refused step)."""
     hop = log_.hops[i]
     steps = [(replace(rec.req, epoch=log_.epoch, hidden=rec.inputs[i]), rec.decode) for rec in log_.steps]
-    deadline = time.monotonic() + ROOM_WAIT_S
     results = hop.replay(steps)
-    while results and _no_room(results[0]) and time.monotonic() < deadline:
-        # Refused before it opened the session there: nothing to undo, the same replay again.
-        log.info("session %s: %s has no room for it yet (%s); waiting", log_.session_id, hop.node_id,
-                 results[0].message)
-        time.sleep(min(results[0].retry_after_s or 0.5, max(0.0, deadline - time.monotonic())))
-        results = hop.replay(steps)
+    if results and _no_room(results[0]):
+        results = _replay_once_there_is_room(log_, hop, steps, results[0])
     for res in results:
         if res.status is Status.NOT_FOUND:  # its engine restarted during the replay
             raise SessionLost(hop.node_id, hop.address, "NOT_FOUND", res.message)
         _check_replayed(log_, res, abandon)
         check_reply(hop, res, last=i == len(log_.hops) - 1)
     return results
+
+
+def _replay_once_there_is_room(log_: SessionLog, hop: RemoteStage, steps: list, refused: StepResult
+                               ) -> list[StepResult]:
+    """``steps`` replayed on ``hop``, whose first step (the one opening the session there) was ``refused``
+    for lack of room: that step alone is tried again, backing off (at least the node's retry-after), until
+    it is taken, then the rest; for up to :data:`ROOM_WAIT_S`, or until the session is cancelled. Returns
+    the results as :meth:`RemoteStage.replay` does (the last refusal when no room came)."""
+    deadline, pause = time.monotonic() + ROOM_WAIT_S, 0.5
+    while True:
+        wait = max(refused.retry_after_s or 0.0, pause)
+        if log_.cancelled or time.monotonic() + wait >= deadline:
+            return [refused]
+        log.info("session %s: %s has no room for it yet (%s); trying again in %.1f s", log_.session_id,
+                 hop.node_id, refused.message, wait)
+        time.sleep(wait)
+        pause = min(2 * pause, ROOM_PAUSE_MAX_S)
+        first = hop.replay(steps[:1])  # refused before it opened the session there: nothing to undo
+        if not first or not _no_room(first[0]):
+            break
+        refused = first[0]
+    if len(first) < 1 or not first[0].ok or len(steps) == 1:
+        return first
+    return first + hop.replay(steps[1:])
 
 
 def _no_room(res: StepResult) -> bool:

@@ -38,6 +38,7 @@ class SessionLog:
     intact: int = 1 << 30
     # Node id -> the steps in a row, up to the last one, that found the node had lost the session.
     lost_in_a_row: dict[str, int] = field(default_factory=dict)
+    cancelled: bool = False  # its consumer cancelled it: a replay waiting for room gives up
 
     @property
     def tokens_needed(self) -> int:

@@ -91,17 +91,18 @@ def measure_decode_speed(engine: ShardEngine, steps: int = 8) -> float:
     hidden = None if caps.is_head else NamedTensor.from_numpy("hidden", np.zeros((1, *caps.hidden_row_shape), np.float32))
     # Its own cells only (reserve_tokens 0 would ask for n_ctx: refused by a pool below that, --kv-tokens).
     first = StepRequest(sid, 0, 0, (1,), hidden=hidden, reserve_tokens=steps + 1)
-    if not engine.prefill(first).ok:
-        engine.release(sid, keep_prefix=False)
-        return 0.0
-    t0 = time.perf_counter()
-    n = 0
-    for i in range(1, steps + 1):
-        if not engine.decode(StepRequest(sid, 0, i, (1,), hidden=hidden)).ok:
-            break
-        n += 1
-    dt = time.perf_counter() - t0
-    engine.release(sid, keep_prefix=False)  # its cells would take a place of the prefix cache
+    try:
+        if not engine.prefill(first).ok:
+            return 0.0
+        t0 = time.perf_counter()
+        n = 0
+        for i in range(1, steps + 1):
+            if not engine.decode(StepRequest(sid, 0, i, (1,), hidden=hidden)).ok:
+                break
+            n += 1
+        dt = time.perf_counter() - t0
+    finally:
+        engine.release(sid, keep_prefix=False)  # its cells would take a place of the prefix cache
     return n / dt if dt > 0 and n else 0.0
 
 

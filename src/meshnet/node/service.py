@@ -123,11 +123,12 @@ class NodeService(pb_grpc.NodeServicer):
         reached (the client learns the token from the tail)."""
         frames = list(frames)
         hops = frames[0].next_hops if frames else ()
+        # First: a node of another range would judge the route by its own range.
+        if frames and (wrong := self._range_error(frames[0])) is not None:
+            return StepOutcome("UNAVAILABLE", wrong)  # for the client a node gone from its route: fail over
         refused = self._hops_error(hops)
         if refused is not None:
             return StepOutcome("INVALID_ARGUMENT", refused)
-        if frames and (wrong := self._range_error(frames[0])) is not None:
-            return StepOutcome("UNAVAILABLE", wrong)  # for the client a node gone from its route: fail over
         out, req, decode, res = self._execute(frames)
         return self._reply(hops, out, req, decode, res)
 
@@ -152,12 +153,18 @@ class NodeService(pb_grpc.NodeServicer):
             self.awaited.deliver(await_key(head), StepOutcome("OK", replies=[pb.StepReply(failure=head.failure)]))
             return
         hops = head.next_hops
+        if (wrong := self._range_error(head)) is not None:
+            # The tail tells the client, which fails over, naming the node the route expected here.
+            failure = pb.HopFailure(node_id=head.routed_node_id or self.node_id, code="UNAVAILABLE", message=wrong,
+                                    retry_after_s=-1.0)
+            if hops:
+                self.forwarder.report(hops[-1], head, failure)
+            else:
+                self.awaited.deliver(await_key(head), StepOutcome("UNAVAILABLE", wrong))
+            return
         refused = self._hops_error(hops)
         if refused is not None:  # the head refuses such a route: only a misbehaving node sends it on
             log.warning("dropped a forwarded step of session %s: %s", head.session_id, refused)
-            return
-        if (wrong := self._range_error(head)) is not None:  # the tail tells the client, which fails over
-            self._pass_on(head, StepOutcome("UNAVAILABLE", wrong), None, False, None)
             return
         out, req, decode, res = self._execute(frames)
         self._pass_on(head, out, req, decode, res)
@@ -214,8 +221,8 @@ class NodeService(pb_grpc.NodeServicer):
             return False
         head = frames[0]
         n_tokens = head.shape[0] if head.shape else len(head.token_ids)
-        if (n_tokens > ASYNC_STEP_TOKENS or self._hops_error(head.next_hops) is not None
-                or self._range_error(head) is not None):
+        if (n_tokens > ASYNC_STEP_TOKENS or self._range_error(head) is not None
+                or self._hops_error(head.next_hops) is not None):
             return False
         try:
             req, decode = frames_to_request(frames)
@@ -264,7 +271,8 @@ class NodeService(pb_grpc.NodeServicer):
         as Forwarder.send)."""
         nxt = hops[0]
         layers = (nxt.layers.start, nxt.layers.end) if nxt.HasField("layers") else None
-        frames = request_to_frames(replace(req, hidden=res.hidden), decode, next_hops=hops[1:], layers=layers)
+        frames = request_to_frames(replace(req, hidden=res.hidden), decode, next_hops=hops[1:], layers=layers,
+                                   node_id=nxt.node_id)
         return self.forwarder.send(nxt, frames, connect)
 
     @staticmethod

@@ -54,8 +54,8 @@ class WorkerEngine:
     def cancel(self, session_id: str) -> Outcome:
         return self._control("cancel", session_id)
 
-    def release(self, session_id: str) -> Outcome:
-        return self._control("release", session_id)
+    def release(self, session_id: str, keep_prefix: bool = True) -> Outcome:
+        return self._control("release", session_id, keep_prefix)
 
     def release_superseded(self, session_id: str, epoch: int) -> Outcome:
         return self._control("release_superseded", session_id, epoch)
