@@ -8,7 +8,9 @@ case "${1:-}" in
   -*) echo "usage: [MESHNET_PORT=7700] bash scripts/demo.sh [PROMPT...]: no flags (got $1); set MESHNET_PORT" \
            "to move the tracker's port" >&2; exit 2 ;;
 esac
+echo "demo: setting up .venv and the bundled model (1-3 minutes the first time)..." >&2
 scripts/setup.sh
+echo "demo: starting a tracker and 3 nodes..." >&2
 PORT="${MESHNET_PORT:-7700}"
 PROMPT="${*:-The capital of France is}"
 log="$(mktemp)"

@@ -138,7 +138,9 @@ class Router:
                 self._unreachable_at = now
             if e.code() not in _TRACKER_UNREACHABLE or last is None:
                 unanswered = (f" (the tracker at {self.tracker_address} did not answer within "
-                              f"{ROUTE_TIMEOUT_S:g} s)" if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED else "")
+                              f"{ROUTE_TIMEOUT_S:g} s)" if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED else
+                              f" (no tracker answers at {self.tracker_address}: is it running, and is that its "
+                              f"address?)" if e.code() is grpc.StatusCode.UNAVAILABLE else "")
                 raise MeshUnavailable(f"no route: {e.details() or e.code().name}{unanswered}"
                                       f"{tracker_hint(e, self.tls_ca)}") from None
             if exclude & {h.node_id for h in last}:
