@@ -352,6 +352,23 @@ def test_a_node_on_a_taken_port_says_so_in_one_line(flag, what):
     assert "Traceback" not in r.stderr and "add_port.cc" not in r.stderr  # gRPC's own C-level log line
 
 
+def test_a_tracker_on_a_taken_port_says_so_before_it_touches_its_ledger(tmp_path):
+    """A second tracker on a taken port waited 5 s for the first one's ledger lock, then named the lock."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "meshnet.cli", "tracker", "--port", str(port), "--dashboard-port",
+                            "-1", "--ledger", f"sqlite:///{tmp_path}/l.db"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == (f"error: the tracker cannot listen on 127.0.0.1:{port}: Address "
+                                                      f"already in use; pass another --port (0 = any free port) or --host")
+    assert not (tmp_path / "l.db").exists()
+
+
 def test_a_join_token_from_the_environment_that_grpc_cannot_send_is_refused_naming_it():
     import os
     import subprocess

@@ -17,7 +17,7 @@ from meshnet.arg_types import heartbeat_seconds, join_token, listen_host, port_n
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem, dashboard_port_taken
 from meshnet.supervisor import on_stop_signals, wait_for_stop
 from meshnet.tracker.server import start_tracker
-from meshnet.wire.addresses import format_address
+from meshnet.wire.addresses import bind_problem, format_address
 from meshnet.wire.security import JOIN_TOKEN_ENV, TlsConfig
 
 DEFAULT_PORT = 7700
@@ -67,6 +67,12 @@ def run_tracker(args: argparse.Namespace) -> int:
     from meshnet.ledger.store import Ledger, LedgerError, default_ledger_url
 
     ledger_url = getattr(args, "ledger", None) or default_ledger_url()
+    # The port first: a second tracker started on a taken port was told of the first one's ledger lock,
+    # after waiting 5 s for it.
+    if args.port and (why := bind_problem(args.host, args.port)) is not None:
+        print(f"error: the tracker cannot listen on {format_address(args.host, args.port)}: {why}; pass another "
+              f"--port (0 = any free port) or --host", file=sys.stderr)
+        return 2
     try:
         ledger = Ledger(ledger_url)
     except LedgerError as e:
