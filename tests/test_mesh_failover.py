@@ -220,6 +220,21 @@ def test_eight_concurrent_sessions_each_equal_alone(mesh, solo):
         assert results[i] == solo.greedy(i % 4, 12), f"session {i}"
 
 
+def test_sessions_opening_together_spread_over_two_replicas(mesh, solo):
+    """Eight sessions opening at once all took the replica the last heartbeats ranked first, the other
+    idle: the tracker now counts the routes it hands a session until the nodes' next heartbeat."""
+    head, r1, r2 = mesh.start_nodes([("a-head", "0:15"), ("b-one", "15:30"), ("c-two", "15:30")])
+    client = MeshClient(mesh.tracker)
+    opened = [client.step(StepRequest(f"s{i}", 0, 0, tuple(solo.prompt_ids(i % 4))), decode=False)
+              for i in range(8)]
+    assert all(res.ok for res in opened)
+    held = [r1.active_sessions(), r2.active_sessions()]
+    assert sum(held) == 8 and min(held) >= 3, held  # 8/0 before
+    for i in range(8):
+        client.release(f"s{i}")
+    client.close()
+
+
 def test_node_killed_with_eight_batched_sessions_in_flight(mesh, tok, solo):
     """Eight sessions share the nodes' iterations; the middle node is killed while all are decoding, and
     every session fails over to the spare, replays, and finishes equal to its solo run."""
