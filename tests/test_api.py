@@ -522,6 +522,45 @@ class _FlakyClient:
         pass
 
 
+class _ChargedClient(_FlakyClient):
+    """A mesh client that records the positions the API charges (``delivered``) and takes ``step_s`` a
+    decode step."""
+
+    def __init__(self, charged: list[int], step_s: float) -> None:
+        super().__init__(10**9)
+        self.charged, self.step_s = charged, step_s
+
+    def step(self, req, decode):
+        if decode:
+            time.sleep(self.step_s)
+        return super().step(req, decode)
+
+    def delivered(self, session_id, position):
+        self.charged.append(position)
+
+
+def test_a_non_streamed_answer_is_charged_once_whole_and_not_when_its_client_left(backend):
+    """A client that left a non-streamed request before its answer was charged the tokens read until
+    then (499, yet one token on the ledger); a whole answer is charged each of its tokens."""
+    charged: list[int] = []
+    b = ApiBackend(lambda: _ChargedClient(charged, 0.2), backend.tokenizer, "smollm2", N_CTX, retry_after_s=3)
+    server, thread = start_api_in_thread(b, "127.0.0.1", 0)
+    n_prompt = len(backend.tokenizer.encode(PROMPT))
+    try:
+        url = f"http://127.0.0.1:{server.config.port}"
+        with httpx.Client(base_url=url, timeout=30) as http:
+            r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 3, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert charged == [n_prompt, n_prompt + 1, n_prompt + 2]
+        charged.clear()
+        with httpx.Client(base_url=url, timeout=1.0) as http, pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True})
+        time.sleep(1.0)  # the run sees the client gone at its next token, and stops
+        assert charged == []
+    finally:
+        stop_api(server, thread)
+
+
 @pytest.fixture(scope="module")
 def broken_servers(backend):
     """One server whose route check fails, one whose mesh dies after two tokens."""

@@ -364,7 +364,9 @@ class _Api:
         try:
             # A client that leaves while the run waits for a slot frees its place in the queue at once.
             first = await unless_gone(request, run.start, run.next_piece)
-            return ([first] + await run.collect() if first is not None else []), run
+            pieces = [first] + await run.collect() if first is not None else []
+            run.charge_read()  # before the session ends with aclose: its whole answer is read
+            return pieces, run
         except ClientGone:
             # Nobody will read the answer; 499 is what proxies log for it.
             raise ApiError(499, "the client closed the connection", code="client_closed") from None

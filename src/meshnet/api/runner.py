@@ -179,7 +179,9 @@ class ChoiceRun:
         metrics: updated with active sessions, TTFT (from ``t_request``, a ``time.perf_counter()``
             value) and generated tokens.
         is_disconnected: awaited between tokens; when it returns True the run stops with
-            :class:`ClientGone` (non-streaming answers; streams are cancelled by the server instead).
+            :class:`ClientGone` (non-streaming answers; streams are cancelled by the server instead). Such a
+            run charges the ledger for its tokens only at :meth:`charge_read` (a client gone before its
+            answer got none of them).
     Raises (from :meth:`next_piece`):
         ApiError: 503 for mesh failures, 400 for a request the mesh refused as invalid.
         ClientGone: see ``is_disconnected``.
@@ -202,6 +204,8 @@ class ChoiceRun:
         self._drafts_seen = (0, 0, 0)  # verification steps, drafted and accepted tokens reported so far
         self._read = 0  # token events read: the ledger is charged for these (the generation runs ahead)
         self._charge: Callable[[str, int], None] | None = None
+        # (session, position) charges held until charge_read: a whole answer is sent, or nothing.
+        self._held: list[tuple[str, int]] | None = [] if is_disconnected is not None else None
 
     async def start(self) -> None:
         """Wait for a free slot and open the generation (no step runs until :meth:`next_piece`). The wait
@@ -306,7 +310,16 @@ class ChoiceRun:
 
     def _charged(self, position: int) -> None:
         if self._charge is not None and self._driver is not None:
-            self._charge(self._driver.gen.session_id, position)
+            if self._held is not None:
+                self._held.append((self._driver.gen.session_id, position))
+            else:
+                self._charge(self._driver.gen.session_id, position)
+
+    def charge_read(self) -> None:
+        """Charge the tokens a non-streaming run has read (its answer is complete, to be sent)."""
+        held, self._held = self._held or [], []
+        for session_id, position in held:
+            self._charge(session_id, position)
 
     def _finish(self, piece: Piece) -> None:
         self._done = True
