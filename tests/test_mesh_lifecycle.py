@@ -21,7 +21,7 @@ import pytest
 from mesh_util import HEARTBEAT_S, Mesh, free_port, rpc_code
 from solo_reference import PROMPTS
 from meshnet.client.mesh_client import MeshClient
-from meshnet.contract import LayerRange, NamedTensor, StepRequest
+from meshnet.contract import LayerRange, NamedTensor, Status, StepRequest
 from meshnet.local_mesh import load_local_chain
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
@@ -105,6 +105,27 @@ def test_idle_session_is_freed(mesh):
     while node.active_sessions() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert node.active_sessions() == 0
+
+
+def test_a_full_node_frees_sessions_idle_a_tenth_of_the_idle_timeout(mesh):
+    """A client killed with -9 left its sessions on the node for the whole --idle-timeout (300 s), turning
+    others away meanwhile. A node at its session limit frees the sessions idle for a tenth of it; one with
+    room keeps them."""
+    (node,) = mesh.start_nodes([("only", "0:30")], "smollm2", "--idle-timeout", "20", "--max-sessions", "3")
+    client = MeshClient(mesh.tracker)
+    for i in range(3):
+        assert client.step(StepRequest(f"dead-client-{i}", 0, 0, (504, 3575)), decode=False).ok
+    assert client.step(StepRequest("newcomer", 0, 0, (504, 3575)), decode=False).status is Status.RESOURCE_EXHAUSTED
+    deadline = time.monotonic() + 15
+    while node.active_sessions() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert node.active_sessions() == 0
+    assert "at its session or KV limit: released session dead-client-0, unused for 2 s" in node.log_tail()
+    for i in range(2):
+        assert client.step(StepRequest(f"idle-{i}", 0, 0, (504, 3575)), decode=False).ok
+    time.sleep(8)  # past a tenth of the idle timeout, and a sweep (every 5 s here)
+    assert node.active_sessions() == 2  # room left: kept for the idle timeout
+    client.close()
 
 
 def test_killed_node_leaves_routing_within_three_heartbeats(mesh):

@@ -49,6 +49,12 @@ log = logging.getLogger("meshnet.node")
 # later replays the session elsewhere.
 DRAIN_IDLE_S = 5.0
 DRAIN_GAP_FACTOR = 10.0
+# A node at its session limit, or with its KV pool 90% reserved, releases the sessions unused for a tenth of
+# --idle-timeout (30 s by default) rather than the whole of it: a client that died (an API killed with -9)
+# left its sessions holding the node's room for 300 s, and two such deaths filled a 16-session head. A
+# live client whose session this frees replays it on its next step.
+PRESSURE_IDLE_FRACTION = 0.1
+PRESSURE_KV_FRACTION = 0.9
 
 
 class Node:
@@ -213,10 +219,22 @@ class Node:
         self._threads.append(t)
 
     def _idle_loop(self, stop: threading.Event) -> None:
+        pressure_idle_s = self.cfg.idle_timeout_s * PRESSURE_IDLE_FRACTION
         period = max(0.05, min(5.0, self.cfg.idle_timeout_s / 2))
         while not stop.wait(period):
             for sid in self.engine.release_idle(self.cfg.idle_timeout_s):
                 log.info("released idle session %s", sid)
+            if self._at_its_limit():
+                for sid in self.engine.release_idle(pressure_idle_s):
+                    log.info("at its session or KV limit: released session %s, unused for %.0f s (its client "
+                             "may be gone; a live one replays it)", sid, pressure_idle_s)
+
+    def _at_its_limit(self) -> bool:
+        """Whether the node holds as many sessions as it may, or has most of its KV pool reserved."""
+        caps, m = self.loaded.caps, self.engine.metrics()
+        if caps.max_sessions and m.active_sessions >= caps.max_sessions:
+            return True
+        return bool(m.kv_tokens_capacity) and m.kv_tokens_reserved >= PRESSURE_KV_FRACTION * m.kv_tokens_capacity
 
     def stop(self, drain: bool = True) -> None:
         """Drain (refuse new sessions, let running ones finish up to drain_timeout_s), deregister, stop."""
