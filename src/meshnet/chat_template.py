@@ -11,7 +11,7 @@ import datetime
 import functools
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jinja2
@@ -196,9 +196,10 @@ def chat_prompt_ids(tok: "GGUFTokenizer", messages: list[dict], *, template: str
         raise ValueError("this GGUF has no tokenizer.chat_template; pass template=...")
     bos_text = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
     eos_text = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
-    literals: list[str] = []
-    messages = _mark_literals(tok, normalize_messages(messages), literals)
-    tools = _mark_literals(tok, tools, literals)  # their descriptions are text too
+    messages, literals = normalize_messages(messages), []
+    if (pattern := _literal_pattern(tok, messages, tools)) is not None:
+        messages = _mark_literals(messages, pattern, literals)
+        tools = _mark_literals(tools, pattern, literals)  # their descriptions are text too
     text = render_chat(template, messages, bos_token=bos_text, eos_token=eos_text,
                        add_generation_prompt=add_generation_prompt, tools=tools)
     if tok.add_bos and bos_text and text.startswith(bos_text):
@@ -216,23 +217,38 @@ def chat_prompt_ids(tok: "GGUFTokenizer", messages: list[dict], *, template: str
 _MARKER = re.compile("\ue000([0-9]+)\ue001")
 
 
-def _mark_literals(tok: "GGUFTokenizer", value: Any, literals: list[str]) -> Any:
-    """``value`` (the messages or tools, recursively, keys included) with each control-token text in
-    its strings, and each marker character, replaced by a marker for it, appended to ``literals``."""
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in ``value`` (messages or tools), recursively, keys included."""
     if isinstance(value, str):
-        found = tok.control_texts_in(value)
-        if "\ue000" in value or "\ue001" in value:
-            found += ["\ue000", "\ue001"]
-        if not found:
-            return value
+        yield value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
 
+
+def _literal_pattern(tok: "GGUFTokenizer", *values: Any) -> re.Pattern | None:
+    """What must stay literal text in ``values``' strings: the control-token texts and marker characters
+    they hold (longest texts first), looked for in one scan of them all; None when they hold none."""
+    joined = "\n".join(s for value in values for s in _strings(value))
+    found = tok.control_texts_in(joined) + [c for c in ("\ue000", "\ue001") if c in joined]
+    return re.compile("|".join(map(re.escape, found))) if found else None
+
+
+def _mark_literals(value: Any, pattern: re.Pattern, literals: list[str]) -> Any:
+    """``value`` (the messages or tools, recursively, keys included) with each ``pattern`` match in its
+    strings replaced by a marker for it, appended to ``literals``."""
+    if isinstance(value, str):
         def mark(m: re.Match) -> str:
             literals.append(m.group(0))
             return f"\ue000{len(literals) - 1}\ue001"
 
-        return re.sub("|".join(map(re.escape, found)), mark, value)  # longest texts first
+        return pattern.sub(mark, value)
     if isinstance(value, Mapping):
-        return {_mark_literals(tok, k, literals): _mark_literals(tok, v, literals) for k, v in value.items()}
+        return {_mark_literals(k, pattern, literals): _mark_literals(v, pattern, literals) for k, v in value.items()}
     if isinstance(value, list):
-        return [_mark_literals(tok, v, literals) for v in value]
+        return [_mark_literals(v, pattern, literals) for v in value]
     return value

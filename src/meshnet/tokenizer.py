@@ -222,6 +222,9 @@ class GGUFTokenizer:
         self._specials_all = SpecialTokens([(tid, text, rstrip) for _, tid, text, rstrip in specials])
         self._specials_plain = SpecialTokens([(tid, text, rstrip) for _, tid, text, rstrip in specials
                                                if types[tid] == TokenType.USER_DEFINED])
+        # the ones parse_special adds (control tokens): what chat messages must not spell
+        self._specials_control = SpecialTokens([(tid, text, rstrip) for _, tid, text, rstrip in specials
+                                                 if types[tid] != TokenType.USER_DEFINED])
 
         # BPE model
         if spm:
@@ -355,8 +358,7 @@ class GGUFTokenizer:
     def control_texts_in(self, text: str) -> list[str]:
         """The texts of control tokens that occur in ``text`` (those :meth:`encode` turns into tokens only
         with ``parse_special``), longest first."""
-        plain = {t for _, t, _ in self._specials_plain.present_in(text)}
-        return [t for _, t, _ in self._specials_all.present_in(text) if t not in plain]
+        return [t for _, t, _ in self._specials_control.present_in(text)]
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """Split ``text`` into raw-text fragments and special-token ids, longest special text first."""
