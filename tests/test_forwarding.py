@@ -121,14 +121,16 @@ def test_a_node_of_another_range_refuses_first_and_names_the_routes_node():
     eng = FakeEngine(FakeModel())
     assert eng.load(LoadSpec(path="", artifact=ArtifactId(FakeModel().sha256, LayerRange(0, 30)))).ok
     svc = NodeService(eng, "new-process", pb.ModelIdentity(sha256=FakeModel().sha256))
-    hops = [pb.ForwardHop(node_id=n, data_address=f"127.0.0.1:{p}") for n, p in (("b-mid", 1), ("c-tail", 2))]
+    hops = [pb.ForwardHop(node_id=n, data_address=f"127.0.0.1:{p}", layers=pb.LayerRange(start=s, end=e))
+            for n, p, s, e in (("b-mid", 1, 10, 20), ("c-tail", 2, 20, 30))]
     req = StepRequest("s1", 1, 0, (1, 2, 3))
-    out = svc.run_step(request_to_frames(req, False, next_hops=hops, layers=(0, 10), node_id="a-head"))
+    head = pb.ForwardHop(node_id="a-head", layers=pb.LayerRange(start=0, end=10))
+    out = svc.run_step(request_to_frames(req, False, next_hops=hops, receiver=head))
     assert (out.code, out.message) == ("UNAVAILABLE", "node new-process serves layers 0:30, but the step was "
                                                       "routed to it for layers 0:10; get a new route")
     reported = []
     svc.forwarder.report = lambda tail, step, failure, connect=True: reported.append((tail.node_id, failure))
-    svc.run_forward(request_to_frames(req, False, next_hops=hops[1:], layers=(10, 20), node_id="b-mid"))
+    svc.run_forward(request_to_frames(req, False, next_hops=hops[1:], receiver=hops[0]))
     assert [(t, f.node_id, f.code) for t, f in reported] == [("c-tail", "b-mid", "UNAVAILABLE")]
     assert eng.health().active_sessions == 0  # nothing ran
 

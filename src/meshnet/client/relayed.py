@@ -43,7 +43,7 @@ class RelayedStage(RemoteStage):
         return False
 
     def _step(self, req: StepRequest, decode: bool, timeout_s: float) -> StepResult:
-        frames = request_to_frames(req, decode, self.max_frame_bytes, layers=self.layers, node_id=self.node_id)
+        frames = request_to_frames(req, decode, self.max_frame_bytes, receiver=self.forward_hop())
         try:
             # The tracker waits for the node only as long as this call's deadline leaves it.
             replies = self.tracker.RelayStep(iter(frames), timeout=timeout_s, metadata=self._metadata)

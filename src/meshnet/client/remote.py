@@ -127,8 +127,8 @@ class RemoteStage:
                 if not results[-1].ok:
                     break
             return results
-        requests = [request_to_frames(req, decode, self.max_frame_bytes, layers=self.layers, node_id=self.node_id)
-                    for req, decode in steps]
+        receiver = self.forward_hop()
+        requests = [request_to_frames(req, decode, self.max_frame_bytes, receiver=receiver) for req, decode in steps]
         try:
             conn = self.data_pool.acquire(timeout_s)
         except (OSError, DataPlaneError) as e:
@@ -152,7 +152,8 @@ class RemoteStage:
         return self.data_pool is not None
 
     def forward_hop(self) -> pb.ForwardHop:
-        hop = pb.ForwardHop(node_id=self.node_id, data_address=self.data_pool.address)
+        """This node as a route's hop: its id, data address ("" without one) and layers (where known)."""
+        hop = pb.ForwardHop(node_id=self.node_id, data_address=self.data_pool.address if self.data_pool else "")
         if self.layers is not None:
             hop.layers.start, hop.layers.end = self.layers
         return hop
@@ -163,7 +164,7 @@ class RemoteStage:
         result, which holds only ``n_past``, and the failure of the next hop if it could not be reached).
         ``still_alive``: as :meth:`_call_tcp` (this node answers only once it has sent the output on, so
         a next hop that hangs holds its answer). Raises StageFailure."""
-        frames = request_to_frames(req, decode, self.max_frame_bytes, next_hops, self.layers, self.node_id)
+        frames = request_to_frames(req, decode, self.max_frame_bytes, next_hops, self.forward_hop())
         answer = self._call_tcp(frames, timeout_s, still_alive)
         if isinstance(answer, StepResult):
             return answer, None
@@ -196,7 +197,7 @@ class RemoteStage:
         return self._step(req, decode, self.timeout_s if timeout_s is None else timeout_s)
 
     def _step(self, req: StepRequest, decode: bool, timeout_s: float) -> StepResult:
-        frames = request_to_frames(req, decode, self.max_frame_bytes, layers=self.layers, node_id=self.node_id)
+        frames = request_to_frames(req, decode, self.max_frame_bytes, receiver=self.forward_hop())
         if self.data_pool is not None:
             return self._step_tcp(frames, timeout_s)
         try:

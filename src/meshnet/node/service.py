@@ -153,14 +153,8 @@ class NodeService(pb_grpc.NodeServicer):
             self.awaited.deliver(await_key(head), StepOutcome("OK", replies=[pb.StepReply(failure=head.failure)]))
             return
         hops = head.next_hops
-        if (wrong := self._range_error(head)) is not None:
-            # The tail tells the client, which fails over, naming the node the route expected here.
-            failure = pb.HopFailure(node_id=head.routed_node_id or self.node_id, code="UNAVAILABLE", message=wrong,
-                                    retry_after_s=-1.0)
-            if hops:
-                self.forwarder.report(hops[-1], head, failure)
-            else:
-                self.awaited.deliver(await_key(head), StepOutcome("UNAVAILABLE", wrong))
+        if (wrong := self._range_error(head)) is not None:  # the tail tells the client, which fails over
+            self._pass_on(head, StepOutcome("UNAVAILABLE", wrong), None, False, None)
             return
         refused = self._hops_error(hops)
         if refused is not None:  # the head refuses such a route: only a misbehaving node sends it on
@@ -249,13 +243,14 @@ class NodeService(pb_grpc.NodeServicer):
         """What follows a forwarded step (``head``, its first frame) that ran here with ``out``: its output
         goes to the next hop, or, on the tail, its outcome waits for the client's await; a refusal, or a
         next hop that cannot be reached, goes to the tail as a ``HopFailure`` (``connect``: as
-        Forwarder.send)."""
+        Forwarder.send). A refusal names this hop as the route does (``routed_node_id``): another process
+        at its address has another id, which the client would not find in its route."""
         hops = head.next_hops
         if not hops:
             self.awaited.deliver(await_key(head), self._answer(out, req, res))
             return
         failure = (self._forward(req, decode, res, hops, connect) if out.code == "OK" else
-                   pb.HopFailure(node_id=self.node_id, code=out.code, message=out.message,
+                   pb.HopFailure(node_id=head.routed_node_id or self.node_id, code=out.code, message=out.message,
                                  retry_after_s=-1.0 if out.retry_after_s is None else out.retry_after_s))
         if failure is not None and (failure.node_id != hops[-1].node_id or out.code != "OK"):
             self.forwarder.report(hops[-1], head, failure, connect)
@@ -269,11 +264,8 @@ class NodeService(pb_grpc.NodeServicer):
                  connect: bool = True) -> pb.HopFailure | None:
         """Send this stage's output for ``req`` to ``hops[0]`` with the rest of the route (``connect``:
         as Forwarder.send)."""
-        nxt = hops[0]
-        layers = (nxt.layers.start, nxt.layers.end) if nxt.HasField("layers") else None
-        frames = request_to_frames(replace(req, hidden=res.hidden), decode, next_hops=hops[1:], layers=layers,
-                                   node_id=nxt.node_id)
-        return self.forwarder.send(nxt, frames, connect)
+        frames = request_to_frames(replace(req, hidden=res.hidden), decode, next_hops=hops[1:], receiver=hops[0])
+        return self.forwarder.send(hops[0], frames, connect)
 
     @staticmethod
     def _answer(out: StepOutcome, req: StepRequest | None, res: StepResult | None) -> StepOutcome:

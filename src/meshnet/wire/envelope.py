@@ -122,18 +122,18 @@ def tensor_frames(header: pb.Envelope, tensor: NamedTensor | None,
 
 def request_to_frames(req: StepRequest, decode: bool, max_frame: int = MAX_FRAME_BYTES,
                       next_hops: Iterable[pb.ForwardHop] = (),
-                      layers: tuple[int, int] | None = None, node_id: str = "") -> list[pb.Envelope]:
+                      receiver: pb.ForwardHop | None = None) -> list[pb.Envelope]:
     """Encode a step request as envelope frames (one frame unless the hidden states are large);
     ``next_hops``: the hops the receiver forwards its output to (see :mod:`meshnet.node.forwarding`);
-    ``layers``: the ``[start, end)`` the route gave the receiver, which refuses the step when it serves
-    another range (None: not checked); ``node_id``: the receiver's id in the route."""
+    ``receiver``: the receiver as the route names it: its layers, which it refuses the step for when it
+    serves another range, and its id (without layers, or None: not checked)."""
     header = pb.Envelope(session_id=req.session_id, epoch=req.epoch, position=req.position, step_id=req.step_id,
                          decode=decode, token_ids=list(req.token_ids), sampling=sampling_to_pb(req.sampling),
                          reserve_tokens=req.reserve_tokens, verify=req.verify, rollback=req.rollback,
                          mtp_drafts=req.mtp_drafts, next_hops=list(next_hops))
-    if layers is not None:
-        header.layers.start, header.layers.end = layers
-        header.routed_node_id = node_id
+    if receiver is not None and receiver.HasField("layers"):
+        header.layers.CopyFrom(receiver.layers)
+        header.routed_node_id = receiver.node_id
     return tensor_frames(header, req.hidden, max_frame)
 
 
