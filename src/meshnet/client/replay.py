@@ -136,7 +136,7 @@ def _replay_once_there_is_room(log_: SessionLog, hop: RemoteStage, steps: list, 
         if not first or not _no_room(first[0]):
             break
         refused = first[0]
-    if len(first) < 1 or not first[0].ok or len(steps) == 1:
+    if not first or not first[0].ok or len(steps) == 1:
         return first
     return first + hop.replay(steps[1:])
 
