@@ -113,3 +113,54 @@ def test_a_long_prefill_is_not_passed_over_for_good_by_a_stream_of_short_ones():
     # every chunk within two iterations of the last (the cohort left out before it goes first)
     assert [(i, chunk) for i, chunks in enumerate(served) for chunk in chunks] == [
         (1, ("long", 0, 16)), (3, ("long", 16, 32)), (6, ("long", 32, 48))]
+
+
+def test_a_decode_group_waits_for_its_companions_and_not_for_a_count():
+    """7 sessions in 2 groups (4 and 3). Waiting for a group's worth by count held the group of 3 back
+    the whole allowance at every iteration for a fourth that never came; now a group waits for the
+    sessions it last ran with here, and only while one of them is still to come."""
+    from meshnet.engine.scheduler import Job
+
+    rec = Recorder()
+    names = [f"s{i}" for i in range(7)]
+    sched = StepScheduler(rec, lambda job: job.parts[-1], 0, lambda s: False, lambda: 7)
+    sched.decode_groups = 2
+    threads = [threading.Thread(target=sched.submit, args=("first", StepRequest("first", 1, 0, (1, 2))))]
+    threads[0].start()
+    time.sleep(0.05)
+    for s in names:
+        threads.append(threading.Thread(target=sched.submit, args=(s, StepRequest(s, 1, 5, (7,)))))
+        threads[-1].start()
+        time.sleep(0.005)
+    while sched.waiting() < 8:
+        time.sleep(0.001)
+    rec.release.set()
+    for t in threads:
+        t.join(10)
+    assert [[s for s, _, _ in it] for it in rec.iterations[1:]] == [names[:4], names[4:]]
+
+    timed_waits: list[float] = []
+    wait = sched._cv.wait
+
+    def recording_wait(timeout=None):
+        if timeout is not None:
+            timed_waits.append(timeout)
+        return wait(timeout)
+
+    sched._cv.wait = recording_wait
+    sched._last_iteration_s = 10.0  # allowances at their cap, MAX_GATHER_S
+
+    def gather(queued: list[str]) -> int:
+        """Queue decodes of ``queued`` (the worker is idle and not told), gather; timed waits it made."""
+        timed_waits.clear()
+        with sched._cv:
+            sched._queue[:] = [Job(s, StepRequest(s, 1, 6, (8,))) for s in queued]
+            sched._gather()
+            sched._queue.clear()
+        return len(timed_waits)
+
+    assert gather(names[4:]) == 0  # the group of 3 is whole: it goes at once
+    assert gather(names[:3]) >= 1  # s3 is still to come: the group waits for it (the allowance)
+    assert gather(["new0", "new1"]) >= 1  # no companions known yet: a group's worth, as briefly
+    sched.forget(names[3])  # s3 was released
+    assert gather(names[:3]) == 0

@@ -34,6 +34,9 @@ log = logging.getLogger("meshnet.engine")
 # iteration's time, and never more than MAX_GATHER_S.
 GATHER_FRACTION = 0.25
 MAX_GATHER_S = 0.02
+# With decode groups, the fraction for the companions of the decodes that wait (see _gather): they are
+# known to be coming, and a group that starts without one of them splits in two for good.
+GROUP_GATHER_FRACTION = 0.5
 
 
 @dataclass
@@ -118,6 +121,10 @@ class StepScheduler:
         self._thread: threading.Thread | None = None
         self.stats = SchedulerStats()
         self._expected: set[int] = set()  # ids of sessions whose step the last iteration finished
+        # With decode groups: each session's companions, the other sessions whose steps ended in the same
+        # iteration here as its last one did (ids). A group travels the pipeline together, so they are
+        # the ones to wait for when it comes back.
+        self._companions: dict[int, frozenset[int]] = {}
         self._callbacks: list[Job] = []  # finished jobs whose on_done has not been called yet
         self._last_iteration_s = 0.0
 
@@ -209,15 +216,16 @@ class StepScheduler:
         Called with the lock held.
 
         With ``decode_groups`` > 1 the sessions just served are at the next stages, not on their way
-        back: the iteration waits instead (as briefly) for a group's worth of decodes."""
-        deadline = time.perf_counter() + min(MAX_GATHER_S, GATHER_FRACTION * self._last_iteration_s)
+        back: the iteration waits instead for the companions of the decodes that wait (the sessions that
+        ended their last step here in the same iteration: a group comes back together, a few ms apart),
+        for up to :data:`GROUP_GATHER_FRACTION` of the last iteration's time, and never for more than a
+        group's worth. A group smaller than the others (7 sessions in groups of 4 and 3) so does not wait
+        the whole allowance for a fourth that is not coming. Decodes without known companions (a group
+        forming) wait as briefly as above for a group's worth."""
         if self.decode_groups > 1:
-            while 0 < sum(1 for job in self._queue if job.one_token) < self._group_size():
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    break
-                self._cv.wait(left)
+            self._gather_group()
             return
+        deadline = time.perf_counter() + min(MAX_GATHER_S, GATHER_FRACTION * self._last_iteration_s)
         if not self._expected:
             return
         while self._expected:
@@ -231,7 +239,31 @@ class StepScheduler:
         """The session is gone (released): do not wait for its next step."""
         with self._cv:
             self._expected.discard(id(session))
+            self._companions.pop(id(session), None)
             self._cv.notify_all()
+
+    def _gather_group(self) -> None:
+        """:meth:`_gather` for decode groups. Called with the lock held."""
+        now = time.perf_counter()
+        deadline = now + min(MAX_GATHER_S, GATHER_FRACTION * self._last_iteration_s)
+        group_deadline = now + min(MAX_GATHER_S, GROUP_GATHER_FRACTION * self._last_iteration_s)
+        while True:
+            decodes = [job for job in self._queue if job.one_token]
+            if not decodes or len(decodes) >= self._group_size():
+                return
+            queued = {id(job.session) for job in self._queue}
+            known = [self._companions[id(job.session)] for job in decodes if id(job.session) in self._companions]
+            if known:
+                # companions that left (released) are no longer in _companions: not waited for
+                missing = any(c not in queued and c in self._companions for cs in known for c in cs)
+                if not missing:
+                    return
+                left = group_deadline - time.perf_counter()
+            else:
+                left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self._cv.wait(left)
 
     def _loop(self) -> None:
         while True:
@@ -261,6 +293,7 @@ class StepScheduler:
                 self.stats.iterations += 1
                 self.stats.rows += rows
                 self.stats.max_rows = max(self.stats.max_rows, rows)
+                ended: list[int] = []
                 for (job, chunk), res in zip(picked, results):
                     if isinstance(res, BaseException):
                         job.error = res
@@ -273,8 +306,12 @@ class StepScheduler:
                     job.done_tokens = chunk.end
                     if chunk.last:
                         self._finish(job, self._join(job))
-                        if self.decode_groups <= 1:  # a group gathers by count instead
+                        ended.append(id(job.session))
+                        if self.decode_groups <= 1:  # a group gathers by its companions instead
                             self._expected.add(id(job.session))
+                if self.decode_groups > 1:
+                    for sid in ended:
+                        self._companions[sid] = frozenset(ended) - {sid}
 
     def _run(self, picked: list[tuple[Job, Chunk]]) -> list[StepResult | BaseException]:
         """The iteration's results; when it raises, each chunk is rerun alone so that only the chunk that
