@@ -311,10 +311,10 @@ def test_gemma_special_ids_and_eog(gemma_path):
 def test_gemma_matches_llama_cpp_spm_algorithm(gemma_path):
     """The score-ranked merges built at load time behave exactly like llama.cpp's SPM loop."""
     from meshnet.model.gguf_file import open_gguf
-    from meshnet.tokenizer import _Metadata  # scores are not public API
+    from meshnet.tokenizer_vocab import GGUFMetadata  # scores are not public API
 
     tok = _load(str(gemma_path))
-    scores = _Metadata(open_gguf(gemma_path)).numbers(gguf.Keys.Tokenizer.SCORES).tolist()
+    scores = GGUFMetadata(open_gguf(gemma_path)).numbers(gguf.Keys.Tokenizer.SCORES).tolist()
     vocab = {tok.token_text(i): i for i in range(tok.n_vocab - 1, -1, -1)}
     rng = np.random.default_rng(0)
     alphabet = list("abcdefghijklmnopqrstuvwxyz ABCXYZ0123456789.,;:!?'\"-_()[]{}<>/@#$%&*\t"

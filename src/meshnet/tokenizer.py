@@ -19,60 +19,21 @@ BOS/EOS are added from the GGUF flags, and detokenization concatenates per-token
 
 The pieces: :mod:`meshnet.tokenizer_bpe` (gpt2 pre-tokenizers and byte-level BPE),
 :mod:`meshnet.tokenizer_spm` (SPM merges from scores), :mod:`meshnet.tokenizer_specials` (control,
-end-of-generation and special-token partitioning); this module reads the GGUF vocabulary and puts
-them together.
+end-of-generation and special-token partitioning), :mod:`meshnet.tokenizer_vocab` (reads the GGUF
+vocabulary and builds them); this module encodes and decodes with them.
 """
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
 
-import gguf
-import numpy as np
-from gguf import GGUFValueType, TokenType
 
-from meshnet.model.gguf_file import open_gguf, string_array
-from meshnet.tokenizer_bpe import PRE_TOKENIZERS, SUPPORTED_PRE_TOKENIZERS, byte_level_decode, byte_level_tokenizer
-from meshnet.tokenizer_specials import EOG_TEXTS, FIM_EOG_TEXTS, FORCED_CONTROL_TEXTS, SpecialTokens
-from meshnet.tokenizer_spm import SPIECE_SPACE, spm_tokenizer
+from meshnet.model.gguf_file import open_gguf
+from meshnet.tokenizer_bpe import SUPPORTED_PRE_TOKENIZERS
 from meshnet.tokenizer_stream import StreamDecoder
+from meshnet.tokenizer_vocab import SUPPORTED_TOKENIZER_MODELS, GGUFMetadata, read_vocabulary
 
 __all__ = ["GGUFTokenizer", "StreamDecoder", "SUPPORTED_TOKENIZER_MODELS", "SUPPORTED_PRE_TOKENIZERS"]
-
-_K = gguf.Keys.Tokenizer
-
-SUPPORTED_TOKENIZER_MODELS: tuple[str, ...] = ("gpt2", "llama")
-
-
-# --- GGUF metadata ---------------------------------------------------------------------------------
-
-class _Metadata:
-    """Typed accessors over the reader's key/value fields (missing key -> default)."""
-
-    def __init__(self, reader: gguf.GGUFReader) -> None:
-        self._reader = reader
-        self._fields = reader.fields
-
-    def scalar(self, key: str, default: Any = None) -> Any:
-        field = self._fields.get(key)
-        if field is None:
-            return default
-        if field.types[0] == GGUFValueType.ARRAY:
-            raise ValueError(f"GGUF key {key!r} is an array, expected a single value")
-        return field.contents()
-
-    def strings(self, key: str) -> list[str] | None:
-        return string_array(self._reader, key)
-
-    def numbers(self, key: str) -> np.ndarray | None:
-        field = self._fields.get(key)
-        if field is None:
-            return None
-        if field.types[0] != GGUFValueType.ARRAY or field.types[-1] == GGUFValueType.STRING:
-            raise ValueError(f"GGUF key {key!r} is not a numeric array")
-        return np.asarray(field.parts[field.data[0]])
-
 
 
 class GGUFTokenizer:
@@ -129,131 +90,19 @@ class GGUFTokenizer:
         path = os.fspath(path)
         if not os.path.exists(path):
             raise FileNotFoundError(path)
-        meta = _Metadata(open_gguf(path))
+        meta = GGUFMetadata(open_gguf(path))
         self = object.__new__(cls)
         self._load(meta)
         return self
 
-    def _load(self, meta: _Metadata) -> None:
-        model = meta.scalar(_K.MODEL)
-        if model not in SUPPORTED_TOKENIZER_MODELS:
-            raise ValueError(
-                f"unsupported GGUF tokenizer model {model!r} ({_K.MODEL}); "
-                f"supported: {', '.join(SUPPORTED_TOKENIZER_MODELS)}")
-        tokens = meta.strings(_K.LIST)
-        if not tokens:
-            raise ValueError(f"GGUF has no {_K.LIST}")
-        n = len(tokens)
-        # llama.cpp renames empty pieces so that every text maps back to one id
-        tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-
-        types = meta.numbers(_K.TOKEN_TYPE)
-        types = np.full(n, TokenType.NORMAL, dtype=np.int32) if types is None else types[:n].astype(np.int32)
-        if len(types) < n:
-            raise ValueError(f"{_K.TOKEN_TYPE} has {len(types)} entries for {n} tokens")
-
-        # a duplicated text maps to its first id
-        vocab = dict(zip(reversed(tokens), range(n - 1, -1, -1)))
-
-        self.model = model
-        self.pre = meta.scalar(_K.PRE)
-        self.n_vocab = n
-        self._tokens = tokens
-        self._vocab = vocab
-
-        spm = model == "llama"
-        if spm:
-            default_bos, default_eos, default_add_bos = 1, 2, True
-            self.add_space_prefix = bool(meta.scalar(_K.ADD_PREFIX, True))
-            ignore_merges = False
-        else:
-            pre = self.pre or "default"
-            if pre not in PRE_TOKENIZERS:
-                raise ValueError(
-                    f"unsupported GGUF pre-tokenizer {pre!r} ({_K.PRE}) for tokenizer model 'gpt2'; "
-                    f"supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}")
-            regexes, ignore_merges, default_add_bos = PRE_TOKENIZERS[pre]
-            default_bos = default_eos = None
-            # llama.cpp reads add_space_prefix for BPE too but never applies it
-            self.add_space_prefix = False
-
-        def special_id(key: str, default: int | None) -> int | None:
-            v = meta.scalar(key)
-            if v is None:
-                v = default
-            return int(v) if v is not None and 0 <= int(v) < n else None
-
-        self.bos_id = special_id(_K.BOS_ID, default_bos)
-        self.eos_id = special_id(_K.EOS_ID, default_eos)
-        eot_id = special_id(_K.EOT_ID, None)
-        eom_id = special_id(_K.EOM_ID, None)
-        self.add_bos = bool(meta.scalar(_K.ADD_BOS, default_add_bos))
-        self.add_eos = bool(meta.scalar(_K.ADD_EOS, False))
-        template = meta.scalar(_K.CHAT_TEMPLATE)
-        self.chat_template = template if isinstance(template, str) and template else None
-
-        # end-of-generation set, as llama.cpp builds it
-        for text in FORCED_CONTROL_TEXTS:
-            tid = vocab.get(text)
-            if tid is not None:
-                types[tid] = TokenType.CONTROL
-        eog = {vocab[t] for t in EOG_TEXTS | FIM_EOG_TEXTS if t in vocab}
-        for key in (_K.FIM_PAD_ID, _K.FIM_REP_ID, _K.FIM_SEP_ID):
-            tid = special_id(key, None)
-            if tid is not None:
-                eog.add(tid)
-        eog.update(i for i in (self.eos_id, eot_id, eom_id) if i is not None)
-        self.eog_ids = frozenset(eog)
-
-        # special-token partitioning (llama_vocab::impl::tokenizer_st_partition): longest text first
-        name = str(meta.scalar(gguf.Keys.General.NAME, "") or "").lower()
-        rstrip_all = "phi-3" in name or "phi3" in name  # llama.cpp's per-model attribute override
-        specials = []
-        for tid in np.flatnonzero(np.isin(types, (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN))):
-            tid = int(tid)
-            text = tokens[tid]
-            rstrip = rstrip_all and text not in ("<unk>", "<s>", "<|endoftext|>")
-            specials.append((len(text.encode("utf-8")), tid, text, rstrip))
-        if rstrip_all and "</s>" in vocab:
-            tid = vocab["</s>"]
-            if not any(s[1] == tid for s in specials):
-                specials.append((len(b"</s>"), tid, "</s>", True))
-        specials.sort(key=lambda s: -s[0])  # stable: equal lengths keep id order
-        self._specials_all = SpecialTokens([(tid, text, rstrip) for _, tid, text, rstrip in specials])
-        self._specials_plain = SpecialTokens([(tid, text, rstrip) for _, tid, text, rstrip in specials
-                                               if types[tid] == TokenType.USER_DEFINED])
-        # the ones parse_special adds (control tokens): what chat messages must not spell
-        self._specials_control = SpecialTokens([(tid, text, rstrip) for _, tid, text, rstrip in specials
-                                                 if types[tid] != TokenType.USER_DEFINED])
-
-        # BPE model
-        if spm:
-            scores = meta.numbers(_K.SCORES)
-            scores = np.zeros(n, dtype=np.float32) if scores is None else np.asarray(scores[:n], dtype=np.float32)
-            self._hf = spm_tokenizer(tokens, scores, vocab)
-        else:
-            raw_merges = meta.strings(_K.MERGES)
-            if raw_merges is None:
-                raise ValueError(f"GGUF tokenizer model 'gpt2' needs {_K.MERGES}")
-            self._hf = byte_level_tokenizer(raw_merges, vocab, regexes, ignore_merges)
-
-        # detokenization pieces (llama_token_to_piece with special=True) and which ones are hidden
-        # when special=False
-        if spm:
-            pieces = [t.replace(SPIECE_SPACE, " ").encode("utf-8") for t in tokens]
-        else:
-            pieces = [byte_level_decode(t) for t in tokens]
-        for tid in np.flatnonzero(types != TokenType.NORMAL).tolist():
-            ttype = types[tid]
-            if ttype in (TokenType.CONTROL, TokenType.USER_DEFINED, TokenType.UNKNOWN):
-                pieces[tid] = tokens[tid].encode("utf-8")
-            elif ttype == TokenType.BYTE:
-                pieces[tid] = bytes([int(tokens[tid][3:5], 16)])
-            else:  # UNUSED / undefined types render as nothing
-                pieces[tid] = b""
-        self._pieces = pieces
-        self._hidden = frozenset(
-            int(i) for i in np.flatnonzero(np.isin(types, (TokenType.CONTROL, TokenType.UNKNOWN))))
+    def _load(self, meta: GGUFMetadata) -> None:
+        v = read_vocabulary(meta)
+        self.model, self.pre, self.n_vocab = v.model, v.pre, v.n_vocab
+        self.bos_id, self.eos_id, self.add_bos, self.add_eos = v.bos_id, v.eos_id, v.add_bos, v.add_eos
+        self.add_space_prefix, self.chat_template, self.eog_ids = v.add_space_prefix, v.chat_template, v.eog_ids
+        self._tokens, self._vocab, self._hf, self._pieces, self._hidden = v.tokens, v.vocab, v.hf, v.pieces, v.hidden
+        self._specials_all, self._specials_plain = v.specials_all, v.specials_plain
+        self._specials_control = v.specials_control
 
     # ---- vocabulary access ----
 
