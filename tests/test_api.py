@@ -265,7 +265,6 @@ def _error(r, status: int, param: str | None = "any") -> dict:
     ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', "temperature"),
     ("/v1/completions", b'{"prompt": "x", "logit_bias": {"5": Infinity}}', "logit_bias.5"),
     ("/v1/completions", b'{"prompt": "x", "top_p": 0}', "top_p"),
-    ("/v1/completions", b'{"prompt": "x", "top_p": 1e-46}', "top_p"),  # 0 as the float32 steps carry
     ("/v1/completions", b'{"prompt": "x", "repetition_penalty": 1e-300}', "repetition_penalty"),
     ("/v1/completions", b'{"prompt": "x", "repetition_penalty": 1e-38}', "repetition_penalty"),  # overflowed
     ("/v1/completions", b'{"prompt": "x", "repetition_penalty": 0.09}', "repetition_penalty"),

@@ -88,11 +88,13 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         if "content" not in msg:
             raise ValueError(f"message {i} (role {role!r}) has no 'content'")
         content = msg["content"]
+        if content is None and isinstance(msg.get("refusal"), str):
+            content = msg["refusal"]  # an earlier answer that refused, sent back as OpenAI returns it
         if content is None:
             if not msg.get("tool_calls"):
                 raise ValueError(f"message {i} (role {role!r}) has content None and no tool_calls")
         elif isinstance(content, list):
-            content = _join_text_parts(content, i)
+            content = join_text_parts(content, i)
         elif not isinstance(content, str):
             raise ValueError(f"message {i} content must be a string or a list of parts, "
                              f"not {type(content).__name__}")
@@ -102,23 +104,25 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return out
 
 
-def _join_text_parts(parts: list[Any], index: int) -> str:
+def join_text_parts(parts: list[Any], index: int) -> str:
+    """The text of message ``index``'s content parts, joined by newlines: ``text`` parts, and the
+    ``refusal`` parts of an earlier answer sent back. Raises ValueError naming any other part type."""
     texts = []
     unsupported = []
     for part in parts:
         if not isinstance(part, Mapping):
             raise ValueError(f"message {index} content parts must be dicts, not {type(part).__name__}")
         kind = part.get("type")
-        if kind != "text":
+        if kind not in ("text", "refusal"):
             unsupported.append(repr(kind))
             continue
-        text = part.get("text")
+        text = part.get(kind)
         if not isinstance(text, str):
-            raise ValueError(f"message {index} has a text part without a string 'text'")
+            raise ValueError(f"message {index} has a {kind} part without a string {kind!r}")
         texts.append(text)
     if unsupported:
         raise ValueError(f"message {index} has unsupported content part type(s) "
-                         f"{', '.join(sorted(set(unsupported)))}; only 'text' parts are supported")
+                         f"{', '.join(sorted(set(unsupported)))}; only 'text' (and 'refusal') parts are supported")
     return "\n".join(texts)
 
 

@@ -72,7 +72,8 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
         max_queued: generations allowed to wait for a free slot; beyond that requests get 503.
     """
     app = FastAPI(title="meshnet", description="OpenAI-compatible API over a meshnet mesh",
-                  version="1", docs_url=None, redoc_url=None, openapi_url=None)
+                  version="1", docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)  # a trailing slash is a 404 in the API's shape, as OpenAI answers it
     line = getattr(backend, "admission", None)
     metrics = ApiMetrics(getattr(backend, "stage_metrics", None), line.waiting if line is not None else None)
     api = _Api(backend, metrics, max_queued)
@@ -215,7 +216,9 @@ class _Api:
         self._common_checks(req)
         if req.echo:
             raise bad_request("echo is not supported", "echo", "unsupported_parameter")
-        if req.best_of not in (None, 1, req.n or 1):
+        if req.best_of is not None and req.best_of < (req.n or 1):
+            raise bad_request(f"best_of must be at least n ({req.n or 1}), got {req.best_of}", "best_of")
+        if req.best_of not in (None, req.n or 1):
             raise bad_request("best_of is not supported (only best_of == n)", "best_of", "unsupported_parameter")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
@@ -292,8 +295,13 @@ class _Api:
         if plan.schema is not None and req.response_format and req.response_format.get("type") != "text":
             raise bad_request("response_format cannot be combined with a required or named tool_choice (both "
                               "constrain the answer)", "response_format")
+        if plan.schema is not None and req.ignore_eos:
+            raise bad_request("ignore_eos cannot be combined with a required or named tool_choice: the answer "
+                              "ends when the tool call is complete", "ignore_eos")
         if req.modalities and req.modalities != ["text"]:
             raise bad_request("only the text modality is supported", "modalities", "unsupported_parameter")
+        if req.audio is not None:
+            raise bad_request("audio output is not supported", "audio", "unsupported_parameter")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if not req.messages:

@@ -70,7 +70,7 @@ class BodyLimitAndMetrics:
             self.metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
 
     async def _read_body(self, scope, receive, send) -> bytes | None:
-        """The whole body, or None when an answer (413/408/400) was sent or the client left."""
+        """The whole body, or None when an answer (413/408/415/400) was sent or the client left."""
         limit = self.max_body_bytes
         declared = None
         for k, v in scope.get("headers", ()):
@@ -80,6 +80,12 @@ class BodyLimitAndMetrics:
                 except ValueError:
                     await self._reply(send, ApiError(400, "invalid Content-Length header", code="invalid_header"))
                     return None
+            elif k == b"content-encoding" and v.strip().lower() not in (b"", b"identity"):
+                # read as JSON it would be "not valid JSON", which hides why
+                await self._reply(send, ApiError(415, f"Content-Encoding {v.decode('latin-1')!r} is not supported: "
+                                                      "send the request body uncompressed",
+                                                 code="unsupported_content_encoding"))
+                return None
         too_big = declared is not None and declared > limit
         chunks, total = [], 0
         # Drain a moderately oversized body before answering, so the client gets its 413 instead of a

@@ -8,6 +8,7 @@ from typing import Any
 from meshnet.api.errors import bad_request
 from meshnet.api.schemas import ChatCompletionRequest
 from meshnet.api.tools import ToolPlan, hermes_calls_text, tools_system_message
+from meshnet.chat_template import join_text_parts
 from meshnet.tokenizer import GGUFTokenizer
 
 
@@ -79,10 +80,16 @@ def chat_prompt(tok: GGUFTokenizer, req: ChatCompletionRequest, plan: ToolPlan) 
         for key in ("name", "tool_calls", "tool_call_id"):
             if getattr(m, key) is not None:
                 d[key] = getattr(m, key)
+        if isinstance(refusal := (m.model_extra or {}).get("refusal"), str):
+            d["refusal"] = refusal  # the text of an earlier answer that refused (see normalize_messages)
         if m.tool_calls:
             calls = hermes_calls_text(m.tool_calls, f"messages.{i}.tool_calls")  # checked either way
             if not template_reads_tool_calls:
-                d["content"] = "\n".join(p for p in (d["content"], calls) if p)
+                try:
+                    text = join_text_parts(d["content"], i) if isinstance(d["content"], list) else d["content"]
+                except ValueError as e:
+                    raise bad_request(str(e), "messages", "invalid_messages") from None
+                d["content"] = "\n".join(p for p in (text, calls) if p)
                 del d["tool_calls"]
         messages.append(d)
     try:

@@ -35,6 +35,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted, ignored (no padding field is added to chunks)
 
 
 class _SamplingFields(_Strict):
@@ -73,6 +74,8 @@ class _SamplingFields(_Strict):
     # {"type": "text" | "json_object" | "json_schema", ...}: checked by meshnet.api.structured
     response_format: dict[str, Any] | None = None
     user: str | None = None  # accepted, ignored
+    safety_identifier: str | None = None  # accepted, ignored (OpenAI's successor to user)
+    prompt_cache_key: str | None = None  # accepted, ignored (prefix reuse here needs no key)
     metadata: dict[str, Any] | None = None  # accepted, ignored
     store: bool | None = None  # accepted, ignored
     service_tier: str | None = None  # accepted, ignored
@@ -122,6 +125,8 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None  # False: one call at most (tool_choice "required")
     modalities: list[str] | None = None  # only ["text"]
     reasoning_effort: str | None = None  # accepted, ignored
+    verbosity: str | None = None  # accepted, ignored
+    audio: Any = None  # refused unless null: no audio output
 
 
 # ---- responses ---------------------------------------------------------------------------------

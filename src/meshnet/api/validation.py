@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from meshnet.api.errors import ApiError, bad_request
 from meshnet.api.schemas import MAX_STOP
-from meshnet.sampling_params import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, Grammar, SamplingParams
+from meshnet.sampling_params import F32_TINY, LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, Grammar, SamplingParams, as_float32
 
 _TOKEN_KEY = re.compile(r"[0-9]{1,10}")
 
@@ -160,12 +160,19 @@ def sampling_params(req, n_vocab: int, n_top: int, index: int, grammar: Grammar 
     def pick(value, default):
         return default if value is None else value
 
+    def carried(value: float, least: float) -> float:
+        """A value below the least 32-bit float the steps carry as ``least``, which does the same: a top_p
+        that small keeps the top token alone (F32_TINY), a penalty that small is none (0)."""
+        return value if value == 0 or as_float32(value) != 0 else least
+
+    # Choice i draws from seed + i, wrapped into int64 as the wire holds it (seed 2**63 - 1 with n = 2).
+    seed = None if req.seed is None else (req.seed + index + (1 << 63)) % (1 << 64) - (1 << 63)
     sp = SamplingParams(temperature=pick(req.temperature, 1.0), top_k=pick(req.top_k, 0),
-                        top_p=pick(req.top_p, 1.0), min_p=pick(req.min_p, 0.0),
+                        top_p=carried(pick(req.top_p, 1.0), F32_TINY), min_p=pick(req.min_p, 0.0),
                         repetition_penalty=pick(repetition_penalty(req), 1.0),
-                        presence_penalty=pick(req.presence_penalty, 0.0),
-                        frequency_penalty=pick(req.frequency_penalty, 0.0),
-                        seed=None if req.seed is None else req.seed + index, n_top_logprobs=n_top,
+                        presence_penalty=carried(pick(req.presence_penalty, 0.0), 0.0),
+                        frequency_penalty=carried(pick(req.frequency_penalty, 0.0), 0.0),
+                        seed=seed, n_top_logprobs=n_top,
                         logit_bias=logit_bias(req.logit_bias, n_vocab), grammar=grammar, logprobs=logprobs)
     problem = sp.validate()
     if problem:
