@@ -412,3 +412,20 @@ def test_a_tracker_whose_postgresql_session_ended_takes_the_ledger_again_unless_
         finally:
             ledger.close()
             admin.dispose()
+
+
+def test_a_three_slash_sqlite_url_that_meant_an_absolute_path_is_warned_about(tmp_path, monkeypatch, caplog):
+    """``sqlite:///tmp/x.db`` is tmp/x.db under the working directory: a new user who meant /tmp/x.db got a
+    folder inside the repository without a word."""
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("WARNING", logger="meshnet.ledger"):
+        make_ledger_engine("sqlite:///tmp/ledger-test/x.db").dispose()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ledger file tmp/ledger-test/x.db is relative to the working directory ({tmp_path}); for "
+        "/tmp/ledger-test/x.db write sqlite:////tmp/ledger-test/x.db (four slashes)"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="meshnet.ledger"):
+        make_ledger_engine("sqlite:///tmp/ledger-test/y.db").dispose()  # tmp/ exists here now: meant
+        make_ledger_engine("sqlite:///nosuchroot/x.db").dispose()  # no /nosuchroot: relative was meant
+        make_ledger_engine(f"sqlite:////{tmp_path}/z.db").dispose()
+    assert caplog.records == []

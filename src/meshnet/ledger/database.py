@@ -10,6 +10,7 @@ SQLAlchemy's driver names. A URL naming a driver (``postgresql+psycopg2://...``)
 from __future__ import annotations
 
 import importlib.util
+import logging
 import threading
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
+
+log = logging.getLogger("meshnet.ledger")
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 URL_HELP = ("SQLite: sqlite:////ABSOLUTE/PATH or sqlite:///RELATIVE/PATH; PostgreSQL: postgresql://USER:PASS@HOST:PORT/DB with psycopg installed "
@@ -73,6 +76,7 @@ def make_ledger_engine(url: str) -> Engine:
         if u.get_backend_name() == "sqlite":
             if is_memory(u):
                 return create_engine(u, poolclass=StaticPool, connect_args={"check_same_thread": False})
+            _warn_if_meant_absolute(u.database)
             Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
             # timeout: wait for another process's write lock instead of failing at once.
             return create_engine(u, connect_args={"check_same_thread": False, "timeout": 30})
@@ -81,6 +85,18 @@ def make_ledger_engine(url: str) -> Engine:
         raise LedgerError(f"ledger URL {url!r}: {e} ({URL_HELP})") from None
     except OSError as e:
         raise LedgerError(f"ledger URL {url!r}: cannot create its directory: {e.strerror or e}") from None
+
+
+def _warn_if_meant_absolute(database: str) -> None:
+    """``sqlite:///tmp/x.db`` (three slashes) is ``tmp/x.db`` under the working directory, which a user who
+    meant ``/tmp/x.db`` finds only later, as a new folder. Warn when the path's first folder is missing here
+    but exists at the root."""
+    path = Path(database)
+    if path.is_absolute() or len(path.parts) < 2 or Path(path.parts[0]).exists():
+        return
+    if (Path("/") / path.parts[0]).is_dir():
+        log.warning("ledger file %s is relative to the working directory (%s); for /%s write sqlite:////%s "
+                    "(four slashes)", database, Path.cwd(), database, database)
 
 
 def alembic_config(connection: Connection):

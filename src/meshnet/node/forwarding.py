@@ -231,7 +231,7 @@ class Forwarder:
                     conn.close()
             return None
         return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0,
-                             message=f"the hop before it could not forward to {address}: {error}")
+                             message=f"the hop before it could not forward to its data plane at {address}: {error}")
 
     def report(self, tail: pb.ForwardHop, step: pb.Envelope, failure: pb.HopFailure, connect: bool = True) -> None:
         """Tell ``tail`` that the step ``step`` heads (its header fields) failed with ``failure``, so it
