@@ -85,7 +85,8 @@ def test_a_forwarded_step_reaching_a_node_of_other_layers_is_refused_not_run(mes
 
     monkeypatch.setattr(Router, "_serves_other", lambda self, stage, caps: None)
     nodes = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
-    client = MeshClient(mesh.tracker, forwarding=True)
+    # no ledger reports (the tracker stays away) and a short failover deadline: the session fails either way
+    client = MeshClient(mesh.tracker, forwarding=True, report_deliveries=False, failover_deadline_s=2.0)
     _, route = client.route()
     grpc_port, data_port = route[1].address.rsplit(":", 1)[1], route[1].data_pool.address.rsplit(":", 1)[1]
     other = []

@@ -400,3 +400,34 @@ def test_meshnet_nodes_names_replicas_that_compute_otherwise():
     assert len(format_nodes(pb.NodeList(nodes=[pb.NodeStatus(info=i) for i in infos + crowd])).splitlines()) == \
         1 + len(infos) + len(crowd) + 2  # header, rows, and still a line per run of layers
     assert [n["numerics"] for n in data["nodes"]] == [two, one, two, one, "", one]
+
+
+def test_a_node_is_ready_without_waiting_for_a_tracker_nothing_answers_for(tmp_path, monkeypatch):
+    """A node started while its tracker is down printed its ready line only after the whole wait for a
+    refusal (5 s), which none can send: tests and `meshnet up`'s restarts waited for nothing. Two tries
+    that found nothing at the tracker's address end the wait (here it would otherwise last 30 s)."""
+    import socket
+    import threading
+    import types
+
+    import meshnet.node.cli as node_cli
+    from meshnet.node.membership import Membership
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    identity = NodeIdentity.generate()
+    membership = Membership(pb_grpc.TrackerStub(open_channel(f"127.0.0.1:{port}")), identity, "n1",
+                            lambda: pb.NodeInfo(node_id="n1"), lambda: (0, 0.0),
+                            types.SimpleNamespace(flush=lambda tracker, max_batches: True), lambda why: None)
+    stop = threading.Event()
+    threading.Thread(target=membership.run, args=(stop,), daemon=True).start()
+    monkeypatch.setattr(node_cli, "READY_WAIT_S", 30.0)
+    try:
+        t0 = time.monotonic()
+        assert node_cli._registered_or_trying(types.SimpleNamespace(membership=membership)) is True
+        assert time.monotonic() - t0 < 15  # the second try comes about a second after the first
+        assert membership.unreachable_tries >= node_cli.READY_UNREACHABLE_TRIES
+        assert not membership.registered.is_set() and membership.refusal is None
+    finally:
+        stop.set()

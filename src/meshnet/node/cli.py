@@ -32,8 +32,10 @@ from meshnet.wire.security import TlsConfig, open_channel, server_ssl_context
 log = logging.getLogger("meshnet.node")
 
 # How long the ready line waits for the tracker to accept the node's registration, seconds: a refusal
-# then comes without it; a tracker that does not answer by then is still being tried.
+# then comes without it; a tracker that does not answer by then is still being tried. Once this many tries
+# found no tracker at all (nothing listens there: no refusal can come), it is not waited for.
 READY_WAIT_S = 5.0
+READY_UNREACHABLE_TRIES = 2
 
 
 def add_node_parser(sub) -> None:
@@ -252,13 +254,15 @@ def run_node(args: argparse.Namespace) -> int:
 
 def _registered_or_trying(node: Node) -> bool:
     """Wait (at most :data:`READY_WAIT_S`, or while the tracker holds the node's id for an entry that may
-    expire) until the tracker has the node; False when it refused it."""
+    expire, or until :data:`READY_UNREACHABLE_TRIES` tries found no tracker) until the tracker has the node;
+    False when it refused it."""
     membership = node.membership
     deadline = time.monotonic() + READY_WAIT_S
     while membership is not None and not membership.registered.wait(0.05):
         if membership.refusal is not None:
             return False
-        if time.monotonic() >= deadline and not membership.waiting_for_id:
+        gone = membership.unreachable_tries >= READY_UNREACHABLE_TRIES
+        if (gone or time.monotonic() >= deadline) and not membership.waiting_for_id:
             log.warning("not registered with the tracker yet; serving and still trying")
             break
     return membership is None or membership.refusal is None

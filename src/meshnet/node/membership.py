@@ -58,6 +58,7 @@ class Membership:
         self.refusal: str | None = None  # why the tracker refused this node for good, or None
         self.leaving = False  # set by deregister: the loop must not register again
         self.waiting_for_id = False  # the tracker holds our id for an entry elsewhere, which may expire
+        self.unreachable_tries = 0  # registrations that found no tracker (UNAVAILABLE) before the first took
         self.manifest = manifest
 
     def run(self, stop: threading.Event) -> None:
@@ -96,6 +97,8 @@ class Membership:
                     self.waiting_for_id = False
                     self._on_refused(self.refusal)
                     return
+                if e.code() is grpc.StatusCode.UNAVAILABLE and not ever_registered:
+                    self.unreachable_tries += 1
                 if registered or not warned:
                     log.warning("tracker unreachable (%s); retrying", e.details() or e.code().name)
                     warned = True
