@@ -429,3 +429,13 @@ def test_a_three_slash_sqlite_url_that_meant_an_absolute_path_is_warned_about(tm
         make_ledger_engine("sqlite:///nosuchroot/x.db").dispose()  # no /nosuchroot: relative was meant
         make_ledger_engine(f"sqlite:////{tmp_path}/z.db").dispose()
     assert caplog.records == []
+
+
+def test_a_ledger_that_cannot_be_written_is_refused_at_start(tmp_path):
+    """A tracker on a ledger it could read but not write (an immutable file, a read-only role) started
+    as if healthy and answered every node's registration INTERNAL, saying nothing itself."""
+    path = tmp_path / "ledger.db"
+    Ledger(f"sqlite:///{path}").close()
+    with pytest.raises(LedgerError, match="cannot be written: attempt to write a readonly database"):
+        Ledger(f"sqlite:///file:{path}?mode=ro&uri=true")
+    Ledger(f"sqlite:///{path}").close()  # the file itself is unchanged and opens as before

@@ -128,6 +128,21 @@ def test_a_full_node_frees_sessions_idle_a_tenth_of_the_idle_timeout(mesh):
     client.close()
 
 
+@pytest.mark.parametrize("idle_timeout_s", [20, 300, 3600])
+def test_a_full_node_frees_a_dead_clients_session_within_a_waiting_clients_wait(idle_timeout_s):
+    """With the default --idle-timeout (300 s) a full node freed a session after 30 s unused, the same 30 s a
+    new client waits for room: a client arriving right after a crash gave up a second before the room came
+    (an operator's repro). The session is now freed, swept and retried into within the wait."""
+    from meshnet.api.backend import ADMISSION_WAIT_S
+    from meshnet.engine.base import RETRY_AFTER_S
+    from meshnet.node.runner import pressure_idle_s, sweep_period_s
+
+    freed_by = pressure_idle_s(idle_timeout_s) + sweep_period_s(idle_timeout_s)
+    # with a sweep's period to spare (the dead client's last step may precede the waiting client's first)
+    assert freed_by + sweep_period_s(idle_timeout_s) + RETRY_AFTER_S <= ADMISSION_WAIT_S
+    assert pressure_idle_s(idle_timeout_s) == min(idle_timeout_s / 10, 15.0)
+
+
 def test_killed_node_leaves_routing_within_three_heartbeats(mesh):
     (a, b) = mesh.start_nodes([("x-head", "0:15"), ("y-tail", "15:30")])
     b.kill()

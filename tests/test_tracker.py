@@ -418,3 +418,40 @@ def test_run_tracker_serves_until_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_an_internal_error_in_a_handler_is_logged_once_a_minute_not_only_answered(caplog):
+    """A tracker whose ledger failed answered each registration INTERNAL and logged nothing: only the
+    node's log said why. It is logged now, once a minute per method and message (nodes retry each second)."""
+    import grpc
+
+    from meshnet.tracker import refusals
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        def abort(self, code, details):
+            self.code, self.details = code, details
+            raise Aborted
+
+        def set_trailing_metadata(self, metadata):
+            pass
+
+    class Handler:
+        @refusals.rpc
+        def Register(self, request, context):
+            raise RuntimeError("ledger write failed: attempt to write a readonly database")
+
+    refusals._logged.clear()
+    with caplog.at_level("ERROR", logger="meshnet.tracker"):
+        for _ in range(3):
+            ctx = Context()
+            try:
+                Handler().Register(None, ctx)
+            except Aborted:
+                pass
+            assert ctx.code is grpc.StatusCode.INTERNAL
+            assert ctx.details == ("tracker error in Register: RuntimeError: ledger write failed: attempt to "
+                                   "write a readonly database")
+    assert [r.getMessage() for r in caplog.records] == [ctx.details]

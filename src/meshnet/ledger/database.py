@@ -59,6 +59,15 @@ def normalise_url(url: str | URL) -> URL:
     return u
 
 
+def sqlite_path(url: URL) -> Path:
+    """The file an SQLite URL opens: its database, or with ``?uri=true`` the path of its ``file:`` URI
+    (``sqlite:///file:/tmp/x.db?mode=ro&uri=true``, a read-only open), without ``~`` expanded."""
+    database = url.database or ""
+    if url.query.get("uri") in ("true", "1") and database.startswith("file:"):
+        database = database[len("file:"):]
+    return Path(database)
+
+
 def is_memory(url: URL) -> bool:
     return url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
 
@@ -76,8 +85,8 @@ def make_ledger_engine(url: str) -> Engine:
         if u.get_backend_name() == "sqlite":
             if is_memory(u):
                 return create_engine(u, poolclass=StaticPool, connect_args={"check_same_thread": False})
-            _warn_if_meant_absolute(u.database)
-            Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            _warn_if_meant_absolute(str(sqlite_path(u)))
+            sqlite_path(u).expanduser().parent.mkdir(parents=True, exist_ok=True)
             # timeout: wait for another process's write lock instead of failing at once.
             return create_engine(u, connect_args={"check_same_thread": False, "timeout": 30})
         return create_engine(u, pool_pre_ping=True)

@@ -16,14 +16,13 @@ import fcntl
 import logging
 import os
 import time
-from pathlib import Path
 from typing import IO
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from meshnet.ledger.database import LedgerError, is_memory, db_error
+from meshnet.ledger.database import LedgerError, db_error, is_memory, sqlite_path
 
 log = logging.getLogger("meshnet.ledger")
 
@@ -158,7 +157,7 @@ def hold_sqlite_file(engine: Engine, wait_s: float = LOCK_WAIT_S) -> IO | None:
     """
     if engine.url.get_backend_name() != "sqlite" or is_memory(engine.url):
         return None
-    path = Path(engine.url.database).expanduser()
+    path = sqlite_path(engine.url).expanduser()
     try:
         lock = open(path.with_name(path.name + ".lock"), "a+")
     except OSError as e:

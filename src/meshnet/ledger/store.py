@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from sqlalchemy import and_, case, func, select
+from sqlalchemy import and_, case, func, select, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from meshnet.ledger.credit import Rect, new_area
-from meshnet.ledger.database import LedgerError, db_error, is_memory, make_ledger_engine, upgrade
+from meshnet.ledger.database import LedgerError, db_error, is_memory, make_ledger_engine, sqlite_path, upgrade
 from meshnet.ledger.hold import LOCK_WAIT_S, PostgresHold, hold_ledger
 from meshnet.ledger.schema import deliveries, node_keys, work
 
@@ -174,6 +174,7 @@ class Ledger:
         try:
             self._holder = hold_ledger(self._engine, lock_wait_s)
             upgrade(self._engine)
+            self._check_writable()
         except BaseException:
             self.close()
             raise
@@ -184,7 +185,7 @@ class Ledger:
         url = self._engine.url
         shown = url.render_as_string(hide_password=True)
         if url.get_backend_name() == "sqlite" and not is_memory(url):
-            shown += f" (file {Path(url.database).expanduser().resolve()})"
+            shown += f" (file {sqlite_path(url).expanduser().resolve()})"
         return shown
 
     def close(self) -> None:
@@ -193,6 +194,17 @@ class Ledger:
         if self._holder is not None:
             self._holder.close()
             self._holder = None
+
+    def _check_writable(self) -> None:
+        """A write that is rolled back: a ledger already at the newest schema needs none to open, and one
+        that could not be written (a read-only file or role) refused every node's registration later,
+        with nothing said at start. Raises LedgerError."""
+        try:
+            with self._engine.connect() as conn, conn.begin() as tx:
+                conn.execute(text("UPDATE alembic_version SET version_num = version_num"))
+                tx.rollback()
+        except SQLAlchemyError as e:
+            raise LedgerError(f"ledger {self.display_url} cannot be written: {db_error(e)}") from None
 
     @contextlib.contextmanager
     def _reading(self):

@@ -100,7 +100,10 @@ class Membership:
                 if e.code() is grpc.StatusCode.UNAVAILABLE and not ever_registered:
                     self.unreachable_tries += 1
                 if registered or not warned:
-                    log.warning("tracker unreachable (%s); retrying", e.details() or e.code().name)
+                    if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                        log.warning("tracker unreachable (%s); retrying", e.details() or e.code().name)
+                    else:  # it answered, with an error of its own (a ledger it cannot write)
+                        log.warning("the tracker answered %s: %s; retrying", e.code().name, e.details())
                     warned = True
                 registered = False  # tracker down or restarting: keep trying
             if not registered:

@@ -50,11 +50,24 @@ log = logging.getLogger("meshnet.node")
 DRAIN_IDLE_S = 5.0
 DRAIN_GAP_FACTOR = 10.0
 # A node at its session limit, or with its KV pool 90% reserved, releases the sessions unused for a tenth of
-# --idle-timeout (30 s by default) rather than the whole of it: a client that died (an API killed with -9)
-# left its sessions holding the node's room for 300 s, and two such deaths filled a 16-session head. A
-# live client whose session this frees replays it on its next step.
+# --idle-timeout, and at most PRESSURE_IDLE_MAX_S, rather than the whole of it: a client that died (an API
+# killed with -9) left its sessions holding the node's room for 300 s, and two such deaths filled a
+# 16-session head. The cap keeps it, with a sweep's period, inside the 30 s a new client waits for room
+# (a tenth of 300 s was exactly those 30 s: the client right after a crash gave up a second before the
+# room was freed). A live client whose session this frees replays it on its next step.
 PRESSURE_IDLE_FRACTION = 0.1
+PRESSURE_IDLE_MAX_S = 15.0
 PRESSURE_KV_FRACTION = 0.9
+
+
+def pressure_idle_s(idle_timeout_s: float) -> float:
+    """Seconds unused after which a node at its limit frees a session (see PRESSURE_IDLE_FRACTION)."""
+    return min(idle_timeout_s * PRESSURE_IDLE_FRACTION, PRESSURE_IDLE_MAX_S)
+
+
+def sweep_period_s(idle_timeout_s: float) -> float:
+    """Seconds between the node's sweeps for idle sessions."""
+    return max(0.05, min(5.0, idle_timeout_s / 2))
 
 
 class Node:
@@ -219,15 +232,14 @@ class Node:
         self._threads.append(t)
 
     def _idle_loop(self, stop: threading.Event) -> None:
-        pressure_idle_s = self.cfg.idle_timeout_s * PRESSURE_IDLE_FRACTION
-        period = max(0.05, min(5.0, self.cfg.idle_timeout_s / 2))
-        while not stop.wait(period):
+        under_pressure_s = pressure_idle_s(self.cfg.idle_timeout_s)
+        while not stop.wait(sweep_period_s(self.cfg.idle_timeout_s)):
             for sid in self.engine.release_idle(self.cfg.idle_timeout_s):
                 log.info("released idle session %s", sid)
             if self._at_its_limit():
-                for sid in self.engine.release_idle(pressure_idle_s):
+                for sid in self.engine.release_idle(under_pressure_s):
                     log.info("at its session or KV limit: released session %s, unused for %.0f s (its client "
-                             "may be gone; a live one replays it)", sid, pressure_idle_s)
+                             "may be gone; a live one replays it)", sid, under_pressure_s)
 
     def _at_its_limit(self) -> bool:
         """Whether the node holds as many sessions as it may, or has most of its KV pool reserved."""

@@ -5,10 +5,21 @@ never a trace."""
 from __future__ import annotations
 
 import functools
+import logging
+import threading
+import time
 
 import grpc
 
 from meshnet.wire.call_problems import abort_call
+
+log = logging.getLogger("meshnet.tracker")
+
+# An internal error is logged once a minute per method and message: a node retries its registration every
+# second, and a tracker whose ledger cannot be written answered each with INTERNAL and logged nothing.
+_LOG_EVERY_S = 60.0
+_logged: dict[tuple[str, str], float] = {}
+_logged_lock = threading.Lock()
 
 
 class Refusal(Exception):
@@ -49,6 +60,18 @@ def rpc(method):
         except Exception as e:  # noqa: BLE001 - a bug must not take the tracker down or leak a trace
             code, message, retry = (grpc.StatusCode.INTERNAL,
                                     f"tracker error in {method.__name__}: {type(e).__name__}: {e}", None)
+            _log_internal(method.__name__, message, e)
         abort_call(context, code, bounded(message), retry)
 
     return wrapper
+
+
+def _log_internal(method: str, message: str, e: Exception) -> None:
+    now = time.monotonic()
+    with _logged_lock:
+        if now - _logged.get((method, message), -_LOG_EVERY_S) < _LOG_EVERY_S:
+            return
+        if len(_logged) > 1000:  # messages carry ids: keep the map bounded
+            _logged.clear()
+        _logged[(method, message)] = now
+    log.error("%s", bounded(message), exc_info=e)
