@@ -237,7 +237,9 @@ def test_sessions_opening_together_spread_over_two_replicas(mesh, solo):
     for _ in range(8):
         cost = [(1 + expected[i] / 16) / speeds[n] for i, n in enumerate(("b-one", "c-two"))]
         expected[cost.index(min(cost))] += 1
-    assert held == expected, (held, speeds)  # before: all eight on the one cheapest at the last heartbeat
+    # before: all eight on the one cheapest at the last heartbeat. A heartbeat whose count was taken before
+    # a session opened, read after that session's grant, can move one session (seen: 3/5 for 4/4).
+    assert sum(held) == 8 and abs(held[0] - expected[0]) <= 1, (held, expected, speeds)
     for i in range(8):
         client.release(f"s{i}")
     client.close()
