@@ -85,8 +85,9 @@ def make_ledger_engine(url: str) -> Engine:
         if u.get_backend_name() == "sqlite":
             if is_memory(u):
                 return create_engine(u, poolclass=StaticPool, connect_args={"check_same_thread": False})
-            _warn_if_meant_absolute(str(sqlite_path(u)))
-            sqlite_path(u).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            path = sqlite_path(u)
+            _warn_if_meant_absolute(path)
+            path.expanduser().parent.mkdir(parents=True, exist_ok=True)
             # timeout: wait for another process's write lock instead of failing at once.
             return create_engine(u, connect_args={"check_same_thread": False, "timeout": 30})
         return create_engine(u, pool_pre_ping=True)
@@ -96,16 +97,15 @@ def make_ledger_engine(url: str) -> Engine:
         raise LedgerError(f"ledger URL {url!r}: cannot create its directory: {e.strerror or e}") from None
 
 
-def _warn_if_meant_absolute(database: str) -> None:
+def _warn_if_meant_absolute(path: Path) -> None:
     """``sqlite:///tmp/x.db`` (three slashes) is ``tmp/x.db`` under the working directory, which a user who
     meant ``/tmp/x.db`` finds only later, as a new folder. Warn when the path's first folder is missing here
     but exists at the root."""
-    path = Path(database)
     if path.is_absolute() or len(path.parts) < 2 or Path(path.parts[0]).exists():
         return
     if (Path("/") / path.parts[0]).is_dir():
         log.warning("ledger file %s is relative to the working directory (%s); for /%s write sqlite:////%s "
-                    "(four slashes)", database, Path.cwd(), database, database)
+                    "(four slashes)", path, Path.cwd(), path, path)
 
 
 def alembic_config(connection: Connection):
