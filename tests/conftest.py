@@ -4,6 +4,7 @@ kernels of the ggml that runs here, and the single-process reference mesh tests 
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -18,6 +19,13 @@ from meshnet.model.bundled import ModelNotFound, resolve_model
 _SCRATCH = tempfile.mkdtemp(prefix="meshnet-tests-")
 for _var in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "MESHNET_CACHE_DIR"):
     os.environ[_var] = os.path.join(_SCRATCH, _var.lower())
+
+# Tests press Ctrl-C on the processes they start (SIGINT). A shell starts a background job with SIGINT
+# ignored, and an ignored signal stays ignored in every process started below it: run that way (`bash
+# scripts/test.sh &`), those processes never saw the Ctrl-C. Python's own handler here makes it the
+# default again in each process started (exec resets a handled signal, not an ignored one).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # $MESHNET_GOLDEN_DIR points the tests (and meshnet itself) at another golden folder, e.g. one holding
 # only another CPU's set, to exercise rule 3 on real numbers.
