@@ -87,7 +87,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from meshnet.arg_types import mode_problem
+    from meshnet.arg_types import MAX_SECONDS, mode_problem
     from meshnet.client.router import MeshUnavailable
     from meshnet.generation import Generation, GenerationError
     from meshnet.model.bundled import resolve_model
@@ -98,8 +98,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         print(f"error: --max-tokens must be >= 1, got {args.max_tokens}", file=sys.stderr)
         return 2
-    if not args.wait >= 0:
-        print(f"error: --wait must be a number of seconds >= 0, got {args.wait}", file=sys.stderr)
+    if not 0 <= args.wait <= MAX_SECONDS:  # also NaN; inf and 1e30 waited without end
+        print(f"error: --wait must be a number of seconds from 0 to {MAX_SECONDS:.0f} (a year), got {args.wait}",
+              file=sys.stderr)
         return 2
     sampling = _sampling_from(args)
     problem = sampling.validate()

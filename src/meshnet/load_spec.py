@@ -40,8 +40,11 @@ class AuxiliaryState:
 LOAD_SETTING_LEAST = {"n_threads": 1, "n_ctx": 0, "n_ubatch": 1, "max_sessions": 1, "memory_budget_bytes": 0,
                       "kv_tokens": 0, "prefix_cache": 0, "decode_groups": 0}
 # ... and the most: ggml's compute plans hold at most GGML_MAX_N_THREADS (512) threads (beyond, OpenMP
-# fails to start them and the process exits); sessions are counted in 32-bit fields on the wire.
-LOAD_SETTING_MOST = {"n_threads": 512, "max_sessions": 65536}
+# fails to start them and the process exits); sessions are counted in 32-bit fields on the wire. A context
+# of 2**24 tokens is past any model's training (KV cells are handed out as used, so a large one costs
+# nothing until filled); an n_ctx of 2**55 overflowed ggml's tensor sizes (an abort), 1e20 Python's. The
+# prefix cache's slots are made at load: 10**9 of them grew memory by 1.4 GB/s without a word.
+LOAD_SETTING_MOST = {"n_threads": 512, "max_sessions": 65536, "n_ctx": 1 << 24, "prefix_cache": 65536}
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,10 @@ def add_dashboard_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_P
     p.add_argument("--dashboard-port", type=int, default=default_port, metavar="PORT", action=_StoreGiven,
                    help="serve the web dashboard (layer map, nodes, sessions, tokens/s, ledger) over HTTP on this "
                         "port (default %(default)s; 0 = any free port, -1 = no dashboard)")
-    p.add_argument("--dashboard-host", default="127.0.0.1", metavar="HOST",
+    from meshnet.arg_types import listen_host
+
+    # An empty host listened on every interface (and printed http://:PORT/): refused, as --host '' is.
+    p.add_argument("--dashboard-host", type=listen_host, default="127.0.0.1", metavar="HOST",
                    help="address the dashboard listens on (default %(default)s: this machine only; it needs no "
                         "join token, so expose it deliberately)")
 
