@@ -255,6 +255,11 @@ def test_bad_load_settings_are_named(field, value):
     (["api", "--tracker", "127.0.0.1:9", "--max-sessions", "4", "--port", "0"],
      "error: --max-sessions applies to stages in this process; with --tracker each node of the mesh has its own"),
     # a bench that ran nothing and wrote empty results (exit 0), or failed on Python's own words
+    (["bench", "serve", "--url", "notaurl"],  # httpx's UnsupportedProtocol traceback
+     "argument --url: expected an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000, got 'notaurl'"),
+    (["bench", "wan", "--bandwidth-mbit", "0"], "argument --bandwidth-mbit: must be a number > 0, got 0"),
+    (["bench", "engine", "--prompt-tokens", "0"], "argument --prompt-tokens: must be >= 1, got 0"),
+    (["bench", "worker", "--prompt-tokens", "0"], "argument --prompt-tokens: must be >= 1, got 0"),
     (["bench", "serve", "--targets", "llama-server,bogus"], "argument --targets: unknown target 'bogus'; choose "
                                                             "from llama-server, meshnet, mesh, llama-rpc"),
     # text Python cannot encode: a Latin-1 prompt was a TypeError traceback, a model name a 500 on /v1/models
@@ -501,3 +506,18 @@ def test_an_advertised_name_that_does_not_resolve_here_is_warned_about():
         proc.communicate(timeout=30)
     assert line.startswith("warning: --advertise nonexistent.invalid:9512: the name does not resolve on this "
                            "machine ("), line
+
+
+def test_bench_serve_at_a_url_where_nothing_answers_says_so_in_one_line(tmp_path):
+    """A URL where nothing listened was httpx's ConnectError traceback."""
+    import subprocess
+    import sys
+
+    from mesh_util import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    r = subprocess.run([sys.executable, "-m", "meshnet.cli", "bench", "serve", "--url", url, "--out",
+                        str(tmp_path / "serve.json")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith(f"error: {url} answered no OpenAI model list at /v1/models (ConnectError: ")
+    assert not (tmp_path / "serve.json").exists()

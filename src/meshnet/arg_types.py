@@ -91,6 +91,22 @@ def host_port(text: str) -> str:
     return text
 
 
+def http_url(text: str) -> str:
+    """An HTTP server's base URL, ``http://HOST:PORT`` or ``https://...`` (a bare ``HOST:PORT`` was
+    a traceback from the HTTP client)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"bad URL {text!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL with a host, e.g. "
+                                         f"http://127.0.0.1:8000, got {text!r}")
+    return text
+
+
 def listen_host(text: str) -> str:
     """A ``--host`` to listen on: a name or address, not empty (gRPC logged "host must not be empty" from its
     core, then the tracker blamed a taken port) and without spaces."""

@@ -24,6 +24,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshnet.arg_types import positive_int
 from meshnet.bench.llama_bench import llama_bench_reference
 from meshnet.contract import GREEDY, StepRequest
 from meshnet.model.bundled import DEFAULT_MODEL, resolve_model
@@ -306,7 +307,7 @@ def add_engine_bench_parser(bsub: argparse._SubParsersAction) -> None:
     be.add_argument("--model", default=DEFAULT_MODEL)
     be.add_argument("--threads", type=int, default=2)
     be.add_argument("--stages", type=int, default=3, help="the multi-stage configuration to compare")
-    be.add_argument("--prompt-tokens", type=int, default=128)
+    be.add_argument("--prompt-tokens", type=positive_int, default=128)
     be.add_argument("--decode-tokens", type=int, default=64)
     be.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     be.add_argument("--rounds", type=int, default=1,

@@ -23,6 +23,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 
+from meshnet.arg_types import positive_int
 from meshnet.bench.engine_bench import bench_prompt_ids
 from meshnet.bench.node_procs import NodeSpec, decode_concurrently, start_mesh
 from meshnet.client.mesh_client import MeshClient
@@ -42,7 +43,7 @@ def add_hostile_bench_parser(bench_subparsers) -> None:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--connections", type=int, default=1000)
-    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=positive_int, default=32)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default="bench-results/hostile.json")

@@ -36,6 +36,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshnet.arg_types import http_url
 from meshnet.bench.serve_load import LoadSpec, run_load, summarize
 from meshnet.bench.serve_targets import LLAMA_SLOT_CTX, llama_rpc_server, meshnet_targets, start_llama_server
 from meshnet.bench.served import KvSampler, Server
@@ -81,7 +82,7 @@ def add_serve_bench_parser(bench_subparsers) -> None:
     p.add_argument("--side-by-side", action="store_true",
                    help="run llama-server and meshnet in process side by side for a C and let them take turns "
                         "a load at a time (by default every target is started and stopped for each load)")
-    p.add_argument("--url", default=None, help="measure only this running OpenAI-compatible server")
+    p.add_argument("--url", type=http_url, default=None, help="measure only this running OpenAI-compatible server")
     p.add_argument("--timeout", type=float, default=900.0, help="per-request timeout, seconds")
     p.add_argument("--out", default="bench-results/serve.json")
     p.set_defaults(func=run_serve_bench)
@@ -145,6 +146,11 @@ def run_serve_bench(args: argparse.Namespace) -> int:
                     "machine": {"python": platform.python_version(), "cpus": len(os.sched_getaffinity(0))}}
     if args.url:
         servers = {"url": Server.attach("url", args.url)}
+        try:
+            servers["url"].start()  # before anything is written: nothing answering there is one line
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         groups = [(None, cs)]
     else:
         servers = meshnet_targets(args, log_dir, max(cs))

@@ -81,7 +81,11 @@ class Server:
         import httpx
 
         if self.argv is None:
-            return httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            try:
+                return httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            except (httpx.HTTPError, ValueError, LookupError, TypeError) as e:  # nothing there, or no OpenAI API
+                raise RuntimeError(f"{self.url} answered no OpenAI model list at /v1/models "
+                                   f"({type(e).__name__}: {e})") from None
         if self.proc is not None:  # started before: fresh ports, so nothing of the last run can answer
             self.port = free_port()
             self.argv, self.url = self._argv_for_port(self.port), f"http://127.0.0.1:{self.port}"

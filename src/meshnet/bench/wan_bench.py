@@ -26,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from meshnet.arg_types import positive_number
 from meshnet.bench import llama_rpc
 from meshnet.bench.wan_model import LLAMA_RPC, MESHNET_MODES, NGRAM, parse_modes, parse_rtts, tensor_split
 from meshnet.bench.wan_report import analyze, format_table, rtt_key
@@ -51,7 +52,7 @@ def add_wan_bench_parser(bench_subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per run")
     p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     p.add_argument("--stages", type=int, default=3)
-    p.add_argument("--bandwidth-mbit", type=float, default=None, help="each link's bandwidth per direction "
+    p.add_argument("--bandwidth-mbit", type=positive_number, default=None, help="each link's bandwidth per direction "
                                                                       "(default: unlimited)")
     p.add_argument("--in-process-engine", action="store_true",
                    help="run each meshnet node's engine in the node process (meshnet node --in-process-engine: "
