@@ -257,6 +257,8 @@ def test_bad_load_settings_are_named(field, value):
     # a bench that ran nothing and wrote empty results (exit 0), or failed on Python's own words
     (["bench", "serve", "--url", "notaurl"],  # httpx's UnsupportedProtocol traceback
      "argument --url: expected an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000, got 'notaurl'"),
+    (["backends", "--certify", "--lane", "cpu", "--threads", "100000"],  # a segmentation fault, no word
+     "argument --threads: must be 1 to 512, got 100000"),
     (["bench", "wan", "--bandwidth-mbit", "0"], "argument --bandwidth-mbit: must be a number > 0, got 0"),
     (["bench", "engine", "--prompt-tokens", "0"], "argument --prompt-tokens: must be >= 1, got 0"),
     (["bench", "worker", "--prompt-tokens", "0"], "argument --prompt-tokens: must be >= 1, got 0"),

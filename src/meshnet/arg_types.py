@@ -74,6 +74,15 @@ def positive_int(text: str) -> int:
     return value
 
 
+def thread_count(text: str) -> int:
+    """CPU threads of a compute: 1 to 512 (ggml's GGML_MAX_N_THREADS; beyond, OpenMP fails to start them
+    and the process dies: 100000 was a segmentation fault)."""
+    value = _parse(text, int, "a whole number")
+    if not 1 <= value <= 512:
+        raise argparse.ArgumentTypeError(f"must be 1 to 512, got {value}")
+    return value
+
+
 def count(text: str) -> int:
     """A count >= 0."""
     value = _parse(text, int, "a whole number")

@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from meshnet.arg_types import thread_count
 from meshnet.backends import LANE_NAMES
 
 
@@ -34,7 +35,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="GGUF path or bundled name for the self-test (default: the golden tiny llama when "
                         "../shared/golden is present, else smollm2)")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads for the self-test")
+    p.add_argument("--threads", type=thread_count, default=2, help="CPU threads for the self-test")
     p.add_argument("--device", type=int, default=0, metavar="N",
                    help="which device of each accelerator lane to test and report (ggml's order; default 0)")
 
