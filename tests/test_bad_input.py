@@ -259,6 +259,9 @@ def test_bad_load_settings_are_named(field, value):
      "argument --url: expected an http:// or https:// URL with a host, e.g. http://127.0.0.1:8000, got 'notaurl'"),
     (["backends", "--certify", "--lane", "cpu", "--threads", "100000"],  # a segmentation fault, no word
      "argument --threads: must be 1 to 512, got 100000"),
+    # a folder or an empty --out failed after the whole run, its figures lost
+    (["bench", "engine", "--out", "/tmp"], "argument --out: /tmp is a folder; give a file path, e.g. /tmp/bench.json"),
+    (["bench", "wan", "--out", ""], "argument --out: expected a file path for the results, got ''"),
     (["bench", "wan", "--bandwidth-mbit", "0"], "argument --bandwidth-mbit: must be a number > 0, got 0"),
     (["bench", "engine", "--prompt-tokens", "0"], "argument --prompt-tokens: must be >= 1, got 0"),
     (["bench", "worker", "--prompt-tokens", "0"], "argument --prompt-tokens: must be >= 1, got 0"),

@@ -116,6 +116,17 @@ def http_url(text: str) -> str:
     return text
 
 
+def results_file(text: str) -> str:
+    """A file a benchmark writes its JSON to, checked before the run (an empty path or a folder failed only
+    after the whole run, its figures lost): not empty, not a folder."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a file path for the results, got ''")
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file path, e.g. "
+                                         f"{os.path.join(text, 'bench.json')}")
+    return text
+
+
 def listen_host(text: str) -> str:
     """A ``--host`` to listen on: a name or address, not empty (gRPC logged "host must not be empty" from its
     core, then the tracker blamed a taken port) and without spaces."""

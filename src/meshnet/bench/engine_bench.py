@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshnet.arg_types import positive_int
+from meshnet.arg_types import positive_int, results_file
 from meshnet.bench.llama_bench import llama_bench_reference
 from meshnet.contract import GREEDY, StepRequest
 from meshnet.model.bundled import DEFAULT_MODEL, resolve_model
@@ -316,5 +316,5 @@ def add_engine_bench_parser(bsub: argparse._SubParsersAction) -> None:
     be.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
     be.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "rocm", "vulkan", "metal"],
                     help="also measure this accelerator lane beside the CPU (it must be certified here)")
-    be.add_argument("--out", default="bench-results/engine.json")
+    be.add_argument("--out", type=results_file, default="bench-results/engine.json")
     be.set_defaults(func=run_engine_bench)

@@ -23,7 +23,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 
-from meshnet.arg_types import positive_int
+from meshnet.arg_types import positive_int, results_file
 from meshnet.bench.engine_bench import bench_prompt_ids
 from meshnet.bench.node_procs import NodeSpec, decode_concurrently, start_mesh
 from meshnet.client.mesh_client import MeshClient
@@ -46,7 +46,7 @@ def add_hostile_bench_parser(bench_subparsers) -> None:
     p.add_argument("--prompt-tokens", type=positive_int, default=32)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", default="bench-results/hostile.json")
+    p.add_argument("--out", type=results_file, default="bench-results/hostile.json")
     p.set_defaults(func=run_hostile_bench)
 
 

@@ -34,7 +34,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from meshnet.arg_types import positive_int
+from meshnet.arg_types import positive_int, results_file
 from meshnet.bench.engine_bench import bench_prompt_ids, greedy_run
 
 GOALS = {"node_rss_vs_single_max": 0.4, "mesh_vs_single_decode_min": 0.9, "single_vs_llama_bench_min": 0.95,
@@ -57,7 +57,7 @@ def add_scale_bench_parser(bench_subparsers) -> None:
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama-bench and llama.cpp's greedy ids")
     p.add_argument("--reference-repack", action="store_true",
                    help="let llama-server repack weights for the greedy reference (default --no-repack)")
-    p.add_argument("--out", default="bench-results/scale.json")
+    p.add_argument("--out", type=results_file, default="bench-results/scale.json")
     p.set_defaults(func=run_scale_bench)
 
 

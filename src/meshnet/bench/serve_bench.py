@@ -36,7 +36,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshnet.arg_types import http_url
+from meshnet.arg_types import http_url, results_file
 from meshnet.bench.serve_load import LoadSpec, run_load, summarize
 from meshnet.bench.serve_targets import LLAMA_SLOT_CTX, llama_rpc_server, meshnet_targets, start_llama_server
 from meshnet.bench.served import KvSampler, Server
@@ -84,7 +84,7 @@ def add_serve_bench_parser(bench_subparsers) -> None:
                         "a load at a time (by default every target is started and stopped for each load)")
     p.add_argument("--url", type=http_url, default=None, help="measure only this running OpenAI-compatible server")
     p.add_argument("--timeout", type=float, default=900.0, help="per-request timeout, seconds")
-    p.add_argument("--out", default="bench-results/serve.json")
+    p.add_argument("--out", type=results_file, default="bench-results/serve.json")
     p.set_defaults(func=run_serve_bench)
 
 

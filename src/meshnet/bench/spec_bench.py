@@ -16,7 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from meshnet.arg_types import positive_int
+from meshnet.arg_types import positive_int, results_file
 from meshnet.contract import GREEDY
 from meshnet.speculative import Speculation
 
@@ -39,7 +39,7 @@ def add_spec_bench_parser(bsub) -> None:
     p.add_argument("--draft-tokens", type=int, default=Speculation().draft_tokens,
                    help="draft tokens per round at most (the draft budget picks fewer where they do not pay)")
     p.add_argument("--repeats", type=positive_int, default=2, help="runs of each mode per prompt; medians reported")
-    p.add_argument("--out", default="bench-results/speculative.json")
+    p.add_argument("--out", type=results_file, default="bench-results/speculative.json")
     p.set_defaults(func=run_spec_bench)
 
 

@@ -19,7 +19,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from meshnet.arg_types import positive_int
+from meshnet.arg_types import positive_int, results_file
 
 PERSON = {
     "type": "object",
@@ -48,7 +48,7 @@ def add_structured_bench_parser(bench_subparsers) -> None:
     p.add_argument("--concurrency", type=positive_int, default=4, help="requests at a time (default %(default)s)")
     p.add_argument("--rounds", type=positive_int, default=3,
                    help="pairs of constrained and unconstrained generations timed (default %(default)s)")
-    p.add_argument("--out", default="bench-results/structured.json", help="JSON written here")
+    p.add_argument("--out", type=results_file, default="bench-results/structured.json", help="JSON written here")
     p.set_defaults(func=run_structured_bench)
 
 

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from meshnet.arg_types import positive_number
+from meshnet.arg_types import positive_number, results_file
 from meshnet.bench import llama_rpc
 from meshnet.bench.wan_model import LLAMA_RPC, MESHNET_MODES, NGRAM, parse_modes, parse_rtts, tensor_split
 from meshnet.bench.wan_report import analyze, format_table, rtt_key
@@ -57,7 +57,7 @@ def add_wan_bench_parser(bench_subparsers) -> None:
     p.add_argument("--in-process-engine", action="store_true",
                    help="run each meshnet node's engine in the node process (meshnet node --in-process-engine: "
                         "no engine worker to hand steps to) rather than in its supervised worker")
-    p.add_argument("--out", default="bench-results/wan.json")
+    p.add_argument("--out", type=results_file, default="bench-results/wan.json")
     p.set_defaults(func=run_wan_bench)
 
 
