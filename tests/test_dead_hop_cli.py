@@ -199,3 +199,12 @@ def test_generate_waits_for_room_on_a_full_mesh_as_the_api_does(solo):
         holder.close()
     finally:
         mesh.close()
+
+
+def test_a_prompt_longer_than_the_meshs_context_names_the_nodes_setting(mesh):
+    """Through a mesh the error said "raise --n-ctx", a flag generate refuses with --tracker."""
+    mesh.start_nodes([("short-context", "0:30", ["--n-ctx", "32"])])
+    r = run_generate(mesh.tracker, "word " * 60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "tokens but the context holds 32; shorten it or raise the nodes' --n-ctx (meshnet node --n-ctx)" \
+        in r.stderr, r.stderr

@@ -163,8 +163,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                  progress=sys.stderr.isatty(), huge_pages=args.huge_pages)
         n_ctx = chain.stages[0].capabilities().n_ctx
     if len(prompt_ids) > n_ctx:
+        raise_it = "the nodes' --n-ctx (meshnet node --n-ctx)" if args.tracker else "--n-ctx"
         print(f"error: the prompt has {len(prompt_ids)} tokens but the context holds {n_ctx}; "
-              "shorten it or raise --n-ctx", file=sys.stderr)
+              f"shorten it or raise {raise_it}", file=sys.stderr)
         return 2
     print(f"[meshnet] {args.model_id or args.model}: {len(ranges)} stage(s) {', '.join(str(r) for r in ranges)}, "
           f"{len(prompt_ids)} prompt tokens", file=sys.stderr)
