@@ -52,8 +52,8 @@ def add_wan_bench_parser(bench_subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per run")
     p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
     p.add_argument("--stages", type=int, default=3)
-    p.add_argument("--bandwidth-mbit", type=positive_number, default=None, help="each link's bandwidth per direction "
-                                                                      "(default: unlimited)")
+    p.add_argument("--bandwidth-mbit", type=positive_number, default=None,
+                   help="each link's bandwidth per direction (default: unlimited)")
     p.add_argument("--in-process-engine", action="store_true",
                    help="run each meshnet node's engine in the node process (meshnet node --in-process-engine: "
                         "no engine worker to hand steps to) rather than in its supervised worker")
