@@ -262,6 +262,12 @@ def test_bad_load_settings_are_named(field, value):
     # a folder or an empty --out failed after the whole run, its figures lost
     (["bench", "engine", "--out", "/tmp"], "argument --out: /tmp is a folder; give a file path, e.g. /tmp/bench.json"),
     (["bench", "wan", "--out", ""], "argument --out: expected a file path for the results, got ''"),
+    # values that started a real run (engine: "no median for empty data" after it), or a child's traceback
+    (["bench", "engine", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+    (["bench", "engine", "--decode-tokens", "-1"], "argument --decode-tokens: must be >= 1, got -1"),
+    (["bench", "serve", "--timeout", "0"], "argument --timeout: must be a number of seconds > 0, got 0"),
+    (["bench", "serve", "--threads", "0"], "argument --threads: must be 1 to 512, got 0"),
+    (["bench", "scale", "--threads", "0"], "argument --threads: must be 1 to 512, got 0"),
     (["bench", "wan", "--bandwidth-mbit", "0"], "argument --bandwidth-mbit: must be a number > 0, got 0"),
     (["bench", "engine", "--prompt-tokens", "0"], "argument --prompt-tokens: must be >= 1, got 0"),
     (["bench", "worker", "--prompt-tokens", "0"], "argument --prompt-tokens: must be >= 1, got 0"),

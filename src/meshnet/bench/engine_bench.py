@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshnet.arg_types import positive_int, results_file
+from meshnet.arg_types import positive_int, results_file, thread_count
 from meshnet.bench.llama_bench import llama_bench_reference
 from meshnet.contract import GREEDY, StepRequest
 from meshnet.model.bundled import DEFAULT_MODEL, resolve_model
@@ -305,12 +305,12 @@ def run_engine_bench(args: argparse.Namespace) -> int:
 def add_engine_bench_parser(bsub: argparse._SubParsersAction) -> None:
     be = bsub.add_parser("engine", help="prefill/decode tokens/s for 1 and 3 stages, RSS per stage, llama.cpp")
     be.add_argument("--model", default=DEFAULT_MODEL)
-    be.add_argument("--threads", type=int, default=2)
+    be.add_argument("--threads", type=thread_count, default=2)
     be.add_argument("--stages", type=int, default=3, help="the multi-stage configuration to compare")
     be.add_argument("--prompt-tokens", type=positive_int, default=128)
-    be.add_argument("--decode-tokens", type=int, default=64)
-    be.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
-    be.add_argument("--rounds", type=int, default=1,
+    be.add_argument("--decode-tokens", type=positive_int, default=64)
+    be.add_argument("--repeats", type=positive_int, default=3, help="runs per figure; the median is reported")
+    be.add_argument("--rounds", type=positive_int, default=1,
                     help="measure the single stage and llama-bench this many times in turn; ratios are the "
                          "median of the rounds' (for machines whose speed drifts)")
     be.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")

@@ -23,7 +23,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 
-from meshnet.arg_types import positive_int, results_file
+from meshnet.arg_types import positive_int, results_file, thread_count
 from meshnet.bench.engine_bench import bench_prompt_ids
 from meshnet.bench.node_procs import NodeSpec, decode_concurrently, start_mesh
 from meshnet.client.mesh_client import MeshClient
@@ -41,11 +41,11 @@ def add_hostile_bench_parser(bench_subparsers) -> None:
     p = bench_subparsers.add_parser("hostile", help="decode tokens/s of a generation alone and beside 1000 "
                                                     "hostile connections to its node; the node's memory")
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=thread_count, default=2)
     p.add_argument("--connections", type=int, default=1000)
     p.add_argument("--prompt-tokens", type=positive_int, default=32)
-    p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--decode-tokens", type=positive_int, default=64)
+    p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--out", type=results_file, default="bench-results/hostile.json")
     p.set_defaults(func=run_hostile_bench)
 

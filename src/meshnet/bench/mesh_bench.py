@@ -41,7 +41,7 @@ from typing import Callable
 
 import grpc
 
-from meshnet.arg_types import positive_int, results_file
+from meshnet.arg_types import positive_int, results_file, thread_count
 from meshnet.bench.engine_bench import RunTiming, bench_prompt_ids, greedy_run
 from meshnet.bench.node_procs import (NodeSpec, decode_compute_s, decode_concurrently, node_metrics, node_stubs,
                                       start_mesh, stop_process)
@@ -65,10 +65,10 @@ def add_mesh_bench_parser(bench_subparsers) -> None:
                      "overhead) and two-session pipelining on two pinned cores")
     p.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
     p.add_argument("--stages", type=int, default=3, help="node processes in the loopback mesh")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per stage (single process and mesh)")
+    p.add_argument("--threads", type=thread_count, default=1, help="CPU threads per stage (single process and mesh)")
     p.add_argument("--prompt-tokens", type=positive_int, default=128)
-    p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="runs per figure after a warm-up; the median is reported")
+    p.add_argument("--decode-tokens", type=positive_int, default=64)
+    p.add_argument("--repeats", type=positive_int, default=3, help="runs per figure after a warm-up; the median is reported")
     p.add_argument("--out", type=results_file, default="bench-results/mesh.json")
     p.set_defaults(func=run_mesh_bench)
 

@@ -34,7 +34,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from meshnet.arg_types import positive_int, results_file
+from meshnet.arg_types import positive_int, results_file, thread_count
 from meshnet.bench.engine_bench import bench_prompt_ids, greedy_run
 
 GOALS = {"node_rss_vs_single_max": 0.4, "mesh_vs_single_decode_min": 0.9, "single_vs_llama_bench_min": 0.95,
@@ -49,11 +49,11 @@ def add_scale_bench_parser(bench_subparsers) -> None:
                       "llama-bench, greedy ids against llama.cpp")
     p.add_argument("--model", help="GGUF path (default: the 7B-class random llama, written on first use)")
     p.add_argument("--stages", type=int, default=3, help="node processes in the loopback mesh")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads everywhere")
+    p.add_argument("--threads", type=thread_count, default=2, help="CPU threads everywhere")
     p.add_argument("--prompt-tokens", type=positive_int, default=128)
-    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--decode-tokens", type=positive_int, default=32)
     p.add_argument("--parity-tokens", type=int, default=32, help="greedy ids compared with llama.cpp's")
-    p.add_argument("--repeats", type=int, default=2, help="runs per figure after a warm-up; the median")
+    p.add_argument("--repeats", type=positive_int, default=2, help="runs per figure after a warm-up; the median")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama-bench and llama.cpp's greedy ids")
     p.add_argument("--reference-repack", action="store_true",
                    help="let llama-server repack weights for the greedy reference (default --no-repack)")

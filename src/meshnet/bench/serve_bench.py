@@ -36,7 +36,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshnet.arg_types import http_url, results_file
+from meshnet.arg_types import http_url, positive_int, positive_seconds, results_file, thread_count
 from meshnet.bench.serve_load import LoadSpec, run_load, summarize
 from meshnet.bench.serve_targets import LLAMA_SLOT_CTX, llama_rpc_server, meshnet_targets, start_llama_server
 from meshnet.bench.served import KvSampler, Server
@@ -73,8 +73,8 @@ def add_serve_bench_parser(bench_subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--requests-per-stream", type=int, default=2,
                    help=f"requests per concurrent stream at each C (at least {MIN_REQUESTS} requests in all)")
-    p.add_argument("--threads", type=int, default=2, help="threads of llama-server and of meshnet in process")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--threads", type=thread_count, default=2, help="threads of llama-server and of meshnet in process")
+    p.add_argument("--rounds", type=positive_int, default=1,
                    help="measure every target at every C this many times in turn; the ratios are the medians "
                         "of the rounds' (for machines whose speed drifts)")
     p.add_argument("--targets", type=_targets, default="llama-server,meshnet,mesh,llama-rpc",
@@ -83,7 +83,7 @@ def add_serve_bench_parser(bench_subparsers) -> None:
                    help="run llama-server and meshnet in process side by side for a C and let them take turns "
                         "a load at a time (by default every target is started and stopped for each load)")
     p.add_argument("--url", type=http_url, default=None, help="measure only this running OpenAI-compatible server")
-    p.add_argument("--timeout", type=float, default=900.0, help="per-request timeout, seconds")
+    p.add_argument("--timeout", type=positive_seconds, default=900.0, help="per-request timeout, seconds")
     p.add_argument("--out", type=results_file, default="bench-results/serve.json")
     p.set_defaults(func=run_serve_bench)
 

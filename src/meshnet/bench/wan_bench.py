@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from meshnet.arg_types import positive_number, results_file
+from meshnet.arg_types import positive_int, positive_number, results_file
 from meshnet.bench import llama_rpc
 from meshnet.bench.wan_model import LLAMA_RPC, MESHNET_MODES, NGRAM, parse_modes, parse_rtts, tensor_split
 from meshnet.bench.wan_report import analyze, format_table, rtt_key
@@ -50,7 +50,7 @@ def add_wan_bench_parser(bench_subparsers) -> None:
                                                           "(include 0: the model's compute time comes from it)")
     p.add_argument("--modes", default="client-orchestrated,node-to-node,node-to-node+ngram,llama.cpp-rpc")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per run")
-    p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported")
+    p.add_argument("--repeats", type=positive_int, default=3, help="runs per figure; the median is reported")
     p.add_argument("--stages", type=int, default=3)
     p.add_argument("--bandwidth-mbit", type=positive_number, default=None,
                    help="each link's bandwidth per direction (default: unlimited)")

@@ -20,7 +20,7 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from meshnet.arg_types import positive_int, results_file
+from meshnet.arg_types import positive_int, results_file, thread_count
 from meshnet.bench.engine_bench import bench_prompt_ids
 from meshnet.bench.node_procs import NodeSpec, decode_concurrently, start_mesh
 from meshnet.client.mesh_client import MeshClient
@@ -35,11 +35,11 @@ def add_worker_bench_parser(bench_subparsers) -> None:
     p = bench_subparsers.add_parser("worker", help="decode tokens/s of a node with its engine in a worker "
                                                    "process vs in the node process")
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=thread_count, default=2)
     p.add_argument("--concurrency", default="1,8", help="comma-separated session counts")
     p.add_argument("--prompt-tokens", type=positive_int, default=32)
-    p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3, help="rounds; each measures both modes")
+    p.add_argument("--decode-tokens", type=positive_int, default=64)
+    p.add_argument("--rounds", type=positive_int, default=3, help="rounds; each measures both modes")
     p.add_argument("--out", type=results_file, default="bench-results/worker.json")
     p.set_defaults(func=run_worker_bench)
 
