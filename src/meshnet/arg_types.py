@@ -75,11 +75,15 @@ def positive_int(text: str) -> int:
 
 
 def thread_count(text: str) -> int:
-    """CPU threads of a compute: 1 to 512 (ggml's GGML_MAX_N_THREADS; beyond, OpenMP fails to start them
-    and the process dies: 100000 was a segmentation fault)."""
+    """CPU threads of a compute, within the load setting's bounds (``LOAD_SETTING_MOST``: ggml's
+    GGML_MAX_N_THREADS; beyond, OpenMP fails to start them and the process dies: 100000 was a
+    segmentation fault)."""
+    from meshnet.load_spec import LOAD_SETTING_LEAST, LOAD_SETTING_MOST  # numpy: only when the flag is given
+
     value = _parse(text, int, "a whole number")
-    if not 1 <= value <= 512:
-        raise argparse.ArgumentTypeError(f"must be 1 to 512, got {value}")
+    least, most = LOAD_SETTING_LEAST["n_threads"], LOAD_SETTING_MOST["n_threads"]
+    if not least <= value <= most:
+        raise argparse.ArgumentTypeError(f"must be {least} to {most}, got {value}")
     return value
 
 

@@ -25,12 +25,12 @@ class _StoreGiven(argparse.Action):
 
 def add_dashboard_args(p: argparse.ArgumentParser, default_port: int = DEFAULT_PORT) -> None:
     """``--dashboard-port`` and ``--dashboard-host`` on the argparse parser ``p``."""
+    from meshnet.arg_types import listen_host
+
     p.set_defaults(dashboard_port_given=False)
     p.add_argument("--dashboard-port", type=int, default=default_port, metavar="PORT", action=_StoreGiven,
                    help="serve the web dashboard (layer map, nodes, sessions, tokens/s, ledger) over HTTP on this "
                         "port (default %(default)s; 0 = any free port, -1 = no dashboard)")
-    from meshnet.arg_types import listen_host
-
     # An empty host listened on every interface (and printed http://:PORT/): refused, as --host '' is.
     p.add_argument("--dashboard-host", type=listen_host, default="127.0.0.1", metavar="HOST",
                    help="address the dashboard listens on (default %(default)s: this machine only; it needs no "
