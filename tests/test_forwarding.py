@@ -73,6 +73,47 @@ def test_a_node_killed_while_forwarding_is_replaced_with_identical_output(mesh, 
                    in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
+def test_a_link_between_two_nodes_that_fails_is_stepped_by_the_client_with_identical_output(
+        mesh, tok, solo, monkeypatch, caplog):
+    """A firewall lets the client reach both nodes but not the head the tail's data port (emulated: the
+    route the client hands the head names a closed port for the tail, while the client's own connections
+    to the tail go to its real one). Before, every attempt failed the tail over onto the same route, 27
+    times, until the session gave up; now the client blocks that link, replays the session once and steps
+    it itself, with the solo run's tokens."""
+    from meshnet.client.remote import RemoteStage
+
+    with socket.socket() as s:  # a port nothing listens on: connecting is refused at once
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    real = RemoteStage.forward_hop
+
+    def through_a_firewall(self):
+        hop = real(self)
+        if self.node_id == "b-tail":
+            hop.data_address = closed
+        return hop
+
+    monkeypatch.setattr(RemoteStage, "forward_hop", through_a_firewall)
+    nodes = mesh.start_nodes([("a-head", "0:15"), ("b-tail", "15:30")])
+    client = MeshClient(mesh.tracker, forwarding=True, failover_deadline_s=5.0)
+    with caplog.at_level(logging.WARNING, logger="meshnet.client"):
+        ids, steps = generate_recording_steps(client, tok, solo.prompt_ids(2), N)
+    assert ids == solo.greedy(2, N)
+    assert client.failovers == 1  # the one replay onto the same two nodes
+    assert len(steps) == N and {rec.through for rec in steps} == {2}  # every step stepped by the client
+    warned = [r.getMessage() for r in caplog.records if "cannot reach node b-tail" in r.getMessage()]
+    assert len(warned) == 1 and "node a-head cannot reach node b-tail, which this client reaches" in warned[0]
+    assert "open the data port of b-tail to a-head" in warned[0]
+    # A second session on the same client is stepped by it from the start: no replay, no new warning.
+    ids = _generate(client, tok, solo.prompt_ids(3))
+    assert ids == solo.greedy(3, N) and client.failovers == 1
+    client.close()
+    assert [n.active_sessions() for n in nodes] == [0, 0]
+    # The head says so in its own log, once (its operator looks there for the firewall).
+    head_log = nodes[0].log_path.read_text()
+    assert head_log.count(f"this node could not forward to its data plane at {closed}") == 1, head_log[-2000:]
+
+
 def test_a_forwarded_step_reaching_a_node_of_other_layers_is_refused_not_run(mesh, tok, solo, monkeypatch):
     """With the tracker away, the middle node restarts serving other layers at the same address: the head
     went on forwarding the session's steps there, and the replay after its NOT_FOUND ran them on layers

@@ -12,6 +12,7 @@ while some node of the route no longer answers Health, fails that node.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import grpc
@@ -23,10 +24,55 @@ from meshnet.contract import StepRequest, StepResult
 from meshnet.proto import meshnet_pb2 as pb
 
 
-def forwardable(hops: list[RemoteStage]) -> bool:
+log = logging.getLogger("meshnet.client")
+
+# How long a client steps routes through a link that failed (see BlockedLinks) itself, seconds: each retry
+# that fails again costs the sessions on it a replay, and a firewall is seldom fixed within minutes.
+LINK_RETRY_S = 300.0
+
+
+class BlockedLinks:
+    """Links between two nodes that failed while the client reached both nodes (:class:`LinkFailure`):
+    steps of a route through one are client-orchestrated until :data:`LINK_RETRY_S` has passed.
+    Thread-safe enough for the client's step threads: one dict, replaced entries only."""
+
+    def __init__(self, retry_s: float = LINK_RETRY_S) -> None:
+        self.retry_s = retry_s
+        self._until: dict[tuple[str, str], float] = {}  # (node before, node) -> monotonic time
+
+    def block(self, after: str, node_id: str) -> None:
+        now = time.monotonic()
+        if len(self._until) >= 1024:  # node ids come and go: expired entries are not kept for good
+            self._until = {k: t for k, t in self._until.items() if t > now}
+        self._until[(after, node_id)] = now + self.retry_s
+
+    def link_only(self, session_id: str, hops: list[RemoteStage], f: "LinkFailure") -> bool:
+        """Whether ``f`` (a step of ``session_id`` on route ``hops``) failed only the link to its node,
+        which answers this client's Health: then the link is blocked, and the caller replays the session
+        and steps it itself instead of failing the node over."""
+        hop = next((h for h in hops if h.node_id == f.node_id), None)
+        if hop is None or not hop.answers():
+            return False
+        self.block(f.after, f.node_id)
+        log.warning("session %s: node %s cannot reach node %s, which this client reaches (%s); this client "
+                    "steps routes through that link itself for %g s (open the data port of %s to %s for "
+                    "node-to-node forwarding)", session_id, f.after, f.node_id, f.message, self.retry_s,
+                    f.node_id, f.after)
+        return True
+
+    def blocks(self, hops: list[RemoteStage]) -> bool:
+        """Whether a link between consecutive ``hops`` is blocked now."""
+        if not self._until:
+            return False
+        now = time.monotonic()
+        return any(self._until.get((a.node_id, b.node_id), 0.0) > now for a, b in zip(hops, hops[1:]))
+
+
+def forwardable(hops: list[RemoteStage], blocked: BlockedLinks | None = None) -> bool:
     """Whether a step can be forwarded along ``hops``: two hops or more, each on a data plane this client
-    uses (a relayed node takes client-orchestrated steps)."""
-    return len(hops) > 1 and all(getattr(h, "forwards", False) for h in hops)
+    uses (a relayed node takes client-orchestrated steps), and no link between them in ``blocked``."""
+    return (len(hops) > 1 and all(getattr(h, "forwards", False) for h in hops)
+            and not (blocked is not None and blocked.blocks(hops)))
 
 
 def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool, clocks: HopClocks,
@@ -99,9 +145,23 @@ def _silent_one(silent: list[RemoteStage], waited_on: RemoteStage, f: StageFailu
     return f
 
 
+class LinkFailure(StageFailure):
+    """The hop before the node this names (``after``, a node id) could not reach its data plane: the link
+    between two nodes failed, which says nothing of the node itself (a firewall that lets the client
+    reach both nodes, but not one node the other)."""
+
+    def __init__(self, after: str, node_id: str, address: str, code: str, message: str) -> None:
+        super().__init__(node_id, address, code, message)
+        self.after = after
+
+
 def _stopped_at(hops: list[RemoteStage], failure: pb.HopFailure) -> tuple[StepResult, RemoteStage]:
-    """The step stopped at the node ``failure`` names: its contract status, or StageFailure."""
-    hop = next((h for h in hops if h.node_id == failure.node_id), hops[-1])
+    """The step stopped at the node ``failure`` names: its contract status, or StageFailure (LinkFailure
+    where the hop before it could not reach it)."""
+    at = next((i for i, h in enumerate(hops) if h.node_id == failure.node_id), len(hops) - 1)
+    hop = hops[at]
+    if failure.unreachable and at > 0:
+        raise LinkFailure(hops[at - 1].node_id, hop.node_id, hop.address, failure.code, failure.message)
     code = failure.code
     status = _CONTRACT_CODES.get(grpc.StatusCode[code]) if code in grpc.StatusCode.__members__ else None
     if status is None:

@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from meshnet.client.accounting import StepAccounting
 from meshnet.client.deadline import DeadlinePolicy, HopClocks
-from meshnet.client.forwarded import forwardable, run_forwarded
+from meshnet.client.forwarded import BlockedLinks, LinkFailure, forwardable, run_forwarded
 from meshnet.client.node_failures import NodeFailures
 from meshnet.client.orphans import OrphanReleaser
 from meshnet.client.replay import SessionLost, first_changed_hop, replay, warn_if_unlike
@@ -79,6 +79,7 @@ class MeshClient:
                  report_activity: bool = True) -> None:
         self.failover_deadline_s = failover_deadline_s
         self.forwarding = forwarding
+        self.blocked_links = BlockedLinks()
         self.router = Router(tracker, model_sha256, join_token, tls_ca, step_timeout_s)
         self._sessions: dict[str, SessionLog] = {}
         self.failovers = 0
@@ -201,7 +202,7 @@ class MeshClient:
                     # node fails during a replay, the first changed hop can lie beyond where the step got.
                     while start > 0 and step_inputs[start] is None:
                         start -= 1
-                forward = self.forwarding and start == 0 and forwardable(log_.hops)
+                forward = self.forwarding and start == 0 and forwardable(log_.hops, self.blocked_links)
                 if forward:
                     result = self._run_forwarded(log_, req, decode)
                 else:
@@ -232,6 +233,8 @@ class MeshClient:
             except StageFailure as f:
                 now = time.monotonic()
                 deadline = deadline or now + self.failover_deadline_s
+                if isinstance(f, LinkFailure) and self.blocked_links.link_only(log_.session_id, log_.hops, f):
+                    continue  # replayed from the head (the head ran the step), then stepped by this client
                 again = f.node_id in failed_at  # it failed this step before, then answered Health again
                 failed_at[f.node_id] = next((h.address for h in log_.hops if h.node_id == f.node_id), f.address)
                 self.node_failures.record_if_down(log_.hops, f, now)

@@ -19,6 +19,7 @@ node dials the next one over TLS and verifies its certificate with the CA it ver
 from __future__ import annotations
 
 import collections
+import logging
 import ssl
 import threading
 import time
@@ -43,6 +44,10 @@ UNREACHABLE_S = 5.0
 # Next nodes a node keeps connection pools (and unreachable marks) for: past it, the least recently used
 # is closed (an address named once, by a client that made it up, is not kept for good).
 MAX_PEERS = 256
+# A next node that cannot be reached is logged at most this often, seconds (each step naming it fails).
+UNREACHABLE_WARN_S = 60.0
+
+log = logging.getLogger("meshnet.node")
 
 AwaitKey = tuple[str, int, int]  # (session_id, step_id, epoch)
 
@@ -182,6 +187,7 @@ class Forwarder:
         self.join_token, self.timeout_s, self.tls = join_token, timeout_s, tls
         self._pools: collections.OrderedDict[str, ConnectionPool] = collections.OrderedDict()
         self._unreachable: dict[str, float] = {}  # address -> monotonic time until which sends fail at once
+        self._warned: dict[str, float] = {}  # address -> monotonic time until which its failures are not logged
         self._lock = threading.Lock()
 
     def send(self, hop: pb.ForwardHop, frames: list[pb.Envelope], connect: bool = True) -> pb.HopFailure | None:
@@ -198,7 +204,7 @@ class Forwarder:
         with self._lock:
             until = self._unreachable.get(address, 0.0)
         if time.monotonic() < until and not pool.idle_count():
-            return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0,
+            return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0, unreachable=True,
                                  message=f"the hop before it could not reach {address} within the last "
                                          f"{UNREACHABLE_S:g} s")
         payloads = [f.SerializeToString() for f in frames]
@@ -230,8 +236,23 @@ class Forwarder:
                 else:  # its pool was dropped meanwhile (see _pool): nobody would use it again
                     conn.close()
             return None
-        return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0,
-                             message=f"the hop before it could not forward to its data plane at {address}: {error}")
+        message = f"the hop before it could not forward to its data plane at {address}: {error}"
+        self._warn_unreachable(address, message)
+        return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0, unreachable=True,
+                             message=message)
+
+    def _warn_unreachable(self, address: str, message: str) -> None:
+        """Log that ``address`` could not be reached, once per :data:`UNREACHABLE_WARN_S` an address: the
+        node's own log is where its operator looks for a firewall between it and the next node."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._warned.get(address, 0.0):
+                return
+            if len(self._warned) >= MAX_PEERS:
+                self._warned = {a: until for a, until in self._warned.items() if until > now}
+            self._warned[address] = now + UNREACHABLE_WARN_S
+        log.warning("%s (the node's data port must be open to the nodes before it in a route; clients step "
+                    "such a route themselves meanwhile)", message.replace("the hop before it", "this node", 1))
 
     def report(self, tail: pb.ForwardHop, step: pb.Envelope, failure: pb.HopFailure, connect: bool = True) -> None:
         """Tell ``tail`` that the step ``step`` heads (its header fields) failed with ``failure``, so it

@@ -137,16 +137,18 @@ class ForwardHop(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., data_address: _Optional[str] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ...) -> None: ...
 
 class HopFailure(_message.Message):
-    __slots__ = ("node_id", "code", "message", "retry_after_s")
+    __slots__ = ("node_id", "code", "message", "retry_after_s", "unreachable")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    UNREACHABLE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     code: str
     message: str
     retry_after_s: float
-    def __init__(self, node_id: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ...) -> None: ...
+    unreachable: bool
+    def __init__(self, node_id: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ..., retry_after_s: _Optional[float] = ..., unreachable: _Optional[bool] = ...) -> None: ...
 
 class AwaitStep(_message.Message):
     __slots__ = ("session_id", "step_id", "epoch")
