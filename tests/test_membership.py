@@ -275,6 +275,71 @@ def test_registrations_with_oversized_fields_are_refused_and_routes_stay_small(t
     assert route_ids(stub) == ["honest"]
 
 
+def test_loopback_addresses_are_told_from_where_they_were_registered():
+    """Plain data: a loopback address registered from another machine cannot serve anyone but its own
+    machine; from this machine (loopback, or one of its own addresses) it can."""
+    from meshnet.wire.addresses import loopback_seen_from_elsewhere as seen, this_machine_address
+
+    why = seen("127.0.0.1:7701", "ipv4:192.0.2.7:41234")
+    assert why == ("127.0.0.1:7701 is a loopback address, which only its own machine can dial, but it registered "
+                   "from 192.0.2.7: start the node with --host 0.0.0.0 (or its address), or --advertise HOST:PORT")
+    assert seen("[::1]:7701", "ipv6:%5B2001:db8::7%5D:41234").startswith("[::1]:7701 is a loopback address")
+    assert seen("localhost:7701", "ipv4:192.0.2.7:1").startswith("localhost:7701 is a loopback")
+    assert seen("127.0.0.5:7701", "ipv4:192.0.2.7:1") is not None  # all of 127.0.0.0/8
+    assert seen("127.0.0.1:7701", "ipv4:127.0.0.1:41234") is None
+    assert seen("127.0.0.1:7701", "ipv6:%5B::1%5D:41234") is None
+    assert seen("192.0.2.9:7701", "ipv4:192.0.2.7:41234") is None  # not loopback: dialled as given
+    assert seen("node-a.lan:7701", "ipv4:192.0.2.7:41234") is None  # a name: not ours to judge
+    assert seen("127.0.0.1:7701", "unix:/tmp/tracker.sock") is None
+    own = this_machine_address("0.0.0.0")
+    if own != "0.0.0.0":  # a machine with a default route: a node there dialling the tracker by that address
+        assert seen("127.0.0.1:7701", f"ipv4:{own}:41234") is None
+
+
+def test_a_loopback_node_registering_from_another_machine_is_refused_by_name():
+    """A node left on the default --host 127.0.0.1 but pointed at a tracker on another machine registered,
+    was picked as the fastest, and every client dialled its own loopback for it. The tracker refuses it,
+    and the node stops on the refusal (INVALID_ARGUMENT is among the fatal ones) rather than retry."""
+    from meshnet.node.membership import FATAL_REFUSALS
+    from meshnet.tracker.registry import Registry
+    from meshnet.tracker.service import TrackerService
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        def __init__(self, peer: str) -> None:
+            self._peer, self.status = peer, None
+
+        def peer(self) -> str:
+            return self._peer
+
+        def abort(self, code, details):
+            self.status = (code, details)
+            raise Aborted(details)
+
+    service = TrackerService(Registry())
+    elsewhere = Context("ipv4:192.0.2.7:41234")
+    with pytest.raises(Aborted):
+        service.Register(node_info("far", 0, 30, port=14805), elsewhere)
+    assert elsewhere.status == (grpc.StatusCode.INVALID_ARGUMENT, "Register: node 'far': 127.0.0.1:14805 is a "
+                                "loopback address, which only its own machine can dial, but it registered from "
+                                "192.0.2.7: start the node with --host 0.0.0.0 (or its address), or --advertise "
+                                "HOST:PORT")
+    assert grpc.StatusCode.INVALID_ARGUMENT in FATAL_REFUSALS
+    data_loopback = node_info("far", 0, 30)
+    data_loopback.address, data_loopback.data_address = "192.0.2.7:14805", "127.0.0.1:14806"
+    with pytest.raises(Aborted):
+        service.Register(data_loopback, elsewhere)
+    assert elsewhere.status[1].startswith("Register: node 'far': 127.0.0.1:14806 is a loopback address")
+    relayed = node_info("behind-nat", 0, 30)
+    relayed.relayed = True  # reached through the tracker's relay: its own address is never dialled
+    service.Register(relayed, elsewhere)
+    service.Register(node_info("near", 0, 30), Context("ipv4:127.0.0.1:41234"))
+    assert [service.registry.get(n).node_id for n in ("behind-nat", "near")] == ["behind-nat", "near"]
+    assert service.registry.get("far") is None
+
+
 def test_required_signatures_refuse_unsigned_nodes():
     server, port = serve_tracker("127.0.0.1", 0, require_signatures=True)
     try:

@@ -24,9 +24,10 @@ from meshnet.wire.call_problems import retry_after_s
 
 log = logging.getLogger("meshnet.node")
 
-# Tracker answers after which a node stops instead of retrying its registration.
+# Tracker answers after which a node stops instead of retrying its registration (INVALID_ARGUMENT: what
+# the node says of itself, e.g. a loopback address registered from another machine, is the same next time).
 FATAL_REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
-                  grpc.StatusCode.ALREADY_EXISTS)
+                  grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.INVALID_ARGUMENT)
 # A node that has not registered yet asks again for an id the tracker holds for a live-looking entry at
 # another address until that entry would expire (the tracker says when), plus this margin, seconds: that
 # entry is usually this node's own, killed and restarted on another port (``--port`` defaults to any free

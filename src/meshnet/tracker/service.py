@@ -40,6 +40,7 @@ from meshnet.tracker.refusals import Refusal, bounded, rpc
 from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry
 from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayHub, RelayLimits
 from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
+from meshnet.wire.addresses import loopback_seen_from_elsewhere
 from meshnet.wire.call_problems import abort_call
 
 if TYPE_CHECKING:  # the ledger pulls in SQLAlchemy: imported when a tracker starts, not with the CLI
@@ -92,6 +93,11 @@ class TrackerService(pb_grpc.TrackerServicer):
             record = record_from_info(request)
         except ValueError as e:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        peer = context.peer() if hasattr(context, "peer") else ""
+        for address in () if record.relayed else (record.address, record.data_address):
+            # Registered, such a node drew every route to an address other machines cannot dial.
+            if address and (why := loopback_seen_from_elsewhere(address, peer)):
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: node {record.node_id[:40]!r}: {why}")
         # Check, bind and register as one step (under one lock): two keys racing for a new id cannot both
         # win it, and a refused registration (a protocol mismatch, the id held by a live entry) neither
         # leaves an entry behind nor binds the id to its key.

@@ -3,8 +3,10 @@ for a server bound to every interface (0.0.0.0, ::), which nobody can dial as su
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
+from urllib.parse import unquote
 
 # The longest address a node may register, characters: a DNS name (253) and a port, with room to spare.
 MAX_ADDRESS_CHARS = 300
@@ -75,3 +77,40 @@ def bind_problem(host: str, port: int) -> str | None:
     except OSError as e:  # create_server appends the address to strerror: the errno's own words instead
         return os.strerror(e.errno) if e.errno and e.errno > 0 else str(e)
     return None
+
+
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+
+
+def _is_own_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether ``ip`` is an address of this machine: a socket can be bound to it only then."""
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.bind((str(ip), 0))
+        return True
+    except OSError:
+        return False
+
+
+def loopback_seen_from_elsewhere(advertised: str, peer: str) -> str | None:
+    """Why ``advertised`` (a node's ``host:port``) cannot serve the mesh it registers with from gRPC peer
+    ``peer`` (``ipv4:10.0.0.5:41234``, ``ipv6:[::1]:41234``): its host is a loopback address (127.0.0.0/8,
+    ::1, localhost), which only its own machine can dial, while the registration came from another
+    machine. None where it can be dialled, or where that cannot be told (a host name, a unix socket)."""
+    host = advertised.rpartition(":")[0]
+    ip = _ip(host)
+    if not (host == "localhost" or (ip is not None and ip.is_loopback)):
+        return None
+    kind, _, rest = unquote(peer).partition(":")  # gRPC percent-encodes an IPv6 peer's brackets
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    peer_ip = _ip(rest.rpartition(":")[0])
+    if peer_ip is None or peer_ip.is_loopback or _is_own_address(peer_ip):
+        return None
+    return (f"{advertised} is a loopback address, which only its own machine can dial, but it registered from "
+            f"{peer_ip}: start the node with --host 0.0.0.0 (or its address), or --advertise HOST:PORT")
