@@ -210,3 +210,69 @@ def rpc_code(fn, *args, **kw) -> grpc.StatusCode:
     except grpc.RpcError as e:
         return e.code()
     return grpc.StatusCode.OK
+
+
+def process_tree(pid: int) -> dict[int, list[str]]:
+    """Every live process below ``pid`` (children, theirs, ...; not ``pid``, not zombies): pid -> argv."""
+    parent, argv = {}, {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue  # gone meanwhile
+        if fields[0] != "Z":
+            parent[int(entry)], argv[int(entry)] = int(fields[1]), args
+    found, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        for child in (c for c, pp in parent.items() if pp == p):
+            found[child] = argv[child]
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs; a zombie (killed, not yet reaped) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def left_running(tree: dict[int, list[str]], grace_s: float = 0.0) -> list[list[str]]:
+    """The argv of each process of ``tree`` (see :func:`process_tree`) still running after up to ``grace_s``
+    seconds; those are then killed, so that a test that finds them leaves nothing behind either."""
+    wait_for(lambda: not any(alive(pid) for pid in tree), grace_s)
+    left = [argv for pid, argv in tree.items() if alive(pid)]
+    for pid in tree:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def sigterm_bench(argv: list[str], started, timeout_s: float = 180) -> tuple[subprocess.Popen, str, dict]:
+    """Run ``meshnet bench ARGV``, and once ``started(tree)`` holds for its :func:`process_tree`, send the bench
+    alone SIGTERM (as ``kill`` does: nothing else tells its children). Returns the bench's process (ended),
+    its stderr and the tree it had then. Fails when the bench ends, or ``started`` never holds, within
+    ``timeout_s``."""
+    proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "bench", *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not started(tree := process_tree(proc.pid)):
+            assert proc.poll() is None, f"the bench ended first ({proc.returncode}): {proc.stderr.read()[-2000:]}"
+            assert time.monotonic() < deadline, f"not started after {timeout_s} s: {tree}"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc, err, tree

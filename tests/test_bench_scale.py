@@ -115,3 +115,22 @@ def test_scale_bench_json_on_a_tiny_model(tmp_path, smollm2_path):
     assert len(ratios["node_rss_vs_single"]) == 3 and ratios["mesh_vs_single_decode"] > 0
     assert result["llama_bench"] == result["greedy_parity"] == {"skipped": "--no-llama-cpp"}
     assert "llama-bench skipped" in format_table(result)
+
+
+@pytest.mark.slow  # about 4 s
+def test_sigterm_stops_the_nodes(tmp_path, smollm2_path):
+    """SIGTERM (`kill`) ended the bench on the spot; its node processes, which nothing else signals, ran on.
+    Now it takes Ctrl-C's way out: the nodes are stopped, exit 143, one line."""
+    import signal
+
+    from mesh_util import left_running, sigterm_bench
+
+    def nodes_up(tree):
+        return sum("--node-id" in argv for argv in tree.values()) == 2
+
+    proc, err, tree = sigterm_bench(["scale", "--model", "smollm2", "--stages", "2", "--prompt-tokens", "8",
+                                     "--decode-tokens", "4", "--parity-tokens", "4", "--repeats", "1",
+                                     "--no-llama-cpp", "--out", str(tmp_path / "scale.json")], nodes_up)
+    assert left_running(tree) == []
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.splitlines()[-1] == "meshnet bench scale: stopped by SIGTERM" and "Traceback" not in err

@@ -148,3 +148,31 @@ def test_llama_rpc_target_holds_the_mesh_ranges(tmp_path):
     assert script.count("/bin/ggml-rpc-server -H 127.0.0.1 -p ") == 3
     assert "-ts 12/13/6 -ngl 99 -t 1 -tb 1 -fa on -np 32 -c 32768" in script  # SmolLM2's 0:12, 12:25, 25:30
     assert f"--port {srv.port}" in script
+
+
+@pytest.mark.slow  # about 5 s
+@pytest.mark.parametrize("when", ["loading", "measured"])
+def test_sigterm_stops_the_server_it_started(tmp_path, when):
+    """SIGTERM (`timeout`, `kill`) ended the bench on the spot and left the server it measured running (in a
+    session of its own, which no signal to the bench's process group reaches). Now it takes Ctrl-C's way
+    out, while the server loads (before the bench has it to stop) or serves the load: the server is
+    stopped, exit 143, one line."""
+    import signal
+
+    from mesh_util import left_running, sigterm_bench
+
+    log = tmp_path / "serve-logs" / "meshnet.log"
+
+    def api_started(tree):
+        if not any("api" in argv for argv in tree.values()):
+            return False
+        return when == "loading" or "[meshnet api] serving" in log.read_text()
+
+    out = tmp_path / "serve.json"
+    proc, err, tree = sigterm_bench(["serve", "--targets", "meshnet", "--concurrency", "1", "--max-tokens", "2",
+                                     "--out", str(out)], api_started)
+    assert left_running(tree, grace_s=5) == []
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.splitlines()[-1] == "meshnet bench serve: stopped by SIGTERM" and "Traceback" not in err
+    assert not out.exists()
+

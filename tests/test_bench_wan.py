@@ -174,3 +174,39 @@ def test_wan_bench_runs_across_namespaces_and_the_rtt_costs_the_legs(tmp_path):
     assert 5.0 <= client["fitted_legs"]["prose"] <= 9.0
     assert all(client["rtts"][k][p]["ids_match"] for k in ("0", "40") for p in r["prompts"])
     assert r["modes"][FORWARDING].get("skipped") or r["modes"][FORWARDING]["rtts"]["40"]["prose"]["ids_match"]
+
+
+
+@pytest.mark.netns
+@pytest.mark.slow  # about 10 s: three nodes load before the signal
+def test_sigterm_stops_every_process_and_removes_the_namespaces(tmp_path):
+    """SIGTERM (`timeout`, `kill`) ended the bench on the spot: its nodes ran on, in namespaces left behind.
+    Now it cleans up as Ctrl-C does: exit 143, one line, no process of its tree and no namespace left."""
+    import signal
+    import subprocess
+
+    from mesh_util import left_running, sigterm_bench
+
+    from meshnet.netem.namespaces import NetnsUnavailable, probe, remove_stale
+
+    try:
+        probe()
+    except NetnsUnavailable as e:
+        pytest.skip(f"network namespaces unavailable: {e}")
+
+    def nodes_up(tree):  # each of the 3 nodes and its engine worker process run
+        return sum("--node-id" in argv for argv in tree.values()) == 3 and \
+            sum("meshnet.node.engine_worker" in argv for argv in tree.values()) == 3
+
+    out = tmp_path / "wan.json"
+    proc, err, tree = sigterm_bench(["wan", "--rtt-ms", "0", "--modes", "node-to-node", "--repeats", "1",
+                                     "--max-tokens", "4", "--out", str(out)], nodes_up)
+    # The engine workers end on their own once their node is gone (SIGTERM from the kernel, then a drain).
+    left = left_running(tree, grace_s=10)
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    remove_stale()  # a failure here leaves no namespace behind either
+    assert left == []
+    assert [n for n in names if n.startswith(f"mnet-{proc.pid}-")] == []
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.splitlines()[-1] == "meshnet bench wan: stopped by SIGTERM" and "Traceback" not in err
+    assert not out.exists()

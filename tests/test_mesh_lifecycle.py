@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from mesh_util import HEARTBEAT_S, Mesh, free_port, rpc_code
+from mesh_util import HEARTBEAT_S, Mesh, free_port, process_tree, rpc_code
 from solo_reference import PROMPTS
 from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import LayerRange, NamedTensor, Status, StepRequest
@@ -308,21 +308,8 @@ def test_meshnet_up_restarts_a_killed_node_while_the_api_keeps_serving(solo, tmp
 
 
 def _node_children(pid: int) -> dict[str, int]:
-    """``--node-id`` -> pid of the ``meshnet node`` processes whose parent is ``pid``."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().decode().split("\0")
-        except OSError:
-            continue  # gone meanwhile
-        if int(fields[1]) == pid and fields[0] != "Z" and "--node-id" in argv:
-            found[argv[argv.index("--node-id") + 1]] = int(entry)
-    return found
+    """``--node-id`` -> pid of the ``meshnet node`` processes below ``pid``."""
+    return {argv[argv.index("--node-id") + 1]: p for p, argv in process_tree(pid).items() if "--node-id" in argv}
 
 
 @contextlib.contextmanager

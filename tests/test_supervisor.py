@@ -129,3 +129,25 @@ def test_children_end_when_the_supervisor_is_killed(tmp_path):
         _wait(lambda: not _alive(pid), 10)
     finally:
         proc.kill()
+
+
+def test_a_sigterm_is_a_keyboard_interrupt_once_and_the_handler_is_put_back():
+    """A bench's SIGTERM must reach the finally blocks a Ctrl-C reaches, and a second SIGTERM (``timeout``
+    signals the whole process group) must not cut that cleanup short."""
+    import pytest
+
+    from meshnet.supervisor import Terminated, sigterm_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    cleaned = []
+    with pytest.raises(KeyboardInterrupt) as raised:
+        with sigterm_as_interrupt():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler raises before this ends
+            finally:
+                os.kill(os.getpid(), signal.SIGTERM)  # ignored: the cleanup runs to its end
+                time.sleep(0.05)
+                cleaned.append(True)
+    assert type(raised.value) is Terminated and cleaned == [True]
+    assert signal.getsignal(signal.SIGTERM) is before

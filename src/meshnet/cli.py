@@ -22,6 +22,11 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 # parser and code live in its own module (see _COMMANDS); ``generate`` in meshnet.generate_cli.
 
 
+# Exit statuses of a run ended by Ctrl-C (SIGINT) and by SIGTERM (a bench's): 128 + the signal, as a shell
+# reports a process the signal killed.
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
+
+
 def package_version() -> str:
     """The installed package's version (its metadata); ``meshnet.__version__`` when run from a source
     tree that was never installed."""
@@ -111,7 +116,8 @@ def _add_bench_parser(sub: argparse._SubParsersAction, named_bench: str | None) 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; its exit code. Ctrl-C at any point, while the modules load included, exits
     130 without a traceback: also where a library turned the KeyboardInterrupt into an error of its own
-    (pydantic-core reports one raised while it builds a validator as a ``SchemaError``)."""
+    (pydantic-core reports one raised while it builds a validator as a ``SchemaError``). A SIGTERM to a
+    bench takes the same way out (its children stopped) and exits 143, saying so in one line."""
     import signal
     import threading
 
@@ -130,10 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
     except BaseException:
         if interrupted:
-            return 130
+            return EXIT_INTERRUPTED
         raise
     finally:
         if previous is not None:
@@ -149,7 +155,7 @@ def _main(argv: list[str] | None) -> int:
             setattr(sys, name, open(os.devnull, "w"))
     from meshnet.client.router import MeshUnavailable
     from meshnet.model.bundled import ModelNotFound
-    from meshnet.supervisor import stdout_to_devnull
+    from meshnet.supervisor import Terminated, sigterm_as_interrupt, stdout_to_devnull
 
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
@@ -157,7 +163,15 @@ def _main(argv: list[str] | None) -> int:
     if extras:
         _unrecognized(parser, args, extras)
     try:
-        return args.func(args)
+        if args.command != "bench":
+            return args.func(args)
+        # A bench starts node processes, servers and network namespaces and stops them in its finally
+        # blocks, which Ctrl-C runs and a plain SIGTERM (`timeout`, `kill`) skipped: they were left behind.
+        with sigterm_as_interrupt():
+            return args.func(args)
+    except Terminated:
+        print(f"meshnet bench {args.bench}: stopped by SIGTERM", file=sys.stderr)
+        return EXIT_TERMINATED
     except (ModelNotFound, ValueError, FileNotFoundError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -202,13 +216,13 @@ def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, ext
 
 
 def run() -> None:
-    """The ``meshnet`` command: :func:`main`, then exit with its code. After a Ctrl-C the interpreter is not
-    finalized: the ``atexit`` handlers run (a client's last ledger report) and the process ends there. A
-    stage's scheduler thread can still be inside a ggml graph then (cancel takes effect at its next
-    micro-batch), and finalizing freed the memory it computed in: 7 of 20 interrupted prefills of
-    ``meshnet generate`` ended in a segmentation fault."""
+    """The ``meshnet`` command: :func:`main`, then exit with its code. After a Ctrl-C (or a bench's SIGTERM)
+    the interpreter is not finalized: the ``atexit`` handlers run (a client's last ledger report) and the
+    process ends there. A stage's scheduler thread can still be inside a ggml graph then (cancel takes
+    effect at its next micro-batch), and finalizing freed the memory it computed in: 7 of 20 interrupted
+    prefills of ``meshnet generate`` ended in a segmentation fault."""
     code = main()
-    if code != 130:
+    if code not in (EXIT_INTERRUPTED, EXIT_TERMINATED):
         sys.exit(code)
     import atexit
 
@@ -218,7 +232,7 @@ def run() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(130)
+    os._exit(code)
 
 
 if __name__ == "__main__":

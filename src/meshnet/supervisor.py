@@ -1,6 +1,8 @@
 """Keep a set of child processes running: restart each one that exits, with the backoff of
 :mod:`meshnet.restart_policy`, and say so on stderr. ``meshnet up`` supervises its node processes with it;
-a child that calls :func:`follow_supervisor` ends when the supervisor dies, however it dies.
+a child that calls :func:`follow_supervisor` ends when the supervisor dies, however it dies. Where a
+command stops its children itself (``meshnet bench``), :func:`sigterm_as_interrupt` has a SIGTERM do that
+as Ctrl-C does.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, TextIO
+from typing import Callable, Iterator, TextIO
 
 from meshnet.restart_policy import RestartPolicy, next_restart
 
@@ -60,6 +63,38 @@ def on_stop_signals(stop: Callable[[], None]) -> dict[int, object]:
         stop()
 
     return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM, raised where Ctrl-C raises KeyboardInterrupt (see :func:`sigterm_as_interrupt`)."""
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While inside, the first SIGTERM raises :class:`Terminated` in the main thread: a KeyboardInterrupt,
+    so the ``finally`` blocks and ``with`` exits that stop a Ctrl-C'd run's children (node processes,
+    servers, network namespaces) run for it too. By default a SIGTERM ended the process on the spot and
+    left all of them behind. Later SIGTERMs are ignored until the block is left: one more (``kill``
+    again, a service manager that repeats it) raised inside the cleanup and cut it short. The previous
+    handler is put back on leaving. Outside the main thread, or where SIGTERM is ignored (the parent
+    asked for that), nothing changes."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN):
+        yield
+        return
+    fired: list[int] = []
+
+    def handler(signum, frame) -> None:
+        if fired:
+            return
+        fired.append(signum)
+        raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def wait_for_stop(stop: threading.Event) -> None:

@@ -29,11 +29,9 @@ import argparse
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -325,34 +323,23 @@ def run_mesh_bench(args: argparse.Namespace) -> int:
                     "load_average_at_start": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg")
                     else None},
     }
-    # A SIGTERM to the benchmark must still stop the nodes: turn it into an exception the finally
-    # blocks below see (only the main thread may install handlers).
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        def on_term(signum, frame):
-            raise SystemExit(128 + signum)
-        previous = signal.signal(signal.SIGTERM, on_term)
-    try:
-        single, single_tokens = bench_single_process(model, cfg.n_layer, args.threads, n_ctx, prompt_ids,
-                                                     args.decode_tokens, args.repeats)
-        result["single_process"] = single
-        print(f"[bench mesh] single process: {single['ttft_s']} s TTFT, {single['decode_tokens_per_s']} tok/s",
-              file=sys.stderr)
-        with ExitStack() as stack:
-            mesh = bench_loopback_mesh(stack, model, cfg.n_layer, cfg.n_embd, ranges, args.threads, n_ctx,
-                                       prompt_ids, args.decode_tokens, args.repeats)
-        mesh["outputs_match_single_process"] = mesh.pop("tokens") == single_tokens
-        result["mesh"] = mesh
-        print(f"[bench mesh] {args.stages} nodes: {mesh['ttft_s']} s TTFT, {mesh['decode_tokens_per_s']} tok/s, "
-              f"per-hop overhead " + ", ".join(f"{h['overhead_mean_ms']} ms" for h in mesh["per_hop"]),
-              file=sys.stderr)
-        pipe = bench_pipeline(model, cfg.n_layer, n_ctx, prompt_ids, args.decode_tokens, args.repeats)
-        result["pipeline"] = pipe
-        print(f"[bench mesh] pipeline: {pipe['aggregate_tokens_per_s']} tok/s for 2 sessions on 2 nodes vs "
-              f"{pipe['single']['decode_tokens_per_s']} tok/s for 1 session on 1 node", file=sys.stderr)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+    single, single_tokens = bench_single_process(model, cfg.n_layer, args.threads, n_ctx, prompt_ids,
+                                                 args.decode_tokens, args.repeats)
+    result["single_process"] = single
+    print(f"[bench mesh] single process: {single['ttft_s']} s TTFT, {single['decode_tokens_per_s']} tok/s",
+          file=sys.stderr)
+    with ExitStack() as stack:
+        mesh = bench_loopback_mesh(stack, model, cfg.n_layer, cfg.n_embd, ranges, args.threads, n_ctx,
+                                   prompt_ids, args.decode_tokens, args.repeats)
+    mesh["outputs_match_single_process"] = mesh.pop("tokens") == single_tokens
+    result["mesh"] = mesh
+    print(f"[bench mesh] {args.stages} nodes: {mesh['ttft_s']} s TTFT, {mesh['decode_tokens_per_s']} tok/s, "
+          f"per-hop overhead " + ", ".join(f"{h['overhead_mean_ms']} ms" for h in mesh["per_hop"]),
+          file=sys.stderr)
+    pipe = bench_pipeline(model, cfg.n_layer, n_ctx, prompt_ids, args.decode_tokens, args.repeats)
+    result["pipeline"] = pipe
+    print(f"[bench mesh] pipeline: {pipe['aggregate_tokens_per_s']} tok/s for 2 sessions on 2 nodes vs "
+          f"{pipe['single']['decode_tokens_per_s']} tok/s for 1 session on 1 node", file=sys.stderr)
     result["ratios"] = {
         "mesh_vs_single_decode": round(mesh["decode_tokens_per_s"] / single["decode_tokens_per_s"], 3),
         "mesh_vs_single_ttft": round(mesh["ttft_s"] / single["ttft_s"], 3),

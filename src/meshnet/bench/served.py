@@ -94,18 +94,24 @@ class Server:
         log = open(self.log_path, "a")  # each start appends: a server is started once per C
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
-            try:
-                r = httpx.get(self.url + "/v1/models", timeout=5)
-                if r.status_code == 200:
-                    return r.json()["data"][0]["id"]
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} was not ready in {timeout_s:.0f}s; see {self.log_path}")
+        try:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
+                try:
+                    r = httpx.get(self.url + "/v1/models", timeout=5)
+                    if r.status_code == 200:
+                        return r.json()["data"][0]["id"]
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+            raise RuntimeError(f"{self.name} was not ready in {timeout_s:.0f}s; see {self.log_path}")
+        except BaseException:
+            # Its own session: no signal to the benchmark's process group reaches it, and the caller
+            # gets no server to stop (a Ctrl-C or SIGTERM while it loaded left `meshnet up` running).
+            self.stop()
+            raise
 
     def rss_bytes(self) -> tuple[int, int]:
         """(VmRSS, VmHWM) of the server process in bytes; (0, 0) where /proc is not readable."""
