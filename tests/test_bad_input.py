@@ -297,6 +297,11 @@ def test_bad_load_settings_are_named(field, value):
     (["bench", "speculative", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),  # "no median for empty"
     (["bench", "structured", "--requests", "0"], "argument --requests: must be >= 1, got 0"),
     (["bench", "wan", "--rtt-ms", "abc"], "--rtt-ms takes comma-separated milliseconds, e.g. 0,10,25,50; got 'abc'"),
+    # more stages than the model has layers: found after a first part ran, or after making namespaces
+    (["bench", "wan", "--stages", "31"], "error: --stages 31: the model has 30 layers, so give 1 to 30 stages"),
+    (["bench", "scale", "--model", "smollm2", "--stages", "31"],
+     "error: --stages 31: the model has 30 layers, so give 1 to 30 stages"),
+    (["bench", "speculative", "--stages", "0"], "meshnet bench speculative: error: argument --stages: must be >= 1"),
     # Unknown arguments are named under their subcommand's usage (argparse named them under meshnet's),
     # with the flag a misspelled one is closest to; words past a prompt are a prompt left unquoted.
     (["generate", "--temprature", "0", "Hi"],

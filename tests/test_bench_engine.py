@@ -97,3 +97,23 @@ def test_a_rounds_ratios_against_both_llama_bench_runs():
                                                              "1_stage_vs_llama_cpp_prefill": 0.7}})
     assert table.splitlines()[-1] == ("(figures of the last of 3 rounds; median of the rounds' ratios: "
                                       "prefill 0.7x, decode 0.88x)")
+
+
+@pytest.mark.parametrize("stages, last_line", [
+    ("31", "error: --stages 31: the model has 30 layers, so give 1 to 30 stages"),
+    ("0", "meshnet bench engine: error: argument --stages: must be >= 1, got 0"),
+])
+def test_a_stage_count_the_model_cannot_split_into_is_refused_before_any_part_runs(tmp_path, smollm2_path, stages,
+                                                                                   last_line):
+    """``--stages 31`` measured the single stage first and failed only when it came to split SmolLM2's 30
+    layers, with a message that named no flag."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "engine.json"
+    r = subprocess.run([sys.executable, "-m", "meshnet.cli", "bench", "engine", "--stages", stages, "--decode-tokens",
+                        "4", "--prompt-tokens", "8", "--repeats", "1", "--no-llama-cpp", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines()[-1] == last_line
+    assert "[bench]" not in r.stderr and not out.exists()

@@ -57,8 +57,8 @@ def test_chat_stops_at_end_of_turn(smollm2_path):
 @pytest.mark.parametrize("args, message", [
     (["--model", "/no/such/model.gguf"], "neither a file nor a bundled model"),
     (["--layers", "0:10,12:30"], "must tile [0, 30)"),
-    (["--stages", "31"], "cannot split 30 layers into 31 stages"),
-    (["--stages", "0"], "cannot split 30 layers into 0 stages"),
+    (["--stages", "31"], "error: --stages 31: the model has 30 layers, so give 1 to 30 stages"),
+    (["--stages", "0"], "error: --stages 0: the model has 30 layers, so give 1 to 30 stages"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),
     (["--top-p", "0"], "top_p must be in (0, 1]"),
     (["--n-ctx", "8"], "the prompt has"),

@@ -21,8 +21,8 @@ def plan_ranges(model_path: str, stages: int | None = None, layers: str | None =
     cost (:func:`meshnet.layer_split.balanced_split`: the tail's output projection counts too).
 
     Raises:
-        ValueError: ranges that do not tile ``[0, n_layer)`` contiguously, or a bad stage count; the
-            message names the problem.
+        ValueError: ranges that do not tile ``[0, n_layer)`` contiguously, or a stage count outside
+            ``1..n_layer``; the message names the flag and the model's layer count.
     """
     reader = open_gguf(model_path)
     n_layer = ModelConfig.from_reader(reader).n_layer
@@ -39,8 +39,11 @@ def plan_ranges(model_path: str, stages: int | None = None, layers: str | None =
         if expect != n_layer:
             raise ValueError(f"layer ranges end at {expect} but the model has {n_layer} layers")
         return ranges
+    stages = 1 if stages is None else stages
+    if not 1 <= stages <= n_layer:  # each stage holds one layer at least
+        raise ValueError(f"--stages {stages}: the model has {n_layer} layers, so give 1 to {n_layer} stages")
     costs, tail = layer_costs(reader, n_layer)
-    return balanced_split(costs, tail, 1 if stages is None else stages)
+    return balanced_split(costs, tail, stages)
 
 
 def load_local_chain(model_path: str, ranges: Sequence[LayerRange], n_threads: int = 2, n_ctx: int = 0,

@@ -234,6 +234,8 @@ def run_engine_bench(args: argparse.Namespace) -> int:
 
         require_certified(backend)  # BackendUnavailable names why, before anything is measured
     model = str(resolve_model(args.model))
+    # Before any part runs: a count the model cannot split into failed only after the 1-stage figures.
+    stage_ranges = plan_ranges(model, args.stages)
     prompt_ids = bench_prompt_ids(model, args.prompt_tokens)
     n_ctx = 512 if args.prompt_tokens + args.decode_tokens <= 512 else 0
     result: dict = {
@@ -265,7 +267,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
     whole = plan_ranges(model, 1)[0]
     n = len(prompt_ids)
     result["rss"] = {"whole_model": measure_rss(model, str(whole), args.threads, n),
-                     "stages": [measure_rss(model, str(r), args.threads, n) for r in plan_ranges(model, args.stages)]}
+                     "stages": [measure_rss(model, str(r), args.threads, n) for r in stage_ranges]}
     whole = result["rss"]["whole_model"]
     for s in result["rss"]["stages"]:
         s["fraction_of_whole_model_rss"] = round(s["rss_bytes"] / whole["rss_bytes"], 3)
@@ -306,7 +308,8 @@ def add_engine_bench_parser(bsub: argparse._SubParsersAction) -> None:
     be = bsub.add_parser("engine", help="prefill/decode tokens/s for 1 and 3 stages, RSS per stage, llama.cpp")
     be.add_argument("--model", default=DEFAULT_MODEL)
     be.add_argument("--threads", type=thread_count, default=2)
-    be.add_argument("--stages", type=int, default=3, help="the multi-stage configuration to compare")
+    be.add_argument("--stages", type=positive_int, default=3,
+                    help="the multi-stage configuration to compare (at most the model's layer count)")
     be.add_argument("--prompt-tokens", type=positive_int, default=128)
     be.add_argument("--decode-tokens", type=positive_int, default=64)
     be.add_argument("--repeats", type=positive_int, default=3, help="runs per figure; the median is reported")

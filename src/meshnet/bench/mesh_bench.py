@@ -62,7 +62,7 @@ def add_mesh_bench_parser(bench_subparsers) -> None:
         "mesh", help="single process vs N node processes on loopback (TTFT, decode tokens/s, per-hop "
                      "overhead) and two-session pipelining on two pinned cores")
     p.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
-    p.add_argument("--stages", type=int, default=3, help="node processes in the loopback mesh")
+    p.add_argument("--stages", type=positive_int, default=3, help="node processes in the loopback mesh")
     p.add_argument("--threads", type=thread_count, default=1, help="CPU threads per stage (single process and mesh)")
     p.add_argument("--prompt-tokens", type=positive_int, default=128)
     p.add_argument("--decode-tokens", type=positive_int, default=64)
@@ -304,8 +304,6 @@ def run_mesh_bench(args: argparse.Namespace) -> int:
     from meshnet.model.gguf_file import open_gguf, sha256_file
     from meshnet.model.hparams import ModelConfig
 
-    if args.stages < 1 or args.repeats < 1 or args.decode_tokens < 1 or args.prompt_tokens < 1:
-        raise ValueError("--stages, --repeats, --decode-tokens and --prompt-tokens must be at least 1")
     model = str(resolve_model(args.model))
     cfg = ModelConfig.from_reader(open_gguf(model))
     ranges = plan_ranges(model, args.stages)  # the split `meshnet up` would use; a bad count fails before any run

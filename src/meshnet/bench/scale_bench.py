@@ -48,7 +48,7 @@ def add_scale_bench_parser(bench_subparsers) -> None:
         "scale", help="a 7B-class model: load time and RSS per stage, tokens/s of 1 process, N nodes and "
                       "llama-bench, greedy ids against llama.cpp")
     p.add_argument("--model", help="GGUF path (default: the 7B-class random llama, written on first use)")
-    p.add_argument("--stages", type=int, default=3, help="node processes in the loopback mesh")
+    p.add_argument("--stages", type=positive_int, default=3, help="node processes in the loopback mesh")
     p.add_argument("--threads", type=thread_count, default=2, help="CPU threads everywhere")
     p.add_argument("--prompt-tokens", type=positive_int, default=128)
     p.add_argument("--decode-tokens", type=positive_int, default=32)
@@ -226,11 +226,12 @@ def run_scale_bench(args: argparse.Namespace) -> int:
     """Run every part of the module doc, write ``args.out`` (JSON) and print the table. Returns 0.
 
     Raises:
-        ValueError: counts below 1, or more parity tokens than a run generates. RuntimeError: a process
-            failed (the message has its stderr's tail).
+        ValueError: counts below 1, more stages than the model has layers, or more parity tokens than a
+            run generates. RuntimeError: a process failed (the message has its stderr's tail).
     """
     from meshnet.bench.greedy_parity import compare_greedy, llama_cpp_greedy
     from meshnet.bench.llama_bench import llama_bench_reference
+    from meshnet.local_mesh import plan_ranges
     from meshnet.model.bundled import resolve_model
     from meshnet.model.gguf_file import open_gguf, sha256_file
     from meshnet.model.hparams import ModelConfig
@@ -246,6 +247,7 @@ def run_scale_bench(args: argparse.Namespace) -> int:
             print(f"[bench scale] writing the 7B-class model to {default_path()}", file=sys.stderr, flush=True)
         model = str(ensure_llama_model())
     cfg = ModelConfig.from_reader(open_gguf(model))
+    plan_ranges(model, args.stages)  # a count the model cannot split into failed after the 1-process part
     prompt_ids = bench_prompt_ids(model, args.prompt_tokens)
     n_ctx = 512 if len(prompt_ids) + max(args.decode_tokens, args.parity_tokens) + 1 <= 512 else 0
     result: dict = {

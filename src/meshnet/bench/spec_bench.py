@@ -34,7 +34,7 @@ def add_spec_bench_parser(bsub) -> None:
                                             "(in process; a repetitive prompt and prose)")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--stages", type=int, default=1, help="in-process layer ranges")
+    p.add_argument("--stages", type=positive_int, default=1, help="in-process layer ranges")
     p.add_argument("--decode-tokens", type=int, default=96)
     p.add_argument("--draft-tokens", type=int, default=Speculation().draft_tokens,
                    help="draft tokens per round at most (the draft budget picks fewer where they do not pay)")

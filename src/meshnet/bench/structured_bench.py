@@ -41,7 +41,7 @@ def add_structured_bench_parser(bench_subparsers) -> None:
     p = bench_subparsers.add_parser("structured", help="json_schema answers that parse and validate; decode "
                                                        "tokens/s constrained against unconstrained")
     p.add_argument("--model", default="smollm2", help="GGUF path or bundled name (default %(default)s)")
-    p.add_argument("--stages", type=int, default=1, help="in-process layer ranges (default %(default)s)")
+    p.add_argument("--stages", type=positive_int, default=1, help="in-process layer ranges (default %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads per stage (default %(default)s)")
     p.add_argument("--requests", type=positive_int, default=100,
                    help="json_schema requests, half greedy and half sampled (default %(default)s)")

@@ -51,7 +51,7 @@ def add_wan_bench_parser(bench_subparsers) -> None:
     p.add_argument("--modes", default="client-orchestrated,node-to-node,node-to-node+ngram,llama.cpp-rpc")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per run")
     p.add_argument("--repeats", type=positive_int, default=3, help="runs per figure; the median is reported")
-    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--stages", type=positive_int, default=3)
     p.add_argument("--bandwidth-mbit", type=positive_number, default=None,
                    help="each link's bandwidth per direction (default: unlimited)")
     p.add_argument("--in-process-engine", action="store_true",
@@ -125,14 +125,14 @@ def run_wan_bench(args: argparse.Namespace) -> int:
     rtts, modes = parse_rtts(args.rtt_ms), parse_modes(args.modes)
     if args.max_tokens < 2 or args.repeats < 1:
         raise ValueError("--max-tokens must be >= 2 and --repeats >= 1")
+    model = str(resolve_model("smollm2"))
+    ranges = plan_ranges(model, args.stages)  # a stage count the model cannot split into fails here, first
     try:
         probe()
     except NetnsUnavailable as e:
         print(f"error: meshnet bench wan needs network namespaces: {e}", file=sys.stderr)
         return 2
     remove_stale()
-    model = str(resolve_model("smollm2"))
-    ranges = plan_ranges(model, args.stages)
     stage_hosts = [f"stage{i}" for i in range(len(ranges))]
     prompts = _prompt_ids(model)
     result = {"benchmark": "wan", "model": "smollm2", "stages": len(ranges),
