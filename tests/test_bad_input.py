@@ -296,7 +296,15 @@ def test_bad_load_settings_are_named(field, value):
      "there is no API"),
     (["bench", "speculative", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),  # "no median for empty"
     (["bench", "structured", "--requests", "0"], "argument --requests: must be >= 1, got 0"),
-    (["bench", "wan", "--rtt-ms", "abc"], "--rtt-ms takes comma-separated milliseconds, e.g. 0,10,25,50; got 'abc'"),
+    # a comma-separated list with a bad item: Python's "invalid literal for int()", or a message naming no flag
+    (["bench", "wan", "--rtt-ms", "abc"],
+     "meshnet bench wan: error: argument --rtt-ms: expected comma-separated milliseconds, e.g. 0,10,25,50, got 'abc'"),
+    (["bench", "serve", "--concurrency", "abc"], "meshnet bench serve: error: argument --concurrency: expected "
+                                                 "comma-separated whole numbers >= 1, e.g. 1,2,4, got 'abc'"),
+    (["bench", "worker", "--concurrency", "1,0"], "meshnet bench worker: error: argument --concurrency: expected "
+                                                  "comma-separated whole numbers >= 1, e.g. 1,2,4, got '1,0'"),
+    (["bench", "wan", "--modes", "carrier-pigeon"], "meshnet bench wan: error: argument --modes: unknown mode(s) "
+                                                    "['carrier-pigeon']; choose from client-orchestrated, node-to-node"),
     # more stages than the model has layers: found after a first part ran, or after making namespaces
     (["bench", "wan", "--stages", "31"], "error: --stages 31: the model has 30 layers, so give 1 to 30 stages"),
     (["bench", "scale", "--model", "smollm2", "--stages", "31"],

@@ -8,10 +8,12 @@ session at once, an address with a scheme gRPC cannot resolve and retries foreve
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import re
 import socket
+from typing import Callable, TypeVar
 
 from meshnet.membership.identity import NODE_ID_CHARS, NODE_ID_MAX_CHARS
 from meshnet.wire.addresses import check_address
@@ -23,6 +25,8 @@ from meshnet.wire.security import JOIN_TOKEN_ENV
 MIN_HEARTBEAT_S, MAX_HEARTBEAT_S = 0.05, 3600.0
 # The longest duration any flag takes, seconds (a year: "never"); beyond, deadlines overflow.
 MAX_SECONDS = 365 * 86400.0
+
+T = TypeVar("T")
 
 
 def port_number(text: str) -> int:
@@ -85,6 +89,33 @@ def thread_count(text: str) -> int:
     if not least <= value <= most:
         raise argparse.ArgumentTypeError(f"must be {least} to {most}, got {value}")
     return value
+
+
+def counts(text: str) -> list[int]:
+    """Comma-separated counts >= 1 (``1,2,4``: a bench's concurrencies), in the order given; one at least.
+    A bad one was ``invalid literal for int()``, or a bench's own error naming no flag."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    try:
+        values = [int(part) for part in parts]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers >= 1, e.g. 1,2,4, got {text!r}")
+    return values
+
+
+def refusing(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """``parse`` as an argparse type: the ValueError it raises, saying what is wrong with the text, becomes
+    argparse's error naming the flag (for parsers that live beside what they parse, e.g. a bench's list of
+    modes). Without it argparse says only "invalid parse_rtts value: 'abc'"."""
+    @functools.wraps(parse)
+    def typed(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return typed
 
 
 def count(text: str) -> int:

@@ -36,7 +36,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshnet.arg_types import http_url, positive_int, positive_seconds, results_file, thread_count
+from meshnet.arg_types import counts, http_url, positive_int, positive_seconds, results_file, thread_count
 from meshnet.bench.serve_load import LoadSpec, run_load, summarize
 from meshnet.bench.serve_targets import LLAMA_SLOT_CTX, llama_rpc_server, meshnet_targets, start_llama_server
 from meshnet.bench.served import KvSampler, Server
@@ -69,9 +69,9 @@ def add_serve_bench_parser(bench_subparsers) -> None:
     p = bench_subparsers.add_parser("serve", help="meshnet api vs llama-server: C concurrent streams, tokens/s, "
                                                   "TTFT, KV bytes per token")
     p.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
-    p.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated C values")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--requests-per-stream", type=int, default=2,
+    p.add_argument("--concurrency", type=counts, default="1,2,4,8,16,32", help="comma-separated C values")
+    p.add_argument("--max-tokens", type=positive_int, default=128)
+    p.add_argument("--requests-per-stream", type=positive_int, default=2,
                    help=f"requests per concurrent stream at each C (at least {MIN_REQUESTS} requests in all)")
     p.add_argument("--threads", type=thread_count, default=2, help="threads of llama-server and of meshnet in process")
     p.add_argument("--rounds", type=positive_int, default=1,
@@ -133,10 +133,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     from meshnet.bench.llama_server import find_or_build, find_tool
     from meshnet.model.bundled import resolve_model
 
-    cs = sorted({int(x) for x in args.concurrency.split(",") if x.strip()})
-    if not cs or cs[0] < 1 or args.max_tokens < 1 or args.requests_per_stream < 1:
-        print("error: --concurrency values, --max-tokens and --requests-per-stream must be >= 1", file=sys.stderr)
-        return 2
+    cs = sorted(set(args.concurrency))  # counts >= 1: the flag's type refused anything else
     model_path = str(resolve_model(args.model))
     out = Path(args.out)
     log_dir = out.parent / "serve-logs"

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from meshnet.arg_types import positive_int, positive_number, results_file
+from meshnet.arg_types import positive_int, positive_number, refusing, results_file
 from meshnet.bench import llama_rpc
 from meshnet.bench.wan_model import LLAMA_RPC, MESHNET_MODES, NGRAM, parse_modes, parse_rtts, tensor_split
 from meshnet.bench.wan_report import analyze, format_table, rtt_key
@@ -46,9 +46,11 @@ def add_wan_bench_parser(bench_subparsers) -> None:
     """Add ``wan`` to ``meshnet bench``'s subcommands."""
     p = bench_subparsers.add_parser("wan", help="3 stages in network namespaces over emulated WAN links: decode "
                                                 "tokens/s and TTFT per mode and RTT, with the latency model")
-    p.add_argument("--rtt-ms", default="0,10,25,50", help="comma-separated RTTs of every link, milliseconds "
-                                                          "(include 0: the model's compute time comes from it)")
-    p.add_argument("--modes", default="client-orchestrated,node-to-node,node-to-node+ngram,llama.cpp-rpc")
+    p.add_argument("--rtt-ms", type=refusing(parse_rtts), default="0,10,25,50",
+                   help="comma-separated RTTs of every link, milliseconds (include 0: the model's compute time "
+                        "comes from it)")
+    p.add_argument("--modes", type=refusing(parse_modes),
+                   default="client-orchestrated,node-to-node,node-to-node+ngram,llama.cpp-rpc")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per run")
     p.add_argument("--repeats", type=positive_int, default=3, help="runs per figure; the median is reported")
     p.add_argument("--stages", type=positive_int, default=3)
@@ -122,7 +124,7 @@ def run_wan_bench(args: argparse.Namespace) -> int:
     from meshnet.netem.namespaces import NetnsUnavailable, probe, remove_stale
     from meshnet.netem.netns_mesh import NetMesh
 
-    rtts, modes = parse_rtts(args.rtt_ms), parse_modes(args.modes)
+    rtts, modes = args.rtt_ms, args.modes  # lists: parse_rtts and parse_modes are the flags' types
     if args.max_tokens < 2 or args.repeats < 1:
         raise ValueError("--max-tokens must be >= 2 and --repeats >= 1")
     model = str(resolve_model("smollm2"))

@@ -40,15 +40,16 @@ ROUTE_LEGS = 2  # the client's GetRoute to the tracker, once per session
 def parse_rtts(text: str) -> list[float]:
     """``"0,10,25,50"`` -> ``[0.0, 10.0, 25.0, 50.0]`` (milliseconds, in the given order).
 
-    Raises ValueError: empty, not a number, negative, or repeated."""
+    Raises ValueError: empty, not a number, negative, or repeated (the message names no flag: ``meshnet
+    bench wan --rtt-ms`` puts it after the flag's name)."""
     try:
         values = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise ValueError(f"--rtt-ms takes comma-separated milliseconds, e.g. 0,10,25,50; got {text!r}") from None
+        raise ValueError(f"expected comma-separated milliseconds, e.g. 0,10,25,50, got {text!r}") from None
     if any(v != v or v in (float("inf"), -float("inf")) for v in values):
         raise ValueError(f"an RTT must be a finite number of milliseconds: {text!r}")
     if not values:
-        raise ValueError("--rtt-ms needs at least one RTT in milliseconds")
+        raise ValueError(f"expected at least one RTT in milliseconds, e.g. 0,10,25,50, got {text!r}")
     if any(v < 0 for v in values):
         raise ValueError(f"an RTT cannot be negative: {text!r}")
     if len(set(values)) != len(values):
@@ -59,13 +60,13 @@ def parse_rtts(text: str) -> list[float]:
 def parse_modes(text: str) -> list[str]:
     """``"client-orchestrated,llama.cpp-rpc"`` -> the modes, in :data:`MODES` order.
 
-    Raises ValueError naming an unknown mode, or when none is given."""
+    Raises ValueError naming an unknown mode, or when none is given (naming no flag, as :func:`parse_rtts`)."""
     wanted = {part.strip() for part in text.split(",") if part.strip()}
     unknown = wanted - set(MODES)
     if unknown:
         raise ValueError(f"unknown mode(s) {sorted(unknown)}; choose from {', '.join(MODES)}")
     if not wanted:
-        raise ValueError("--modes needs at least one mode")
+        raise ValueError(f"expected at least one mode of {', '.join(MODES)}, got {text!r}")
     return [m for m in MODES if m in wanted]
 
 

@@ -20,7 +20,7 @@ import sys
 from contextlib import ExitStack
 from pathlib import Path
 
-from meshnet.arg_types import positive_int, results_file, thread_count
+from meshnet.arg_types import counts, positive_int, results_file, thread_count
 from meshnet.bench.engine_bench import bench_prompt_ids
 from meshnet.bench.node_procs import NodeSpec, decode_concurrently, start_mesh
 from meshnet.client.mesh_client import MeshClient
@@ -36,7 +36,7 @@ def add_worker_bench_parser(bench_subparsers) -> None:
                                                    "process vs in the node process")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--threads", type=thread_count, default=2)
-    p.add_argument("--concurrency", default="1,8", help="comma-separated session counts")
+    p.add_argument("--concurrency", type=counts, default="1,8", help="comma-separated session counts")
     p.add_argument("--prompt-tokens", type=positive_int, default=32)
     p.add_argument("--decode-tokens", type=positive_int, default=64)
     p.add_argument("--rounds", type=positive_int, default=3, help="rounds; each measures both modes")
@@ -67,9 +67,7 @@ def run_worker_bench(args: argparse.Namespace) -> int:
     from meshnet.model.gguf_file import open_gguf
     from meshnet.model.hparams import ModelConfig
 
-    cs = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
-    if not cs or min(cs) < 1 or args.rounds < 1 or args.decode_tokens < 1:
-        raise ValueError("--concurrency values, --rounds and --decode-tokens must be at least 1")
+    cs = list(dict.fromkeys(args.concurrency))  # counts >= 1 (the flag's type), each measured once
     model = str(resolve_model(args.model))
     n_layer = ModelConfig.from_reader(open_gguf(model)).n_layer
     prompt_ids = bench_prompt_ids(model, args.prompt_tokens)
