@@ -546,4 +546,5 @@ def test_bench_serve_at_a_url_where_nothing_answers_says_so_in_one_line(tmp_path
                         str(tmp_path / "serve.json")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.startswith(f"error: {url} answered no OpenAI model list at /v1/models (ConnectError: ")
-    assert not (tmp_path / "serve.json").exists()
+    assert len(r.stderr.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []  # neither the results nor a folder for server logs

@@ -176,3 +176,32 @@ def test_sigterm_stops_the_server_it_started(tmp_path, when):
     assert err.splitlines()[-1] == "meshnet bench serve: stopped by SIGTERM" and "Traceback" not in err
     assert not out.exists()
 
+
+def test_a_running_server_is_asked_for_its_model_once(tmp_path, monkeypatch):
+    """``--url`` asked /v1/models before writing anything (so that nothing answering there is one line), then
+    again each time a load "started" the server: 1 + C values x rounds requests. Now once."""
+    import httpx
+
+    from meshnet.bench import serve_bench
+    from meshnet.cli import main
+
+    asked = []
+
+    def get(url, **kw):
+        asked.append(url)
+        return httpx.Response(200, json={"object": "list", "data": [{"id": "m"}]}, request=httpx.Request("GET", url))
+
+    async def load(url, model, spec):  # every request answered: 2 tokens in a second
+        row = {"ok": True, "ttft_s": 0.1, "latency_s": 1.0, "completion_tokens": 2, "prompt_tokens": 5,
+               "decode_tokens_per_s": 1.1}
+        return [row] * spec.n_requests, 1.0
+
+    monkeypatch.setattr(httpx, "get", get)
+    monkeypatch.setattr(serve_bench, "run_load", load)
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--url", "http://127.0.0.1:9", "--concurrency", "1,2", "--rounds", "2",
+                 "--out", str(out)]) == 0
+    assert asked == ["http://127.0.0.1:9/v1/models"]
+    report = json.loads(out.read_text())
+    assert [report["results"]["url"][c]["completed"] for c in ("1", "2")] == [8, 8]
+    assert not (tmp_path / "serve-logs").exists()  # nothing started here logs

@@ -137,7 +137,6 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     model_path = str(resolve_model(args.model))
     out = Path(args.out)
     log_dir = out.parent / "serve-logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
     report: dict = {"bench": "serve", "model": model_path, "max_tokens": args.max_tokens, "temperature": 0.0,
                     "concurrency": cs, "threads": args.threads, "results": {}, "skipped": {},
                     "machine": {"python": platform.python_version(), "cpus": len(os.sched_getaffinity(0))}}
@@ -150,6 +149,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
             return 1
         groups = [(None, cs)]
     else:
+        log_dir.mkdir(parents=True, exist_ok=True)  # the servers started here log into it
         servers = meshnet_targets(args, log_dir, max(cs))
         groups = [(8, [c for c in cs if c <= 8]), (32, [c for c in cs if c > 8])]
         groups = [(np_, g) for np_, g in groups if g]

@@ -70,10 +70,10 @@ class Server:
 
     @classmethod
     def attach(cls, name: str, url: str) -> "Server":
-        """A server someone else runs at ``url``: ``start`` only asks it for its model id."""
+        """A server someone else runs at ``url``: ``start`` only asks it for its model id, the first time."""
         srv = cls.__new__(cls)
         srv.name, srv.url, srv.argv, srv.proc, srv.port = name, url.rstrip("/"), None, None, 0
-        srv.competitor = False
+        srv.competitor, srv._model_id = False, None
         return srv
 
     def start(self, timeout_s: float = 600.0) -> str:
@@ -81,11 +81,15 @@ class Server:
         import httpx
 
         if self.argv is None:
-            try:
-                return httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
-            except (httpx.HTTPError, ValueError, LookupError, TypeError) as e:  # nothing there, or no OpenAI API
-                raise RuntimeError(f"{self.url} answered no OpenAI model list at /v1/models "
-                                   f"({type(e).__name__}: {e})") from None
+            # Asked once: the benchmark checks the URL before it writes anything, then "starts" it for
+            # every load, and each of those asked again.
+            if self._model_id is None:
+                try:
+                    self._model_id = httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+                except (httpx.HTTPError, ValueError, LookupError, TypeError) as e:  # nothing there, or no OpenAI API
+                    raise RuntimeError(f"{self.url} answered no OpenAI model list at /v1/models "
+                                       f"({type(e).__name__}: {e})") from None
+            return self._model_id
         if self.proc is not None:  # started before: fresh ports, so nothing of the last run can answer
             self.port = free_port()
             self.argv, self.url = self._argv_for_port(self.port), f"http://127.0.0.1:{self.port}"
