@@ -213,3 +213,16 @@ def test_ctrl_c_on_the_api_ends_open_requests_with_a_503_and_no_traceback(stream
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_up_on_every_interface_of_a_machine_without_a_default_route_names_the_fix(monkeypatch, capsys):
+    """Without a default route there is no address of this machine to give others: `up --host 0.0.0.0`
+    ran, its nodes registered 127.0.0.1 and its ready line named 0.0.0.0, and nothing warned."""
+    import meshnet.up
+    from meshnet.cli import main
+
+    monkeypatch.setattr(meshnet.up, "this_machine_address", lambda host: host)  # as with no default route
+    assert main(["up", "--host", "0.0.0.0", "--port", "0", "--api-port", "0", "--dashboard-port", "-1"]) == 2
+    assert capsys.readouterr().err == ("error: --host 0.0.0.0: this machine has no default route, so there is no "
+                                       "address of it to give other machines; pass --host with its address on "
+                                       "the network they share\n")

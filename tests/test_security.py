@@ -217,6 +217,42 @@ def test_a_certificate_outside_its_validity_is_refused_at_start(tmp_path, valid_
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_certificate_that_does_not_name_the_nodes_address_is_refused_at_start(tmp_path):
+    """A node advertising an address its certificate does not name started, registered and printed READY;
+    every request then failed (503 "no route" from the API, the handshake's "IP address mismatch" only in
+    its log). The names are checked the way clients check them, before the model loads."""
+    import subprocess
+    import sys
+
+    from meshnet.wire.security import unnamed_host_problem
+
+    cert = self_signed_cert(tmp_path)  # DNS:localhost, IP:127.0.0.1
+    assert unnamed_host_problem(cert.cert, "127.0.0.1") is None
+    assert unnamed_host_problem(cert.cert, "LOCALHOST") is None
+    assert unnamed_host_problem(cert.cert, "127.0.0.2") == (
+        f"TLS certificate {cert.cert!r} names 127.0.0.1, localhost, not 127.0.0.2, the address this node "
+        "registers: every client dialling it would refuse the handshake; add 127.0.0.2 to its subjectAltName, "
+        "or pass --advertise with an address it names")
+    assert unnamed_host_problem(cert.cert, "node.localhost") is not None
+    r = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--engine", "fake", "--tracker", "127.0.0.1:9",
+                        "--tls-cert", cert.cert, "--tls-key", cert.key, "--tls-ca", cert.cert,
+                        "--advertise", "192.0.2.41:7701"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "names 127.0.0.1, localhost, not 192.0.2.41, the address this node registers" in r.stderr
+
+
+def test_a_wildcard_certificate_names_one_label(tmp_path):
+    from meshnet.wire.security import unnamed_host_problem
+
+    d = tmp_path / "wild"
+    d.mkdir()
+    cert = _openssl_cert(d, "DNS:*.mesh.example,IP:192.0.2.10")
+    assert unnamed_host_problem(cert.cert, "node1.mesh.example") is None
+    assert unnamed_host_problem(cert.cert, "192.0.2.10") is None
+    assert unnamed_host_problem(cert.cert, "a.node1.mesh.example") is not None
+    assert unnamed_host_problem(cert.cert, "mesh.example") is not None
+
+
 def test_missing_tls_files_are_named(tmp_path):
     with pytest.raises(ValueError, match="cannot read TLS certificate .*nope.pem"):
         serve_tracker(tls=TlsConfig(cert=str(tmp_path / "nope.pem"), key=str(tmp_path / "nope.key")))

@@ -24,7 +24,7 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.supervisor import Supervisor, announce, on_stop_signals, wait_for_stop
-from meshnet.wire.addresses import bind_problem, format_address, this_machine_address
+from meshnet.wire.addresses import WILDCARD_HOSTS, bind_problem, format_address, this_machine_address
 from meshnet.wire.call_problems import tracker_hint
 from meshnet.wire.security import open_channel
 
@@ -170,6 +170,10 @@ def run_up(args: argparse.Namespace) -> int:
     if not problem and args.api_port > 0:
         problem = _api_port_problem(args.host, args.api_port)
     problem = problem or dashboard_port_taken(args)
+    if not problem and args.host in WILDCARD_HOSTS and this_machine_address(args.host) in WILDCARD_HOSTS:
+        # Its nodes would register 127.0.0.1 and its ready line name 0.0.0.0: nothing another machine can dial.
+        problem = (f"--host {args.host}: this machine has no default route, so there is no address of it to give "
+                   "other machines; pass --host with its address on the network they share")
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -37,8 +37,9 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane_server import DataPlaneServer
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
-from meshnet.wire.addresses import dialable_host, format_address
-from meshnet.wire.security import add_port, client_ssl_context, make_server, open_channel, server_ssl_context
+from meshnet.wire.addresses import WILDCARD_HOSTS, dialable_host, format_address
+from meshnet.wire.security import (add_port, client_ssl_context, make_server, open_channel, server_ssl_context,
+                                   unnamed_host_problem)
 
 log = logging.getLogger("meshnet.node")
 
@@ -81,6 +82,11 @@ class Node:
     def __init__(self, cfg: NodeConfig) -> None:
         if cfg.relay and not cfg.tracker:
             raise ValueError("--relay needs --tracker: a relayed node is reached only through its tracker")
+        if cfg.tls is not None and not cfg.relay:  # a relayed node is never dialled at its own address
+            # The host both ports are registered at (below), checked before the model loads.
+            host = cfg.advertise.rpartition(":")[0] if cfg.advertise else dialable_host(cfg.host, cfg.tracker)
+            if host not in WILDCARD_HOSTS and (problem := unnamed_host_problem(cfg.tls.cert, host)):
+                raise ValueError(problem)
         self.cfg = cfg
         # The key signs every tracker message; without --node-id the id is the key's, so it cannot be
         # claimed by anyone else. Loaded before the model so a bad key file fails fast.

@@ -193,6 +193,36 @@ def _check_validity(cert_path: str) -> None:
                          f"{cert.not_valid_before_utc:%Y-%m-%d %H:%M} UTC (is this machine's clock right?)")
 
 
+def unnamed_host_problem(cert_path: str, host: str) -> str | None:
+    """Why clients would refuse ``cert_path`` at ``host`` (an IP address or DNS name this server is dialled
+    by), or None: gRPC and :func:`client_ssl_context` check the host dialled against the certificate's
+    subjectAltName entries (IP addresses exactly; DNS names case-blind, ``*.`` standing for one leftmost
+    label) and never its common name. A node registered at such a host started, and every client's
+    handshake with it failed, with "Hostname Verification Check failed" in the client's log only."""
+    import ipaddress
+
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return f"TLS certificate {cert_path!r} has no subjectAltName: clients dialling {host} would refuse it"
+    ips, names = san.get_values_for_type(x509.IPAddress), san.get_values_for_type(x509.DNSName)
+    try:
+        if ipaddress.ip_address(host.strip("[]")) in ips:
+            return None
+    except ValueError:  # a DNS name
+        want = host.lower().rstrip(".")
+        for name in (n.lower().rstrip(".") for n in names):
+            if name == want or (name.startswith("*.") and want.partition(".")[2] == name[2:] and "." in want):
+                return None
+    named = ", ".join([str(ip) for ip in ips] + names) or "nothing"
+    return (f"TLS certificate {cert_path!r} names {named}, not {host}, the address this node registers: "
+            f"every client dialling it would refuse the handshake; add {host} to its subjectAltName, or pass "
+            f"--advertise with an address it names")
+
+
 @functools.lru_cache(maxsize=8)
 def client_ssl_context(tls_ca: str | None) -> ssl.SSLContext:
     """A TLS client context verifying servers with the CA file ``tls_ca`` (PEM; None: the system's CAs),
