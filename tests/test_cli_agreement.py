@@ -1,0 +1,48 @@
+"""The command-line front ends agree: the same mistake gets the same exit status (2 for a usage error or a bad
+model, 1 when the mesh refuses) and one line naming the flag or file, whichever command it is given to."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-m", "meshnet.cli"]
+
+
+def meshnet(*args: str, prefix: list[str] | None = None, env: dict | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``meshnet ARGS``; with ``prefix`` (a command taking one shell line, as capsh does) through it."""
+    cmd = [*prefix, shlex.join([*CLI, *args])] if prefix else [*CLI, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
+
+
+def _unreadable_prefix(path) -> list[str]:
+    """Make ``path`` unreadable (mode 000); the command prefix under which it is so: none for a user, capsh
+    dropping the capabilities by which root reads any file. Skips the test where neither works."""
+    path.chmod(0)
+    if os.geteuid() != 0:
+        return []
+    capsh = shutil.which("capsh")
+    if capsh is None:
+        pytest.skip("running as root without capsh: every file is readable")
+    prefix = [capsh, "--drop=cap_dac_override,cap_dac_read_search", "--", "-c"]
+    if subprocess.run([*prefix, f"cat {shlex.quote(str(path))}"], capture_output=True).returncode == 0:
+        pytest.skip("capsh could not drop root's file-permission override here")
+    return prefix
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["api", "--port", "0"], ["backends", "--certify"]])
+def test_an_unreadable_model_exits_2_naming_it_as_a_missing_one_does(tmp_path, command):
+    """It said a bare "Permission denied" and exited 1 (the node exited 2)."""
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    r = meshnet(*command, "--model", str(model), prefix=_unreadable_prefix(model))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"error: model '{model}' cannot be read: Permission denied"
+    assert r.stderr.count("error:") == 1 and "Traceback" not in r.stderr
