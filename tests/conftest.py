@@ -135,3 +135,19 @@ def mesh():
     m = Mesh()
     yield m
     m.close()
+
+
+# The join token the token_tracker fixture's tracker asks of every caller.
+TRACKER_TOKEN = "correct horse battery staple"
+
+
+@pytest.fixture
+def token_tracker():
+    """A tracker in this process that refuses callers without :data:`TRACKER_TOKEN`; its ``HOST:PORT``."""
+    from meshnet.tracker.server import serve_tracker
+
+    server, port = serve_tracker(join_token=TRACKER_TOKEN)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)

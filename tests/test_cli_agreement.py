@@ -46,3 +46,12 @@ def test_an_unreadable_model_exits_2_naming_it_as_a_missing_one_does(tmp_path, c
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines()[-1] == f"error: model '{model}' cannot be read: Permission denied"
     assert r.stderr.count("error:") == 1 and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["node", "--engine", "fake"], ["nodes"],
+                                     ["api", "--port", "0"]])
+def test_a_tracker_refusing_the_join_token_exits_1_from_every_command(token_tracker, command):
+    """The mesh refused, not the command line: the API exited 2 where generate, node and nodes exit 1."""
+    r = meshnet(*command, "--tracker", token_tracker, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.count("error:") == 1 and "missing join token" in r.stderr and "Traceback" not in r.stderr

@@ -82,8 +82,16 @@ def add_api_parser(sub) -> None:
 
 
 def build_backend(args: argparse.Namespace) -> ApiBackend:
-    """The backend ``meshnet api`` serves: a mesh through ``--tracker``, else stages in this process."""
+    """The backend ``meshnet api`` serves: a mesh through ``--tracker``, else stages in this process.
+
+    Raises:
+        ValueError / ModelNotFound: flags that do not fit the mode, a model missing or unreadable here or
+            unknown to the tracker (``meshnet`` exits 2).
+        MeshUnavailable: the tracker refuses this caller (join token, TLS, not a tracker) or cannot be
+            reached for ``--model-id``'s manifest (``meshnet`` exits 1).
+    """
     from meshnet.api.backend import local_backend, mesh_backend, served_name
+    from meshnet.client.router import MeshUnavailable
 
     from meshnet.model.bundled import BUNDLED, resolve_model
 
@@ -94,8 +102,9 @@ def build_backend(args: argparse.Namespace) -> ApiBackend:
                                       "--client-id": args.client_id}):
         raise ValueError(problem)
     if args.tracker and (refused := tracker_refusal(args.tracker, args.join_token, args.tls_ca)):
-        # It served anyway and answered every request 503 with the tracker's refusal.
-        raise ValueError(f"--tracker {args.tracker}: {refused}")
+        # It served anyway and answered every request 503 with the tracker's refusal. The mesh refused,
+        # not the command line: exit status 1, as generate, node and nodes exit on it.
+        raise MeshUnavailable(f"--tracker {args.tracker}: {refused}")
     if args.model_id is not None:
         if not args.tracker:
             raise ValueError("--model-id needs --tracker (the tracker holds the model's manifest)")
