@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -55,3 +56,20 @@ def test_a_tracker_refusing_the_join_token_exits_1_from_every_command(token_trac
     r = meshnet(*command, "--tracker", token_tracker, timeout=60)
     assert r.returncode == 1, r.stderr
     assert r.stderr.count("error:") == 1 and "missing join token" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--port", "error: cannot listen on 127.0.0.1:{port}: Address already in use; pass another --port or --host"),
+    # asyncio's words named the address a second time: "(while attempting to bind on address (...))"
+    ("--data-port", "error: cannot listen on 127.0.0.1:{port} (the data plane): Address already in use; pass "
+                    "another --data-port"),
+])
+def test_a_node_on_a_taken_port_names_it_once(flag, message):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = meshnet("node", "--engine", "fake", flag, str(port))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == message.format(port=port)
+    assert r.stderr.count("error:") == 1 and r.stderr.count(str(port)) == 1

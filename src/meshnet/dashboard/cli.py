@@ -72,11 +72,12 @@ def dashboard_from_args(service, args, who: str) -> "Dashboard | None":
     if args.dashboard_port == -1:
         return None
     from meshnet.dashboard.server import start_dashboard
+    from meshnet.wire.addresses import os_reason
 
     try:
         dashboard = start_dashboard(service, args.dashboard_host, args.dashboard_port)
     except (OSError, RuntimeError) as e:
-        why = os.strerror(e.errno) if isinstance(e, OSError) and e.errno and e.errno > 0 else str(e)
+        why = os_reason(e) if isinstance(e, OSError) else str(e)
         print(f"{who} no dashboard: cannot listen on {args.dashboard_host}:{args.dashboard_port} ({why}); "
               f"{_advice(why)}", file=sys.stderr, flush=True)
         return None

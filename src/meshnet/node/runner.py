@@ -37,7 +37,7 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane_server import DataPlaneServer
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
-from meshnet.wire.addresses import WILDCARD_HOSTS, dialable_host, format_address
+from meshnet.wire.addresses import WILDCARD_HOSTS, dialable_host, format_address, os_reason
 from meshnet.wire.security import (add_port, client_ssl_context, make_server, open_channel, server_ssl_context,
                                    unnamed_host_problem)
 
@@ -168,7 +168,7 @@ class Node:
                                                   workers=cfg.max_sessions + 2)
             except OSError as e:
                 raise ValueError(f"cannot listen on {format_address(cfg.host, cfg.data_port)} (the data plane): "
-                                 f"{e.strerror or e}; pass another --data-port") from None
+                                 f"{os_reason(e)}; pass another --data-port") from None
             adv_host = cfg.advertise.rsplit(":", 1)[0] if cfg.advertise else dialable_host(cfg.host, cfg.tracker)
             self.data_address = format_address(adv_host, self.data_plane.port)
         self._stop = threading.Event()

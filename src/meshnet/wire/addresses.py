@@ -74,9 +74,16 @@ def bind_problem(host: str, port: int) -> str | None:
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         socket.create_server((host.strip("[]"), port), family=family).close()
-    except OSError as e:  # create_server appends the address to strerror: the errno's own words instead
-        return os.strerror(e.errno) if e.errno and e.errno > 0 else str(e)
+    except OSError as e:
+        return os_reason(e)
     return None
+
+
+def os_reason(e: OSError) -> str:
+    """Why a socket could not listen, in the errno's own words ("Address already in use"): asyncio and
+    ``socket.create_server`` append the address to ``strerror``, which a message naming the address then
+    said twice. ``str(e)`` for an error without a system errno (a name that does not resolve)."""
+    return os.strerror(e.errno) if e.errno and e.errno > 0 else str(e)
 
 
 def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
