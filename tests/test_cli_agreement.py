@@ -73,3 +73,14 @@ def test_a_node_on_a_taken_port_names_it_once(flag, message):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == message.format(port=port)
     assert r.stderr.count("error:") == 1 and r.stderr.count(str(port)) == 1
+
+
+@pytest.mark.parametrize("command,flag", [
+    (["generate", "hi", "--tracker", "127.0.0.1:9", "--model-id", ""], "--model-id"),
+    (["api", "--tracker", "127.0.0.1:9", "--model-id", ""], "--model-id"),  # it served the tracker's model
+    (["node", "--tracker", "127.0.0.1:9", "--layers", "0:10", "--fetch", ""], "--fetch"),  # it served smollm2
+])
+def test_an_empty_model_name_for_the_tracker_is_refused(command, flag):
+    r = meshnet(*command, timeout=60)
+    assert r.returncode == 2
+    assert f"error: argument {flag}: must not be empty; give the model's id" in r.stderr

@@ -223,6 +223,20 @@ def name_text(text: str) -> str:
     return utf8_text(text)
 
 
+def model_ref(text: str) -> str:
+    """A model named to a tracker (``--model-id``, ``--fetch``): its id, 8+ hex digits of it, its
+    ``general.name`` or a bundled name, in valid UTF-8. Not empty: the tracker answers an empty name with
+    its only model, and an API given an empty variable served whatever model the mesh had.
+
+    Raises:
+        argparse.ArgumentTypeError: empty, or not valid UTF-8.
+    """
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty; give the model's id (or 8+ hex digits of it), its "
+                                         "general.name or a bundled name (smollm2)")
+    return utf8_text(text)
+
+
 # The longest client id the tracker's ledger and dashboard take (meshnet.ledger.store.MAX_ID_CHARS).
 CLIENT_ID_MAX_CHARS = 256
 

@@ -55,7 +55,7 @@ def _add_model_args(p: argparse.ArgumentParser):
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
-    from meshnet.arg_types import add_client_id_arg, add_join_token_arg, host_port, seconds, utf8_text
+    from meshnet.arg_types import add_client_id_arg, add_join_token_arg, host_port, model_ref, seconds, utf8_text
 
     gen = sub.add_parser("generate", help="complete a prompt, streaming the text to stdout")
     gen.add_argument("prompt", type=utf8_text)
@@ -68,7 +68,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                      help="after the text, print one JSON object with token ids, text and timings")
     gen.add_argument("--tracker", type=host_port, default=None,
                      help="HOST:PORT of a running mesh's tracker (default: run the stages in this process)")
-    source.add_argument("--model-id", default=None, metavar="ID_OR_NAME",
+    source.add_argument("--model-id", type=model_ref, default=None, metavar="ID_OR_NAME",
                         help="with --tracker, instead of a local --model: the model's id (or 8+ hex digits of "
                              "it), general.name or bundled name (smollm2); the tokenizer and chat template come "
                              "from the tracker's manifest")

@@ -12,8 +12,8 @@ import time
 
 import uvicorn
 
-from meshnet.arg_types import (LOCAL_STAGE_DEFAULTS, add_client_id_arg, add_join_token_arg, host_port, listen_host, mode_problem, name_text, port_number,
-                               positive_int, positive_number)
+from meshnet.arg_types import (LOCAL_STAGE_DEFAULTS, add_client_id_arg, add_join_token_arg, host_port, listen_host,
+                               mode_problem, model_ref, name_text, port_number, positive_int, positive_number)
 from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.http_protocol import HeaderDeadlineProtocol
 from meshnet.api.backend import ApiBackend
@@ -45,7 +45,7 @@ def add_api_parser(sub) -> None:
     source = p.add_mutually_exclusive_group()  # a file here, or the model the tracker knows: never both
     source.add_argument("--model", default="smollm2",
                         help="GGUF path or bundled name; the file must be readable here (tokenizer, chat template)")
-    source.add_argument("--model-id", default=None, metavar="ID_OR_NAME",
+    source.add_argument("--model-id", type=model_ref, default=None, metavar="ID_OR_NAME",
                         help="with --tracker, instead of --model: no file here; the model the tracker knows by "
                              "this id (or 8+ hex digits of it), general.name or bundled name (tokenizer and chat "
                              "template from its manifest)")

@@ -17,8 +17,8 @@ import sys
 import threading
 import time
 
-from meshnet.arg_types import (add_join_token_arg, advertised_address, count, host_port, listen_host, node_id, port_number,
-                               positive_seconds, seconds, unresolved_host)
+from meshnet.arg_types import (add_join_token_arg, advertised_address, count, host_port, listen_host, model_ref,
+                               node_id, port_number, positive_seconds, seconds, unresolved_host)
 from meshnet.contract import LayerRange
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
 from meshnet.node.config import NodeConfig
@@ -44,7 +44,7 @@ def add_node_parser(sub) -> None:
     source = p.add_mutually_exclusive_group()  # a file here, or the tensors fetched from peers: never both
     source.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
     p.add_argument("--layers", default=None, help="half-open range START:END, e.g. 0:15")
-    source.add_argument("--fetch", default=None, metavar="MODEL",
+    source.add_argument("--fetch", type=model_ref, default=None, metavar="MODEL",
                    help="no model file here: fetch only the tensors of --layers (a model id, general.name or "
                         "bundled name the tracker knows) from nodes serving it into a range-only GGUF in "
                         "--models-dir, then serve it")
