@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from meshnet.arg_types import listen_host
+
 CLI = [sys.executable, "-m", "meshnet.cli"]
 
 
@@ -84,3 +86,46 @@ def test_an_empty_model_name_for_the_tracker_is_refused(command, flag):
     r = meshnet(*command, timeout=60)
     assert r.returncode == 2
     assert f"error: argument {flag}: must not be empty; give the model's id" in r.stderr
+
+
+def test_a_bracketed_ipv6_host_is_the_address_inside():
+    assert listen_host("[::1]") == "::1" and listen_host("::1") == "::1" and listen_host("0.0.0.0") == "0.0.0.0"
+    for bad in ("[::1", "[localhost]", "[]"):
+        with pytest.raises(Exception, match=r"brackets go around an IPv6 address only \(e.g. \[::1\]\)"):
+            listen_host(bad)
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_a_dashboard_and_a_node_listen_on_a_bracketed_ipv6_host():
+    """--host [::1] bound gRPC but not the node's data plane; --dashboard-host [::1] only warned."""
+    tracker = subprocess.Popen([*CLI, "tracker", "--port", "0", "--ledger", "sqlite://", "--dashboard-port", "0",
+                                "--dashboard-host", "[::1]"], stderr=subprocess.PIPE, text=True)
+    try:
+        line = next(x for x in tracker.stderr if "dashboard" in x)
+        assert line.startswith("tracker: dashboard on http://[::1]:"), line
+    finally:
+        tracker.terminate()
+        tracker.wait(30)
+        tracker.stderr.close()
+    node = subprocess.Popen([*CLI, "node", "--engine", "fake", "--host", "[::1]"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for x in node.stdout:
+            lines.append(x)
+            if "data plane" in x or "error:" in x:
+                break
+        assert " data plane [::1]:" in lines[-1], "".join(lines)
+    finally:
+        node.terminate()
+        node.wait(30)
+        node.stdout.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import ipaddress
 import math
 import os
 import re
@@ -164,10 +165,24 @@ def results_file(text: str) -> str:
 
 def listen_host(text: str) -> str:
     """A ``--host`` to listen on: a name or address, not empty (gRPC logged "host must not be empty" from its
-    core, then the tracker blamed a taken port) and without spaces."""
+    core, then the tracker blamed a taken port) and without spaces. An IPv6 address may come in brackets,
+    as an address to dial writes it (``[::1]``); it is returned without them (``::1``): gRPC took the
+    brackets, but the data plane, the API and the dashboard could not resolve them as a host name.
+
+    Raises:
+        argparse.ArgumentTypeError: empty, spaces, or brackets around anything but an IPv6 address.
+    """
     if not text.strip() or any(c.isspace() for c in text):
         raise argparse.ArgumentTypeError(f"expected a host name or address to listen on (e.g. 127.0.0.1, or "
                                          f"0.0.0.0 for every interface), got {text!r}")
+    if text.startswith("[") or text.endswith("]"):
+        inner = text[1:-1] if text.startswith("[") and text.endswith("]") else ""
+        try:
+            ipaddress.IPv6Address(inner)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"brackets go around an IPv6 address only (e.g. [::1]), got {text!r}") from None
+        return inner
     return text
 
 

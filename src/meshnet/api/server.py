@@ -19,6 +19,7 @@ from meshnet.api.http_protocol import HeaderDeadlineProtocol
 from meshnet.api.backend import ApiBackend
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
 from meshnet.speculative import add_speculation_args, speculation_from_args
+from meshnet.wire.addresses import format_address
 from meshnet.wire.call_problems import tracker_refusal
 
 log = logging.getLogger("meshnet.api")
@@ -142,14 +143,14 @@ def run_api(args: argparse.Namespace) -> int:
     try:  # before the model loads: a taken port fails at once, and the address it names is where it serves
         sock = bind_http_socket(args.host, args.port)
     except OSError as e:
-        print(f"error: the API cannot listen on {args.host}:{args.port} ({e.strerror or e}); pass another "
-              "--port (0 = any free port) or --host", file=sys.stderr)
+        print(f"error: the API cannot listen on {format_address(args.host, args.port)} ({e.strerror or e}); pass "
+              "another --port (0 = any free port) or --host", file=sys.stderr)
         return 2
     with sock:
         backend = build_backend(args)
         app = create_app(backend, max_body_bytes=int(args.max_body_mb * 2**20))
         port = sock.getsockname()[1]
-        print(f"[meshnet api] serving {backend.model_name!r} on http://{args.host}:{port}/v1 "
+        print(f"[meshnet api] serving {backend.model_name!r} on http://{format_address(args.host, port)}/v1 "
               f"(context {backend.n_ctx} tokens)", file=sys.stderr, flush=True)
         # uvicorn raises the signal that stopped it again once it has stopped: with SIGTERM's default
         # action the process was killed there (status -15), before the backend closed and before the

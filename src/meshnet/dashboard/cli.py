@@ -49,12 +49,12 @@ def dashboard_port_taken(args) -> str | None:
     an address of this machine), as the error to print, or None. Checked before anything starts: asked
     for by name, a dashboard that cannot start is an error; the default port taken (another tracker's
     dashboard on this machine) only costs this one its dashboard (:func:`dashboard_from_args`)."""
-    from meshnet.wire.addresses import bind_problem
+    from meshnet.wire.addresses import bind_problem, format_address
 
     port = args.dashboard_port
     if not args.dashboard_port_given or port <= 0 or (why := bind_problem(args.dashboard_host, port)) is None:
         return None
-    return f"the dashboard cannot listen on {args.dashboard_host}:{port} ({why}); {_advice(why)}"
+    return f"the dashboard cannot listen on {format_address(args.dashboard_host, port)} ({why}); {_advice(why)}"
 
 
 def _advice(why: str) -> str:
@@ -72,14 +72,14 @@ def dashboard_from_args(service, args, who: str) -> "Dashboard | None":
     if args.dashboard_port == -1:
         return None
     from meshnet.dashboard.server import start_dashboard
-    from meshnet.wire.addresses import os_reason
+    from meshnet.wire.addresses import format_address, os_reason
 
     try:
         dashboard = start_dashboard(service, args.dashboard_host, args.dashboard_port)
     except (OSError, RuntimeError) as e:
         why = os_reason(e) if isinstance(e, OSError) else str(e)
-        print(f"{who} no dashboard: cannot listen on {args.dashboard_host}:{args.dashboard_port} ({why}); "
-              f"{_advice(why)}", file=sys.stderr, flush=True)
+        print(f"{who} no dashboard: cannot listen on {format_address(args.dashboard_host, args.dashboard_port)} "
+              f"({why}); {_advice(why)}", file=sys.stderr, flush=True)
         return None
     print(f"{who} dashboard on {dashboard.url}", file=sys.stderr, flush=True)
     return dashboard

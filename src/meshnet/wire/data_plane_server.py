@@ -125,7 +125,10 @@ class DataPlaneServer:
         self.max_connections, self.max_pending_forwards = max_connections, max_pending_forwards
         self.auth_timeout_s, self.read_timeout_s, self.idle_timeout_s = auth_timeout_s, read_timeout_s, idle_timeout_s
         self.stats: collections.Counter[str] = collections.Counter()
-        self._listener = socket.create_server((host, port), backlog=1024, reuse_port=False)
+        # IPv6 for an address with a colon, as the gRPC server binds it (create_server's default family is
+        # IPv4 alone: a node on --host ::1 served gRPC and then failed to open its data plane).
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family, backlog=1024, reuse_port=False)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
         self._wake_r, self._wake_w = socket.socketpair()
