@@ -129,3 +129,15 @@ def test_a_dashboard_and_a_node_listen_on_a_bracketed_ipv6_host():
         node.terminate()
         node.wait(30)
         node.stdout.close()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["node", "--engine", "fake", "--no-data-plane", "--data-port", "9"],
+     "meshnet node: error: argument --data-port: not allowed with argument --no-data-plane"),
+    (["backends", "--threads", "4"], "error: --threads needs --certify (it sets the self-test, which only --certify "
+                                     "runs); add --certify or drop --threads"),
+    (["backends", "--lane", "cpu"], "error: --lane needs --certify"),
+])
+def test_flags_that_would_be_ignored_are_refused_naming_both(args, message):
+    r = meshnet(*args, timeout=60)
+    assert r.returncode == 2 and message in r.stderr and r.stderr.count("error:") == 1

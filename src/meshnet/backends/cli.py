@@ -4,7 +4,8 @@ Without ``--certify`` nothing runs but the lane probes (vendor tools such as ``n
 the CPU lane and every accelerator lane that is built and has a device run their self-test first, and
 lanes that cannot run are reported skipped with the reason, never as passed.
 
-Exit status: 0; 1 when ``--certify`` ran a self-test that failed; 2 for a bad model.
+Exit status: 0; 1 when ``--certify`` ran a self-test that failed; 2 for a bad model, or a self-test flag
+(``--lane``, ``--model``, ``--threads``) without ``--certify``.
 Also runnable as ``python -m meshnet.backends.cli``.
 """
 
@@ -16,6 +17,9 @@ import sys
 
 from meshnet.arg_types import thread_count
 from meshnet.backends import LANE_NAMES
+
+# CPU threads of the self-test when --threads is not given.
+SELF_TEST_THREADS = 2
 
 
 def add_backends_parser(sub) -> None:
@@ -35,13 +39,26 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="GGUF path or bundled name for the self-test (default: the golden tiny llama when "
                         "../shared/golden is present, else smollm2)")
-    p.add_argument("--threads", type=thread_count, default=2, help="CPU threads for the self-test")
+    # None: not given (SELF_TEST_THREADS), so that one given without --certify is refused, not ignored.
+    p.add_argument("--threads", type=thread_count, default=None,
+                   help=f"with --certify: CPU threads for the self-test (default {SELF_TEST_THREADS})")
     p.add_argument("--device", type=int, default=0, metavar="N",
                    help="which device of each accelerator lane to test and report (ggml's order; default 0)")
 
 
+def _certify_problem(args: argparse.Namespace) -> str | None:
+    """Why flags that set the self-test were given without ``--certify`` (which alone runs it: they were
+    accepted and ignored), or None."""
+    if args.certify:
+        return None
+    given = next((flag for flag, value in (("--lane", args.lane), ("--model", args.model),
+                                           ("--threads", args.threads)) if value is not None), None)
+    return given and (f"{given} needs --certify (it sets the self-test, which only --certify runs); add "
+                      f"--certify or drop {given}")
+
+
 def backends_report(certify: bool = False, lanes: list[str] | None = None, model: str | None = None,
-                    threads: int = 2, device_index: int = 0) -> dict:
+                    threads: int = SELF_TEST_THREADS, device_index: int = 0) -> dict:
     """The report ``meshnet backends --json`` prints.
 
     Returns:
@@ -104,8 +121,12 @@ def cmd_backends(args: argparse.Namespace) -> int:
     if args.device < 0:
         print(f"error: --device must be 0 or more, got {args.device}", file=sys.stderr)
         return 2
+    if problem := _certify_problem(args):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    threads = SELF_TEST_THREADS if args.threads is None else args.threads
     try:
-        report = backends_report(args.certify, args.lane, args.model, args.threads, args.device)
+        report = backends_report(args.certify, args.lane, args.model, threads, args.device)
     except (ModelNotFound, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

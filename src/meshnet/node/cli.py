@@ -105,9 +105,11 @@ def add_node_parser(sub) -> None:
     p.add_argument("--drain-timeout", type=seconds, default=30.0,
                    help="on SIGTERM, seconds the open sessions may take to finish before the node exits "
                         "(default %(default)g)")
-    p.add_argument("--data-port", type=port_number, default=0,
-                   help="TCP port of the step data plane (default 0 = any free port)")
-    p.add_argument("--no-data-plane", action="store_true", help="serve steps over gRPC only")
+    # A data port beside --no-data-plane was silently ignored: argparse refuses the two together.
+    data_plane = p.add_mutually_exclusive_group()
+    data_plane.add_argument("--data-port", type=port_number, default=0,
+                            help="TCP port of the step data plane (default 0 = any free port)")
+    data_plane.add_argument("--no-data-plane", action="store_true", help="serve steps over gRPC only")
     p.add_argument("--relay", action="store_true",
                    help="open no port: keep one outbound connection to the tracker (--tracker) and take all "
                         "traffic over it (for nodes behind NAT or a firewall; each hop costs more)")
