@@ -141,3 +141,15 @@ def test_a_dashboard_and_a_node_listen_on_a_bracketed_ipv6_host():
 def test_flags_that_would_be_ignored_are_refused_naming_both(args, message):
     r = meshnet(*args, timeout=60)
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("error:") == 1
+
+
+def test_a_bad_join_token_variable_fails_only_runs_that_use_a_token(smollm2_path):
+    bad = {"MESHNET_JOIN_TOKEN": "p\u00e4ss"}
+    local = meshnet("generate", "--model", str(smollm2_path), "--max-tokens", "1", "hi", env=bad)
+    assert local.returncode == 0, local.stderr
+    for command in (["generate", "hi", "--tracker", "127.0.0.1:9"], ["api", "--tracker", "127.0.0.1:9"],
+                    ["nodes", "--tracker", "127.0.0.1:9"]):
+        r = meshnet(*command, env=bad, timeout=60)
+        assert r.returncode == 2, r.stderr
+        assert (f"meshnet {command[0]}: error: argument --join-token: may hold only printable ASCII characters "
+                "(gRPC carries it as metadata), got '\u00e4' at character 1 (from $MESHNET_JOIN_TOKEN)") in r.stderr

@@ -309,11 +309,36 @@ def _at_most_a_year(value: float, text: str) -> float:
     return value
 
 
-def add_join_token_arg(p: argparse.ArgumentParser) -> None:
-    """``--join-token``, the mesh's shared secret, defaulting to ``$MESHNET_JOIN_TOKEN`` (read when the
-    parser is built), for every command that calls a tracker or a node."""
-    p.add_argument("--join-token", type=join_token, default=os.environ.get(JOIN_TOKEN_ENV),
+def add_join_token_arg(p: argparse.ArgumentParser, local_without_tracker: bool = False) -> None:
+    """``--join-token``, the mesh's shared secret, for every command that calls a tracker or a node. Not
+    given, it is ``$MESHNET_JOIN_TOKEN``, read by :func:`join_token_from_env` once the command line is parsed:
+    argparse checks a default read here at every parse, so a bad variable failed runs that use no token.
+    ``local_without_tracker``: without ``--tracker`` the command runs in this process (generate, api) and
+    uses no token."""
+    p.add_argument("--join-token", type=join_token, default=None,
                    help=f"the mesh's shared secret (default ${JOIN_TOKEN_ENV})")
+    p.set_defaults(join_token_local_without_tracker=local_without_tracker)
+
+
+def join_token_from_env(args: argparse.Namespace, error) -> None:
+    """Set ``args.join_token`` to ``$MESHNET_JOIN_TOKEN`` where the command has :func:`add_join_token_arg`'s
+    flag, it was not given, and the run uses a token (not a run in this process: the variable is then
+    neither read nor checked).
+
+    Args:
+        error: the subcommand parser's ``error``: called (it exits with status 2) with argparse's message
+            for a bad ``--join-token``, ending "(from $MESHNET_JOIN_TOKEN)", when the variable holds a
+            token gRPC cannot send.
+    """
+    text = os.environ.get(JOIN_TOKEN_ENV)
+    if text is None or getattr(args, "join_token", "") is not None:  # given, or a command without the flag
+        return
+    if getattr(args, "join_token_local_without_tracker", False) and not args.tracker:
+        return
+    try:
+        args.join_token = join_token(text)
+    except argparse.ArgumentTypeError as e:
+        error(f"argument --join-token: {e}")
 
 
 # The settings of stages run in this process (``meshnet generate`` and ``meshnet api`` without

@@ -153,6 +153,7 @@ def _main(argv: list[str] | None) -> int:
             # traceback; uvicorn's logging could not be configured). The lowest free descriptor is the
             # closed one, so child processes find /dev/null there too.
             setattr(sys, name, open(os.devnull, "w"))
+    from meshnet.arg_types import join_token_from_env
     from meshnet.client.router import MeshUnavailable
     from meshnet.model.bundled import ModelNotFound
     from meshnet.supervisor import Terminated, sigterm_as_interrupt, stdout_to_devnull
@@ -162,6 +163,7 @@ def _main(argv: list[str] | None) -> int:
     args, extras = parser.parse_known_args(argv)
     if extras:
         _unrecognized(parser, args, extras)
+    join_token_from_env(args, _innermost(parser, args).error)
     try:
         if args.command != "bench":
             return args.func(args)
@@ -194,17 +196,24 @@ def _main(argv: list[str] | None) -> int:
         return 1
 
 
+def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the innermost subcommand ``args`` names (``meshnet bench serve``'s), for errors
+    under its usage."""
+    sub = parser
+    for dest in ("command", "bench"):
+        action = next((a for a in sub._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if action is None or getattr(args, dest, None) not in action.choices:
+            break
+        sub = action.choices[getattr(args, dest)]
+    return sub
+
+
 def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> None:
     """Exit 2 naming ``extras`` under the usage of the subcommand they were given to (argparse names
     them under ``meshnet``'s own), with the option each misspelled flag is closest to."""
     import difflib
 
-    sub = parser
-    for dest in ("command", "bench"):  # down to the innermost subcommand named
-        action = next((a for a in sub._actions if isinstance(a, argparse._SubParsersAction)), None)
-        if action is None or getattr(args, dest, None) not in action.choices:
-            break
-        sub = action.choices[getattr(args, dest)]
+    sub = _innermost(parser, args)
     flags = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
     hints = [f"{x} (did you mean {near[0]}?)" if (near := difflib.get_close_matches(x.split("=")[0], flags, 1))
              else x for x in extras]

@@ -75,7 +75,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--wait", type=seconds, default=0.0,
                      help="with --tracker: seconds to wait for a complete route before giving up (default 0: "
                           "give up at once)")
-    add_join_token_arg(gen)
+    add_join_token_arg(gen, local_without_tracker=True)
     add_client_id_arg(gen)
     gen.add_argument("--tls-ca", default=None, help="CA/cert to verify TLS tracker and nodes")
     gen.add_argument("--client-orchestrated", action="store_true",

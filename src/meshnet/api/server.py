@@ -55,7 +55,7 @@ def add_api_parser(sub) -> None:
     p.add_argument("--host", type=listen_host, default="127.0.0.1",
                    help="address to listen on (default %(default)s; 0.0.0.0 = every interface)")
     p.add_argument("--port", type=port_number, default=8000, help="port (default %(default)s; 0 = any free port)")
-    add_join_token_arg(p)
+    add_join_token_arg(p, local_without_tracker=True)
     add_client_id_arg(p)
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker and nodes")
     p.add_argument("--client-orchestrated", action="store_true",
