@@ -496,3 +496,46 @@ def test_a_node_is_ready_without_waiting_for_a_tracker_nothing_answers_for(tmp_p
         assert not membership.registered.is_set() and membership.refusal is None
     finally:
         stop.set()
+
+
+def test_a_tracker_on_every_interface_says_where_it_is_reached_whether_it_is_open_and_who_comes_and_goes(tmp_path):
+    """`meshnet tracker --host 0.0.0.0` printed 0.0.0.0 addresses nobody can open, nothing about running
+    without a join token, and no line when nodes joined or died."""
+    import subprocess
+    import sys
+
+    from meshnet.wire.addresses import this_machine_address
+
+    env = {k: v for k, v in os.environ.items() if k != "MESHNET_JOIN_TOKEN"}
+    env["HOME"] = str(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "tracker", "--host", "0.0.0.0", "--port", "0",
+                             "--heartbeat", "0.2", "--dashboard-host", "0.0.0.0", "--dashboard-port", "0",
+                             "--ledger", "sqlite://"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = []
+        while not lines or not lines[-1].startswith("tracker: ledger"):
+            lines.append(proc.stderr.readline().rstrip("\n"))
+            assert lines[-1] or proc.poll() is None, lines
+        port = int(lines[0].rsplit(":", 1)[1])
+        here = this_machine_address("0.0.0.0")
+        if here != "0.0.0.0":  # a machine with a default route (else there is no address to name)
+            assert f"tracker: other machines reach it at {here}:{port}" in lines
+            assert any(line.startswith(f"tracker: dashboard on http://{here}:") for line in lines), lines
+        assert (f"tracker: no join token: anyone who reaches port {port} can join nodes to this mesh and use it "
+                "(pass --join-token, or set $MESHNET_JOIN_TOKEN, on every machine)") in lines
+        with open_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.TrackerStub(channel)
+            stub.Register(node_info("a-head", 0, 15, port=14690), timeout=5)
+            stub.Register(node_info("b-tail", 15, 30, port=14691), timeout=5)
+            stub.Deregister(pb.NodeRef(node_id="a-head"), timeout=5)
+            time.sleep(1.0)  # b-tail sends no heartbeat: silent past 3 intervals
+            stub.ListNodes(pb.Empty(), timeout=5)  # routing sweeps the silent entry out
+        events = []
+        while len(events) < 4:
+            events.append(proc.stderr.readline().rstrip("\n").split(" tracker: ", 1)[-1])
+        assert events[:3] == ["node a-head joined: layers [0, 15) at 127.0.0.1:14690",
+                              "node b-tail joined: layers [15, 30) at 127.0.0.1:14691", "node a-head left"]
+        assert events[3].startswith("node b-tail left routing: silent for ") and events[3].endswith(" s (no heartbeat)")
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -127,10 +127,12 @@ def start_dashboard(service, host: str = "127.0.0.1", port: int = 0) -> Dashboar
         RuntimeError: the server did not start.
     """
     from meshnet.api.server import serve_app_in_thread
-    from meshnet.wire.addresses import format_address
+    from meshnet.wire.addresses import format_address, this_machine_address
 
     stopping = threading.Event()
     server, thread = serve_app_in_thread(create_dashboard_app(lambda: tracker_state(service), stopping), host,
                                          port, name="meshnet-dashboard")
-    return Dashboard(server, thread, stopping, f"http://{format_address(host, server.config.port)}/")
+    # Bound to every interface, it is named by an address another machine can open (0.0.0.0 is none).
+    url = f"http://{format_address(this_machine_address(host), server.config.port)}/"
+    return Dashboard(server, thread, stopping, url)
 

@@ -8,6 +8,7 @@ Expired entries are dropped lazily, whenever the table is read. All methods are 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import threading
 import time
@@ -16,6 +17,9 @@ from typing import Callable, Iterable
 
 from meshnet.tracker.routing import NodeRecord
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
+
+# Membership changes, for the operator (``meshnet tracker`` prints this logger's INFO lines).
+log = logging.getLogger("meshnet.tracker.members")
 
 # Missed heartbeats after which a node is presumed gone.
 TTL_HEARTBEATS = 3
@@ -115,8 +119,12 @@ class Registry:
         """
         with self._lock:
             now = self._admit(record, protocol_major, protocol_minor)
+            old = self._entries.get(record.node_id)
             self._entries[record.node_id] = _Entry(record, now, protocol_major, protocol_minor,
                                                    max(int(free_memory_bytes), 0), device, version)
+        if old is None or old.record.address != record.address or old.record.layers != record.layers:
+            log.info("node %s joined: layers [%d, %d) at %s%s", record.node_id, record.layers.start,
+                     record.layers.end, record.address, " (relayed)" if record.relayed else "")
 
     def check_admissible(self, record: NodeRecord, protocol_major: int, protocol_minor: int) -> None:
         """Raise what :meth:`register` would for ``record``, registering nothing."""
@@ -158,6 +166,7 @@ class Registry:
             if now - entry.last_seen >= self.ttl_s:
                 # Expired but not yet swept: it already left routing, so it must register again.
                 del self._entries[node_id]
+                _expired(node_id, now - entry.last_seen)
                 return False
             changes: dict = {"active_sessions": max(int(active_sessions), 0)}
             entry.granted = 0  # the sessions they opened are in its count now
@@ -171,7 +180,10 @@ class Registry:
     def deregister(self, node_id: str) -> bool:
         """Remove ``node_id``. Returns False when it was not registered (deregistering is idempotent)."""
         with self._lock:
-            return self._entries.pop(node_id, None) is not None
+            gone = self._entries.pop(node_id, None) is not None
+        if gone:
+            log.info("node %s left", node_id)
+        return gone
 
     def get(self, node_id: str) -> NodeRecord | None:
         """The record of ``node_id`` if it is registered and not expired, else None."""
@@ -217,7 +229,7 @@ class Registry:
         """Drop expired entries (lock held); returns the time used."""
         now = self._clock()
         for node_id in [k for k, e in self._entries.items() if now - e.last_seen >= self.ttl_s]:
-            del self._entries[node_id]
+            _expired(node_id, now - self._entries.pop(node_id).last_seen)
         return now
 
     # ---- route epochs --------------------------------------------------------------------------------
@@ -231,6 +243,10 @@ class Registry:
         with self._lock:
             self._epoch = max(self._epoch, int(previous)) + 1
             return self._epoch
+
+
+def _expired(node_id: str, silent_s: float) -> None:
+    log.info("node %s left routing: silent for %.1f s (no heartbeat)", node_id, silent_s)
 
 
 def validate_record(record: NodeRecord) -> str | None:
