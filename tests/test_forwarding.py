@@ -73,13 +73,10 @@ def test_a_node_killed_while_forwarding_is_replaced_with_identical_output(mesh, 
                    in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
-def test_a_link_between_two_nodes_that_fails_is_stepped_by_the_client_with_identical_output(
-        mesh, tok, solo, monkeypatch, caplog):
-    """A firewall lets the client reach both nodes but not the head the tail's data port (emulated: the
-    route the client hands the head names a closed port for the tail, while the client's own connections
-    to the tail go to its real one). Before, every attempt failed the tail over onto the same route, 27
-    times, until the session gave up; now the client blocks that link, replays the session once and steps
-    it itself, with the solo run's tokens."""
+def _firewall_before(monkeypatch, node_id: str) -> str:
+    """Emulate a firewall that lets the client reach ``node_id``'s data port but not the nodes before it:
+    the route the client hands on to the nodes names a closed port (returned) for it, while the client's
+    own connections to it go to its real one."""
     from meshnet.client.remote import RemoteStage
 
     with socket.socket() as s:  # a port nothing listens on: connecting is refused at once
@@ -89,11 +86,20 @@ def test_a_link_between_two_nodes_that_fails_is_stepped_by_the_client_with_ident
 
     def through_a_firewall(self):
         hop = real(self)
-        if self.node_id == "b-tail":
+        if self.node_id == node_id:
             hop.data_address = closed
         return hop
 
     monkeypatch.setattr(RemoteStage, "forward_hop", through_a_firewall)
+    return closed
+
+
+def test_a_link_between_two_nodes_that_fails_is_stepped_by_the_client_with_identical_output(
+        mesh, tok, solo, monkeypatch, caplog):
+    """A firewall lets the client reach both nodes but not the head the tail's data port. Before, every attempt failed the tail over onto the same route, 27
+    times, until the session gave up; now the client blocks that link, replays the session once and steps
+    it itself, with the solo run's tokens."""
+    closed = _firewall_before(monkeypatch, "b-tail")
     nodes = mesh.start_nodes([("a-head", "0:15"), ("b-tail", "15:30")])
     client = MeshClient(mesh.tracker, forwarding=True, failover_deadline_s=5.0)
     with caplog.at_level(logging.WARNING, logger="meshnet.client"):
@@ -112,6 +118,32 @@ def test_a_link_between_two_nodes_that_fails_is_stepped_by_the_client_with_ident
     # The head says so in its own log, once (its operator looks there for the firewall).
     head_log = nodes[0].log_path.read_text()
     assert head_log.count(f"this node could not forward to its data plane at {closed}") == 1, head_log[-2000:]
+
+
+def test_a_failed_link_in_the_middle_of_a_route_is_found_by_health_and_stepped_by_the_client(
+        mesh, tok, solo, monkeypatch, caplog):
+    """The middle node cannot reach the tail's data port: it could tell only the tail, so nobody answered
+    the client's await: every node answering Health, the client waited each attempt out, failed the tail
+    over onto the same route again and again, and gave the session up after two minutes. The middle node's
+    Health now names the node it could not reach; the client blocks that link after the step's deadline,
+    replays once, and steps the route itself."""
+    import time
+
+    _firewall_before(monkeypatch, "c-tail")
+    nodes = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
+    client = MeshClient(mesh.tracker, forwarding=True, failover_deadline_s=5.0)
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="meshnet.client"):
+        ids, steps = generate_recording_steps(client, tok, solo.prompt_ids(0), N)
+    took = time.monotonic() - started
+    assert ids == solo.greedy(0, N)
+    assert client.failovers == 1 and {rec.through for rec in steps} == {3}
+    warned = [r.getMessage() for r in caplog.records if "cannot reach node c-tail" in r.getMessage()]
+    assert len(warned) == 1 and "node b-mid cannot reach node c-tail, which this client reaches" in warned[0]
+    assert "could not forward the step to it (its Health says so)" in warned[0]
+    assert took < 40, took  # one step's deadline (seconds), not the 60 s of the node's timeout
+    client.close()
+    assert [n.active_sessions() for n in nodes] == [0, 0, 0]
 
 
 def test_a_forwarded_step_reaching_a_node_of_other_layers_is_refused_not_run(mesh, tok, solo, monkeypatch):

@@ -94,10 +94,15 @@ def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool, clock
     ticket, timeout_s = clock.begin(decode, len(req.token_ids))
     t0, elapsed = time.monotonic(), None
     silent: list[RemoteStage] = []
+    cut: list[tuple[RemoteStage, RemoteStage]] = []  # a hop that says it could not reach the next one
 
     def all_answer() -> bool:
         silent.extend(h for h in hops if not h.answers())
-        return not silent
+        if not silent:
+            # A stage in the middle that could not forward tells only the tail, which it may not reach
+            # either: nobody would answer the await, and every hop answering, the wait ran to the end.
+            cut.extend((a, b) for a, b in zip(hops, hops[1:]) if b.node_id in a.unreachable_next)
+        return not silent and not cut
 
     try:
         pending = tail.await_step(req, timeout_s)
@@ -126,6 +131,10 @@ def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool, clock
             res, failure = pending.result(timeout_s, all_answer, tail.timeout_s,
                                           (WATCH_S, watch) if failures is not None else None)
         except StageFailure as f:
+            if cut and not silent:
+                (a, b), = cut[:1]
+                raise LinkFailure(a.node_id, b.node_id, b.address, "UNAVAILABLE", f"node {a.node_id} could not "
+                                  f"forward the step to it (its Health says so); {f.message}") from None
             raise _silent_one(silent, tail, f) from None
         if failure is not None:
             return _stopped_at(hops, failure)

@@ -66,6 +66,8 @@ class RemoteStage:
         # restart that lost every session this one held.
         self.instance = ""
         self.numerics = ""  # Hop.numerics: what decides the bits it computes ("" = not known)
+        # Its last answer to :meth:`answers`: which next nodes it lately failed to forward to.
+        self.unreachable_next: frozenset[str] = frozenset()
 
     def _fail(self, e: grpc.RpcError) -> StepResult:
         code = e.code()
@@ -247,6 +249,7 @@ class RemoteStage:
             log.info("node %s at %s restarted since it was routed to (another process answers)", self.node_id,
                      self.address)
             return False
+        self.unreachable_next = frozenset(h.unreachable_next)
         return h.healthy
 
     def prefill(self, req: StepRequest) -> StepResult:

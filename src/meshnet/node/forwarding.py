@@ -188,6 +188,7 @@ class Forwarder:
         self._pools: collections.OrderedDict[str, ConnectionPool] = collections.OrderedDict()
         self._unreachable: dict[str, float] = {}  # address -> monotonic time until which sends fail at once
         self._warned: dict[str, float] = {}  # address -> monotonic time until which its failures are not logged
+        self._failed: dict[str, float] = {}  # node id -> monotonic time of the last send to it that failed
         self._lock = threading.Lock()
 
     def send(self, hop: pb.ForwardHop, frames: list[pb.Envelope], connect: bool = True) -> pb.HopFailure | None:
@@ -204,6 +205,7 @@ class Forwarder:
         with self._lock:
             until = self._unreachable.get(address, 0.0)
         if time.monotonic() < until and not pool.idle_count():
+            self._failed_to(hop.node_id)
             return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0, unreachable=True,
                                  message=f"the hop before it could not reach {address} within the last "
                                          f"{UNREACHABLE_S:g} s")
@@ -231,6 +233,7 @@ class Forwarder:
                 continue
             with self._lock:
                 self._unreachable.pop(address, None)
+                self._failed.pop(hop.node_id, None)
                 if self._pools.get(address) is pool:
                     pool.release(conn)
                 else:  # its pool was dropped meanwhile (see _pool): nobody would use it again
@@ -238,8 +241,22 @@ class Forwarder:
             return None
         message = f"the hop before it could not forward to its data plane at {address}: {error}"
         self._warn_unreachable(address, message)
+        self._failed_to(hop.node_id)
         return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0, unreachable=True,
                              message=message)
+
+    def unreachable_next(self, within_s: float = UNREACHABLE_WARN_S) -> list[str]:
+        """Ids of the nodes the last send to failed, within the last ``within_s`` seconds (what Health tells
+        a client waiting on a forwarded step that stopped here)."""
+        now = time.monotonic()
+        with self._lock:
+            return sorted(n for n, t in self._failed.items() if now - t < within_s)
+
+    def _failed_to(self, node_id: str) -> None:
+        with self._lock:
+            if len(self._failed) >= MAX_PEERS:
+                self._failed.clear()  # ids a client made up: forgetting them costs a client one wait
+            self._failed[node_id] = time.monotonic()
 
     def _warn_unreachable(self, address: str, message: str) -> None:
         """Log that ``address`` could not be reached, once per :data:`UNREACHABLE_WARN_S` an address: the

@@ -369,7 +369,8 @@ class NodeService(pb_grpc.NodeServicer):
     def Health(self, request, context):
         h = self.engine.health()
         return pb.HealthReply(healthy=h.healthy, active_sessions=h.active_sessions, draining=self.draining,
-                              message=h.message, instance=self.instance)
+                              message=h.message, instance=self.instance,
+                              unreachable_next=self.forwarder.unreachable_next())
 
     def Metrics(self, request, context):
         m = self.engine.metrics()
