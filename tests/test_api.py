@@ -289,6 +289,32 @@ def test_bad_requests_are_400(backend, http, path, body, param):
     _ok(http)
 
 
+def test_an_api_key_is_required_of_every_request_but_health(backend):
+    """Bound beyond loopback, the API ran generations for whoever reached its port: no key could be set.
+    With --api-key every request but /health must carry it as OpenAI's SDKs send it (401 otherwise, OpenAI's
+    invalid_api_key), and nothing reaches the engine without it."""
+    server, thread = start_api_in_thread(backend, "127.0.0.1", 0, api_key="sk-mesh-0123")
+    base = f"http://127.0.0.1:{server.config.port}"
+    try:
+        before = _engines(backend)[0].metrics().prefill_tokens
+        with httpx.Client(base_url=base, timeout=60) as raw:
+            err = _error(raw.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}), 401, None)
+            assert err["code"] == "invalid_api_key" and err["message"].startswith("no API key: send the header")
+            wrong = raw.get("/v1/models", headers={"Authorization": "Bearer sk-mesh-0124"})
+            assert _error(wrong, 401, None)["message"].startswith("an incorrect API key")
+            assert raw.get("/metrics").status_code == 401
+            assert raw.get("/health").status_code == 200  # load balancers probe without a key
+        assert _engines(backend)[0].metrics().prefill_tokens == before
+        keyed = openai.OpenAI(base_url=base + "/v1", api_key="sk-mesh-0123", max_retries=0, timeout=120)
+        out = keyed.completions.create(model="smollm2", prompt="Hi", max_tokens=2, temperature=0)
+        assert out.usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError) as ei:
+            openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()
+        assert ei.value.status_code == 401
+    finally:
+        stop_api(server, thread)
+
+
 def test_a_request_a_web_page_of_another_origin_sent_is_refused(backend, http):
     """A page on another site can send a form or text/plain body without asking the browser first, and
     the API read it as JSON: any page a user visited could start generations on an unauthenticated API.

@@ -226,3 +226,29 @@ def test_up_on_every_interface_of_a_machine_without_a_default_route_names_the_fi
     assert capsys.readouterr().err == ("error: --host 0.0.0.0: this machine has no default route, so there is no "
                                        "address of it to give other machines; pass --host with its address on "
                                        "the network they share\n")
+
+
+def test_an_api_beyond_loopback_without_a_key_says_so_and_a_bad_key_is_refused(tmp_path):
+    """`meshnet api --host 0.0.0.0` served anyone who reached it without a word; a key that cannot travel in
+    a header is an argparse error."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "MESHNET_API_KEY"}
+    r = subprocess.run([sys.executable, "-m", "meshnet.cli", "api", "--api-key", "two words"], capture_output=True,
+                       text=True, timeout=60, env=env)
+    assert r.returncode == 2 and ("argument --api-key: may hold only printable ASCII characters without spaces "
+                                  "(clients send it in a header), got ' ' at character 3") in r.stderr
+    proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "api", "--host", "0.0.0.0", "--port", "0"],
+                            stderr=subprocess.PIPE, text=True, env={**env, "HOME": str(tmp_path)})
+    try:
+        lines = []
+        while not any("no API key" in line for line in lines):
+            lines.append(proc.stderr.readline())
+            assert lines[-1] or proc.poll() is None, lines
+        serving = next(line for line in lines if "serving 'smollm2'" in line)
+        port = int(serving.split(":")[2].split("/")[0])
+        assert lines[-1] == (f"[meshnet api] no API key: anyone who reaches port {port} can run generations on "
+                             "this model (pass --api-key, or set $MESHNET_API_KEY)\n")
+    finally:
+        proc.terminate()
+        proc.wait(60)

@@ -289,6 +289,31 @@ def join_token(text: str) -> str:
     return text
 
 
+# Where ``meshnet api`` and ``meshnet up`` read their API key when ``--api-key`` is not given.
+API_KEY_ENV = "MESHNET_API_KEY"
+API_KEY_MAX_CHARS = 256
+
+
+def add_api_key_arg(p: argparse.ArgumentParser) -> None:
+    """``--api-key``: the key HTTP clients of the OpenAI API must send (``Authorization: Bearer KEY``),
+    default ``$MESHNET_API_KEY``; none: the API is open to whoever reaches its port."""
+    p.add_argument("--api-key", type=api_key, default=os.environ.get(API_KEY_ENV) or None, metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on every API request but /health (default "
+                        f"${API_KEY_ENV}; none: anyone who reaches the port may use the API)")
+
+
+def api_key(text: str) -> str:
+    """An API key: 1 to API_KEY_MAX_CHARS printable ASCII characters without spaces (a bearer token)."""
+    source = f" (from ${API_KEY_ENV})" if text == os.environ.get(API_KEY_ENV) else ""
+    if not text or len(text) > API_KEY_MAX_CHARS:
+        raise argparse.ArgumentTypeError(f"must be 1 to {API_KEY_MAX_CHARS} characters, got {len(text)}{source}")
+    bad = next((i for i, c in enumerate(text) if not "!" <= c <= "~"), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"may hold only printable ASCII characters without spaces (clients send "
+                                         f"it in a header), got {text[bad]!r} at character {bad}{source}")
+    return text
+
+
 def _parse(text: str, convert, what: str):
     try:
         return convert(text)

@@ -17,14 +17,15 @@ import time
 import grpc
 from tqdm import tqdm
 
-from meshnet.arg_types import add_join_token_arg, heartbeat_seconds, listen_host, port_number, positive_seconds
+from meshnet.arg_types import add_api_key_arg, add_join_token_arg, heartbeat_seconds, listen_host, port_number, positive_seconds
 from meshnet.load_spec import LOAD_SETTING_LEAST, LOAD_SETTING_MOST, NO_HUGE_PAGES_HELP
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem, dashboard_port_taken
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.supervisor import Supervisor, announce, on_stop_signals, wait_for_stop
-from meshnet.wire.addresses import WILDCARD_HOSTS, bind_problem, format_address, this_machine_address
+from meshnet.wire.addresses import (WILDCARD_HOSTS, bind_problem, format_address, is_loopback_host,
+                                    this_machine_address)
 from meshnet.wire.call_problems import tracker_hint
 from meshnet.wire.security import open_channel
 
@@ -55,6 +56,7 @@ def add_up_parser(sub) -> None:
     p.add_argument("--client-orchestrated", action="store_true",
                    help="the API's steps: " + "every step through the client, hop by hop (default: nodes forward hidden states to the next node themselves where the route allows)")
     add_join_token_arg(p)
+    add_api_key_arg(p)
     p.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds to wait for a complete route")
     p.add_argument("--ledger", default=None, metavar="URL",
                    help="the tracker's ledger, as for meshnet tracker --ledger (sqlite:///PATH, postgresql://...); "
@@ -266,9 +268,15 @@ def run_up(args: argparse.Namespace) -> int:
             api_backend.speculation = speculation
             api_backend.mtp_problem = mtp_problem(path)
             try:
-                api = (api_backend, *start_api_in_thread(api_backend, args.host, args.api_port))
+                api = (api_backend, *start_api_in_thread(api_backend, args.host, args.api_port,
+                                                         api_key=args.api_key))
                 api_url = f"http://{format_address(this_machine_address(args.host), api[1].config.port)}/v1"
-                print(f"[meshnet up] OpenAI-compatible API on {api_url}", file=sys.stderr, flush=True)
+                print(f"[meshnet up] OpenAI-compatible API on {api_url}"
+                      + (" (API key required)" if args.api_key else ""), file=sys.stderr, flush=True)
+                if not args.api_key and not is_loopback_host(args.host):
+                    print(f"[meshnet up] no API key: anyone who reaches port {api[1].config.port} can run "
+                          "generations on this mesh (pass --api-key, or set $MESHNET_API_KEY)", file=sys.stderr,
+                          flush=True)
             except OSError as e:  # taken since the check at the start
                 api_backend.close()
                 raise _Refused(f"the API cannot listen on {args.host}:{args.api_port} ({e}); pass another "

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from meshnet.api.backend import ApiBackend
 from meshnet.api.errors import ApiError, bad_request, internal_error
 from meshnet.api.metrics import ApiMetrics
-from meshnet.api.middleware import BodyLimitAndMetrics, SameOriginOnly
+from meshnet.api.middleware import ApiKeyOnly, BodyLimitAndMetrics, SameOriginOnly
 from meshnet.api.prompts import chat_prompt, completion_prompts
 from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece, queue_full
 from meshnet.api.schemas import (
@@ -62,7 +62,8 @@ MAX_BODY_BYTES = 2 * 1024 * 1024
 MAX_QUEUED = 256
 
 
-def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_queued: int = MAX_QUEUED) -> FastAPI:
+def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_queued: int = MAX_QUEUED,
+               api_key: str | None = None) -> FastAPI:
     """Build the API app over ``backend``.
 
     Args:
@@ -70,6 +71,8 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
         max_body_bytes: larger request bodies are answered 413 (checked on Content-Length and on the
             bytes actually received).
         max_queued: generations allowed to wait for a free slot; beyond that requests get 503.
+        api_key: when given, every request but ``/health`` must carry ``Authorization: Bearer api_key``
+            (401 otherwise, see :class:`~meshnet.api.middleware.ApiKeyOnly`).
     """
     app = FastAPI(title="meshnet", description="OpenAI-compatible API over a meshnet mesh",
                   version="1", docs_url=None, redoc_url=None, openapi_url=None,
@@ -79,6 +82,8 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
     api = _Api(backend, metrics, max_queued)
     app.state.api = api
     app.state.metrics = metrics
+    if api_key:
+        app.add_middleware(ApiKeyOnly, api_key=api_key)
     app.add_middleware(SameOriginOnly)
     app.add_middleware(BodyLimitAndMetrics, metrics=metrics, max_body_bytes=max_body_bytes)  # the outer one
 

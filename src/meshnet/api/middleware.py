@@ -1,9 +1,11 @@
 """ASGI middleware in front of the API: a limit on request bodies, a count of every answer, a 500 for a
-request that fails inside the app, and a refusal of requests that web pages of other origins send."""
+request that fails inside the app, a refusal of requests that web pages of other origins send, and of
+requests without the server's API key when it has one."""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from urllib.parse import urlsplit
@@ -152,6 +154,29 @@ class SameOriginOnly:
                 await err.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class ApiKeyOnly:
+    """Answers 401 (OpenAI's ``invalid_api_key``) to a request without ``Authorization: Bearer KEY``, the
+    key compared in constant time, as OpenAI and ``llama-server --api-key`` do; ``/health`` stays open to
+    load balancers' probes. Without it anyone who reaches the port can run generations on the mesh."""
+
+    OPEN_PATHS = frozenset({"/health"})
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self._expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        sent = next((value for name, value in scope.get("headers", ()) if name == b"authorization"), b"")
+        if hmac.compare_digest(sent, self._expected):
+            await self.app(scope, receive, send)
+            return
+        err = ApiError(401, f"{'an incorrect' if sent else 'no'} API key: send the header 'Authorization: Bearer "
+                            f"KEY' with the key this server was started with (--api-key)", code="invalid_api_key")
+        await err.response()(scope, receive, send)
 
 
 def _same_origin(origin: bytes, host: bytes | None) -> bool:

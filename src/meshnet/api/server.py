@@ -12,14 +12,15 @@ import time
 
 import uvicorn
 
-from meshnet.arg_types import (LOCAL_STAGE_DEFAULTS, add_client_id_arg, add_join_token_arg, host_port, listen_host,
+from meshnet.arg_types import (LOCAL_STAGE_DEFAULTS, add_api_key_arg, add_client_id_arg, add_join_token_arg,
+                               host_port, listen_host,
                                mode_problem, model_ref, name_text, port_number, positive_int, positive_number)
 from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.http_protocol import HeaderDeadlineProtocol
 from meshnet.api.backend import ApiBackend
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
 from meshnet.speculative import add_speculation_args, speculation_from_args
-from meshnet.wire.addresses import format_address
+from meshnet.wire.addresses import format_address, is_loopback_host
 from meshnet.wire.call_problems import tracker_refusal
 
 log = logging.getLogger("meshnet.api")
@@ -56,6 +57,7 @@ def add_api_parser(sub) -> None:
                    help="address to listen on (default %(default)s; 0.0.0.0 = every interface)")
     p.add_argument("--port", type=port_number, default=8000, help="port (default %(default)s; 0 = any free port)")
     add_join_token_arg(p, local_without_tracker=True)
+    add_api_key_arg(p)
     add_client_id_arg(p)
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker and nodes")
     p.add_argument("--client-orchestrated", action="store_true",
@@ -148,10 +150,14 @@ def run_api(args: argparse.Namespace) -> int:
         return 2
     with sock:
         backend = build_backend(args)
-        app = create_app(backend, max_body_bytes=int(args.max_body_mb * 2**20))
+        app = create_app(backend, max_body_bytes=int(args.max_body_mb * 2**20), api_key=args.api_key)
         port = sock.getsockname()[1]
         print(f"[meshnet api] serving {backend.model_name!r} on http://{format_address(args.host, port)}/v1 "
-              f"(context {backend.n_ctx} tokens)", file=sys.stderr, flush=True)
+              f"(context {backend.n_ctx} tokens{', API key required' if args.api_key else ''})", file=sys.stderr,
+              flush=True)
+        if not args.api_key and not is_loopback_host(args.host):
+            print(f"[meshnet api] no API key: anyone who reaches port {port} can run generations on this model "
+                  f"(pass --api-key, or set $MESHNET_API_KEY)", file=sys.stderr, flush=True)
         # uvicorn raises the signal that stopped it again once it has stopped: with SIGTERM's default
         # action the process was killed there (status -15), before the backend closed and before the
         # atexit handlers sent the ledger what the mesh client had not reported yet.
@@ -189,10 +195,11 @@ class _StoppingServer(uvicorn.Server):
 
 def start_api_in_thread(backend: ApiBackend, host: str = "127.0.0.1", port: int = 8000,
                         max_body_bytes: int = MAX_BODY_BYTES, log_level: str = "warning",
-                        startup_timeout_s: float = 30.0) -> tuple[uvicorn.Server, threading.Thread]:
+                        startup_timeout_s: float = 30.0,
+                        api_key: str | None = None) -> tuple[uvicorn.Server, threading.Thread]:
     """Serve ``create_app(backend)`` with uvicorn in a daemon thread; see :func:`serve_app_in_thread`."""
-    return serve_app_in_thread(create_app(backend, max_body_bytes=max_body_bytes), host, port, log_level,
-                               startup_timeout_s, name="meshnet-api")
+    return serve_app_in_thread(create_app(backend, max_body_bytes=max_body_bytes, api_key=api_key), host, port,
+                               log_level, startup_timeout_s, name="meshnet-api")
 
 
 def bind_http_socket(host: str, port: int) -> socket.socket:

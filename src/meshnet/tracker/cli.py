@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import signal
@@ -19,7 +18,8 @@ from meshnet.arg_types import heartbeat_seconds, join_token, listen_host, port_n
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem, dashboard_port_taken
 from meshnet.supervisor import on_stop_signals, wait_for_stop
 from meshnet.tracker.server import start_tracker
-from meshnet.wire.addresses import WILDCARD_HOSTS, bind_problem, format_address, this_machine_address
+from meshnet.wire.addresses import (WILDCARD_HOSTS, bind_problem, format_address, is_loopback_host,
+                                    this_machine_address)
 from meshnet.wire.security import JOIN_TOKEN_ENV, TlsConfig
 
 DEFAULT_PORT = 7700
@@ -52,13 +52,6 @@ def add_tracker_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     add_dashboard_args(p)
     p.set_defaults(func=run_tracker)
     return p
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def run_tracker(args: argparse.Namespace) -> int:
@@ -102,7 +95,7 @@ def run_tracker(args: argparse.Namespace) -> int:
     print(f"tracker listening on {format_address(args.host, port)}", file=sys.stderr, flush=True)
     if args.host in WILDCARD_HOSTS and (here := this_machine_address(args.host)) not in WILDCARD_HOSTS:
         print(f"tracker: other machines reach it at {format_address(here, port)}", file=sys.stderr, flush=True)
-    if not token and not _is_loopback(args.host):
+    if not token and not is_loopback_host(args.host):
         print(f"tracker: no join token: anyone who reaches port {port} can join nodes to this mesh and use it "
               f"(pass --join-token, or set ${JOIN_TOKEN_ENV}, on every machine)", file=sys.stderr, flush=True)
     # Nodes joining and leaving, a line each (the tracker's only log lines otherwise are warnings).

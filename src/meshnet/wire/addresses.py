@@ -104,14 +104,19 @@ def _is_own_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
         return False
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (a name or address, IPv6 bare or bracketed) is this machine's loopback only:
+    ``localhost``, 127.0.0.0/8, ``::1``. A server bound there is out of other machines' reach."""
+    ip = _ip(host)
+    return host == "localhost" or (ip is not None and ip.is_loopback)
+
+
 def loopback_seen_from_elsewhere(advertised: str, peer: str) -> str | None:
     """Why ``advertised`` (a node's ``host:port``) cannot serve the mesh it registers with from gRPC peer
     ``peer`` (``ipv4:10.0.0.5:41234``, ``ipv6:[::1]:41234``): its host is a loopback address (127.0.0.0/8,
     ::1, localhost), which only its own machine can dial, while the registration came from another
     machine. None where it can be dialled, or where that cannot be told (a host name, a unix socket)."""
-    host = advertised.rpartition(":")[0]
-    ip = _ip(host)
-    if not (host == "localhost" or (ip is not None and ip.is_loopback)):
+    if not is_loopback_host(advertised.rpartition(":")[0]):
         return None
     kind, _, rest = unquote(peer).partition(":")  # gRPC percent-encodes an IPv6 peer's brackets
     if kind not in ("ipv4", "ipv6"):
