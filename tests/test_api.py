@@ -289,7 +289,7 @@ def test_bad_requests_are_400(backend, http, path, body, param):
     _ok(http)
 
 
-def test_an_api_key_is_required_of_every_request_but_health(backend):
+def test_an_api_key_is_required_of_every_request_but_health(backend, tmp_path, capsys, monkeypatch):
     """Bound beyond loopback, the API ran generations for whoever reached its port: no key could be set.
     With --api-key every request but /health must carry it as OpenAI's SDKs send it (401 otherwise, OpenAI's
     invalid_api_key), and nothing reaches the engine without it."""
@@ -311,6 +311,23 @@ def test_an_api_key_is_required_of_every_request_but_health(backend):
         with pytest.raises(openai.AuthenticationError) as ei:
             openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()
         assert ei.value.status_code == 401
+        # bench serve --url measures a keyed server given its key, and says what is missing without it
+        import argparse
+
+        from meshnet.bench.serve_bench import add_serve_bench_parser
+
+        monkeypatch.delenv("MESHNET_API_KEY", raising=False)
+        parser = argparse.ArgumentParser()
+        add_serve_bench_parser(parser.add_subparsers(dest="bench"))
+        load = ["--concurrency", "2", "--requests-per-stream", "1", "--max-tokens", "2", "--rounds", "1"]
+        args = parser.parse_args(["serve", "--url", base, *load, "--out", str(tmp_path / "no-key.json")])
+        assert args.func(args) == 1
+        assert f"{base} asks for an API key: pass the one it was started with" in capsys.readouterr().err
+        out = tmp_path / "keyed.json"
+        args = parser.parse_args(["serve", "--url", base, "--api-key", "sk-mesh-0123", *load, "--out", str(out)])
+        assert args.func(args) == 0
+        row = json.loads(out.read_text())["results"]["url"]["2"]
+        assert row["errors"] == 0 and row["completion_tokens"] == 2 * row["completed"]
     finally:
         stop_api(server, thread)
 

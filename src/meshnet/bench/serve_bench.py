@@ -36,7 +36,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshnet.arg_types import counts, http_url, positive_int, positive_seconds, results_file, thread_count
+from meshnet.arg_types import (API_KEY_ENV, api_key, counts, http_url, positive_int, positive_seconds, results_file,
+                               thread_count)
 from meshnet.bench.serve_load import LoadSpec, run_load, summarize
 from meshnet.bench.serve_targets import LLAMA_SLOT_CTX, llama_rpc_server, meshnet_targets, start_llama_server
 from meshnet.bench.served import KvSampler, Server
@@ -83,6 +84,8 @@ def add_serve_bench_parser(bench_subparsers) -> None:
                    help="run llama-server and meshnet in process side by side for a C and let them take turns "
                         "a load at a time (by default every target is started and stopped for each load)")
     p.add_argument("--url", type=http_url, default=None, help="measure only this running OpenAI-compatible server")
+    p.add_argument("--api-key", type=api_key, default=os.environ.get(API_KEY_ENV) or None, metavar="KEY",
+                   help=f"with --url: the key that server asks for (default ${API_KEY_ENV})")
     p.add_argument("--timeout", type=positive_seconds, default=900.0, help="per-request timeout, seconds")
     p.add_argument("--out", type=results_file, default="bench-results/serve.json")
     p.set_defaults(func=run_serve_bench)
@@ -106,7 +109,7 @@ def _measure(server: Server, model: str, c: int, args, sample_kv: bool, neighbou
     spec = LoadSpec(n_requests=n, concurrency=c, max_tokens=args.max_tokens, timeout_s=args.timeout)
     rss0 = server.rss_bytes()[0] if server.proc else 0
     cpu0, idle0 = server.cpu_seconds(), [s.cpu_seconds() for s in neighbours]
-    results, wall = asyncio.run(run_load(server.url, model, spec))
+    results, wall = asyncio.run(run_load(server.url, model, spec, server.headers))
     cpu1, idle1 = server.cpu_seconds(), [s.cpu_seconds() for s in neighbours]
     row = summarize(results, wall)
     if server.proc:
@@ -141,7 +144,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
                     "concurrency": cs, "threads": args.threads, "results": {}, "skipped": {},
                     "machine": {"python": platform.python_version(), "cpus": len(os.sched_getaffinity(0))}}
     if args.url:
-        servers = {"url": Server.attach("url", args.url)}
+        servers = {"url": Server.attach("url", args.url, args.api_key)}
         try:
             servers["url"].start()  # before anything is written: nothing answering there is one line
         except RuntimeError as e:
@@ -267,7 +270,7 @@ class _Run:
             print(f"[bench serve] starting {name}", file=sys.stderr, flush=True)
             model = srv.start()
         try:
-            asyncio.run(run_load(srv.url, model, LoadSpec(1, 1, max_tokens=8)))
+            asyncio.run(run_load(srv.url, model, LoadSpec(1, 1, max_tokens=8), srv.headers))
         except BaseException:
             if srv.proc is not None:
                 srv.stop()

@@ -90,13 +90,15 @@ async def one_request(client, model: str, i: int, spec: LoadSpec) -> dict:
             "prompt_tokens": usage.get("prompt_tokens", 0) if usage else 0, "decode_tokens_per_s": decode}
 
 
-async def run_load(url: str, model: str, spec: LoadSpec) -> tuple[list[dict], float]:
-    """Send the load; returns each request's result (in request order) and the wall time in seconds."""
+async def run_load(url: str, model: str, spec: LoadSpec,
+                   headers: dict[str, str] | None = None) -> tuple[list[dict], float]:
+    """Send the load (``headers`` with every request); returns each request's result (in request order)
+    and the wall time in seconds."""
     import httpx
 
     limits = httpx.Limits(max_connections=spec.concurrency, max_keepalive_connections=spec.concurrency)
     sem = asyncio.Semaphore(spec.concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=spec.timeout_s, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=spec.timeout_s, limits=limits, headers=headers) as client:
         async def bounded(i: int) -> dict:
             async with sem:
                 return await one_request(client, model, i, spec)

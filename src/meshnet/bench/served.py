@@ -65,15 +65,18 @@ class Server:
         self._argv_for_port = argv_for_port
         self.argv = argv_for_port(self.port)
         self.url = f"http://127.0.0.1:{self.port}"
+        self.headers: dict[str, str] = {}  # sent with every request (an attached server's API key)
         self.log_path = log_dir / f"{name}.log"
         self.proc: subprocess.Popen | None = None
 
     @classmethod
-    def attach(cls, name: str, url: str) -> "Server":
-        """A server someone else runs at ``url``: ``start`` only asks it for its model id, the first time."""
+    def attach(cls, name: str, url: str, api_key: str | None = None) -> "Server":
+        """A server someone else runs at ``url``: ``start`` only asks it for its model id, the first time;
+        ``api_key`` goes with every request as ``Authorization: Bearer``."""
         srv = cls.__new__(cls)
         srv.name, srv.url, srv.argv, srv.proc, srv.port = name, url.rstrip("/"), None, None, 0
         srv.competitor, srv._model_id = False, None
+        srv.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         return srv
 
     def start(self, timeout_s: float = 600.0) -> str:
@@ -85,7 +88,11 @@ class Server:
             # every load, and each of those asked again.
             if self._model_id is None:
                 try:
-                    self._model_id = httpx.get(self.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+                    answer = httpx.get(self.url + "/v1/models", headers=self.headers, timeout=30)
+                    if answer.status_code == 401:
+                        raise RuntimeError(f"{self.url} asks for an API key: pass the one it was started with "
+                                           f"(--api-key, or $MESHNET_API_KEY)")
+                    self._model_id = answer.json()["data"][0]["id"]
                 except (httpx.HTTPError, ValueError, LookupError, TypeError) as e:  # nothing there, or no OpenAI API
                     raise RuntimeError(f"{self.url} answered no OpenAI model list at /v1/models "
                                        f"({type(e).__name__}: {e})") from None
@@ -94,7 +101,8 @@ class Server:
             self.port = free_port()
             self.argv, self.url = self._argv_for_port(self.port), f"http://127.0.0.1:{self.port}"
         env = competitor_env() if self.competitor else dict(os.environ)
-        env = {k: v for k, v in env.items() if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD")}
+        # A key in the bench's environment would make the servers it starts ask its own requests for it.
+        env = {k: v for k, v in env.items() if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD", "MESHNET_API_KEY")}
         log = open(self.log_path, "a")  # each start appends: a server is started once per C
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
