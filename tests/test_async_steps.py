@@ -148,10 +148,10 @@ class StubForwarder:
         self.connected = False
 
     def send(self, hop, frames, connect=True):
-        from meshnet.node.forwarding import WouldConnect
+        from meshnet.node.forwarding import WouldWait
 
         if not connect and not self.connected:
-            raise WouldConnect(hop.data_address)
+            raise WouldWait(hop.data_address)
         self.connected = True
         self.sent.append((hop.node_id, connect, threading.current_thread().name))
         return None
@@ -186,7 +186,7 @@ def _hidden():
 
 
 def test_the_forwarder_refuses_to_connect_when_asked_not_to_and_reuses_its_connection():
-    from meshnet.node.forwarding import Forwarder, WouldConnect
+    from meshnet.node.forwarding import Forwarder, WouldWait
     from meshnet.wire.data_plane_server import DataPlaneServer
 
     got: list[list[pb.Envelope]] = []
@@ -202,7 +202,7 @@ def test_the_forwarder_refuses_to_connect_when_asked_not_to_and_reuses_its_conne
     try:
         hop = pb.ForwardHop(node_id="n", data_address=f"127.0.0.1:{server.port}")
         frames = request_to_frames(StepRequest("s", 1, 0, (1,), step_id=1), True)
-        with pytest.raises(WouldConnect):
+        with pytest.raises(WouldWait):
             fwd.send(hop, frames, connect=False)
         assert fwd.send(hop, frames) is None and arrived.acquire(timeout=10)
         assert fwd.send(hop, frames, connect=False) is None and arrived.acquire(timeout=10)

@@ -113,7 +113,7 @@ def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool, clock
                                                all_answer)
         except StageFailure as f:
             pending.abandon()
-            raise _silent_one(silent, head, f) from None
+            raise _unanswered(silent, cut, head, f) from None
         except BaseException:
             pending.abandon()
             raise
@@ -131,11 +131,7 @@ def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool, clock
             res, failure = pending.result(timeout_s, all_answer, tail.timeout_s,
                                           (WATCH_S, watch) if failures is not None else None)
         except StageFailure as f:
-            if cut and not silent:
-                (a, b), = cut[:1]
-                raise LinkFailure(a.node_id, b.node_id, b.address, "UNAVAILABLE", f"node {a.node_id} could not "
-                                  f"forward the step to it (its Health says so); {f.message}") from None
-            raise _silent_one(silent, tail, f) from None
+            raise _unanswered(silent, cut, tail, f) from None
         if failure is not None:
             return _stopped_at(hops, failure)
         if res.ok:
@@ -145,9 +141,16 @@ def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool, clock
         clock.end(ticket, elapsed)
 
 
-def _silent_one(silent: list[RemoteStage], waited_on: RemoteStage, f: StageFailure) -> StageFailure:
+def _unanswered(silent: list[RemoteStage], cut: list[tuple[RemoteStage, RemoteStage]], waited_on: RemoteStage,
+                f: StageFailure) -> StageFailure:
     """The failure to report for a step ``waited_on`` left unanswered (``f``): the first hop that left
-    its Health probe unanswered (``silent``), if another one, else ``f``."""
+    its Health probe unanswered (``silent``), if another one; else, every hop answering, the first link a
+    hop's Health says it could not forward across (``cut``; the head waited on too, which answers only
+    once it has sent its output on), as a LinkFailure; else ``f``."""
+    if cut and not silent:
+        a, b = cut[0]
+        return LinkFailure(a.node_id, b.node_id, b.address, "UNAVAILABLE",
+                           f"node {a.node_id} could not forward the step to it (its Health says so); {f.message}")
     if silent and silent[0] is not waited_on:
         return StageFailure(silent[0].node_id, silent[0].address, f.code, "does not answer Health (or another "
                             "process does: it restarted); " + f.message)

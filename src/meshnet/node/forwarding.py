@@ -170,8 +170,9 @@ class AwaitedOutcomes:
                                                            "in time (or the await was superseded)"))
 
 
-class WouldConnect(Exception):
-    """Sending on would take a new connection (see Forwarder.send); nothing was sent."""
+class WouldWait(Exception):
+    """Sending on would wait: for a new connection, or for a pooled one whose peer has not taken what was
+    sent before (see Forwarder.send); nothing was sent."""
 
 
 class Forwarder:
@@ -189,14 +190,18 @@ class Forwarder:
         self._unreachable: dict[str, float] = {}  # address -> monotonic time until which sends fail at once
         self._warned: dict[str, float] = {}  # address -> monotonic time until which its failures are not logged
         self._failed: dict[str, float] = {}  # node id -> monotonic time of the last send to it that failed
+        self._node_ids: dict[str, str] = {}  # address -> the node id last sent to there
         self._lock = threading.Lock()
 
     def send(self, hop: pb.ForwardHop, frames: list[pb.Envelope], connect: bool = True) -> pb.HopFailure | None:
         """Send ``frames`` to ``hop``; None when sent, else the failure naming ``hop`` (UNAVAILABLE).
 
         A pooled connection the node closed meanwhile is replaced once (its idle timeout, a restart).
-        ``connect`` False: raises :class:`WouldConnect`, having sent nothing, where that would take a new
-        connection (up to ``timeout_s`` to a node that accepts and then hangs). A node whose connection
+        ``connect`` False: raises :class:`WouldWait`, having sent nothing, where that would take a new
+        connection (up to ``timeout_s`` to a node that accepts and then hangs), or where the pooled one holds
+        half its send buffer unacknowledged (a send could block up to ``timeout_s`` on a peer, or a link,
+        that stopped taking bytes: on the engine worker channel's reading thread that held up the answers
+        to the supervisor's pings, and the healthy engine worker was killed as hung). A node whose connection
         or handshake failed after a second or more fails at once for :data:`UNREACHABLE_S` after, unless
         a pooled connection to it is idle (a refusal answered at once is not marked: it costs no wait, and
         a node restarting on its port, or at its connection cap a moment, is back at once)."""
@@ -210,6 +215,8 @@ class Forwarder:
                                  message=f"the hop before it could not reach {address} within the last "
                                          f"{UNREACHABLE_S:g} s")
         payloads = [f.SerializeToString() for f in frames]
+        with self._lock:
+            self._node_ids[address] = hop.node_id
         error: Exception | None = None
         for _ in range(2):
             started = time.monotonic()
@@ -224,7 +231,10 @@ class Forwarder:
                         self._unreachable[address] = time.monotonic() + UNREACHABLE_S
                 break
             if conn is None:
-                raise WouldConnect(hop.data_address)
+                raise WouldWait(hop.data_address)
+            if not connect and conn.would_wait(sum(len(p) for p in payloads)):
+                pool.release(conn)
+                raise WouldWait(hop.data_address)
             try:
                 conn.send(FORWARD, payloads, self.timeout_s)
             except OSError as e:
@@ -246,11 +256,16 @@ class Forwarder:
                              message=message)
 
     def unreachable_next(self, within_s: float = UNREACHABLE_WARN_S) -> list[str]:
-        """Ids of the nodes the last send to failed, within the last ``within_s`` seconds (what Health tells
-        a client waiting on a forwarded step that stopped here)."""
+        """Ids of the nodes the last send to failed, within the last ``within_s`` seconds, and of those whose
+        pooled connections hold sent bytes still unacknowledged (a link cut under an open connection: the
+        sends succeed into the socket's buffer, and nothing arrives). What Health tells a client waiting on
+        a forwarded step that stopped here."""
         now = time.monotonic()
         with self._lock:
-            return sorted(n for n, t in self._failed.items() if now - t < within_s)
+            failed = {n for n, t in self._failed.items() if now - t < within_s}
+            pools = [(self._node_ids.get(a), pool) for a, pool in self._pools.items()]
+        failed.update(n for n, pool in pools if n is not None and n not in failed and pool.stalled())
+        return sorted(failed)
 
     def _failed_to(self, node_id: str) -> None:
         with self._lock:
@@ -289,8 +304,9 @@ class Forwarder:
                 self._pools.move_to_end(address)
                 return pool
             while len(self._pools) >= MAX_PEERS:
-                _, old = self._pools.popitem(last=False)
+                gone, old = self._pools.popitem(last=False)
                 old.close()
+                self._node_ids.pop(gone, None)
             if len(self._unreachable) >= MAX_PEERS:  # the marks stay with their pools gone, until they expire
                 now = time.monotonic()
                 self._unreachable = {a: until for a, until in self._unreachable.items() if until > now}

@@ -22,7 +22,7 @@ import grpc
 from meshnet.contract import MAX_DRAFT_TOKENS, Status, StepRequest, StepResult
 from meshnet.engine.base import ShardEngine
 from meshnet.node.tensor_source import TensorRequestError, TensorSource
-from meshnet.node.forwarding import AwaitedOutcomes, Forwarder, WouldConnect, await_key, next_hops_error
+from meshnet.node.forwarding import AwaitedOutcomes, Forwarder, WouldWait, await_key, next_hops_error
 from meshnet.node.worker_wire import EngineUnavailable
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ class NodeService(pb_grpc.NodeServicer):
         def reply(head, out, req, decode, res, connect) -> None:
             try:
                 outcome = self._reply(head.next_hops, out, req, decode, res, connect)
-            except WouldConnect:
+            except WouldWait:
                 raise
             except Exception as e:  # noqa: BLE001 - the connection waits for an answer: it gets one
                 log.exception("step of session %s failed after it ran", head.session_id)
@@ -189,7 +189,7 @@ class NodeService(pb_grpc.NodeServicer):
         def carry_on(head, out, req, decode, res, connect) -> None:
             try:
                 self._pass_on(head, out, req, decode, res, connect)
-            except WouldConnect:
+            except WouldWait:
                 raise  # carried on again on a thread of its own, which says done
             except Exception:  # noqa: BLE001 - as run_forward's pool thread does: logged, the step dropped
                 log.exception("forwarded step of session %s failed after it ran", head.session_id)
@@ -204,7 +204,7 @@ class NodeService(pb_grpc.NodeServicer):
         node). Only small steps go this way, at most ``ASYNC_STEP_TOKENS`` tokens (a decode or verification
         step: a prefill's output, up to many MB, must not hold up the answers of other steps while it is
         sent on), and only over a pooled connection: where sending on takes a new one (``then`` raised
-        WouldConnect), ``then`` runs again on a thread of its own, since connecting to a node that accepts
+        WouldWait), ``then`` runs again on a thread of its own, since connecting to a node that accepts
         and then hangs takes the forwarder's timeout.
 
         Returns False, having started nothing, for an engine in this process (its answer would come on its
@@ -228,7 +228,7 @@ class NodeService(pb_grpc.NodeServicer):
             out, res = self._settle(req, decode, res)
             try:
                 then(head, out, req, decode, res, False)
-            except WouldConnect:
+            except WouldWait:
                 threading.Thread(target=then, args=(head, out, req, decode, res, True), daemon=True,
                                  name="forward-connect").start()
 

@@ -41,6 +41,13 @@ _RECV_CHUNK = 256 << 10
 # A pooled connection idle this long is dropped rather than reused: the node closes connections idle
 # for its idle_timeout_s (300 s by default), and a step sent into a closed one would look like a dead node.
 POOL_MAX_IDLE_S = 60.0
+# A connection whose sent bytes have gone this long without an acknowledgement, retransmitted, is stalled
+# (milliseconds): the peer, or the way to it, stopped taking them, though the sends themselves succeeded.
+STALL_MS = 1000
+# Linux's ioctl for the bytes a socket holds that the peer has not acknowledged (TIOCOUTQ), and the offsets
+# in struct tcp_info (linux/tcp.h) of tcpi_retransmits (a u8), tcpi_unacked and tcpi_last_ack_recv (u32s).
+_TIOCOUTQ = 0x5411
+_TCPI_RETRANSMITS, _TCPI_UNACKED, _TCPI_LAST_ACK_RECV = 2, 24, 56
 
 
 class DataPlaneError(Exception):
@@ -140,6 +147,31 @@ class DataPlaneConnection:
                 self.sock.settimeout(timeout)
             except OSError:
                 pass
+
+    def would_wait(self, n_bytes: int) -> bool:
+        """Whether sending ``n_bytes`` more may block: the socket already holds more than half its send
+        buffer that the peer has not acknowledged (a slow or cut-off peer). False where the kernel does not
+        say (not Linux)."""
+        try:
+            import fcntl
+
+            queued = struct.unpack("i", fcntl.ioctl(self.sock.fileno(), _TIOCOUTQ, b"\0" * 4))[0]
+            return queued + n_bytes > self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2
+        except (OSError, ImportError, ValueError):
+            return False
+
+    def stalled(self, after_ms: int = STALL_MS) -> bool:
+        """Whether bytes sent on it are still unacknowledged, retransmitted, with no acknowledgement from
+        the peer for ``after_ms`` milliseconds (Linux ``TCP_INFO``; False where it is not available)."""
+        try:
+            info = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        except (OSError, AttributeError):
+            return False
+        if len(info) < _TCPI_LAST_ACK_RECV + 4:
+            return False
+        unacked, = struct.unpack_from("I", info, _TCPI_UNACKED)
+        last_ack_ms, = struct.unpack_from("I", info, _TCPI_LAST_ACK_RECV)
+        return unacked > 0 and info[_TCPI_RETRANSMITS] > 0 and last_ack_ms >= after_ms
 
     def call(self, frames: list[pb.Envelope], timeout_s: float | None = None,
              still_alive: Callable[[], bool] | None = None, patience_s: float = 0.0
@@ -291,6 +323,12 @@ class ConnectionPool:
     def idle_count(self) -> int:
         with self._lock:
             return len(self._idle)
+
+    def stalled(self) -> bool:
+        """Whether an idle connection's last bytes are still unacknowledged (:meth:`DataPlaneConnection.stalled`)."""
+        with self._lock:
+            idle = list(self._idle)
+        return any(c.stalled() for c in idle)
 
     def close(self) -> None:
         with self._lock:
