@@ -54,6 +54,11 @@ def add_tracker_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     return p
 
 
+def _sweep_until(registry, stop: threading.Event) -> None:
+    while not stop.wait(registry.heartbeat_interval_s):
+        registry.alive()
+
+
 def run_tracker(args: argparse.Namespace) -> int:
     """CLI entry: serve until SIGINT/SIGTERM, then stop cleanly. Returns the exit code (0, or 2 for bad
     arguments / an address that cannot be bound)."""
@@ -105,6 +110,9 @@ def run_tracker(args: argparse.Namespace) -> int:
         handler.setFormatter(logging.Formatter("%(asctime)s tracker: %(message)s"))
         members.addHandler(handler)
         members.setLevel(logging.INFO)
+    # Expired entries are dropped when routes or lists are read: with nobody asking, a dead node was never
+    # said to have left. A sweep each heartbeat interval says it within one.
+    threading.Thread(target=_sweep_until, args=(service.registry, stop), daemon=True, name="tracker-sweep").start()
     dashboard = dashboard_from_args(service, args, "tracker:")
     print(f"tracker: ledger {ledger.display_url}", file=sys.stderr, flush=True)
     extras = [x for x in ("TLS" if tls else "", "join token required" if token else "",

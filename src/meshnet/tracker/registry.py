@@ -122,6 +122,9 @@ class Registry:
             old = self._entries.get(record.node_id)
             self._entries[record.node_id] = _Entry(record, now, protocol_major, protocol_minor,
                                                    max(int(free_memory_bytes), 0), device, version)
+        if old is not None and now - old.last_seen >= self.ttl_s:
+            _expired(record.node_id, now - old.last_seen)  # silent (stopped, cut off), and back before a sweep
+            old = None
         if old is None or old.record.address != record.address or old.record.layers != record.layers:
             log.info("node %s joined: layers [%d, %d) at %s%s", record.node_id, record.layers.start,
                      record.layers.end, record.address, " (relayed)" if record.relayed else "")

@@ -104,11 +104,29 @@ def _is_own_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
         return False
 
 
+# Names every resolver maps to loopback (RFC 6761 reserves ``localhost`` and its subdomains; the others are
+# Debian's and glibc's /etc/hosts defaults).
+_LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
+
+
 def is_loopback_host(host: str) -> bool:
     """Whether ``host`` (a name or address, IPv6 bare or bracketed) is this machine's loopback only:
-    ``localhost``, 127.0.0.0/8, ``::1``. A server bound there is out of other machines' reach."""
-    ip = _ip(host)
-    return host == "localhost" or (ip is not None and ip.is_loopback)
+    ``localhost`` (any case, a trailing dot, its subdomains and the usual aliases), 127.0.0.0/8 in any
+    form ``inet_aton`` reads (``127.1``), ``::1`` and ``::ffff:127.x.x.x``. A server bound there is out
+    of other machines' reach."""
+    name = host.strip("[]").lower().rstrip(".")
+    if name in _LOOPBACK_NAMES or name.endswith(".localhost"):
+        return True
+    ip = _ip(name)
+    if ip is None and name and all(part.isdigit() for part in name.split(".")):
+        try:  # the shorthand forms of IPv4 that the resolver takes: 127.1, 2130706433
+            ip = ipaddress.IPv4Address(socket.inet_aton(name))
+        except OSError:
+            return False
+    if ip is None:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def loopback_seen_from_elsewhere(advertised: str, peer: str) -> str | None:
