@@ -241,6 +241,32 @@ def test_a_wildcard_certificate_names_one_label(tmp_path):
     assert unnamed_host_problem(cert.cert, "192.0.2.10") is None
     assert unnamed_host_problem(cert.cert, "a.node1.mesh.example") is not None
     assert unnamed_host_problem(cert.cert, "mesh.example") is not None
+    assert unnamed_host_problem(cert.cert, "node1.mesh.example.") is not None  # written otherwise
+    (tmp_path / "tld").mkdir()
+    assert unnamed_host_problem(_openssl_cert(tmp_path / "tld", "DNS:*.test").cert, "node.test") is not None
+
+
+def test_the_name_check_falls_back_to_the_common_name_as_clients_do(tmp_path):
+    """Without a DNS entry (no subjectAltName, or IP entries only) OpenSSL checks a name against the common
+    name, and gRPC and Python's ssl accept such a certificate: the node must start with it."""
+    import shutil
+    import subprocess
+
+    from meshnet.wire.security import unnamed_host_problem
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command on this machine")
+    cert = tmp_path / "cn.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+                    "-days", "1", "-subj", "/CN=node.hd.test", "-keyout", str(tmp_path / "k.pem"), "-out", str(cert)],
+                   check=True, capture_output=True)
+    assert unnamed_host_problem(str(cert), "node.hd.test") is None
+    assert unnamed_host_problem(str(cert), "NODE.hd.test") is None
+    assert "names CN=node.hd.test, not other.hd.test" in unnamed_host_problem(str(cert), "other.hd.test")
+    assert unnamed_host_problem(str(cert), "192.0.2.5") is not None  # an address is never the common name
+    (tmp_path / "ipcn").mkdir()
+    ip_only = _openssl_cert(tmp_path / "ipcn", "IP:192.0.2.10")  # its CN is "mesh"
+    assert unnamed_host_problem(ip_only.cert, "mesh") is None and unnamed_host_problem(ip_only.cert, "192.0.2.10") is None
 
 
 def test_missing_tls_files_are_named(tmp_path):

@@ -195,29 +195,34 @@ def _check_validity(cert_path: str) -> None:
 
 def unnamed_host_problem(cert_path: str, host: str) -> str | None:
     """Why clients would refuse ``cert_path`` at ``host`` (an IP address or DNS name this server is dialled
-    by), or None: gRPC and :func:`client_ssl_context` check the host dialled against the certificate's
-    subjectAltName entries (IP addresses exactly; DNS names case-blind, ``*.`` standing for one leftmost
-    label) and never its common name. A node registered at such a host started, and every client's
-    handshake with it failed, with "Hostname Verification Check failed" in the client's log only."""
+    by), or None. The rules are OpenSSL's ``X509_check_host`` / ``X509_check_ip``, which gRPC and
+    :func:`client_ssl_context` use: an IP address must be a subjectAltName IP entry; a name must match a
+    DNS entry (case-blind, exactly as written otherwise, ``*.`` standing for one leftmost label of a name
+    with two more labels at least), or, where there is no DNS entry, the subject's common name. A node
+    registered at a host its certificate does not name started, and every client's handshake with it
+    failed, with "Hostname Verification Check failed" in the client's log only."""
     import ipaddress
 
     from cryptography import x509
+    from cryptography.x509.oid import NameOID
 
     cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        ips, names = san.get_values_for_type(x509.IPAddress), san.get_values_for_type(x509.DNSName)
     except x509.ExtensionNotFound:
-        return f"TLS certificate {cert_path!r} has no subjectAltName: clients dialling {host} would refuse it"
-    ips, names = san.get_values_for_type(x509.IPAddress), san.get_values_for_type(x509.DNSName)
+        ips, names = [], []
+    common = [a.value for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME) if isinstance(a.value, str)]
     try:
         if ipaddress.ip_address(host.strip("[]")) in ips:
             return None
     except ValueError:  # a DNS name
-        want = host.lower().rstrip(".")
-        for name in (n.lower().rstrip(".") for n in names):
-            if name == want or (name.startswith("*.") and want.partition(".")[2] == name[2:] and "." in want):
+        want = host.lower()
+        for name in (n.lower() for n in (names or common)):
+            if name == want or (name.startswith("*.") and name.count(".") >= 2 and "." in want
+                                and want.partition(".")[2] == name[2:]):
                 return None
-    named = ", ".join([str(ip) for ip in ips] + names) or "nothing"
+    named = ", ".join([str(ip) for ip in ips] + (names or [f"CN={c}" for c in common])) or "nothing"
     return (f"TLS certificate {cert_path!r} names {named}, not {host}, the address this node registers: "
             f"every client dialling it would refuse the handshake; add {host} to its subjectAltName, or pass "
             f"--advertise with an address it names")
