@@ -302,6 +302,10 @@ def test_an_api_key_is_required_of_every_request_but_health(backend, tmp_path, c
             assert err["code"] == "invalid_api_key" and err["message"].startswith("no API key: send the header")
             wrong = raw.get("/v1/models", headers={"Authorization": "Bearer sk-mesh-0124"})
             assert _error(wrong, 401, None)["message"].startswith("an incorrect API key")
+            assert wrong.headers["WWW-Authenticate"] == "Bearer"
+            assert raw.get("/v1/models", headers={"Authorization": "bearer sk-mesh-0123"}).status_code == 200
+            assert raw.get("/v1/models", headers={"Authorization": "Basic sk-mesh-0123"}).status_code == 401
+            assert raw.get("/v1/models", headers={"Authorization": "Bearer sk-mesh-0123x"}).status_code == 401
             assert raw.get("/metrics").status_code == 401
             assert raw.get("/health").status_code == 200  # load balancers probe without a key
         assert _engines(backend)[0].metrics().prefill_tokens == before

@@ -164,19 +164,22 @@ class ApiKeyOnly:
     OPEN_PATHS = frozenset({"/health"})
 
     def __init__(self, app, api_key: str) -> None:
-        self.app, self._expected = app, f"Bearer {api_key}".encode()
+        self.app, self._expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         sent = next((value for name, value in scope.get("headers", ()) if name == b"authorization"), b"")
-        if hmac.compare_digest(sent, self._expected):
+        scheme, _, key = sent.strip().partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self._expected):  # scheme: any case
             await self.app(scope, receive, send)
             return
         err = ApiError(401, f"{'an incorrect' if sent else 'no'} API key: send the header 'Authorization: Bearer "
                             f"KEY' with the key this server was started with (--api-key)", code="invalid_api_key")
-        await err.response()(scope, receive, send)
+        response = err.response()
+        response.headers["WWW-Authenticate"] = "Bearer"  # what a 401 names (RFC 9110)
+        await response(scope, receive, send)
 
 
 def _same_origin(origin: bytes, host: bytes | None) -> bool:
