@@ -33,6 +33,11 @@ from typing import Callable
 
 from meshnet.proto import meshnet_pb2 as pb
 
+try:
+    import fcntl  # the send queue's depth (would_wait); a platform without it never waits
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
+
 AUTH, ENVELOPE, REPLY, ERROR, FORWARD, AWAIT = 1, 2, 3, 4, 5, 6
 HEADER = struct.Struct("<IB")
 # Larger than any frame (1 MiB payload plus headers): anything bigger is a protocol error.
@@ -152,12 +157,12 @@ class DataPlaneConnection:
         """Whether sending ``n_bytes`` more may block: the socket already holds more than half its send
         buffer that the peer has not acknowledged (a slow or cut-off peer). False where the kernel does not
         say (not Linux)."""
+        if fcntl is None:
+            return False
         try:
-            import fcntl
-
             queued = struct.unpack("i", fcntl.ioctl(self.sock.fileno(), _TIOCOUTQ, b"\0" * 4))[0]
             return queued + n_bytes > self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2
-        except (OSError, ImportError, ValueError):
+        except (OSError, ValueError):
             return False
 
     def stalled(self, after_ms: int = STALL_MS) -> bool:
