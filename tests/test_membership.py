@@ -292,6 +292,8 @@ def test_loopback_addresses_are_told_from_where_they_were_registered():
     assert seen("127.example:7701", "ipv4:192.0.2.7:1") is None
     assert seen("127.0.0.1:7701", "ipv4:127.0.0.1:41234") is None
     assert seen("127.0.0.1:7701", "ipv6:%5B::1%5D:41234") is None
+    assert seen("127.0.0.1:7701", "ipv6:%5B::ffff:127.0.0.1%5D:41234") is None  # a tracker on :: seen over IPv4
+    assert seen("127.0.0.1:7701", "ipv6:%5B::ffff:192.0.2.7%5D:41234") is not None
     assert seen("192.0.2.9:7701", "ipv4:192.0.2.7:41234") is None  # not loopback: dialled as given
     assert seen("node-a.lan:7701", "ipv4:192.0.2.7:41234") is None  # a name: not ours to judge
     assert seen("127.0.0.1:7701", "unix:/tmp/tracker.sock") is None

@@ -17,7 +17,8 @@ import time
 import grpc
 from tqdm import tqdm
 
-from meshnet.arg_types import add_api_key_arg, add_join_token_arg, heartbeat_seconds, listen_host, port_number, positive_seconds
+from meshnet.arg_types import (add_api_key_arg, add_join_token_arg, heartbeat_seconds, listen_host, port_number,
+                               positive_seconds)
 from meshnet.load_spec import LOAD_SETTING_LEAST, LOAD_SETTING_MOST, NO_HUGE_PAGES_HELP
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem, dashboard_port_taken
 from meshnet.proto import meshnet_pb2 as pb

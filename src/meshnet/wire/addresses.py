@@ -140,6 +140,8 @@ def loopback_seen_from_elsewhere(advertised: str, peer: str) -> str | None:
     if kind not in ("ipv4", "ipv6"):
         return None
     peer_ip = _ip(rest.rpartition(":")[0])
+    if peer_ip is not None and getattr(peer_ip, "ipv4_mapped", None) is not None:
+        peer_ip = peer_ip.ipv4_mapped  # an IPv4 client of a tracker listening on ::
     if peer_ip is None or peer_ip.is_loopback or _is_own_address(peer_ip):
         return None
     return (f"{advertised} is a loopback address, which only its own machine can dial, but it registered from "
