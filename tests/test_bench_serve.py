@@ -191,7 +191,7 @@ def test_a_running_server_is_asked_for_its_model_once(tmp_path, monkeypatch):
         asked.append(url)
         return httpx.Response(200, json={"object": "list", "data": [{"id": "m"}]}, request=httpx.Request("GET", url))
 
-    async def load(url, model, spec):  # every request answered: 2 tokens in a second
+    async def load(url, model, spec, headers=None):  # every request answered: 2 tokens in a second
         row = {"ok": True, "ttft_s": 0.1, "latency_s": 1.0, "completion_tokens": 2, "prompt_tokens": 5,
                "decode_tokens_per_s": 1.1}
         return [row] * spec.n_requests, 1.0

@@ -17,7 +17,7 @@ import pytest
 from meshnet.contract import StepRequest
 from meshnet.node.forwarding import Forwarder, WouldWait
 from meshnet.proto import meshnet_pb2 as pb
-from meshnet.wire.data_plane import ConnectionPool, DataPlaneConnection
+from meshnet.wire.data_plane import FORWARD, ConnectionPool, DataPlaneConnection
 from meshnet.wire.envelope import request_to_frames
 
 
@@ -95,6 +95,41 @@ def test_health_names_a_next_node_whose_connection_has_stalled(monkeypatch):
         server.stop()
 
 
+def test_health_names_a_next_node_a_send_to_has_blocked_on_for_a_second(monkeypatch):
+    """A send on a thread that may wait (its connection's buffer full) blocked up to the forwarder's 10 s,
+    and the connection, in use, was not among the idle ones Health looks at: the client learnt of the link
+    only after that send, and a reconnection, timed out (21 s)."""
+    import threading
+
+    from meshnet.wire.data_plane_server import DataPlaneServer
+
+    server = DataPlaneServer("127.0.0.1", 0, lambda frames: None, None, run_forward=lambda frames: None)
+    server.start()
+    fwd = Forwarder(None)
+    try:
+        hop = pb.ForwardHop(node_id="c-tail", data_address=f"127.0.0.1:{server.port}")
+        frames = request_to_frames(StepRequest("s", 1, 0, (1,), step_id=1), True)
+        assert fwd.send(hop, frames) is None
+        blocked = threading.Event()
+
+        def blocking_send(self, kind, payloads, timeout_s=None):
+            blocked.wait(10)  # as sendall into a full buffer, until the peer takes bytes again
+
+        monkeypatch.setattr(DataPlaneConnection, "send", blocking_send)
+        sender = threading.Thread(target=fwd.send, args=(hop, frames))
+        sender.start()
+        time.sleep(0.3)
+        assert fwd.unreachable_next() == []  # a send may take a moment
+        time.sleep(1.0)
+        assert fwd.unreachable_next() == ["c-tail"]
+        blocked.set()
+        sender.join(10)
+        assert fwd.unreachable_next() == []
+    finally:
+        fwd.close()
+        server.stop()
+
+
 _SINK = """
 import socket, sys
 with socket.create_server(("10.99.0.2", 0)) as s:
@@ -108,8 +143,9 @@ with socket.create_server(("10.99.0.2", 0)) as s:
 @pytest.mark.netns
 def test_a_connection_whose_acknowledgements_stop_is_stalled_until_they_come_back():
     """Two network namespaces' worth of link: the peer reads, but the route back to the sender drops its
-    acknowledgements (``ip route add blackhole``). Bytes sent meanwhile are retransmitted unacknowledged:
-    stalled after a second; the route back, acknowledged and no longer stalled."""
+    acknowledgements (``ip route add blackhole``), then the sender has no route at all. Bytes sent
+    meanwhile stay queued (retransmitted unacknowledged, or never sent): stalled a second after the send;
+    the route back, acknowledged and no longer stalled."""
     from meshnet.netem.namespaces import NetnsUnavailable, probe
 
     try:
@@ -134,24 +170,28 @@ def test_a_connection_whose_acknowledgements_stop_is_stalled_until_they_come_bac
                                 text=True)
         port = int(sink.stdout.readline())
         conn = _bare(socket.create_connection(("10.99.0.2", port), timeout=5))
-        conn.sock.sendall(b"x" * 3000)
-        time.sleep(0.3)
-        assert not conn.stalled()  # acknowledged
-        ip("-n", ns, "route", "add", "blackhole", "10.99.0.1/32")
-        conn.sock.sendall(b"y" * 3000)  # taken into the buffer: the send itself succeeds
-        deadline = time.monotonic() + 10
-        while not conn.stalled() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert conn.stalled()
-        ip("-n", ns, "route", "del", "blackhole", "10.99.0.1/32")
-        deadline = time.monotonic() + 15  # the next retransmission (its timeout doubles) is acknowledged
-        while conn.stalled() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not conn.stalled()
+        conn.send(FORWARD, [b"x" * 3000])
+        time.sleep(1.2)
+        assert not conn.stalled() and conn.queued_bytes() == 0  # acknowledged
+        for where, dest in ((("-n", ns), "10.99.0.1/32"),  # the peer's acknowledgements are lost
+                            ((), "10.99.0.2/32")):  # no route to send by at all
+            ip(*where, "route", "add", "blackhole", dest)
+            conn.send(FORWARD, [b"y" * 3000])  # taken into the buffer: the send itself succeeds
+            assert not conn.stalled()  # just sent
+            deadline = time.monotonic() + 10
+            while not conn.stalled() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert conn.stalled() and conn.queued_bytes() >= 3000, dest
+            ip(*where, "route", "del", "blackhole", dest)
+            deadline = time.monotonic() + 20  # the next retransmission (its timeout doubles) is acknowledged
+            while conn.queued_bytes() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert conn.queued_bytes() == 0 and not conn.stalled(), dest
         conn.close()
     finally:
         if sink is not None:
             sink.kill()
             sink.wait(10)
+        subprocess.run(["ip", "route", "del", "blackhole", "10.99.0.2/32"], capture_output=True, timeout=10)
         subprocess.run(["ip", "link", "del", here], capture_output=True, timeout=10)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)

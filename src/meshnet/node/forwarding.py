@@ -26,7 +26,7 @@ import time
 from typing import Callable
 
 from meshnet.proto import meshnet_pb2 as pb
-from meshnet.wire.data_plane import FORWARD, ConnectionPool, DataPlaneError
+from meshnet.wire.data_plane import FORWARD, STALL_S, ConnectionPool, DataPlaneError
 from meshnet.wire.addresses import check_address
 
 # How long the tail keeps an outcome nobody has asked for yet (its client's await is late or gone), and
@@ -191,6 +191,7 @@ class Forwarder:
         self._warned: dict[str, float] = {}  # address -> monotonic time until which its failures are not logged
         self._failed: dict[str, float] = {}  # node id -> monotonic time of the last send to it that failed
         self._node_ids: dict[str, str] = {}  # address -> the node id last sent to there
+        self._sending: dict[str, float] = {}  # node id -> monotonic time a send to it began, while it lasts
         self._lock = threading.Lock()
 
     def send(self, hop: pb.ForwardHop, frames: list[pb.Envelope], connect: bool = True) -> pb.HopFailure | None:
@@ -235,12 +236,17 @@ class Forwarder:
             if not connect and conn.would_wait(sum(len(p) for p in payloads)):
                 pool.release(conn)
                 raise WouldWait(hop.data_address)
+            with self._lock:
+                self._sending[hop.node_id] = time.monotonic()
             try:
                 conn.send(FORWARD, payloads, self.timeout_s)
             except OSError as e:
                 conn.close()
                 error = e
                 continue
+            finally:
+                with self._lock:
+                    self._sending.pop(hop.node_id, None)
             with self._lock:
                 self._unreachable.pop(address, None)
                 self._failed.pop(hop.node_id, None)
@@ -256,13 +262,15 @@ class Forwarder:
                              message=message)
 
     def unreachable_next(self, within_s: float = UNREACHABLE_WARN_S) -> list[str]:
-        """Ids of the nodes the last send to failed, within the last ``within_s`` seconds, and of those whose
-        pooled connections hold sent bytes still unacknowledged (a link cut under an open connection: the
-        sends succeed into the socket's buffer, and nothing arrives). What Health tells a client waiting on
-        a forwarded step that stopped here."""
+        """Ids of the nodes the last send to failed, within the last ``within_s`` seconds; of those a send to
+        has gone on for :data:`STALL_S` or more (blocked: the peer stopped taking bytes); and of those whose
+        idle pooled connections still hold bytes sent :data:`STALL_S` ago (a link cut under an open
+        connection: the sends succeed into the socket's buffer, and nothing arrives). What Health tells a
+        client waiting on a forwarded step that stopped here."""
         now = time.monotonic()
         with self._lock:
             failed = {n for n, t in self._failed.items() if now - t < within_s}
+            failed.update(n for n, t in self._sending.items() if now - t >= STALL_S)
             pools = [(self._node_ids.get(a), pool) for a, pool in self._pools.items()]
         failed.update(n for n, pool in pools if n is not None and n not in failed and pool.stalled())
         return sorted(failed)

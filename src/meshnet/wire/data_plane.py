@@ -46,13 +46,12 @@ _RECV_CHUNK = 256 << 10
 # A pooled connection idle this long is dropped rather than reused: the node closes connections idle
 # for its idle_timeout_s (300 s by default), and a step sent into a closed one would look like a dead node.
 POOL_MAX_IDLE_S = 60.0
-# A connection whose sent bytes have gone this long without an acknowledgement, retransmitted, is stalled
-# (milliseconds): the peer, or the way to it, stopped taking them, though the sends themselves succeeded.
-STALL_MS = 1000
-# Linux's ioctl for the bytes a socket holds that the peer has not acknowledged (TIOCOUTQ), and the offsets
-# in struct tcp_info (linux/tcp.h) of tcpi_retransmits (a u8), tcpi_unacked and tcpi_last_ack_recv (u32s).
+# A connection still holding bytes this long after its last send is stalled, seconds: the peer, or the way
+# to it, stopped taking them (unacknowledged, or not sent at all: no route), though the sends succeeded. A
+# step's bytes are acknowledged within a round trip.
+STALL_S = 1.0
+# Linux's ioctl for the bytes a socket holds that the peer has not acknowledged, sent or not (TIOCOUTQ).
 _TIOCOUTQ = 0x5411
-_TCPI_RETRANSMITS, _TCPI_UNACKED, _TCPI_LAST_ACK_RECV = 2, 24, 56
 
 
 class DataPlaneError(Exception):
@@ -153,30 +152,28 @@ class DataPlaneConnection:
             except OSError:
                 pass
 
+    def queued_bytes(self) -> int:
+        """Bytes the socket holds that the peer has not acknowledged, sent or not yet (Linux ``TIOCOUTQ``;
+        0 where the kernel does not say)."""
+        if fcntl is None:
+            return 0
+        try:
+            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), _TIOCOUTQ, b"\0" * 4))[0]
+        except (OSError, ValueError):
+            return 0
+
     def would_wait(self, n_bytes: int) -> bool:
         """Whether sending ``n_bytes`` more may block: the socket already holds more than half its send
-        buffer that the peer has not acknowledged (a slow or cut-off peer). False where the kernel does not
-        say (not Linux)."""
-        if fcntl is None:
-            return False
+        buffer unacknowledged (a slow or cut-off peer)."""
         try:
-            queued = struct.unpack("i", fcntl.ioctl(self.sock.fileno(), _TIOCOUTQ, b"\0" * 4))[0]
-            return queued + n_bytes > self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2
-        except (OSError, ValueError):
+            return self.queued_bytes() + n_bytes > self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2
+        except OSError:
             return False
 
-    def stalled(self, after_ms: int = STALL_MS) -> bool:
-        """Whether bytes sent on it are still unacknowledged, retransmitted, with no acknowledgement from
-        the peer for ``after_ms`` milliseconds (Linux ``TCP_INFO``; False where it is not available)."""
-        try:
-            info = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
-        except (OSError, AttributeError):
-            return False
-        if len(info) < _TCPI_LAST_ACK_RECV + 4:
-            return False
-        unacked, = struct.unpack_from("I", info, _TCPI_UNACKED)
-        last_ack_ms, = struct.unpack_from("I", info, _TCPI_LAST_ACK_RECV)
-        return unacked > 0 and info[_TCPI_RETRANSMITS] > 0 and last_ack_ms >= after_ms
+    def stalled(self, after_s: float = STALL_S) -> bool:
+        """Whether bytes sent on it ``after_s`` seconds ago or more are still unacknowledged: retransmitted
+        into a link that drops them, or never sent for want of a route."""
+        return time.monotonic() - self.last_used >= after_s and self.queued_bytes() > 0
 
     def call(self, frames: list[pb.Envelope], timeout_s: float | None = None,
              still_alive: Callable[[], bool] | None = None, patience_s: float = 0.0
