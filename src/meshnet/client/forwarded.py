@@ -150,7 +150,8 @@ def _unanswered(silent: list[RemoteStage], cut: list[tuple[RemoteStage, RemoteSt
     if cut and not silent:
         a, b = cut[0]
         return LinkFailure(a.node_id, b.node_id, b.address, "UNAVAILABLE",
-                           f"node {a.node_id} could not forward the step to it (its Health says so); {f.message}")
+                           f"node {a.node_id} could not forward the step to it (its Health says so), while this "
+                           f"client waited on node {waited_on.node_id}: {f.message}")
     if silent and silent[0] is not waited_on:
         return StageFailure(silent[0].node_id, silent[0].address, f.code, "does not answer Health (or another "
                             "process does: it restarted); " + f.message)
