@@ -532,6 +532,7 @@ def test_a_tracker_on_every_interface_says_where_it_is_reached_whether_it_is_ope
     without a join token, and no line when nodes joined or died."""
     import subprocess
     import sys
+    import threading
 
     from meshnet.wire.addresses import this_machine_address
 
@@ -559,8 +560,11 @@ def test_a_tracker_on_every_interface_says_where_it_is_reached_whether_it_is_ope
             stub.Deregister(pb.NodeRef(node_id="a-head"), timeout=5)
             # b-tail sends no heartbeat: silent past 3 intervals, it is said to leave though nobody asks
         events = []
+        give_up = threading.Timer(30, proc.terminate)  # a line that never comes ends the reads, not the test
+        give_up.start()
         while len(events) < 4:
             events.append(proc.stderr.readline().rstrip("\n").split(" tracker: ", 1)[-1])
+        give_up.cancel()
         assert events[:3] == ["node a-head joined: layers [0, 15) at 127.0.0.1:14690",
                               "node b-tail joined: layers [15, 30) at 127.0.0.1:14691", "node a-head left"]
         assert events[3].startswith("node b-tail left routing: silent for ") and events[3].endswith(" s (no heartbeat)")
