@@ -191,7 +191,9 @@ class Forwarder:
         self._warned: dict[str, float] = {}  # address -> monotonic time until which its failures are not logged
         self._failed: dict[str, float] = {}  # node id -> monotonic time of the last send to it that failed
         self._node_ids: dict[str, str] = {}  # address -> the node id last sent to there
-        self._sending: dict[str, float] = {}  # node id -> monotonic time a send to it began, while it lasts
+        # id(connection) -> (node id, monotonic time the send began), while a send lasts (sends to one node
+        # from several threads each have their own connection)
+        self._sending: dict[int, tuple[str, float]] = {}
         self._lock = threading.Lock()
 
     def send(self, hop: pb.ForwardHop, frames: list[pb.Envelope], connect: bool = True) -> pb.HopFailure | None:
@@ -216,8 +218,6 @@ class Forwarder:
                                  message=f"the hop before it could not reach {address} within the last "
                                          f"{UNREACHABLE_S:g} s")
         payloads = [f.SerializeToString() for f in frames]
-        with self._lock:
-            self._node_ids[address] = hop.node_id
         error: Exception | None = None
         for _ in range(2):
             started = time.monotonic()
@@ -236,18 +236,19 @@ class Forwarder:
             if not connect and conn.would_wait(sum(len(p) for p in payloads)):
                 pool.release(conn)
                 raise WouldWait(hop.data_address)
-            with self._lock:
-                self._sending[hop.node_id] = time.monotonic()
+            with self._lock:  # one lock a side of the send: this is every decode hop's path
+                self._node_ids[address] = hop.node_id
+                self._sending[id(conn)] = (hop.node_id, time.monotonic())
             try:
                 conn.send(FORWARD, payloads, self.timeout_s)
             except OSError as e:
+                with self._lock:
+                    self._sending.pop(id(conn), None)
                 conn.close()
                 error = e
                 continue
-            finally:
-                with self._lock:
-                    self._sending.pop(hop.node_id, None)
             with self._lock:
+                self._sending.pop(id(conn), None)
                 self._unreachable.pop(address, None)
                 self._failed.pop(hop.node_id, None)
                 if self._pools.get(address) is pool:
@@ -255,11 +256,11 @@ class Forwarder:
                 else:  # its pool was dropped meanwhile (see _pool): nobody would use it again
                     conn.close()
             return None
-        message = f"the hop before it could not forward to its data plane at {address}: {error}"
-        self._warn_unreachable(address, message)
+        reason = f"could not forward to its data plane at {address}: {error}"
+        self._warn_unreachable(address, reason)
         self._failed_to(hop.node_id)
         return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0, unreachable=True,
-                             message=message)
+                             message=f"the hop before it {reason}")
 
     def unreachable_next(self, within_s: float = UNREACHABLE_WARN_S) -> list[str]:
         """Ids of the nodes the last send to failed, within the last ``within_s`` seconds; of those a send to
@@ -270,7 +271,7 @@ class Forwarder:
         now = time.monotonic()
         with self._lock:
             failed = {n for n, t in self._failed.items() if now - t < within_s}
-            failed.update(n for n, t in self._sending.items() if now - t >= STALL_S)
+            failed.update(n for n, t in self._sending.values() if now - t >= STALL_S)
             pools = [(self._node_ids.get(a), pool) for a, pool in self._pools.items()]
         failed.update(n for n, pool in pools if n is not None and n not in failed and pool.stalled())
         return sorted(failed)
@@ -281,9 +282,9 @@ class Forwarder:
                 self._failed.clear()  # ids a client made up: forgetting them costs a client one wait
             self._failed[node_id] = time.monotonic()
 
-    def _warn_unreachable(self, address: str, message: str) -> None:
-        """Log that ``address`` could not be reached, once per :data:`UNREACHABLE_WARN_S` an address: the
-        node's own log is where its operator looks for a firewall between it and the next node."""
+    def _warn_unreachable(self, address: str, reason: str) -> None:
+        """Log that this node ``reason`` (could not reach ``address``), once per :data:`UNREACHABLE_WARN_S`
+        an address: the node's own log is where its operator looks for a firewall before the next node."""
         now = time.monotonic()
         with self._lock:
             if now < self._warned.get(address, 0.0):
@@ -291,8 +292,8 @@ class Forwarder:
             if len(self._warned) >= MAX_PEERS:
                 self._warned = {a: until for a, until in self._warned.items() if until > now}
             self._warned[address] = now + UNREACHABLE_WARN_S
-        log.warning("%s (the node's data port must be open to the nodes before it in a route; clients step "
-                    "such a route themselves meanwhile)", message.replace("the hop before it", "this node", 1))
+        log.warning("this node %s (the node's data port must be open to the nodes before it in a route; "
+                    "clients step such a route themselves meanwhile)", reason)
 
     def report(self, tail: pb.ForwardHop, step: pb.Envelope, failure: pb.HopFailure, connect: bool = True) -> None:
         """Tell ``tail`` that the step ``step`` heads (its header fields) failed with ``failure``, so it
