@@ -25,8 +25,7 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.supervisor import Supervisor, announce, on_stop_signals, wait_for_stop
-from meshnet.wire.addresses import (WILDCARD_HOSTS, bind_problem, format_address, is_loopback_host,
-                                    this_machine_address)
+from meshnet.wire.addresses import WILDCARD_HOSTS, bind_problem, format_address, this_machine_address
 from meshnet.wire.call_problems import tracker_hint
 from meshnet.wire.security import open_channel
 
@@ -261,7 +260,7 @@ def run_up(args: argparse.Namespace) -> int:
         api_url = ""
         if args.api_port >= 0:
             from meshnet.api.backend import mesh_backend
-            from meshnet.api.server import start_api_in_thread
+            from meshnet.api.server import open_api_warning, start_api_in_thread
 
             api_backend = mesh_backend(tracker, args.model, join_token=args.join_token,
                                        max_concurrency=args.max_sessions,
@@ -274,10 +273,8 @@ def run_up(args: argparse.Namespace) -> int:
                 api_url = f"http://{format_address(this_machine_address(args.host), api[1].config.port)}/v1"
                 print(f"[meshnet up] OpenAI-compatible API on {api_url}"
                       + (" (API key required)" if args.api_key else ""), file=sys.stderr, flush=True)
-                if not args.api_key and not is_loopback_host(args.host):
-                    print(f"[meshnet up] no API key: anyone who reaches port {api[1].config.port} can run "
-                          "generations on this mesh (pass --api-key, or set $MESHNET_API_KEY)", file=sys.stderr,
-                          flush=True)
+                if warning := open_api_warning(args.host, api[1].config.port, args.api_key, "this mesh"):
+                    print(f"[meshnet up] {warning}", file=sys.stderr, flush=True)
             except OSError as e:  # taken since the check at the start
                 api_backend.close()
                 raise _Refused(f"the API cannot listen on {args.host}:{args.api_port} ({e}); pass another "

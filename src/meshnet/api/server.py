@@ -12,7 +12,7 @@ import time
 
 import uvicorn
 
-from meshnet.arg_types import (LOCAL_STAGE_DEFAULTS, add_api_key_arg, add_client_id_arg, add_join_token_arg,
+from meshnet.arg_types import (API_KEY_ENV, LOCAL_STAGE_DEFAULTS, add_api_key_arg, add_client_id_arg, add_join_token_arg,
                                host_port, listen_host,
                                mode_problem, model_ref, name_text, port_number, positive_int, positive_number)
 from meshnet.api.app import MAX_BODY_BYTES, create_app
@@ -155,9 +155,8 @@ def run_api(args: argparse.Namespace) -> int:
         print(f"[meshnet api] serving {backend.model_name!r} on http://{format_address(args.host, port)}/v1 "
               f"(context {backend.n_ctx} tokens{', API key required' if args.api_key else ''})", file=sys.stderr,
               flush=True)
-        if not args.api_key and not is_loopback_host(args.host):
-            print(f"[meshnet api] no API key: anyone who reaches port {port} can run generations on this model "
-                  f"(pass --api-key, or set $MESHNET_API_KEY)", file=sys.stderr, flush=True)
+        if warning := open_api_warning(args.host, port, args.api_key, "this model"):
+            print(f"[meshnet api] {warning}", file=sys.stderr, flush=True)
         # uvicorn raises the signal that stopped it again once it has stopped: with SIGTERM's default
         # action the process was killed there (status -15), before the backend closed and before the
         # atexit handlers sent the ledger what the mesh client had not reported yet.
@@ -191,6 +190,15 @@ class _StoppingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         self._stopping.set()
         super().handle_exit(sig, frame)
+
+
+def open_api_warning(host: str, port: int, api_key: str | None, what: str) -> str | None:
+    """What an API on ``host:port`` says at start when it has no key and listens beyond loopback (anyone
+    who reaches the port can run generations on ``what``), or None."""
+    if api_key or is_loopback_host(host):
+        return None
+    return (f"no API key: anyone who reaches port {port} can run generations on {what} (pass --api-key, or set "
+            f"${API_KEY_ENV})")
 
 
 def start_api_in_thread(backend: ApiBackend, host: str = "127.0.0.1", port: int = 8000,

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from meshnet.arg_types import API_KEY_ENV
 from meshnet.openmp import competitor_env
 
 
@@ -91,7 +92,7 @@ class Server:
                     answer = httpx.get(self.url + "/v1/models", headers=self.headers, timeout=30)
                     if answer.status_code == 401:
                         raise RuntimeError(f"{self.url} asks for an API key: pass the one it was started with "
-                                           f"(--api-key, or $MESHNET_API_KEY)")
+                                           f"(--api-key, or ${API_KEY_ENV})")
                     self._model_id = answer.json()["data"][0]["id"]
                 except (httpx.HTTPError, ValueError, LookupError, TypeError) as e:  # nothing there, or no OpenAI API
                     raise RuntimeError(f"{self.url} answered no OpenAI model list at /v1/models "
@@ -102,7 +103,7 @@ class Server:
             self.argv, self.url = self._argv_for_port(self.port), f"http://127.0.0.1:{self.port}"
         env = competitor_env() if self.competitor else dict(os.environ)
         # A key in the bench's environment would make the servers it starts ask its own requests for it.
-        env = {k: v for k, v in env.items() if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD", "MESHNET_API_KEY")}
+        env = {k: v for k, v in env.items() if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD", API_KEY_ENV)}
         log = open(self.log_path, "a")  # each start appends: a server is started once per C
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
