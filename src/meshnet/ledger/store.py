@@ -150,6 +150,24 @@ class ClientBalance:
     sessions: int
 
 
+def _stored_steps(conn, model: str, session: str, items: list[WorkRecord]) -> list[tuple]:
+    """The stored steps of ``session`` that overlap its new records ``items``, as ``(layer_start, layer_end,
+    position, n_tokens)`` rows, in one statement of one shape (compiled once).
+
+    A stored step overlaps ``[lo, hi)`` when it starts before ``hi`` and ends after ``lo``; the position index
+    bounds the rows read to those starting less than the session's longest step before ``lo``. Only the
+    overlapping ones come back: a tracker gets every node's steps of every session each heartbeat, and
+    making a Python row of each step in that neighbourhood (a prompt's length of decode steps a node) was
+    most of the ledger's time in a busy ``meshnet up``."""
+    lo = min(r.position for r in items)
+    hi = max(r.position + r.n_tokens for r in items)
+    same = and_(work.c.model_sha256 == model, work.c.session_id == session)
+    longest = select(func.coalesce(func.max(work.c.n_tokens), 1)).where(same).scalar_subquery()
+    return conn.execute(select(work.c.layer_start, work.c.layer_end, work.c.position, work.c.n_tokens)
+                        .where(same, work.c.position < hi, work.c.position > lo - longest,
+                               work.c.position + work.c.n_tokens > lo)).all()
+
+
 class Ledger:
     """The tracker's ledger over one database (thread-safe).
 
@@ -253,19 +271,11 @@ class Ledger:
         now = self._clock()
         with self._lock:
             with self._writing() as conn:
+                new_rows = []
                 for (model, session), items in groups.items():
-                    same = and_(work.c.model_sha256 == model, work.c.session_id == session)
-                    max_n = conn.execute(select(func.max(work.c.n_tokens)).where(same)).scalar() or 1
-                    lo = min(r.position for r in items)
-                    hi = max(r.position + r.n_tokens for r in items)
-                    # Every stored step overlapping [lo, hi): it starts before hi and less than the
-                    # session's longest step before lo.
-                    rows = conn.execute(select(work.c.layer_start, work.c.layer_end, work.c.position,
-                                               work.c.n_tokens)
-                                        .where(same, work.c.position < hi, work.c.position > lo - max_n)).all()
+                    rows = _stored_steps(conn, model, session, items)
                     keys = {(model, session, *row) for row in rows}
                     rects = [Rect(p, p + n, ls, le) for ls, le, p, n in rows]
-                    new_rows = []
                     for r in items:
                         if r.key in keys:
                             duplicates += 1
@@ -279,8 +289,8 @@ class Ledger:
                                              credited_token_layers=area, recorded_at=now))
                         recorded += 1
                         credited += area
-                    if new_rows:
-                        conn.execute(work.insert(), new_rows)
+                if new_rows:  # one insert for the whole report
+                    conn.execute(work.insert(), new_rows)
         return WorkOutcome(recorded, duplicates, credited)
 
     def node_balances(self) -> list[NodeBalance]:
