@@ -378,3 +378,44 @@ def test_decodes_that_fill_their_streams_are_read_in_place(smollm2_path):
     for kv in kvs:
         kv.free()
     stage.close()
+
+
+@pytest.mark.parametrize("own_buffers", [4, 1])
+def test_decode_groups_taking_turns_keep_their_graphs_placed(smollm2_path, monkeypatch, own_buffers):
+    """Decode groups that take turns at a stage each run their own graph: with a compute buffer each, a
+    graph is placed once, not again after every other group's iteration; where there are fewer buffers
+    than groups (1 here) they are taken over and given back. Either way every row's logits are the bits
+    the graphs give placed in the shared buffer (``OWN_BUFFERS`` 0)."""
+    from meshnet.engine.ggml_graph import StepGraph
+    from meshnet.engine.ggml_stage import BatchItem
+
+    placed = []
+    real_place = StepGraph.place
+    monkeypatch.setattr(StepGraph, "place", lambda g, galloc: (placed.append(g.shape), real_place(g, galloc))[1])
+
+    def run(own: int) -> list[np.ndarray]:
+        stage = GgmlStage(str(smollm2_path), LayerRange(0, 30), n_threads=1, n_ctx=256, n_slots=8)
+        stage.OWN_BUFFERS = own
+        rng = np.random.default_rng(5)
+        kvs = [stage.new_session(reserve_tokens=40) for _ in range(5)]
+        for i, kv in enumerate(kvs):
+            stage.forward(kv, 0, token_ids=rng.integers(100, 40000, 8 + i).astype(np.int32))
+        placed.clear()
+        out = []
+        for step in range(3):
+            for group in ([0, 1, 2], [3, 4]):
+                items = [BatchItem(kvs[i].slot, 8 + i + step, np.asarray([700 + 13 * i + step], np.int32))
+                         for i in group]
+                out += stage.forward_batch(items)
+        for kv in kvs:
+            kv.free()
+        stage.close()
+        return out
+
+    shared = run(0)
+    assert len(placed) == 6  # the two graphs placed again at every turn in the one buffer
+    own = run(own_buffers)
+    assert len(placed) == (2 if own_buffers >= 2 else 6)
+    assert len(set(placed)) == 2
+    for a, b in zip(own, shared):
+        np.testing.assert_array_equal(a, b)
