@@ -77,6 +77,15 @@ def test_a_node_on_a_taken_port_names_it_once(flag, message):
     assert r.stderr.count("error:") == 1 and r.stderr.count(str(port)) == 1
 
 
+def test_a_node_given_one_port_for_grpc_and_the_data_plane_is_refused_naming_both():
+    """gRPC took the port, and the data plane, once the model had loaded, blamed it as taken."""
+    r = meshnet("node", "--engine", "fake", "--port", "15599", "--data-port", "15599", timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == ("error: --port and --data-port are both 15599: gRPC and the data "
+                                                 "plane each need a port of their own")
+    assert r.stderr.count("error:") == 1 and "cannot listen" not in r.stderr
+
+
 @pytest.mark.parametrize("command,flag", [
     (["generate", "hi", "--tracker", "127.0.0.1:9", "--model-id", ""], "--model-id"),
     (["api", "--tracker", "127.0.0.1:9", "--model-id", ""], "--model-id"),  # it served the tracker's model

@@ -143,6 +143,11 @@ def run_node(args: argparse.Namespace) -> int:
     if not follow_supervisor():  # started by `meshnet up`, which is gone already
         print("error: the meshnet up that started this node is gone", file=sys.stderr)
         return 1
+    if args.port and args.port == args.data_port and not args.relay:
+        # gRPC took the port first and the data plane then blamed it as taken, after the model had loaded.
+        print(f"error: --port and --data-port are both {args.port}: gRPC and the data plane each need a port of "
+              "their own", file=sys.stderr)
+        return 2
     backend = getattr(args, "backend", "cpu")
     device = getattr(args, "device", 0)
     if device < 0:
