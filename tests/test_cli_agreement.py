@@ -140,6 +140,25 @@ def test_a_dashboard_and_a_node_listen_on_a_bracketed_ipv6_host():
         node.stdout.close()
 
 
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_up_on_an_ipv6_host_names_a_taken_port_in_brackets():
+    """``meshnet up --host ::1`` said "cannot listen on ::1:PORT", which reads as host ::1:PORT's default port."""
+    from meshnet.up import _node_ports_problem
+
+    with socket.socket(socket.AF_INET6) as taken:
+        taken.bind(("::1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = meshnet("up", "--host", "::1", "--port", "0", "--api-port", str(port), "--dashboard-port", "-1",
+                    timeout=60)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr == (f"error: the API cannot listen on [::1]:{port} (Address already in use); pass another "
+                            "--api-port (0 = any free port, -1 = no API) or --host\n")
+        assert _node_ports_problem("::1", [(0, 0), (port - 1, port)]) == (
+            f"node 1 cannot listen on [::1]:{port} (Address already in use); pass another --node-ports (0 = any "
+            "free ports)")
+
+
 @pytest.mark.parametrize("args,message", [
     (["node", "--engine", "fake", "--no-data-plane", "--data-port", "9"],
      "meshnet node: error: argument --data-port: not allowed with argument --no-data-plane"),

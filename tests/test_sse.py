@@ -33,7 +33,9 @@ def test_completion_text_chunk_equals_the_schema_chunk(text):
     assert json.loads(chunks.text(0, text, finish_reason="stop")[6:])["choices"][0]["finish_reason"] == "stop"
 
 
-def test_a_client_that_takes_nothing_is_let_go_after_the_stall_deadline(monkeypatch, caplog):
+@pytest.mark.parametrize("client,named", [(("10.0.0.7", 5000), "10.0.0.7:5000"),
+                                          (("::1", 5000), "[::1]:5000")])  # it said ::1:5000
+def test_a_client_that_takes_nothing_is_let_go_after_the_stall_deadline(monkeypatch, caplog, client, named):
     """A streaming client that read nothing held its generation slot and KV cells for as long as it kept
     the connection: the server's send waits while the client's socket is full, and nothing bounded it."""
     import asyncio
@@ -65,7 +67,7 @@ def test_a_client_that_takes_nothing_is_let_go_after_the_stall_deadline(monkeypa
     async def run() -> float:
         started = time.monotonic()
         await sse_module.sse(events(), on_close=on_close)(
-            {"type": "http", "asgi": {"spec_version": "2.3"}, "client": ("10.0.0.7", 5000)}, receive, send)
+            {"type": "http", "asgi": {"spec_version": "2.3"}, "client": client}, receive, send)
         return time.monotonic() - started
 
     with caplog.at_level("WARNING", logger="meshnet.api"):
@@ -74,5 +76,5 @@ def test_a_client_that_takes_nothing_is_let_go_after_the_stall_deadline(monkeypa
     assert [m.get("body") for m in sent[1:]] == [b"data: 0\n\n", b"data: 1\n\n"]  # after the response start
     assert ended == [True] and closed == [True]
     assert [r.getMessage() for r in caplog.records] == [
-        "the client at 10.0.0.7:5000 took nothing of its stream for 0.3 s: the stream ends and its generation is "
+        f"the client at {named} took nothing of its stream for 0.3 s: the stream ends and its generation is "
         "stopped"]

@@ -113,7 +113,7 @@ def _api_port_problem(host: str, port: int) -> str | None:
     try:
         bind_http_socket(host, port).close()
     except OSError as e:
-        return (f"the API cannot listen on {host}:{port} ({e.strerror or e}); pass another --api-port "
+        return (f"the API cannot listen on {format_address(host, port)} ({e.strerror or e}); pass another --api-port "
                 "(0 = any free port, -1 = no API) or --host")
     return None
 
@@ -139,7 +139,7 @@ def _node_ports_problem(host: str, ports: list[tuple[int, int]]) -> str | None:
     for i, pair in enumerate(ports):
         for port in pair:
             if port and (why := bind_problem(host, port)) is not None:
-                return (f"node {i} cannot listen on {host}:{port} ({why}); pass another "
+                return (f"node {i} cannot listen on {format_address(host, port)} ({why}); pass another "
                         "--node-ports (0 = any free ports)")
     return None
 
@@ -277,8 +277,8 @@ def run_up(args: argparse.Namespace) -> int:
                     print(f"[meshnet up] {warning}", file=sys.stderr, flush=True)
             except OSError as e:  # taken since the check at the start
                 api_backend.close()
-                raise _Refused(f"the API cannot listen on {args.host}:{args.api_port} ({e}); pass another "
-                               "--api-port (0 = any free port, -1 = no API)") from None
+                raise _Refused(f"the API cannot listen on {format_address(args.host, args.api_port)} ({e}); pass "
+                               "another --api-port (0 = any free port, -1 = no API)") from None
         announce(f"MESHNET_UP_READY tracker={tracker}" + (f" api={api_url}" if api_url else "")
                  + (f" dashboard={dashboard.url}" if dashboard else ""))
         token = " --join-token YOUR_TOKEN" if args.join_token else ""  # the secret stays out of logs

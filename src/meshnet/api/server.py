@@ -250,10 +250,11 @@ def serve_app_in_thread(app, host: str = "127.0.0.1", port: int = 8000, log_leve
     deadline = time.monotonic() + startup_timeout_s
     while not server.started:
         if not thread.is_alive():
-            raise RuntimeError(f"the HTTP server on {host}:{bound} exited during startup")
+            raise RuntimeError(f"the HTTP server on {format_address(host, bound)} exited during startup")
         if time.monotonic() > deadline:
             server.should_exit = True
-            raise RuntimeError(f"the HTTP server on {host}:{bound} did not start in {startup_timeout_s:.0f}s")
+            raise RuntimeError(f"the HTTP server on {format_address(host, bound)} did not start in "
+                               f"{startup_timeout_s:.0f}s")
         time.sleep(0.02)
     return server, thread
 

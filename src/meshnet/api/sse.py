@@ -26,6 +26,7 @@ from meshnet.api.schemas import (
     CompletionResponse,
     Usage,
 )
+from meshnet.wire.addresses import format_address
 
 DONE = "data: [DONE]\n\n"
 
@@ -161,8 +162,8 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         except _Stalled:  # the server closes a connection whose response is left incomplete
             client = scope.get("client") or ("?", 0)
-            log.warning("the client at %s:%s took nothing of its stream for %g s: the stream ends and its "
-                        "generation is stopped", client[0], client[1], STALL_S)
+            log.warning("the client at %s took nothing of its stream for %g s: the stream ends and its "
+                        "generation is stopped", format_address(client[0], client[1]), STALL_S)
         finally:  # here, not in stream_response: a client gone at once cancels that before it runs
             if self.on_close is not None:
                 await self.on_close()
