@@ -73,10 +73,20 @@ def positive_number(text: str) -> float:
 
 def positive_int(text: str) -> int:
     """A count >= 1."""
-    value = _parse(text, int, "a whole number")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    return _whole_number(text, 1)
+
+
+def generated_tokens(text: str) -> int:
+    """Tokens a benchmark generates to time decoding: >= 2. The first comes from the prefill (timed as the
+    time to first token), so one times no decoding at all, and its speed of 0 was divided by."""
+    return _whole_number(text, 2, why=" (the first token comes from the prefill)")
+
+
+def draft_token_count(text: str) -> int:
+    """Draft tokens per speculative round, 1 to ``MAX_DRAFT_TOKENS`` (the bound a Speculation takes)."""
+    from meshnet.contract import MAX_DRAFT_TOKENS  # numpy: only when the flag is given
+
+    return _whole_number(text, 1, MAX_DRAFT_TOKENS)
 
 
 def thread_count(text: str) -> int:
@@ -85,11 +95,7 @@ def thread_count(text: str) -> int:
     segmentation fault)."""
     from meshnet.load_spec import LOAD_SETTING_LEAST, LOAD_SETTING_MOST  # numpy: only when the flag is given
 
-    value = _parse(text, int, "a whole number")
-    least, most = LOAD_SETTING_LEAST["n_threads"], LOAD_SETTING_MOST["n_threads"]
-    if not least <= value <= most:
-        raise argparse.ArgumentTypeError(f"must be {least} to {most}, got {value}")
-    return value
+    return _whole_number(text, LOAD_SETTING_LEAST["n_threads"], LOAD_SETTING_MOST["n_threads"])
 
 
 def counts(text: str) -> list[int]:
@@ -121,10 +127,7 @@ def refusing(parse: Callable[[str], T]) -> Callable[[str], T]:
 
 def count(text: str) -> int:
     """A count >= 0."""
-    value = _parse(text, int, "a whole number")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _whole_number(text, 0)
 
 
 def host_port(text: str) -> str:
@@ -319,6 +322,15 @@ def _parse(text: str, convert, what: str):
         return convert(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
+def _whole_number(text: str, least: int, most: int | None = None, why: str = "") -> int:
+    """``text`` as a whole number from ``least`` to ``most`` (None: none); ``why`` follows the bound."""
+    value = _parse(text, int, "a whole number")
+    if value < least or (most is not None and value > most):
+        bound = f">= {least}" if most is None else f"{least} to {most}"
+        raise argparse.ArgumentTypeError(f"must be {bound}{why}, got {value}")
+    return value
 
 
 def _seconds(text: str) -> float:

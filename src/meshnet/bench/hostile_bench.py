@@ -42,7 +42,7 @@ def add_hostile_bench_parser(bench_subparsers) -> None:
                                                     "hostile connections to its node; the node's memory")
     p.add_argument("--model", default="smollm2")
     p.add_argument("--threads", type=thread_count, default=2)
-    p.add_argument("--connections", type=int, default=1000)
+    p.add_argument("--connections", type=positive_int, default=1000)
     p.add_argument("--prompt-tokens", type=positive_int, default=32)
     p.add_argument("--decode-tokens", type=positive_int, default=64)
     p.add_argument("--rounds", type=positive_int, default=3)
@@ -135,8 +135,6 @@ def run_hostile_bench(args: argparse.Namespace) -> int:
     from meshnet.model.gguf_file import open_gguf
     from meshnet.model.hparams import ModelConfig
 
-    if args.rounds < 1 or args.decode_tokens < 1 or args.connections < 1:
-        raise ValueError("--rounds, --decode-tokens and --connections must be at least 1")
     model = str(resolve_model(args.model))
     n_layer = ModelConfig.from_reader(open_gguf(model)).n_layer
     prompt_ids = bench_prompt_ids(model, args.prompt_tokens)

@@ -52,7 +52,7 @@ def add_scale_bench_parser(bench_subparsers) -> None:
     p.add_argument("--threads", type=thread_count, default=2, help="CPU threads everywhere")
     p.add_argument("--prompt-tokens", type=positive_int, default=128)
     p.add_argument("--decode-tokens", type=positive_int, default=32)
-    p.add_argument("--parity-tokens", type=int, default=32, help="greedy ids compared with llama.cpp's")
+    p.add_argument("--parity-tokens", type=positive_int, default=32, help="greedy ids compared with llama.cpp's")
     p.add_argument("--repeats", type=positive_int, default=2, help="runs per figure after a warm-up; the median")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama-bench and llama.cpp's greedy ids")
     p.add_argument("--reference-repack", action="store_true",
@@ -236,8 +236,6 @@ def run_scale_bench(args: argparse.Namespace) -> int:
     from meshnet.model.gguf_file import open_gguf, sha256_file
     from meshnet.model.hparams import ModelConfig
 
-    if min(args.stages, args.repeats, args.decode_tokens, args.prompt_tokens, args.parity_tokens) < 1:
-        raise ValueError("--stages, --repeats, --decode-tokens, --prompt-tokens and --parity-tokens must be >= 1")
     if args.model:
         model = str(resolve_model(args.model))
     else:

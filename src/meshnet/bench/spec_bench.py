@@ -16,7 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from meshnet.arg_types import positive_int, results_file
+from meshnet.arg_types import draft_token_count, generated_tokens, positive_int, results_file, thread_count
 from meshnet.contract import GREEDY
 from meshnet.speculative import Speculation
 
@@ -33,10 +33,10 @@ def add_spec_bench_parser(bsub) -> None:
     p = bsub.add_parser("speculative", help="decode tokens/s with and without n-gram speculative decoding "
                                             "(in process; a repetitive prompt and prose)")
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=thread_count, default=2)
     p.add_argument("--stages", type=positive_int, default=1, help="in-process layer ranges")
-    p.add_argument("--decode-tokens", type=int, default=96)
-    p.add_argument("--draft-tokens", type=int, default=Speculation().draft_tokens,
+    p.add_argument("--decode-tokens", type=generated_tokens, default=96)
+    p.add_argument("--draft-tokens", type=draft_token_count, default=Speculation().draft_tokens,
                    help="draft tokens per round at most (the draft budget picks fewer where they do not pay)")
     p.add_argument("--repeats", type=positive_int, default=2, help="runs of each mode per prompt; medians reported")
     p.add_argument("--out", type=results_file, default="bench-results/speculative.json")

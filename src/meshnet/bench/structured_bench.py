@@ -19,7 +19,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from meshnet.arg_types import positive_int, results_file
+from meshnet.arg_types import positive_int, results_file, thread_count
 
 PERSON = {
     "type": "object",
@@ -42,7 +42,7 @@ def add_structured_bench_parser(bench_subparsers) -> None:
                                                        "tokens/s constrained against unconstrained")
     p.add_argument("--model", default="smollm2", help="GGUF path or bundled name (default %(default)s)")
     p.add_argument("--stages", type=positive_int, default=1, help="in-process layer ranges (default %(default)s)")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads per stage (default %(default)s)")
+    p.add_argument("--threads", type=thread_count, default=2, help="CPU threads per stage (default %(default)s)")
     p.add_argument("--requests", type=positive_int, default=100,
                    help="json_schema requests, half greedy and half sampled (default %(default)s)")
     p.add_argument("--concurrency", type=positive_int, default=4, help="requests at a time (default %(default)s)")
