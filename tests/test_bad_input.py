@@ -243,7 +243,7 @@ def test_bad_load_settings_are_named(field, value):
     (["tracker", "--port", "70000"], "argument --port: must be in 0..65535"),
     (["up", "--heartbeat", "nan"], "argument --heartbeat: must be a finite number of seconds, got nan"),
     (["api", "--max-concurrency", "0"], "argument --max-concurrency: must be >= 1, got 0"),
-    (["up", "--draft-tokens", "-3", "--dashboard-port", "-1"], "draft_tokens must be in [1, 16], got -3"),
+    (["up", "--draft-tokens", "-3", "--dashboard-port", "-1"], "argument --draft-tokens: must be 1 to 16, got -3"),
     # flags that did nothing where they were given
     (["generate", "--wait", "3", "hi"], "error: --wait needs --tracker (it applies to a running mesh's client"),
     (["generate", "--tracker", "127.0.0.1:9", "--stages", "2", "hi"],

@@ -334,6 +334,8 @@ def mtp_problem(path: str, shown: str | None = None) -> str | None:
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     """``--speculative {none,ngram,model}``, ``--draft-model GGUF`` and ``--draft-tokens K`` (read back with :func:`speculation_from`)."""
+    from meshnet.arg_types import draft_token_count  # gRPC's weight: only where a command line is parsed
+
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--speculative", choices=SPECULATIVE_KINDS, default=None,
                    help="ngram: draft tokens by prompt lookup in the session's own text; model: decode them "
@@ -343,6 +345,6 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model", default=None,
                    help="GGUF (path or bundled name) with the model's vocabulary, run here to draft tokens "
                         "(implies --speculative model)")
-    g.add_argument("--draft-tokens", type=int, default=None,
+    g.add_argument("--draft-tokens", type=draft_token_count, default=None,
                    help=f"draft tokens per verification step, 1..{MAX_DRAFT_TOKENS} (default 10; fewer where drafts do "
                         f"not pay; alone, implies --speculative ngram)")
