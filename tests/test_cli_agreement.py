@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 
@@ -181,3 +182,32 @@ def test_a_bad_join_token_variable_fails_only_runs_that_use_a_token(smollm2_path
         assert r.returncode == 2, r.stderr
         assert (f"meshnet {command[0]}: error: argument --join-token: may hold only printable ASCII characters "
                 "(gRPC carries it as metadata), got '\u00e4' at character 1 (from $MESHNET_JOIN_TOKEN)") in r.stderr
+
+
+def test_a_bad_api_key_variable_fails_only_runs_that_use_a_key():
+    """A bench that starts its own servers sends no key (they do not get the variable): a malformed
+    $MESHNET_API_KEY failed it at parse time all the same, as it still fails a server and ``bench serve --url``."""
+    from meshnet.cli import build_parser
+    from meshnet.secret_args import secrets_from_env
+
+    def parsed(argv: list[str]):
+        parser = build_parser(argv)
+        args = parser.parse_args(argv)
+        errors = []
+        secrets_from_env(args, errors.append)
+        return args, errors
+
+    env = {"MESHNET_API_KEY": "two words"}
+    with mock.patch.dict(os.environ, env):
+        args, errors = parsed(["bench", "serve", "--targets", "meshnet"])
+        assert (args.api_key, errors) == (None, [])
+        for argv in (["bench", "serve", "--url", "http://127.0.0.1:9"], ["api"], ["up"]):
+            args, errors = parsed(argv)
+            assert errors == ["argument --api-key: may hold only printable ASCII characters without spaces "
+                              "(clients send it in a header), got ' ' at character 3 (from $MESHNET_API_KEY)"], argv
+    with mock.patch.dict(os.environ, {"MESHNET_API_KEY": "k3y"}):
+        assert parsed(["bench", "serve", "--url", "http://127.0.0.1:9"])[0].api_key == "k3y"
+        assert parsed(["api", "--api-key", "given"])[0].api_key == "given"
+        assert parsed(["bench", "serve"])[0].api_key is None
+    with mock.patch.dict(os.environ, {"MESHNET_API_KEY": ""}):  # empty: no key
+        assert parsed(["api"])[0].api_key is None

@@ -18,7 +18,6 @@ from typing import Callable, TypeVar
 
 from meshnet.membership.identity import NODE_ID_CHARS, NODE_ID_MAX_CHARS
 from meshnet.wire.addresses import check_address
-from meshnet.wire.security import JOIN_TOKEN_ENV
 
 # The heartbeat intervals allowed, seconds: nodes beat at most every MIN_HEARTBEAT_S (a tracker asking
 # for less would drop them before their next beat), and a node silent for three intervals is gone (an
@@ -274,49 +273,6 @@ def add_client_id_arg(p: argparse.ArgumentParser) -> None:
                         "(meshnet ledger lists clients by it); default a random client-... id per process")
 
 
-# A join token travels as gRPC metadata and in the data plane's hello: printable ASCII (gRPC refuses
-# other bytes in a metadata value: "Invalid metadata"), within gRPC's 8 KiB of metadata with room to spare.
-JOIN_TOKEN_MAX_CHARS = 4096
-
-
-def join_token(text: str) -> str:
-    """The mesh's shared secret: 0 (none) to JOIN_TOKEN_MAX_CHARS printable ASCII characters."""
-    source = f" (from ${JOIN_TOKEN_ENV})" if text == os.environ.get(JOIN_TOKEN_ENV) else ""
-    if len(text) > JOIN_TOKEN_MAX_CHARS:
-        raise argparse.ArgumentTypeError(f"must be at most {JOIN_TOKEN_MAX_CHARS} characters, got {len(text)}{source}")
-    bad = next((i for i, c in enumerate(text) if not " " <= c <= "~"), None)
-    if bad is not None:
-        raise argparse.ArgumentTypeError(
-            f"may hold only printable ASCII characters (gRPC carries it as metadata), got {text[bad]!r} at "
-            f"character {bad}{source}")
-    return text
-
-
-# Where ``meshnet api`` and ``meshnet up`` read their API key when ``--api-key`` is not given.
-API_KEY_ENV = "MESHNET_API_KEY"
-API_KEY_MAX_CHARS = 256
-
-
-def add_api_key_arg(p: argparse.ArgumentParser) -> None:
-    """``--api-key``: the key HTTP clients of the OpenAI API must send (``Authorization: Bearer KEY``),
-    default ``$MESHNET_API_KEY``; none: the API is open to whoever reaches its port."""
-    p.add_argument("--api-key", type=api_key, default=os.environ.get(API_KEY_ENV) or None, metavar="KEY",
-                   help=f"require 'Authorization: Bearer KEY' on every API request but /health (default "
-                        f"${API_KEY_ENV}; none: anyone who reaches the port may use the API)")
-
-
-def api_key(text: str) -> str:
-    """An API key: 1 to API_KEY_MAX_CHARS printable ASCII characters without spaces (a bearer token)."""
-    source = f" (from ${API_KEY_ENV})" if text == os.environ.get(API_KEY_ENV) else ""
-    if not text or len(text) > API_KEY_MAX_CHARS:
-        raise argparse.ArgumentTypeError(f"must be 1 to {API_KEY_MAX_CHARS} characters, got {len(text)}{source}")
-    bad = next((i for i, c in enumerate(text) if not "!" <= c <= "~"), None)
-    if bad is not None:
-        raise argparse.ArgumentTypeError(f"may hold only printable ASCII characters without spaces (clients send "
-                                         f"it in a header), got {text[bad]!r} at character {bad}{source}")
-    return text
-
-
 def _parse(text: str, convert, what: str):
     try:
         return convert(text)
@@ -344,38 +300,6 @@ def _at_most_a_year(value: float, text: str) -> float:
     if value > MAX_SECONDS:
         raise argparse.ArgumentTypeError(f"must be at most {MAX_SECONDS:.0f} seconds (a year), got {text}")
     return value
-
-
-def add_join_token_arg(p: argparse.ArgumentParser, local_without_tracker: bool = False) -> None:
-    """``--join-token``, the mesh's shared secret, for every command that calls a tracker or a node. Not
-    given, it is ``$MESHNET_JOIN_TOKEN``, read by :func:`join_token_from_env` once the command line is parsed:
-    argparse checks a default read here at every parse, so a bad variable failed runs that use no token.
-    ``local_without_tracker``: without ``--tracker`` the command runs in this process (generate, api) and
-    uses no token."""
-    p.add_argument("--join-token", type=join_token, default=None,
-                   help=f"the mesh's shared secret (default ${JOIN_TOKEN_ENV})")
-    p.set_defaults(join_token_local_without_tracker=local_without_tracker)
-
-
-def join_token_from_env(args: argparse.Namespace, error) -> None:
-    """Set ``args.join_token`` to ``$MESHNET_JOIN_TOKEN`` where the command has :func:`add_join_token_arg`'s
-    flag, it was not given, and the run uses a token (not a run in this process: the variable is then
-    neither read nor checked).
-
-    Args:
-        error: the subcommand parser's ``error``: called (it exits with status 2) with argparse's message
-            for a bad ``--join-token``, ending "(from $MESHNET_JOIN_TOKEN)", when the variable holds a
-            token gRPC cannot send.
-    """
-    text = os.environ.get(JOIN_TOKEN_ENV)
-    if text is None or getattr(args, "join_token", "") is not None:  # given, or a command without the flag
-        return
-    if getattr(args, "join_token_local_without_tracker", False) and not args.tracker:
-        return
-    try:
-        args.join_token = join_token(text)
-    except argparse.ArgumentTypeError as e:
-        error(f"argument --join-token: {e}")
 
 
 # The settings of stages run in this process (``meshnet generate`` and ``meshnet api`` without

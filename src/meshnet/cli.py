@@ -153,7 +153,7 @@ def _main(argv: list[str] | None) -> int:
             # traceback; uvicorn's logging could not be configured). The lowest free descriptor is the
             # closed one, so child processes find /dev/null there too.
             setattr(sys, name, open(os.devnull, "w"))
-    from meshnet.arg_types import join_token_from_env
+    from meshnet.secret_args import secrets_from_env
     from meshnet.client.router import MeshUnavailable
     from meshnet.model.bundled import ModelNotFound
     from meshnet.supervisor import Terminated, sigterm_as_interrupt, stdout_to_devnull
@@ -163,7 +163,7 @@ def _main(argv: list[str] | None) -> int:
     args, extras = parser.parse_known_args(argv)
     if extras:
         _unrecognized(parser, args, extras)
-    join_token_from_env(args, _innermost(parser, args).error)
+    secrets_from_env(args, _innermost(parser, args).error)
     try:
         if args.command != "bench":
             return args.func(args)

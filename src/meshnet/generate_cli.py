@@ -55,7 +55,8 @@ def _add_model_args(p: argparse.ArgumentParser):
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
-    from meshnet.arg_types import add_client_id_arg, add_join_token_arg, host_port, model_ref, seconds, utf8_text
+    from meshnet.arg_types import add_client_id_arg, host_port, model_ref, seconds, utf8_text
+    from meshnet.secret_args import add_join_token_arg
 
     gen = sub.add_parser("generate", help="complete a prompt, streaming the text to stdout")
     gen.add_argument("prompt", type=utf8_text)

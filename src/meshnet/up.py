@@ -17,13 +17,13 @@ import time
 import grpc
 from tqdm import tqdm
 
-from meshnet.arg_types import (add_api_key_arg, add_join_token_arg, heartbeat_seconds, listen_host, port_number,
-                               positive_seconds)
+from meshnet.arg_types import heartbeat_seconds, listen_host, port_number, positive_seconds
 from meshnet.load_spec import LOAD_SETTING_LEAST, LOAD_SETTING_MOST, NO_HUGE_PAGES_HELP
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem, dashboard_port_taken
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.secret_args import add_api_key_arg, add_join_token_arg
 from meshnet.supervisor import Supervisor, announce, on_stop_signals, wait_for_stop
 from meshnet.wire.addresses import WILDCARD_HOSTS, bind_problem, format_address, this_machine_address
 from meshnet.wire.call_problems import tracker_hint

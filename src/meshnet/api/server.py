@@ -12,13 +12,13 @@ import time
 
 import uvicorn
 
-from meshnet.arg_types import (API_KEY_ENV, LOCAL_STAGE_DEFAULTS, add_api_key_arg, add_client_id_arg, add_join_token_arg,
-                               host_port, listen_host,
+from meshnet.arg_types import (LOCAL_STAGE_DEFAULTS, add_client_id_arg, host_port, listen_host,
                                mode_problem, model_ref, name_text, port_number, positive_int, positive_number)
 from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.http_protocol import HeaderDeadlineProtocol
 from meshnet.api.backend import ApiBackend
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
+from meshnet.secret_args import API_KEY_ENV, add_api_key_arg, add_join_token_arg
 from meshnet.speculative import add_speculation_args, speculation_from_args
 from meshnet.wire.addresses import format_address, is_loopback_host
 from meshnet.wire.call_problems import tracker_refusal

@@ -36,11 +36,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshnet.arg_types import (API_KEY_ENV, api_key, counts, http_url, positive_int, positive_seconds, results_file,
-                               thread_count)
+from meshnet.arg_types import counts, http_url, positive_int, positive_seconds, results_file, thread_count
 from meshnet.bench.serve_load import LoadSpec, run_load, summarize
 from meshnet.bench.serve_targets import LLAMA_SLOT_CTX, llama_rpc_server, meshnet_targets, start_llama_server
 from meshnet.bench.served import KvSampler, Server
+from meshnet.secret_args import API_KEY_ENV, add_api_key_arg
 
 # Requests per timed load at least: at C = 1, three 128-token requests last about 2.5 s, and on a small
 # VM whose speed drifts their decode ratio to llama-server swung from 0.80 to 0.97 between rounds.
@@ -84,8 +84,7 @@ def add_serve_bench_parser(bench_subparsers) -> None:
                    help="run llama-server and meshnet in process side by side for a C and let them take turns "
                         "a load at a time (by default every target is started and stopped for each load)")
     p.add_argument("--url", type=http_url, default=None, help="measure only this running OpenAI-compatible server")
-    p.add_argument("--api-key", type=api_key, default=os.environ.get(API_KEY_ENV) or None, metavar="KEY",
-                   help=f"with --url: the key that server asks for (default ${API_KEY_ENV})")
+    add_api_key_arg(p, help=f"with --url: the key that server asks for (default ${API_KEY_ENV})", only_with="url")
     p.add_argument("--timeout", type=positive_seconds, default=900.0, help="per-request timeout, seconds")
     p.add_argument("--out", type=results_file, default="bench-results/serve.json")
     p.set_defaults(func=run_serve_bench)

@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from meshnet.arg_types import API_KEY_ENV
+from meshnet.secret_args import API_KEY_ENV
 from meshnet.openmp import competitor_env
 
 

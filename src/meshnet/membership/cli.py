@@ -8,7 +8,8 @@ import sys
 
 import grpc
 
-from meshnet.arg_types import add_join_token_arg, host_port
+from meshnet.arg_types import host_port
+from meshnet.secret_args import add_join_token_arg
 from meshnet.engine.numerics import distinct_words
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc

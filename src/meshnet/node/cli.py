@@ -17,14 +17,15 @@ import sys
 import threading
 import time
 
-from meshnet.arg_types import (add_join_token_arg, advertised_address, count, host_port, listen_host, model_ref,
-                               node_id, port_number, positive_seconds, seconds, unresolved_host)
+from meshnet.arg_types import (advertised_address, count, host_port, listen_host, model_ref, node_id, port_number,
+                               positive_seconds, seconds, unresolved_host)
 from meshnet.contract import LayerRange
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
 from meshnet.node.config import NodeConfig
 from meshnet.node.engine_loader import pin_to_cpu
 from meshnet.node.runner import Node
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.secret_args import add_join_token_arg
 from meshnet.supervisor import announce, follow_supervisor, on_stop_signals, wait_for_stop
 from meshnet.wire.call_problems import tracker_refusal
 from meshnet.wire.security import TlsConfig, open_channel, server_ssl_context

@@ -14,7 +14,8 @@ import signal
 import sys
 import threading
 
-from meshnet.arg_types import heartbeat_seconds, join_token, listen_host, port_number
+from meshnet.arg_types import heartbeat_seconds, listen_host, port_number
+from meshnet.secret_args import join_token
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem, dashboard_port_taken
 from meshnet.supervisor import on_stop_signals, wait_for_stop
 from meshnet.tracker.server import start_tracker
