@@ -86,6 +86,20 @@ def test_a_step_is_credited_once_however_often_or_by_whom_it_is_reported(ledger_
     ledger.close()
 
 
+def test_steps_past_two_to_the_31_are_credited_like_any_other(ledger_url):
+    """Positions are 64-bit (a session's records go up to 2**62): on PostgreSQL a bound computed from a
+    32-bit column was sent as an INTEGER and failed the whole report ("integer out of range"), losing the
+    other sessions' credit with it."""
+    ledger = Ledger(ledger_url)
+    far = 2**31 + 5
+    out = ledger.record_work([step("head", 0, 10, 0, 3, session="near"), step("head", 0, 10, far, 4),
+                              step("head", 0, 10, 2**62 - 8, 1, session="farther")])
+    assert (out.recorded, out.duplicates, out.credited) == (3, 0, 30 + 40 + 10)
+    out = ledger.record_work([step("spare", 0, 10, far + 2), step("spare", 0, 10, far + 4)])
+    assert (out.recorded, out.duplicates, out.credited) == (2, 0, 10)  # far + 2 is inside the step at far
+    ledger.close()
+
+
 def test_bad_records_are_refused_whole(ledger_url):
     ledger = Ledger(ledger_url)
     good = step("n", 0, 10, 0)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from sqlalchemy import and_, case, func, select, text
+from sqlalchemy import BigInteger, and_, case, func, literal, select, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from meshnet.ledger.credit import Rect, new_area
@@ -163,8 +163,11 @@ def _stored_steps(conn, model: str, session: str, items: list[WorkRecord]) -> li
     hi = max(r.position + r.n_tokens for r in items)
     same = and_(work.c.model_sha256 == model, work.c.session_id == session)
     longest = select(func.coalesce(func.max(work.c.n_tokens), 1)).where(same).scalar_subquery()
+    # ``lo`` as a 64-bit value: beside the 32-bit ``n_tokens`` it would be sent as an INTEGER, which
+    # PostgreSQL refuses past 2**31 (positions go to 2**62).
     return conn.execute(select(work.c.layer_start, work.c.layer_end, work.c.position, work.c.n_tokens)
-                        .where(same, work.c.position < hi, work.c.position > lo - longest,
+                        .where(same, work.c.position < hi,
+                               work.c.position > literal(lo, BigInteger) - longest,
                                work.c.position + work.c.n_tokens > lo)).all()
 
 
