@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 
+from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import StepRequest
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
@@ -92,6 +93,7 @@ class Mesh:
         self.dashboard = start_dashboard(self.service) if dashboard else None
         self.tracker = f"127.0.0.1:{self.port}"
         self.nodes: list[NodeProc] = []
+        self.clients: list[MeshClient] = []
         self.log_dir = Path(tempfile.mkdtemp(prefix="meshnet-test-nodes-"))  # each node's stderr
 
     def spawn_node(self, layers: str, node_id: str | None, model: str | None = "smollm2", *extra: str,
@@ -139,6 +141,14 @@ class Mesh:
         self.wait_registered({n.node_id for n in started})
         return started
 
+    def client(self, **kwargs) -> MeshClient:
+        """A :class:`MeshClient` of this mesh's tracker (``kwargs`` as MeshClient's), closed by :meth:`close`
+        before the tracker stops unless the test closed it: a client left open resends the tokens it has
+        not reported to whichever tracker takes the port next (see reporter_leaks.py)."""
+        client = MeshClient(self.tracker, **kwargs)
+        self.clients.append(client)
+        return client
+
     def tracker_stub(self) -> pb_grpc.TrackerStub:
         return pb_grpc.TrackerStub(open_channel(self.tracker, self.join_token, self.tls_ca))
 
@@ -153,6 +163,13 @@ class Mesh:
             time.sleep(0.05)
 
     def close(self) -> None:
+        try:
+            for c in self.clients:  # first: their last reports reach the tracker, their releases the nodes
+                c.close()
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
         for n in self.nodes:
             if n.proc.poll() is None:
                 n.proc.kill()

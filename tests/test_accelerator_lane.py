@@ -136,7 +136,6 @@ def test_smollm2_with_its_middle_on_the_device_matches_llama_cpp(smollm2_path, g
 
 @pytest.mark.timeout(1800)
 def test_node_on_the_lane_registers_its_device_and_serves_golden_tokens(mesh, tok, golden_dir):
-    from meshnet.client.mesh_client import MeshClient
     from meshnet.generation import Generation
     from meshnet.proto import meshnet_pb2 as pb
 
@@ -153,7 +152,7 @@ def test_node_on_the_lane_registers_its_device_and_serves_golden_tokens(mesh, to
     assert mid.device.memory_total_bytes == dev["memory_total_bytes"] > 0
     assert mid.decode_tokens_per_s > 0
     p = golden["prompts"][0]
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     try:
         gen = Generation(client, tok, p["prompt_ids"], N_DECODE_MESH, GREEDY,
                          stop_at_eog=False)

@@ -23,7 +23,6 @@ from mesh_util import Mesh, greedy_steps
 import meshnet
 from meshnet.cli import main as cli_main
 from meshnet.client.activity import session_label
-from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import StepRequest
 from meshnet.ledger.cli import ledger_dict
 from meshnet.proto import meshnet_pb2 as pb
@@ -132,7 +131,7 @@ def test_relayed_node_is_marked(page):
 
 
 def test_open_session_and_its_route_appear_then_leave(mesh, page):
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     try:
         res = client.step(StepRequest("dash-open", 0, 0, (11, 12, 13, 14)), decode=False)
         assert res.ok, res.message
@@ -155,7 +154,7 @@ def test_open_session_and_its_route_appear_then_leave(mesh, page):
 
 
 def test_tokens_per_second_and_ttft_after_a_generation(mesh, page):
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     try:
         step = client.step
         ids = greedy_steps(lambda r: step(r, False), lambda r: step(r, True), "dash-gen", (21, 22, 23), 40)

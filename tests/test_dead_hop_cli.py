@@ -8,7 +8,6 @@ import pytest
 
 from solo_reference import PROMPTS
 from mesh_util import Mesh, run_generate
-from meshnet.client.mesh_client import MeshClient
 
 
 
@@ -23,7 +22,7 @@ def slow_mesh():
 def test_generate_routes_around_a_dead_hop_the_tracker_still_lists(slow_mesh, solo):
     nodes = slow_mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-spare", "10:20"),
                                    ("d-tail", "20:30")])
-    client = MeshClient(slow_mesh.tracker)
+    client = slow_mesh.client()
     _, route = client.route()
     victim = next(n for n in nodes if n.node_id == route[1].node_id)
     victim.kill()
@@ -55,7 +54,7 @@ def test_a_route_waits_for_a_dead_hop_restarted_under_its_id_at_its_own_address(
     restarted: list = []
     thread = threading.Thread(target=lambda: restarted.extend(slow_mesh.start_nodes([("b-mid", "10:20", ports)])))
     thread.start()
-    client = MeshClient(slow_mesh.tracker, failover_deadline_s=60)
+    client = slow_mesh.client(failover_deadline_s=60)
     try:
         _, hops, n_ctx = client.route_with_context()
     finally:
@@ -180,7 +179,7 @@ def test_generate_waits_for_room_on_a_full_mesh_as_the_api_does(solo):
     mesh = Mesh()
     try:
         mesh.start_nodes([("a-head", "0:15"), ("d-tail", "15:30")], "smollm2", "--max-sessions", "1")
-        holder = MeshClient(mesh.tracker, report_deliveries=False)
+        holder = mesh.client(report_deliveries=False)
         ids = solo.prompt_ids(1)
         assert holder.step(StepRequest("held", 0, 0, tuple(ids), sampling=GREEDY), decode=False).ok
         proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "generate", "--tracker", mesh.tracker,

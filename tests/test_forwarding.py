@@ -41,7 +41,7 @@ def generate_recording_steps(client: MeshClient, tok, prompt_ids, n: int) -> tup
 
 def test_forwarded_generation_equals_solo_and_the_client_keeps_no_hidden_states(mesh, tok, solo):
     nodes = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
-    client = MeshClient(mesh.tracker, forwarding=True)
+    client = mesh.client(forwarding=True)
     ids, steps = generate_recording_steps(client, tok, solo.prompt_ids(0), N)
     assert ids == solo.greedy(0, N)
     # Every step was forwarded: the client recorded token ids only, no hop's hidden states.
@@ -57,7 +57,7 @@ def test_a_node_killed_while_forwarding_is_replaced_with_identical_output(mesh, 
     specs = [("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")]
     spare_id = "z-spare-mid" if victim_range == "10:20" else "z-spare-tail"
     nodes = mesh.start_nodes(specs + [(spare_id, victim_range)])
-    client = MeshClient(mesh.tracker, forwarding=True)
+    client = mesh.client(forwarding=True)
     _, route = client.route()
     in_route = {h.node_id for h in route}
     victim = next(n for n in nodes if n.node_id in in_route and n.node_id.endswith(
@@ -101,7 +101,7 @@ def test_a_link_between_two_nodes_that_fails_is_stepped_by_the_client_with_ident
     it itself, with the solo run's tokens."""
     closed = _firewall_before(monkeypatch, "b-tail")
     nodes = mesh.start_nodes([("a-head", "0:15"), ("b-tail", "15:30")])
-    client = MeshClient(mesh.tracker, forwarding=True, failover_deadline_s=5.0)
+    client = mesh.client(forwarding=True, failover_deadline_s=5.0)
     with caplog.at_level(logging.WARNING, logger="meshnet.client"):
         ids, steps = generate_recording_steps(client, tok, solo.prompt_ids(2), N)
     assert ids == solo.greedy(2, N)
@@ -131,7 +131,7 @@ def test_a_failed_link_in_the_middle_of_a_route_is_found_by_health_and_stepped_b
 
     _firewall_before(monkeypatch, "c-tail")
     nodes = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
-    client = MeshClient(mesh.tracker, forwarding=True, failover_deadline_s=5.0)
+    client = mesh.client(forwarding=True, failover_deadline_s=5.0)
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="meshnet.client"):
         ids, steps = generate_recording_steps(client, tok, solo.prompt_ids(0), N)
@@ -160,7 +160,7 @@ def test_a_forwarded_step_reaching_a_node_of_other_layers_is_refused_not_run(mes
     monkeypatch.setattr(Router, "_serves_other", lambda self, stage, caps: None)
     nodes = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
     # no ledger reports (the tracker stays away) and a short failover deadline: the session fails either way
-    client = MeshClient(mesh.tracker, forwarding=True, report_deliveries=False, failover_deadline_s=2.0)
+    client = mesh.client(forwarding=True, report_deliveries=False, failover_deadline_s=2.0)
     _, route = client.route()
     grpc_port, data_port = route[1].address.rsplit(":", 1)[1], route[1].data_pool.address.rsplit(":", 1)[1]
     other = []
@@ -214,7 +214,7 @@ def test_a_middle_node_that_lost_the_session_is_rebuilt_by_replay(mesh, tok, sol
     """The middle node frees the session behind the client's back: its NOT_FOUND reaches the tail as a
     HopFailure, the tail answers the client's await with it, and the client replays the session."""
     nodes = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
-    client = MeshClient(mesh.tracker, forwarding=True)
+    client = mesh.client(forwarding=True)
 
     def drop_on_mid():
         sid = next(iter(client._sessions))
@@ -234,7 +234,7 @@ def test_a_node_that_loses_the_session_step_after_step_is_given_up_with_the_reas
     from meshnet.client.mesh_client import MAX_LOSSES_IN_A_ROW, MeshUnavailable
 
     nodes = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
-    client = MeshClient(mesh.tracker, forwarding=True)
+    client = mesh.client(forwarding=True)
 
     def drop_on_mid(when):
         def step_done(i: int) -> None:

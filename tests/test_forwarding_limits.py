@@ -228,12 +228,11 @@ def test_steps_the_head_refuses_leave_the_tail_open_to_clients(mesh, tok, solo):
     """A forwarded step the head refuses never reaches the tail, so the client's await there is abandoned:
     260 in a row (more than the tail's 256 data-plane connections) leave the tail serving, and a
     generation after them equals the solo run."""
-    from meshnet.client.mesh_client import MeshClient
     from meshnet.contract import GREEDY
     from meshnet.generation import Generation
 
     nodes = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
-    client = MeshClient(mesh.tracker, forwarding=True, failover_deadline_s=3.0)
+    client = mesh.client(forwarding=True, failover_deadline_s=3.0)
     for i in range(260):
         res = client.step(StepRequest(f"bad-{i}", 0, 0, (10**6,), reserve_tokens=8), decode=False)
         assert res.status is Status.INVALID_ARGUMENT, res.message

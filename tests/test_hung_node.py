@@ -10,7 +10,6 @@ import time
 import pytest
 
 from mesh_util import wait_for
-from meshnet.client.mesh_client import MeshClient
 from meshnet.client.orphans import OrphanReleaser
 from meshnet.contract import GREEDY, ArtifactId, LayerRange, Outcome, Status, StepRequest
 from meshnet.load_spec import LoadSpec
@@ -21,7 +20,7 @@ from meshnet.generation import Generation
 def test_stopped_middle_node_fails_over_in_seconds_and_frees_its_session_on_resume(mesh, tok, solo):
     head, mid, spare, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-spare", "10:20"),
                                                ("d-tail", "20:30")])
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     _, route = client.route()
     victim = mid if mid.node_id in {h.node_id for h in route} else spare
     gen = Generation(client, tok, solo.prompt_ids(0), 64, GREEDY, stop_at_eog=False)
@@ -58,7 +57,7 @@ def test_a_node_stopped_before_a_clients_first_step_there_is_left_in_seconds(mes
     its Health is asked."""
     head, mid, spare, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-spare", "10:20"),
                                                ("d-tail", "20:30")])
-    client = MeshClient(mesh.tracker, forwarding=forwarding)
+    client = mesh.client(forwarding=forwarding)
     _, route = client.route()
     victim = mid if mid.node_id in {h.node_id for h in route} else spare
     victim.proc.send_signal(signal.SIGSTOP)
@@ -84,7 +83,7 @@ def test_the_only_node_of_a_range_stopped_then_resumed_takes_its_session_back(me
     failover deadline. The client routes through it again (it answers Health at its old address),
     has it free its stale copy of the session, replays, and the 64 ids equal the solo run."""
     head, mid, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     gen = Generation(client, tok, solo.prompt_ids(0), 64, GREEDY, stop_at_eog=False)
     resume = threading.Timer(3.0, mid.proc.send_signal, args=(signal.SIGCONT,))
     try:
@@ -107,7 +106,7 @@ def test_node_stopped_when_its_session_ends_frees_the_session_on_resume(mesh, so
     retried in the background, so the node frees the session once it runs again (not minutes later,
     at its idle sweep)."""
     head, tail = mesh.start_nodes([("a-head", "0:15"), ("d-tail", "15:30")])
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     res = client.step(StepRequest("ends-while-stopped", 0, 0, tuple(solo.prompt_ids(0))), decode=False)
     assert res.ok and res.token.token_id == solo.greedy(0, 1)[0]
     assert [head.active_sessions(), tail.active_sessions()] == [1, 1]
@@ -214,7 +213,7 @@ def test_steps_lost_inside_a_killed_node_fail_over_once_another_session_finds_it
     ranges = ["0:10", "10:20", "20:30"]
     nodes = mesh.start_nodes([("a-head", ranges[0]), ("b-mid", ranges[1]), ("d-tail", ranges[2])])
     victim = nodes[victim_at]
-    client = MeshClient(mesh.tracker, step_timeout_s=30, step_deadline=DeadlinePolicy(floor_s=20, ceiling_s=30))
+    client = mesh.client(step_timeout_s=30, step_deadline=DeadlinePolicy(floor_s=20, ceiling_s=30))
     first = {}
     for i in range(3):  # every session through the victim
         res = client.step(StepRequest(f"s{i}", 0, 0, tuple(solo.prompt_ids(i))), decode=False)

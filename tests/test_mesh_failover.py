@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from meshnet.client.mesh_client import MeshClient, MeshUnavailable
+from meshnet.client.mesh_client import MeshUnavailable
 from meshnet.contract import GREEDY, LayerRange, NamedTensor, Outcome, Status, StepRequest
 from meshnet.generation import Generation
 from meshnet.proto import meshnet_pb2 as pb
@@ -28,7 +28,7 @@ def _run_killing(client, tok, prompt_ids, kill, after: int = 10, n: int = 64) ->
 def test_kill_middle_node_with_spare_equals_uninterrupted_run(mesh, tok, solo):
     head, mid, spare, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-spare", "10:20"),
                                                ("d-tail", "20:30")])
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     _, route = client.route()
     in_route = {h.node_id for h in route}
     victim = mid if mid.node_id in in_route else spare
@@ -48,7 +48,7 @@ def test_a_failover_replays_onto_the_spare_that_computes_as_the_dead_node(mesh, 
     over with a warning that the output continues within tolerance rather than bit for bit (this prompt stays under the 512 cells
     where threads change the bits, so its ids still equal the solo run's)."""
     head, mid, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     spares = []
 
     def kill_mid():
@@ -89,7 +89,7 @@ def test_a_spare_too_small_for_the_session_is_not_failed_over_to(mesh, tok, solo
     request was blamed), but reports that no route holds the session."""
     head, mid, small, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"),
                                                ("c-small", "10:20", small), ("d-tail", "20:30")])
-    client = MeshClient(mesh.tracker, failover_deadline_s=3)
+    client = mesh.client(failover_deadline_s=3)
     _, hops, n_ctx = client.route_with_context()
     assert [h.node_id for h in hops] == ["a-head", "b-mid", "d-tail"] and n_ctx == 4096
     gen = Generation(client, tok, solo.prompt_ids(0), 64, GREEDY, stop_at_eog=False)
@@ -105,7 +105,7 @@ def test_a_failover_onto_a_spare_at_its_session_limit_waits_for_room(mesh, tok, 
     refused RESOURCE_EXHAUSTED, and the session failed at once, its user's answer lost mid-way. It now
     waits for room (as a new session does) and finishes as the solo run, once the spare's session ends."""
     head, mid, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     held = []
 
     def fill_spare_then_kill_mid():
@@ -127,7 +127,7 @@ def test_a_failover_onto_a_spare_at_its_session_limit_waits_for_room(mesh, tok, 
 
 def test_kill_without_spare_fails_fast_and_survivors_release(mesh, tok, solo):
     head, mid, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     killed_at = []
 
     def kill():
@@ -154,7 +154,7 @@ def test_kill_without_spare_fails_fast_and_survivors_release(mesh, tok, solo):
 
 def test_prompts_sessions_and_release_on_one_chain(mesh, smollm2_path, solo):
     mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
 
     def greedy(prompt, n, sid):
         res = client.step(StepRequest(sid, 0, 0, tuple(prompt)), decode=False)
@@ -197,7 +197,7 @@ def test_prompts_sessions_and_release_on_one_chain(mesh, smollm2_path, solo):
 def test_eight_concurrent_sessions_each_equal_alone(mesh, solo):
     mesh.start_nodes([("a-head", "0:15"), ("d-tail", "15:30")])
     prompts = [solo.prompt_ids(i) for i in range(4)] * 2
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     results: dict[int, list[int]] = {}
 
     def run(i: int) -> None:
@@ -224,7 +224,7 @@ def test_sessions_opening_together_spread_over_two_replicas(mesh, solo):
     """Eight sessions opening at once all took the replica the last heartbeats ranked first, the other
     idle: the tracker now counts the routes it hands a session until the nodes' next heartbeat."""
     head, r1, r2 = mesh.start_nodes([("a-head", "0:15"), ("b-one", "15:30"), ("c-two", "15:30")])
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     opened = [client.step(StepRequest(f"s{i}", 0, 0, tuple(solo.prompt_ids(i % 4))), decode=False)
               for i in range(8)]
     assert all(res.ok for res in opened)
@@ -251,7 +251,7 @@ def test_node_killed_with_eight_batched_sessions_in_flight(mesh, tok, solo):
     solo run. (The replicas share new sessions: the one a route query named first may hold none of them.)"""
     head, mid, spare, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-spare", "10:20"),
                                                ("d-tail", "20:30")])
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     n_tokens, started = 24, threading.Barrier(8)
     tokens_seen = threading.Semaphore(0)
     results: dict[int, list[int]] = {}
@@ -287,7 +287,7 @@ def test_node_restarted_under_its_id_takes_back_its_range_mid_generation(mesh, t
     ``meshnet up`` or an operator restarts it), at a new address; the client routes through the new
     process, replays the session onto it, and the 64 ids equal the solo run."""
     head, mid, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
-    client = MeshClient(mesh.tracker, failover_deadline_s=90)
+    client = mesh.client(failover_deadline_s=90)
     restarted: list = []
 
     def restart() -> None:
@@ -328,7 +328,7 @@ def test_node_restarted_under_its_id_at_its_own_address_is_failed_at_once(mesh, 
     port, data_port = free_port(), free_port()
     ports = ("--port", str(port), "--data-port", str(data_port))
     head, mid, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20", ports), ("d-tail", "20:30")])
-    client = MeshClient(mesh.tracker, failover_deadline_s=30, step_deadline=DeadlinePolicy(floor_s=8.0))
+    client = mesh.client(failover_deadline_s=30, step_deadline=DeadlinePolicy(floor_s=8.0))
     restarted: list = []
 
     def restart() -> None:
@@ -362,7 +362,7 @@ def test_replay_onto_a_node_holding_a_stale_copy_of_the_session(mesh, tok, solo)
     release fenced at the new epoch, sent right before the replay, clears it. The ids equal the solo
     run and no node keeps the session."""
     head, spare, tail = mesh.start_nodes([("a-head", "0:15"), ("b-head", "0:15"), ("d-tail", "15:30")])
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     _, route = client.route()
     victim = head if route[0].node_id == head.node_id else spare
     lost = []
@@ -409,7 +409,7 @@ def test_a_registration_claiming_all_layers_at_a_head_nodes_address_is_failed_ov
     beating = threading.Thread(target=heartbeat, daemon=True)
     beating.start()
     try:
-        client = MeshClient(mesh.tracker)
+        client = mesh.client()
         assert [h.node_id for h in client.route()[1]] == ["a-liar"]
         assert _run_killing(client, tok, solo.prompt_ids(0), lambda: None, n=16) == solo.greedy(0)[:16]
         assert client.failovers == 1 and [h.node_id for h in client.last_hops] == ["b-head", "c-tail"]
@@ -425,7 +425,7 @@ def test_new_sessions_route_around_a_node_this_client_cannot_reach(mesh, tok, so
     it at once instead of each paying its own."""
     mesh.start_nodes([("a-unreachable", "0:30", ("--advertise", "a-unreachable.invalid:9512")),
                       ("b-head", "0:15"), ("c-tail", "15:30")])
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     _, plain = client.route()
     assert [h.node_id for h in plain] == ["a-unreachable"]  # one hop is cheaper than two
     assert _run_killing(client, tok, solo.prompt_ids(0), lambda: None, n=16) == solo.greedy(0)[:16]

@@ -35,7 +35,7 @@ def test_1200_token_prompt_streams_in_frames_and_equals_single_process(mesh, smo
     tok = GGUFTokenizer.from_gguf(str(smollm2_path))
     n = 1200
     ids = (tok.encode(PROMPTS[1]) * 20)[:n]
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     local = load_local_chain(str(smollm2_path), [LayerRange(0, 30)], n_threads=2, progress=False)
 
     def run(chain):
@@ -69,7 +69,7 @@ def test_a_draining_node_does_not_wait_for_sessions_whose_client_is_gone(mesh):
     from meshnet.node.runner import DRAIN_IDLE_S
 
     (node,) = mesh.start_nodes([("only", "0:30")], "smollm2", "--engine", "fake", "--drain-timeout", "60")
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     token = client.step(StepRequest("orphan", 0, 0, (5, 6, 7)), decode=False).token.token_id
     for position in (3, 4):  # then its client never comes back
         token = client.step(StepRequest("orphan", 0, position, (token,)), decode=True).token.token_id
@@ -98,7 +98,7 @@ def test_a_draining_node_does_not_wait_for_sessions_whose_client_is_gone(mesh):
 
 def test_idle_session_is_freed(mesh):
     (node,) = mesh.start_nodes([("only", "0:30")], "smollm2", "--idle-timeout", "0.5")
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     assert client.step(StepRequest("idle", 0, 0, (504, 3575)), decode=False).ok
     assert node.active_sessions() == 1
     deadline = time.monotonic() + 10
@@ -112,7 +112,7 @@ def test_a_full_node_frees_sessions_idle_a_tenth_of_the_idle_timeout(mesh):
     others away meanwhile. A node at its session limit frees the sessions idle for a tenth of it; one with
     room keeps them."""
     (node,) = mesh.start_nodes([("only", "0:30")], "smollm2", "--idle-timeout", "20", "--max-sessions", "3")
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     for i in range(3):
         assert client.step(StepRequest(f"dead-client-{i}", 0, 0, (504, 3575)), decode=False).ok
     assert client.step(StepRequest("newcomer", 0, 0, (504, 3575)), decode=False).status is Status.RESOURCE_EXHAUSTED
@@ -164,7 +164,7 @@ def test_version_skewed_node_is_refused_while_traffic_flows(mesh):
         stub.Register(skewed, timeout=5)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert str(PROTOCOL_MAJOR + 1) in e.value.details() and str(PROTOCOL_MAJOR) in e.value.details()
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     res = client.step(StepRequest("ok", 0, 0, (504, 3575, 282, 4649, 314)), decode=False)
     assert res.ok and res.token.token_id == 7042
 
@@ -177,7 +177,7 @@ def test_join_token_required_by_tracker_and_nodes(smollm2_path):
         assert rpc_code(bare.Health, pb.Empty(), timeout=5) == grpc.StatusCode.UNAUTHENTICATED
         assert rpc_code(pb_grpc.TrackerStub(open_channel(m.tracker)).ListNodes, pb.Empty(), timeout=5) \
             == grpc.StatusCode.UNAUTHENTICATED
-        client = MeshClient(m.tracker, join_token="s3cret")
+        client = m.client(join_token="s3cret")
         assert client.step(StepRequest("t", 0, 0, (504, 3575, 282, 4649, 314)), decode=False).token.token_id == 7042
         # A node with the wrong token is refused before it loads the model (it loaded, then was refused).
         r = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--tracker", m.tracker, "--layers", "0:30",

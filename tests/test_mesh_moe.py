@@ -11,7 +11,6 @@ import pytest
 
 from conftest import golden_exact, load_golden, moe_model_path
 from golden_check import assert_greedy_matches
-from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import GREEDY
 from meshnet.generation import Generation
 from meshnet.membership.cli import node_load
@@ -86,7 +85,7 @@ def test_moe_mesh_split_equals_golden_and_in_process(mesh, moe_models, name, ran
     golden = load_golden(name)
     nodes = mesh.start_nodes([(f"{chr(97 + i)}-{r.replace(':', '-')}", r) for i, r in enumerate(ranges)],
                              str(path))
-    client = MeshClient(mesh.tracker, forwarding=forwarding)
+    client = mesh.client(forwarding=forwarding)
     for i, p in enumerate(golden["prompts"]):
         assert p["prompt_ids"] == moe_solo.prompt_ids(i)
         out = _generate(client, moe_tok, p["prompt_ids"])
@@ -116,7 +115,7 @@ def test_moe_kill_middle_node_with_spare_equals_uninterrupted_run(mesh, moe_mode
     nodes = mesh.start_nodes([("a-head", "0:1"), ("b-mid", "1:3"), ("c-spare", "1:3"), ("d-tail", "3:4")],
                              str(path))
     head, mid, spare, tail = nodes
-    client = MeshClient(mesh.tracker, forwarding=forwarding)
+    client = mesh.client(forwarding=forwarding)
     _, route = client.route()
     victim = mid if mid.node_id in {h.node_id for h in route} else spare
     prompt = 1  # the long prompt: the replay re-runs its prefill on the spare

@@ -13,7 +13,6 @@ import subprocess
 import time
 
 from mesh_util import HEARTBEAT_S, NodeProc
-from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import GREEDY
 from meshnet.generation import Generation
 from meshnet.membership.cli import run_nodes
@@ -39,7 +38,7 @@ def test_unnamed_spares_have_own_ids_and_a_killed_one_fails_over(mesh, tok, solo
     middles = sorted((nid, addr) for nid, addr, layers in _listed(mesh) if layers == (10, 20))
     assert middles == sorted([(spare1.node_id, spare1.address), (spare2.node_id, spare2.address)])
 
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     _, route = client.route()
     victim = spare1 if spare1.node_id in {h.node_id for h in route} else spare2
     gen = Generation(client, tok, solo.prompt_ids(0), 64, GREEDY, stop_at_eog=False)
@@ -85,7 +84,7 @@ def test_a_node_bound_to_every_interface_registers_the_address_it_reaches_the_tr
     assert re.fullmatch(r"127\.0\.0\.1:\d+", hop.address) and hop.address == node.address
     assert re.fullmatch(r"127\.0\.0\.1:\d+", hop.data_address) and hop.data_address != hop.address
     # and it is dialled there: a step through the route goes through
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     from meshnet.contract import StepRequest
 
     assert client.step(StepRequest("w", 0, 0, (1, 2, 3)), decode=False).ok

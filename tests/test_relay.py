@@ -13,7 +13,6 @@ import numpy as np
 
 from mesh_util import rpc_code, run_generate
 from solo_reference import PROMPTS
-from meshnet.client.mesh_client import MeshClient
 from meshnet.client.relayed import RelayedStage
 from meshnet.client.remote import RemoteStage
 from meshnet.contract import GREEDY, NamedTensor, StepRequest
@@ -65,7 +64,7 @@ def test_relayed_middle_node_opens_no_port_and_matches_solo_run(mesh, tok, solo)
     assert listed["b-relay"].relayed and listed["b-relay"].address == "relay:b-relay"
     assert not listed["a-head"].relayed
 
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     assert _route_ids(client) == [("a-head", False), ("b-relay", True), ("d-tail", False)]
     gen = Generation(client, tok, solo.prompt_ids(0), 64, GREEDY, stop_at_eog=False)
     for _ in gen:
@@ -88,7 +87,7 @@ def test_relayed_middle_node_opens_no_port_and_matches_solo_run(mesh, tok, solo)
 def test_direct_replica_preferred_and_relay_overhead_measured(mesh, smollm2_path):
     mesh.start_nodes([("a-head", "0:10"), ("b-direct", "10:20"), ("d-tail", "20:30")])
     relayed, = mesh.start_nodes([("b-relay", "10:20")], "smollm2", "--relay")
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     # Both replicas are live: routing takes the direct one, and the relayed one only without it.
     assert _route_ids(client) == [("a-head", False), ("b-direct", False), ("d-tail", False)]
     assert _route_ids(client, {"b-direct"}) == [("a-head", False), ("b-relay", True), ("d-tail", False)]
@@ -130,7 +129,7 @@ def test_direct_replica_preferred_and_relay_overhead_measured(mesh, smollm2_path
 def test_killing_relayed_node_fails_over_to_direct_spare(mesh, tok, solo):
     mesh.start_nodes([("a-head", "0:10"), ("d-tail", "20:30")])
     mid, = mesh.start_nodes([("b-relay", "10:20")], "smollm2", "--relay")
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     gen = Generation(client, tok, solo.prompt_ids(0), 64, GREEDY, stop_at_eog=False)
     for i, _ in enumerate(gen):
         if i == 0:
@@ -195,7 +194,7 @@ def test_relayed_node_reattaches_after_tracker_restart(mesh, tok, solo):
     port = int(mesh.tracker.rsplit(":", 1)[1])
     mesh.server.stop(grace=0).wait()
     mesh.server, _ = serve_tracker("127.0.0.1", port, heartbeat_interval_s=0.3)
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     deadline = time.monotonic() + 20
     while True:  # the node re-registers, then opens a new relay stream
         try:

@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import GREEDY
 from meshnet.generation import Generation
 
@@ -22,7 +21,7 @@ def test_failover_replaying_200_tokens_of_history_keeps_the_ids(mesh, tok, solo)
     prompt = solo.prompt_ids(1)
     kill_after = HISTORY - len(prompt) + 1  # tokens received: the KV then holds HISTORY positions
     nodes = mesh.start_nodes([("a-head", "0:15"), ("b-head", "0:15"), ("d-tail", "15:30")])
-    client = MeshClient(mesh.tracker)
+    client = mesh.client()
     _, route = client.route()
     victim = next(n for n in nodes if n.node_id == route[0].node_id)
     gen = Generation(client, tok, prompt, 64, GREEDY, stop_at_eog=False)

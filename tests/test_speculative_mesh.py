@@ -5,7 +5,6 @@ the client replays the session's steps, verification and rollback steps included
 from __future__ import annotations
 
 from meshnet.chat_template import chat_prompt_ids
-from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import GREEDY, LayerRange
 from meshnet.generation import Generation, generate
 from meshnet.local_mesh import load_local_chain
@@ -21,7 +20,7 @@ def test_speculative_mesh_equals_plain_also_across_a_killed_node(mesh, tok, smol
             for name, ids in prompts.items()}
     head, mid, spare, tail = mesh.start_nodes([("a-head", "0:12"), ("b-mid", "12:25"), ("c-spare", "12:25"),
                                                ("d-tail", "25:30")])
-    client = MeshClient(mesh.tracker, failover_deadline_s=30.0)
+    client = mesh.client(failover_deadline_s=30.0)
     prose = generate(client, tok, prompts["prose"], 64, GREEDY, stop_at_eog=False, speculation=Speculation(6, adaptive=False))
     assert prose.generated_token_ids == want["prose"] and prose.verify_steps > 0
     assert client.failovers == 0

@@ -104,12 +104,11 @@ def test_a_model_without_nextn_refuses_mtp(deepseek2_path, mtp_path):
 def test_mtp_mesh_with_failover_equals_plain(mesh, mtp_path, tok, plain_ids):
     """Node processes, forwarded steps, the MTP block on the tail; the head dies midway and a spare
     rebuilds its cells by replaying the session's steps (the tail rebuilds its MTP cells the same way)."""
-    from meshnet.client.mesh_client import MeshClient
     from meshnet.generation import Generation
 
     head, spare, tail = mesh.start_nodes([("a-head", "0:2"), ("b-spare", "0:2"), ("c-tail", "2:4")],
                                          str(mtp_path))
-    client = MeshClient(mesh.tracker, failover_deadline_s=30.0)
+    client = mesh.client(failover_deadline_s=30.0)
     gen = Generation(client, tok, tok.encode(PROMPT), 32, GREEDY, stop_at_eog=False,
                      speculation=Speculation(3, adaptive=False, mtp=True))
     _, route = client.route()

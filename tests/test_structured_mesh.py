@@ -13,7 +13,6 @@ import pytest
 
 from meshnet.chain import LocalChain
 from meshnet.chat_template import chat_prompt_ids
-from meshnet.client.mesh_client import MeshClient
 from meshnet.client.remote import RemoteStage
 from meshnet.contract import LayerRange, Status, StepRequest
 from meshnet.generation import Generation, generate
@@ -97,7 +96,7 @@ def test_constrained_run_survives_its_tail_being_killed(mesh, whole, tok):
     sp = SamplingParams(temperature=0.8, seed=21, grammar=GRAMMAR)  # seeded: a replay draws the same tokens
     want = generate(whole, tok, prompt, 200, sp)
     head, tail, spare = mesh.start_nodes([("a-head", "0:15"), ("b-tail", "15:30"), ("c-tail", "15:30")])
-    client = MeshClient(mesh.tracker, failover_deadline_s=30.0)
+    client = mesh.client(failover_deadline_s=30.0)
     try:
         _, route = client.route()
         victim = tail if tail.node_id in {h.node_id for h in route} else spare

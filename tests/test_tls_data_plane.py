@@ -9,7 +9,6 @@ import ssl
 
 import pytest
 
-from meshnet.client.mesh_client import MeshClient
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.wire.data_plane import AUTH, HEADER, DataPlaneConnection, recv_message, send_message
 from meshnet.wire.envelope import replies_to_result
@@ -108,7 +107,7 @@ def test_a_tls_mesh_forwards_steps_node_to_node_with_solo_output(cert, tok, solo
         mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
         infos = mesh.tracker_stub().ListNodes(pb.Empty(), timeout=5).nodes
         assert all(n.info.data_address for n in infos)  # TLS nodes now serve a data plane
-        client = MeshClient(mesh.tracker, tls_ca=cert.cert, forwarding=True)
+        client = mesh.client(tls_ca=cert.cert, forwarding=True)
         ids, steps = generate_recording_steps(client, tok, solo.prompt_ids(0), N)
         assert ids == solo.greedy(0, N)
         # Every step was forwarded node to node (the client recorded token ids only).

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from meshnet.client.mesh_client import MeshClient, MeshUnavailable
+from meshnet.client.mesh_client import MeshUnavailable
 from meshnet.client.remote import StageFailure
 from meshnet.contract import GREEDY, NamedTensor, StepRequest
 from meshnet.generation import generate
@@ -16,7 +16,7 @@ from meshnet.generation import generate
 
 def test_new_sessions_take_the_last_route_while_the_tracker_is_down(mesh, tok, solo):
     head, tail = mesh.start_nodes([("a-head", "0:15"), ("d-tail", "15:30")])
-    client = MeshClient(mesh.tracker, report_deliveries=False)
+    client = mesh.client(report_deliveries=False)
     before = generate(client, tok, solo.prompt_ids(0), 16, GREEDY, stop_at_eog=False)
     assert before.generated_token_ids == solo.greedy(0, 16)
     mesh.server.stop(grace=0).wait()
@@ -65,7 +65,7 @@ def test_new_sessions_take_the_last_route_while_the_tracker_is_down(mesh, tok, s
     with pytest.raises(MeshUnavailable, match=f"node {tail.node_id} of its last route does not answer at "):
         client.route()
     client.close()
-    fresh = MeshClient(mesh.tracker, report_deliveries=False)
+    fresh = mesh.client(report_deliveries=False)
     with pytest.raises(MeshUnavailable, match=f"^no route: .*\\(no tracker answers at {mesh.tracker}: is it "
                                               f"running, and is that its address\\?\\)$"):
         fresh.route()  # it said gRPC's "failed to connect to all addresses" and no more

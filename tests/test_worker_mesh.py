@@ -28,7 +28,7 @@ def _fake_greedy(prompt: tuple[int, ...], n: int) -> list[int]:
 
 def _client(mesh) -> MeshClient:
     # A generous failover deadline: a worker reloading on a loaded 2-core machine takes seconds.
-    return MeshClient(mesh.tracker, failover_deadline_s=30.0)
+    return mesh.client(failover_deadline_s=30.0)
 
 
 def _wait_healthy(node: NodeProc, timeout_s: float = 60.0) -> None:
