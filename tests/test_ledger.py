@@ -265,6 +265,7 @@ def test_report_work_and_delivery_over_grpc(tracker):
     for position in (6, 7, 8, 8):  # a verification step's kept drafts, as the consumer gets them
         deliveries.delivered("s1", position)
     assert deliveries.pending == 3 and deliveries.flush() and deliveries.pending == 0
+    assert deliveries.close()  # its thread would outlive the tracker (see reporter_leaks.py)
     reply = stub.ReportDelivery(pb.DeliveryReport(client_id="alice", tokens=[
         pb.DeliveredToken(session_id="s1", position=5)]), timeout=5)
     assert (reply.recorded, reply.duplicates) == (0, 1)

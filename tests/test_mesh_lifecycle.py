@@ -293,9 +293,11 @@ def test_meshnet_up_restarts_a_killed_node_while_the_api_keeps_serving(solo, tmp
         assert restarted[victim] != nodes[victim] and restarted[min(nodes)] == nodes[min(nodes)]
 
         client = MeshClient(f"127.0.0.1:{port}")
-        res = client.step(StepRequest("after-restart", 0, 0, tuple(solo.prompt_ids(0))), decode=False)
-        assert res.ok and res.token.token_id == solo.greedy(0, 1)[0]
-        client.release("after-restart")  # else the nodes' drain waits for it on the way out
+        try:
+            res = client.step(StepRequest("after-restart", 0, 0, tuple(solo.prompt_ids(0))), decode=False)
+            assert res.ok and res.token.token_id == solo.greedy(0, 1)[0]
+        finally:
+            client.close()  # releases the session, else the nodes' drain waits for it on the way out
         log = err_path.read_text()
         assert f"[meshnet up] node {victim} exited with code -9 after " in log
         assert f"[meshnet up] node {victim} restarted (pid {restarted[victim]})" in log
