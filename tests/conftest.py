@@ -14,6 +14,9 @@ from meshnet.backends.cpu_features import describe, ggml_cpu_features
 from meshnet.backends.golden_sets import select_golden_set
 from meshnet.model.bundled import ModelNotFound, resolve_model
 
+# reporter_leaks: a test file must close the MeshClients it opens; pytester runs that check's own test.
+pytest_plugins = ["reporter_leaks", "pytester"]
+
 # Node keys, the tracker's default ledger and certification results go to a scratch home for the
 # run (node subprocesses inherit it), never to the user's own config and data directories.
 _SCRATCH = tempfile.mkdtemp(prefix="meshnet-tests-")
