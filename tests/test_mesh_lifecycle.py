@@ -326,6 +326,29 @@ def _taken_port():
         yield taken.getsockname()[1]
 
 
+def test_meshnet_up_join_token_flag_beats_the_variable_for_its_nodes(solo):
+    """``--join-token ''`` (no token) with $MESHNET_JOIN_TOKEN set: the nodes took the variable, the tracker
+    and the API the flag, and every request was a 503 (the nodes refused the API's steps)."""
+    port = free_port()
+    env = dict(os.environ, MESHNET_JOIN_TOKEN="secret")
+    up = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "up", "--stages", "1", "--port", str(port),
+                           "--join-token", "", "--api-port", "0", "--dashboard-port", "-1"],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = up.stdout.readline()
+        assert line.startswith("MESHNET_UP_READY"), line
+        api = dict(kv.split("=", 1) for kv in line.split()[1:])["api"]
+        body = json.dumps({"model": "smollm2", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}).encode()
+        req = urllib.request.Request(api + "/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200
+            text = json.loads(r.read())["choices"][0]["text"]
+        assert text == solo.tokenizer.decode(solo.greedy(0, 4))
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+
+
 def test_meshnet_up_on_a_taken_port_says_so_without_a_traceback():
     with _taken_port() as port:
         r = subprocess.run([sys.executable, "-m", "meshnet.cli", "up", "--stages", "1", "--port", str(port),

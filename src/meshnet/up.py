@@ -27,7 +27,7 @@ from meshnet.secret_args import add_api_key_arg, add_join_token_arg
 from meshnet.supervisor import Supervisor, announce, on_stop_signals, wait_for_stop
 from meshnet.wire.addresses import WILDCARD_HOSTS, bind_problem, format_address, this_machine_address
 from meshnet.wire.call_problems import tracker_hint
-from meshnet.wire.security import open_channel
+from meshnet.wire.security import JOIN_TOKEN_ENV, open_channel
 
 
 def add_up_parser(sub) -> None:
@@ -226,9 +226,9 @@ def run_up(args: argparse.Namespace) -> int:
           f"{', '.join(str(r) for r in ranges)}", file=sys.stderr, flush=True)
     # Up before the nodes: the map shows them arrive.
     dashboard = dashboard_from_args(service, args, "[meshnet up]")
-    env = dict(os.environ)
-    if args.join_token:
-        env["MESHNET_JOIN_TOKEN"] = args.join_token
+    # The nodes take the mesh's token from here, the flag's included: an empty --join-token (no token) left
+    # them $MESHNET_JOIN_TOKEN, and the API and tracker, without one, were refused by them.
+    env = dict(os.environ, **{JOIN_TOKEN_ENV: args.join_token or ""})
     # Named nodes keep their ids (and keys) across the supervisor's restarts.
     names = [f"node-{i}-{r.start}-{r.end}" for i, r in enumerate(ranges)]
     children = [(name, [sys.executable, "-m", "meshnet.cli", "node", "--tracker", tracker, "--model", path,
