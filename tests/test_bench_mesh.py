@@ -75,3 +75,27 @@ def test_a_stage_count_the_model_cannot_split_into_fails_before_anything_runs(tm
         run_mesh_bench(args)
     assert "[bench mesh] single process" not in capsys.readouterr().err
     assert not (tmp_path / "mesh.json").exists()
+
+
+def test_the_bench_nodes_do_not_take_a_join_token_from_the_environment(monkeypatch):
+    """A bench's tracker and client run in its own process without a token; its nodes took
+    $MESHNET_JOIN_TOKEN from the environment and refused them (UNAUTHENTICATED, then MeshUnavailable)."""
+    from contextlib import ExitStack
+
+    from meshnet.bench.engine_bench import greedy_run
+    from meshnet.bench.node_procs import NodeSpec, start_mesh
+    from meshnet.client.mesh_client import MeshClient
+    from meshnet.contract import LayerRange
+
+    try:
+        model = str(resolve_model("smollm2"))
+    except ModelNotFound as e:
+        pytest.skip(str(e))
+    monkeypatch.setenv("MESHNET_JOIN_TOKEN", "secret")
+    with ExitStack() as stack:
+        tracker, nodes = start_mesh(stack, model, 256, [NodeSpec("n0", LayerRange(0, 30), 1,
+                                                                  extra_args=("--engine", "fake"))])
+        client = MeshClient(tracker)
+        stack.callback(client.close)
+        run = greedy_run(client, [1, 2, 3, 4], 3)
+    assert len(run.tokens) == 4  # the prefill's token and 3 decoded, through the node

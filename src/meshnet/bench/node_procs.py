@@ -8,6 +8,7 @@ asserted.
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 import subprocess
@@ -24,7 +25,7 @@ from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import GREEDY, LayerRange, StepRequest
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.wire.security import open_channel
+from meshnet.wire.security import JOIN_TOKEN_ENV, open_channel
 
 NODE_START_TIMEOUT_S = 180.0  # import + load + speed probe; generous because the machine may be busy
 ROUTE_TIMEOUT_S = 60.0
@@ -46,6 +47,12 @@ class StartedNode:
     address: str
     log: object  # the temporary file holding the node's stderr
     ready_s: float = 0.0  # seconds from starting the process to its MESHNET_NODE_READY line
+
+
+def _env_without_token() -> dict[str, str]:
+    """This process's environment but ``$MESHNET_JOIN_TOKEN``: the bench's tracker and clients run in this
+    process without a token, and nodes that took the bench's variable refused them (UNAUTHENTICATED)."""
+    return {k: v for k, v in os.environ.items() if k != JOIN_TOKEN_ENV}
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
@@ -94,7 +101,8 @@ class NodeGroup:
                 cmd += ["--cpu", str(spec.cpu)]
             cmd += list(spec.extra_args)
             log = tempfile.TemporaryFile()
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
+                                    env=_env_without_token())
             self._pending.append((spec, proc, log))
             # readline() blocks; a reader thread per node lets the wait below have a deadline.
             threading.Thread(target=lambda p=proc, s=spec: lines.put((s.node_id, p.stdout.readline())),
