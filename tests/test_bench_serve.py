@@ -205,3 +205,14 @@ def test_a_running_server_is_asked_for_its_model_once(tmp_path, monkeypatch):
     report = json.loads(out.read_text())
     assert [report["results"]["url"][c]["completed"] for c in ("1", "2")] == [8, 8]
     assert not (tmp_path / "serve-logs").exists()  # nothing started here logs
+
+
+def test_an_api_key_without_url_is_refused_before_anything_starts(tmp_path, capsys):
+    """The servers the bench starts ask for no key: ``--api-key`` without ``--url`` was taken and ignored."""
+    from meshnet.cli import main
+
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--api-key", "k3y", "--targets", "meshnet", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == ("error: --api-key is the key of the server --url names; "
+                                                        "the servers this bench starts ask for none")
+    assert not out.exists() and not (tmp_path / "serve-logs").exists()

@@ -135,6 +135,10 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     from meshnet.bench.llama_server import find_or_build, find_tool
     from meshnet.model.bundled import resolve_model
 
+    if args.api_key and not args.url:  # the servers this bench starts ask for no key: it would go unused
+        print("error: --api-key is the key of the server --url names; the servers this bench starts ask for "
+              "none", file=sys.stderr)
+        return 2
     cs = sorted(set(args.concurrency))  # counts >= 1: the flag's type refused anything else
     model_path = str(resolve_model(args.model))
     out = Path(args.out)
