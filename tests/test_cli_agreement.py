@@ -59,6 +59,7 @@ def test_a_tracker_refusing_the_join_token_exits_1_from_every_command(token_trac
     r = meshnet(*command, "--tracker", token_tracker, timeout=60)
     assert r.returncode == 1, r.stderr
     assert r.stderr.count("error:") == 1 and "missing join token" in r.stderr and "Traceback" not in r.stderr
+    assert "no route" not in r.stderr  # a refused token is no routing problem
 
 
 @pytest.mark.parametrize("flag,message", [

@@ -141,7 +141,12 @@ class Router:
                               f"{ROUTE_TIMEOUT_S:g} s)" if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED else
                               f" (no tracker answers at {self.tracker_address}: is it running, and is that its "
                               f"address?)" if e.code() is grpc.StatusCode.UNAVAILABLE else "")
-                raise MeshUnavailable(f"no route: {e.details() or e.code().name}{unanswered}"
+                # A refused join token is not a routing problem: "no route: missing join token" sent users
+                # looking at the mesh's nodes.
+                what = ("the tracker refused this client" if e.code() in (grpc.StatusCode.UNAUTHENTICATED,
+                                                                          grpc.StatusCode.PERMISSION_DENIED)
+                        else "no route")
+                raise MeshUnavailable(f"{what}: {e.details() or e.code().name}{unanswered}"
                                       f"{tracker_hint(e, self.tls_ca)}") from None
             if exclude & {h.node_id for h in last}:
                 raise MeshUnavailable(f"no route: the tracker is unreachable ({e.code().name}) and its last "
