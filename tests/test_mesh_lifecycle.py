@@ -328,7 +328,8 @@ def _taken_port():
 
 def test_meshnet_up_join_token_flag_beats_the_variable_for_its_nodes(solo):
     """``--join-token ''`` (no token) with $MESHNET_JOIN_TOKEN set: the nodes took the variable, the tracker
-    and the API the flag, and every request was a 503 (the nodes refused the API's steps)."""
+    and the API the flag, and every request was a 503 (the nodes refused the API's steps). Also: the API
+    of ``meshnet up`` named the server's model file in a refusal."""
     port = free_port()
     env = dict(os.environ, MESHNET_JOIN_TOKEN="secret")
     up = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "up", "--stages", "1", "--port", str(port),
@@ -344,6 +345,14 @@ def test_meshnet_up_join_token_flag_beats_the_variable_for_its_nodes(solo):
             assert r.status == 200
             text = json.loads(r.read())["choices"][0]["text"]
         assert text == solo.tokenizer.decode(solo.greedy(0, 4))
+        # A request the model cannot serve names the model as the API serves it, not the server's file.
+        body = json.dumps({"model": "smollm2", "prompt": "x", "max_tokens": 2, "speculative": "mtp"}).encode()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(api + "/completions", body,
+                                                          {"Content-Type": "application/json"}), timeout=60)
+        assert refused.value.code == 400
+        message = json.loads(refused.value.read())["error"]["message"]
+        assert "smollm2 (llama) has no nextn tensors" in message and ".gguf" not in message, message
     finally:
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=60) == 0

@@ -278,8 +278,8 @@ def speculation_from(kind: str | None, draft_tokens: int | None, default: Specul
     if kind == "model":
         drafter = drafter if drafter is not None else (default.drafter if default else None)
         if drafter is None:
-            raise ValueError("speculative 'model' needs a draft model (meshnet api/generate --speculative "
-                             "model --draft-model GGUF)")
+            raise ValueError("speculative 'model' needs a draft model (meshnet api, up or generate "
+                             "--speculative model --draft-model GGUF)")
     if kind == "mtp" and mtp_problem is not None:
         raise ValueError(f"speculative 'mtp' {mtp_problem or 'needs a model with next-token-prediction layers'}")
     spec = Speculation(k, drafter=drafter if kind == "model" else None, mtp=kind == "mtp")

@@ -266,7 +266,7 @@ def run_up(args: argparse.Namespace) -> int:
                                        max_concurrency=args.max_sessions,
                                        forwarding=not args.client_orchestrated)
             api_backend.speculation = speculation
-            api_backend.mtp_problem = mtp_problem(path)
+            api_backend.mtp_problem = mtp_problem(path, api_backend.model_name)  # names no server path
             try:
                 api = (api_backend, *start_api_in_thread(api_backend, args.host, args.api_port,
                                                          api_key=args.api_key))
