@@ -325,7 +325,9 @@ def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = 
     try:
         check_route()
     except Exception as e:  # the mesh may come up after the API; /health reports it meanwhile
-        log.info("no route yet: %s", e)
+        # Not yet, not an error: the API serves (503 meanwhile) and finds the route as the nodes arrive.
+        log.info("the mesh has no complete route yet (requests get 503 until it has): %s",
+                 str(e).removeprefix("no route: "))
     backend = ApiBackend(lambda: client, tok, name or served_name(model), n_ctx, check_route=check_route,
                          max_concurrency=max_concurrency)
     backend.closers.append(client.close)
