@@ -55,17 +55,6 @@ class GGUFTokenizer:
         model, pre: ``tokenizer.ggml.model`` and ``tokenizer.ggml.pre``.
     """
 
-    n_vocab: int
-    bos_id: int | None
-    eos_id: int | None
-    add_bos: bool
-    add_eos: bool
-    add_space_prefix: bool
-    chat_template: str | None
-    eog_ids: frozenset[int]
-    model: str
-    pre: str | None
-
     def __init__(self) -> None:  # pragma: no cover - guidance only
         raise TypeError("use GGUFTokenizer.from_gguf(path)")
 
@@ -96,13 +85,19 @@ class GGUFTokenizer:
         return self
 
     def _load(self, meta: GGUFMetadata) -> None:
-        v = read_vocabulary(meta)
-        self.model, self.pre, self.n_vocab = v.model, v.pre, v.n_vocab
-        self.bos_id, self.eos_id, self.add_bos, self.add_eos = v.bos_id, v.eos_id, v.add_bos, v.add_eos
-        self.add_space_prefix, self.chat_template, self.eog_ids = v.add_space_prefix, v.chat_template, v.eog_ids
-        self._tokens, self._vocab, self._hf, self._pieces, self._hidden = v.tokens, v.vocab, v.hf, v.pieces, v.hidden
-        self._specials_all, self._specials_plain = v.specials_all, v.specials_plain
-        self._specials_control = v.specials_control
+        self._v = read_vocabulary(meta)  # the one record of what the file's vocabulary holds; read, not copied
+
+    # The attributes above, as the vocabulary holds them.
+    model = property(lambda self: self._v.model)
+    pre = property(lambda self: self._v.pre)
+    n_vocab = property(lambda self: self._v.n_vocab)
+    bos_id = property(lambda self: self._v.bos_id)
+    eos_id = property(lambda self: self._v.eos_id)
+    add_bos = property(lambda self: self._v.add_bos)
+    add_eos = property(lambda self: self._v.add_eos)
+    add_space_prefix = property(lambda self: self._v.add_space_prefix)
+    chat_template = property(lambda self: self._v.chat_template)
+    eog_ids = property(lambda self: self._v.eog_ids)
 
     # ---- vocabulary access ----
 
@@ -113,16 +108,16 @@ class GGUFTokenizer:
             IndexError: ``token_id`` is outside ``[0, n_vocab)``.
         """
         self._check_id(token_id)
-        return self._tokens[token_id]
+        return self._v.tokens[token_id]
 
     def token_id(self, text: str) -> int | None:
         """The id whose vocabulary text is exactly ``text``, or ``None``."""
-        return self._vocab.get(text)
+        return self._v.vocab.get(text)
 
     def is_control(self, token_id: int) -> bool:
         """Whether ``token_id`` is a control/unknown token (hidden from text unless ``special``)."""
         self._check_id(token_id)
-        return token_id in self._hidden
+        return token_id in self._v.hidden
 
     def is_eog(self, token_id: int) -> bool:
         """Whether generating ``token_id`` ends generation (membership in :attr:`eog_ids`)."""
@@ -186,9 +181,9 @@ class GGUFTokenizer:
             else:
                 prev_special = True
         if len(raw) == 1:
-            encoded = [self._hf.encode(raw[0], add_special_tokens=False).ids]
+            encoded = [self._v.hf.encode(raw[0], add_special_tokens=False).ids]
         elif raw:
-            encoded = [e.ids for e in self._hf.encode_batch(raw, add_special_tokens=False)]
+            encoded = [e.ids for e in self._v.hf.encode_batch(raw, add_special_tokens=False)]
         else:
             encoded = []
         it = iter(encoded)
@@ -207,11 +202,11 @@ class GGUFTokenizer:
     def control_texts_in(self, text: str) -> list[str]:
         """The texts of control tokens that occur in ``text`` (those :meth:`encode` turns into tokens only
         with ``parse_special``), longest first."""
-        return [t for _, t, _ in self._specials_control.present_in(text)]
+        return [t for _, t, _ in self._v.specials_control.present_in(text)]
 
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
         """Split ``text`` into raw-text fragments and special-token ids, longest special text first."""
-        return (self._specials_all if parse_special else self._specials_plain).partition(text)
+        return (self._v.specials_all if parse_special else self._v.specials_plain).partition(text)
     # ---- decoding ----
 
     def token_bytes(self, token_id: int, special: bool = False) -> bytes:
@@ -230,9 +225,9 @@ class GGUFTokenizer:
             IndexError: ``token_id`` is outside ``[0, n_vocab)``.
         """
         self._check_id(token_id)
-        if not special and token_id in self._hidden:
+        if not special and token_id in self._v.hidden:
             return b""
-        return self._pieces[token_id]
+        return self._v.pieces[token_id]
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         """Detokenize ``ids``: the concatenated :meth:`token_bytes`, decoded as UTF-8.
@@ -248,8 +243,8 @@ class GGUFTokenizer:
         Raises:
             IndexError: an id is outside ``[0, n_vocab)``.
         """
-        pieces = self._pieces
-        hidden = self._hidden if skip_special else frozenset()
+        pieces = self._v.pieces
+        hidden = self._v.hidden if skip_special else frozenset()
         n = self.n_vocab
         out = []
         for tid in ids:
