@@ -77,17 +77,20 @@ def secrets_from_env(args: argparse.Namespace, error) -> None:
         error: the subcommand parser's ``error``: called (it exits with status 2) with argparse's message
             for a malformed variable, ending "(from $VARIABLE)".
     """
-    uses_token = not (getattr(args, "join_token_local_without_tracker", False) and not args.tracker)
+    if not (getattr(args, "join_token_local_without_tracker", False) and not args.tracker):
+        _from_env(args, "join_token", JOIN_TOKEN_ENV, join_token, error)
     only_with = getattr(args, "api_key_only_with", None)
-    for flag, env, check, used in (("join_token", JOIN_TOKEN_ENV, join_token, uses_token),
-                                   ("api_key", API_KEY_ENV, api_key,
-                                    only_with is None or bool(getattr(args, only_with, None)))):
-        text = os.environ.get(env)
-        if text is None or getattr(args, flag, "") is not None or not used:  # given, or no such flag
-            continue
-        if flag == "api_key" and not text:
-            continue  # an empty variable is no key, as it always was
-        try:
-            setattr(args, flag, check(text))
-        except argparse.ArgumentTypeError as e:
-            error(f"argument --{flag.replace('_', '-')}: {e}")
+    if only_with is None or getattr(args, only_with, None):
+        _from_env(args, "api_key", API_KEY_ENV, api_key, error, empty_is_none=True)
+
+
+def _from_env(args: argparse.Namespace, dest: str, env: str, check, error, empty_is_none: bool = False) -> None:
+    """``args.<dest>`` = ``check($env)`` where the command has the flag and it was not given (an empty
+    variable is no secret where ``empty_is_none``)."""
+    text = os.environ.get(env)
+    if text is None or (empty_is_none and not text) or getattr(args, dest, "") is not None:
+        return
+    try:
+        setattr(args, dest, check(text))
+    except argparse.ArgumentTypeError as e:
+        error(f"argument --{dest.replace('_', '-')}: {e}")
