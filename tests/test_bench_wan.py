@@ -96,6 +96,11 @@ def test_llama_bench_runs_and_summary():
                  "depth": 92}
     with pytest.raises(ValueError, match="32-token"):
         summarize(tests, [46, 138], 32)
+    # one generation test a round: the median of their tokens/s, every run kept in order
+    rounds = tests + [{"n_prompt": 0, "n_gen": 64, "n_depth": 92, "avg_ns": 8.0e8, "avg_ts": 80.0, "samples_ts": [80.0]},
+                      {"n_prompt": 0, "n_gen": 64, "n_depth": 92, "avg_ns": 5.8e8, "avg_ts": 110.0, "samples_ts": [110.0]}]
+    s = summarize(rounds, [46, 138], 64)
+    assert s["decode_tokens_per_s"] == 100.0 and s["decode_runs"] == [99.0, 101.0, 80.0, 110.0]
 
 
 def _measured() -> dict:
@@ -146,11 +151,45 @@ def test_meshnet_modes_take_turns_run_by_run_and_each_gets_its_median():
 
     mesh = SimpleNamespace(agent=SimpleNamespace(ask=ask))
     figs = _measure_meshnet(mesh, [CLIENT, FORWARDING], {"a": [1], "b": [2]}, 25.0,
-                            Namespace(repeats=3, max_tokens=8))
-    assert asked == [(CLIENT, 1), (CLIENT, 2), (FORWARDING, 1), (FORWARDING, 2)] * 3
-    assert figs[CLIENT]["a"]["decode_runs"] == [10.0, 50.0, 90.0]
-    assert figs[FORWARDING]["b"]["decode_runs"] == [40.0, 80.0, 120.0]
-    assert figs[FORWARDING]["b"]["decode_tokens_per_s"] == 80.0
+                            Namespace(repeats=3, max_tokens=8), lambda r: asked.append((LLAMA_RPC, r)))
+    assert asked == [(CLIENT, 1), (CLIENT, 2), (FORWARDING, 1), (FORWARDING, 2), (LLAMA_RPC, 0),
+                     (CLIENT, 1), (CLIENT, 2), (FORWARDING, 1), (FORWARDING, 2), (LLAMA_RPC, 1),
+                     (CLIENT, 1), (CLIENT, 2), (FORWARDING, 1), (FORWARDING, 2), (LLAMA_RPC, 2)]
+    assert figs[CLIENT]["a"]["decode_runs"] == [10.0, 60.0, 110.0]
+    assert figs[FORWARDING]["b"]["decode_runs"] == [40.0, 90.0, 140.0]
+    assert figs[FORWARDING]["b"]["decode_tokens_per_s"] == 90.0
+
+
+def test_llama_cpp_runs_one_generation_test_a_round_and_its_prompt_tests_once(monkeypatch):
+    from argparse import Namespace
+
+    from meshnet.bench import llama_rpc
+    from meshnet.bench.wan_bench import _LlamaRounds
+
+    ran = []
+
+    def run(mesh, argvs, timeout_s):
+        ran.append([(a[a.index("-n") + 1], a[a.index("-r") + 1]) for a in argvs])
+        tests = []
+        for a in argvs:
+            if a[a.index("-n") + 1] == "0":
+                tests += [{"n_prompt": 4, "n_gen": 0, "avg_ns": 1e8, "avg_ts": 40.0},
+                          {"n_prompt": 6, "n_gen": 0, "avg_ns": 2e8, "avg_ts": 30.0}]
+            else:
+                tests.append({"n_prompt": 0, "n_gen": 8, "n_depth": 5, "avg_ns": 1e8, "avg_ts": 50.0 + 10 * len(ran),
+                              "samples_ts": [50.0 + 10 * len(ran)]})
+        return tests
+
+    monkeypatch.setattr(llama_rpc, "run_llama_bench", run)
+    llama = _LlamaRounds(object(), ("rpc-server", "llama-bench"), ["10.78.0.3:50052"], "30", "m.gguf",
+                         {"a": [1, 2, 3, 4], "b": [1, 2, 3, 4, 5, 6]}, Namespace(repeats=3, max_tokens=8))
+    for r in range(3):
+        llama(r)
+    assert ran == [[("0", "3"), ("8", "1")], [("8", "1")], [("8", "1")]]
+    figs = llama.figures(25.0)
+    assert figs["a"] == {"decode_tokens_per_s": 70.0, "ttft_s": 0.1, "decode_runs": [60.0, 70.0, 80.0], "depth": 5}
+    assert figs["b"]["ttft_s"] == 0.2 and llama.tests == []  # the next RTT starts from its own rounds
+
 
 @pytest.mark.netns
 @pytest.mark.long  # 17 s; the netns mesh tests cover forwarding across namespaces in the default run

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import statistics
 import subprocess
 import time
 from pathlib import Path
@@ -99,18 +100,19 @@ def run_llama_bench(mesh: NetMesh, argvs: list[list[str]], timeout_s: float) -> 
 def summarize(tests: list[dict], prompt_lens: list[int], n_gen: int) -> dict:
     """``{"ttft_s": {prompt_len: seconds}, "decode_tokens_per_s": ..., "decode_runs": [...]}`` from
     llama-bench's tests (a prompt test's time is its TTFT: one ``llama_decode`` of the prompt, the
-    first token's logits included). Raises ValueError when a test is missing."""
+    first token's logits included). Several generation tests (one a round, see ``meshnet bench wan``)
+    give the median of their tokens/s, and their runs in order. Raises ValueError when a test is missing."""
     ttft = {}
     for n in prompt_lens:
         t = next((t for t in tests if t["n_prompt"] == n and t["n_gen"] == 0), None)
         if t is None:
             raise ValueError(f"llama-bench reported no {n}-token prompt test")
         ttft[n] = t["avg_ns"] / 1e9
-    gen = next((t for t in tests if t["n_gen"] == n_gen and t["n_prompt"] == 0), None)
-    if gen is None:
+    gens = [t for t in tests if t["n_gen"] == n_gen and t["n_prompt"] == 0]
+    if not gens:
         raise ValueError(f"llama-bench reported no {n_gen}-token generation test")
-    return {"ttft_s": ttft, "decode_tokens_per_s": gen["avg_ts"], "decode_runs": gen.get("samples_ts", []),
-            "depth": gen.get("n_depth", 0)}
+    return {"ttft_s": ttft, "decode_tokens_per_s": statistics.median(t["avg_ts"] for t in gens),
+            "decode_runs": [x for t in gens for x in t.get("samples_ts", [])], "depth": gens[0].get("n_depth", 0)}
 
 
 def rpc_split_server_argv(server: Path, rpc_server: Path, model: str, split: str, rpc_ports: list[int],

@@ -11,7 +11,8 @@ Modes (``--modes``): ``client-orchestrated`` (every hop through the client), ``n
 forward to each other), ``node-to-node+ngram`` (the same with n-gram drafts verified in one round),
 ``llama.cpp-rpc`` (skipped, with the reason, when its binaries are missing). Two chat prompts: a
 repetitive one (copy a JSON object with one field changed) and free prose; greedy, ``--max-tokens``
-tokens each, not stopping at end-of-generation; the meshnet modes take turns run by run. Beside each
+tokens each, not stopping at end-of-generation; the modes take turns run by run (llama.cpp's RPC
+generation test too: one ``llama-bench -r 1`` after each round of the meshnet modes). Beside each
 figure, the latency model (:mod:`meshnet.bench.wan_model`). Needs root and ``ip netns``; exits 2 saying
 why otherwise.
 """
@@ -25,6 +26,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from meshnet.arg_types import generated_tokens, positive_int, positive_number, refusing, results_file
 from meshnet.bench import llama_rpc
@@ -83,18 +85,22 @@ def _median_figure(runs: list[dict]) -> dict:
     return fig
 
 
-def _measure_meshnet(mesh, modes: list[str], prompts: dict[str, list[int]], rtt_ms: float, args) -> dict:
+def _measure_meshnet(mesh, modes: list[str], prompts: dict[str, list[int]], rtt_ms: float, args,
+                     between_rounds: Callable[[int], None] | None = None) -> dict:
     """Figures of each meshnet mode on each prompt at this RTT: ``args.repeats`` rounds, each one run of
-    every (mode, prompt) in turn, so that drift in the machine's speed (a shared VM's host takes cycles
-    for tens of seconds) falls on every mode alike rather than on whichever ran last."""
+    every (mode, prompt) in turn, then ``between_rounds(round)`` (llama.cpp's run of that round), so that
+    drift in the machine's speed (a shared VM's host takes cycles for tens of seconds) falls on every
+    mode alike rather than on whichever ran last."""
     runs: dict[tuple[str, str], list[dict]] = {(m, name): [] for m in modes for name in prompts}
     # Generous: every token can cost the slowest mode's six legs at this RTT, plus compute.
     timeout_s = 120 + args.max_tokens * (0.2 + 0.004 * rtt_ms)
-    for _ in range(args.repeats):
+    for r in range(args.repeats):
         for m in modes:
             for name, ids in prompts.items():
                 runs[m, name] += mesh.agent.ask("measure", timeout_s, mode=m, prompt_ids=ids, n=args.max_tokens,
                                                 repeats=1, link=rtt_ms)["runs"]
+        if between_rounds is not None:
+            between_rounds(r)
     out: dict[str, dict] = {m: {} for m in modes}
     for (m, name), rs in runs.items():
         out[m][name] = fig = _median_figure(rs)
@@ -103,17 +109,39 @@ def _measure_meshnet(mesh, modes: list[str], prompts: dict[str, list[int]], rtt_
     return out
 
 
-def _measure_llama(mesh, tools, endpoints: list[str], split: str, model: str, prompts: dict[str, list[int]],
-                   rtt_ms: float, args) -> dict:
-    lens = sorted({len(ids) for ids in prompts.values()})
-    depth = round(statistics.mean(lens))  # meshnet decodes after its prompt; llama-bench after `depth` cells
-    argvs = llama_rpc.llama_bench_argvs(tools[1], model, endpoints, split, lens, args.max_tokens, depth,
-                                        args.repeats, threads=1)
-    s = llama_rpc.summarize(llama_rpc.run_llama_bench(mesh, argvs, timeout_s=900), lens, args.max_tokens)
-    print(f"[bench wan] RTT {rtt_ms:g} ms {LLAMA_RPC}: {s['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr)
-    return {name: {"decode_tokens_per_s": round(s["decode_tokens_per_s"], 2), "ttft_s": round(s["ttft_s"][len(ids)], 4),
-                   "decode_runs": [round(x, 2) for x in s["decode_runs"]], "depth": s["depth"]}
-            for name, ids in prompts.items()}
+class _LlamaRounds:
+    """llama.cpp's RPC split measured in the meshnet modes' rounds: in each, one ``llama-bench`` generation
+    test of one run (``-r 1``), so a drift of the machine's speed falls on it as on them (five runs of its
+    own back to back at 0 ms gave 57 to 75 tokens/s in one hour, the gap to meshnet moving with it); the
+    prompt tests (TTFT) once, in the first round, with ``args.repeats`` runs."""
+
+    def __init__(self, mesh, tools, endpoints: list[str], split: str, model: str, prompts: dict[str, list[int]],
+                 args) -> None:
+        self.mesh, self.prompts, self.tests = mesh, prompts, []
+        self.lens = sorted({len(ids) for ids in prompts.values()})
+        depth = round(statistics.mean(self.lens))  # meshnet decodes after its prompt; llama-bench after `depth` cells
+        self.n_gen = args.max_tokens
+
+        def argvs(repeats: int) -> list[list[str]]:
+            return llama_rpc.llama_bench_argvs(tools[1], model, endpoints, split, self.lens, self.n_gen, depth,
+                                               repeats, threads=1)
+
+        self.prompt_argv, self.gen_argv = argvs(args.repeats)[0], argvs(1)[1]
+
+    def __call__(self, round_: int) -> None:
+        argvs = [self.prompt_argv, self.gen_argv] if round_ == 0 else [self.gen_argv]
+        self.tests += llama_rpc.run_llama_bench(self.mesh, argvs, timeout_s=900)
+
+    def figures(self, rtt_ms: float) -> dict:
+        """The figures of this RTT's rounds, one per prompt (its TTFT at its length, the decode median);
+        the rounds' tests are cleared for the next RTT."""
+        s = llama_rpc.summarize(self.tests, self.lens, self.n_gen)
+        self.tests = []
+        print(f"[bench wan] RTT {rtt_ms:g} ms {LLAMA_RPC}: {s['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr)
+        return {name: {"decode_tokens_per_s": round(s["decode_tokens_per_s"], 2),
+                       "ttft_s": round(s["ttft_s"][len(ids)], 4),
+                       "decode_runs": [round(x, 2) for x in s["decode_runs"]], "depth": s["depth"]}
+                for name, ids in self.prompts.items()}
 
 
 def run_wan_bench(args: argparse.Namespace) -> int:
@@ -159,19 +187,20 @@ def run_wan_bench(args: argparse.Namespace) -> int:
                 for ids in prompts.values() if m in MESHNET_MODES else ():
                     # Connections, the graphs of each prompt's shape and the client's step deadlines warm up.
                     mesh.agent.ask("measure", 120, mode=m, prompt_ids=ids, n=4, repeats=1)
-            endpoints = None
+            llama = None
             if LLAMA_RPC in live:
                 endpoints = llama_rpc.start_rpc_servers(mesh, tools[0], stage_hosts, threads=1)
-            split = tensor_split([(r.start, r.end) for r in ranges], ranges[-1].end)
+                split = tensor_split([(r.start, r.end) for r in ranges], ranges[-1].end)
+                llama = _LlamaRounds(mesh, tools, endpoints, split, model, prompts, args)
             for rtt in rtts:
                 mesh.set_all_links(delay_s=rtt / 2000.0, **link)
                 if NGRAM in live:  # as a server that has been running: its drafting knows these links' step costs
                     mesh.agent.ask("measure", 60 + 0.1 * rtt, mode=NGRAM, prompt_ids=prompts["repetitive"], n=8,
                                    repeats=1, link=rtt)
                 ours = [m for m in live if m in MESHNET_MODES]
-                figs = _measure_meshnet(mesh, ours, prompts, rtt, args) if ours else {}
-                if LLAMA_RPC in live:
-                    figs[LLAMA_RPC] = _measure_llama(mesh, tools, endpoints, split, model, prompts, rtt, args)
+                figs = _measure_meshnet(mesh, ours, prompts, rtt, args, llama)
+                if llama is not None:
+                    figs[LLAMA_RPC] = llama.figures(rtt)
                 for m, fig in figs.items():
                     result["modes"][m]["rtts"][rtt_key(rtt)] = fig
         finally:
