@@ -233,6 +233,34 @@ class EngineContractSuite:
         assert got == {sid: solo[sid] for sid in got}
         assert active(chain) == [3, 3, 3]
 
+    def test_overflowing_hidden_states_fail_their_step_alone(self, chain: Chain, fresh_chain, prompt_ids):
+        """Finite hidden states far beyond any model's activations (a stage's float32 arithmetic overflows on
+        them; the ggml tail answered token 0 with OK) are refused in the middle of a batch, before the step
+        runs: the session's next good step and the sessions batched beside it give their solo tokens."""
+        jobs = {f"o{i}": p for i, p in enumerate(self._variants(prompt_ids, 4))}
+        solo = {sid: generate(fresh_chain(), "solo", p, N_DECODE) for sid, p in jobs.items()}
+        row_shape = chain[1].capabilities().hidden_row_shape
+        refused = []
+
+        def overflow_o1(sid: str, i: int) -> None:
+            bad = {2: (chain[1], -3e38), 5: (chain[2], 1e30)}  # decode index -> (stage, value)
+            if sid != "o1" or i not in bad:
+                return
+            stage, value = bad[i]
+            rows = np.full((1, *row_shape), value, np.float32)
+            req = StepRequest(sid, 0, len(jobs[sid]) + i, (solo[sid][i],), hidden=NamedTensor.from_numpy("hidden", rows))
+            res = stage.decode(req)
+            refused.append((res.status, res.message, res.hidden, res.token))
+
+        got = self._run_together(chain, jobs, N_DECODE, during=overflow_o1)
+        assert got == solo
+        assert [r[0] for r in refused] == [Status.INVALID_ARGUMENT] * 2, refused
+        for (_, message, hidden, token), value in zip(refused, ("3e+38", "1e+30")):
+            assert message.startswith(f"hidden states hold a value of magnitude {value} (row 0 of 1), beyond the "
+                                      "1e+09 a stage accepts"), message
+            assert hidden is None and token is None
+        assert active(chain) == [4, 4, 4]
+
     def test_one_stage_equals_three_stages(self, chain: Chain, make_chain, prompt_ids):
         if make_chain is None:
             pytest.skip("this engine provides no make_chain(n_stages) factory")

@@ -165,6 +165,35 @@ def test_hidden_states_holding_nan_or_infinity_are_refused_naming_the_row(bad):
                                   sampling=sampling))
     assert res.ok and 0 <= res.token.token_id < eng.capabilities().n_vocab
 
+@pytest.mark.parametrize("bad,shown", [(1e30, "1e+30"), (-3e38, "3e+38"), (-1.5e9, "1.5e+09")])
+def test_hidden_states_beyond_any_activation_are_refused_naming_the_row(bad, shown):
+    """Finite but overflowing values: the tail's RMSNorm squared them past float32 and it answered token 0
+    with OK. The refused step leaves the session where it was: its next good step gives the token a fresh
+    stage gives, as do values at the bound."""
+    from meshnet.contract import NamedTensor, StepRequest
+
+    ref, out = _load(TINY, LayerRange(2, 4))
+    assert out.ok
+    rows = np.full((3, ref.capabilities().n_embd), 0.5, np.float32)
+    rows[:, ::7] = 1e9  # at the bound (step_validation.MAX_HIDDEN_MAGNITUDE): accepted
+    first = StepRequest("s", 0, 0, (1, 2), hidden=NamedTensor.from_numpy("hidden", rows[:2]))
+    after = StepRequest("s", 0, 2, (3,), hidden=NamedTensor.from_numpy("hidden", rows[2:]))
+    want = [ref.prefill(first), ref.decode(after)]
+    assert all(r.ok for r in want), [r.message for r in want]
+
+    eng, out = _load(TINY, LayerRange(2, 4))
+    assert out.ok and eng.prefill(first).ok
+    huge = rows[2:].copy()
+    huge[0, 9] = bad
+    res = eng.decode(StepRequest("s", 0, 2, (3,), hidden=NamedTensor.from_numpy("hidden", huge)))
+    assert res.status is Status.INVALID_ARGUMENT and res.message == (
+        f"hidden states hold a value of magnitude {shown} (row 0 of 1), beyond the 1e+09 a stage accepts: "
+        "no model's activations reach it, and the stage's arithmetic would overflow")
+    assert res.token is None and eng.metrics().errors == {"INVALID_ARGUMENT": 1}
+    res = eng.decode(after)
+    assert res.ok and res.n_past == 3 and res.token == want[1].token
+
+
 @pytest.mark.parametrize("field,value", [("kv_tokens", -5), ("max_sessions", 0), ("n_ubatch", 0), ("n_ctx", -1),
                                          ("n_threads", 0), ("n_threads", 513)])
 def test_bad_load_settings_are_named(field, value):

@@ -18,6 +18,15 @@ if TYPE_CHECKING:
 
 Problem = tuple[Status, str]
 
+# The largest |value| hidden states may hold. Real residual streams peak around 1e3-1e4 (the "massive
+# activations" of a few channels) and stay below 1e5; a stage's graph only sees their magnitude in the
+# RMSNorm's sum of squares and the residual adds (everything after a norm is scale-free). That sum's x * x
+# overflows float32 above ~1.8e19, and a backend summing n_embd squares in float32 overflows above
+# ~1.8e19 / sqrt(n_embd) (~1e17 for 32768 elements), after which the tail samples from NaN or zero logits.
+# 1e9 sits 10^4 above the largest real activations and 10^8 below the first overflow: no honest peer sends
+# more, and nothing in a stage overflows below it (a refusal here comes before the step writes KV cells).
+MAX_HIDDEN_MAGNITUDE = 1e9
+
 
 def request_problem(req: StepRequest, caps: Capabilities | None, decode: bool,
                     chunk_tokens: int) -> Problem | None:
@@ -72,12 +81,7 @@ def request_problem(req: StepRequest, caps: Capabilities | None, decode: bool,
                 problem += (": this stage picks experts by token id (hash-routed blocks) and needs "
                             "one token id per row")
         if problem is None:
-            # NaN or infinity from a broken or hostile peer: the tail's sampling has no token to give
-            # for them (it raised, or answered token 0), and every later stage would pass them on.
-            finite = np.isfinite(req.hidden.to_numpy()).all(axis=tuple(range(1, len(want))))
-            if not finite.all():
-                problem = (f"hidden states hold NaN or infinity (row {int(np.argmin(finite))} of "
-                           f"{len(finite)})")
+            problem = hidden_values_problem(req.hidden.to_numpy())
         if problem is not None:
             return Status.INVALID_ARGUMENT, problem
     if caps.is_tail:
@@ -163,3 +167,20 @@ def follow_grammar(session: Session, req: StepRequest, is_tail: bool,
         at = grammar.start + ok
         return Status.INVALID_ARGUMENT, f"token {history[at]} at position {at} is not allowed by the step's grammar"
     return None
+
+
+def hidden_values_problem(rows: np.ndarray) -> str | None:
+    """What is wrong with the values of hidden states ``rows`` (``[n_tokens, *dims]`` f32), naming the first
+    bad row: NaN or infinity, or a value beyond :data:`MAX_HIDDEN_MAGNITUDE`; None when all are fine. A
+    broken or hostile peer sends them: the stage's arithmetic overflows, the tail samples token 0 from NaN
+    logits (or raises), and every later stage would pass them on."""
+    peak = np.abs(rows).max(axis=tuple(range(1, rows.ndim)))  # [n_tokens]; NaN propagates
+    bad = ~(peak <= MAX_HIDDEN_MAGNITUDE)
+    if not bad.any():
+        return None
+    row = int(np.argmax(bad))
+    if not np.isfinite(peak[row]):
+        return f"hidden states hold NaN or infinity (row {row} of {len(peak)})"
+    return (f"hidden states hold a value of magnitude {float(peak[row]):.3g} (row {row} of {len(peak)}), "
+            f"beyond the {MAX_HIDDEN_MAGNITUDE:.0e} a stage accepts: no model's activations reach it, and "
+            f"the stage's arithmetic would overflow")
