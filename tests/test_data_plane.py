@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 
+import grpc
 import numpy as np
 import pytest
 
@@ -432,3 +433,42 @@ def test_a_forwarded_step_waits_for_room_in_the_budget_rather_than_being_refused
         sock.close()
     finally:
         s.stop()
+
+
+def test_a_data_port_that_lets_no_connection_in_fails_a_step_within_the_connect_bound(monkeypatch):
+    """A data port a firewall drops packets to answers nothing: with the step's timeout for its connect, a
+    client waited 60 s for the step, then 60 s for its failover's replay, to learn that it cannot reach the
+    node. The connect and the handshake have their own bound. Here a listener whose accept queue is full
+    (the kernel drops the SYNs past it, as a firewall does) and one that never answers the join token."""
+    from meshnet.client.remote import RemoteStage, StageFailure
+    from meshnet.wire import data_plane
+    from meshnet.wire.data_plane import ConnectTimeout
+
+    monkeypatch.setattr(data_plane, "CONNECT_TIMEOUT_S", 0.5)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(0)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        # the kernel completes the handshake of a listener that never accepts: the join token goes unanswered
+        with pytest.raises(ConnectTimeout, match=r"^connected, but no handshake within 0\.5 s$"):
+            DataPlaneConnection(address, TOKEN, timeout_s=60.0)
+        fillers = [socket.socket() for _ in range(4)]
+        try:
+            for f in fillers:  # fill the accept queue: the SYNs after it are dropped
+                f.setblocking(False)
+                f.connect_ex(silent.getsockname())
+            time.sleep(0.2)
+            started = time.monotonic()
+            with pytest.raises(ConnectTimeout, match=r"^cannot connect within 0\.5 s \(is the port open"):
+                DataPlaneConnection(address, TOKEN, timeout_s=60.0)
+            assert time.monotonic() - started < 30.0  # the bound, not the step's 60 s
+            with grpc.insecure_channel("127.0.0.1:1") as channel:
+                stage = RemoteStage("n1", "127.0.0.1:1", channel, timeout_s=60.0,
+                                    data_pool=ConnectionPool(address, TOKEN, 60.0))
+                with pytest.raises(StageFailure) as failed:
+                    stage.step(StepRequest("s", 1, 0, (1, 2, 3)), decode=False)
+            assert failed.value.code == "UNAVAILABLE"  # not DEADLINE_EXCEEDED: no step reached the node
+            assert f"data plane {address}: cannot connect within 0.5 s" in str(failed.value)
+        finally:
+            for f in fillers:
+                f.close()

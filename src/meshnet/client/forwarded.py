@@ -54,10 +54,10 @@ class BlockedLinks:
         if hop is None or not hop.answers():
             return False
         self.block(f.after, f.node_id)
-        log.warning("session %s: node %s cannot reach node %s, which this client reaches (%s); this client "
-                    "steps routes through that link itself for %g s (open the data port of %s to %s for "
-                    "node-to-node forwarding)", session_id, f.after, f.node_id, f.message, self.retry_s,
-                    f.node_id, f.after)
+        log.warning("session %s: node %s cannot reach node %s, which answers this client's health checks "
+                    "(%s); this client steps routes through that link itself for %g s (open the data port of "
+                    "%s to %s for node-to-node forwarding)", session_id, f.after, f.node_id, f.message,
+                    self.retry_s, f.node_id, f.after)
         return True
 
     def blocks(self, hops: list[RemoteStage]) -> bool:

@@ -183,6 +183,7 @@ class MeshClient:
                 raise
             log_ = self._sessions[req.session_id] = SessionLog(req.session_id, epoch, hops)
             self.last_hops = hops
+        began = time.monotonic()
         deadline: float | None = None
         forward = False  # whether the last attempt was forwarded (which hops ran it is then unknown)
         failed_at: dict[str, str] = {}  # node id -> the address it failed at: routes exclude these
@@ -243,7 +244,8 @@ class MeshClient:
                     # data-plane connections) was let back in at once, over and over, without end.
                     self._abandon(log_, {f.node_id})
                     raise MeshUnavailable(f"session {req.session_id}: still failing after "
-                                          f"{self.failover_deadline_s:g} s of failovers: {f}") from None
+                                          f"{self.failover_deadline_s:g} s of failovers ({now - began:.0f} s "
+                                          f"into the step): {f}") from None
                 log.warning("session %s: %s; failing over", req.session_id, f)
                 if again:
                     time.sleep(REPEAT_FAILURE_PAUSE_S)

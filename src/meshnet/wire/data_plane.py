@@ -50,12 +50,24 @@ POOL_MAX_IDLE_S = 60.0
 # to it, stopped taking them (unacknowledged, or not sent at all: no route), though the sends succeeded. A
 # step's bytes are acknowledged within a round trip.
 STALL_S = 1.0
+# Connecting to a node's data plane, its TLS handshake and the join token's answer take at most this long,
+# seconds, whatever a step's own timeout: across a link of 100 ms RTT they take well under a second, and a
+# lost SYN is sent again after 1 s and 3 s. A port a firewall drops packets to answers nothing at all: with
+# the step's 60 s for a connect, a client waited two minutes (its step, then its failover's replay) to
+# learn that it cannot reach the node.
+CONNECT_TIMEOUT_S = 5.0
 # Linux's ioctl for the bytes a socket holds that the peer has not acknowledged, sent or not (TIOCOUTQ).
 _TIOCOUTQ = 0x5411
 
 
 class DataPlaneError(Exception):
     """The connection broke or carried something that is not this protocol."""
+
+
+class ConnectTimeout(ConnectionError):
+    """A node's data plane did not let this process connect (or finish the handshake) within
+    :data:`CONNECT_TIMEOUT_S`: a port closed by a firewall that drops packets, a host gone, or a node
+    too busy to accept. An OSError, not a TimeoutError: the node never got a step to be silent about."""
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -110,25 +122,37 @@ class DataPlaneConnection:
     def __init__(self, address: str, join_token: str | None, timeout_s: float,
                  tls: ssl.SSLContext | None = None) -> None:
         """Connect, and authenticate with ``join_token``; over TLS when ``tls`` (a client context that
-        checks the server's certificate against the host in ``address``) is given. Raises OSError
-        (``ssl.SSLError`` when the certificate does not verify) or DataPlaneError (a refused token)."""
+        checks the server's certificate against the host in ``address``) is given. ``timeout_s`` bounds
+        each later send and receive; the connect and handshake take at most :data:`CONNECT_TIMEOUT_S` of
+        it. Raises OSError (:class:`ConnectTimeout` when the node does not let this process connect,
+        ``ssl.SSLError`` when the certificate does not verify) or DataPlaneError (a refused token)."""
         host, port = address.rsplit(":", 1)
         host = host.strip("[]")
-        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if tls is not None:
-            try:
+        connect_s = min(timeout_s, CONNECT_TIMEOUT_S)
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=connect_s)
+        except TimeoutError:
+            raise ConnectTimeout(f"cannot connect within {connect_s:g} s (is the port open to this "
+                                 f"machine?)") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is not None:
                 sock = tls.wrap_socket(sock, server_hostname=host)
-            except BaseException:
-                sock.close()
-                raise
-        self.sock = sock
-        self.tls = tls is not None
-        send_message(self.sock, AUTH, (join_token or "").encode())
-        kind, payload = recv_message(self.sock)
+            send_message(sock, AUTH, (join_token or "").encode())
+            kind, payload = recv_message(sock)
+        except TimeoutError:
+            sock.close()
+            raise ConnectTimeout(f"connected, but no handshake within {connect_s:g} s") from None
+        except BaseException:
+            sock.close()
+            raise
         if kind == ERROR:
+            sock.close()
             code, _, message = decode_error(payload)
             raise DataPlaneError(f"{code}: {message}")
+        sock.settimeout(timeout_s)
+        self.sock = sock
+        self.tls = tls is not None
         self.last_used = time.monotonic()
 
     def reusable(self, max_idle_s: float = POOL_MAX_IDLE_S) -> bool:
