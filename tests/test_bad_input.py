@@ -563,6 +563,26 @@ def test_an_advertised_name_that_does_not_resolve_here_is_warned_about():
                            "machine ("), line
 
 
+def test_a_node_on_loopback_under_a_tracker_reached_over_the_network_is_warned_about():
+    """On the tracker's own machine such a node was taken (the tracker refuses it only from other machines),
+    and every client elsewhere was refused its connection to it: `generate` failed with "no node serves
+    layers [12, 25)" and nothing said why."""
+    import subprocess
+    import sys
+
+    # 192.0.2.1 (TEST-NET-1) answers nothing: the node is killed while it still tries to reach it
+    proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "node", "--engine", "fake", "--port", "0",
+                             "--tracker", "192.0.2.1:7700"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stderr.readline()
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+    assert line == ("warning: --host 127.0.0.1: this node listens on loopback only, while its tracker (192.0.2.1:7700) "
+                    "is reached over the network: clients and nodes on other machines cannot reach it; pass --host "
+                    "0.0.0.0 (or this machine's address), or --advertise HOST:PORT\n"), line
+
+
 def test_bench_serve_at_a_url_where_nothing_answers_says_so_in_one_line(tmp_path):
     """A URL where nothing listened was httpx's ConnectError traceback."""
     import subprocess

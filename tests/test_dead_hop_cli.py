@@ -121,7 +121,9 @@ def test_generate_json_still_ends_with_the_object_when_the_mesh_fails_mid_answer
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
-    assert proc.returncode == 1 and "a node failed and no replacement route exists" in err, err[-2000:]
+    # the error names the node that failed, and how, not only the layers nothing serves now
+    assert proc.returncode == 1 and f"a node failed (node b-mid at {nodes[1].address}: " in err, err[-2000:]
+    assert ") and no replacement route exists (" in err
     line = out.splitlines()[-1]
     last = json.loads(line)
     assert out.endswith("\n" + line + "\n")  # on a line of its own: it followed the text on the text's last line

@@ -30,7 +30,7 @@ from meshnet.client.accounting import StepAccounting
 from meshnet.client.deadline import DeadlinePolicy, HopClocks
 from meshnet.client.forwarded import BlockedLinks, LinkFailure, forwardable, run_forwarded
 from meshnet.client.node_failures import NodeFailures
-from meshnet.client.orphans import OrphanReleaser
+from meshnet.client.orphans import RELEASE_WAIT_S, OrphanReleaser
 from meshnet.client.replay import SessionLost, first_changed_hop, replay, warn_if_unlike
 from meshnet.client.session_log import RecordedStep, SessionLog
 from meshnet.client.remote import RemoteStage, StageFailure, check_reply
@@ -40,9 +40,6 @@ from meshnet.contract import NamedTensor, Status, StepRequest, StepResult
 
 log = logging.getLogger("meshnet.client")
 
-# How long the release at a session's end waits for each hop (seconds) before the orphan releaser
-# takes the hop over: the generation's caller should not wait on a stopped node.
-RELEASE_WAIT_S = 1.0
 # Steps in a row that may find one node had lost the session (each rebuilt there by a replay of the
 # whole history) before the session is given up: a restarted engine worker loses it once.
 MAX_LOSSES_IN_A_ROW = 4
@@ -232,7 +229,7 @@ class MeshClient:
                 lost.add(f.node_id)
                 lost_this_step.add(f.node_id)
             except StageFailure as f:
-                now = time.monotonic()
+                now, log_.last_failure = time.monotonic(), str(f)
                 deadline = deadline or now + self.failover_deadline_s
                 if isinstance(f, LinkFailure) and self.blocked_links.link_only(log_.session_id, log_.hops, f):
                     continue  # replayed from the head (the head ran the step), then stepped by this client
@@ -278,7 +275,7 @@ class MeshClient:
         log_ = self._sessions.pop(session_id, None)
         if log_ is not None:
             for hop in log_.hops:
-                self._release_or_orphan(hop, session_id, log_.epoch + 1, unconditional=not fence)
+                self.orphans.release(hop, session_id, log_.epoch + 1, unconditional=not fence)
         self.accounting.ended(session_id)
 
     def close(self) -> None:
@@ -322,14 +319,6 @@ class MeshClient:
             check_reply(log_.hops[-1], result, last=True)
         return result
 
-    def _release_or_orphan(self, hop: RemoteStage, session_id: str, epoch: int,
-                           unconditional: bool = False) -> None:
-        """Release ``session_id`` on ``hop``: a copy older than route ``epoch``, or any copy when
-        ``unconditional`` (the session is over). A node that does not answer within
-        :data:`RELEASE_WAIT_S` goes to the orphan releaser, which frees copies older than ``epoch``."""
-        if not hop.release(session_id, 0 if unconditional else epoch, timeout_s=RELEASE_WAIT_S).ok:
-            self.orphans.add(hop, session_id, epoch)
-
     def _abandon(self, log_: SessionLog, failed: set[str] = frozenset()) -> None:
         """A refused step may have advanced earlier hops: the session cannot continue consistently.
         Hops in ``failed`` did not answer: they are released in the background, not waited for, and
@@ -368,7 +357,8 @@ class MeshClient:
             except MeshUnavailable as e:
                 if time.monotonic() >= deadline:
                     self._abandon(log_, exclude)
-                    raise MeshUnavailable(f"session {log_.session_id}: a node failed and no replacement "
+                    how = f" ({log_.last_failure})" if log_.last_failure else ""
+                    raise MeshUnavailable(f"session {log_.session_id}: a node failed{how} and no replacement "
                                           f"route exists ({e})") from None
                 time.sleep(0.25)
         old = log_.hops
@@ -396,7 +386,7 @@ class MeshClient:
                 self.orphans.add(hop, log_.session_id, epoch)
             else:
                 # Fenced too: a late unconditional release could free a copy rebuilt there since.
-                self._release_or_orphan(hop, log_.session_id, epoch)
+                self.orphans.release(hop, log_.session_id, epoch)
         self.failovers += 1
         log_.epoch, log_.hops, log_.intact = epoch, hops, first
         self.last_hops = hops

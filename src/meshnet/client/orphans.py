@@ -23,6 +23,10 @@ from meshnet.contract import Outcome
 
 log = logging.getLogger("meshnet.client")
 
+# How long a release at a session's end, or of a failover's old hop, waits for the node (seconds) before
+# the orphan releaser takes it over: the generation's caller should not wait on a stopped node.
+RELEASE_WAIT_S = 1.0
+
 
 class Releasable(Protocol):
     node_id: str
@@ -64,6 +68,14 @@ class OrphanReleaser:
                 self._thread = threading.Thread(target=self._loop, daemon=True, name="meshnet-orphans")
                 self._thread.start()
             self._cv.notify()
+
+    def release(self, stage: Releasable, session_id: str, epoch: int, unconditional: bool = False) -> None:
+        """Release ``session_id`` on ``stage`` now: a copy older than route ``epoch``, or any copy when
+        ``unconditional`` (the session is over). A node that does not answer within
+        :data:`RELEASE_WAIT_S` is left to the background thread (:meth:`add`), which frees copies older
+        than ``epoch``."""
+        if not stage.release(session_id, 0 if unconditional else epoch, timeout_s=RELEASE_WAIT_S).ok:
+            self.add(stage, session_id, epoch)
 
     def pending(self) -> int:
         """Orphans not yet confirmed released (nor given up on)."""

@@ -39,6 +39,7 @@ class SessionLog:
     # Node id -> the steps in a row, up to the last one, that found the node had lost the session.
     lost_in_a_row: dict[str, int] = field(default_factory=dict)
     cancelled: bool = False  # its consumer cancelled it: a replay waiting for room gives up
+    last_failure: str = ""  # the last node failure its steps met: named when no route replaces the node
 
     @property
     def tokens_needed(self) -> int:

@@ -27,6 +27,7 @@ from meshnet.node.runner import Node
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.secret_args import add_join_token_arg
 from meshnet.supervisor import announce, follow_supervisor, on_stop_signals, wait_for_stop
+from meshnet.wire.addresses import is_loopback_host
 from meshnet.wire.call_problems import tracker_refusal
 from meshnet.wire.security import TlsConfig, open_channel, server_ssl_context
 
@@ -222,6 +223,14 @@ def run_node(args: argparse.Namespace) -> int:
     if cfg.advertise and (why := unresolved_host(cfg.advertise)):
         print(f"warning: --advertise {cfg.advertise}: the name does not resolve on this machine ({why}); clients "
               "and nodes that cannot resolve it either will fail to reach this node", file=sys.stderr, flush=True)
+    if (cfg.tracker and not cfg.relay and not cfg.advertise and is_loopback_host(cfg.host)
+            and not is_loopback_host(cfg.tracker.rpartition(":")[0])):
+        # The tracker refuses such a node from another machine; on the tracker's own machine it is taken, and
+        # every client elsewhere that the route sends to it is refused its connection.
+        print(f"warning: --host {cfg.host}: this node listens on loopback only, while its tracker "
+              f"({cfg.tracker}) is reached over the network: clients and nodes on other machines cannot reach "
+              f"it; pass --host 0.0.0.0 (or this machine's address), or --advertise HOST:PORT",
+              file=sys.stderr, flush=True)
     if not cfg.tracker:  # fine for a test or a peer to fetch from, but no client will find it
         print("warning: no --tracker: this node registers nowhere, so no route or client finds it; give it "
               "--tracker HOST:PORT to join a mesh", file=sys.stderr, flush=True)
