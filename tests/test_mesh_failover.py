@@ -433,3 +433,52 @@ def test_new_sessions_route_around_a_node_this_client_cannot_reach(mesh, tok, so
     assert _run_killing(client, tok, solo.prompt_ids(1), lambda: None, n=16) == solo.greedy(1)[:16]
     assert client.failovers == 1 and [h.node_id for h in client.last_hops] == ["b-head", "c-tail"]
     client.close()
+
+
+def test_the_apis_metrics_count_a_failover_over_the_mesh(mesh, smollm2_path):
+    """Over a mesh, `/metrics` said nothing of failovers: after three, only an error counter had moved. The
+    API over a mesh with a spare: a streamed greedy answer whose middle node is killed mid-stream ends as
+    the same request did before, and `/metrics` counts the failover."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from meshnet.api.app import create_app
+    from meshnet.api.backend import mesh_backend
+
+    head, mid, spare, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-spare", "10:20"),
+                                               ("d-tail", "20:30")])
+    body = {"prompt": "The history of the lighthouse", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    backend = mesh_backend(mesh.tracker, str(smollm2_path))
+    try:
+        with TestClient(create_app(backend)) as http:
+
+            def answer(kill_after: int | None = None) -> str:
+                text = []
+                with http.stream("POST", "/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    for line in r.iter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        assert chunk["choices"][0]["finish_reason"] in (None, "length"), chunk
+                        text.append(chunk["choices"][0]["text"])
+                        if len(text) == kill_after:
+                            next(n for n in (mid, spare) if n.active_sessions()).kill()
+                return "".join(text)
+
+            def figures() -> dict[str, float]:
+                return {line.split()[0]: float(line.split()[1]) for line in http.get("/metrics").text.splitlines()
+                        if line.startswith("meshnet_mesh_")}
+
+            alone = answer()
+            assert figures() == {"meshnet_mesh_failovers_total": 0.0, "meshnet_mesh_unlike_failovers_total": 0.0,
+                                 "meshnet_mesh_orphan_releases_pending": 0.0, "meshnet_mesh_blocked_links": 0.0}
+            assert answer(kill_after=8) == alone
+            after = figures()
+            assert after["meshnet_mesh_failovers_total"] == 1.0
+            assert after["meshnet_mesh_unlike_failovers_total"] == 0.0  # the spare computes as the dead node
+            assert after["meshnet_mesh_orphan_releases_pending"] == 1.0  # the dead node's copy, never confirmed
+    finally:
+        backend.close()

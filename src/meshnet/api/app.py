@@ -78,7 +78,8 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
                   version="1", docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)  # a trailing slash is a 404 in the API's shape, as OpenAI answers it
     line = getattr(backend, "admission", None)
-    metrics = ApiMetrics(getattr(backend, "stage_metrics", None), line.waiting if line is not None else None)
+    metrics = ApiMetrics(getattr(backend, "stage_metrics", None), line.waiting if line is not None else None,
+                         getattr(backend, "mesh_figures", None))
     api = _Api(backend, metrics, max_queued)
     app.state.api = api
     app.state.metrics = metrics

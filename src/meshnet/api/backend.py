@@ -62,6 +62,8 @@ class ApiBackend:
         self.closers: list[Callable[[], None]] = []
         # In process: (layer range, engine Metrics) of each stage, for /metrics; None over a mesh.
         self.stage_metrics: Callable[[], list] | None = None
+        # Over a mesh: the client's failovers and the like, by name (see ApiMetrics); None in process.
+        self.mesh_figures: Callable[[], dict[str, int]] | None = None
         # How generations draft tokens when a request does not say (``meshnet api --speculative``).
         self.speculation: Speculation | None = None
         # Step costs the server's drafting generations learn together (one route's, whatever the text).
@@ -330,6 +332,7 @@ def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = 
                  str(e).removeprefix("no route: "))
     backend = ApiBackend(lambda: client, tok, name or served_name(model), n_ctx, check_route=check_route,
                          max_concurrency=max_concurrency)
+    backend.mesh_figures = client.figures
     backend.closers.append(client.close)
     return backend
 

@@ -34,20 +34,30 @@ class ApiMetrics:
       ``meshnet_stage_kv_tokens_{held,kept,reserved,capacity}``, ``meshnet_stage_iterations_total``,
       ``meshnet_stage_batch_rows_total``, ``meshnet_stage_max_batch_rows``, ``meshnet_stage_waiting_steps``,
       ``meshnet_stage_queue_seconds_total`` (over ``meshnet_stage_queued_steps_total`` steps).
+    * over a mesh, the client's: ``meshnet_mesh_failovers_total`` (sessions re-routed and replayed after a
+      node failed), ``meshnet_mesh_unlike_failovers_total`` (of them, onto a node that computes otherwise:
+      another backend or kernel), ``meshnet_mesh_orphan_releases_pending`` (sessions left on nodes it moved
+      away from, not yet confirmed freed), ``meshnet_mesh_blocked_links`` (links between nodes that failed
+      while both answered this client, whose routes it steps itself for now).
 
     Args:
         stage_metrics: returns ``(layers, Metrics)`` per in-process stage; None over a mesh.
         admission_waiting: returns how many requests wait in the admission line (None: no gauge).
+        mesh_figures: returns the mesh client's figures (:data:`MESH_COUNTERS` and :data:`MESH_GAUGES`
+            by name); None in process.
     """
 
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(self, stage_metrics: Callable[[], list] | None = None,
-                 admission_waiting: Callable[[], int] | None = None) -> None:
+                 admission_waiting: Callable[[], int] | None = None,
+                 mesh_figures: Callable[[], dict[str, int]] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         if stage_metrics is not None:
             r.register(_StageCollector(stage_metrics))
+        if mesh_figures is not None:
+            r.register(_MeshCollector(mesh_figures))
         self.requests = Counter("meshnet_api_requests", "HTTP requests answered",
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("meshnet_api_prompt_tokens", "prompt tokens processed", registry=r)
@@ -95,6 +105,27 @@ class ApiMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# The mesh client's figures at /metrics: counters, then gauges, each (name, help).
+MESH_COUNTERS = (("failovers", "sessions re-routed and replayed after a node failed"),
+                 ("unlike_failovers", "failovers onto a node that computes otherwise (another backend or kernel)"))
+MESH_GAUGES = (("orphan_releases_pending", "sessions left on nodes failed over away from, not yet confirmed freed"),
+               ("blocked_links", "links between nodes that failed while both answered, stepped by this client"))
+
+
+class _MeshCollector:
+    """The mesh client's figures, read at each scrape."""
+
+    def __init__(self, source: Callable[[], dict[str, int]]) -> None:
+        self.source = source
+
+    def collect(self):
+        figures = self.source()
+        for name, text in MESH_COUNTERS:
+            yield CounterMetricFamily(f"meshnet_mesh_{name}", text, value=float(figures[name]))
+        for name, text in MESH_GAUGES:
+            yield GaugeMetricFamily(f"meshnet_mesh_{name}", text, value=float(figures[name]))
 
 
 class _StageCollector:

@@ -60,6 +60,11 @@ class BlockedLinks:
                     self.retry_s, f.node_id, f.after)
         return True
 
+    def blocked_now(self) -> int:
+        """How many links are blocked now."""
+        now = time.monotonic()
+        return sum(until > now for until in list(self._until.values()))
+
     def blocks(self, hops: list[RemoteStage]) -> bool:
         """Whether a link between consecutive ``hops`` is blocked now."""
         if not self._until:

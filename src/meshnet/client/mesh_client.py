@@ -285,6 +285,11 @@ class MeshClient:
         self.accounting.close()
         self.router.close()
 
+    def figures(self) -> dict[str, int]:
+        """This client's failovers and the like, by name (the API's ``meshnet_mesh_*`` metrics)."""
+        return {"failovers": self.failovers, "unlike_failovers": self.unlike_failovers,
+                "orphan_releases_pending": self.orphans.pending(), "blocked_links": self.blocked_links.blocked_now()}
+
     # ---- internals ---------------------------------------------------------------------------
     def _routes(self) -> dict:
         """``{session_id: (epoch, hops)}`` of the sessions open now (what the activity report lists)."""
