@@ -311,3 +311,21 @@ def test_a_data_plane_without_forwarding_refuses_forward_and_await(kind):
         sock.close()
     finally:
         server.stop()
+
+
+def test_a_hop_found_silent_while_the_client_waited_on_another_is_named_with_both():
+    """The message named the silent middle node, then the tail's data plane it had waited on, as if it were
+    the middle node's: "node m at 10.99.0.3:17103: ...; data plane 10.99.0.3:17102: no answer"."""
+    from types import SimpleNamespace
+
+    from meshnet.client.forwarded import _unanswered
+    from meshnet.client.remote import StageFailure
+
+    mid = SimpleNamespace(node_id="m", address="10.99.0.3:17103")
+    tail = SimpleNamespace(node_id="t", address="10.99.0.3:17101")
+    waited = StageFailure("t", tail.address, "DEADLINE_EXCEEDED", "data plane 10.99.0.3:17102: no answer within 1.50s")
+    f = _unanswered([mid], [], tail, waited)
+    assert (f.node_id, f.address, f.code) == ("m", "10.99.0.3:17103", "DEADLINE_EXCEEDED")
+    assert f.message == ("does not answer Health (or another process does: it restarted), while this client waited "
+                         "on node t: data plane 10.99.0.3:17102: no answer within 1.50s")
+    assert _unanswered([tail], [], tail, waited) is waited  # the hop waited on is the silent one: its own failure

@@ -159,7 +159,8 @@ def _unanswered(silent: list[RemoteStage], cut: list[tuple[RemoteStage, RemoteSt
                            f"client waited on node {waited_on.node_id}: {f.message}")
     if silent and silent[0] is not waited_on:
         return StageFailure(silent[0].node_id, silent[0].address, f.code, "does not answer Health (or another "
-                            "process does: it restarted); " + f.message)
+                            f"process does: it restarted), while this client waited on node {waited_on.node_id}: "
+                            + f.message)
     return f
 
 
