@@ -527,6 +527,20 @@ def test_a_node_silent_past_its_ttl_and_back_before_a_sweep_is_said_to_leave_and
         "node n2 joined: layers [10, 20) at 127.0.0.1:14920"]
 
 
+def test_a_tracker_on_every_interface_of_a_machine_without_a_default_route_says_its_address_is_unknown(monkeypatch):
+    """Without a default route the line naming where other machines reach the tracker was left out without
+    a word, and its dashboard line named no address either."""
+    from meshnet.tracker import cli as tracker_cli
+
+    monkeypatch.setattr(tracker_cli, "this_machine_address", lambda host: host)  # no route: the wildcard back
+    assert tracker_cli.reached_at("0.0.0.0", 7700) == (
+        "tracker: this machine has no default route, so its address on the network other machines share is not "
+        "known here: they reach the tracker at that address, port 7700")
+    monkeypatch.setattr(tracker_cli, "this_machine_address", lambda host: "10.99.0.1")
+    assert tracker_cli.reached_at("::", 7700) == "tracker: other machines reach it at 10.99.0.1:7700"
+    assert tracker_cli.reached_at("127.0.0.1", 7700) is None
+
+
 def test_a_tracker_on_every_interface_says_where_it_is_reached_whether_it_is_open_and_who_comes_and_goes(tmp_path):
     """`meshnet tracker --host 0.0.0.0` printed 0.0.0.0 addresses nobody can open, nothing about running
     without a join token, and no line when nodes joined or died."""
@@ -551,6 +565,8 @@ def test_a_tracker_on_every_interface_says_where_it_is_reached_whether_it_is_ope
         if here != "0.0.0.0":  # a machine with a default route (else there is no address to name)
             assert f"tracker: other machines reach it at {here}:{port}" in lines
             assert any(line.startswith(f"tracker: dashboard on http://{here}:") for line in lines), lines
+        else:
+            assert any(line.startswith("tracker: this machine has no default route") for line in lines), lines
         assert (f"tracker: no join token: anyone who reaches port {port} can join nodes to this mesh and use it "
                 "(pass --join-token, or set $MESHNET_JOIN_TOKEN, on every machine)") in lines
         with open_channel(f"127.0.0.1:{port}") as channel:

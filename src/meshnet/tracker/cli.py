@@ -60,6 +60,18 @@ def _sweep_until(registry, stop: threading.Event) -> None:
         registry.alive()
 
 
+def reached_at(host: str, port: int) -> str | None:
+    """The line saying where other machines reach a tracker listening on every interface (``host`` a
+    wildcard) at ``port``: this machine's address, or that it cannot be told here. None for another host."""
+    if host not in WILDCARD_HOSTS:
+        return None
+    if (here := this_machine_address(host)) not in WILDCARD_HOSTS:
+        return f"tracker: other machines reach it at {format_address(here, port)}"
+    # It serves, but nothing here says what others should dial (and its dashboard line names no address).
+    return (f"tracker: this machine has no default route, so its address on the network other machines share "
+            f"is not known here: they reach the tracker at that address, port {port}")
+
+
 def run_tracker(args: argparse.Namespace) -> int:
     """CLI entry: serve until SIGINT/SIGTERM, then stop cleanly. Returns the exit code (0, or 2 for bad
     arguments / an address that cannot be bound)."""
@@ -99,8 +111,8 @@ def run_tracker(args: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread():
         previous = on_stop_signals(stop.set)
     print(f"tracker listening on {format_address(args.host, port)}", file=sys.stderr, flush=True)
-    if args.host in WILDCARD_HOSTS and (here := this_machine_address(args.host)) not in WILDCARD_HOSTS:
-        print(f"tracker: other machines reach it at {format_address(here, port)}", file=sys.stderr, flush=True)
+    if (where := reached_at(args.host, port)) is not None:
+        print(where, file=sys.stderr, flush=True)
     if not token and not is_loopback_host(args.host):
         print(f"tracker: no join token: anyone who reaches port {port} can join nodes to this mesh and use it "
               f"(pass --join-token, or set ${JOIN_TOKEN_ENV}, on every machine)", file=sys.stderr, flush=True)
