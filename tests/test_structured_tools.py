@@ -270,6 +270,23 @@ def test_malformed_tool_calls_in_messages_are_400(served, calls):
     assert err["message"].count("{") == err["message"].count("}"), err
 
 
+def test_tool_call_arguments_nested_past_what_json_reads_are_400_and_a_model_answer_so_nested_is_content(served):
+    """A 2 KB `arguments` string of 1000 brackets was an HTTP 500 (json.loads raised RecursionError)."""
+    from meshnet.api.tools import ToolPlan, tool_calls_from
+
+    _, http, _ = served
+    deep = '{"a": ' + "[" * 1000 + "]" * 1000 + "}"
+    calls = [{"id": "1", "type": "function", "function": {"name": "f", "arguments": deep}}]
+    r = http.post("/v1/chat/completions", json={"messages": ASK + [{"role": "assistant", "content": None,
+                                                                     "tool_calls": calls}], "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == {"message": "messages.1.tool_calls[0].function.arguments is JSON nested too deeply "
+                                            "to read", "type": "invalid_request_error",
+                                 "param": "messages.1.tool_calls.0", "code": None}
+    plan = ToolPlan("auto", [{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    assert tool_calls_from('{"name": "f", "arguments": ' + deep + "}", plan) is None  # the model's text: content
+
+
 def test_tool_calls_off_an_assistant_message_are_400_and_a_tool_answer_without_its_id_is_taken(served):
     """Calls on a user message were accepted and dropped without a word. A tool's answer without
     tool_call_id is taken, as llama-server and Ollama take it (OpenAI's API refuses it), and an empty

@@ -110,6 +110,13 @@ def tools_system_message(tools: list[dict]) -> dict:
 def tool_calls_from(text: str, plan: ToolPlan) -> list[dict] | None:
     """The answer ``text`` as OpenAI tool calls (``{"id", "type": "function", "function": {"name",
     "arguments"}}``, arguments as JSON text), or None when it holds none (content, then)."""
+    try:
+        return _tool_calls(text, plan)
+    except RecursionError:  # JSON nested past what json reads and writes: content, not a call
+        return None
+
+
+def _tool_calls(text: str, plan: ToolPlan) -> list[dict] | None:
     if plan.mode in ("named", "required"):
         # The grammar makes the whole answer a call, but a stop sequence can end it early: cut text is content.
         try:
@@ -149,23 +156,30 @@ def hermes_calls_text(tool_calls: list[Any], param: str) -> str:
 
     Raises:
         ApiError: 400 naming ``param.i`` for a call that is not ``{"function": {"name": str, "arguments":
-            JSON text or object}}``.
+            JSON text or object}}``, or whose arguments nest too deeply for Python's json to read or write.
     """
     blocks = []
     for i, call in enumerate(tool_calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        args = fn.get("arguments", "{}") if isinstance(fn, dict) else None
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                args = None
-        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(args, dict)):
-            raise bad_request(f"{param}[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": str, "
-                              "\"arguments\": a JSON object as text}}", f"{param}.{i}")
-        blocks.append("<tool_call>" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
-                      + "</tool_call>")
+        try:
+            blocks.append(_hermes_call(call, param, i))
+        except RecursionError:  # a 2 KB string of 1000 brackets was an HTTP 500
+            raise bad_request(f"{param}[{i}].function.arguments is JSON nested too deeply to read",
+                              f"{param}.{i}") from None
     return "\n".join(blocks)
+
+
+def _hermes_call(call: Any, param: str, i: int) -> str:
+    fn = call.get("function") if isinstance(call, dict) else None
+    args = fn.get("arguments", "{}") if isinstance(fn, dict) else None
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            args = None
+    if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(args, dict)):
+        raise bad_request(f"{param}[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": str, "
+                          "\"arguments\": a JSON object as text}}", f"{param}.{i}")
+    return "<tool_call>" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False) + "</tool_call>"
 
 
 def _call(name: str, arguments: Any) -> dict:
