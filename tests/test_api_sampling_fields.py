@@ -109,6 +109,12 @@ def test_logit_bias_crosses_the_wire_to_the_tail(served):
             local = generate(backend.chain, tok, tok.encode(PROMPT), 6, sp).generated_token_ids
             wired = generate(remote, tok, tok.encode(PROMPT), 6, sp).generated_token_ids
             assert wired == local and plain[0] not in wired
+        # Negative seeds (OpenAI's seed is an int64) cross as they are: one arrived as 2**64 - 1 and was refused.
+        for seed in (-5, -(1 << 63), (1 << 63) - 1):
+            sp = SamplingParams(temperature=0.9, seed=seed)
+            local = generate(backend.chain, tok, tok.encode(PROMPT), 6, sp)
+            wired = generate(remote, tok, tok.encode(PROMPT), 6, sp)
+            assert wired.generated_token_ids == local.generated_token_ids and local.generated_token_ids
         bad = StepRequest("bad-bias", 0, 0, tuple(tok.encode(PROMPT)),
                           sampling=SamplingParams(logit_bias=((tok.n_vocab, 1.0),)))
         res = remote.step(bad, decode=False)

@@ -76,9 +76,15 @@ def sampling_from_pb(m: pb.Sampling) -> SamplingParams:
     return SamplingParams(temperature=m.temperature, top_k=m.top_k, top_p=m.top_p, min_p=m.min_p,
                           repetition_penalty=m.repetition_penalty, presence_penalty=m.presence_penalty,
                           frequency_penalty=m.frequency_penalty, penalty_last_n=m.penalty_last_n,
-                          seed=int(m.seed) if m.has_seed else None, n_top_logprobs=m.n_top_logprobs,
+                          seed=_signed64(m.seed) if m.has_seed else None, n_top_logprobs=m.n_top_logprobs,
                           logit_bias=tuple(sorted(m.logit_bias.items())), grammar=grammar,
                           logprobs=not m.skip_logprob)
+
+
+def _signed64(seed: int) -> int:
+    """The int64 seed the wire's uint64 carries (sent modulo 2**64): a negative seed, OpenAI's int64, arrived
+    as 2**64 - 1 and was refused by the tail as outside int64."""
+    return seed - (1 << 64) if seed >= 1 << 63 else int(seed)
 
 
 def tensor_frames(header: pb.Envelope, tensor: NamedTensor | None,
