@@ -597,3 +597,34 @@ def test_bench_serve_at_a_url_where_nothing_answers_says_so_in_one_line(tmp_path
     assert r.stderr.startswith(f"error: {url} answered no OpenAI model list at /v1/models (ConnectError: ")
     assert len(r.stderr.splitlines()) == 1
     assert list(tmp_path.iterdir()) == []  # neither the results nor a folder for server logs
+
+
+@pytest.mark.parametrize("sampling, field", [
+    ({"temperature": float("nan")}, "temperature"), ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ({"top_k": -5}, "top_k")])
+def test_a_head_refuses_sampling_only_the_tail_uses_before_opening_the_session(sampling, field):
+    """The head opened a session (cells reserved for the whole answer) for a temperature of NaN, and only the
+    tail refused the step."""
+    from meshnet.contract import StepRequest
+    from meshnet.engine.fake import FakeEngine, FakeModel
+    from meshnet.sampling_params import SamplingParams
+
+    model = FakeModel()
+    head = FakeEngine(model)
+    assert head.load(LoadSpec(path="", artifact=ArtifactId(model.sha256, LayerRange(0, 10)), max_sessions=4)).ok
+    res = head.prefill(StepRequest("s", 1, 0, (1, 2, 3), sampling=SamplingParams(**sampling)))
+    assert res.status is Status.INVALID_ARGUMENT and res.message.startswith(f"{field} must be "), res.message
+    assert head.session_ids() == [] and head.health().active_sessions == 0
+    assert head.prefill(StepRequest("s", 1, 0, (1, 2, 3))).ok  # the same session, well asked: served
+
+
+def test_a_step_with_an_empty_session_id_is_refused_on_the_wire():
+    """Every node keyed its cache by it, and the tail its await: the head took it, the tail did not."""
+    from meshnet.contract import StepRequest
+    from meshnet.wire.envelope import WireError, frames_to_request, request_to_frames
+
+    frames = request_to_frames(StepRequest("", 1, 0, (1, 2, 3)), decode=False)
+    with pytest.raises(WireError, match="^session_id is empty$") as refused:
+        frames_to_request(frames)
+    assert refused.value.status is Status.INVALID_ARGUMENT

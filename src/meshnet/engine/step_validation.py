@@ -84,10 +84,11 @@ def request_problem(req: StepRequest, caps: Capabilities | None, decode: bool,
             problem = hidden_values_problem(req.hidden.to_numpy())
         if problem is not None:
             return Status.INVALID_ARGUMENT, problem
-    if caps.is_tail:
-        problem = req.sampling.validate(caps.n_vocab)
-        if problem is not None:
-            return Status.INVALID_ARGUMENT, problem
+    # Checked on every stage, not only the tail that samples: a head took a step with temperature NaN and
+    # opened its session (cells reserved for the whole answer) before the tail refused it.
+    problem = req.sampling.validate(caps.n_vocab)
+    if problem is not None:
+        return Status.INVALID_ARGUMENT, problem
     return None
 
 

@@ -160,7 +160,7 @@ def assemble(frames: Iterable[pb.Envelope]) -> tuple[pb.Envelope, bytes]:
     """Join an envelope's frames; returns the first frame (the header) and the whole payload.
 
     Raises:
-        WireError: version skew, a session id over :data:`MAX_SESSION_ID_CHARS`, frames out of order or
+        WireError: version skew, a session id empty or over :data:`MAX_SESSION_ID_CHARS`, frames out of order or
             from different steps, a bad checksum, an unknown dtype, a zero dimension or a shape that
             disagrees with the byte count.
     """
@@ -172,6 +172,8 @@ def assemble(frames: Iterable[pb.Envelope]) -> tuple[pb.Envelope, bytes]:
             header = f
             if f.n_chunks < 1:
                 raise WireError(Status.INVALID_ARGUMENT, "envelope declares 0 frames")
+            if not f.session_id:  # every node would key its cache, the tail its await, by it
+                raise WireError(Status.INVALID_ARGUMENT, "session_id is empty")
             if len(f.session_id) > MAX_SESSION_ID_CHARS:
                 raise WireError(Status.INVALID_ARGUMENT, f"session_id of {len(f.session_id)} characters; at "
                                                          f"most {MAX_SESSION_ID_CHARS}")
