@@ -407,3 +407,24 @@ def test_the_readmes_certificate_serves_and_one_without_the_dialled_address_is_n
         finally:
             server.stop(None)
     assert "its certificate does not name the address dialled: give it a subjectAltName" in capsys.readouterr().err
+
+
+def test_callers_refused_for_their_token_are_logged_once_a_minute_per_address_and_reason(caplog):
+    """A node or client with a wrong or no token was refused without a word in the tracker's log."""
+    import logging
+
+    from meshnet.tracker.server import start_tracker
+
+    server, port, _ = start_tracker(port=0, join_token=TOKEN)
+    try:
+        with caplog.at_level(logging.WARNING, logger="meshnet.security"):
+            for token in ("guess", "guess", None, "again"):
+                with open_channel(f"127.0.0.1:{port}", join_token=token) as channel, pytest.raises(grpc.RpcError):
+                    _ping(channel)
+        lines = [r.getMessage() for r in caplog.records if r.name == "meshnet.security"]
+        assert lines == [
+            "refused /meshnet.v1.Tracker/Heartbeat from 127.0.0.1: wrong join token (logged once a minute per address)",
+            "refused /meshnet.v1.Tracker/Heartbeat from 127.0.0.1: missing join token (logged once a minute per "
+            "address)"]
+    finally:
+        server.stop(0).wait()

@@ -15,11 +15,15 @@ from __future__ import annotations
 import collections
 import functools
 import hmac
+import logging
 import ssl
+import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
+from urllib.parse import unquote
 
 import grpc
 
@@ -82,6 +86,35 @@ class TlsConfig:
 
 # ---- server side ---------------------------------------------------------------------------------------
 
+log = logging.getLogger("meshnet.security")
+
+# A caller refused for its join token is logged at most this often per address and reason, seconds: the
+# operator learns that a node or client comes with a wrong or no token (it said nothing at all), and a
+# scanner knocking every second does not fill the log.
+REFUSAL_LOG_S = 60.0
+
+
+class _RefusalLog:
+    """Rate-limited warnings of refused callers (thread-safe; at most 1024 addresses remembered)."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, str], float] = {}
+        self._lock = threading.Lock()
+
+    def note(self, peer: str, reason: str, method: str) -> None:
+        """``peer`` as gRPC gives it (``ipv4:10.0.0.5:41234``, ``ipv6:%5B::1%5D:41234``)."""
+        kind, _, rest = unquote(peer).partition(":")
+        host = rest.rpartition(":")[0] if kind in ("ipv4", "ipv6") else peer
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get((host, reason), -REFUSAL_LOG_S) < REFUSAL_LOG_S:
+                return
+            if len(self._last) >= 1024:
+                self._last.clear()
+            self._last[(host, reason)] = now
+        log.warning("refused %s from %s: %s (logged once a minute per address)", method, host, reason)
+
+
 class JoinTokenInterceptor(grpc.ServerInterceptor):
     """Refuse every call whose ``x-meshnet-join-token`` metadata is not ``token``.
 
@@ -96,6 +129,7 @@ class JoinTokenInterceptor(grpc.ServerInterceptor):
         if not token:
             raise ValueError("join token is empty; pass None to serve without one")
         self._token = token.encode()
+        self._refusals = _RefusalLog()
 
     def intercept_service(self, continuation, handler_call_details):
         supplied = None
@@ -105,20 +139,24 @@ class JoinTokenInterceptor(grpc.ServerInterceptor):
                 break
         if supplied is not None and hmac.compare_digest(supplied, self._token):
             return continuation(handler_call_details)
-        message = "missing join token" if supplied is None else "wrong join token"
-        message += (f": this service requires the mesh's join token in metadata {JOIN_TOKEN_METADATA!r} "
-                    f"(--join-token or {JOIN_TOKEN_ENV})")
+        reason = "missing join token" if supplied is None else "wrong join token"
+        message = reason + (f": this service requires the mesh's join token in metadata {JOIN_TOKEN_METADATA!r} "
+                            f"(--join-token or {JOIN_TOKEN_ENV})")
         handler = continuation(handler_call_details)
         if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED as usual
             return None
-        return _refusing_handler(handler, grpc.StatusCode.UNAUTHENTICATED, message)
+        return _refusing_handler(handler, grpc.StatusCode.UNAUTHENTICATED, message,
+                                 lambda peer: self._refusals.note(peer, reason, handler_call_details.method))
 
 
-def _refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode,
-                      message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that aborts every call with ``code``."""
+def _refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str,
+                      refused: Callable[[str], None] | None = None) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that aborts every call with ``code``, telling ``refused``
+    the caller's address first."""
 
     def refuse(request_or_iterator, context):
+        if refused is not None:
+            refused(context.peer())
         context.abort(code, message)
 
     # Requests stay raw bytes: a refused call's payload is never parsed.
