@@ -22,9 +22,12 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 # parser and code live in its own module (see _COMMANDS); ``generate`` in meshnet.generate_cli.
 
 
-# Exit statuses of a run ended by Ctrl-C (SIGINT) and by SIGTERM (a bench's): 128 + the signal, as a shell
-# reports a process the signal killed.
+# Exit statuses of a run ended by Ctrl-C (SIGINT) and by SIGTERM (a bench's or generate's): 128 + the signal,
+# as a shell reports a process the signal killed.
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143
+# The commands a SIGTERM stops as Ctrl-C does (see _main); the servers (up, api, node, tracker) stop on it
+# themselves, as they always end, and exit 0.
+_SIGTERM_AS_INTERRUPT = ("generate", "bench")
 
 
 def package_version() -> str:
@@ -117,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; its exit code. Ctrl-C at any point, while the modules load included, exits
     130 without a traceback: also where a library turned the KeyboardInterrupt into an error of its own
     (pydantic-core reports one raised while it builds a validator as a ``SchemaError``). A SIGTERM to a
-    bench takes the same way out (its children stopped) and exits 143, saying so in one line."""
+    bench or to generate takes the same way out (a bench's children stopped, generate's session released
+    on every node) and exits 143, saying so in one line."""
     import signal
     import threading
 
@@ -165,14 +169,17 @@ def _main(argv: list[str] | None) -> int:
         _unrecognized(parser, args, extras)
     secrets_from_env(args, _innermost(parser, args).error)
     try:
-        if args.command != "bench":
+        if args.command not in _SIGTERM_AS_INTERRUPT:
             return args.func(args)
         # A bench starts node processes, servers and network namespaces and stops them in its finally
-        # blocks, which Ctrl-C runs and a plain SIGTERM (`timeout`, `kill`) skipped: they were left behind.
+        # blocks, and generate releases its session on every node in its own: Ctrl-C runs those, and a
+        # plain SIGTERM (`timeout`, `kill`, systemd, docker stop) skipped them. The processes were left
+        # behind, and the session held its nodes' KV cells until their idle timeout.
         with sigterm_as_interrupt():
             return args.func(args)
     except Terminated:
-        print(f"meshnet bench {args.bench}: stopped by SIGTERM", file=sys.stderr)
+        name = f"bench {args.bench}" if args.command == "bench" else args.command
+        print(f"meshnet {name}: stopped by SIGTERM", file=sys.stderr)
         return EXIT_TERMINATED
     except (ModelNotFound, ValueError, FileNotFoundError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -225,9 +232,9 @@ def _unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, ext
 
 
 def run() -> None:
-    """The ``meshnet`` command: :func:`main`, then exit with its code. After a Ctrl-C (or a bench's SIGTERM)
-    the interpreter is not finalized: the ``atexit`` handlers run (a client's last ledger report) and the
-    process ends there. A stage's scheduler thread can still be inside a ggml graph then (cancel takes
+    """The ``meshnet`` command: :func:`main`, then exit with its code. After a Ctrl-C (or a SIGTERM to a
+    bench or generate) the interpreter is not finalized: the ``atexit`` handlers run (a client's last ledger
+    report) and the process ends there. A stage's scheduler thread can still be inside a ggml graph then (cancel takes
     effect at its next micro-batch), and finalizing freed the memory it computed in: 7 of 20 interrupted
     prefills of ``meshnet generate`` ended in a segmentation fault."""
     code = main()

@@ -89,10 +89,8 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from meshnet.arg_types import mode_problem
-    from meshnet.client.router import MeshUnavailable
-    from meshnet.generation import Generation, GenerationError
     from meshnet.model.bundled import resolve_model
-    from meshnet.local_mesh import load_local_chain, plan_ranges
+    from meshnet.local_mesh import plan_ranges
     from meshnet.speculative import speculation_from_args
     from meshnet.tokenizer import GGUFTokenizer
 
@@ -131,14 +129,57 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt_ids:
         print("error: the prompt has no tokens; give some text", file=sys.stderr)
         return 2
+    progress = _Progress(prompt_ids, [] if args.tracker else ranges)
+    try:
+        return _complete(args, progress, path, tok, sampling, speculation, model_id)
+    except KeyboardInterrupt as e:  # Ctrl-C, or a SIGTERM (meshnet.cli makes it one): the session is released
+        progress.interrupted(args, e)
+        raise
+
+
+class _Progress:
+    """How far ``generate`` got (its route, the result and the text so far), for what it prints when a
+    signal ends it early."""
+
+    def __init__(self, prompt_ids: list[int], ranges: list) -> None:
+        from meshnet.generation import GenerationResult
+
+        self.result = GenerationResult(prompt_token_ids=list(prompt_ids))
+        self.ranges, self.chain, self.streamed = ranges, None, []
+
+    def interrupted(self, args: argparse.Namespace, e: KeyboardInterrupt) -> None:
+        """End the text's line, and with --json print the object: scripts read the last line, and after a
+        Ctrl-C or SIGTERM (``timeout``, ``kill``) it was the answer's partial text."""
+        from meshnet.supervisor import Terminated
+
+        text = "".join(self.streamed)
+        with contextlib.suppress(OSError):  # what follows (the object, a log line) starts a line of its own
+            if text:
+                sys.stdout.write("\n")
+            if args.json:
+                print(_json_line(args, self.result, self.ranges, self.chain, text,
+                                 stopped_by="SIGTERM" if isinstance(e, Terminated) else "SIGINT"))
+            sys.stdout.flush()
+
+
+def _complete(args: argparse.Namespace, progress: _Progress, path: str, tok, sampling: SamplingParams,
+              speculation, model_id: str | None) -> int:
+    """Open the stages (a mesh's route, or the layers loaded here), then generate, streaming the text;
+    the exit code. ``progress`` follows it."""
+    from meshnet.client.router import MeshUnavailable
+    from meshnet.generation import Generation, GenerationError
+    from meshnet.local_mesh import load_local_chain
+
+    prompt_ids = progress.result.prompt_token_ids
+    ranges = progress.ranges
     if args.tracker:
         from meshnet.client.mesh_client import MeshClient
-        from meshnet.generation import GenerationResult
         from meshnet.model.manifest import model_manifest
         from meshnet.up import wait_for_route
 
-        chain = MeshClient(args.tracker, model_sha256=model_id or model_manifest(path).id, join_token=args.join_token,
-                           tls_ca=args.tls_ca, forwarding=not args.client_orchestrated, client_id=args.client_id)
+        chain = progress.chain = MeshClient(args.tracker, model_sha256=model_id or model_manifest(path).id,
+                                            join_token=args.join_token, tls_ca=args.tls_ca,
+                                            forwarding=not args.client_orchestrated, client_id=args.client_id)
         try:
             if args.wait:
                 try:
@@ -151,10 +192,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if not args.wait and str(e).startswith("no route: GetRoute:") and "(excluded: " not in str(e):
                 e = MeshUnavailable(f"{e} (nodes still loading? --wait SECONDS waits for a complete route)")
             if args.json:  # the last line is the object, also when no token came
-                print(_json_line(args, GenerationResult(prompt_token_ids=list(prompt_ids)), [], chain, "",
-                                 error=str(e)))
+                print(_json_line(args, progress.result, [], chain, "", error=str(e)))
             raise e from None
-        ranges = [f"{h.node_id}@{h.address}" for h in hops]
+        ranges = progress.ranges = [f"{h.node_id}@{h.address}" for h in hops]
     else:
         chain = load_local_chain(path, ranges, n_threads=args.threads, n_ctx=args.n_ctx,
                                  progress=sys.stderr.isatty(), huge_pages=args.huge_pages)
@@ -176,8 +216,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # As the API's budget: the last generated token is never fed back, so a context of n_ctx holds one more.
     gen = Generation(stepper, tok, prompt_ids, min(args.max_tokens, n_ctx - len(prompt_ids) + 1), sampling,
                      stop_at_eog=not args.ignore_eos, speculation=speculation)
+    progress.result = gen.result
     events = iter(gen)
-    streamed: list[str] = []
+    streamed = progress.streamed
     try:
         for ev in events:
             streamed.append(ev.text)
@@ -190,13 +231,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.json:  # the last line is still the object, saying what came before the failure
             print(_json_line(args, gen.result, ranges, chain, "".join(streamed), error=str(e)))
         return 1
-    except KeyboardInterrupt:
-        with contextlib.suppress(OSError):  # what is logged while exiting starts a line of its own
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-        raise
     finally:
-        events.close()  # on Ctrl-C too: the session is released on every stage now, not at exit
+        events.close()  # on Ctrl-C and SIGTERM too: the session is released on every stage now, not at exit
     r = gen.result
     sys.stdout.write("\n")
     print(f"[meshnet] {len(r.generated_token_ids)} tokens, finish_reason={r.finish_reason}, "
@@ -207,16 +243,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _json_line(args: argparse.Namespace, r, ranges: list, chain, text: str, error: str | None = None) -> str:
+# --json's finish_reason when a signal (Ctrl-C, SIGTERM) ended the generation early.
+FINISH_INTERRUPTED = "interrupted"
+
+
+def _json_line(args: argparse.Namespace, r, ranges: list, chain, text: str, error: str | None = None,
+               stopped_by: str | None = None) -> str:
     """``generate --json``'s last line: ids, text, finish reason, the stages (over a mesh the route the
     generation ended on, a failover moving it, with how often it moved and how often onto a node that
-    computes otherwise: within tolerance, not bit for bit), timings; with ``error``, what came before it."""
-    extra = {}
-    if args.tracker:
-        ranges = [f"{h.node_id}@{h.address}" for h in chain.last_hops] or ranges
-        extra = {"failovers": chain.failovers, "failovers_not_bit_exact": chain.unlike_failovers}
+    computes otherwise: within tolerance, not bit for bit), timings; with ``error``, what came before it;
+    with ``stopped_by`` (the signal's name), what came before the signal."""
+    extra: dict = {}
+    finish = r.finish_reason
+    if args.tracker:  # no chain yet: the signal came while the client was being made
+        ranges = [f"{h.node_id}@{h.address}" for h in getattr(chain, "last_hops", ())] or ranges
+        extra = {"failovers": getattr(chain, "failovers", 0),
+                 "failovers_not_bit_exact": getattr(chain, "unlike_failovers", 0)}
     if error is not None:
-        extra["error"] = error
+        finish, extra["error"] = "error", error
+    elif stopped_by is not None:
+        finish, extra["signal"] = FINISH_INTERRUPTED, stopped_by
     return json.dumps({"prompt_token_ids": r.prompt_token_ids, "generated_token_ids": r.generated_token_ids,
-                       "text": text, "finish_reason": "error" if error is not None else r.finish_reason,
-                       "layers": [str(x) for x in ranges], "timings": r.timings(), **extra}, ensure_ascii=False)
+                       "text": text, "finish_reason": finish, "layers": [str(x) for x in ranges],
+                       "timings": r.timings(), **extra}, ensure_ascii=False)
