@@ -88,13 +88,25 @@ def draft_token_count(text: str) -> int:
     return _whole_number(text, 1, MAX_DRAFT_TOKENS)
 
 
+def load_setting(setting: str) -> Callable[[str], int]:
+    """The type of a flag that sets LoadSpec's integer execution setting ``setting`` (``"n_ctx"``,
+    ``"max_sessions"``, ...): a whole number within ``LOAD_SETTING_LEAST`` and ``LOAD_SETTING_MOST``. The
+    load refused a value outside them only once it ran, in words that named no flag ("bad load settings:
+    n_threads=0 (>= 1)"), after the model had loaded on the way."""
+    def typed(text: str) -> int:
+        from meshnet.load_spec import LOAD_SETTING_LEAST, LOAD_SETTING_MOST  # numpy: only when the flag is given
+
+        return _whole_number(text, LOAD_SETTING_LEAST[setting], LOAD_SETTING_MOST.get(setting))
+
+    typed.__name__ = setting
+    return typed
+
+
 def thread_count(text: str) -> int:
     """CPU threads of a compute, within the load setting's bounds (``LOAD_SETTING_MOST``: ggml's
     GGML_MAX_N_THREADS; beyond, OpenMP fails to start them and the process dies: 100000 was a
     segmentation fault)."""
-    from meshnet.load_spec import LOAD_SETTING_LEAST, LOAD_SETTING_MOST  # numpy: only when the flag is given
-
-    return _whole_number(text, LOAD_SETTING_LEAST["n_threads"], LOAD_SETTING_MOST["n_threads"])
+    return load_setting("n_threads")(text)
 
 
 def counts(text: str) -> list[int]:

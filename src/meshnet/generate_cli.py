@@ -36,7 +36,7 @@ def _sampling_from(args: argparse.Namespace) -> SamplingParams:
 def _add_model_args(p: argparse.ArgumentParser):
     """Add the model and split arguments; returns the group ``--model`` is in (other ways of naming the
     model join it, so that giving two is refused)."""
-    from meshnet.arg_types import LOCAL_STAGE_DEFAULTS
+    from meshnet.arg_types import LOCAL_STAGE_DEFAULTS, load_setting, thread_count
     from meshnet.load_spec import NO_HUGE_PAGES_HELP
     from meshnet.model.bundled import DEFAULT_MODEL
 
@@ -47,8 +47,8 @@ def _add_model_args(p: argparse.ArgumentParser):
     split.add_argument("--stages", type=int, default=None,
                        help="split the layers into N ranges of about equal decode cost")
     split.add_argument("--layers", default=None, help='explicit half-open ranges, e.g. "0:10,10:20,20:30"')
-    p.add_argument("--threads", type=int, default=LOCAL_STAGE_DEFAULTS["threads"], help="CPU threads per stage")
-    p.add_argument("--n-ctx", type=int, default=LOCAL_STAGE_DEFAULTS["n_ctx"],
+    p.add_argument("--threads", type=thread_count, default=LOCAL_STAGE_DEFAULTS["threads"], help="CPU threads per stage")
+    p.add_argument("--n-ctx", type=load_setting("n_ctx"), default=LOCAL_STAGE_DEFAULTS["n_ctx"],
                    help="context length (0 = model's, capped at 4096)")
     p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false", help=NO_HUGE_PAGES_HELP)
     return source

@@ -35,8 +35,8 @@ class AuxiliaryState:
             raise NotImplementedError(f"auxiliary state {self.kind!r} is reserved and not implemented")
 
 
-# The least value of each of LoadSpec's integer execution settings (``meshnet up`` checks its nodes' flags by
-# them before starting any).
+# The least value of each of LoadSpec's integer execution settings (the flags that set them refuse values
+# outside these bounds as they parse: meshnet.arg_types.load_setting).
 LOAD_SETTING_LEAST = {"n_threads": 1, "n_ctx": 0, "n_ubatch": 1, "max_sessions": 1, "memory_budget_bytes": 0,
                       "kv_tokens": 0, "prefix_cache": 0, "decode_groups": 0}
 # ... and the most: ggml's compute plans hold at most GGML_MAX_N_THREADS (512) threads (beyond, OpenMP

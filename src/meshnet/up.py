@@ -17,8 +17,8 @@ import time
 import grpc
 from tqdm import tqdm
 
-from meshnet.arg_types import heartbeat_seconds, listen_host, port_number, positive_seconds
-from meshnet.load_spec import LOAD_SETTING_LEAST, LOAD_SETTING_MOST, NO_HUGE_PAGES_HELP
+from meshnet.arg_types import heartbeat_seconds, listen_host, load_setting, port_number, positive_seconds, thread_count
+from meshnet.load_spec import NO_HUGE_PAGES_HELP
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem, dashboard_port_taken
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
@@ -41,14 +41,14 @@ def add_up_parser(sub) -> None:
     p.add_argument("--node-ports", type=port_number, default=0, metavar="FIRST",
                    help="node i listens on FIRST + 2i (gRPC) and FIRST + 2i + 1 (its step data plane), for a "
                         "firewall or a router to let through; 0 = any free ports (default)")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per node")
-    p.add_argument("--n-ctx", type=int, default=0, help="context length per session (0 = model's, capped at 4096)")
-    p.add_argument("--max-sessions", type=int, default=16,
+    p.add_argument("--threads", type=thread_count, default=1, help="CPU threads per node")
+    p.add_argument("--n-ctx", type=load_setting("n_ctx"), default=0, help="context length per session (0 = model's, capped at 4096)")
+    p.add_argument("--max-sessions", type=load_setting("max_sessions"), default=16,
                    help="sessions each node holds; also the API's concurrency")
-    p.add_argument("--kv-tokens", type=int, default=0,
+    p.add_argument("--kv-tokens", type=load_setting("kv_tokens"), default=0,
                    help="KV cells each node's sessions may reserve at once (0 = half the memory available)")
-    p.add_argument("--prefix-cache", type=int, default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
-    p.add_argument("--decode-groups", type=int, default=0,
+    p.add_argument("--prefix-cache", type=load_setting("prefix_cache"), default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
+    p.add_argument("--decode-groups", type=load_setting("decode_groups"), default=0,
                    help="groups each node splits its sessions' decodes into, taking turns so that every stage "
                         "computes at once (0 = one per stage, 1 = all together)")
     p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false", help=NO_HUGE_PAGES_HELP)
@@ -153,16 +153,6 @@ def run_up(args: argparse.Namespace) -> int:
     problem = dashboard_port_problem(args.dashboard_port)
     if not -1 <= args.api_port <= 65535:
         problem = f"--api-port must be -1 (no API) or in 0..65535, got {args.api_port}"
-    # The nodes would refuse these at their load, and be restarted, and refuse them again, without end.
-    for flag, value, setting in (("--threads", args.threads, "n_threads"),
-                                 ("--max-sessions", args.max_sessions, "max_sessions"),
-                                 ("--n-ctx", args.n_ctx, "n_ctx"), ("--kv-tokens", args.kv_tokens, "kv_tokens"),
-                                 ("--prefix-cache", args.prefix_cache, "prefix_cache"),
-                                 ("--decode-groups", args.decode_groups, "decode_groups")):
-        if value < (least := LOAD_SETTING_LEAST[setting]):
-            problem = problem or f"{flag} must be >= {least}, got {value}"
-        elif value > (most := LOAD_SETTING_MOST.get(setting, value)):
-            problem = problem or f"{flag} must be <= {most}, got {value}"
     mine = [(flag, port) for flag, port in (("--port", args.port), ("--api-port", args.api_port),
                                             ("--dashboard-port", args.dashboard_port)) if port > 0]
     same = next(((a, b, p) for i, (a, p) in enumerate(mine) for b, q in mine[i + 1:] if p == q), None)

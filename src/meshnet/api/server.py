@@ -12,8 +12,9 @@ import time
 
 import uvicorn
 
-from meshnet.arg_types import (LOCAL_STAGE_DEFAULTS, add_client_id_arg, host_port, listen_host,
-                               mode_problem, model_ref, name_text, port_number, positive_int, positive_number)
+from meshnet.arg_types import (LOCAL_STAGE_DEFAULTS, add_client_id_arg, host_port, listen_host, load_setting,
+                               mode_problem, model_ref, name_text, port_number, positive_int, positive_number,
+                               thread_count)
 from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.http_protocol import HeaderDeadlineProtocol
 from meshnet.api.backend import ApiBackend
@@ -71,14 +72,14 @@ def add_api_parser(sub) -> None:
     split = local.add_mutually_exclusive_group()
     split.add_argument("--stages", type=int, default=None, help="split the layers into N ranges of about equal decode cost")
     split.add_argument("--layers", default=None, help='explicit half-open ranges, e.g. "0:10,10:30"')
-    local.add_argument("--threads", type=int, default=LOCAL_STAGE_DEFAULTS["threads"], help="CPU threads per stage")
-    local.add_argument("--n-ctx", type=int, default=LOCAL_STAGE_DEFAULTS["n_ctx"],
+    local.add_argument("--threads", type=thread_count, default=LOCAL_STAGE_DEFAULTS["threads"], help="CPU threads per stage")
+    local.add_argument("--n-ctx", type=load_setting("n_ctx"), default=LOCAL_STAGE_DEFAULTS["n_ctx"],
                        help="context length (0 = model's, capped at 4096)")
-    local.add_argument("--max-sessions", type=int, default=LOCAL_STAGE_DEFAULTS["max_sessions"],
+    local.add_argument("--max-sessions", type=load_setting("max_sessions"), default=LOCAL_STAGE_DEFAULTS["max_sessions"],
                        help="sessions each stage holds at once")
-    local.add_argument("--kv-tokens", type=int, default=LOCAL_STAGE_DEFAULTS["kv_tokens"],
+    local.add_argument("--kv-tokens", type=load_setting("kv_tokens"), default=LOCAL_STAGE_DEFAULTS["kv_tokens"],
                        help="KV cells sessions may reserve at once (0 = half the memory available)")
-    local.add_argument("--prefix-cache", type=int, default=LOCAL_STAGE_DEFAULTS["prefix_cache"], help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
+    local.add_argument("--prefix-cache", type=load_setting("prefix_cache"), default=LOCAL_STAGE_DEFAULTS["prefix_cache"], help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
     local.add_argument("--no-huge-pages", dest="huge_pages", action="store_false", help=NO_HUGE_PAGES_HELP)
     add_speculation_args(p)
     p.set_defaults(func=run_api)

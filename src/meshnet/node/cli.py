@@ -17,8 +17,8 @@ import sys
 import threading
 import time
 
-from meshnet.arg_types import (advertised_address, count, host_port, listen_host, model_ref, node_id, port_number,
-                               positive_seconds, seconds, unresolved_host)
+from meshnet.arg_types import (advertised_address, count, host_port, listen_host, load_setting, model_ref, node_id,
+                               port_number, positive_seconds, seconds, thread_count, unresolved_host)
 from meshnet.contract import LayerRange
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
 from meshnet.node.config import NodeConfig
@@ -84,12 +84,12 @@ def add_node_parser(sub) -> None:
                         "(meshnet backends --certify)")
     p.add_argument("--device", type=int, default=0, metavar="N",
                    help="with an accelerator --backend: which of its devices, in ggml's order (default 0)")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads of the engine (default %(default)s)")
+    p.add_argument("--threads", type=thread_count, default=2, help="CPU threads of the engine (default %(default)s)")
     p.add_argument("--cpu", type=int, default=None, help="pin the node to this CPU (e.g. 0)")
-    p.add_argument("--n-ctx", type=int, default=0,
+    p.add_argument("--n-ctx", type=load_setting("n_ctx"), default=0,
                    help="tokens one session may hold (default 0 = the model's, capped at 4096)")
-    p.add_argument("--max-sessions", type=int, default=16, help="sessions held at once (default %(default)s)")
-    p.add_argument("--kv-tokens", type=int, default=0,
+    p.add_argument("--max-sessions", type=load_setting("max_sessions"), default=16, help="sessions held at once (default %(default)s)")
+    p.add_argument("--kv-tokens", type=load_setting("kv_tokens"), default=0,
                    help="KV cells sessions may reserve at once (0 = half the memory available)")
     p.add_argument("--no-repack", dest="repack", action="store_false",
                    help="keep every weight as stored (by default mat-mul weights of the types whose repacked kernels "
@@ -97,8 +97,8 @@ def add_node_parser(sub) -> None:
                         "llama.cpp's do: Q4_0 and IQ4_NL matrices, Q4_0 / IQ4_NL / Q4_K / MXFP4 experts, and Q4_K "
                         "matrices as two row halves)")
     p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false", help=NO_HUGE_PAGES_HELP)
-    p.add_argument("--prefix-cache", type=int, default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
-    p.add_argument("--decode-groups", type=int, default=0,
+    p.add_argument("--prefix-cache", type=load_setting("prefix_cache"), default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
+    p.add_argument("--decode-groups", type=load_setting("decode_groups"), default=0,
                    help="groups the sessions' decode steps are split into, taking turns so that every stage "
                         "of a pipeline computes at once (0 = one per stage, from the range's share of the model's cost; "
                         "1 = all together)")
