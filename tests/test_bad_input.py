@@ -440,6 +440,21 @@ def test_a_tracker_on_a_taken_port_says_so_before_it_touches_its_ledger(tmp_path
     assert not (tmp_path / "l.db").exists()
 
 
+def test_a_tracker_and_its_dashboard_on_one_port_are_refused_naming_both_flags(tmp_path):
+    """The tracker took the port and served on without a dashboard (a notice), where a dashboard port another
+    process holds is refused, and `meshnet up` refuses the two equal."""
+    import subprocess
+    import sys
+
+    port = 17731  # nothing listens on it: the two are refused before either is bound
+    r = subprocess.run([sys.executable, "-m", "meshnet.cli", "tracker", "--port", str(port), "--dashboard-port",
+                        str(port), "--ledger", f"sqlite:///{tmp_path}/l.db"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 2 and r.stderr == (f"error: --port and --dashboard-port are both {port}: the tracker and "
+                                              "the dashboard each need a port of their own\n")
+    assert not (tmp_path / "l.db").exists()
+
+
 def test_a_join_token_from_the_environment_that_grpc_cannot_send_is_refused_naming_it():
     import os
     import subprocess

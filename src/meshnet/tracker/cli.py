@@ -78,7 +78,13 @@ def run_tracker(args: argparse.Namespace) -> int:
     if (args.tls_cert is None) != (args.tls_key is None):
         print("error: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
-    problem = dashboard_port_problem(args.dashboard_port) or dashboard_port_taken(args)
+    problem = dashboard_port_problem(args.dashboard_port)
+    if not problem and args.port > 0 and args.port == args.dashboard_port:
+        # The tracker took the port and the dashboard went without one, with a notice, where a dashboard port
+        # taken by another process is refused (and `meshnet up` refuses the same port twice).
+        problem = (f"--port and --dashboard-port are both {args.port}: the tracker and the dashboard each need a "
+                   "port of their own")
+    problem = problem or dashboard_port_taken(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
