@@ -308,6 +308,15 @@ def test_an_overdue_reply_is_waited_for_while_the_node_answers_and_not_when_it_i
         with pytest.raises(TimeoutError):  # patience is bounded even for a node that answers
             conn.call(_prefill(8, "patience"), 0.3, lambda: True, patience_s=0.5)
         conn.close()
+
+        # A deadline lengthened by work queued ahead (here 30 s) does not put off the first probe past
+        # probe_s: a silent node is given up on then (a busy one is waited for, as above).
+        conn = DataPlaneConnection(address, TOKEN, 5)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="no answer within 0.4"):
+            conn.call(_prefill(8, "hung, queued"), 30, lambda: False, patience_s=60, probe_s=0.4)
+        assert time.monotonic() - t0 < 1.4
+        conn.close()
     finally:
         server.stop()
 

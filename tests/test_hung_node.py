@@ -213,7 +213,8 @@ def test_steps_lost_inside_a_killed_node_fail_over_once_another_session_finds_it
     ranges = ["0:10", "10:20", "20:30"]
     nodes = mesh.start_nodes([("a-head", ranges[0]), ("b-mid", ranges[1]), ("d-tail", ranges[2])])
     victim = nodes[victim_at]
-    client = mesh.client(step_timeout_s=30, step_deadline=DeadlinePolicy(floor_s=20, ceiling_s=30))
+    # Health first asked at 20 s too: the lost steps stop waiting on the finding alone.
+    client = mesh.client(step_timeout_s=30, step_deadline=DeadlinePolicy(floor_s=20, ceiling_s=30, probe_s=20))
     first = {}
     for i in range(3):  # every session through the victim
         res = client.step(StepRequest(f"s{i}", 0, 0, tuple(solo.prompt_ids(i))), decode=False)

@@ -315,9 +315,9 @@ def test_node_restarted_under_its_id_at_its_own_address_is_failed_at_once(mesh, 
     """No spare: after token 10 the middle node is stopped, so that the next forwarded step reaches it and
     goes no further, then killed and started again at once under the same id and the same ports. That
     step is lost, yet a process answers Health at the old address by the time the client first probes
-    (its step deadline is 8 s here): the client tells the processes apart by their instance ids (Hop,
-    Health), fails the middle node instead of waiting out its 60-s step timeout and blaming the tail, and
-    replays onto the new process; the 64 ids equal the solo run."""
+    (its step deadline and probe_s are 8 s here): the client tells the processes apart by their instance
+    ids (Hop, Health), fails the middle node instead of waiting out its 60-s step timeout and blaming the
+    tail, and replays onto the new process; the 64 ids equal the solo run."""
     import logging
     import signal
 
@@ -328,7 +328,7 @@ def test_node_restarted_under_its_id_at_its_own_address_is_failed_at_once(mesh, 
     port, data_port = free_port(), free_port()
     ports = ("--port", str(port), "--data-port", str(data_port))
     head, mid, tail = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20", ports), ("d-tail", "20:30")])
-    client = mesh.client(failover_deadline_s=30, step_deadline=DeadlinePolicy(floor_s=8.0))
+    client = mesh.client(failover_deadline_s=30, step_deadline=DeadlinePolicy(floor_s=8.0, probe_s=8.0))
     restarted: list = []
 
     def restart() -> None:

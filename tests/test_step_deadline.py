@@ -113,7 +113,7 @@ def test_clocks_are_per_node_and_shared():
 
 
 @pytest.mark.parametrize("kw", [dict(floor_s=0), dict(floor_s=70), dict(factor=0.5), dict(smoothing=0),
-                                dict(unmeasured_s=0)])
+                                dict(unmeasured_s=0), dict(probe_s=0)])
 def test_policy_refuses_nonsense(kw):
     with pytest.raises(ValueError):
         DeadlinePolicy(**kw)

@@ -17,6 +17,11 @@ deadline, a node hung in a client's first step with it held the step for the who
 spare ready.) A verification step of speculative decoding (a decode of several rows) is expected to
 cost at most a decode step a row.
 
+The work in flight lengthens how long a step is waited for, not how long a dead node goes unnoticed:
+Health is asked every ``probe_s`` seconds (or the deadline, if shorter) from the step's start. Steps
+batched behind a long prefill get the ceiling as their deadline: were Health first asked only then, a
+node killed meanwhile would go unnoticed that long, each of its sessions waiting on the healthy tail.
+
 Pure bookkeeping: no clocks or I/O here; callers pass the measured durations in.
 """
 
@@ -40,6 +45,10 @@ class DeadlinePolicy:
         unmeasured_s: the deadline of a step on a hop not yet measured (then within floor and ceiling),
             where the wait past it asks the node's Health; where it cannot (a relayed node, a gRPC
             stream), such a step gets the ceiling.
+        probe_s: a step waited on this long, or its deadline if shorter, asks its hops' Health, and
+            again as often while it waits: a dead hop is found within about this long whatever work
+            runs ahead of the step, while hops that all answer keep it waited for (up to the stage's
+            timeout). Only where the wait asks Health at all (see ``unmeasured_s``).
     """
 
     floor_s: float = 1.5
@@ -47,6 +56,7 @@ class DeadlinePolicy:
     ceiling_s: float = 60.0
     smoothing: float = 0.3
     unmeasured_s: float = 5.0
+    probe_s: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0 < self.floor_s <= self.ceiling_s:
@@ -57,6 +67,8 @@ class DeadlinePolicy:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
         if not self.unmeasured_s > 0:
             raise ValueError(f"unmeasured_s must be > 0, got {self.unmeasured_s}")
+        if not self.probe_s > 0:
+            raise ValueError(f"probe_s must be > 0, got {self.probe_s}")
 
 
 class HopClock:
@@ -149,15 +161,15 @@ class HopClocks:
             return clock
 
     def timed_step(self, hop, req, decode: bool):
-        """``hop.step(req, decode, timeout_s)`` (a :class:`~meshnet.client.remote.RemoteStage`) within the
-        hop's step deadline; the time it took, when answered, goes to the hop's clock. Returns its
-        StepResult; raises StageFailure."""
+        """``hop.step(req, decode, timeout_s, probe_s)`` (a :class:`~meshnet.client.remote.RemoteStage`)
+        within the hop's step deadline, its Health asked every ``policy.probe_s`` past that; the time it
+        took, when answered, goes to the hop's clock. Returns its StepResult; raises StageFailure."""
         clock = self[hop.node_id]
         asks = getattr(hop, "asks_health", None)
         ticket, timeout_s = clock.begin(decode, len(req.token_ids), asks(decode) if asks is not None else True)
         t0, elapsed = time.monotonic(), None
         try:
-            result = hop.step(req, decode, timeout_s)
+            result = hop.step(req, decode, timeout_s, self.policy.probe_s)
             if result.ok:
                 elapsed = time.monotonic() - t0
         finally:

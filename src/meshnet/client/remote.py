@@ -17,7 +17,7 @@ import grpc
 from meshnet.contract import Outcome, Status, StepRequest, StepResult
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-from meshnet.wire.data_plane import AWAIT, ConnectionPool, DataPlaneConnection, DataPlaneError
+from meshnet.wire.data_plane import AWAIT, ConnectionPool, DataPlaneConnection, DataPlaneError, Unanswered
 from meshnet.wire.envelope import MAX_FRAME_BYTES, WireError, replies_to_result, request_to_frames
 from meshnet.wire.call_problems import retry_after_s
 
@@ -76,21 +76,21 @@ class RemoteStage:
             raise self._unanswered(e) from None
         return StepResult(status, message=f"{self.node_id}: {e.details()}", retry_after_s=retry_after_s(e))
 
-    def _step_tcp(self, frames, timeout_s: float) -> StepResult:
-        answer = self._call_tcp(frames, timeout_s)
+    def _step_tcp(self, frames, timeout_s: float, probe_s: float | None = None) -> StepResult:
+        answer = self._call_tcp(frames, timeout_s, probe_s=probe_s)
         return answer if isinstance(answer, StepResult) else self._decode(answer)
 
-    def _call_tcp(self, frames, timeout_s: float,
-                  still_alive: Callable[[], bool] | None = None) -> list[pb.StepReply] | StepResult:
+    def _call_tcp(self, frames, timeout_s: float, still_alive: Callable[[], bool] | None = None,
+                  probe_s: float | None = None) -> list[pb.StepReply] | StepResult:
         """One request on the data plane: the node's reply messages, or its refusal as a StepResult.
-        An answer overdue past ``timeout_s`` is waited for on while ``still_alive()`` (default: this
-        node answers Health). Raises StageFailure."""
+        An answer overdue past ``timeout_s`` (or ``probe_s`` seconds, if fewer) is waited for on while
+        ``still_alive()`` (default: this node answers Health), asked as often. Raises StageFailure."""
         try:
             conn = self.data_pool.acquire(timeout_s)
         except (OSError, DataPlaneError) as e:
             raise self.data_failure(*_socket_failure(e, timeout_s)) from None
         try:
-            replies, error = conn.call(frames, timeout_s, still_alive or self.answers, self.timeout_s)
+            replies, error = conn.call(frames, timeout_s, still_alive or self.answers, self.timeout_s, probe_s)
         except (OSError, DataPlaneError) as e:
             conn.close()  # a late reply would otherwise answer the next step on this connection
             raise self.data_failure(*_socket_failure(e, timeout_s)) from None
@@ -161,13 +161,14 @@ class RemoteStage:
         return hop
 
     def step_forwarded(self, req: StepRequest, decode: bool, next_hops: list[pb.ForwardHop], timeout_s: float,
-                       still_alive: Callable[[], bool] | None = None) -> tuple[StepResult, pb.HopFailure | None]:
+                       still_alive: Callable[[], bool] | None = None,
+                       probe_s: float | None = None) -> tuple[StepResult, pb.HopFailure | None]:
         """Run ``req`` here and have this node forward its output along ``next_hops``: (this node's
         result, which holds only ``n_past``, and the failure of the next hop if it could not be reached).
-        ``still_alive``: as :meth:`_call_tcp` (this node answers only once it has sent the output on, so
-        a next hop that hangs holds its answer). Raises StageFailure."""
+        ``still_alive``, ``probe_s``: as :meth:`_call_tcp` (this node answers only once it has sent the
+        output on, so a next hop that hangs holds its answer). Raises StageFailure."""
         frames = request_to_frames(req, decode, self.max_frame_bytes, next_hops, self.forward_hop())
-        answer = self._call_tcp(frames, timeout_s, still_alive)
+        answer = self._call_tcp(frames, timeout_s, still_alive, probe_s)
         if isinstance(answer, StepResult):
             return answer, None
         first = answer[0]
@@ -188,25 +189,27 @@ class RemoteStage:
             raise self.data_failure(*_socket_failure(e, timeout_s)) from None
         return PendingStep(self, conn)
 
-    def step(self, req: StepRequest, decode: bool, timeout_s: float | None = None) -> StepResult:
+    def step(self, req: StepRequest, decode: bool, timeout_s: float | None = None,
+             probe_s: float | None = None) -> StepResult:
         """Run one prefill (``decode`` False) or decode step, waiting at most ``timeout_s`` seconds
         (default the stage's ``timeout_s``) for the node's answer.
 
-        A step still unanswered after ``timeout_s`` is waited for on (up to the stage's ``timeout_s``)
-        while the node answers a Health probe: it is busy with other sessions' work, not hung.
-        Returns the node's result (contract statuses included). Raises StageFailure when the node
-        cannot be reached or does not answer in time (code DEADLINE_EXCEEDED)."""
-        return self._step(req, decode, self.timeout_s if timeout_s is None else timeout_s)
+        A step still unanswered after ``timeout_s`` (or ``probe_s`` seconds, if fewer) is waited for
+        on (up to the stage's ``timeout_s``) while the node answers a Health probe, asked as often: it
+        is busy with other sessions' work, not hung. Returns the node's result (contract statuses
+        included). Raises StageFailure when the node cannot be reached or does not answer in time
+        (code DEADLINE_EXCEEDED)."""
+        return self._step(req, decode, self.timeout_s if timeout_s is None else timeout_s, probe_s)
 
-    def _step(self, req: StepRequest, decode: bool, timeout_s: float) -> StepResult:
+    def _step(self, req: StepRequest, decode: bool, timeout_s: float, probe_s: float | None = None) -> StepResult:
         frames = request_to_frames(req, decode, self.max_frame_bytes, receiver=self.forward_hop())
         if self.data_pool is not None:
-            return self._step_tcp(frames, timeout_s)
+            return self._step_tcp(frames, timeout_s, probe_s)
         try:
             # Decode steps (one token in, one row out) fit one frame each way: unary, the cheapest call.
             # A prefill's output can exceed a frame even when its input (token ids) does not: stream.
             if decode and len(frames) == 1:
-                replies = [self._unary(frames[0], timeout_s)]
+                replies = [self._unary(frames[0], timeout_s, probe_s)]
             else:
                 replies = self.stub.StepStream(iter(frames), timeout=timeout_s)
             return replies_to_result(replies)
@@ -215,14 +218,16 @@ class RemoteStage:
         except WireError as e:  # the node answered with malformed hidden states
             raise StageFailure(self.node_id, self.address, "DATA_LOSS", e.message) from None
 
-    def _unary(self, frame: pb.Envelope, timeout_s: float) -> pb.StepReply:
+    def _unary(self, frame: pb.Envelope, timeout_s: float, probe_s: float | None = None) -> pb.StepReply:
         """One unary Step that is waited for past ``timeout_s`` (up to the stage's ``timeout_s``) while
-        the node still answers Health. Raises grpc.RpcError, or StageFailure DEADLINE_EXCEEDED."""
+        the node still answers Health, asked every ``timeout_s`` (or ``probe_s``, if fewer) seconds.
+        Raises grpc.RpcError, or StageFailure DEADLINE_EXCEEDED."""
         call = self.stub.Step.future(frame, timeout=max(timeout_s, self.timeout_s))
+        every_s = timeout_s if probe_s is None else min(timeout_s, probe_s)
         start = time.monotonic()
         while True:
             try:
-                return call.result(timeout=timeout_s)
+                return call.result(timeout=every_s)
             except grpc.FutureTimeoutError:
                 waited = time.monotonic() - start
                 if waited >= self.timeout_s or not self.answers():
@@ -300,16 +305,17 @@ class PendingStep:
     def __init__(self, tail: RemoteStage, conn: DataPlaneConnection) -> None:
         self.tail, self.conn = tail, conn
 
-    def result(self, timeout_s: float, still_alive, patience_s: float,
-               watch=None) -> tuple[StepResult, pb.HopFailure | None]:
+    def result(self, timeout_s: float, still_alive, patience_s: float, watch=None,
+               probe_s: float | None = None) -> tuple[StepResult, pb.HopFailure | None]:
         """(the tail's result, None), or (None, the failure of the hop the step stopped at).
 
-        Waits ``timeout_s`` seconds, then on as long as ``still_alive()`` and at most ``patience_s``
-        in all; ``watch`` as :meth:`DataPlaneConnection.receive`'s. Raises StageFailure naming the tail
-        when the connection breaks or the wait runs out, or the one ``watch`` raises."""
+        Waits ``timeout_s`` seconds (or ``probe_s``, if fewer), then on as long as ``still_alive()``,
+        asked as often, and at most ``patience_s`` in all; ``watch`` as
+        :meth:`DataPlaneConnection.receive`'s. Raises StageFailure naming the tail when the connection
+        breaks or the wait runs out, or the one ``watch`` raises."""
         tail = self.tail
         try:
-            replies, error = self.conn.receive(timeout_s, still_alive, patience_s, watch)
+            replies, error = self.conn.receive(timeout_s, still_alive, patience_s, watch, probe_s)
         except (OSError, DataPlaneError) as e:
             self.conn.close()
             raise tail.data_failure(*_socket_failure(e, timeout_s)) from None
@@ -339,6 +345,8 @@ def _control_failure(e: grpc.RpcError) -> Outcome:
 
 def _socket_failure(e: Exception, timeout_s: float) -> tuple[str, str]:
     """(code, message) of a data-plane failure: DEADLINE_EXCEEDED when the node stayed silent."""
+    if isinstance(e, Unanswered):  # given up on after a Health probe, perhaps well before timeout_s
+        return "DEADLINE_EXCEEDED", str(e)
     if isinstance(e, TimeoutError):
         return "DEADLINE_EXCEEDED", f"no answer within {timeout_s:.2f}s"
     return "UNAVAILABLE", str(e)

@@ -64,6 +64,11 @@ class DataPlaneError(Exception):
     """The connection broke or carried something that is not this protocol."""
 
 
+class Unanswered(TimeoutError):
+    """The wait for a reply gave up before its first byte came; the message says after how long (the
+    socket's own timeout says only "timed out")."""
+
+
 class ConnectTimeout(ConnectionError):
     """A node's data plane did not let this process connect (or finish the handshake) within
     :data:`CONNECT_TIMEOUT_S`: a port closed by a firewall that drops packets, a host gone, or a node
@@ -200,18 +205,19 @@ class DataPlaneConnection:
         return time.monotonic() - self.last_used >= after_s and self.queued_bytes() > 0
 
     def call(self, frames: list[pb.Envelope], timeout_s: float | None = None,
-             still_alive: Callable[[], bool] | None = None, patience_s: float = 0.0
+             still_alive: Callable[[], bool] | None = None, patience_s: float = 0.0,
+             probe_s: float | None = None
              ) -> tuple[list[pb.StepReply] | None, tuple[str, float | None, str] | None]:
         """Send one request; returns (replies, None) or (None, (code, retry_after_s, message)).
 
         ``timeout_s`` bounds each send and receive on the socket this call (default: the connection's
-        timeout). With ``still_alive``, a reply that has not begun after ``timeout_s`` is waited for
-        again, ``timeout_s`` at a time and ``patience_s`` seconds in all, as long as ``still_alive()``
-        says the node answers otherwise (busy with other work, not hung). Raises OSError
-        (``TimeoutError`` when the node stays silent; the connection is then out of step with the
-        node and must be closed) or DataPlaneError."""
+        timeout). With ``still_alive``, a reply that has not begun after ``timeout_s`` (or ``probe_s``
+        seconds, if fewer) is waited for again, as long again at a time and ``patience_s`` seconds in
+        all, as long as ``still_alive()`` says the node answers otherwise (busy with other work, not
+        hung). Raises OSError (``TimeoutError`` when the node stays silent; the connection is then out
+        of step with the node and must be closed) or DataPlaneError."""
         self.send(ENVELOPE, (f.SerializeToString() for f in frames), timeout_s)
-        return self.receive(timeout_s, still_alive, patience_s)
+        return self.receive(timeout_s, still_alive, patience_s, probe_s=probe_s)
 
     def call_many(self, requests: list[list[pb.Envelope]], timeout_s: float
                   ) -> list[tuple[list[pb.StepReply] | None, tuple[str, float | None, str] | None]]:
@@ -265,7 +271,8 @@ class DataPlaneConnection:
         self.last_used = time.monotonic()
 
     def receive(self, timeout_s: float | None = None, still_alive: Callable[[], bool] | None = None,
-                patience_s: float = 0.0, watch: tuple[float, Callable[[], None]] | None = None
+                patience_s: float = 0.0, watch: tuple[float, Callable[[], None]] | None = None,
+                probe_s: float | None = None
                 ) -> tuple[list[pb.StepReply] | None, tuple[str, float | None, str] | None]:
         """The answer to the request sent last: see :meth:`call`. ``watch``: ``(every_s, check)``, where
         ``check()`` is called every ``every_s`` seconds while no byte of the answer has come, and may
@@ -273,7 +280,8 @@ class DataPlaneConnection:
         if timeout_s is not None:
             self.sock.settimeout(timeout_s)
         if still_alive is not None and timeout_s is not None:
-            self._await_reply(timeout_s, still_alive, patience_s, watch)
+            self._await_reply(timeout_s if probe_s is None else min(timeout_s, probe_s), still_alive, patience_s,
+                              watch)
         replies: list[pb.StepReply] = []
         n = 1
         while len(replies) < n:
@@ -291,8 +299,8 @@ class DataPlaneConnection:
 
     def _await_reply(self, timeout_s: float, still_alive: Callable[[], bool], patience_s: float,
                      watch: tuple[float, Callable[[], None]] | None = None) -> None:
-        """Block until the reply's first byte is readable; see :meth:`call` and :meth:`receive`. Raises
-        TimeoutError, or what ``watch`` raises."""
+        """Block until the reply's first byte is readable, asking ``still_alive()`` every ``timeout_s``
+        seconds; see :meth:`call` and :meth:`receive`. Raises Unanswered, or what ``watch`` raises."""
         start = time.monotonic()
         if self.tls and self.sock.pending():
             return  # already decrypted, waiting in the TLS layer where select() cannot see it
@@ -308,7 +316,7 @@ class DataPlaneConnection:
             if now >= next_probe:
                 waited = now - start
                 if waited >= patience_s or not still_alive():
-                    raise TimeoutError(f"no answer within {waited:.2f}s")
+                    raise Unanswered(f"no answer within {waited:.2f}s")
                 next_probe = now + timeout_s
 
     def close(self) -> None:
