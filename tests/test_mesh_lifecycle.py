@@ -26,6 +26,7 @@ from meshnet.local_mesh import load_local_chain
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tokenizer import GGUFTokenizer
+from meshnet.wire.addresses import bind_problem
 from meshnet.wire.envelope import PROTOCOL_MAJOR, request_to_frames
 from meshnet.wire.security import open_channel
 
@@ -315,15 +316,21 @@ def _node_children(pid: int) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def _taken_port():
-    """A port on 127.0.0.1 another socket listens on."""
+def _taken_port(free_below: int = 0):
+    """A port on 127.0.0.1 another socket listens on, the ``free_below`` ports under it free when it is
+    chosen (the other xdist worker's sockets took one of them now and then: the test saw node 0 refused)."""
     import socket
 
-    with socket.socket() as taken:
-        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        yield taken.getsockname()[1]
+    for _ in range(100):
+        with socket.socket() as taken:
+            taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            taken.bind(("127.0.0.1", 0))
+            port = taken.getsockname()[1]
+            if all(bind_problem("127.0.0.1", p) is None for p in range(port - free_below, port)):
+                taken.listen()
+                yield port
+                return
+    raise RuntimeError(f"no free port with {free_below} free ports under it")
 
 
 def test_meshnet_up_join_token_flag_beats_the_variable_for_its_nodes(solo):
@@ -391,7 +398,7 @@ def test_meshnet_up_on_every_interface_names_an_address_other_machines_can_dial(
 
 def test_meshnet_up_with_a_taken_node_port_fails_before_loading_anything():
     """A node started on a taken port exits, is restarted and exits again, without end."""
-    with _taken_port() as port:
+    with _taken_port(free_below=3) as port:
         r = subprocess.run([sys.executable, "-m", "meshnet.cli", "up", "--stages", "2", "--port", "0",
                             "--node-ports", str(port - 3), "--api-port", "-1", "--dashboard-port", "-1"],
                            capture_output=True, text=True, timeout=120)
