@@ -57,10 +57,12 @@ def test_node_logs_and_lists_its_grpc_and_data_plane_addresses(mesh, tmp_path):
         node = _ready(mesh.spawn_node("0:30", "solo", "smollm2", "--engine", "fake", stderr=log))
     mesh.nodes.append(node)
     mesh.wait_registered({"solo"})
+    # The node's line, not its engine worker's "engine worker pid N serving layers 0:30", which comes first.
+    line = re.compile(r"serving layers \S+: gRPC (\S+), data plane (\S+);")
     deadline = time.monotonic() + 10
-    while "serving layers" not in log_path.read_text() and time.monotonic() < deadline:
+    while not line.search(log_path.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    m = re.search(r"serving layers \S+: gRPC (\S+), data plane (\S+);", log_path.read_text())
+    m = line.search(log_path.read_text())
     assert m, log_path.read_text()
     assert m.group(1) == node.address
     data_address = m.group(2)
