@@ -129,6 +129,14 @@ def is_loopback_host(host: str) -> bool:
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
+def peer_host(peer: str) -> str | None:
+    """The host of gRPC peer ``peer`` (``ipv4:10.0.0.5:41234`` -> ``10.0.0.5``, ``ipv6:%5B::1%5D:41234`` ->
+    ``[::1]``: gRPC percent-encodes an IPv6 peer's brackets), or None for a peer that is not an IP address
+    (a unix socket)."""
+    kind, _, rest = unquote(peer).partition(":")
+    return rest.rpartition(":")[0] if kind in ("ipv4", "ipv6") else None
+
+
 def loopback_seen_from_elsewhere(advertised: str, peer: str) -> str | None:
     """Why ``advertised`` (a node's ``host:port``) cannot serve the mesh it registers with from gRPC peer
     ``peer`` (``ipv4:10.0.0.5:41234``, ``ipv6:[::1]:41234``): its host is a loopback address (127.0.0.0/8,
@@ -136,10 +144,9 @@ def loopback_seen_from_elsewhere(advertised: str, peer: str) -> str | None:
     machine. None where it can be dialled, or where that cannot be told (a host name, a unix socket)."""
     if not is_loopback_host(advertised.rpartition(":")[0]):
         return None
-    kind, _, rest = unquote(peer).partition(":")  # gRPC percent-encodes an IPv6 peer's brackets
-    if kind not in ("ipv4", "ipv6"):
+    if (host := peer_host(peer)) is None:
         return None
-    peer_ip = _ip(rest.rpartition(":")[0])
+    peer_ip = _ip(host)
     if peer_ip is not None and getattr(peer_ip, "ipv4_mapped", None) is not None:
         peer_ip = peer_ip.ipv4_mapped  # an IPv4 client of a tracker listening on ::
     if peer_ip is None or peer_ip.is_loopback or _is_own_address(peer_ip):

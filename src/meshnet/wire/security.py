@@ -23,11 +23,10 @@ from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
-from urllib.parse import unquote
 
 import grpc
 
-from meshnet.wire.addresses import bind_problem, check_address
+from meshnet.wire.addresses import bind_problem, check_address, peer_host
 from meshnet.wire.request_decoding import RequestDecodingInterceptor
 
 JOIN_TOKEN_METADATA = "x-meshnet-join-token"
@@ -103,8 +102,7 @@ class _RefusalLog:
 
     def note(self, peer: str, reason: str, method: str) -> None:
         """``peer`` as gRPC gives it (``ipv4:10.0.0.5:41234``, ``ipv6:%5B::1%5D:41234``)."""
-        kind, _, rest = unquote(peer).partition(":")
-        host = rest.rpartition(":")[0] if kind in ("ipv4", "ipv6") else peer
+        host = peer_host(peer) or peer
         now = time.monotonic()
         with self._lock:
             if now - self._last.get((host, reason), -REFUSAL_LOG_S) < REFUSAL_LOG_S:
