@@ -28,7 +28,7 @@ class FakeHop:
         self.layers = (layers.start, layers.end)
         self.numerics = self.engine.capabilities().numerics  # as the route would carry it
 
-    def step(self, req: StepRequest, decode: bool, timeout_s: float | None = None, probe_s: float | None = None):
+    def step(self, req: StepRequest, decode: bool, timeout_s: float | None = None):
         self.sent += 1
         if self.sent in self.fail_on:
             raise StageFailure(self.node_id, self.address, "UNAVAILABLE", f"step {self.sent} injected")

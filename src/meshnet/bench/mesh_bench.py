@@ -106,10 +106,10 @@ class TimedMeshClient(MeshClient):
         times = self.hop_decode_s.setdefault(stage.node_id, [])
         inner = stage.step
 
-        def step(req: StepRequest, decode: bool, timeout_s: float | None = None, probe_s: float | None = None):
+        def step(req: StepRequest, decode: bool, timeout_s: float | None = None):
             t0 = time.perf_counter()
             try:
-                return inner(req, decode, timeout_s, probe_s)
+                return inner(req, decode, timeout_s)
             finally:
                 if decode:
                     times.append(time.perf_counter() - t0)

@@ -161,15 +161,15 @@ class HopClocks:
             return clock
 
     def timed_step(self, hop, req, decode: bool):
-        """``hop.step(req, decode, timeout_s, probe_s)`` (a :class:`~meshnet.client.remote.RemoteStage`)
-        within the hop's step deadline, its Health asked every ``policy.probe_s`` past that; the time it
+        """``hop.step(req, decode, timeout_s)`` (a :class:`~meshnet.client.remote.RemoteStage`)
+        within the hop's step deadline, its Health asked every stage ``probe_s`` past that; the time it
         took, when answered, goes to the hop's clock. Returns its StepResult; raises StageFailure."""
         clock = self[hop.node_id]
         asks = getattr(hop, "asks_health", None)
         ticket, timeout_s = clock.begin(decode, len(req.token_ids), asks(decode) if asks is not None else True)
         t0, elapsed = time.monotonic(), None
         try:
-            result = hop.step(req, decode, timeout_s, self.policy.probe_s)
+            result = hop.step(req, decode, timeout_s)
             if result.ok:
                 elapsed = time.monotonic() - t0
         finally:

@@ -87,9 +87,9 @@ def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool, clock
 
     The route's deadline comes from its own clock in ``clocks`` (key ``forward:<node ids>``): the time of
     a whole forwarded step, measured like a hop's (:mod:`meshnet.client.deadline`); past it, or past
-    ``clocks.policy.probe_s`` if sooner, every hop's Health is asked that often. A node of the route
-    that ``failures`` records as found down after the step was sent (by another session's step) fails
-    the step at once, rather than at its deadline.
+    the hops' ``probe_s`` (the client's policy) if sooner, every hop's Health is asked that often. A
+    node of the route that ``failures`` records as found down after the step was sent (by another
+    session's step) fails the step at once, rather than at its deadline.
 
     Raises:
         StageFailure: a node could not be reached, or the step went unanswered (the failure names the
@@ -116,7 +116,7 @@ def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool, clock
             # The head answers once it has sent its output on: a next hop that hung holds it (its connect
             # and handshake time out only after the forwarder's 10 s), so every hop's Health is asked.
             res, failure = head.step_forwarded(req, decode, [h.forward_hop() for h in hops[1:]], timeout_s,
-                                               all_answer, clocks.policy.probe_s)
+                                               all_answer)
         except StageFailure as f:
             pending.abandon()
             raise _unanswered(silent, cut, head, f) from None
@@ -137,8 +137,7 @@ def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool, clock
             # Health is asked every probe_s, not first at the deadline: steps queued behind a long prefill
             # get the ceiling as theirs, and a hop that died meanwhile would go unnoticed that long.
             res, failure = pending.result(timeout_s, all_answer, tail.timeout_s,
-                                          (WATCH_S, watch) if failures is not None else None,
-                                          clocks.policy.probe_s)
+                                          (WATCH_S, watch) if failures is not None else None)
         except StageFailure as f:
             raise _unanswered(silent, cut, tail, f) from None
         if failure is not None:

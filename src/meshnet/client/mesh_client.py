@@ -77,14 +77,14 @@ class MeshClient:
         self.failover_deadline_s = failover_deadline_s
         self.forwarding = forwarding
         self.blocked_links = BlockedLinks()
-        self.router = Router(tracker, model_sha256, join_token, tls_ca, step_timeout_s)
+        self.clocks = HopClocks(step_deadline or DeadlinePolicy(floor_s=min(1.5, step_timeout_s),
+                                                                 ceiling_s=step_timeout_s))
+        self.router = Router(tracker, model_sha256, join_token, tls_ca, step_timeout_s, self.clocks.policy.probe_s)
         self._sessions: dict[str, SessionLog] = {}
         self.failovers = 0
         self.unlike_failovers = 0  # of them, onto a node computing otherwise (within tolerance, not bit for bit)
         # The route a session last took: where it opened, or where its last failover moved it.
         self.last_hops: list[RemoteStage] = []
-        self.clocks = HopClocks(step_deadline or DeadlinePolicy(floor_s=min(1.5, step_timeout_s),
-                                                                 ceiling_s=step_timeout_s))
         # Sessions left on nodes this client failed over away from, freed once those nodes answer.
         self.orphans = OrphanReleaser()
         # Nodes its steps found down: another session's step waiting on one stops at once.

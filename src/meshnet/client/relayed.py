@@ -42,7 +42,7 @@ class RelayedStage(RemoteStage):
         """No: a relayed step's deadline is final (see :meth:`RemoteStage.asks_health`)."""
         return False
 
-    def _step(self, req: StepRequest, decode: bool, timeout_s: float, probe_s: float | None = None) -> StepResult:
+    def _step(self, req: StepRequest, decode: bool, timeout_s: float) -> StepResult:
         # probe_s is not used: nothing is probed (see asks_health).
         frames = request_to_frames(req, decode, self.max_frame_bytes, receiver=self.forward_hop())
         try:

@@ -52,11 +52,15 @@ def check_reply(hop: "RemoteStage", result: StepResult, last: bool) -> None:
 
 class RemoteStage:
     """One node of a route. ``timeout_s`` bounds each step, seconds, unless the caller passes its own
-    to :meth:`step` (a node silent that long counts as failed)."""
+    to :meth:`step` (a node silent that long counts as failed). A step waited on past its own timeout,
+    or ``probe_s`` seconds if fewer (None: its timeout), asks the node's Health that often (see
+    :meth:`step`): the client's :class:`~meshnet.client.deadline.DeadlinePolicy` gives it."""
 
     def __init__(self, node_id: str, address: str, channel: grpc.Channel, timeout_s: float = 60.0,
-                 max_frame_bytes: int = MAX_FRAME_BYTES, data_pool: ConnectionPool | None = None) -> None:
+                 max_frame_bytes: int = MAX_FRAME_BYTES, data_pool: ConnectionPool | None = None,
+                 probe_s: float | None = None) -> None:
         self.node_id, self.address = node_id, address
+        self.probe_s = probe_s
         self.layers: tuple[int, int] | None = None  # [start, end) as routed; None when not known
         self.stub = pb_grpc.NodeStub(channel)
         self.timeout_s = timeout_s
@@ -76,12 +80,12 @@ class RemoteStage:
             raise self._unanswered(e) from None
         return StepResult(status, message=f"{self.node_id}: {e.details()}", retry_after_s=retry_after_s(e))
 
-    def _step_tcp(self, frames, timeout_s: float, probe_s: float | None = None) -> StepResult:
-        answer = self._call_tcp(frames, timeout_s, probe_s=probe_s)
+    def _step_tcp(self, frames, timeout_s: float) -> StepResult:
+        answer = self._call_tcp(frames, timeout_s)
         return answer if isinstance(answer, StepResult) else self._decode(answer)
 
-    def _call_tcp(self, frames, timeout_s: float, still_alive: Callable[[], bool] | None = None,
-                  probe_s: float | None = None) -> list[pb.StepReply] | StepResult:
+    def _call_tcp(self, frames, timeout_s: float,
+                  still_alive: Callable[[], bool] | None = None) -> list[pb.StepReply] | StepResult:
         """One request on the data plane: the node's reply messages, or its refusal as a StepResult.
         An answer overdue past ``timeout_s`` (or ``probe_s`` seconds, if fewer) is waited for on while
         ``still_alive()`` (default: this node answers Health), asked as often. Raises StageFailure."""
@@ -90,7 +94,8 @@ class RemoteStage:
         except (OSError, DataPlaneError) as e:
             raise self.data_failure(*_socket_failure(e, timeout_s)) from None
         try:
-            replies, error = conn.call(frames, timeout_s, still_alive or self.answers, self.timeout_s, probe_s)
+            replies, error = conn.call(frames, timeout_s, still_alive or self.answers, self.timeout_s,
+                                      self.probe_s)
         except (OSError, DataPlaneError) as e:
             conn.close()  # a late reply would otherwise answer the next step on this connection
             raise self.data_failure(*_socket_failure(e, timeout_s)) from None
@@ -161,14 +166,13 @@ class RemoteStage:
         return hop
 
     def step_forwarded(self, req: StepRequest, decode: bool, next_hops: list[pb.ForwardHop], timeout_s: float,
-                       still_alive: Callable[[], bool] | None = None,
-                       probe_s: float | None = None) -> tuple[StepResult, pb.HopFailure | None]:
+                       still_alive: Callable[[], bool] | None = None) -> tuple[StepResult, pb.HopFailure | None]:
         """Run ``req`` here and have this node forward its output along ``next_hops``: (this node's
         result, which holds only ``n_past``, and the failure of the next hop if it could not be reached).
-        ``still_alive``, ``probe_s``: as :meth:`_call_tcp` (this node answers only once it has sent the
+        ``still_alive``: as :meth:`_call_tcp` (this node answers only once it has sent the
         output on, so a next hop that hangs holds its answer). Raises StageFailure."""
         frames = request_to_frames(req, decode, self.max_frame_bytes, next_hops, self.forward_hop())
-        answer = self._call_tcp(frames, timeout_s, still_alive, probe_s)
+        answer = self._call_tcp(frames, timeout_s, still_alive)
         if isinstance(answer, StepResult):
             return answer, None
         first = answer[0]
@@ -189,8 +193,7 @@ class RemoteStage:
             raise self.data_failure(*_socket_failure(e, timeout_s)) from None
         return PendingStep(self, conn)
 
-    def step(self, req: StepRequest, decode: bool, timeout_s: float | None = None,
-             probe_s: float | None = None) -> StepResult:
+    def step(self, req: StepRequest, decode: bool, timeout_s: float | None = None) -> StepResult:
         """Run one prefill (``decode`` False) or decode step, waiting at most ``timeout_s`` seconds
         (default the stage's ``timeout_s``) for the node's answer.
 
@@ -199,17 +202,17 @@ class RemoteStage:
         is busy with other sessions' work, not hung. Returns the node's result (contract statuses
         included). Raises StageFailure when the node cannot be reached or does not answer in time
         (code DEADLINE_EXCEEDED)."""
-        return self._step(req, decode, self.timeout_s if timeout_s is None else timeout_s, probe_s)
+        return self._step(req, decode, self.timeout_s if timeout_s is None else timeout_s)
 
-    def _step(self, req: StepRequest, decode: bool, timeout_s: float, probe_s: float | None = None) -> StepResult:
+    def _step(self, req: StepRequest, decode: bool, timeout_s: float) -> StepResult:
         frames = request_to_frames(req, decode, self.max_frame_bytes, receiver=self.forward_hop())
         if self.data_pool is not None:
-            return self._step_tcp(frames, timeout_s, probe_s)
+            return self._step_tcp(frames, timeout_s)
         try:
             # Decode steps (one token in, one row out) fit one frame each way: unary, the cheapest call.
             # A prefill's output can exceed a frame even when its input (token ids) does not: stream.
             if decode and len(frames) == 1:
-                replies = [self._unary(frames[0], timeout_s, probe_s)]
+                replies = [self._unary(frames[0], timeout_s)]
             else:
                 replies = self.stub.StepStream(iter(frames), timeout=timeout_s)
             return replies_to_result(replies)
@@ -218,12 +221,12 @@ class RemoteStage:
         except WireError as e:  # the node answered with malformed hidden states
             raise StageFailure(self.node_id, self.address, "DATA_LOSS", e.message) from None
 
-    def _unary(self, frame: pb.Envelope, timeout_s: float, probe_s: float | None = None) -> pb.StepReply:
+    def _unary(self, frame: pb.Envelope, timeout_s: float) -> pb.StepReply:
         """One unary Step that is waited for past ``timeout_s`` (up to the stage's ``timeout_s``) while
         the node still answers Health, asked every ``timeout_s`` (or ``probe_s``, if fewer) seconds.
         Raises grpc.RpcError, or StageFailure DEADLINE_EXCEEDED."""
         call = self.stub.Step.future(frame, timeout=max(timeout_s, self.timeout_s))
-        every_s = timeout_s if probe_s is None else min(timeout_s, probe_s)
+        every_s = timeout_s if self.probe_s is None else min(timeout_s, self.probe_s)
         start = time.monotonic()
         while True:
             try:
@@ -305,17 +308,17 @@ class PendingStep:
     def __init__(self, tail: RemoteStage, conn: DataPlaneConnection) -> None:
         self.tail, self.conn = tail, conn
 
-    def result(self, timeout_s: float, still_alive, patience_s: float, watch=None,
-               probe_s: float | None = None) -> tuple[StepResult, pb.HopFailure | None]:
+    def result(self, timeout_s: float, still_alive, patience_s: float,
+               watch=None) -> tuple[StepResult, pb.HopFailure | None]:
         """(the tail's result, None), or (None, the failure of the hop the step stopped at).
 
-        Waits ``timeout_s`` seconds (or ``probe_s``, if fewer), then on as long as ``still_alive()``,
+        Waits ``timeout_s`` seconds (or the tail's ``probe_s``, if fewer), then on as long as ``still_alive()``,
         asked as often, and at most ``patience_s`` in all; ``watch`` as
         :meth:`DataPlaneConnection.receive`'s. Raises StageFailure naming the tail when the connection
         breaks or the wait runs out, or the one ``watch`` raises."""
         tail = self.tail
         try:
-            replies, error = self.conn.receive(timeout_s, still_alive, patience_s, watch, probe_s)
+            replies, error = self.conn.receive(timeout_s, still_alive, patience_s, watch, tail.probe_s)
         except (OSError, DataPlaneError) as e:
             self.conn.close()
             raise tail.data_failure(*_socket_failure(e, timeout_s)) from None

@@ -60,9 +60,10 @@ class Router:
     """
 
     def __init__(self, tracker: str, model_sha256: str = "", join_token: str | None = None,
-                 tls_ca: str | None = None, step_timeout_s: float = 60.0) -> None:
+                 tls_ca: str | None = None, step_timeout_s: float = 60.0, probe_s: float | None = None) -> None:
         self.tracker_address, self.model_sha256 = tracker, model_sha256
         self.join_token, self.tls_ca, self.step_timeout_s = join_token, tls_ca, step_timeout_s
+        self.probe_s = probe_s  # each stage's Health probe interval while a step is overdue (RemoteStage)
         self.tracker_channel = open_channel(tracker, join_token, tls_ca)
         self.tracker = pb_grpc.TrackerStub(self.tracker_channel)
         self.on_stage: Callable[[RemoteStage], RemoteStage] | None = None
@@ -100,7 +101,7 @@ class Router:
                     tls = client_ssl_context(self.tls_ca) if self.tls_ca else None
                     pool = self._pools[hop.data_address] = ConnectionPool(hop.data_address, self.join_token,
                                                                           self.step_timeout_s, tls)
-        return RemoteStage(hop.node_id, hop.address, ch, self.step_timeout_s, data_pool=pool)
+        return RemoteStage(hop.node_id, hop.address, ch, self.step_timeout_s, data_pool=pool, probe_s=self.probe_s)
 
     def route(self, exclude: set[str] = frozenset(), previous_epoch: int = 0, min_n_ctx: int = 0,
               like: list[RemoteStage] = (), opens_session: bool = False) -> tuple[int, list[RemoteStage]]:
