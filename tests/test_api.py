@@ -650,6 +650,40 @@ def test_mesh_failure_mid_request(broken_servers):
         assert "".join(e["choices"][0]["text"] for e in events[:-1]) != ""
 
 
+def _requests_total(http, endpoint: str) -> dict[str, float]:
+    """``meshnet_api_requests_total`` of ``endpoint`` on ``/metrics``, by status."""
+    prefix = f'meshnet_api_requests_total{{endpoint="{endpoint}",status="'
+    return {line[len(prefix):].split('"')[0]: float(line.split()[-1])
+            for line in http.get("/metrics").text.splitlines() if line.startswith(prefix)}
+
+
+def test_a_stream_is_counted_once_when_it_ends_by_how_it_ended(tok):
+    """Three streams all sent 200 before their first token: one finished (200), one whose client left
+    after its first chunk (499), one the mesh failed mid-way (503, the status of its error event). Each
+    is counted once, under how it ended; the one whose client left counted 200 before."""
+    from mesh_util import wait_for
+
+    clients = [_ChargedClient([], 0.0), _ChargedClient([], 0.2), _FlakyClient(2)]  # one per stream, in turn
+    b = ApiBackend(lambda: clients.pop(0), tok, "smollm2", N_CTX, retry_after_s=3)
+    server, thread = start_api_in_thread(b, "127.0.0.1", 0)
+    body = {"prompt": PROMPT, "stream": True, "ignore_eos": True}
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.config.port}", timeout=30) as http:
+            with http.stream("POST", "/v1/completions", json=body | {"max_tokens": 3}) as s:
+                assert s.status_code == 200 and list(s.iter_lines())[-2] == "data: [DONE]"
+            assert _requests_total(http, "/v1/completions") == {"200": 1.0}
+            with http.stream("POST", "/v1/completions", json=body | {"max_tokens": 40}) as s:  # 8 s of decodes
+                assert s.status_code == 200 and next(s.iter_lines()).startswith("data: {")
+            # leaving the block closed the connection after the first chunk
+            assert wait_for(lambda: "499" in _requests_total(http, "/v1/completions"), 10) is not None
+            with http.stream("POST", "/v1/completions", json=body | {"max_tokens": 10}) as s:
+                events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+            assert s.status_code == 200 and events[-1]["error"]["code"] == "mesh_unavailable"
+            assert _requests_total(http, "/v1/completions") == {"200": 1.0, "499": 1.0, "503": 1.0}
+    finally:
+        stop_api(server, thread)
+
+
 class _HeldClient(_FlakyClient):
     """A client whose first prefill waits until ``go`` is set, holding its generation slot meanwhile."""
 

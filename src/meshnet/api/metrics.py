@@ -18,7 +18,11 @@ ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health",
 class ApiMetrics:
     """Counters, gauges and histograms exported at ``GET /metrics``.
 
-    * ``meshnet_api_requests_total{endpoint,status}``: answered requests (streams count when they start).
+    * ``meshnet_api_requests_total{endpoint,status}``: answered requests, each counted once, when its
+      answer ends. A stream (sent with status 200 before its first token) counts 200 when it finished,
+      499 when its client went away (or took nothing for a minute) before its end, and the status of the
+      error that ended it when it failed (503 when the mesh lost a node it could not replace, 500 for a
+      fault of the server); see :class:`~meshnet.api.middleware.BodyLimitAndMetrics`.
     * ``meshnet_api_prompt_tokens_total`` / ``meshnet_api_generated_tokens_total``: tokens in and out.
     * ``meshnet_api_ttft_seconds``: request arrival to first generated token, seconds.
     * ``meshnet_api_request_seconds{endpoint}``: request arrival to last byte, seconds.

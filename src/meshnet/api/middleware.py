@@ -30,7 +30,13 @@ class BodyLimitAndMetrics:
     the app; counts every
     answer by endpoint and status. An exception out of the app is logged and answered 500 here, not
     re-raised: Starlette's own handler would answer and then re-raise it to the server, which drops the
-    client's keep-alive connection, failing its next request too."""
+    client's keep-alive connection, failing its next request too.
+
+    An answer is counted once, when it ends, so that a stream (sent with status 200 before its first
+    token) counts how it ended: under its own status when its last byte went out, 499 when it ended
+    before that (the client went away, or took nothing for :data:`~meshnet.api.sse.STALL_S`), 500 when
+    the app raised meanwhile, and the status of the error event that ended it when it failed (see
+    :func:`stream_failed`)."""
 
     def __init__(self, app, metrics: ApiMetrics, max_body_bytes: int) -> None:
         self.app, self.metrics, self.max_body_bytes = app, metrics, max_body_bytes
@@ -41,12 +47,17 @@ class BodyLimitAndMetrics:
             return
         t0 = time.perf_counter()
         endpoint = self.metrics.endpoint_label(scope.get("path", ""))
-        status = {"code": 0}
+        status = {"code": 0, "counted": False}
+
+        def count(code: int) -> None:
+            status["counted"] = True
+            self.metrics.requests.labels(endpoint=endpoint, status=str(code)).inc()
 
         async def send_wrapper(message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
-                self.metrics.requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                count(scope.get(_STREAM_FAILED, status["code"]))  # before the client can see the end
             await send(message)
 
         body = await self._read_body(scope, receive, send_wrapper)
@@ -61,14 +72,19 @@ class BodyLimitAndMetrics:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
+        ended = 499  # how an answer that started and never sent its last byte is counted
         try:
             await self.app(scope, replay, send_wrapper)
         except Exception as e:  # noqa: BLE001 - answered here; see the class docstring
             log.exception("internal error on %s", scope.get("path", ""))
             self.metrics.errors.labels(kind="internal_error").inc()
-            if not status["code"]:  # a stream already under way just ends
+            if status["code"]:  # a stream already under way just ends
+                ended = 500
+            else:
                 await internal_error(e).response()(scope, _no_receive, send_wrapper)
         finally:
+            if status["code"] and not status["counted"]:
+                count(ended)
             self.metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
 
     async def _read_body(self, scope, receive, send) -> bytes | None:
@@ -192,6 +208,16 @@ def _same_origin(origin: bytes, host: bytes | None) -> bool:
     except ValueError:
         return False
     return bool(netloc) and netloc.lower() == host.decode("latin-1").lower()
+
+
+# The scope key under which a failed stream leaves its error's status for BodyLimitAndMetrics to count.
+_STREAM_FAILED = "meshnet.stream_failed"
+
+
+def stream_failed(scope, status: int) -> None:
+    """Record that the answer to the request of ``scope``, a stream already under way (its HTTP status
+    sent), ended with an error event of HTTP status ``status``: it is counted under that status."""
+    scope[_STREAM_FAILED] = status
 
 
 async def _no_receive() -> dict:

@@ -5,18 +5,21 @@ The response starts with the first choice's first token: until then the request 
 status (503 ``server_busy`` with Retry-After when no generation slot or no room on the stages freed in
 time, which clients retry; 499 when the client went away), where a 200 whose stream holds only an error
 event could not be told from an answer. Once the stream has started, a failing choice ends it with an
-error event, as OpenAI's API does.
+error event, as OpenAI's API does, and the request is counted under that error's status (see
+:class:`~meshnet.api.middleware.BodyLimitAndMetrics`).
 """
 
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from meshnet.api.errors import ApiError
+from meshnet.api.middleware import stream_failed
 from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece
 from meshnet.api.schemas import Usage
 from meshnet.api.sse import DONE, event, sse
@@ -45,7 +48,7 @@ async def stream_choices(new_run: NewRun, jobs: list[GenJob], t0: float, prompt_
         raise
     # The first run is closed with the response even if its body never starts (a client gone at once).
     return sse(_events(new_run, jobs, first, piece, t0, prompt_tokens, include_usage, on_start, on_piece,
-                       usage_event), on_close=first.aclose)
+                       usage_event, partial(stream_failed, request.scope)), on_close=first.aclose)
 
 
 async def unless_gone(request: Request, start: Callable[[], Awaitable[None]],
@@ -77,9 +80,9 @@ async def unless_gone(request: Request, start: Callable[[], Awaitable[None]],
 async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_piece: Piece | None, t0: float,
                   prompt_tokens: int, include_usage: bool, on_start: Callable[[int], list[str]],
                   on_piece: Callable[[int, Piece], list[str]],
-                  usage_event: Callable[[Usage], str]) -> AsyncIterator[str]:
+                  usage_event: Callable[[Usage], str], failed: Callable[[int], None]) -> AsyncIterator[str]:
     """The events of :func:`stream_choices`, its first choice started already (``first``, whose first
-    piece is ``first_piece``)."""
+    piece is ``first_piece``); ``failed(status)`` is told the status of an error that ends the stream."""
     completion_tokens = 0
     for i, job in enumerate(jobs):
         run = first if i == 0 else new_run(job, t0, False)
@@ -97,6 +100,7 @@ async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_p
                 piece = await run.next_piece()
         except ApiError as e:
             run.metrics.errors.labels(kind=e.code or str(e.status)).inc()
+            failed(e.status)
             yield event(e.body())
             return
         finally:
