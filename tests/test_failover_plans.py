@@ -3,12 +3,13 @@ a step resumes at when nodes fail during the step and during its replay."""
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 
 from mesh_util import wait_for
 from meshnet.client.mesh_client import MeshClient
-from meshnet.client.remote import StageFailure
+from meshnet.client.remote import RemoteStage, StageFailure
 from meshnet.contract import ArtifactId, LayerRange, Outcome, StepRequest
 from meshnet.load_spec import LoadSpec
 from meshnet.engine.fake import FakeEngine, FakeModel
@@ -53,6 +54,9 @@ class FakeHop:
 
     def answers(self) -> bool:
         return True
+
+    def capabilities(self, timeout_s: float = 5.0):
+        return self.engine.capabilities()
 
 
 def _client(hops: list[FakeHop]) -> MeshClient:
@@ -144,3 +148,37 @@ def test_a_node_that_answers_health_but_fails_every_step_is_given_up_at_the_fail
                     r"UNAVAILABLE: step ", message), message
     assert 4 <= tail.sent <= 8  # a failover every REPEAT_FAILURE_PAUSE_S, not a hot loop
     client.close()
+
+
+def test_a_node_routed_around_for_the_context_length_is_not_stepped_through_and_warned_of_again(caplog):
+    """A node the tracker lists at an address that refuses this client (a loopback-only node seen from
+    another machine; here a closed port on 127.0.0.1): reading the route's context length routes around
+    it, with one warning. The session's first step then went through it all the same, failed and failed
+    over: a second warning for the same node, and a failover for nothing."""
+    from mesh_util import free_port
+
+    from meshnet.wire.security import open_channel
+
+    address = f"127.0.0.1:{free_port()}"
+    channel = open_channel(address, None, None)
+    refusing = RemoteStage("b-loop", address, channel, timeout_s=5.0)
+    head, spare = FakeHop("a", LayerRange(0, 15)), FakeHop("c", LayerRange(15, 30))
+    client = MeshClient("127.0.0.1:1", report_deliveries=False)
+
+    def route(exclude=frozenset(), previous_epoch=0, min_n_ctx=0, like=(), opens_session=False):
+        return previous_epoch + 1, [head, spare if "b-loop" in exclude else refusing]  # as the tracker would
+
+    client.route = route  # type: ignore[method-assign]
+    try:
+        with caplog.at_level(logging.WARNING, logger="meshnet.client"):
+            _, hops, n_ctx = client.route_with_context()
+            assert [h.node_id for h in hops] == ["a", "c"] and n_ctx == head.engine.capabilities().n_ctx
+            assert len(_tokens(client, "s", 4)) == 4
+        warnings = [r.getMessage() for r in caplog.records if "b-loop" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert warnings[0].startswith(f"node b-loop at {address}: UNAVAILABLE: ") and \
+            warnings[0].endswith("; routing around it"), warnings
+        assert client.failovers == 0
+    finally:
+        client.close()
+        channel.close()

@@ -107,7 +107,8 @@ class MeshClient:
         A hop that does not answer (dead, though the tracker has not noticed yet) is excluded and the
         route asked for again, until ``failover_deadline_s`` has passed; an excluded node is let back in
         once it has recovered (see :meth:`Router.route_through_recovered`: restarted under its id, or
-        answering again), so a mesh without a spare serves as soon as the node is back.
+        answering again), so a mesh without a spare serves as soon as the node is back. One found down is
+        recorded (:attr:`node_failures`): new sessions route around it too, rather than fail over from it.
 
         Raises:
             MeshUnavailable: no route whose every hop answers; the message names the last failure.
@@ -133,6 +134,7 @@ class MeshClient:
                     raise MeshUnavailable(f"no route whose nodes all answer: {f}") from None
                 log.warning("%s; routing around it", f)
                 failed_at[f.node_id] = f.address
+                self.node_failures.record_if_down(hops, f, time.monotonic())
                 if f.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
                     refusals[f.node_id] = str(f)
 
