@@ -89,7 +89,7 @@ def test_health_names_a_next_node_whose_connection_has_stalled(monkeypatch):
         assert fwd.send(hop, request_to_frames(StepRequest("s", 1, 0, (1,), step_id=1), True)) is None
         assert fwd.unreachable_next() == []
         monkeypatch.setattr(ConnectionPool, "stalled", lambda self: True)
-        assert fwd.unreachable_next() == ["c-tail"]
+        assert fwd.unreachable_next() == [("c-tail", hop.data_address)]
     finally:
         fwd.close()
         server.stop()
@@ -121,7 +121,7 @@ def test_health_names_a_next_node_a_send_to_has_blocked_on_for_a_second(monkeypa
         time.sleep(0.3)
         assert fwd.unreachable_next() == []  # a send may take a moment
         time.sleep(1.0)
-        assert fwd.unreachable_next() == ["c-tail"]
+        assert fwd.unreachable_next() == [("c-tail", hop.data_address)]
         blocked.set()
         sender.join(10)
         assert fwd.unreachable_next() == []

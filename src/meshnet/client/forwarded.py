@@ -107,7 +107,7 @@ def run_forwarded(hops: list[RemoteStage], req: StepRequest, decode: bool, clock
         if not silent:
             # A stage in the middle that could not forward tells only the tail, which it may not reach
             # either: nobody would answer the await, and every hop answering, the wait ran to the end.
-            cut.extend((a, b) for a, b in zip(hops, hops[1:]) if b.node_id in a.unreachable_next)
+            cut.extend((a, b) for a, b in zip(hops, hops[1:]) if a.cannot_reach(b))
         return not silent and not cut
 
     try:

@@ -70,8 +70,9 @@ class RemoteStage:
         # restart that lost every session this one held.
         self.instance = ""
         self.numerics = ""  # Hop.numerics: what decides the bits it computes ("" = not known)
-        # Its last answer to :meth:`answers`: which next nodes it lately failed to forward to.
-        self.unreachable_next: frozenset[str] = frozenset()
+        # Its last answer to :meth:`answers`: which next nodes it lately failed to forward to, as (node id,
+        # data address) (see :meth:`cannot_reach`).
+        self.unreachable_next: frozenset[tuple[str, str]] = frozenset()
 
     def _fail(self, e: grpc.RpcError) -> StepResult:
         code = e.code()
@@ -257,8 +258,15 @@ class RemoteStage:
             log.info("node %s at %s restarted since it was routed to (another process answers)", self.node_id,
                      self.address)
             return False
-        self.unreachable_next = frozenset(h.unreachable_next)
+        self.unreachable_next = frozenset((hop.node_id, hop.data_address) for hop in h.unreachable_next_hops)
         return h.healthy
+
+    def cannot_reach(self, hop: "RemoteStage") -> bool:
+        """Whether this node's last Health answer (:meth:`answers`) says it lately failed to forward to
+        ``hop`` at the data address this client's route names for it (:meth:`forward_hop`). Not where it
+        failed at another address: anyone with the join token can send a step naming ``hop``'s id at a
+        dead address, and that says nothing of the link this client's steps cross."""
+        return (hop.node_id, hop.forward_hop().data_address) in self.unreachable_next
 
     def prefill(self, req: StepRequest) -> StepResult:
         return self.step(req, decode=False)

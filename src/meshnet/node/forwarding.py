@@ -189,11 +189,13 @@ class Forwarder:
         self._pools: collections.OrderedDict[str, ConnectionPool] = collections.OrderedDict()
         self._unreachable: dict[str, float] = {}  # address -> monotonic time until which sends fail at once
         self._warned: dict[str, float] = {}  # address -> monotonic time until which its failures are not logged
-        self._failed: dict[str, float] = {}  # node id -> monotonic time of the last send to it that failed
+        # (node id, address) -> monotonic time of the last send to it that failed: by address too, since the
+        # id a step names at an address is its sender's word (one naming a node at a dead address marks that)
+        self._failed: dict[tuple[str, str], float] = {}
         self._node_ids: dict[str, str] = {}  # address -> the node id last sent to there
-        # id(connection) -> (node id, monotonic time the send began), while a send lasts (sends to one node
-        # from several threads each have their own connection)
-        self._sending: dict[int, tuple[str, float]] = {}
+        # id(connection) -> (node id, address, monotonic time the send began), while a send lasts (sends to
+        # one node from several threads each have their own connection)
+        self._sending: dict[int, tuple[str, str, float]] = {}
         self._lock = threading.Lock()
 
     def send(self, hop: pb.ForwardHop, frames: list[pb.Envelope], connect: bool = True) -> pb.HopFailure | None:
@@ -213,7 +215,7 @@ class Forwarder:
         with self._lock:
             until = self._unreachable.get(address, 0.0)
         if time.monotonic() < until and not pool.idle_count():
-            self._failed_to(hop.node_id)
+            self._failed_to(hop.node_id, address)
             return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0, unreachable=True,
                                  message=f"the hop before it could not reach {address} within the last "
                                          f"{UNREACHABLE_S:g} s")
@@ -238,7 +240,7 @@ class Forwarder:
                 raise WouldWait(hop.data_address)
             with self._lock:  # one lock a side of the send: this is every decode hop's path
                 self._node_ids[address] = hop.node_id
-                self._sending[id(conn)] = (hop.node_id, time.monotonic())
+                self._sending[id(conn)] = (hop.node_id, address, time.monotonic())
             try:
                 conn.send(FORWARD, payloads, self.timeout_s)
             except OSError as e:
@@ -250,7 +252,7 @@ class Forwarder:
             with self._lock:
                 self._sending.pop(id(conn), None)
                 self._unreachable.pop(address, None)
-                self._failed.pop(hop.node_id, None)
+                self._failed.pop((hop.node_id, address), None)
                 if self._pools.get(address) is pool:
                     pool.release(conn)
                 else:  # its pool was dropped meanwhile (see _pool): nobody would use it again
@@ -258,29 +260,29 @@ class Forwarder:
             return None
         reason = f"could not forward to its data plane at {address}: {error}"
         self._warn_unreachable(address, reason)
-        self._failed_to(hop.node_id)
+        self._failed_to(hop.node_id, address)
         return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0, unreachable=True,
                              message=f"the hop before it {reason}")
 
-    def unreachable_next(self, within_s: float = UNREACHABLE_WARN_S) -> list[str]:
-        """Ids of the nodes the last send to failed, within the last ``within_s`` seconds; of those a send to
-        has gone on for :data:`STALL_S` or more (blocked: the peer stopped taking bytes); and of those whose
-        idle pooled connections still hold bytes sent :data:`STALL_S` ago (a link cut under an open
-        connection: the sends succeed into the socket's buffer, and nothing arrives). What Health tells a
-        client waiting on a forwarded step that stopped here."""
+    def unreachable_next(self, within_s: float = UNREACHABLE_WARN_S) -> list[tuple[str, str]]:
+        """(node id, data address) of the nodes the last send to failed, within the last ``within_s`` seconds;
+        of those a send to has gone on for :data:`STALL_S` or more (blocked: the peer stopped taking bytes);
+        and of those whose idle pooled connections still hold bytes sent :data:`STALL_S` ago (a link cut
+        under an open connection: the sends succeed into the socket's buffer, and nothing arrives); sorted.
+        What Health tells a client waiting on a forwarded step that stopped here."""
         now = time.monotonic()
         with self._lock:
-            failed = {n for n, t in self._failed.items() if now - t < within_s}
-            failed.update(n for n, t in self._sending.values() if now - t >= STALL_S)
-            pools = [(self._node_ids.get(a), pool) for a, pool in self._pools.items()]
-        failed.update(n for n, pool in pools if n is not None and n not in failed and pool.stalled())
+            failed = {k for k, t in self._failed.items() if now - t < within_s}
+            failed.update((n, a) for n, a, t in self._sending.values() if now - t >= STALL_S)
+            pools = [((self._node_ids.get(a), a), pool) for a, pool in self._pools.items()]
+        failed.update(k for k, pool in pools if k[0] is not None and k not in failed and pool.stalled())
         return sorted(failed)
 
-    def _failed_to(self, node_id: str) -> None:
+    def _failed_to(self, node_id: str, address: str) -> None:
         with self._lock:
             if len(self._failed) >= MAX_PEERS:
                 self._failed.clear()  # ids a client made up: forgetting them costs a client one wait
-            self._failed[node_id] = time.monotonic()
+            self._failed[(node_id, address)] = time.monotonic()
 
     def _warn_unreachable(self, address: str, reason: str) -> None:
         """Log that this node ``reason`` (could not reach ``address``), once per :data:`UNREACHABLE_WARN_S`
