@@ -6,10 +6,12 @@ read) and bytes retransmitted without an acknowledgement (a link that drops them
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -17,7 +19,7 @@ import pytest
 from meshnet.contract import StepRequest
 from meshnet.node.forwarding import Forwarder, WouldWait
 from meshnet.proto import meshnet_pb2 as pb
-from meshnet.wire.data_plane import FORWARD, ConnectionPool, DataPlaneConnection
+from meshnet.wire.data_plane import AUTH, FORWARD, ConnectionPool, DataPlaneConnection, encode_messages, recv_message
 from meshnet.wire.envelope import request_to_frames
 
 
@@ -125,6 +127,107 @@ def test_health_names_a_next_node_a_send_to_has_blocked_on_for_a_second(monkeypa
         blocked.set()
         sender.join(10)
         assert fwd.unreachable_next() == []
+    finally:
+        fwd.close()
+        server.stop()
+
+
+class _GoesBlack:
+    """A next node's data plane that authenticates every connection and reads what comes, until
+    :meth:`black` makes the connections open so far stop reading (as a firewall that dropped their state
+    drops their packets); connections opened after are read."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.accepted: list[socket.socket] = []
+        self._black: set[int] = set()  # indexes into accepted
+        self._closed = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            self.accepted.append(sock)
+            threading.Thread(target=self._serve, args=(sock, len(self.accepted) - 1), daemon=True).start()
+
+    def _serve(self, sock: socket.socket, index: int) -> None:
+        try:
+            assert recv_message(sock)[0] == AUTH
+            sock.sendall(encode_messages(AUTH, (b"",)))
+            sock.settimeout(0.05)
+            while not self._closed.is_set():
+                if index in self._black:
+                    time.sleep(0.05)
+                    continue
+                try:
+                    if not sock.recv(1 << 20):
+                        return
+                except TimeoutError:
+                    pass
+        except OSError:
+            return
+
+    def black(self) -> None:
+        self._black.update(range(len(self.accepted)))
+
+    def close(self) -> None:
+        self._closed.set()
+        self.listener.close()
+        for sock in self.accepted:
+            sock.close()
+
+
+def test_a_pooled_connection_gone_black_is_logged_once_though_new_ones_carry_the_steps(caplog):
+    """The next node's open connection goes black: a send on it blocks until the forwarder's timeout, and
+    a new connection carries the step. Nothing was logged (only a step that failed altogether was), though
+    each such connection cost a step the timeout; now the node logs it, naming the next node and its
+    address, once a minute however many connections and steps it takes."""
+    node = _GoesBlack()
+    fwd = Forwarder(None, timeout_s=0.5)
+    hop = pb.ForwardHop(node_id="b-next", data_address=node.address)
+    big = [pb.Envelope(session_id="s", n_chunks=1, payload=b"x" * (1 << 20))]
+    try:
+        with caplog.at_level(logging.WARNING, logger="meshnet.node"):
+            assert fwd.send(hop, big) is None and len(node.accepted) == 1
+            for connections in (2, 3, 4):  # each time the open connection goes black, a new one takes over
+                node.black()
+                for _ in range(64):  # until the kernel's buffers of the black connection are full
+                    assert fwd.send(hop, big) is None
+                    if len(node.accepted) == connections:
+                        break
+                assert len(node.accepted) == connections
+        warned = [r.getMessage() for r in caplog.records if "this node could not forward" in r.getMessage()]
+        assert warned == [f"this node could not forward to its data plane at {node.address}: sending on an open "
+                          "connection failed (timed out) (next node b-next; the node's data port must be open to "
+                          "the nodes before it in a route; clients step such a route themselves meanwhile)"]
+    finally:
+        fwd.close()
+        node.close()
+
+
+def test_a_next_node_whose_connection_has_stalled_is_logged_once(monkeypatch, caplog):
+    """A link that goes black under an open connection fails no send (the kernel buffers the bytes): Health
+    named the next node, clients stepped the link themselves, and the node logged nothing."""
+    from meshnet.wire.data_plane_server import DataPlaneServer
+
+    server = DataPlaneServer("127.0.0.1", 0, lambda frames: None, None, run_forward=lambda frames: None)
+    server.start()
+    fwd = Forwarder(None)
+    try:
+        hop = pb.ForwardHop(node_id="c-tail", data_address=f"127.0.0.1:{server.port}")
+        assert fwd.send(hop, request_to_frames(StepRequest("s", 1, 0, (1,), step_id=1), True)) is None
+        monkeypatch.setattr(ConnectionPool, "stalled", lambda self: True)
+        with caplog.at_level(logging.WARNING, logger="meshnet.node"):
+            for _ in range(3):  # a client's probes while its step is overdue
+                assert fwd.unreachable_next() == [("c-tail", hop.data_address)]
+        warned = [r.getMessage() for r in caplog.records if "this node could not forward" in r.getMessage()]
+        assert len(warned) == 1
+        assert warned[0].startswith(f"this node could not forward to its data plane at {hop.data_address}: what it "
+                                    "sent on an open connection went unacknowledged for 1 s or more (next node c-tail;")
     finally:
         fwd.close()
         server.stop()

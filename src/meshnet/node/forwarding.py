@@ -248,6 +248,11 @@ class Forwarder:
                     self._sending.pop(id(conn), None)
                 conn.close()
                 error = e
+                # Logged though a new connection may yet carry the step: where only open connections go
+                # black (a firewall's state dropped), each fails one step after the timeout, and nothing
+                # else would say so.
+                self._warn_unreachable(hop.node_id, address, f"could not forward to its data plane at {address}: "
+                                                             f"sending on an open connection failed ({e})")
                 continue
             with self._lock:
                 self._sending.pop(id(conn), None)
@@ -259,7 +264,7 @@ class Forwarder:
                     conn.close()
             return None
         reason = f"could not forward to its data plane at {address}: {error}"
-        self._warn_unreachable(address, reason)
+        self._warn_unreachable(hop.node_id, address, reason)
         self._failed_to(hop.node_id, address)
         return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0, unreachable=True,
                              message=f"the hop before it {reason}")
@@ -269,14 +274,19 @@ class Forwarder:
         of those a send to has gone on for :data:`STALL_S` or more (blocked: the peer stopped taking bytes);
         and of those whose idle pooled connections still hold bytes sent :data:`STALL_S` ago (a link cut
         under an open connection: the sends succeed into the socket's buffer, and nothing arrives); sorted.
-        What Health tells a client waiting on a forwarded step that stopped here."""
+        What Health tells a client waiting on a forwarded step that stopped here. A stalled node is logged
+        as a failed one is (:meth:`_warn_unreachable`): no send to it fails while clients step that link."""
         now = time.monotonic()
         with self._lock:
             failed = {k for k, t in self._failed.items() if now - t < within_s}
-            failed.update((n, a) for n, a, t in self._sending.values() if now - t >= STALL_S)
+            stalled = {(n, a) for n, a, t in self._sending.values() if now - t >= STALL_S} - failed
             pools = [((self._node_ids.get(a), a), pool) for a, pool in self._pools.items()]
-        failed.update(k for k, pool in pools if k[0] is not None and k not in failed and pool.stalled())
-        return sorted(failed)
+        stalled.update(k for k, pool in pools if k[0] is not None and k not in failed and k not in stalled
+                       and pool.stalled())
+        for node_id, address in stalled:  # the failed ones were logged as they failed
+            self._warn_unreachable(node_id, address, f"could not forward to its data plane at {address}: what it "
+                                   f"sent on an open connection went unacknowledged for {STALL_S:g} s or more")
+        return sorted(failed | stalled)
 
     def _failed_to(self, node_id: str, address: str) -> None:
         with self._lock:
@@ -284,9 +294,10 @@ class Forwarder:
                 self._failed.clear()  # ids a client made up: forgetting them costs a client one wait
             self._failed[(node_id, address)] = time.monotonic()
 
-    def _warn_unreachable(self, address: str, reason: str) -> None:
-        """Log that this node ``reason`` (could not reach ``address``), once per :data:`UNREACHABLE_WARN_S`
-        an address: the node's own log is where its operator looks for a firewall before the next node."""
+    def _warn_unreachable(self, node_id: str, address: str, reason: str) -> None:
+        """Log that this node ``reason`` (could not reach ``node_id`` at ``address``), once per
+        :data:`UNREACHABLE_WARN_S` an address: the node's own log is where its operator looks for a firewall
+        before the next node."""
         now = time.monotonic()
         with self._lock:
             if now < self._warned.get(address, 0.0):
@@ -294,8 +305,8 @@ class Forwarder:
             if len(self._warned) >= MAX_PEERS:
                 self._warned = {a: until for a, until in self._warned.items() if until > now}
             self._warned[address] = now + UNREACHABLE_WARN_S
-        log.warning("this node %s (the node's data port must be open to the nodes before it in a route; "
-                    "clients step such a route themselves meanwhile)", reason)
+        log.warning("this node %s (next node %s; the node's data port must be open to the nodes before it in a "
+                    "route; clients step such a route themselves meanwhile)", reason, node_id)
 
     def report(self, tail: pb.ForwardHop, step: pb.Envelope, failure: pb.HopFailure, connect: bool = True) -> None:
         """Tell ``tail`` that the step ``step`` heads (its header fields) failed with ``failure``, so it
