@@ -39,7 +39,7 @@ class _Node:
         self.data = DataPlaneServer("127.0.0.1", 0, self.service.run_step, run_forward=self.service.run_forward,
                                     run_await=self.service.run_await)
         self.data.start()
-        self.stage = RemoteStage(node_id, address, open_channel(address), timeout_s=10.0,
+        self.stage = RemoteStage(node_id, address, open_channel(address), timeout_s=10.0, probe_s=0.3,
                                  data_pool=ConnectionPool(f"127.0.0.1:{self.data.port}", None, 10.0))
         self.stage.layers = layers
 
@@ -57,7 +57,7 @@ def test_a_step_naming_a_node_at_a_dead_address_does_not_cut_the_clients_link_to
     as cut, failed the step and stepped the route itself for minutes. Health names the address too; a
     failure at the route's own address still cuts."""
     head, tail = _Node("a-head", (0, 10), FakeFaults(delay_s=1.0)), _Node("b-tail", (10, 30))
-    clocks = HopClocks(DeadlinePolicy(probe_s=0.3))
+    clocks = HopClocks(DeadlinePolicy())
     try:
         with socket.socket() as s:  # nothing listens here: connecting is refused at once
             s.bind(("127.0.0.1", 0))

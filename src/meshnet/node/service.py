@@ -368,11 +368,9 @@ class NodeService(pb_grpc.NodeServicer):
 
     def Health(self, request, context):
         h = self.engine.health()
-        unreachable = self.forwarder.unreachable_next()
+        unreachable = [pb.ForwardHop(node_id=n, data_address=a) for n, a in self.forwarder.unreachable_next()]
         return pb.HealthReply(healthy=h.healthy, active_sessions=h.active_sessions, draining=self.draining,
-                              message=h.message, instance=self.instance,
-                              unreachable_next=sorted({node_id for node_id, _ in unreachable}),
-                              unreachable_next_hops=[pb.ForwardHop(node_id=n, data_address=a) for n, a in unreachable])
+                              message=h.message, instance=self.instance, unreachable_next_hops=unreachable)
 
     def Metrics(self, request, context):
         m = self.engine.metrics()

@@ -249,22 +249,20 @@ class Capabilities(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., n_embd: _Optional[int] = ..., n_vocab: _Optional[int] = ..., n_ctx: _Optional[int] = ..., is_head: _Optional[bool] = ..., is_tail: _Optional[bool] = ..., fixture: _Optional[bool] = ..., max_sessions: _Optional[int] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., residual_dims: _Optional[_Iterable[int]] = ..., needs_token_ids: _Optional[bool] = ...) -> None: ...
 
 class HealthReply(_message.Message):
-    __slots__ = ("healthy", "active_sessions", "draining", "message", "instance", "unreachable_next", "unreachable_next_hops")
+    __slots__ = ("healthy", "active_sessions", "draining", "message", "instance", "unreachable_next_hops")
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
-    UNREACHABLE_NEXT_FIELD_NUMBER: _ClassVar[int]
     UNREACHABLE_NEXT_HOPS_FIELD_NUMBER: _ClassVar[int]
     healthy: bool
     active_sessions: int
     draining: bool
     message: str
     instance: str
-    unreachable_next: _containers.RepeatedScalarFieldContainer[str]
     unreachable_next_hops: _containers.RepeatedCompositeFieldContainer[ForwardHop]
-    def __init__(self, healthy: _Optional[bool] = ..., active_sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., message: _Optional[str] = ..., instance: _Optional[str] = ..., unreachable_next: _Optional[_Iterable[str]] = ..., unreachable_next_hops: _Optional[_Iterable[_Union[ForwardHop, _Mapping]]] = ...) -> None: ...
+    def __init__(self, healthy: _Optional[bool] = ..., active_sessions: _Optional[int] = ..., draining: _Optional[bool] = ..., message: _Optional[str] = ..., instance: _Optional[str] = ..., unreachable_next_hops: _Optional[_Iterable[_Union[ForwardHop, _Mapping]]] = ...) -> None: ...
 
 class MetricsReply(_message.Message):
     __slots__ = ("prefill_tokens", "decode_tokens", "prefill_seconds", "decode_seconds", "active_sessions", "kv_bytes", "weight_bytes", "errors", "kv_tokens_held", "kv_tokens_reserved", "kv_tokens_capacity", "iterations", "batch_rows", "max_batch_rows", "waiting_steps", "queue_seconds", "queued_steps", "kv_tokens_kept")
