@@ -95,6 +95,24 @@ def test_hidden_states_cross_the_pipe_bit_for_bit():
         worker.supervisor.stop()
 
 
+def test_a_calls_hidden_states_cross_as_the_payload_not_inside_the_pickle():
+    """A later stage's prefill sends the worker [n_tokens, n_embd] hidden states: they leave as the message's
+    payload, the bytes given, where nested in the call's argument tuple they were pickled into its meta
+    (copied twice more, and held twice in each process meanwhile)."""
+    from meshnet.contract import NamedTensor
+    from meshnet.node import worker_wire as ww
+
+    hidden = NamedTensor.from_numpy("h", np.arange(1000 * 576, dtype=np.float32).reshape(1000, 576))
+    req = StepRequest("s", 2, 0, tuple(range(1000)), hidden=hidden)
+    meta, payload = ww.encode_call("prefill", (req,))
+    assert payload is hidden.data and len(payload) == 1000 * 576 * 4
+    assert len(meta) < 8192  # the method, the request's fields and 1000 token ids
+    method, args = ww.decode_call(meta, payload)
+    assert method == "prefill" and len(args) == 1 and args[0] == req
+    assert ww.decode_call(*ww.encode_call("release", ("s", False))) == ("release", ("s", False))
+    assert ww.decode_call(*ww.encode_call("session_ids", ())) == ("session_ids", ())
+
+
 def test_an_exception_in_the_engine_is_reported_and_the_worker_lives_on():
     worker = _worker(fault="crash=raise,after=1")
     try:

@@ -116,7 +116,7 @@ def serve(sock: socket.socket) -> int:
             if kind is ww.Kind.PING:
                 ww.send(sock, lock, ww.Kind.PONG, call_id)
             elif kind is ww.Kind.CALL:
-                method, args = ww.decode(meta, payload)
+                method, args = ww.decode_call(meta, payload)
                 if not start_step(call_id, method, args):
                     pool.submit(run, call_id, method, args)
     except (EOFError, OSError):

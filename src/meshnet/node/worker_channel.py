@@ -66,7 +66,7 @@ class WorkerChannel:
                 (seconds; None = no limit) passed first.
             EngineCallFailed: the engine raised.
         """
-        pending = self._request(ww.Kind.CALL, *ww.encode((method, args)))
+        pending = self._request(ww.Kind.CALL, *ww.encode_call(method, args))
         if not pending.done.wait(timeout_s):
             with self._lock:
                 self._pending.pop(pending.call_id, None)
@@ -86,7 +86,7 @@ class WorkerChannel:
         Raises:
             EngineUnavailable: the worker is gone already (``on_done`` is then never called).
         """
-        self._request(ww.Kind.CALL, *ww.encode((method, args)), method=method, on_done=on_done)
+        self._request(ww.Kind.CALL, *ww.encode_call(method, args), method=method, on_done=on_done)
 
     def ping(self, timeout_s: float) -> bool:
         """Whether the worker's reading thread answers within ``timeout_s`` seconds (its Python runs)."""

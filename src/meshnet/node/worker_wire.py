@@ -67,6 +67,19 @@ def decode(meta: bytes, payload: bytes) -> Any:
     return items if was_tuple else items[0]
 
 
+def encode_call(method: str, args: tuple) -> tuple[bytes, bytes]:
+    """``(meta, payload)`` of a CALL of ``engine.method(*args)``: a step's request is one of the values of the
+    message, so its hidden states leave as the payload (nested inside an argument tuple, they were pickled
+    into ``meta``: a prefill's whole ``[n_tokens, n_embd]`` copied twice more on its way to the worker)."""
+    return encode((method, *args))
+
+
+def decode_call(meta: bytes, payload: bytes) -> tuple[str, tuple]:
+    """``(method, args)`` of a CALL :func:`encode_call` encoded."""
+    method, *args = decode(meta, payload)
+    return method, tuple(args)
+
+
 def send(sock: socket.socket, lock: threading.Lock, kind: Kind, call_id: int, meta: bytes = b"",
          payload: bytes = b"") -> None:
     """Send one message; ``lock`` keeps messages of concurrent senders whole. Raises OSError when the
