@@ -254,6 +254,7 @@ def test_the_api_charges_what_its_readers_got_when_a_stop_sequence_ends_the_answ
                 if extra.get("stream"):
                     with http.stream("POST", "/v1/completions", json={**body, **extra,
                                      "stream_options": {"include_usage": True}}) as r:
+                        assert r.status_code == 200, r.read().decode()
                         chunks = [json.loads(line[6:]) for line in r.iter_lines()
                                   if line.startswith("data: {")]
                     usage = chunks[-1]["usage"]

@@ -587,3 +587,45 @@ def test_a_tracker_on_every_interface_says_where_it_is_reached_whether_it_is_ope
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_heartbeats_go_on_while_the_tracker_takes_long_to_record_finished_work():
+    """Work reports went out on the heartbeat thread, after each beat: a tracker whose ledger took longer
+    than its TTL (3 beats) to record one (a busy database) saw the node go silent and took it out of
+    routing (the API answered 503 "no registered node serves this model" with both nodes alive). Reports
+    now go on their own thread: beats go on while one is stuck, and the report is sent when it frees."""
+    import threading
+    import types
+
+    from meshnet.node.membership import Membership
+
+    beats, reports_entered, release = [], threading.Event(), threading.Event()
+
+    class Tracker:
+        def Register(self, info, timeout):
+            return pb.RegisterReply(heartbeat_interval_s=0.05, ttl_s=0.15)
+
+        def Heartbeat(self, req, timeout):
+            beats.append(req.node_id)
+            return pb.HeartbeatReply(known=True)
+
+    def flush(tracker, max_batches):  # the tracker's ledger busy until released
+        reports_entered.set()
+        assert release.wait(30)
+        return True
+
+    membership = Membership(Tracker(), NodeIdentity.generate(), "n1", lambda: pb.NodeInfo(node_id="n1"),
+                            lambda: (0, 0.0), types.SimpleNamespace(flush=flush), lambda why: None)
+    stop = threading.Event()
+    threading.Thread(target=membership.run, args=(stop,), daemon=True).start()
+    try:
+        assert reports_entered.wait(10)
+        stuck_at = len(beats)
+        deadline = time.monotonic() + 10
+        while len(beats) < stuck_at + 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(beats) >= stuck_at + 5, f"{len(beats) - stuck_at} heartbeats while a work report was stuck"
+        assert membership.registered.is_set()
+    finally:
+        release.set()
+        stop.set()

@@ -80,8 +80,8 @@ class WorkReporter:
 
     def flush(self, tracker, timeout_s: float = 5.0, max_batches: int | None = None) -> bool:
         """Send pending records to ``tracker`` (a TrackerStub) in batches: all of them, or at most
-        ``max_batches`` batches (the heartbeat loop sends a few per beat so that a backlog after a long
-        outage never delays heartbeats past the tracker's patience).
+        ``max_batches`` batches (a node sends a few after each heartbeat, so that a backlog after a long
+        outage is paced rather than sent in one burst).
 
         Returns:
             False when the tracker does not know this node (it must register first; the records stay

@@ -1,9 +1,11 @@
 """A node's membership in its tracker: register, heartbeat (load, speed, readiness, finished work),
 register again when the tracker forgot the node, and deregister when it leaves.
 
-Runs on one thread (:meth:`Membership.run`). A tracker that refuses the node for good (wrong key or
-protocol, an id a live node at another address holds) ends the loop: ``refusal`` says why and
-``on_refused`` is called, so the node can exit non-zero with the tracker's words.
+Runs on one thread (:meth:`Membership.run`), which starts a second that reports finished work after each
+heartbeat: a ledger slow to write (a busy database) must not delay the heartbeats that keep the node
+routable. A tracker that refuses the node for good (wrong key or protocol, an id a live node at another
+address holds) ends the loop: ``refusal`` says why and ``on_refused`` is called, so the node can exit
+non-zero with the tracker's words.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class Membership:
         node_id: the id registered.
         info: the NodeInfo to register (asked again at each registration).
         load: ``(active_sessions, decode_tokens_per_s)`` for a heartbeat (0 tokens/s = unchanged).
-        work: completed steps, flushed to the tracker's ledger with each heartbeat.
+        work: completed steps, flushed to the tracker's ledger after each heartbeat (on its own thread).
         on_refused: called with ``"CODE: details"`` when the tracker refuses the node for good.
         manifest: the model's manifest, published before every registration (a restarted tracker has
             lost it; the tracker keeps the first copy of an id), None for a model without one (the fake).
@@ -61,13 +63,24 @@ class Membership:
         self.waiting_for_id = False  # the tracker holds our id for an entry elsewhere, which may expire
         self.unreachable_tries = 0  # registrations that found no tracker (UNAVAILABLE) before the first took
         self.manifest = manifest
+        self._work_due = threading.Event()  # set by a heartbeat the tracker answered: report work now
 
     def run(self, stop: threading.Event) -> None:
         """Register, then heartbeat until ``stop`` or :meth:`deregister`; re-register whenever the
-        tracker forgot us (e.g. it restarted)."""
+        tracker forgot us (e.g. it restarted). Beats are ``interval`` apart from start to start, however
+        long the tracker took to answer the last one (within its 3 intervals of patience)."""
+        reports = threading.Thread(target=self._report_work, args=(stop,), name="work-reports", daemon=True)
+        reports.start()
+        try:
+            self._beat(stop)
+        finally:
+            self._work_due.set()  # wakes the report thread to see that the loop ended
+
+    def _beat(self, stop: threading.Event) -> None:
         interval, registered, warned = 1.0, False, False
         ever_registered, id_deadline = False, 0.0
         while not stop.is_set() and not self.leaving:
+            began = time.monotonic()
             try:
                 if not registered:
                     self._publish()
@@ -81,8 +94,9 @@ class Membership:
                     sessions, speed = self._load()
                     hb = self.tracker.Heartbeat(self.identity.sign(pb.HeartbeatRequest(
                         node_id=self.node_id, active_sessions=sessions, decode_tokens_per_s=speed)), timeout=5)
-                    # Unacknowledged work is kept and resent after an outage (the tracker counts it once).
-                    registered = hb.known and self.work.flush(self.tracker, max_batches=4)
+                    registered = hb.known
+                    if registered:
+                        self._work_due.set()
             except grpc.RpcError as e:
                 expires_in = retry_after_s(e)
                 if e.code() is grpc.StatusCode.ALREADY_EXISTS and not ever_registered and expires_in is not None:
@@ -109,7 +123,25 @@ class Membership:
                 registered = False  # tracker down or restarting: keep trying
             if not registered:
                 self.registered.clear()
-            stop.wait(interval)
+            stop.wait(max(interval - (time.monotonic() - began), MIN_HEARTBEAT_S))
+
+    def _report_work(self, stop: threading.Event) -> None:
+        """Report finished work (a few batches) after each answered heartbeat, until the beat loop ends.
+        Unacknowledged work is kept and resent after an outage (the tracker counts it once); a tracker
+        that no longer knows this node (the records stay pending) or is down is found by the heartbeats."""
+        warned = False
+        while True:
+            self._work_due.wait()
+            self._work_due.clear()
+            if stop.is_set() or self.leaving:
+                return
+            try:
+                self.work.flush(self.tracker, max_batches=4)
+                warned = False
+            except grpc.RpcError as e:
+                (log.info if warned else log.warning)("could not report finished work to the tracker (%s: %s); "
+                                                      "it is kept and sent again", e.code().name, e.details())
+                warned = True
 
     def _publish(self) -> None:
         """Publish the manifest; a tracker without manifests (UNIMPLEMENTED) still routes by id."""

@@ -121,7 +121,7 @@ class Node:
             from meshnet.node.tensor_source import TensorSource
 
             self.service.tensors = TensorSource(str(resolve_model(cfg.model)), self.model.sha256)
-        # Completed steps wait here until the heartbeat loop reports them to the tracker's ledger.
+        # Completed steps wait here until membership reports them to the tracker's ledger (after a heartbeat).
         self.work = WorkReporter(self.node_id, self.model.sha256, self.loaded.caps.artifact.layers,
                                  sign=self.identity.sign)
         self.membership: Membership | None = None
