@@ -878,6 +878,9 @@ def test_a_request_whose_client_leaves_while_it_waits_for_a_slot_leaves_the_queu
 
 
 def test_metrics_exported(backend, http):
+    # its own requests: the module's other tests may run in another process (pytest -n without loadfile)
+    assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "temperature": 0}).status_code == 200
+    assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": -1}).status_code == 400
     text = http.get("/metrics").text
     assert 'meshnet_api_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert 'meshnet_api_requests_total{endpoint="/v1/completions",status="400"}' in text

@@ -182,3 +182,40 @@ def test_a_node_routed_around_for_the_context_length_is_not_stepped_through_and_
     finally:
         client.close()
         channel.close()
+
+
+def test_the_api_looks_at_a_route_around_a_node_it_found_down_and_warns_of_it_once(caplog):
+    """The API checks a route before each request and reads its context length when the route changes.
+    A node the tracker still lists after it died (until its heartbeats lapse) was queried and warned of
+    by every request whose route went through it; it is now recorded as found down, and the next
+    requests look at the route a new session takes, around it."""
+    from mesh_util import free_port
+
+    from meshnet.api.backend import RouteWatch
+    from meshnet.wire.security import open_channel
+
+    address = f"127.0.0.1:{free_port()}"
+    channel = open_channel(address, None, None)
+    dead = RemoteStage("b-dead", address, channel, timeout_s=5.0)
+    head, spare = FakeHop("a", LayerRange(0, 15)), FakeHop("c", LayerRange(15, 30))
+    client = MeshClient("127.0.0.1:1", report_deliveries=False)
+    asked = []
+
+    def route(exclude=frozenset(), previous_epoch=0, min_n_ctx=0, like=(), opens_session=False):
+        asked.append((set(exclude), opens_session))
+        return previous_epoch + 1, [head, spare if "b-dead" in exclude else dead]  # as the tracker would
+
+    client.route = route  # type: ignore[method-assign]
+    watch = RouteWatch(client, 123)
+    try:
+        with caplog.at_level(logging.WARNING, logger="meshnet.api"):
+            routes = [watch.check() for _ in range(4)]
+        assert routes[0] == ["a@a:1", f"b-dead@{address}"]
+        assert routes[1:] == [["a@a:1", "c@c:1"]] * 3
+        assert watch.n_ctx() == head.engine.capabilities().n_ctx
+        warnings = [r.getMessage() for r in caplog.records if "b-dead" in r.getMessage()]
+        assert len(warnings) == 1 and "could not read the route's context length" in warnings[0], warnings
+        assert [opens for _, opens in asked] == [False] * 4  # looking opens no session on the nodes
+    finally:
+        client.close()
+        channel.close()

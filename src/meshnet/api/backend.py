@@ -290,7 +290,6 @@ def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = 
         ModelNotFound: unknown model name or missing package.
     """
     from meshnet.client.mesh_client import MeshClient
-    from meshnet.client.router import context_length
     from meshnet.model.bundled import resolve_model
     from meshnet.model.gguf_file import open_gguf
     from meshnet.model.manifest import model_id
@@ -303,27 +302,8 @@ def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = 
     # Until a route has been seen, assume the engines' default context (the model's, capped at 4096).
     from meshnet.engine.ggml_stage import DEFAULT_MAX_CTX
 
-    state = {"n_ctx": min(ModelConfig.from_reader(open_gguf(path)).n_ctx_train, DEFAULT_MAX_CTX), "hops": ()}
-    lock = threading.Lock()
-
-    def check_route() -> list[str]:
-        _, hops = client.route()
-        key = tuple((h.node_id, h.address) for h in hops)
-        with lock:
-            known = state["hops"] == key
-        if not known:
-            try:
-                n_ctx = context_length(hops)
-                with lock:
-                    state["n_ctx"], state["hops"] = n_ctx, key
-            except Exception as e:  # a node vanished between the route and the query: keep the old value
-                log.warning("could not read the route's context length: %s", e)
-        return [f"{h.node_id}@{h.address}" for h in hops]
-
-    def n_ctx() -> int:
-        with lock:
-            return int(state["n_ctx"])
-
+    watch = RouteWatch(client, min(ModelConfig.from_reader(open_gguf(path)).n_ctx_train, DEFAULT_MAX_CTX))
+    check_route, n_ctx = watch.check, watch.n_ctx
     try:
         check_route()
     except Exception as e:  # the mesh may come up after the API; /health reports it meanwhile
@@ -335,6 +315,52 @@ def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = 
     backend.mesh_figures = client.figures
     backend.closers.append(client.close)
     return backend
+
+
+class RouteWatch:
+    """The API's view of the mesh: the route a request would take, checked before each one (no route:
+    MeshUnavailable, a 503), and that route's context length, read from its hops when the route changes.
+
+    The route is a new session's (:meth:`MeshClient.new_route`): around the nodes this client found down
+    lately, as its sessions route. A hop that does not answer the context query is recorded as found down
+    when a health probe agrees, so the next request looks elsewhere (a node the tracker lists until its
+    heartbeats lapse, seconds after it died, was queried again and warned of by every request); the
+    last length read stays in use.
+
+    Args:
+        client: the API's MeshClient.
+        n_ctx: the context length (tokens) to assume until a route has been read.
+    """
+
+    def __init__(self, client, n_ctx: int) -> None:
+        self.client = client
+        self._lock = threading.Lock()
+        self._n_ctx, self._hops = n_ctx, ()
+
+    def check(self) -> list[str]:
+        """The route's hops as ``id@address``. Raises MeshUnavailable."""
+        from meshnet.client.remote import StageFailure
+        from meshnet.client.router import context_length
+
+        _, hops = self.client.new_route(opens_session=False)
+        key = tuple((h.node_id, h.address) for h in hops)
+        with self._lock:
+            known = self._hops == key
+        if not known:
+            try:
+                n_ctx = context_length(hops)
+                with self._lock:
+                    self._n_ctx, self._hops = n_ctx, key
+            except StageFailure as f:  # a node died since the tracker last heard of it
+                log.warning("could not read the route's context length: %s", f)
+                self.client.node_failures.record_if_down(hops, f, time.monotonic())
+            except Exception as e:  # noqa: BLE001 - the request still runs; the generation finds the route
+                log.warning("could not read the route's context length: %s", e)
+        return [f"{h.node_id}@{h.address}" for h in hops]
+
+    def n_ctx(self) -> int:
+        with self._lock:
+            return self._n_ctx
 
 
 def served_name(model: str) -> str:

@@ -138,13 +138,14 @@ class MeshClient:
                 if f.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
                     refusals[f.node_id] = str(f)
 
-    def _new_route(self) -> tuple[int, list[RemoteStage]]:
+    def new_route(self, opens_session: bool = True) -> tuple[int, list[RemoteStage]]:
         """A new session's route: around the nodes found down lately (:meth:`NodeFailures.recent`) where
-        the mesh has another way, else the plain one (they may be back). Raises MeshUnavailable."""
+        the mesh has another way, else the plain one (they may be back). ``opens_session`` False: only
+        look (the API's check before it takes a request). Raises MeshUnavailable."""
         if down := self.node_failures.recent(time.monotonic()):
             with contextlib.suppress(MeshUnavailable):
-                return self.route(down, opens_session=True)
-        return self.route(opens_session=True)
+                return self.route(down, opens_session=opens_session)
+        return self.route(opens_session=opens_session)
 
     def _route_around(self, failed_at: dict[str, str], previous_epoch: int = 0, min_n_ctx: int = 0,
                       like: list[RemoteStage] = (), opens_session: bool = False) -> tuple[int, list[RemoteStage]]:
@@ -176,7 +177,7 @@ class MeshClient:
                 return StepResult(Status.NOT_FOUND, f"session {req.session_id!r} is not open on this client")
             self.accounting.opened(req.session_id)
             try:
-                epoch, hops = self._new_route()
+                epoch, hops = self.new_route()
             except BaseException:
                 self.accounting.ended(req.session_id)
                 raise
