@@ -476,3 +476,51 @@ def test_a_node_whose_stdout_nobody_reads_keeps_serving_and_deregisters_at_its_s
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_meshnet_up_says_what_its_stop_waits_for_and_a_second_ctrl_c_stops_at_once(solo, tmp_path):
+    """Ctrl-C at a `meshnet up` whose nodes held another client's session waited 15 s in silence, ignored
+    a second Ctrl-C, and then SIGKILLed nodes that had 30 s to drain. It now says how many sessions are
+    open and how long they may take (--drain-timeout, which its nodes drain for), and a second Ctrl-C
+    stops the nodes at once."""
+    import threading
+
+    port = free_port()
+    up = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "up", "--stages", "2", "--port", str(port),
+                           "--api-port", "-1", "--dashboard-port", "0", "--heartbeat", "0.3",
+                           "--drain-timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(up.stderr), daemon=True).start()
+    client = None
+    try:
+        assert up.stdout.readline().startswith("MESHNET_UP_READY"), "".join(lines)
+        client = MeshClient(f"127.0.0.1:{port}", report_deliveries=False)
+        res = client.step(StepRequest("held-open", 0, 0, tuple(solo.prompt_ids(0))), decode=False)
+        assert res.ok and res.token.token_id == solo.greedy(0, 1)[0]
+        tracker = pb_grpc.TrackerStub(open_channel(f"127.0.0.1:{port}"))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(
+                s.active_sessions == 1 for s in tracker.ListNodes(pb.Empty(), timeout=5).nodes):
+            time.sleep(0.1)
+        nodes = _node_children(up.pid)
+        assert len(nodes) == 2
+        up.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any("stopping nodes" in ln for ln in lines):
+            time.sleep(0.05)
+        [stopping] = [ln.strip() for ln in lines if "stopping nodes" in ln]
+        assert stopping == ("[meshnet up] stopping nodes (sessions still open: 1; up to 120 s for them to "
+                            "finish, Ctrl-C again stops now)")
+        time.sleep(1.0)
+        assert up.poll() is None and set(_node_children(up.pid).values()) == set(nodes.values())  # draining
+        t0 = time.monotonic()
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=20) == 0
+        assert time.monotonic() - t0 < 10
+        assert all(not os.path.exists(f"/proc/{pid}") for pid in nodes.values())
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        if client is not None:
+            client.close()

@@ -151,3 +151,28 @@ def test_a_sigterm_is_a_keyboard_interrupt_once_and_the_handler_is_put_back():
                 cleaned.append(True)
     assert type(raised.value) is Terminated and cleaned == [True]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_hurry_kills_at_once_the_children_a_stop_is_waiting_for():
+    """stop() SIGTERMs the children and waits up to its timeout for them to exit (nodes draining their
+    sessions); a second Ctrl-C at ``meshnet up`` hurries it: the children still running are SIGKILLed now.
+    Before, the second Ctrl-C changed nothing and the wait ran its course (15 s)."""
+    import threading
+
+    stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                      "print('ready', flush=True); time.sleep(120)"]
+    sup = Supervisor([("a", stubborn), ("b", SLEEPER)], policy=RestartPolicy(0.2, 1.0, 30.0), out=io.StringIO())
+    sup.start()
+    time.sleep(1.0)  # the stubborn child has set its handler
+    pids = sup.pids()
+    stopper = threading.Thread(target=sup.stop, kwargs={"timeout_s": 60.0})
+    t0 = time.monotonic()
+    stopper.start()
+    time.sleep(0.5)
+    assert stopper.is_alive()  # waiting for "a", which ignores SIGTERM ("b" is gone)
+    sup.hurry()
+    stopper.join(10)
+    assert not stopper.is_alive() and time.monotonic() - t0 < 10
+    for pid in pids.values():
+        _wait(lambda pid=pid: not os.path.exists(f"/proc/{pid}") or
+              open(f"/proc/{pid}/stat").read().split()[2] == "Z")

@@ -45,8 +45,9 @@ def die_with_parent(sig: int) -> None:
         pass
 
 
-def on_stop_signals(stop: Callable[[], None]) -> dict[int, object]:
-    """Call ``stop()`` at the first SIGTERM or SIGINT; later ones do nothing. Returns the handlers
+def on_stop_signals(stop: Callable[[], None], again: Callable[[], None] | None = None) -> dict[int, object]:
+    """Call ``stop()`` at the first SIGTERM or SIGINT; later ones call ``again()`` (Ctrl-C pressed again:
+    stop now), or do nothing. ``again`` must only set a plain flag (see below). Returns the handlers
     replaced (signal -> handler), to put back. Main thread only.
 
     Why once: Python runs a handler between two bytecodes of the main thread, inside another handler
@@ -58,6 +59,8 @@ def on_stop_signals(stop: Callable[[], None]) -> dict[int, object]:
 
     def handler(signum, frame) -> None:
         if fired:
+            if again is not None:
+                again()
             return
         fired.append(signum)
         stop()
@@ -182,6 +185,7 @@ class Supervisor:
         self._out = out
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._hurried = False  # a plain flag: set from a signal handler (see hurry)
         self._thread: threading.Thread | None = None
         self.restarts = 0  # how many restarts so far, all children together
 
@@ -205,9 +209,14 @@ class Supervisor:
         parent is still on its way to :meth:`stop`."""
         self._stop.set()
 
+    def hurry(self) -> None:
+        """Make :meth:`stop` SIGKILL the children still running now rather than at its timeout (Ctrl-C
+        pressed again). Only sets a flag: safe in a signal handler, and before :meth:`stop` too."""
+        self._hurried = True
+
     def stop(self, timeout_s: float = 15.0) -> None:
         """Stop restarting, SIGTERM every running child, and SIGKILL those still running after
-        ``timeout_s`` seconds."""
+        ``timeout_s`` seconds, or as soon as :meth:`hurry` is called."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
@@ -216,12 +225,12 @@ class Supervisor:
         for proc in running:
             proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
+        while any(proc.poll() is None for proc in running) and time.monotonic() < deadline and not self._hurried:
+            time.sleep(0.05)
         for proc in running:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+            proc.wait()
 
     # ---- internals -------------------------------------------------------------------------------
     def _say(self, message: str) -> None:

@@ -17,7 +17,8 @@ import time
 import grpc
 from tqdm import tqdm
 
-from meshnet.arg_types import heartbeat_seconds, listen_host, load_setting, port_number, positive_seconds, thread_count
+from meshnet.arg_types import (heartbeat_seconds, listen_host, load_setting, port_number, positive_seconds, seconds,
+                               thread_count)
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem, dashboard_port_taken
 from meshnet.proto import meshnet_pb2 as pb
@@ -28,6 +29,9 @@ from meshnet.supervisor import Supervisor, announce, on_stop_signals, wait_for_s
 from meshnet.wire.addresses import WILDCARD_HOSTS, bind_problem, format_address, this_machine_address
 from meshnet.wire.call_problems import tracker_hint
 from meshnet.wire.security import JOIN_TOKEN_ENV, open_channel
+
+# Seconds a node gets past its drain to stop (deregister, its engine worker, its servers) before SIGKILL.
+STOP_MARGIN_S = 5.0
 
 
 def add_up_parser(sub) -> None:
@@ -58,6 +62,9 @@ def add_up_parser(sub) -> None:
     add_join_token_arg(p)
     add_api_key_arg(p)
     p.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds to wait for a complete route")
+    p.add_argument("--drain-timeout", type=seconds, default=10.0,
+                   help="at Ctrl-C or SIGTERM, seconds other clients' open sessions may take to finish before "
+                        "the nodes stop (default %(default)g; a second Ctrl-C stops them at once)")
     p.add_argument("--ledger", default=None, metavar="URL",
                    help="the tracker's ledger, as for meshnet tracker --ledger (sqlite:///PATH, postgresql://...); "
                         "default in memory: its balances end with this mesh")
@@ -225,7 +232,8 @@ def run_up(args: argparse.Namespace) -> int:
                         "--layers", str(r), "--host", args.host, "--threads", str(args.threads), "--node-id", name,
                         "--n-ctx", str(args.n_ctx), "--max-sessions", str(args.max_sessions),
                         "--kv-tokens", str(args.kv_tokens), "--prefix-cache", str(args.prefix_cache),
-                        "--decode-groups", str(args.decode_groups), "--port", str(port),
+                        "--decode-groups", str(args.decode_groups), "--drain-timeout", str(args.drain_timeout),
+                        "--port", str(port),
                         "--data-port", str(data_port)] + ([] if args.huge_pages else ["--no-huge-pages"]))
                 for name, r, (port, data_port) in zip(names, ranges, ports)]
     # A node that died leaves routing at once (not after three silent heartbeats), and its restart can
@@ -240,7 +248,7 @@ def run_up(args: argparse.Namespace) -> int:
     supervisor = Supervisor(children, env=env, on_exit=registry.deregister, on_refused=on_refused)
     supervisor.start()
     # Handle SIGINT explicitly too: a shell starts background jobs with SIGINT ignored.
-    on_stop_signals(lambda: (supervisor.halt(), stop.set()))
+    on_stop_signals(lambda: (supervisor.halt(), stop.set()), again=supervisor.hurry)
     code = 0
     api = None
     try:
@@ -295,8 +303,14 @@ def run_up(args: argparse.Namespace) -> int:
             api[0].stopping.set()  # its generations end with a 503 at their next token, as meshnet api's
             stop_api(api[1], api[2])
             api[0].close()
-        print("[meshnet up] stopping nodes", file=sys.stderr)
-        supervisor.stop(timeout_s=15)
+        # Other clients' sessions (the API's ended above), as of each node's last heartbeat; a session
+        # is open on every node of its route.
+        held = max((n.active_sessions for n in registry.routable()), default=0)
+        print("[meshnet up] stopping nodes" + (f" (sessions still open: {held}; up to {args.drain_timeout:g} s "
+                                              "for them to finish, Ctrl-C again stops now)" if held else ""),
+              file=sys.stderr, flush=True)
+        # A node exits once drained; the margin covers its own stop after the drain.
+        supervisor.stop(timeout_s=args.drain_timeout + STOP_MARGIN_S)
         if dashboard is not None:
             dashboard.stop()
         server.stop(grace=1).wait()
