@@ -21,8 +21,8 @@ trap 'kill -TERM "$up_pid" 2>/dev/null; wait "$up_pid" 2>/dev/null; rm -f "$log"
 for _ in $(seq 1 600); do
   grep -q MESHNET_UP_READY "$log" && break
   if ! kill -0 "$up_pid" 2>/dev/null; then
-    cat "$log" >&2
-    grep -q "cannot listen" "$log" && echo "demo: set MESHNET_PORT to another port (it is $PORT)" >&2
+    # meshnet up's own advice names its flag; the demo takes the port from MESHNET_PORT instead
+    sed "s/Pass another --port\./Set MESHNET_PORT to another port (it is $PORT)./" "$log" >&2
     exit 1
   fi
   sleep 0.2

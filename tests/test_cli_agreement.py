@@ -212,3 +212,17 @@ def test_a_bad_api_key_variable_fails_only_runs_that_use_a_key():
         assert parsed(["bench", "serve"])[0].api_key is None
     with mock.patch.dict(os.environ, {"MESHNET_API_KEY": ""}):  # empty: no key
         assert parsed(["api"])[0].api_key is None
+
+
+def test_commands_that_ask_a_tracker_nothing_answers_at_say_what_to_check():
+    """`meshnet generate --tracker` with nothing at the address added "is it running, and is that its
+    address?"; `meshnet nodes` and `meshnet ledger` printed gRPC's words alone."""
+    from mesh_util import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    for command in ("nodes", "ledger"):
+        r = meshnet(command, "--tracker", address, timeout=60)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.startswith(f"error: tracker {address}: UNAVAILABLE: "), r.stderr
+        assert r.stderr.rstrip().endswith(f"(no tracker answers at {address}: is it running, and is that its "
+                                          "address?)"), r.stderr

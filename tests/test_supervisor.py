@@ -38,7 +38,7 @@ def test_a_killed_child_is_restarted_reported_and_the_others_keep_running():
         assert again["b"] == first["b"]  # untouched
         assert exits == ["a"] and sup.restarts == 1
         lines = out.getvalue().splitlines()
-        assert re.fullmatch(r"\[meshnet up\] node a exited with code -9 after \d+\.\d s \(no output\); "
+        assert re.fullmatch(r"\[meshnet up\] node a exited with code -9 after \d+\.\d s \(no output in its last 5 s\); "
                             r"restarting in 0\.2 s", lines[0]), lines
         assert lines[1] == f"[meshnet up] node a restarted (pid {again['a']})"
     finally:
@@ -176,3 +176,24 @@ def test_hurry_kills_at_once_the_children_a_stop_is_waiting_for():
     for pid in pids.values():
         _wait(lambda pid=pid: not os.path.exists(f"/proc/{pid}") or
               open(f"/proc/{pid}/stat").read().split()[2] == "Z")
+
+
+def test_an_exit_quotes_only_what_the_child_said_just_before_it(monkeypatch):
+    """A node SIGKILLed minutes after it started was reported with its start-up lines in parentheses,
+    which read as the reason it died. Only lines from the last moments before the exit are quoted."""
+    import meshnet.supervisor as supervisor
+
+    monkeypatch.setattr(supervisor, "_LAST_WORDS_WINDOW_S", 0.5)
+    talker = [sys.executable, "-c", "import sys, time; print('serving layers 0:12', file=sys.stderr, flush=True); "
+                                    "time.sleep(120)"]
+    out = io.StringIO()
+    sup = Supervisor([("a", talker)], policy=RestartPolicy(0.2, 1.0, 30.0), out=out)
+    sup.start()
+    try:
+        time.sleep(1.5)
+        os.kill(sup.pids()["a"], signal.SIGKILL)
+        _wait(lambda: "exited" in out.getvalue())
+    finally:
+        sup.stop(timeout_s=5)
+    [exited] = [line for line in out.getvalue().splitlines() if "exited" in line]
+    assert "(no output in its last 0.5 s)" in exited and "serving layers" not in exited, exited

@@ -27,6 +27,9 @@ _POLL_S = 0.1
 _LOG_LINES = 50
 # How long to wait for an exited child's remaining stderr before reporting the exit (seconds).
 _LAST_WORDS_S = 0.5
+# Lines a child wrote this long before it exited are its last words, quoted to explain the exit (seconds);
+# older ones (its start-up lines, minutes before a SIGKILL) explain nothing and read as if they did.
+_LAST_WORDS_WINDOW_S = 5.0
 # The exit status of a node that refused its settings (a bad flag, a model that does not load): starting
 # it again would only fail again, so it is not restarted.
 EXIT_REFUSED = 2
@@ -154,7 +157,7 @@ class _Child:
     quick_exits: int = 0
     restart_at: float | None = None  # monotonic seconds; None while running
     pump: threading.Thread | None = None  # copies the child's stderr into ``log``
-    log: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LOG_LINES))
+    log: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LOG_LINES))  # (monotonic s, line)
 
 
 class Supervisor:
@@ -248,7 +251,7 @@ class Supervisor:
     def _pump(self, child: _Child, proc: subprocess.Popen) -> None:
         for line in proc.stderr:
             with self._lock:  # _schedule reads the log under the lock
-                child.log.append(line.rstrip())
+                child.log.append((time.monotonic(), line.rstrip()))
 
     def _watch(self) -> None:
         while not self._stop.wait(_POLL_S):
@@ -271,7 +274,7 @@ class Supervisor:
         """``child`` exited: report it and pick when to start it again (lock held)."""
         ran = max(0.0, now - child.started)
         if child.proc.returncode == EXIT_REFUSED:
-            why = child.log[-1] if child.log else "no output"
+            why = child.log[-1][1] if child.log else "no output"
             child.restart_at = float("inf")  # never: it would refuse again
             self._say(f"node {child.name} refused its settings, not restarted: {why}")
             if self._on_refused is not None:
@@ -279,7 +282,8 @@ class Supervisor:
             return
         decision = next_restart(self.policy, ran, child.quick_exits)
         child.quick_exits, child.restart_at = decision.quick_exits, now + decision.delay_s
-        last = " | ".join(list(child.log)[-3:]) or "no output"
+        last = " | ".join(line for t, line in list(child.log)[-3:] if t >= now - _LAST_WORDS_WINDOW_S) or \
+            f"no output in its last {_LAST_WORDS_WINDOW_S:g} s"
         self._say(f"node {child.name} exited with code {child.proc.returncode} after {ran:.1f} s ({last}); "
                   f"restarting in {decision.delay_s:g} s")
         if self._on_exit is not None:

@@ -9,6 +9,7 @@ tracker and the API keep serving meanwhile (a route through a spare attached fro
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import threading
@@ -157,6 +158,8 @@ def run_up(args: argparse.Namespace) -> int:
     from meshnet.tracker.registry import Registry
     from meshnet.tracker.server import start_tracker
 
+    # The warnings of its API's client and tracker (a failover, a node gone) read as its own lines do.
+    logging.basicConfig(level=logging.WARNING, format="[meshnet up] %(message)s")
     problem = dashboard_port_problem(args.dashboard_port)
     if not -1 <= args.api_port <= 65535:
         problem = f"--api-port must be -1 (no API) or in 0..65535, got {args.api_port}"

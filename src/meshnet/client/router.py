@@ -15,7 +15,7 @@ from meshnet.client.remote import LIVENESS_PROBE_S, RemoteStage, StageFailure
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.data_plane import ConnectionPool
-from meshnet.wire.call_problems import tracker_hint
+from meshnet.wire.call_problems import no_tracker_at, tracker_hint
 from meshnet.wire.security import client_ssl_context, open_channel
 
 # How long a health probe of the last route's node is trusted while the tracker is unreachable, seconds
@@ -140,8 +140,8 @@ class Router:
             if e.code() not in _TRACKER_UNREACHABLE or last is None:
                 unanswered = (f" (the tracker at {self.tracker_address} did not answer within "
                               f"{ROUTE_TIMEOUT_S:g} s)" if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED else
-                              f" (no tracker answers at {self.tracker_address}: is it running, and is that its "
-                              f"address?)" if e.code() is grpc.StatusCode.UNAVAILABLE else "")
+                              f" ({no_tracker_at(self.tracker_address)})" if e.code() is grpc.StatusCode.UNAVAILABLE
+                              else "")
                 # A refused join token is not a routing problem: "no route: missing join token" sent users
                 # looking at the mesh's nodes.
                 what = ("the tracker refused this client" if e.code() in (grpc.StatusCode.UNAUTHENTICATED,

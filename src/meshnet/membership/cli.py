@@ -196,7 +196,7 @@ def run_nodes(args: argparse.Namespace) -> int:
         try:
             reply = pb_grpc.TrackerStub(channel).ListNodes(pb.Empty(), timeout=10)
         except grpc.RpcError as e:
-            print(f"error: tracker {args.tracker}: {e.code().name}: {e.details()}{tracker_hint(e, args.tls_ca)}",
+            print(f"error: tracker {args.tracker}: {e.code().name}: {e.details()}{tracker_hint(e, args.tls_ca, args.tracker)}",
                   file=sys.stderr)
             return 1
     loads = None

@@ -52,10 +52,18 @@ def tracker_mismatch(e: grpc.RpcError, tls_ca: str | None) -> str | None:
     return tls_mismatch(e, tls_ca) or not_a_tracker(e)
 
 
-def tracker_hint(e: grpc.RpcError, tls_ca: str | None) -> str:
-    """:func:`tracker_mismatch`'s reason as text to append to the call's own, or ""."""
+def tracker_hint(e: grpc.RpcError, tls_ca: str | None, tracker: str | None = None) -> str:
+    """:func:`tracker_mismatch`'s reason as text to append to the call's own, or "". Given the address
+    dialled (``tracker``), a call nothing answered says so too (:func:`no_tracker_at`)."""
     why = tracker_mismatch(e, tls_ca)
+    if why is None and tracker is not None and e.code() is grpc.StatusCode.UNAVAILABLE:
+        why = no_tracker_at(tracker)
     return f" ({why})" if why else ""
+
+
+def no_tracker_at(tracker: str) -> str:
+    """What a tracker call that nothing answered (UNAVAILABLE) means to the user."""
+    return f"no tracker answers at {tracker}: is it running, and is that its address?"
 
 
 def tracker_refusal(tracker: str, join_token: str | None, tls_ca: str | None, retry_s: float = 1.0) -> str | None:
