@@ -643,3 +643,45 @@ def test_a_step_with_an_empty_session_id_is_refused_on_the_wire():
     with pytest.raises(WireError, match="^session_id is empty$") as refused:
         frames_to_request(frames)
     assert refused.value.status is Status.INVALID_ARGUMENT
+
+
+def test_chat_with_a_model_without_a_chat_template_is_a_400_that_says_what_to_do_instead():
+    """A base model's GGUF (Gemma 3 270M's, bundled) holds no chat template: every chat request was
+    refused with "this GGUF has no tokenizer.chat_template; pass template=...", a Python argument no
+    HTTP client has. The completions endpoint serves it."""
+    from fastapi.testclient import TestClient
+
+    from meshnet.api.app import create_app
+    from meshnet.api.backend import local_backend
+
+    backend = local_backend(str(TINY), n_ctx=64, max_sessions=2, name="tiny")
+    try:
+        with TestClient(create_app(backend)) as http:
+            r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 2})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert (err["code"], err["param"]) == ("model_has_no_chat_template", "messages")
+            assert err["message"] == ("the served model has no chat template (its GGUF holds no "
+                                      "tokenizer.chat_template), so it cannot take messages: send the text as a "
+                                      "prompt to /v1/completions")
+            r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "temperature": 0,
+                                                   "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("escape", ["\\ud800", "\\ud800x", "\\ude00"])
+def test_an_unpaired_surrogate_escape_is_named_as_one(escape):
+    """\\ud800 alone is JSON's grammar but no character; the parser's "unexpected end of hex escape" read
+    as a typo in the escape."""
+    from meshnet.api.errors import ApiError
+    from meshnet.api.schemas import ChatCompletionRequest
+    from meshnet.api.validation import parse_body
+
+    body = '{"messages": [{"role": "user", "content": "' + escape + '"}]}'
+    with pytest.raises(ApiError) as e:
+        parse_body(ChatCompletionRequest, body.encode())
+    assert e.value.status == 400 and e.value.code == "invalid_json"
+    assert "a string holds an unpaired UTF-16 surrogate escape such as \\ud800" in str(e.value), str(e.value)

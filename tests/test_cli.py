@@ -57,6 +57,7 @@ def test_chat_stops_at_end_of_turn(smollm2_path):
 @pytest.mark.parametrize("args, message", [
     (["--model", "/no/such/model.gguf"], "neither a file nor a bundled model"),
     (["--layers", "0:10,12:30"], "must tile [0, 30)"),
+    (["--layers", "0:10,10:30,"], "--layers '0:10,10:30,' has an empty range between its commas"),
     (["--stages", "31"], "error: --stages 31: the model has 30 layers, so give 1 to 30 stages"),
     (["--stages", "0"], "error: --stages 0: the model has 30 layers, so give 1 to 30 stages"),
     (["--max-tokens", "0"], "--max-tokens must be >= 1"),

@@ -213,6 +213,15 @@ def test_a_template_that_reads_tools_renders_them(tok):
       "tool_choice": "required"}, "tools.1.function.parameters"),
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"$ref": "#/$defs/Nope"}}}],
       "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools.1.function.parameters"),
+    # a schema no choice can enforce was taken under "auto" (the default), refused under "required"
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "frobnicate"}}}}}]}, "tools.1.function.parameters"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "frobnicate"}}}}}], "tool_choice": "auto"},
+     "tools.1.function.parameters"),
+    # a choice of another type was "tool_choice 5 needs tools"
+    ({"tool_choice": 5}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": ["auto"]}, "tool_choice"),
 ])
 def test_bad_tools_are_400_naming_the_field(served, body, param):
     _, http, _ = served
@@ -220,6 +229,9 @@ def test_bad_tools_are_400_naming_the_field(served, body, param):
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     assert "$defs/tool_" not in r.json()["error"]["message"]
+    if body.get("tool_choice") in (5, ["auto"]):
+        assert r.json()["error"]["message"].startswith(f"tool_choice {json.dumps(body['tool_choice'])} is not one "
+                                                       "of 'none', 'auto', 'required' or "), r.text
 
 
 NAMED = {"type": "function", "function": {"name": "get_weather"}}

@@ -27,9 +27,13 @@ def plan_ranges(model_path: str, stages: int | None = None, layers: str | None =
     reader = open_gguf(model_path)
     n_layer = ModelConfig.from_reader(reader).n_layer
     if layers is not None:
-        ranges = [LayerRange.parse(part.strip()) for part in layers.split(",") if part.strip()]
-        if not ranges:
+        parts = [part.strip() for part in layers.split(",")]
+        if not any(parts):
             raise ValueError(f"--layers {layers!r} names no layer range (expected e.g. \"0:10,10:{n_layer}\")")
+        if not all(parts):  # "0:10,10:30," or "0:10,,10:30": a range left out by mistake, perhaps
+            raise ValueError(f"--layers {layers!r} has an empty range between its commas (expected e.g. "
+                             f"\"0:10,10:{n_layer}\")")
+        ranges = [LayerRange.parse(part) for part in parts]
         expect = 0
         for r in ranges:
             if r.start != expect:

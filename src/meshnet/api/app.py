@@ -314,11 +314,11 @@ class _Api:
             raise bad_request("messages is empty: a chat needs at least one message", "messages", "empty_messages")
         prompt_ids = await anyio.to_thread.run_sync(chat_prompt, self.backend.tokenizer, req, plan)
         grammar = await self._grammar(req)
-        if plan.schema is not None:
-            def tools_grammar() -> Grammar:
+        if plan.parts:
+            def tools_grammar() -> Grammar | None:
                 for schema, param in plan.parts:
                     grammar_for(schema, self.backend.grammars, param)  # an error names its tool
-                return grammar_for(plan.schema, self.backend.grammars, "tools")
+                return grammar_for(plan.schema, self.backend.grammars, "tools") if plan.schema is not None else grammar
 
             grammar = await anyio.to_thread.run_sync(tools_grammar)
         budget = token_budget(self.backend.n_ctx, prompt_ids, max_tokens, "messages")

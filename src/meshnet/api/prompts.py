@@ -54,10 +54,14 @@ def chat_prompt(tok: GGUFTokenizer, req: ChatCompletionRequest, plan: ToolPlan) 
 
     Raises:
         ApiError: 400 ``invalid_messages`` for messages the template refuses, or a malformed earlier
-            tool call.
+            tool call; 400 ``model_has_no_chat_template`` when the model has no template.
     """
     from meshnet.chat_template import chat_prompt_ids, template_has_tools
 
+    if not tok.chat_template:  # a base model's GGUF (Gemma 3 270M's): nothing to render messages with
+        raise bad_request("the served model has no chat template (its GGUF holds no tokenizer.chat_template), so "
+                          "it cannot take messages: send the text as a prompt to /v1/completions",
+                          "messages", "model_has_no_chat_template")
     tools = plan.prompt_tools()
     messages = []
     if tools and not template_has_tools(tok.chat_template):

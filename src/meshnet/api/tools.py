@@ -41,9 +41,9 @@ _VALUE_KEYS = frozenset({"const", "enum", "default", "examples"})  # JSON values
 class ToolPlan:
     """How one chat request uses its tools: ``mode`` ("none", "auto", "required", "named"), the tools in
     OpenAI's shape (``{"type": "function", "function": {...}}``), the named tool, and the JSON schema that
-    constrains the answer (None: unconstrained). ``parts``: each tool's own schema within ``schema``,
-    with the field an error in it names (``tools.N.function.parameters``), to be checked first: within
-    the whole, an error names neither the tool nor its own paths."""
+    constrains the answer (None: unconstrained). ``parts``: each tool's own schema (within ``schema``, if
+    any), with the field an error in it names (``tools.N.function.parameters``), to be checked first:
+    within the whole, an error names neither the tool nor its own paths."""
 
     mode: str
     tools: tuple[dict, ...] = ()
@@ -70,12 +70,18 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool = True)
     if len(set(names)) < len(names):
         raise bad_request("tools name a function twice", "tools")
     choice = tool_choice if tool_choice is not None else ("auto" if checked else "none")
+    if not (choice in ("none", "auto", "required") or isinstance(choice, dict)):
+        raise bad_request(f"tool_choice {json.dumps(choice)} is not one of 'none', 'auto', 'required' or "
+                          "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
     if choice == "none":
         return ToolPlan("none", checked)
     if not checked:
         raise bad_request(f"tool_choice {json.dumps(choice)} needs tools", "tool_choice")
+    # Each tool's parameters, to check as required / named check them: "auto" enforces none of them, but a
+    # schema that cannot be enforced (an unknown type) is as wrong under one choice as under another.
+    parts = tuple((_closed(_parameters(t)), f"tools.{i}.function.parameters") for i, t in enumerate(checked))
     if choice == "auto":
-        return ToolPlan("auto", checked)
+        return ToolPlan("auto", checked, parts=parts)
     if choice == "required":
         calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                                                    "parameters": {"$ref": f"#/$defs/tool_{i}"}},
@@ -86,7 +92,6 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool = True)
                   "type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not parallel:
             schema["maxItems"] = 1
-        parts = tuple((_closed(_parameters(t)), f"tools.{i}.function.parameters") for i, t in enumerate(checked))
         return ToolPlan("required", checked, schema=schema, parts=parts)
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None
@@ -96,8 +101,7 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool = True)
     if name not in names:
         raise bad_request(f"tool_choice names function {name!r}, which is not among the tools", "tool_choice")
     i = names.index(name)
-    schema = _closed(_parameters(checked[i]))
-    return ToolPlan("named", checked, named=name, schema=schema, parts=((schema, f"tools.{i}.function.parameters"),))
+    return ToolPlan("named", checked, named=name, schema=parts[i][0], parts=(parts[i],))
 
 
 def tools_system_message(tools: list[dict]) -> dict:

@@ -40,6 +40,11 @@ def validation_error(errors: list[dict]) -> ApiError:
         if "recursion limit" in msg:  # pydantic's parser nests at most 255 levels deep
             return bad_request(f"the request body nests arrays and objects too deeply to read ({msg})", None,
                                "invalid_json")
+        if "hex escape" in msg or "surrogate" in msg:
+            # \ud800 alone is JSON's grammar but no character: the parser's "unexpected end of hex escape"
+            # reads as a typo in the escape.
+            msg += (" (a string holds an unpaired UTF-16 surrogate escape such as \\ud800: a character beyond "
+                    "U+FFFF is written as a pair, \\ud83d\\ude00, or as itself in UTF-8)")
         return bad_request(f"the request body is not valid JSON: {msg}", None, "invalid_json")
     if kind == "model_type" and not loc:
         return bad_request("the request body must be a JSON object", None, "invalid_json")
