@@ -318,7 +318,9 @@ class _Api:
             def tools_grammar() -> Grammar | None:
                 for schema, param in plan.parts:
                     grammar_for(schema, self.backend.grammars, param)  # an error names its tool
-                return grammar_for(plan.schema, self.backend.grammars, "tools") if plan.schema is not None else grammar
+                if plan.schema is None:  # "auto": the tools' schemas are checked, not enforced
+                    return grammar
+                return grammar_for(plan.schema, self.backend.grammars, "tools")
 
             grammar = await anyio.to_thread.run_sync(tools_grammar)
         budget = token_budget(self.backend.n_ctx, prompt_ids, max_tokens, "messages")

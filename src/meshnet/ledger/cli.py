@@ -75,8 +75,8 @@ def run_ledger(args: argparse.Namespace) -> int:
         try:
             reply = pb_grpc.TrackerStub(channel).GetLedger(pb.Empty(), timeout=10)
         except grpc.RpcError as e:
-            print(f"error: tracker {args.tracker}: {e.code().name}: {e.details()}{tracker_hint(e, args.tls_ca, args.tracker)}",
-                  file=sys.stderr)
+            print(f"error: tracker {args.tracker}: {e.code().name}: {e.details()}"
+                  f"{tracker_hint(e, args.tls_ca, args.tracker)}", file=sys.stderr)
             return 1
     print(json.dumps(ledger_dict(reply)) if args.json else format_ledger(reply))
     return 0

@@ -196,8 +196,8 @@ def run_nodes(args: argparse.Namespace) -> int:
         try:
             reply = pb_grpc.TrackerStub(channel).ListNodes(pb.Empty(), timeout=10)
         except grpc.RpcError as e:
-            print(f"error: tracker {args.tracker}: {e.code().name}: {e.details()}{tracker_hint(e, args.tls_ca, args.tracker)}",
-                  file=sys.stderr)
+            print(f"error: tracker {args.tracker}: {e.code().name}: {e.details()}"
+                  f"{tracker_hint(e, args.tls_ca, args.tracker)}", file=sys.stderr)
             return 1
     loads = None
     if not getattr(args, "no_load", False):  # relayed nodes are reached only through the tracker: not asked
