@@ -629,3 +629,41 @@ def test_heartbeats_go_on_while_the_tracker_takes_long_to_record_finished_work()
     finally:
         release.set()
         stop.set()
+
+
+def test_a_node_refused_for_good_stops_reporting_work_too():
+    """The work-report thread ends with the beat loop, also when the tracker refused the node for good
+    (neither stopped nor leaving): it was left waiting for a heartbeat that never comes."""
+    import threading
+    import types
+
+    from meshnet.node.membership import Membership
+
+    class Refused(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAUTHENTICATED
+
+        def details(self):
+            return "Heartbeat: signature does not verify"
+
+    class Tracker:
+        def Register(self, info, timeout):
+            return pb.RegisterReply(heartbeat_interval_s=0.05, ttl_s=0.15)
+
+        def Heartbeat(self, req, timeout):
+            raise Refused()
+
+    refusals = []
+    membership = Membership(Tracker(), NodeIdentity.generate(), "n1", lambda: pb.NodeInfo(node_id="n1"),
+                            lambda: (0, 0.0), types.SimpleNamespace(flush=lambda tracker, max_batches: True),
+                            refusals.append)
+    before = {t.ident for t in threading.enumerate() if t.name == "work-reports"}
+    runner = threading.Thread(target=membership.run, args=(threading.Event(),), daemon=True)
+    runner.start()
+    runner.join(10)
+    assert not runner.is_alive() and refusals == ["UNAUTHENTICATED: Heartbeat: signature does not verify"]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and \
+            {t.ident for t in threading.enumerate() if t.name == "work-reports"} - before:
+        time.sleep(0.01)
+    assert not {t.ident for t in threading.enumerate() if t.name == "work-reports"} - before

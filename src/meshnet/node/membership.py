@@ -64,6 +64,7 @@ class Membership:
         self.unreachable_tries = 0  # registrations that found no tracker (UNAVAILABLE) before the first took
         self.manifest = manifest
         self._work_due = threading.Event()  # set by a heartbeat the tracker answered: report work now
+        self._beats_ended = False  # the beat loop returned (stopped, left, or refused for good)
 
     def run(self, stop: threading.Event) -> None:
         """Register, then heartbeat until ``stop`` or :meth:`deregister`; re-register whenever the
@@ -74,6 +75,7 @@ class Membership:
         try:
             self._beat(stop)
         finally:
+            self._beats_ended = True
             self._work_due.set()  # wakes the report thread to see that the loop ended
 
     def _beat(self, stop: threading.Event) -> None:
@@ -133,7 +135,7 @@ class Membership:
         while True:
             self._work_due.wait()
             self._work_due.clear()
-            if stop.is_set() or self.leaving:
+            if self._beats_ended or stop.is_set() or self.leaving:
                 return
             try:
                 self.work.flush(self.tracker, max_batches=4)
