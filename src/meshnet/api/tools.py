@@ -87,8 +87,7 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool = True)
                                                    "parameters": {"$ref": f"#/$defs/tool_{i}"}},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for i, t in enumerate(checked)]
-        schema = {"$defs": {f"tool_{i}": _moved(_closed(_parameters(t)), f"#/$defs/tool_{i}")
-                            for i, t in enumerate(checked)},
+        schema = {"$defs": {f"tool_{i}": _moved(closed, f"#/$defs/tool_{i}") for i, (closed, _) in enumerate(parts)},
                   "type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not parallel:
             schema["maxItems"] = 1
