@@ -70,7 +70,7 @@ class Membership:
         """Register, then heartbeat until ``stop`` or :meth:`deregister`; re-register whenever the
         tracker forgot us (e.g. it restarted). Beats are ``interval`` apart from start to start, however
         long the tracker took to answer the last one (within its 3 intervals of patience)."""
-        reports = threading.Thread(target=self._report_work, args=(stop,), name="work-reports", daemon=True)
+        reports = threading.Thread(target=self._report_work, name="work-reports", daemon=True)
         reports.start()
         try:
             self._beat(stop)
@@ -127,7 +127,7 @@ class Membership:
                 self.registered.clear()
             stop.wait(max(interval - (time.monotonic() - began), MIN_HEARTBEAT_S))
 
-    def _report_work(self, stop: threading.Event) -> None:
+    def _report_work(self) -> None:
         """Report finished work (a few batches) after each answered heartbeat, until the beat loop ends.
         Unacknowledged work is kept and resent after an outage (the tracker counts it once); a tracker
         that no longer knows this node (the records stay pending) or is down is found by the heartbeats."""
@@ -135,7 +135,7 @@ class Membership:
         while True:
             self._work_due.wait()
             self._work_due.clear()
-            if self._beats_ended or stop.is_set() or self.leaving:
+            if self._beats_ended:
                 return
             try:
                 self.work.flush(self.tracker, max_batches=4)
