@@ -351,11 +351,10 @@ class RouteWatch:
                 n_ctx = context_length(hops)
                 with self._lock:
                     self._n_ctx, self._hops = n_ctx, key
-            except StageFailure as f:  # a node died since the tracker last heard of it
-                log.warning("could not read the route's context length: %s", f)
-                self.client.node_failures.record_if_down(hops, f, time.monotonic())
             except Exception as e:  # noqa: BLE001 - the request still runs; the generation finds the route
                 log.warning("could not read the route's context length: %s", e)
+                if isinstance(e, StageFailure):  # a node died since the tracker last heard of it
+                    self.client.node_failures.record_if_down(hops, e, time.monotonic())
         return [f"{h.node_id}@{h.address}" for h in hops]
 
     def n_ctx(self) -> int:
