@@ -443,3 +443,38 @@ def test_a_client_closing_with_the_tracker_unreachable_says_how_many_tokens_went
         assert deliveries.close(timeout_s=0.5) is False
     assert ("the tracker's ledger is unreachable: 3 delivered tokens of client bob go unreported (uncharged)"
             in caplog.text)
+
+
+def test_a_client_whose_tracker_was_already_silent_for_the_whole_wait_closes_after_one_attempt():
+    """``meshnet generate`` whose whole mesh was gone failed over for 8 s (its tracker unreachable), printed
+    its error, then kept trying to report its tokens for 5 s more: the wait for a tracker being restarted
+    now counts from when the tracker stopped answering, and a tracker silent for all of it gets one try."""
+    import time
+
+    class Down:
+        calls = 0
+
+        def ReportDelivery(self, *args, **kwargs):
+            Down.calls += 1
+            raise _Unavailable()
+
+    class _Unavailable(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "connection refused"
+
+    deliveries = DeliveryReporter(Down(), "dave", interval_s=60)
+    deliveries.delivered("s", 5)
+    assert deliveries.flush() is False and Down.calls == 1  # a background report: the tracker is gone
+    time.sleep(0.6)
+    assert deliveries.close(timeout_s=0.5) is False
+    assert Down.calls == 2 and deliveries.pending == 1
+
+    # A tracker that only now stopped answering is still waited for: tries again until the timeout.
+    Down.calls = 0
+    fresh = DeliveryReporter(Down(), "erin", interval_s=60)
+    fresh.delivered("s", 5)
+    assert fresh.close(timeout_s=0.5) is False
+    assert Down.calls >= 3

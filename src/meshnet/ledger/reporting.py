@@ -149,6 +149,8 @@ class DeliveryReporter:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._last_failure: grpc.StatusCode | None = None  # the code of the last report that failed
+        # monotonic time of the first report in a row the tracker did not answer (None: the last one landed)
+        self._unanswered_since: float | None = None
         _live.add(self)
 
     def delivered(self, session_id: str, position: int) -> None:
@@ -199,17 +201,23 @@ class DeliveryReporter:
                     else:
                         log.debug("delivery report failed (%s); will retry", e.code().name)
                         self._last_failure = e.code()
+                        if e.code() in _TRANSIENT and self._unanswered_since is None:
+                            self._unanswered_since = time.monotonic()
                         return False
+                self._unanswered_since = None
                 _pop_through(self._pending, self._lock, batch[-1][0])
 
     def close(self, timeout_s: float = CLOSE_WAIT_S) -> bool:
         """Stop the background thread after a last :meth:`flush`, tried for up to ``timeout_s`` seconds
         while the tracker does not answer (a tracker being restarted); True when nothing was left unsent.
-        What is left is lost with this client, and said so in the log: the nodes, which live on and
-        report again, are credited for the work all the same. Returns at once when nothing is pending."""
+        The wait counts from when the tracker stopped answering this client's reports: one already silent
+        for ``timeout_s`` is not being restarted, and gets one attempt (``meshnet generate`` whose mesh and
+        tracker were gone waited 5 s more after its failover had waited for them). What is left is lost
+        with this client, and said so in the log: the nodes, which live on and report again, are credited
+        for the work all the same. Returns at once when nothing is pending."""
         self._closed = True
         self._wake.set()
-        deadline = time.monotonic() + timeout_s
+        deadline = (self._unanswered_since or time.monotonic()) + timeout_s
         while not (ok := self.flush(max(0.05, deadline - time.monotonic()), wait_for_ready=True)):
             # Only a tracker that does not answer (yet) is waited for; a refusal (its join token) is final.
             if time.monotonic() >= deadline or self._last_failure not in _TRANSIENT:
