@@ -77,14 +77,21 @@ def test_node_logs_and_lists_its_grpc_and_data_plane_addresses(mesh, tmp_path):
     assert hop.data_address == data_address
 
 
-def test_a_node_bound_to_every_interface_registers_the_address_it_reaches_the_tracker_from(mesh):
-    """It registered 0.0.0.0:PORT, which no other machine can dial, unless --advertise was given."""
+def test_a_node_bound_to_every_interface_registers_this_machines_address(mesh):
+    """It registered 0.0.0.0:PORT, which no other machine can dial, unless --advertise was given; then,
+    with its tracker on this machine (dialled at 127.0.0.1), 127.0.0.1, which clients elsewhere were
+    handed in routes and refused at: it registers the address other machines reach this one at (the
+    tracker's own "other machines reach it at"), loopback only where there is none."""
+    from meshnet.wire.addresses import this_machine_address
+
+    here = this_machine_address("0.0.0.0")
+    here = "127.0.0.1" if here == "0.0.0.0" else here
     node = _ready(mesh.spawn_node("0:30", "wild", "smollm2", "--engine", "fake", "--host", "0.0.0.0"))
     mesh.nodes.append(node)
     mesh.wait_registered({"wild"})
     [hop] = mesh.tracker_stub().GetRoute(pb.RouteRequest(), timeout=5).hops
-    assert re.fullmatch(r"127\.0\.0\.1:\d+", hop.address) and hop.address == node.address
-    assert re.fullmatch(r"127\.0\.0\.1:\d+", hop.data_address) and hop.data_address != hop.address
+    assert hop.address.rpartition(":")[0] == here and hop.address == node.address
+    assert hop.data_address.rpartition(":")[0] == here and hop.data_address != hop.address
     # and it is dialled there: a step through the route goes through
     client = mesh.client()
     from meshnet.contract import StepRequest
@@ -95,7 +102,11 @@ def test_a_node_bound_to_every_interface_registers_the_address_it_reaches_the_tr
 def test_dialable_host_is_the_bind_host_unless_a_wildcard():
     from meshnet.wire.addresses import dialable_host
 
-    assert dialable_host("0.0.0.0", "127.0.0.1:7700") == "127.0.0.1"
+    from meshnet.wire.addresses import this_machine_address
+
+    here = this_machine_address("0.0.0.0")
+    # a tracker dialled by loopback: this machine's address, which others can dial too (loopback without one)
+    assert dialable_host("0.0.0.0", "127.0.0.1:7700") == ("127.0.0.1" if here == "0.0.0.0" else here)
     assert dialable_host("10.1.2.3", "127.0.0.1:7700") == "10.1.2.3"  # a named interface stays
     assert dialable_host("0.0.0.0", None) == "0.0.0.0"  # nothing to route to
     assert dialable_host("0.0.0.0", "no-such-host.invalid:7700") == "0.0.0.0"

@@ -42,8 +42,11 @@ def dialable_host(bind_host: str, tracker: str | None) -> str:
     """The host other machines dial for a server bound to ``bind_host``: ``bind_host`` itself, unless it
     is a wildcard (0.0.0.0, ::), which no other machine can dial: then this machine's address on the
     route to ``tracker`` (``host:port``; the address the tracker sees it from, found with an unconnected
-    UDP socket's ``connect``, which sends nothing), of IPv4 for 0.0.0.0. ``bind_host`` when there is no
-    tracker or no route to it."""
+    UDP socket's ``connect``, which sends nothing), of IPv4 for 0.0.0.0. Where that route is loopback (a
+    tracker on this machine, dialled as 127.0.0.1), the address of the interface the default route leaves
+    by instead, if there is one: a node bound to every interface is meant for other machines too, and a
+    loopback address handed to them in routes was refused their connections, with no warning anywhere.
+    ``bind_host`` when there is no tracker or no route to it."""
     if bind_host not in WILDCARD_HOSTS or not tracker:
         return bind_host
     host, _, port = tracker.rpartition(":")
@@ -52,9 +55,13 @@ def dialable_host(bind_host: str, tracker: str | None) -> str:
         family, _, _, _, address = socket.getaddrinfo(host.strip("[]"), int(port), family, socket.SOCK_DGRAM)[0]
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect(address)
-            return probe.getsockname()[0]
+            found = probe.getsockname()[0]
     except (OSError, ValueError):  # unresolvable, unreachable, or no port
         return bind_host
+    if is_loopback_host(found) and tracker != _ELSEWHERE:
+        if (elsewhere := dialable_host(bind_host, _ELSEWHERE)) not in WILDCARD_HOSTS:
+            return elsewhere
+    return found
 
 
 # Where a route to "another machine" is looked up: TEST-NET-1 (RFC 5737), which no packet is sent to.
