@@ -127,6 +127,31 @@ def test_epochs_strictly_increase():
     assert (a, b, c, d) == (1, 2, 101, 102)
 
 
+def test_a_forged_previous_epoch_cannot_exhaust_the_epoch_space(tracker):
+    """A client's previous_epoch near 2**64 once moved the shared counter to its top: every later GetRoute,
+    any client's, failed INTERNAL ("Value out of range") until the tracker restarted."""
+    tracker.Register(info("n0", 0, 30, port=9000), timeout=5)
+    for forged in ((1 << 64) - 2, (1 << 63), (1 << 62) + 1):
+        with pytest.raises(grpc.RpcError) as ei:
+            tracker.GetRoute(pb.RouteRequest(previous_epoch=forged), timeout=5)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"previous_epoch {forged} was never handed out" in ei.value.details()
+    # A remembered epoch (a client across a tracker restart) is still taken, and routes keep coming.
+    remembered = tracker.GetRoute(pb.RouteRequest(previous_epoch=1 << 62), timeout=5).epoch
+    assert remembered == (1 << 62) + 1
+    assert tracker.GetRoute(pb.RouteRequest(previous_epoch=remembered), timeout=5).epoch == remembered + 1
+    assert tracker.GetRoute(pb.RouteRequest(), timeout=5).epoch == remembered + 2
+
+
+def test_registry_refuses_a_previous_epoch_it_never_handed_out():
+    reg = Registry(clock=FakeClock())
+    with pytest.raises(ValueError, match="never handed out"):
+        reg.next_epoch((1 << 64) - 2)
+    assert reg.next_epoch(0) == 1
+    top = reg.next_epoch(1 << 62)
+    assert reg.next_epoch(top) == top + 1  # epochs it handed out are always taken back
+
+
 def test_registry_is_thread_safe():
     reg = Registry(clock=FakeClock())
     epochs: list[int] = []

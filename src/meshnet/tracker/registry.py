@@ -23,6 +23,10 @@ log = logging.getLogger("meshnet.tracker.members")
 
 # Missed heartbeats after which a node is presumed gone.
 TTL_HEARTBEATS = 3
+# The largest previous_epoch a client may bring that this registry did not hand out itself (one remembered
+# across a tracker restart): far above any real count of routes, far enough below 2**64 - 1 that the
+# counter, moved up to it, can never overflow the uint64 field routes carry it in.
+MAX_CLIENT_EPOCH = 1 << 62
 
 
 class ProtocolMismatch(ValueError):
@@ -242,10 +246,26 @@ class Registry:
 
         Taking ``previous`` into account keeps epochs increasing for a client even across a tracker
         restart (the counter starts again at 0, the client remembers its last epoch).
+
+        Raises:
+            ValueError: ``previous`` is above :data:`MAX_CLIENT_EPOCH` and above every epoch handed out:
+                no tracker issued it, and taking it would move the shared counter to the top of the
+                uint64 range, after which no route could be numbered.
         """
         with self._lock:
+            self._check_previous(previous)
             self._epoch = max(self._epoch, int(previous)) + 1
             return self._epoch
+
+    def check_previous_epoch(self, previous: int) -> None:
+        """Raise what :meth:`next_epoch` would for ``previous``, handing out nothing."""
+        with self._lock:
+            self._check_previous(previous)
+
+    def _check_previous(self, previous: int) -> None:
+        if int(previous) > max(self._epoch, MAX_CLIENT_EPOCH):
+            raise ValueError(f"previous_epoch {previous} was never handed out (this tracker's epochs are at "
+                             f"{self._epoch}; a client's remembered epoch is taken up to {MAX_CLIENT_EPOCH})")
 
 
 def _expired(node_id: str, silent_s: float) -> None:

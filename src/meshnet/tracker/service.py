@@ -46,7 +46,6 @@ from meshnet.wire.call_problems import abort_call
 if TYPE_CHECKING:  # the ledger pulls in SQLAlchemy: imported when a tracker starts, not with the CLI
     from meshnet.ledger.store import Ledger
 
-_UINT64_MAX = (1 << 64) - 1
 # Seconds a deregistered node may still report work: its drain (30 s by default) with margin.
 _DEPARTED_S = 300.0
 # The longest model id or name GetManifest looks up, characters (ids are 64 hex digits; names, a GGUF's
@@ -150,9 +149,10 @@ class TrackerService(pb_grpc.TrackerServicer):
 
     @rpc
     def GetRoute(self, request: pb.RouteRequest, context) -> pb.Route:
-        if request.previous_epoch >= _UINT64_MAX:
-            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"GetRoute: previous_epoch {request.previous_epoch} leaves no larger epoch")
+        try:
+            self.registry.check_previous_epoch(request.previous_epoch)
+        except ValueError as e:
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"GetRoute: {e}") from None
         # A relayed node is reachable only while its relay stream is open.
         nodes = [n for n in self.registry.routable() if not n.relayed or self.relays.attached(n.node_id)]
         models = sorted({n.model_sha256 for n in nodes})
@@ -181,8 +181,12 @@ class TrackerService(pb_grpc.TrackerServicer):
         if request.opens_session:
             self.registry.granted(h.node_id for h in hops)
         head = hops[0]
+        try:
+            epoch = self.registry.next_epoch(request.previous_epoch)
+        except ValueError as e:  # checked above; a race cannot lower the counter, so only as a guard
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"GetRoute: {e}") from None
         return pb.Route(
-            epoch=self.registry.next_epoch(request.previous_epoch),
+            epoch=epoch,
             model=pb.ModelIdentity(sha256=head.model_sha256, architecture=head.architecture, n_layer=head.n_layer),
             hops=[pb.Hop(node_id=h.node_id, address=h.address, data_address=h.data_address, relayed=h.relayed,
                          layers=pb.LayerRange(start=h.layers.start, end=h.layers.end), instance=h.instance,
