@@ -480,3 +480,55 @@ def test_an_internal_error_in_a_handler_is_logged_once_a_minute_not_only_answere
             assert ctx.details == ("tracker error in Register: RuntimeError: ledger write failed: attempt to "
                                    "write a readonly database")
     assert [r.getMessage() for r in caplog.records] == [ctx.details]
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("node_id", "evil\nnode 1234 joined: layers [0, 30) at 1.2.3.4:5", "holds characters other than letters"),
+    ("node_id", "a b", "holds characters other than letters"),
+    ("address", "not an address", "has a bad address: bad address 'not an address'"),
+    ("address", "127.0.0.1:0", "has a bad address: bad address '127.0.0.1:0'"),
+    ("data_address", "zzz", "has a bad data address: bad address 'zzz'"),
+])
+def test_register_refuses_an_id_or_address_nobody_could_use(tracker, field, value, named):
+    """A newline in a node id forged lines of the tracker's log; an address that is no HOST:PORT was
+    registered and handed to clients in routes."""
+    message = info("ok-id", 0, 30)
+    setattr(message, field, value)
+    with pytest.raises(grpc.RpcError) as ei:
+        tracker.Register(message, timeout=5)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert named in ei.value.details()
+    assert list(tracker.ListNodes(pb.Empty(), timeout=5).nodes) == []
+
+
+def test_a_relayed_node_registers_under_an_address_without_spaces_or_control_characters(tracker):
+    relayed = info("r1", 0, 30)
+    relayed.relayed, relayed.address = True, "relay:r1"
+    tracker.Register(relayed, timeout=5)
+    relayed.node_id, relayed.address = "r2", "relay:r2\nnode r3 joined"
+    with pytest.raises(grpc.RpcError) as ei:
+        tracker.Register(relayed, timeout=5)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "expected 'relay:r2'" in ei.value.details()
+    assert [n.info.node_id for n in tracker.ListNodes(pb.Empty(), timeout=5).nodes] == ["r1"]
+
+
+def test_a_full_registry_refuses_new_node_ids_until_one_leaves():
+    """20,000 registrations made ListNodes larger than gRPC's message limit and every node list failed."""
+    server, port = serve_tracker("127.0.0.1", 0, heartbeat_interval_s=0.5, registry=Registry(0.5, max_nodes=2))
+    channel = open_channel(f"127.0.0.1:{port}")
+    tracker = pb_grpc.TrackerStub(channel)
+    try:
+        tracker.Register(info("a", 0, 30, port=9001), timeout=5)
+        tracker.Register(info("b", 0, 30, port=9002), timeout=5)
+        tracker.Register(info("b", 0, 30, port=9002), timeout=5)  # a node registering again is no new one
+        with pytest.raises(grpc.RpcError) as ei:
+            tracker.Register(info("c", 0, 30, port=9003), timeout=5)
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "the tracker holds 2 nodes, its limit: node 'c' is refused until one leaves" in ei.value.details()
+        tracker.Deregister(pb.NodeRef(node_id="a"), timeout=5)
+        tracker.Register(info("c", 0, 30, port=9003), timeout=5)
+        assert sorted(n.info.node_id for n in tracker.ListNodes(pb.Empty(), timeout=5).nodes) == ["b", "c"]
+    finally:
+        channel.close()
+        server.stop(None)

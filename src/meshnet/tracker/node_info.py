@@ -4,10 +4,11 @@ protobuf mapper for node records, with the checks a registration must pass."""
 from __future__ import annotations
 
 import math
+import re
 
 from meshnet.contract import LayerRange
-from meshnet.membership.identity import NODE_ID_MAX_CHARS
-from meshnet.wire.addresses import MAX_ADDRESS_CHARS
+from meshnet.membership.identity import NODE_ID_CHARS, NODE_ID_MAX_CHARS
+from meshnet.wire.addresses import MAX_ADDRESS_CHARS, check_address
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.tracker.registry import RegisteredNode
 from meshnet.tracker.routing import NodeRecord
@@ -60,6 +61,23 @@ def record_from_info(info: pb.NodeInfo) -> NodeRecord:
     for field, most, what in _MAX_CHARS:
         if len(text := field(info)) > most:
             raise ValueError(f"Register: {who} has {what} of {len(text)} characters (at most {most})")
+    # Ids and addresses go into logs, routes and every client's dial: a newline in an id forged lines of
+    # the tracker's log, and an address nobody can dial ("not an address") was routed to.
+    if not re.fullmatch(f"[{NODE_ID_CHARS}]+", info.node_id):
+        raise ValueError(f"Register: node id {info.node_id[:40]!r} holds characters other than letters, digits, "
+                         f"'.', '_' and '-'")
+    addresses = [("data address", info.data_address)] if info.data_address else []
+    if info.relayed:  # never dialled (reached through the tracker's relay under its id), only shown
+        if not info.address.isprintable() or any(c.isspace() for c in info.address):
+            raise ValueError(f"Register: relayed {who} has address {info.address[:80]!r}; expected "
+                             f"'relay:{info.node_id}'")
+    else:
+        addresses.insert(0, ("address", info.address))
+    for what, address in addresses:
+        try:
+            check_address(address)
+        except ValueError as e:
+            raise ValueError(f"Register: {who} has a bad {what}: {e}") from None
     return NodeRecord(node_id=info.node_id, address=info.address, model_sha256=info.model.sha256,
                       architecture=info.model.architecture, n_layer=n_layer, layers=LayerRange(start, end),
                       engine=info.engine or "ggml", backend=info.backend or "cpu", decode_tokens_per_s=speed,

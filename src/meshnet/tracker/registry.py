@@ -23,10 +23,18 @@ log = logging.getLogger("meshnet.tracker.members")
 
 # Missed heartbeats after which a node is presumed gone.
 TTL_HEARTBEATS = 3
+# Nodes registered at once, at most: every node list and the dashboard's state carry them all, and 20,000
+# registrations of long fields made ListNodes larger than gRPC's message limit (nodes fetching tensors from
+# peers, `meshnet nodes` and `meshnet up` all failed) and the dashboard's state 59 MB.
+MAX_NODES = 4096
 # The largest previous_epoch a client may bring that this registry did not hand out itself (one remembered
 # across a tracker restart): far above any real count of routes, far enough below 2**64 - 1 that the
 # counter, moved up to it, can never overflow the uint64 field routes carry it in.
 MAX_CLIENT_EPOCH = 1 << 62
+
+
+class RegistryFull(Exception):
+    """The registry holds :data:`MAX_NODES` live nodes: a new node id is refused (RESOURCE_EXHAUSTED)."""
 
 
 class ProtocolMismatch(ValueError):
@@ -96,9 +104,11 @@ class Registry:
         ValueError: ``heartbeat_interval_s`` is not a positive finite number.
     """
 
-    def __init__(self, heartbeat_interval_s: float = 2.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, heartbeat_interval_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
+                 max_nodes: int = MAX_NODES):
         if not (heartbeat_interval_s > 0 and math.isfinite(heartbeat_interval_s)):
             raise ValueError(f"heartbeat interval must be a positive number of seconds, got {heartbeat_interval_s}")
+        self.max_nodes = max_nodes
         self.heartbeat_interval_s = float(heartbeat_interval_s)
         self.ttl_s = TTL_HEARTBEATS * self.heartbeat_interval_s
         self._clock = clock
@@ -119,6 +129,7 @@ class Registry:
                 the first keeps heartbeating for it.
             ProtocolMismatch: ``protocol_major`` differs from this tracker's ``PROTOCOL_MAJOR``
                 (minor versions may differ: they only add fields older readers ignore).
+            RegistryFull: a new node id while ``max_nodes`` live nodes are registered.
             ValueError: empty node id, address or model sha256, or a layer range outside ``[0, n_layer)``.
         """
         with self._lock:
@@ -150,6 +161,11 @@ class Registry:
             raise ValueError(problem)
         now = self._clock()
         live = self._entries.get(record.node_id)
+        if live is None and len(self._entries) >= self.max_nodes:
+            now = self._sweep()
+            if len(self._entries) >= self.max_nodes:
+                raise RegistryFull(f"the tracker holds {len(self._entries)} nodes, its limit: node "
+                                   f"{record.node_id!r} is refused until one leaves")
         if live is not None and now - live.last_seen < self.ttl_s and live.record.address != record.address:
             age = now - live.last_seen
             raise NodeIdInUse(

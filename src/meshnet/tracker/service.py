@@ -37,7 +37,7 @@ from meshnet.tracker.activity import ActivityBoard
 from meshnet.tracker.manifests import ManifestFull, ManifestNotFound, ManifestRefused, ManifestStore
 from meshnet.tracker.node_info import device_dict, info_from_status, like_from_hops, record_from_info
 from meshnet.tracker.refusals import Refusal, bounded, rpc
-from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry
+from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry, RegistryFull
 from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayHub, RelayLimits
 from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
 from meshnet.wire.addresses import loopback_seen_from_elsewhere
@@ -115,6 +115,9 @@ class TrackerService(pb_grpc.TrackerServicer):
                 raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"Register: {e}") from None
             except NodeIdInUse as e:  # when the entry holding the id expires, if its node is gone
                 raise Refusal(grpc.StatusCode.ALREADY_EXISTS, f"Register: {e}", e.expires_in_s) from None
+            except RegistryFull as e:
+                raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, f"Register: {e}",
+                              self.registry.heartbeat_interval_s) from None
             except ValueError as e:
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {e}") from None
         return pb.RegisterReply(heartbeat_interval_s=self.registry.heartbeat_interval_s, ttl_s=self.registry.ttl_s)
