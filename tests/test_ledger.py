@@ -296,7 +296,15 @@ def test_report_work_and_delivery_over_grpc(tracker):
     assert lines[1].split() == [me.node_id, SHA[:12], "30", "10", "1.33", "2"]
     assert lines[4].split() == ["alice", "6", "1"]
     # Steps no node could have run: a decode step of 2^32-1 tokens was credited (2.1e12 tokens for a node
-    # at a dead address).
+    # at a dead address), and so was a prefill of as many by a node that registered no context (an older one).
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.ReportWork(me.sign(pb.WorkReport(node_id=me.node_id, items=[
+            pb.WorkItem(session_id="s3", position=0, n_tokens=2**32 - 1, model_sha256=SHA,
+                        layers=pb.LayerRange(start=0, end=10))])), timeout=5)
+    assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details().endswith("reports a step of session 's3' through positions [0, 4294967295), past "
+                                       "the 16777216 tokens of context a node that registered none is taken to "
+                                       "hold at most")
     sized = node_info(me.node_id, 0, 10)
     sized.n_ctx = 2048
     stub.Register(me.sign(sized), timeout=5)

@@ -30,16 +30,24 @@ def work_records(report: pb.WorkReport, node: NodeRecord) -> list[WorkRecord]:
     return out
 
 
+# The context assumed for a node that registered none (an older node): more tokens than any GGUF's
+# context holds. Without a bound, one report of 1000 invented prefills of 2^32-1 tokens credited such a
+# node 4.3e12 tokens.
+UNSAID_CONTEXT = 1 << 24
+
+
 def _step_problem(item: pb.WorkItem, node: NodeRecord) -> str | None:
     """Why ``item`` cannot be a step ``node`` ran, or None: no tokens, a decode step of more tokens than a
-    verification step holds, or tokens past the context the node registered."""
+    verification step holds, or tokens past the context the node registered (:data:`UNSAID_CONTEXT` when
+    it registered none)."""
     if item.n_tokens == 0:
         return "of 0 tokens"
     if item.decode and item.n_tokens > MAX_DRAFT_TOKENS + 1:
         return f"as a decode step of {item.n_tokens} tokens (at most {MAX_DRAFT_TOKENS + 1}: one and its drafts)"
-    if node.n_ctx and item.position + item.n_tokens > node.n_ctx:
-        return (f"through positions [{item.position}, {item.position + item.n_tokens}), past the {node.n_ctx} "
-                f"tokens of context it registered")
+    if item.position + item.n_tokens > (n_ctx := node.n_ctx or UNSAID_CONTEXT):
+        said = "it registered" if node.n_ctx else "a node that registered none is taken to hold at most"
+        return (f"through positions [{item.position}, {item.position + item.n_tokens}), past the {n_ctx} "
+                f"tokens of context {said}")
     return None
 
 
