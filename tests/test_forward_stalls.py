@@ -209,8 +209,9 @@ def test_a_pooled_connection_gone_black_is_logged_once_though_new_ones_carry_the
                 assert len(node.accepted) == connections
         warned = [r.getMessage() for r in caplog.records if "this node could not forward" in r.getMessage()]
         assert warned == [f"this node could not forward to its data plane at {node.address}: sending on an open "
-                          "connection failed (timed out) (next node b-next; the node's data port must be open to "
-                          "the nodes before it in a route; clients step such a route themselves meanwhile)"]
+                          "connection failed (timed out) (next node b-next; if that node is up, its data port must "
+                          "be open to the nodes before it in a route; clients step such a link themselves "
+                          "meanwhile)"]
     finally:
         fwd.close()
         node.close()

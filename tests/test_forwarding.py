@@ -119,6 +119,9 @@ def test_a_link_between_two_nodes_that_fails_is_stepped_by_the_client_with_ident
     # The head says so in its own log, once (its operator looks there for the firewall).
     head_log = nodes[0].log_path.read_text()
     assert head_log.count(f"this node could not forward to its data plane at {closed}") == 1, head_log[-2000:]
+    # Refused (nothing listening there, or a firewall's reject): the node's log names both causes.
+    assert ("(next node b-tail refused the connection: it has stopped or is restarting (clients fail over), or a "
+            "firewall rejects this node; if that node is up") in head_log, head_log[-2000:]
 
 
 def test_a_failed_link_in_the_middle_of_a_route_is_found_by_health_and_stepped_by_the_client(

@@ -264,7 +264,7 @@ class Forwarder:
                     conn.close()
             return None
         reason = f"could not forward to its data plane at {address}: {error}"
-        self._warn_unreachable(hop.node_id, address, reason)
+        self._warn_unreachable(hop.node_id, address, reason, refused=isinstance(error, ConnectionRefusedError))
         self._failed_to(hop.node_id, address)
         return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0, unreachable=True,
                              message=f"the hop before it {reason}")
@@ -294,10 +294,11 @@ class Forwarder:
                 self._failed.clear()  # ids a client made up: forgetting them costs a client one wait
             self._failed[(node_id, address)] = time.monotonic()
 
-    def _warn_unreachable(self, node_id: str, address: str, reason: str) -> None:
+    def _warn_unreachable(self, node_id: str, address: str, reason: str, refused: bool = False) -> None:
         """Log that this node ``reason`` (could not reach ``node_id`` at ``address``), once per
         :data:`UNREACHABLE_WARN_S` an address: the node's own log is where its operator looks for a firewall
-        before the next node."""
+        before the next node. ``refused``: nothing listens there (the connection was refused), which is
+        most often that node stopped or restarting, not a firewall."""
         now = time.monotonic()
         with self._lock:
             if now < self._warned.get(address, 0.0):
@@ -305,8 +306,10 @@ class Forwarder:
             if len(self._warned) >= MAX_PEERS:
                 self._warned = {a: until for a, until in self._warned.items() if until > now}
             self._warned[address] = now + UNREACHABLE_WARN_S
-        log.warning("this node %s (next node %s; the node's data port must be open to the nodes before it in a "
-                    "route; clients step such a route themselves meanwhile)", reason, node_id)
+        why = (" refused the connection: it has stopped or is restarting (clients fail over), or a firewall "
+               "rejects this node;" if refused else ";")
+        log.warning("this node %s (next node %s%s if that node is up, its data port must be open to the nodes "
+                    "before it in a route; clients step such a link themselves meanwhile)", reason, node_id, why)
 
     def report(self, tail: pb.ForwardHop, step: pb.Envelope, failure: pb.HopFailure, connect: bool = True) -> None:
         """Tell ``tail`` that the step ``step`` heads (its header fields) failed with ``failure``, so it
