@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -351,6 +352,9 @@ def test_node_restarted_under_its_id_at_its_own_address_is_failed_at_once(mesh, 
     messages = [r.getMessage() for r in caplog.records]
     assert f"node b-mid at {mid.address} restarted since it was routed to (another process answers)" in messages
     assert not any(f"node d-tail at {tail.address}:" in m and "failing over" in m for m in messages), messages
+    # The warning says how long the client goes on looking (the failover deadline: 30 s here, from the failure).
+    [failing] = [m for m in messages if "failing over" in m]
+    assert re.search(r"; failing over \(up to (29|30) s\)$", failing), failing
     client.close()
     assert [n.active_sessions() for n in (head, restarted[0], tail)] == [0, 0, 0]
 

@@ -246,7 +246,7 @@ class MeshClient:
                     raise MeshUnavailable(f"session {req.session_id}: still failing after "
                                           f"{self.failover_deadline_s:g} s of failovers ({now - began:.0f} s "
                                           f"into the step): {f}") from None
-                log.warning("session %s: %s; failing over", req.session_id, f)
+                log.warning("session %s: %s; failing over (up to %.0f s)", req.session_id, f, max(deadline - now, 0))
                 if again:
                     time.sleep(REPEAT_FAILURE_PAUSE_S)
 
