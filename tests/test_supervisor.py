@@ -161,7 +161,8 @@ def test_hurry_kills_at_once_the_children_a_stop_is_waiting_for():
 
     stubborn = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                                       "print('ready', flush=True); time.sleep(120)"]
-    sup = Supervisor([("a", stubborn), ("b", SLEEPER)], policy=RestartPolicy(0.2, 1.0, 30.0), out=io.StringIO())
+    out = io.StringIO()
+    sup = Supervisor([("a", stubborn), ("b", SLEEPER)], policy=RestartPolicy(0.2, 1.0, 30.0), out=out)
     sup.start()
     time.sleep(1.0)  # the stubborn child has set its handler
     pids = sup.pids()
@@ -173,6 +174,7 @@ def test_hurry_kills_at_once_the_children_a_stop_is_waiting_for():
     sup.hurry()
     stopper.join(10)
     assert not stopper.is_alive() and time.monotonic() - t0 < 10
+    assert out.getvalue().splitlines()[-1] == "[meshnet up] stopping now: killing the 1 still running"
     for pid in pids.values():
         _wait(lambda pid=pid: not os.path.exists(f"/proc/{pid}") or
               open(f"/proc/{pid}/stat").read().split()[2] == "Z")

@@ -230,6 +230,8 @@ class Supervisor:
         deadline = time.monotonic() + timeout_s
         while any(proc.poll() is None for proc in running) and time.monotonic() < deadline and not self._hurried:
             time.sleep(0.05)
+        if self._hurried and (left := sum(proc.poll() is None for proc in running)):
+            self._say(f"stopping now: killing the {left} still running")  # the second Ctrl-C is heard
         for proc in running:
             if proc.poll() is None:
                 proc.kill()
