@@ -350,7 +350,10 @@ class RouteWatch:
             try:
                 n_ctx = context_length(hops)
                 with self._lock:
-                    self._n_ctx, self._hops = n_ctx, key
+                    first, (self._n_ctx, self._hops) = not self._hops, (n_ctx, key)
+                if first:  # said once: "no complete route yet" was, at start, where the mesh came up later
+                    log.info("the mesh has a complete route: %s (%d tokens of context)",
+                             " -> ".join(f"{h.node_id}@{h.address}" for h in hops), n_ctx)
             except Exception as e:  # noqa: BLE001 - the request still runs; the generation finds the route
                 log.warning("could not read the route's context length: %s", e)
                 if isinstance(e, StageFailure):  # a node died since the tracker last heard of it
