@@ -410,6 +410,34 @@ def test_over_context_prompt_allocates_nothing(backend, http):
     _ok(http)
 
 
+def test_a_prompt_no_context_could_hold_is_refused_by_its_length_untokenized(backend, http, monkeypatch):
+    """A 1.3 MB prompt was tokenized (1 s of Python holding the interpreter lock, every other request and
+    stream waiting) before it was refused; past what n_ctx tokens of the vocabulary could hold it is now
+    refused by its length, and tokenized up to there."""
+    tok = backend.tokenizer
+    most = N_CTX * tok.max_token_chars + 1
+    tokenized: list[int] = []
+    real = type(tok).encode_pieces
+    monkeypatch.setattr(type(tok), "encode_pieces",
+                        lambda self, pieces, *a, **k: tokenized.append(sum(len(t) for t, _ in pieces)) or
+                        real(self, pieces, *a, **k))
+    for path, body in [("/v1/completions", {"prompt": "x" * (most + 1), "max_tokens": 4}),
+                       ("/v1/chat/completions", {"messages": [{"role": "system", "content": "x" * most},
+                                                             {"role": "user", "content": [{"type": "text",
+                                                                                           "text": "y"}]}]})]:
+        err = _error(http.post(path, json=body), 400)
+        assert err["code"] == "context_length_exceeded"
+        assert err["message"] == (f"This model's maximum context length is {N_CTX} tokens, but the prompt has "
+                                  f"{most + 1} characters, more than {N_CTX} tokens of its vocabulary hold (at "
+                                  f"most {tok.max_token_chars} characters a token). Shorten the prompt.")
+    assert tokenized == []
+    # At the bound it is tokenized, and refused by its tokens as before.
+    err = _error(http.post("/v1/completions", json={"prompt": "x" * most, "max_tokens": 4}), 400)
+    assert err["code"] == "context_length_exceeded" and "tokens. Shorten the prompt." in err["message"]
+    assert tokenized == [most]
+    _ok(http)
+
+
 def test_oversized_body_is_413(http):
     big = json.dumps({"prompt": "x" * (3 * 1024 * 1024), "max_tokens": 1}).encode()
     err = _error(http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"}), 413)

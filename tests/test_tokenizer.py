@@ -52,6 +52,19 @@ def model(request, golden_dir) -> tuple[GGUFTokenizer, dict]:
     return _load(str(path)), load_golden(name)
 
 
+@pytest.mark.parametrize("model", _model_cases(), indirect=True)
+def test_no_token_stands_for_more_characters_than_max_token_chars(model):
+    """The API refuses a prompt longer than n_ctx * max_token_chars + 1 characters untokenized: no token of
+    any vocabulary, on whitespace runs, multi-byte scripts, emoji or control-token text, covers more."""
+    tok, golden = model
+    texts = [p["prompt"] for p in golden["prompts"]] + [
+        " " * 5000, "\n" * 3000, "\t" * 999 + "x", "é" * 2000, "日本語のテキスト" * 300, "🙂" * 1000,
+        "-" * 4000, "<|im_start|>user\n" * 200, "<start_of_turn>model\n" * 200, "    " * 1000 + "def f():"]
+    for text in texts:
+        n_tokens = len(tok.encode(text, parse_special=True, add_bos=False))
+        assert len(text) <= n_tokens * tok.max_token_chars + 1, (text[:40], n_tokens, tok.max_token_chars)
+
+
 def _golden_visible_ids(tok: GGUFTokenizer, ids: list[int]) -> list[int]:
     return [t for t in ids if len(tok.token_bytes(t)) <= LLAMA_CPP_PYTHON_PIECE_LIMIT]
 

@@ -24,6 +24,7 @@ vocabulary and builds them); this module encodes and decodes with them.
 """
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
@@ -98,6 +99,15 @@ class GGUFTokenizer:
     add_space_prefix = property(lambda self: self._v.add_space_prefix)
     chat_template = property(lambda self: self._v.chat_template)
     eog_ids = property(lambda self: self._v.eog_ids)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for: its vocabulary text's length at most (a
+        byte-level BPE text holds a character per byte of the text it stands for, an SPM text its own
+        characters with ``▁`` for a space, a byte token ``<0xNN>`` one byte). A text of more than
+        ``n * max_token_chars + 1`` characters (the one: SPM's space prefix) is more than ``n`` tokens,
+        known without tokenizing it."""
+        return max(map(len, self._v.tokens), default=1)
 
     # ---- vocabulary access ----
 

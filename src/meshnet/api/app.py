@@ -228,7 +228,8 @@ class _Api:
             raise bad_request("best_of is not supported (only best_of == n)", "best_of", "unsupported_parameter")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
-        prompts = await anyio.to_thread.run_sync(completion_prompts, self.backend.tokenizer, req.prompt)
+        prompts = await anyio.to_thread.run_sync(completion_prompts, self.backend.tokenizer, req.prompt,
+                                                 self.backend.n_ctx)
         if len(prompts) * (req.n or 1) > MAX_CHOICES:  # every choice is a generation, run in turn
             raise bad_request(f"{len(prompts)} prompts x n {req.n or 1} ask for {len(prompts) * (req.n or 1)} "
                               f"choices, more than the {MAX_CHOICES} one request may", "prompt", "too_many_choices")
@@ -312,7 +313,8 @@ class _Api:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if not req.messages:
             raise bad_request("messages is empty: a chat needs at least one message", "messages", "empty_messages")
-        prompt_ids = await anyio.to_thread.run_sync(chat_prompt, self.backend.tokenizer, req, plan)
+        prompt_ids = await anyio.to_thread.run_sync(chat_prompt, self.backend.tokenizer, req, plan,
+                                                 self.backend.n_ctx)
         grammar = await self._grammar(req)
         if plan.parts:
             def tools_grammar() -> Grammar | None:

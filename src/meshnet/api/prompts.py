@@ -12,18 +12,31 @@ from meshnet.chat_template import join_text_parts
 from meshnet.tokenizer import GGUFTokenizer
 
 
-def completion_prompts(tok: GGUFTokenizer, prompt: Any) -> list[list[int]]:
+def refuse_beyond_context(tok: GGUFTokenizer, n_chars: int, n_ctx: int | None, param: str) -> None:
+    """Refuse, before tokenizing it, a text of ``n_chars`` characters that no context of ``n_ctx`` tokens
+    holds (see :attr:`GGUFTokenizer.max_token_chars`): tokenizing runs in Python, holding the interpreter
+    lock, and a 1.3 MB prompt held every other request (and a running stream's tokens) for a second
+    before it was refused. Raises ApiError (400 ``context_length_exceeded``); None ``n_ctx``: no check."""
+    if n_ctx is not None and n_chars > n_ctx * tok.max_token_chars + 1:
+        raise bad_request(f"This model's maximum context length is {n_ctx} tokens, but the prompt has {n_chars} "
+                          f"characters, more than {n_ctx} tokens of its vocabulary hold (at most "
+                          f"{tok.max_token_chars} characters a token). Shorten the prompt.", param,
+                          "context_length_exceeded")
+
+
+def completion_prompts(tok: GGUFTokenizer, prompt: Any, n_ctx: int | None = None) -> list[list[int]]:
     """The token ids of each prompt of a completion request.
 
     Args:
         tok: the model's tokenizer.
         prompt: the request's ``prompt``: a string, a list of strings, a list of token ids, or a list
             of such lists.
+        n_ctx: the context length: a text prompt longer than it can hold is refused untokenized.
     Returns:
         One ``list[int]`` per prompt.
     Raises:
         ApiError: 400 ``empty_prompt`` for an empty prompt, ``invalid_token`` for an id outside
-            ``[0, n_vocab)``.
+            ``[0, n_vocab)``, ``context_length_exceeded`` for a text no context of ``n_ctx`` holds.
     """
     if isinstance(prompt, str):
         prompt = [prompt]
@@ -36,6 +49,7 @@ def completion_prompts(tok: GGUFTokenizer, prompt: Any) -> list[list[int]]:
         if isinstance(p, str):
             if not p:
                 raise bad_request("prompt is empty", "prompt", "empty_prompt")
+            refuse_beyond_context(tok, len(p), n_ctx, "prompt")
             # Control-token text in a raw prompt ("<|im_start|>") becomes those tokens, as llama.cpp's
             # server does, so hand-rendered chat prompts work.
             out.append(tok.encode(p, parse_special=True))
@@ -48,13 +62,14 @@ def completion_prompts(tok: GGUFTokenizer, prompt: Any) -> list[list[int]]:
     return out
 
 
-def chat_prompt(tok: GGUFTokenizer, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+def chat_prompt(tok: GGUFTokenizer, req: ChatCompletionRequest, plan: ToolPlan, n_ctx: int | None = None) -> list[int]:
     """The token ids of a chat request's messages, rendered with the model's chat template (tools in
     the template when it reads them, else as a system message).
 
     Raises:
         ApiError: 400 ``invalid_messages`` for messages the template refuses, or a malformed earlier
-            tool call; 400 ``model_has_no_chat_template`` when the model has no template.
+            tool call; 400 ``model_has_no_chat_template`` when the model has no template; 400
+            ``context_length_exceeded`` for messages whose text no context of ``n_ctx`` tokens holds.
     """
     from meshnet.chat_template import chat_prompt_ids, template_has_tools
 
@@ -62,6 +77,9 @@ def chat_prompt(tok: GGUFTokenizer, req: ChatCompletionRequest, plan: ToolPlan) 
         raise bad_request("the served model has no chat template (its GGUF holds no tokenizer.chat_template), so "
                           "it cannot take messages: send the text as a prompt to /v1/completions",
                           "messages", "model_has_no_chat_template")
+    refuse_beyond_context(tok, sum(len(m.content) if isinstance(m.content, str) else
+                                   sum(len(p.text or "") for p in m.content) if m.content else 0
+                                   for m in req.messages), n_ctx, "messages")
     tools = plan.prompt_tools()
     messages = []
     if tools and not template_has_tools(tok.chat_template):
