@@ -527,6 +527,27 @@ def test_a_node_silent_past_its_ttl_and_back_before_a_sweep_is_said_to_leave_and
         "node n2 joined: layers [10, 20) at 127.0.0.1:14920"]
 
 
+def test_a_node_restarted_within_its_ttl_at_its_address_is_said_to_restart(caplog):
+    """Killed and restarted at once under its id and ports (a supervisor, an operator), a node registered
+    again over its live entry, and the tracker's log said nothing at all."""
+    import logging
+
+    from meshnet.tracker.node_info import record_from_info
+    from meshnet.tracker.registry import Registry
+
+    registry = Registry(heartbeat_interval_s=1.0, clock=lambda: 100.0)
+    first = node_info("n3", 10, 20, port=14930)
+    first.instance = "process-1"
+    with caplog.at_level(logging.INFO, logger="meshnet.tracker.members"):
+        registry.register(record_from_info(first), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+        registry.register(record_from_info(first), PROTOCOL_MAJOR, PROTOCOL_MINOR)  # the same process: no line
+        first.instance = "process-2"
+        registry.register(record_from_info(first), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+    assert [r.getMessage() for r in caplog.records] == [
+        "node n3 joined: layers [10, 20) at 127.0.0.1:14930",
+        "node n3 restarted: a new process at 127.0.0.1:14930"]
+
+
 def test_a_tracker_on_every_interface_of_a_machine_without_a_default_route_says_its_address_is_unknown(monkeypatch):
     """Without a default route the line naming where other machines reach the tracker was left out without
     a word, and its dashboard line named no address either."""

@@ -143,6 +143,9 @@ class Registry:
         if old is None or old.record.address != record.address or old.record.layers != record.layers:
             log.info("node %s joined: layers [%d, %d) at %s%s", record.node_id, record.layers.start,
                      record.layers.end, record.address, " (relayed)" if record.relayed else "")
+        elif old.record.instance and record.instance and old.record.instance != record.instance:
+            # Killed and restarted within its TTL at the same address: without this, nothing said so.
+            log.info("node %s restarted: a new process at %s", record.node_id, record.address)
 
     def check_admissible(self, record: NodeRecord, protocol_major: int, protocol_minor: int) -> None:
         """Raise what :meth:`register` would for ``record``, registering nothing."""
