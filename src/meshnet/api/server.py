@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -189,6 +190,8 @@ class _StoppingServer(uvicorn.Server):
         self._stopping = stopping
 
     def handle_exit(self, sig, frame) -> None:
+        if not self._stopping.is_set():  # said once; os.write, since print is not safe in a signal handler
+            os.write(2, b"[meshnet api] stopping: open requests end now (server_shutdown)\n")
         self._stopping.set()
         super().handle_exit(sig, frame)
 
