@@ -182,3 +182,14 @@ def test_an_overlong_relayed_node_id_is_refused_without_quoting_it(tracker):
         stub.RelayControl(pb.RelayControlRequest(node_id="\u00e9" * 100_000, kind=pb.RelayDown.HEALTH), timeout=5)
     assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert ei.value.details() == "RelayControl: node_id must have 1 to 128 characters, got 100000"
+
+
+@pytest.mark.parametrize("kind", [pb.RelayDown.ATTACHED, pb.RelayDown.STEP, 99])
+def test_relay_control_of_a_kind_it_does_not_carry_is_refused_before_the_node_is_asked(tracker, kind):
+    """An unknown kind (99) was passed on to the relayed node; only ATTACHED and STEP were refused."""
+    stub, _ = tracker
+    with pytest.raises(grpc.RpcError) as ei:
+        stub.RelayControl(pb.RelayControlRequest(node_id="any-node", kind=kind), timeout=5)
+    assert ei.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details() == ("RelayControl: kind must be CANCEL, RELEASE, HEALTH or CAPABILITIES "
+                                  "(steps use RelayStep)")

@@ -378,7 +378,8 @@ class TrackerService(pb_grpc.TrackerServicer):
         if not request.node_id or len(request.node_id) > NODE_ID_MAX_CHARS:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"RelayControl: node_id must have 1 to "
                           f"{NODE_ID_MAX_CHARS} characters, got {len(request.node_id)}")
-        if request.kind in (pb.RelayDown.ATTACHED, pb.RelayDown.STEP):
+        if request.kind not in (pb.RelayDown.CANCEL, pb.RelayDown.RELEASE, pb.RelayDown.HEALTH,
+                                pb.RelayDown.CAPABILITIES):  # an unknown kind was passed on to the node
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           "RelayControl: kind must be CANCEL, RELEASE, HEALTH or CAPABILITIES (steps use RelayStep)")
         down = pb.RelayDown(kind=request.kind, session_id=request.session_id, epoch=request.epoch)
