@@ -19,6 +19,7 @@ from meshnet.membership.identity import NodeIdentity
 from meshnet.node.service import NodeService
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.wire.envelope import session_id_problem
 
 log = logging.getLogger("meshnet.node")
 
@@ -96,7 +97,9 @@ class RelayLink:
     def _control(self, down: pb.RelayDown) -> pb.RelayUp:
         up = pb.RelayUp(call_id=down.call_id, code="OK")
         kind = down.kind
-        if kind == pb.RelayDown.CANCEL:
+        if kind in (pb.RelayDown.CANCEL, pb.RelayDown.RELEASE) and (problem := session_id_problem(down.session_id)):
+            up.code, up.message = "INVALID_ARGUMENT", problem  # as Cancel and Release over gRPC refuse it
+        elif kind == pb.RelayDown.CANCEL:
             self.service.engine.cancel(down.session_id)
         elif kind == pb.RelayDown.RELEASE:
             self.service.release(down.session_id, down.epoch)

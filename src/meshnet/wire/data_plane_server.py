@@ -48,6 +48,7 @@ from meshnet.wire.data_plane import AUTH, AWAIT, ENVELOPE, ERROR, FORWARD, HEADE
 from meshnet.wire.data_plane_conn import (FRAME_CHARGE, Conn, Refuse, WaitingRoom, accept_connections, send_at_once,
                                          send_now)
 from meshnet.wire.data_plane_steps import StepPool, encode_outcome
+from meshnet.wire.envelope import session_id_problem
 from meshnet.wire.request_budget import RequestBudget
 
 log = logging.getLogger("meshnet.data_plane")
@@ -281,6 +282,8 @@ class DataPlaneServer:
                 awaited = pb.AwaitStep.FromString(body)
             except DecodeError as e:
                 raise Refuse("malformed", "INVALID_ARGUMENT", f"undecodable await: {e}") from None
+            if (problem := session_id_problem(awaited.session_id)) is not None:
+                raise Refuse("malformed", "INVALID_ARGUMENT", f"await: {problem}")
             # Still read meanwhile (see _read_awaiting); the answer is sent once the selector thread
             # has taken the connection back from the await.
             c.cancel_await = lambda: None

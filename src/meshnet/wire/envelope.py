@@ -39,6 +39,27 @@ MAX_FRAME_BYTES = 1 << 20
 # A session id is a client's uuid (32 hex digits); a far longer one is refused before any stage echoes it
 # in an error, whose details gRPC drops past 16 KiB (the caller then sees RESOURCE_EXHAUSTED, not why).
 MAX_SESSION_ID_CHARS = 256
+# The text a HopFailure's fields keep: a failure note a tail holds for an await (up to MAX_PENDING of them,
+# for minutes) carried an 8 MB message each, and 200 such notes grew a node by 1.4 GB.
+MAX_FAILURE_CHARS = 4096
+
+
+def session_id_problem(session_id: str) -> str | None:
+    """Why ``session_id`` is no session id a node keys anything by (empty, or over
+    :data:`MAX_SESSION_ID_CHARS`), or None. Every way a session id reaches a node checks it: a step's
+    frames, an await, a failure note, Cancel and Release (the fences Release sets are kept for good)."""
+    if not session_id:
+        return "session_id is empty"
+    if len(session_id) > MAX_SESSION_ID_CHARS:
+        return f"session_id of {len(session_id)} characters; at most {MAX_SESSION_ID_CHARS}"
+    return None
+
+
+def bounded_failure(failure: pb.HopFailure) -> pb.HopFailure:
+    """``failure`` with its text fields cut to :data:`MAX_FAILURE_CHARS` (a peer's word, kept by the tail)."""
+    return pb.HopFailure(node_id=failure.node_id[:MAX_SESSION_ID_CHARS], code=failure.code[:64],
+                         message=failure.message[:MAX_FAILURE_CHARS], retry_after_s=failure.retry_after_s,
+                         unreachable=failure.unreachable)
 
 
 class WireError(Exception):
@@ -172,11 +193,9 @@ def assemble(frames: Iterable[pb.Envelope]) -> tuple[pb.Envelope, bytes]:
             header = f
             if f.n_chunks < 1:
                 raise WireError(Status.INVALID_ARGUMENT, "envelope declares 0 frames")
-            if not f.session_id:  # every node would key its cache, the tail its await, by it
-                raise WireError(Status.INVALID_ARGUMENT, "session_id is empty")
-            if len(f.session_id) > MAX_SESSION_ID_CHARS:
-                raise WireError(Status.INVALID_ARGUMENT, f"session_id of {len(f.session_id)} characters; at "
-                                                         f"most {MAX_SESSION_ID_CHARS}")
+            # every node would key its cache, the tail its await, by it
+            if (problem := session_id_problem(f.session_id)) is not None:
+                raise WireError(Status.INVALID_ARGUMENT, problem)
         elif (f.session_id, f.step_id) != (header.session_id, header.step_id):
             raise WireError(Status.INVALID_ARGUMENT, "frames of different steps were interleaved")
         if f.chunk_index != len(parts) or f.n_chunks != header.n_chunks:
