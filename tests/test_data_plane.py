@@ -481,3 +481,28 @@ def test_a_data_port_that_lets_no_connection_in_fails_a_step_within_the_connect_
         finally:
             for f in fillers:
                 f.close()
+
+
+def test_a_service_that_is_no_data_plane_is_named_so_without_repeating_its_bytes():
+    """A step's next_hops may name any address: a node dialling another service there said "message of
+    1347703880 bytes exceeds the limit", the first four bytes of its banner ("HTTP") read as a length,
+    which let whoever sends steps learn what serves at any address the node reaches."""
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def banner() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(1024)
+            conn.sendall(b"HTTP/1.1 400 Bad Request\r\nServer: secret-service/9.9\r\n\r\n")
+            time.sleep(0.5)
+
+    threading.Thread(target=banner, daemon=True).start()
+    try:
+        with pytest.raises(DataPlaneError) as ei:
+            DataPlaneConnection(f"127.0.0.1:{port}", None, 5.0)
+        assert str(ei.value) == "it does not answer as a meshnet node's data plane (another service at that port?)"
+    finally:
+        listener.close()

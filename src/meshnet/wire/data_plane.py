@@ -39,6 +39,8 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
 AUTH, ENVELOPE, REPLY, ERROR, FORWARD, AWAIT = 1, 2, 3, 4, 5, 6
+# The longest answer to a connection's AUTH: an empty AUTH, or an ERROR of a code and a short message.
+MAX_HANDSHAKE_REPLY_BYTES = 64 << 10
 HEADER = struct.Struct("<IB")
 # Larger than any frame (1 MiB payload plus headers): anything bigger is a protocol error.
 MAX_MESSAGE_BYTES = 8 << 20
@@ -144,7 +146,14 @@ class DataPlaneConnection:
             if tls is not None:
                 sock = tls.wrap_socket(sock, server_hostname=host)
             send_message(sock, AUTH, (join_token or "").encode())
-            kind, payload = recv_message(sock)
+            # A node answers AUTH (empty) or a short ERROR: anything else is another service, whose bytes
+            # are not repeated (its first four, read as a length, named what served there to whoever
+            # could have a node dial any address).
+            n, kind = HEADER.unpack(_recv_exact(sock, HEADER.size))
+            if kind not in (AUTH, ERROR) or n > MAX_HANDSHAKE_REPLY_BYTES:
+                raise DataPlaneError("it does not answer as a meshnet node's data plane (another service "
+                                     "at that port?)")
+            payload = _recv_exact(sock, n)
         except TimeoutError:
             sock.close()
             raise ConnectTimeout(f"connected, but no handshake within {connect_s:g} s") from None
