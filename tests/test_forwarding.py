@@ -73,10 +73,13 @@ def test_a_node_killed_while_forwarding_is_replaced_with_identical_output(mesh, 
                    in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
-def _firewall_before(monkeypatch, node_id: str) -> str:
+def _firewall_before(monkeypatch, mesh, node_id: str) -> str:
     """Emulate a firewall that lets the client reach ``node_id``'s data port but not the nodes before it:
     the route the client hands on to the nodes names a closed port (returned) for it, while the client's
-    own connections to it go to its real one."""
+    own connections to it go to its real one. The tracker's node list holds the closed port too (nodes
+    send on only to listed data addresses), as it lists a real port behind a firewall."""
+    import dataclasses
+
     from meshnet.client.remote import RemoteStage
 
     with socket.socket() as s:  # a port nothing listens on: connecting is refused at once
@@ -91,6 +94,15 @@ def _firewall_before(monkeypatch, node_id: str) -> str:
         return hop
 
     monkeypatch.setattr(RemoteStage, "forward_hop", through_a_firewall)
+    listed = mesh.service.registry.statuses
+
+    def listed_with_the_closed_port():
+        out = listed()
+        return out + [dataclasses.replace(s, record=dataclasses.replace(s.record, node_id=f"{node_id}-firewalled",
+                                                                          data_address=closed))
+                      for s in out if s.record.node_id == node_id]
+
+    monkeypatch.setattr(mesh.service.registry, "statuses", listed_with_the_closed_port)
     return closed
 
 
@@ -99,7 +111,7 @@ def test_a_link_between_two_nodes_that_fails_is_stepped_by_the_client_with_ident
     """A firewall lets the client reach both nodes but not the head the tail's data port. Before, every attempt failed the tail over onto the same route, 27
     times, until the session gave up; now the client blocks that link, replays the session once and steps
     it itself, with the solo run's tokens."""
-    closed = _firewall_before(monkeypatch, "b-tail")
+    closed = _firewall_before(monkeypatch, mesh, "b-tail")
     nodes = mesh.start_nodes([("a-head", "0:15"), ("b-tail", "15:30")])
     client = mesh.client(forwarding=True, failover_deadline_s=5.0)
     with caplog.at_level(logging.WARNING, logger="meshnet.client"):
@@ -133,7 +145,7 @@ def test_a_failed_link_in_the_middle_of_a_route_is_found_by_health_and_stepped_b
     replays once, and steps the route itself."""
     import time
 
-    _firewall_before(monkeypatch, "c-tail")
+    _firewall_before(monkeypatch, mesh, "c-tail")
     nodes = mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
     client = mesh.client(forwarding=True, failover_deadline_s=5.0)
     started = time.monotonic()

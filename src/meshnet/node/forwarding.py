@@ -14,6 +14,8 @@ breaks or times out, and it probes the route's nodes.)
 Every node applies the same rules to a forwarded step as to a client's: the join token authenticates
 the connection, frames are validated before the engine sees them, epochs fence old steps. Under TLS a
 node dials the next one over TLS and verifies its certificate with the CA it verifies the tracker with.
+A node sends on only to the data addresses of the nodes registered with its tracker
+(:mod:`meshnet.node.registered_peers`): a step names its next hops itself.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import threading
 import time
 from typing import Callable
 
+from meshnet.node.registered_peers import NeedsRefresh, RegisteredPeers
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.wire.data_plane import FORWARD, STALL_S, ConnectionPool, DataPlaneError
 from meshnet.wire.addresses import check_address
@@ -186,6 +189,8 @@ class Forwarder:
 
     def __init__(self, join_token: str | None, timeout_s: float = 10.0, tls: ssl.SSLContext | None = None) -> None:
         self.join_token, self.timeout_s, self.tls = join_token, timeout_s, tls
+        # The nodes registered with this node's tracker, the only ones it sends to (None: any address).
+        self.peers: RegisteredPeers | None = None
         self._pools: collections.OrderedDict[str, ConnectionPool] = collections.OrderedDict()
         self._unreachable: dict[str, float] = {}  # address -> monotonic time until which sends fail at once
         self._warned: dict[str, float] = {}  # address -> monotonic time until which its failures are not logged
@@ -211,6 +216,14 @@ class Forwarder:
         a pooled connection to it is idle (a refusal answered at once is not marked: it costs no wait, and
         a node restarting on its port, or at its connection cap a moment, is back at once)."""
         address = hop.data_address
+        if self.peers is not None:
+            try:
+                if not self.peers.admits(address, may_block=connect):
+                    return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0,
+                                         message=f"the hop before it sends steps to the nodes registered with "
+                                                 f"its tracker only, and none has the data address {address}")
+            except NeedsRefresh:
+                raise WouldWait(address) from None
         pool = self._pool(address)
         with self._lock:
             until = self._unreachable.get(address, 0.0)

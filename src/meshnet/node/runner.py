@@ -30,6 +30,7 @@ from meshnet.membership.identity import node_identity
 from meshnet.node.config import NodeConfig
 from meshnet.node.engine_loader import load_engine, load_failure, measure_decode_speed
 from meshnet.node.membership import Membership
+from meshnet.node.registered_peers import LIST_TIMEOUT_S, RegisteredPeers
 from meshnet.node.relay_link import RelayLink
 from meshnet.node.service import NodeService
 from meshnet.node.speed_probe import REPROBE_EVERY_S, IdleSpeed
@@ -129,6 +130,8 @@ class Node:
         if cfg.tracker:
             self.service.on_step = self.work.record
             tracker = pb_grpc.TrackerStub(open_channel(cfg.tracker, cfg.join_token, cfg.tls_ca))
+            self.service.forwarder.peers = RegisteredPeers(lambda: [n.info.data_address for n in tracker.ListNodes(
+                pb.Empty(), timeout=LIST_TIMEOUT_S).nodes])
             manifest = pb.ModelManifest(model_id=self.model.sha256, manifest=self.loaded.manifest) \
                 if self.loaded.manifest else None
             self.membership = Membership(tracker, self.identity, self.node_id, self.info, self._load, self.work,

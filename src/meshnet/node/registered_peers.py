@@ -1,0 +1,73 @@
+"""Which addresses a node forwards steps to: the data planes of the nodes registered with its tracker.
+
+A forwarded step names the next hops itself (``Envelope.next_hops``), so without a check a node dials
+whatever address a step names: whoever can send it steps could have it connect to any ``host:port`` it
+reaches (a port scan from inside the mesh's network, the reply's timing and words telling open from
+closed). Routes only ever name registered nodes, so a node sends on only to the data address of a node
+its tracker lists.
+
+The list is the tracker's ``ListNodes``, kept here and asked again when a step names an address it lacks
+(a node that joined since), at most once every :data:`REFRESH_S`. When the tracker cannot be asked (an
+outage, during which the mesh goes on serving) the addresses last listed, and any other, are let through:
+a check that failed closed would stop forwarding with the tracker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Iterable
+
+import grpc
+
+log = logging.getLogger("meshnet.node")
+
+# The least time between two askings of the tracker's list, seconds: a flood of steps naming made-up
+# addresses asks it once a second at most.
+REFRESH_S = 1.0
+# How long one asking may take, seconds (on a thread that may block: see RegisteredPeers.admits).
+LIST_TIMEOUT_S = 2.0
+
+
+class NeedsRefresh(Exception):
+    """The address is not on the list this node holds, and asking the tracker again may block."""
+
+
+class RegisteredPeers:
+    """The data addresses of the nodes registered with this node's tracker (thread-safe).
+
+    Args:
+        list_addresses: returns every registered node's data address (``ListNodes``); raises
+            ``grpc.RpcError`` when the tracker cannot be asked.
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, list_addresses: Callable[[], Iterable[str]],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._list, self._clock = list_addresses, clock
+        self._known: frozenset[str] = frozenset()
+        self._asked_at = float("-inf")
+        self._reachable = True  # whether the last asking was answered
+        self._lock = threading.Lock()  # one asking at a time
+
+    def admits(self, address: str, may_block: bool = True) -> bool:
+        """Whether a step may be sent on to ``address``: a registered node's data address, or any while
+        the tracker cannot be asked. ``may_block`` False raises :class:`NeedsRefresh` where the answer
+        takes asking the tracker (the caller asks again from a thread that may wait)."""
+        if address.lower() in self._known:
+            return True
+        if not may_block and self._clock() - self._asked_at >= REFRESH_S:
+            raise NeedsRefresh(address)
+        with self._lock:
+            if self._clock() - self._asked_at >= REFRESH_S:
+                self._asked_at = self._clock()
+                try:
+                    self._known = frozenset(a.lower() for a in self._list() if a)
+                    self._reachable = True
+                except grpc.RpcError as e:
+                    if self._reachable:
+                        log.warning("could not ask the tracker which nodes are registered (%s): steps are "
+                                    "forwarded to the addresses they name until it answers", e.code().name)
+                    self._reachable = False
+            return address.lower() in self._known or not self._reachable
