@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 
 import grpc
 import pytest
+
+from mesh_util import wait_for
 
 from meshnet.node.forwarding import Forwarder, WouldWait
 from meshnet.node.registered_peers import REFRESH_S, NeedsRefresh, RegisteredPeers
@@ -86,7 +87,7 @@ def test_a_forwarder_sends_to_registered_nodes_only_and_never_dials_another_addr
         with pytest.raises(socket.timeout):
             target.accept()
         assert fwd.send(pb.ForwardHop(node_id="n", data_address=registered), step) is None
-        assert _wait(lambda: len(received) == 1) and received[0][0].session_id == "s"
+        assert wait_for(lambda: len(received) == 1, 5.0) is not None and received[0][0].session_id == "s"
         # From a thread that must not block (the engine worker's answers), a due asking is passed on.
         fwd.peers = RegisteredPeers(lambda: [registered])
         with pytest.raises(WouldWait):
@@ -118,17 +119,8 @@ def test_a_node_of_a_mesh_sends_on_to_its_tracker_s_nodes_only(mesh):
             conn.send(FORWARD, [f.SerializeToString() for f in frames], 5.0)
         with pytest.raises(socket.timeout):
             target.accept()
-        assert _wait(lambda: tail.active_sessions() == 1), tail.log_tail()
+        assert wait_for(lambda: tail.active_sessions() == 1, 10.0) is not None, tail.log_tail()
         assert "sends steps to the nodes registered with its tracker only" not in head.log_tail()  # no noise
     finally:
         conn.close()
         target.close()
-
-
-def _wait(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
