@@ -598,6 +598,24 @@ def test_a_node_on_loopback_under_a_tracker_reached_over_the_network_is_warned_a
                     "0.0.0.0 (or this machine's address), or --advertise HOST:PORT\n"), line
 
 
+def test_a_node_on_every_interface_that_can_only_register_loopback_is_warned_about(monkeypatch):
+    """With its tracker on the same machine (dialled as 127.0.0.1) and no default route, a node bound to
+    0.0.0.0 registered 127.0.0.1 without a word, and clients on other machines were refused at it."""
+    from meshnet.node import cli as node_cli
+    from meshnet.node.config import NodeConfig
+
+    cfg = NodeConfig(model="smollm2", layers=None, tracker="127.0.0.1:7700", host="0.0.0.0")
+    monkeypatch.setattr(node_cli, "dialable_host", lambda host, tracker: "127.0.0.1")  # no default route
+    assert node_cli.unreachable_wildcard(cfg) == (
+        "--host 0.0.0.0: this node registers 127.0.0.1, which only this machine can dial (its tracker is dialled "
+        "by loopback and this machine has no default route to tell its address by): clients and nodes on other "
+        "machines cannot reach it; pass --advertise HOST:PORT with its address on their network")
+    for fine in (dict(advertise="10.0.0.5:7701"), dict(relay=True), dict(host="127.0.0.1")):
+        assert node_cli.unreachable_wildcard(NodeConfig(**{**cfg.__dict__, **fine})) is None
+    monkeypatch.setattr(node_cli, "dialable_host", lambda host, tracker: "10.0.0.5")  # a default route
+    assert node_cli.unreachable_wildcard(cfg) is None
+
+
 def test_bench_serve_at_a_url_where_nothing_answers_says_so_in_one_line(tmp_path):
     """A URL where nothing listened was httpx's ConnectError traceback."""
     import subprocess

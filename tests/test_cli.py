@@ -249,6 +249,10 @@ def test_an_api_beyond_loopback_without_a_key_says_so_and_a_bad_key_is_refused(t
             assert lines[-1] or proc.poll() is None, lines
         serving = next(line for line in lines if "serving 'smollm2'" in line)
         port = int(serving.split(":")[2].split("/")[0])
+        # named by the address others reach it at, as `meshnet up` names its API (0.0.0.0 where none is known)
+        from meshnet.wire.addresses import this_machine_address
+
+        assert f"on http://{this_machine_address('0.0.0.0')}:{port}/v1 " in serving, serving
         assert lines[-1] == (f"[meshnet api] no API key: anyone who reaches port {port} can run generations on "
                              "this model (pass --api-key, or set $MESHNET_API_KEY)\n")
     finally:

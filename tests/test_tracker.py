@@ -22,7 +22,7 @@ from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry
 from meshnet.tracker.routing import NodeRecord
 from meshnet.tracker.cli import add_tracker_parser
-from meshnet.tracker.server import serve_tracker
+from meshnet.tracker.server import serve_tracker, start_tracker
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from meshnet.wire.security import open_channel
 
@@ -529,6 +529,36 @@ def test_a_full_registry_refuses_new_node_ids_until_one_leaves():
         tracker.Deregister(pb.NodeRef(node_id="a"), timeout=5)
         tracker.Register(info("c", 0, 30, port=9003), timeout=5)
         assert sorted(n.info.node_id for n in tracker.ListNodes(pb.Empty(), timeout=5).nodes) == ["b", "c"]
+    finally:
+        channel.close()
+        server.stop(None)
+
+
+def test_a_tracker_serving_other_machines_warns_of_a_node_only_its_machine_can_dial(caplog):
+    """On the tracker's machine a node left on --host 127.0.0.1 (or bound to every interface on a machine
+    without a default route) registered 127.0.0.1, which routes handed to clients elsewhere, and neither
+    side said a word."""
+    import logging
+
+    server, port, _ = start_tracker("0.0.0.0", 0, heartbeat_interval_s=0.5)
+    channel = open_channel(f"127.0.0.1:{port}")
+    try:
+        with caplog.at_level(logging.WARNING, logger="meshnet.tracker.members"):
+            pb_grpc.TrackerStub(channel).Register(info("near", 0, 30, port=9123), timeout=5)
+        assert [r.getMessage() for r in caplog.records] == [
+            "node near registered 127.0.0.1:9123, which only this machine can dial, while the tracker serves other "
+            "machines: they cannot reach it (start it with --host 0.0.0.0, or --advertise HOST:PORT)"]
+    finally:
+        channel.close()
+        server.stop(None)
+    # A tracker on loopback serves this machine alone: nothing to warn of.
+    caplog.clear()
+    server, port, _ = start_tracker("127.0.0.1", 0, heartbeat_interval_s=0.5)
+    channel = open_channel(f"127.0.0.1:{port}")
+    try:
+        with caplog.at_level(logging.WARNING, logger="meshnet.tracker.members"):
+            pb_grpc.TrackerStub(channel).Register(info("near", 0, 30, port=9123), timeout=5)
+        assert caplog.records == []
     finally:
         channel.close()
         server.stop(None)

@@ -22,7 +22,7 @@ from meshnet.api.backend import ApiBackend
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
 from meshnet.secret_args import API_KEY_ENV, add_api_key_arg, add_join_token_arg
 from meshnet.speculative import add_speculation_args, speculation_from_args
-from meshnet.wire.addresses import format_address, is_loopback_host
+from meshnet.wire.addresses import format_address, is_loopback_host, this_machine_address
 from meshnet.wire.call_problems import tracker_refusal
 
 log = logging.getLogger("meshnet.api")
@@ -154,7 +154,9 @@ def run_api(args: argparse.Namespace) -> int:
         backend = build_backend(args)
         app = create_app(backend, max_body_bytes=int(args.max_body_mb * 2**20), api_key=args.api_key)
         port = sock.getsockname()[1]
-        print(f"[meshnet api] serving {backend.model_name!r} on http://{format_address(args.host, port)}/v1 "
+        # Bound to every interface: named by this machine's address (default route), as `meshnet up` names it.
+        print(f"[meshnet api] serving {backend.model_name!r} on "
+              f"http://{format_address(this_machine_address(args.host), port)}/v1 "
               f"(context {backend.n_ctx} tokens{', API key required' if args.api_key else ''})", file=sys.stderr,
               flush=True)
         if warning := open_api_warning(args.host, port, args.api_key, "this model"):

@@ -27,7 +27,7 @@ from meshnet.node.runner import Node
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.secret_args import add_join_token_arg
 from meshnet.supervisor import announce, follow_supervisor, on_stop_signals, wait_for_stop
-from meshnet.wire.addresses import is_loopback_host
+from meshnet.wire.addresses import WILDCARD_HOSTS, dialable_host, is_loopback_host
 from meshnet.wire.call_problems import tracker_refusal
 from meshnet.wire.security import TlsConfig, open_channel, server_ssl_context
 
@@ -231,6 +231,8 @@ def run_node(args: argparse.Namespace) -> int:
               f"({cfg.tracker}) is reached over the network: clients and nodes on other machines cannot reach "
               f"it; pass --host 0.0.0.0 (or this machine's address), or --advertise HOST:PORT",
               file=sys.stderr, flush=True)
+    if warning := unreachable_wildcard(cfg):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     if not cfg.tracker:  # fine for a test or a peer to fetch from, but no client will find it
         print("warning: no --tracker: this node registers nowhere, so no route or client finds it; give it "
               "--tracker HOST:PORT to join a mesh", file=sys.stderr, flush=True)
@@ -267,6 +269,19 @@ def run_node(args: argparse.Namespace) -> int:
     node.stop(drain=True)
     log.info("node %s stopped", node.node_id)
     return 1 if node.failure else 0
+
+
+def unreachable_wildcard(cfg: NodeConfig) -> str | None:
+    """Why a node bound to every interface would still register an address only its machine can dial, or
+    None: its tracker is on this machine (dialled by loopback) and the machine has no default route, so no
+    address others reach it by is known (`meshnet up --host 0.0.0.0` refuses the same)."""
+    if cfg.host not in WILDCARD_HOSTS or not cfg.tracker or cfg.advertise or cfg.relay:
+        return None
+    if not is_loopback_host(registered := dialable_host(cfg.host, cfg.tracker)):
+        return None
+    return (f"--host {cfg.host}: this node registers {registered}, which only this machine can dial (its tracker "
+            f"is dialled by loopback and this machine has no default route to tell its address by): clients and "
+            f"nodes on other machines cannot reach it; pass --advertise HOST:PORT with its address on their network")
 
 
 def _registered_or_trying(node: Node) -> bool:

@@ -10,7 +10,7 @@ from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.registry import Registry
 from meshnet.tracker.relay import TRACKER_WORKERS
 from meshnet.tracker.service import TrackerService
-from meshnet.wire.addresses import format_address
+from meshnet.wire.addresses import format_address, is_loopback_host
 from meshnet.wire.security import TlsConfig, add_port, make_server
 
 if TYPE_CHECKING:  # the ledger pulls in SQLAlchemy: imported when a tracker starts, not with the CLI
@@ -60,6 +60,7 @@ def start_tracker(host: str = "127.0.0.1", port: int = 0, heartbeat_interval_s: 
         ledger = Ledger(ledger)
     service = TrackerService(registry, ledger)
     service.auth.require_signatures = require_signatures
+    service.listens_beyond_loopback = not is_loopback_host(host)
     # Each attached relay stream and each relayed step in flight holds a worker thread (see RelayLimits).
     server = make_server(join_token, max_workers=TRACKER_WORKERS)
     pb_grpc.add_TrackerServicer_to_server(service, server)

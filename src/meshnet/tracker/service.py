@@ -22,6 +22,7 @@ It is served by :func:`meshnet.tracker.server.start_tracker`; the ``meshnet trac
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -40,12 +41,13 @@ from meshnet.tracker.refusals import Refusal, bounded, rpc
 from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry, RegistryFull
 from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayHub, RelayLimits
 from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
-from meshnet.wire.addresses import loopback_seen_from_elsewhere
+from meshnet.wire.addresses import is_loopback_host, loopback_seen_from_elsewhere
 from meshnet.wire.call_problems import abort_call
 
 if TYPE_CHECKING:  # the ledger pulls in SQLAlchemy: imported when a tracker starts, not with the CLI
     from meshnet.ledger.store import Ledger
 
+members_log = logging.getLogger("meshnet.tracker.members")
 # Seconds a deregistered node may still report work: its drain (30 s by default) with margin.
 _DEPARTED_S = 300.0
 # The longest model id or name GetManifest looks up, characters (ids are 64 hex digits; names, a GGUF's
@@ -79,6 +81,7 @@ class TrackerService(pb_grpc.TrackerServicer):
         self.relay_limits = RelayLimits()
         self.activity = ActivityBoard()  # clients' sessions, tokens/s and TTFT, for the dashboard
         self.manifests = ManifestStore()
+        self.listens_beyond_loopback = False  # set by start_tracker: it serves other machines too
 
     def _authenticate(self, method: str, node_id: str, message, bind: bool = False) -> None:
         try:
@@ -120,6 +123,11 @@ class TrackerService(pb_grpc.TrackerServicer):
                               self.registry.heartbeat_interval_s) from None
             except ValueError as e:
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {e}") from None
+        if self.listens_beyond_loopback and not record.relayed and is_loopback_host(record.address.rpartition(":")[0]):
+            # Taken (it is on this machine), but routes hand it to clients elsewhere, which are refused at it.
+            members_log.warning("node %s registered %s, which only this machine can dial, while the tracker serves "
+                                "other machines: they cannot reach it (start it with --host 0.0.0.0, or --advertise "
+                                "HOST:PORT)", record.node_id, record.address)
         return pb.RegisterReply(heartbeat_interval_s=self.registry.heartbeat_interval_s, ttl_s=self.registry.ttl_s)
 
     @rpc
