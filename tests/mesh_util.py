@@ -221,6 +221,20 @@ def greedy_steps(prefill, decode, sid: str, prompt, n: int, reserve_tokens: int 
     return out
 
 
+class RpcFailure(grpc.RpcError):
+    """A gRPC call's failure as a fake stub raises it: ``code()`` and ``details()`` (default: the code's name)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str | None = None) -> None:
+        super().__init__(details or code.name)
+        self._code, self._details = code, details or code.name
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
 def rpc_code(fn, *args, **kw) -> grpc.StatusCode:
     try:
         fn(*args, **kw)

@@ -459,19 +459,14 @@ def test_a_client_whose_tracker_was_already_silent_for_the_whole_wait_closes_aft
     now counts from when the tracker stopped answering, and a tracker silent for all of it gets one try."""
     import time
 
+    from mesh_util import RpcFailure
+
     class Down:
         calls = 0
 
         def ReportDelivery(self, *args, **kwargs):
             Down.calls += 1
-            raise _Unavailable()
-
-    class _Unavailable(grpc.RpcError):
-        def code(self):
-            return grpc.StatusCode.UNAVAILABLE
-
-        def details(self):
-            return "connection refused"
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "connection refused")
 
     deliveries = DeliveryReporter(Down(), "dave", interval_s=60)
     deliveries.delivered("s", 5)

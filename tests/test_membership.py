@@ -14,6 +14,7 @@ import time
 import grpc
 import pytest
 
+from mesh_util import RpcFailure
 from meshnet.ledger.store import Ledger
 from meshnet.membership.auth import AuthError, Authenticator, MemoryBindings
 from meshnet.membership.cli import add_nodes_parser, format_nodes
@@ -664,19 +665,12 @@ def test_a_node_refused_for_good_stops_reporting_work_too():
 
     from meshnet.node.membership import Membership
 
-    class Refused(grpc.RpcError):
-        def code(self):
-            return grpc.StatusCode.UNAUTHENTICATED
-
-        def details(self):
-            return "Heartbeat: signature does not verify"
-
     class Tracker:
         def Register(self, info, timeout):
             return pb.RegisterReply(heartbeat_interval_s=0.05, ttl_s=0.15)
 
         def Heartbeat(self, req, timeout):
-            raise Refused()
+            raise RpcFailure(grpc.StatusCode.UNAUTHENTICATED, "Heartbeat: signature does not verify")
 
     refusals = []
     membership = Membership(Tracker(), NodeIdentity.generate(), "n1", lambda: pb.NodeInfo(node_id="n1"),

@@ -10,7 +10,7 @@ import socket
 import grpc
 import pytest
 
-from mesh_util import wait_for
+from mesh_util import RpcFailure, wait_for
 
 from meshnet.node.forwarding import Forwarder, WouldWait
 from meshnet.node.registered_peers import REFRESH_S, NeedsRefresh, RegisteredPeers
@@ -24,11 +24,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-class Down(grpc.RpcError):
-    def code(self):
-        return grpc.StatusCode.UNAVAILABLE
 
 
 def test_an_address_off_the_list_asks_the_tracker_again_at_most_once_a_second():
@@ -47,7 +42,8 @@ def test_an_address_off_the_list_asks_the_tracker_again_at_most_once_a_second():
 
 def test_while_the_tracker_cannot_be_asked_every_address_is_let_through(caplog):
     """Fail open: a mesh goes on serving through a tracker outage, and its forwarding with it."""
-    clock, answers = Clock(), [["10.0.0.1:7701"], Down(), Down(), ["10.0.0.1:7701"]]
+    down = RpcFailure(grpc.StatusCode.UNAVAILABLE)
+    clock, answers = Clock(), [["10.0.0.1:7701"], down, down, ["10.0.0.1:7701"]]
 
     def listing():
         answer = answers.pop(0)

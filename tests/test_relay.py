@@ -10,6 +10,7 @@ import time
 
 import grpc
 import numpy as np
+import pytest
 
 from mesh_util import rpc_code, run_generate
 from solo_reference import PROMPTS
@@ -209,3 +210,24 @@ def test_relayed_node_reattaches_after_tracker_restart(mesh, tok, solo):
         pass
     assert gen.result.generated_token_ids == solo.greedy(0, 8)
     client.close()
+
+
+def test_a_relayed_step_left_unanswered_names_the_relay_and_the_wait():
+    """A relayed node that did not answer was failed over with gRPC's own words, "DEADLINE_EXCEEDED: Deadline
+    Exceeded", which named neither the relay nor how long the client had waited."""
+    from mesh_util import RpcFailure
+
+    from meshnet.client.remote import StageFailure
+    from meshnet.contract import StepRequest
+
+    class Tracker:
+        def RelayStep(self, frames, timeout, metadata):
+            raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    with grpc.insecure_channel("127.0.0.1:1") as channel:
+        stage = RelayedStage("b-relay", channel)
+        stage.tracker = Tracker()
+        with pytest.raises(StageFailure) as ei:
+            stage._step(StepRequest("s", 1, 0, (1, 2)), False, 2.5)
+    assert (ei.value.node_id, ei.value.code) == ("b-relay", "DEADLINE_EXCEEDED")
+    assert str(ei.value).endswith("no answer through the tracker's relay within 2.5 s"), str(ei.value)

@@ -118,19 +118,10 @@ def test_once_the_tracker_has_not_answered_route_requests_wait_a_second_while_th
     The short wait holds only where the last route can serve, and for 10 s at a time, so that a tracker
     slower than a second is not given up on for good."""
     import grpc
+    from mesh_util import RpcFailure
 
     from meshnet.client.router import ROUTE_RETRY_FULL_S, ROUTE_TIMEOUT_S, ROUTE_TIMEOUT_UNREACHABLE_S, Router
     from meshnet.proto import meshnet_pb2 as pb
-
-    class Unanswered(grpc.RpcError):
-        def __init__(self, code):
-            self._code = code
-
-        def code(self):
-            return self._code
-
-        def details(self):
-            return self._code.name
 
     class Tracker:  # answers in turn: each item a Route, or a status code to fail with
         def __init__(self, answers):
@@ -140,7 +131,7 @@ def test_once_the_tracker_has_not_answered_route_requests_wait_a_second_while_th
             self.timeouts.append(timeout)
             answer = self.answers.pop(0)
             if isinstance(answer, grpc.StatusCode):
-                raise Unanswered(answer)
+                raise RpcFailure(answer)
             return answer
 
     assert (ROUTE_TIMEOUT_S, ROUTE_TIMEOUT_UNREACHABLE_S, ROUTE_RETRY_FULL_S) == (5.0, 1.0, 10.0)

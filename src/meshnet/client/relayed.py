@@ -50,6 +50,9 @@ class RelayedStage(RemoteStage):
             replies = self.tracker.RelayStep(iter(frames), timeout=timeout_s, metadata=self._metadata)
             return replies_to_result(replies)
         except grpc.RpcError as e:
+            if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:  # gRPC's "Deadline Exceeded" named no wait
+                raise StageFailure(self.node_id, self.address, "DEADLINE_EXCEEDED", f"no answer through the "
+                                   f"tracker's relay within {timeout_s:.1f} s") from None
             return self._fail(e)  # StageFailure unless the code is a contract status
         except WireError as e:
             raise StageFailure(self.node_id, self.address, "DATA_LOSS", e.message) from None
