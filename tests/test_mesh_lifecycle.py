@@ -478,6 +478,47 @@ def test_a_node_whose_stdout_nobody_reads_keeps_serving_and_deregisters_at_its_s
             proc.wait(10)
 
 
+def test_meshnet_up_counts_the_sessions_its_nodes_hold_now_not_at_their_last_heartbeat():
+    """Ctrl-C at `meshnet up` while its API streamed said "sessions still open: 1": the API's own session,
+    released a moment before, as the nodes' last heartbeats (and the routes handed out since) counted it."""
+    from concurrent import futures
+
+    from meshnet.contract import ArtifactId, LayerRange, StepRequest
+    from meshnet.engine.fake import FakeEngine, FakeModel
+    from meshnet.load_spec import LoadSpec
+    from meshnet.node.service import NodeService
+    from meshnet.tracker.node_info import record_from_info
+    from meshnet.tracker.registry import Registry
+    from meshnet.up import open_sessions
+    from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
+
+    model = FakeModel()
+    engine = FakeEngine(model)
+    assert engine.load(LoadSpec(path="", artifact=ArtifactId(model.sha256, LayerRange(0, 30)))).ok
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_NodeServicer_to_server(NodeService(engine, "live", pb.ModelIdentity(sha256=model.sha256)), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    registry = Registry(heartbeat_interval_s=60.0)
+
+    def register(node_id: str, address: str, sessions: int) -> None:
+        info = pb.NodeInfo(node_id=node_id, address=address, layers=pb.LayerRange(start=0, end=30),
+                           model=pb.ModelIdentity(sha256=model.sha256, architecture="llama", n_layer=30))
+        registry.register(record_from_info(info), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+        registry.heartbeat(node_id, sessions, 0.0)
+
+    try:
+        register("live", f"127.0.0.1:{port}", sessions=1)  # its last heartbeat: 1 session, since released
+        registry.granted(["live"])  # and a route handed out since
+        assert open_sessions(registry, None) == 0
+        assert engine.prefill(StepRequest("other-client", 1, 0, (1, 2))).ok
+        assert open_sessions(registry, None) == 1
+        register("silent", f"127.0.0.1:{free_port()}", sessions=2)  # does not answer: its heartbeat's figure
+        assert open_sessions(registry, None) == 2
+    finally:
+        server.stop(0).wait()
+
+
 def test_meshnet_up_says_what_its_stop_waits_for_and_a_second_ctrl_c_stops_at_once(solo, tmp_path):
     """Ctrl-C at a `meshnet up` whose nodes held another client's session waited 15 s in silence, ignored
     a second Ctrl-C, and then SIGKILLed nodes that had 30 s to drain. It now says how many sessions are

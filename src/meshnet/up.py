@@ -306,9 +306,7 @@ def run_up(args: argparse.Namespace) -> int:
             api[0].stopping.set()  # its generations end with a 503 at their next token, as meshnet api's
             stop_api(api[1], api[2])
             api[0].close()
-        # Other clients' sessions (the API's ended above), as of each node's last heartbeat; a session
-        # is open on every node of its route.
-        held = max((n.active_sessions for n in registry.routable()), default=0)
+        held = open_sessions(registry, args.join_token)
         print("[meshnet up] stopping nodes" + (f" (sessions still open: {held}; up to {args.drain_timeout:g} s "
                                               "for them to finish, Ctrl-C again stops now)" if held else ""),
               file=sys.stderr, flush=True)
@@ -320,3 +318,18 @@ def run_up(args: argparse.Namespace) -> int:
         if ledger is not None:
             ledger.close()
     return code
+
+
+def open_sessions(registry, join_token: str | None) -> int:
+    """Other clients' sessions still open on the mesh (the API's, ended before, are not): the most any node
+    holds, asked of each node (a session is open on every node of its route), or as of its last heartbeat
+    where it does not answer at once. The heartbeats' figure alone still counted the API's own stream,
+    released a moment before, and the routes handed out since."""
+    def held(record) -> int:
+        try:
+            with open_channel(record.address, join_token) as channel:
+                return pb_grpc.NodeStub(channel).Health(pb.Empty(), timeout=1.0).active_sessions
+        except grpc.RpcError:
+            return record.active_sessions
+
+    return max((held(s.record) for s in registry.statuses() if not s.record.relayed), default=0)
