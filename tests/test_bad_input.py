@@ -616,6 +616,24 @@ def test_a_node_on_every_interface_that_can_only_register_loopback_is_warned_abo
     assert node_cli.unreachable_wildcard(cfg) is None
 
 
+def test_a_node_on_loopback_advertising_another_address_is_warned_about():
+    """The hints for a loopback node name `--advertise HOST:PORT`; a node started with it but still on the
+    default --host 127.0.0.1 registered 10.x:PORT, where nothing listened, with no warning from node or
+    tracker, and every client was refused there ("no node serves layers [15, 30)")."""
+    from meshnet.node import cli as node_cli
+    from meshnet.node.config import NodeConfig
+
+    cfg = NodeConfig(model="smollm2", layers=None, tracker="10.0.0.1:7700", host="127.0.0.1",
+                     advertise="10.0.0.5:7701")
+    assert node_cli.loopback_behind_advertise(cfg) == (
+        "--advertise 10.0.0.5:7701 with --host 127.0.0.1: this node listens on loopback only, so nothing answers "
+        "at 10.0.0.5 unless a proxy or tunnel there forwards to it; pass --host 0.0.0.0 (or this machine's "
+        "address) as well")
+    for fine in (dict(host="0.0.0.0"), dict(host="10.0.0.5"), dict(advertise=None), dict(advertise="127.0.0.1:7701"),
+                 dict(advertise=None, relay=True)):
+        assert node_cli.loopback_behind_advertise(NodeConfig(**{**cfg.__dict__, **fine})) is None
+
+
 def test_bench_serve_at_a_url_where_nothing_answers_says_so_in_one_line(tmp_path):
     """A URL where nothing listened was httpx's ConnectError traceback."""
     import subprocess

@@ -233,6 +233,8 @@ def run_node(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
     if warning := unreachable_wildcard(cfg):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
+    if warning := loopback_behind_advertise(cfg):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     if not cfg.tracker:  # fine for a test or a peer to fetch from, but no client will find it
         print("warning: no --tracker: this node registers nowhere, so no route or client finds it; give it "
               "--tracker HOST:PORT to join a mesh", file=sys.stderr, flush=True)
@@ -282,6 +284,21 @@ def unreachable_wildcard(cfg: NodeConfig) -> str | None:
     return (f"--host {cfg.host}: this node registers {registered}, which only this machine can dial (its tracker "
             f"is dialled by loopback and this machine has no default route to tell its address by): clients and "
             f"nodes on other machines cannot reach it; pass --advertise HOST:PORT with its address on their network")
+
+
+def loopback_behind_advertise(cfg: NodeConfig) -> str | None:
+    """Why a node listening on loopback only but advertising another address would be refused every
+    connection, or None. The tracker's and the node's own hints name `--advertise HOST:PORT` beside
+    `--host 0.0.0.0`; taken alone it registered an address where nothing listened, without a word, and every
+    client was refused there ("no node serves layers ..."). Only a proxy or tunnel on the advertised address
+    that forwards to this loopback port makes it work, so this warns rather than refuses."""
+    if not cfg.advertise or cfg.relay or not is_loopback_host(cfg.host):
+        return None
+    if is_loopback_host(advertised := cfg.advertise.rpartition(":")[0].strip("[]")):
+        return None
+    return (f"--advertise {cfg.advertise} with --host {cfg.host}: this node listens on loopback only, so nothing "
+            f"answers at {advertised} unless a proxy or tunnel there forwards to it; pass --host 0.0.0.0 (or "
+            f"this machine's address) as well")
 
 
 def _registered_or_trying(node: Node) -> bool:
