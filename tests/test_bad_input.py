@@ -595,7 +595,8 @@ def test_a_node_on_loopback_under_a_tracker_reached_over_the_network_is_warned_a
         proc.communicate(timeout=30)
     assert line == ("warning: --host 127.0.0.1: this node listens on loopback only, while its tracker (192.0.2.1:7700) "
                     "is reached over the network: clients and nodes on other machines cannot reach it; pass --host "
-                    "0.0.0.0 (or this machine's address), or --advertise HOST:PORT\n"), line
+                    "0.0.0.0 (or this machine's address), with --advertise HOST:PORT where others reach it by "
+                    "another address\n"), line
 
 
 def test_a_node_on_every_interface_that_can_only_register_loopback_is_warned_about(monkeypatch):

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import io
 import json
+import logging
 import os
 import stat
 import time
@@ -283,7 +284,8 @@ def test_loopback_addresses_are_told_from_where_they_were_registered():
 
     why = seen("127.0.0.1:7701", "ipv4:192.0.2.7:41234")
     assert why == ("127.0.0.1:7701 is a loopback address, which only its own machine can dial, but it registered "
-                   "from 192.0.2.7: start the node with --host 0.0.0.0 (or its address), or --advertise HOST:PORT")
+                   "from 192.0.2.7: start the node with --host 0.0.0.0 (or its address), with --advertise HOST:PORT "
+                   "where others reach it by another address")
     assert seen("[::1]:7701", "ipv6:%5B2001:db8::7%5D:41234").startswith("[::1]:7701 is a loopback address")
     assert seen("localhost:7701", "ipv4:192.0.2.7:1").startswith("localhost:7701 is a loopback")
     assert seen("127.0.0.5:7701", "ipv4:192.0.2.7:1") is not None  # all of 127.0.0.0/8
@@ -303,7 +305,7 @@ def test_loopback_addresses_are_told_from_where_they_were_registered():
         assert seen("127.0.0.1:7701", f"ipv4:{own}:41234") is None
 
 
-def test_a_loopback_node_registering_from_another_machine_is_refused_by_name():
+def test_a_loopback_node_registering_from_another_machine_is_refused_by_name(caplog):
     """A node left on the default --host 127.0.0.1 but pointed at a tracker on another machine registered,
     was picked as the fastest, and every client dialled its own loopback for it. The tracker refuses it,
     and the node stops on the refusal (INVALID_ARGUMENT is among the fatal ones) rather than retry."""
@@ -327,12 +329,14 @@ def test_a_loopback_node_registering_from_another_machine_is_refused_by_name():
 
     service = TrackerService(Registry())
     elsewhere = Context("ipv4:192.0.2.7:41234")
-    with pytest.raises(Aborted):
+    with pytest.raises(Aborted), caplog.at_level(logging.WARNING, logger="meshnet.tracker.members"):
         service.Register(node_info("far", 0, 30, port=14805), elsewhere)
+    # The tracker's own log says so too (only the node heard of it): its operator looks there.
+    assert [r.getMessage() for r in caplog.records] == [f"refused node far: {elsewhere.status[1].split(': ', 2)[2]}"]
     assert elsewhere.status == (grpc.StatusCode.INVALID_ARGUMENT, "Register: node 'far': 127.0.0.1:14805 is a "
                                 "loopback address, which only its own machine can dial, but it registered from "
-                                "192.0.2.7: start the node with --host 0.0.0.0 (or its address), or --advertise "
-                                "HOST:PORT")
+                                "192.0.2.7: start the node with --host 0.0.0.0 (or its address), with --advertise "
+                                "HOST:PORT where others reach it by another address")
     assert grpc.StatusCode.INVALID_ARGUMENT in FATAL_REFUSALS
     data_loopback = node_info("far", 0, 30)
     data_loopback.address, data_loopback.data_address = "192.0.2.7:14805", "127.0.0.1:14806"
@@ -508,8 +512,6 @@ def test_a_node_is_ready_without_waiting_for_a_tracker_nothing_answers_for(tmp_p
 def test_a_node_silent_past_its_ttl_and_back_before_a_sweep_is_said_to_leave_and_join(caplog):
     """A node stopped (SIGSTOP) for a few seconds registered again over its expired entry: no line said
     it had gone, nor that it was back."""
-    import logging
-
     from meshnet.tracker.node_info import record_from_info
     from meshnet.tracker.registry import Registry
 
@@ -531,8 +533,6 @@ def test_a_node_silent_past_its_ttl_and_back_before_a_sweep_is_said_to_leave_and
 def test_a_node_restarted_within_its_ttl_at_its_address_is_said_to_restart(caplog):
     """Killed and restarted at once under its id and ports (a supervisor, an operator), a node registered
     again over its live entry, and the tracker's log said nothing at all."""
-    import logging
-
     from meshnet.tracker.node_info import record_from_info
     from meshnet.tracker.registry import Registry
 
@@ -605,7 +605,8 @@ def test_a_tracker_on_every_interface_says_where_it_is_reached_whether_it_is_ope
         give_up.cancel()
         # Nodes at loopback addresses, which a tracker on every interface hands to other machines, are warned of.
         loopback = ("node {} registered 127.0.0.1:{}, which only this machine can dial, while the tracker serves "
-                    "other machines: they cannot reach it (start it with --host 0.0.0.0, or --advertise HOST:PORT)")
+                    "other machines: they cannot reach it (start it with --host 0.0.0.0, with --advertise HOST:PORT "
+                    "where others reach it by another address)")
         assert events[:5] == ["node a-head joined: layers [0, 15) at 127.0.0.1:14690", loopback.format("a-head", 14690),
                               "node b-tail joined: layers [15, 30) at 127.0.0.1:14691", loopback.format("b-tail", 14691),
                               "node a-head left"]

@@ -547,7 +547,8 @@ def test_a_tracker_serving_other_machines_warns_of_a_node_only_its_machine_can_d
             pb_grpc.TrackerStub(channel).Register(info("near", 0, 30, port=9123), timeout=5)
         assert [r.getMessage() for r in caplog.records] == [
             "node near registered 127.0.0.1:9123, which only this machine can dial, while the tracker serves other "
-            "machines: they cannot reach it (start it with --host 0.0.0.0, or --advertise HOST:PORT)"]
+            "machines: they cannot reach it (start it with --host 0.0.0.0, with --advertise HOST:PORT where others "
+            "reach it by another address)"]
     finally:
         channel.close()
         server.stop(None)

@@ -229,7 +229,8 @@ def run_node(args: argparse.Namespace) -> int:
         # every client elsewhere that the route sends to it is refused its connection.
         print(f"warning: --host {cfg.host}: this node listens on loopback only, while its tracker "
               f"({cfg.tracker}) is reached over the network: clients and nodes on other machines cannot reach "
-              f"it; pass --host 0.0.0.0 (or this machine's address), or --advertise HOST:PORT",
+              f"it; pass --host 0.0.0.0 (or this machine's address), with --advertise HOST:PORT where others "
+              f"reach it by another address",
               file=sys.stderr, flush=True)
     if warning := unreachable_wildcard(cfg):
         print(f"warning: {warning}", file=sys.stderr, flush=True)

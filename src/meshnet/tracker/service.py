@@ -99,6 +99,7 @@ class TrackerService(pb_grpc.TrackerServicer):
         for address in () if record.relayed else (record.address, record.data_address):
             # Registered, such a node drew every route to an address other machines cannot dial.
             if address and (why := loopback_seen_from_elsewhere(address, peer)):
+                members_log.warning("refused node %s: %s", record.node_id, why)  # its operator may look here
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: node {record.node_id[:40]!r}: {why}")
         # Check, bind and register as one step (under one lock): two keys racing for a new id cannot both
         # win it, and a refused registration (a protocol mismatch, the id held by a live entry) neither
@@ -126,8 +127,8 @@ class TrackerService(pb_grpc.TrackerServicer):
         if self.listens_beyond_loopback and not record.relayed and is_loopback_host(record.address.rpartition(":")[0]):
             # Taken (it is on this machine), but routes hand it to clients elsewhere, which are refused at it.
             members_log.warning("node %s registered %s, which only this machine can dial, while the tracker serves "
-                                "other machines: they cannot reach it (start it with --host 0.0.0.0, or --advertise "
-                                "HOST:PORT)", record.node_id, record.address)
+                                "other machines: they cannot reach it (start it with --host 0.0.0.0, with --advertise "
+                                "HOST:PORT where others reach it by another address)", record.node_id, record.address)
         return pb.RegisterReply(heartbeat_interval_s=self.registry.heartbeat_interval_s, ttl_s=self.registry.ttl_s)
 
     @rpc

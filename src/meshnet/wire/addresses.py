@@ -159,4 +159,5 @@ def loopback_seen_from_elsewhere(advertised: str, peer: str) -> str | None:
     if peer_ip is None or peer_ip.is_loopback or _is_own_address(peer_ip):
         return None
     return (f"{advertised} is a loopback address, which only its own machine can dial, but it registered from "
-            f"{peer_ip}: start the node with --host 0.0.0.0 (or its address), or --advertise HOST:PORT")
+            f"{peer_ip}: start the node with --host 0.0.0.0 (or its address), with --advertise HOST:PORT where "
+            f"others reach it by another address")
