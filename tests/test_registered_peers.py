@@ -37,6 +37,10 @@ def test_an_address_off_the_list_asks_the_tracker_again_at_most_once_a_second():
     listed.append("10.0.0.2:7701")  # a node that joined since
     assert peers.admits("10.0.0.2:7701") and asked == [100.0, 101.0]
     assert peers.admits("10.0.0.2:7701", may_block=False)  # listed: no asking, no waiting
+    assert not peers.admits("10.0.0.7:22", may_block=False)  # asked just now: refused without the lock
+    with peers._lock:  # another thread asking: passed on to a thread that may wait for its answer
+        with pytest.raises(NeedsRefresh):
+            peers.admits("10.0.0.7:22", may_block=False)
     assert peers.admits("10.0.0.1:7701".upper()) and len(asked) == 2  # host names without case
 
 
@@ -77,7 +81,7 @@ def test_a_forwarder_sends_to_registered_nodes_only_and_never_dials_another_addr
     try:
         probe = f"127.0.0.1:{target.getsockname()[1]}"
         failure = fwd.send(pb.ForwardHop(node_id="x", data_address=probe), step)
-        assert (failure.node_id, failure.code, failure.unreachable) == ("x", "UNAVAILABLE", False)
+        assert (failure.node_id, failure.code, failure.unreachable) == ("x", "UNAVAILABLE", True)
         assert failure.message == ("the hop before it sends steps to the nodes registered with its tracker "
                                    f"only, and none has the data address {probe}")
         with pytest.raises(socket.timeout):

@@ -218,8 +218,8 @@ class Forwarder:
         address = hop.data_address
         if self.peers is not None:
             try:
-                if not self.peers.admits(address, may_block=connect):
-                    return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0,
+                if not self.peers.admits(address, may_block=connect):  # a link it will not use: see the module
+                    return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0, unreachable=True,
                                          message=f"the hop before it sends steps to the nodes registered with "
                                                  f"its tracker only, and none has the data address {address}")
             except NeedsRefresh:

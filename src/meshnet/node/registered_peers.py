@@ -9,7 +9,9 @@ its tracker lists.
 The list is the tracker's ``ListNodes``, kept here and asked again when a step names an address it lacks
 (a node that joined since), at most once every :data:`REFRESH_S`. When the tracker cannot be asked (an
 outage, during which the mesh goes on serving) the addresses last listed, and any other, are let through:
-a check that failed closed would stop forwarding with the tracker.
+a check that failed closed would stop forwarding with the tracker. An address refused (a node that joined
+within the second since the last asking, too) is reported to the client as a link this node cannot use,
+which the client then steps itself: a route through a new node goes on, one hop slower, rather than fail.
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ class RegisteredPeers:
         takes asking the tracker (the caller asks again from a thread that may wait)."""
         if address.lower() in self._known:
             return True
-        if not may_block and self._clock() - self._asked_at >= REFRESH_S:
-            raise NeedsRefresh(address)
+        if not may_block:  # nor waits for another thread's asking, which holds the lock up to LIST_TIMEOUT_S
+            if self._lock.locked() or self._clock() - self._asked_at >= REFRESH_S:
+                raise NeedsRefresh(address)
+            return address.lower() in self._known or not self._reachable  # an asking may have ended since
         with self._lock:
             if self._clock() - self._asked_at >= REFRESH_S:
                 self._asked_at = self._clock()
