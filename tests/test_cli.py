@@ -210,7 +210,7 @@ def test_ctrl_c_on_the_api_ends_open_requests_with_a_503_and_no_traceback(stream
         assert time.monotonic() - started < 4  # within uvicorn's 5 s grace: nothing was cancelled
         assert proc.returncode == (130 if sig == "SIGINT" else 0), (proc.returncode, err)
         assert "Traceback" not in err and "ASGI" not in err, err
-        assert err.count("[meshnet api] stopping: open requests end now (server_shutdown)\n") == 1, err
+        assert err.count("[meshnet api] stopping: 1 open request(s) end now (server_shutdown)\n") == 1, err
     finally:
         if proc.poll() is None:
             proc.kill()

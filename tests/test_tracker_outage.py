@@ -3,6 +3,7 @@ sessions through it, and one that never had a route gets a clear error."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -112,7 +113,7 @@ def test_a_client_reaches_a_restarted_tracker_within_seconds_however_long_it_was
         server.stop(None)
 
 
-def test_once_the_tracker_has_not_answered_route_requests_wait_a_second_while_the_last_route_serves():
+def test_once_the_tracker_has_not_answered_route_requests_wait_a_second_while_the_last_route_serves(caplog):
     """A tracker that drops packets (a partition, not a refused connection) cost every new session the
     whole 5 s GetRoute timeout before the last route served, and each API request (which asks twice) 10 s.
     The short wait holds only where the last route can serve, and for 10 s at a time, so that a tracker
@@ -166,5 +167,12 @@ def test_once_the_tracker_has_not_answered_route_requests_wait_a_second_while_th
         1.0,  # a refusal is an answer
         5.0,
     ]
+    # Back from an outage the client says so once (it warned with every route the tracker did not give).
+    router.tracker = Tracker([route, route])
+    with caplog.at_level(logging.INFO, logger="meshnet.client"):
+        router.route()
+        router.route()
+    assert [r.getMessage() for r in caplog.records if "answers again" in r.getMessage()] == [
+        "tracker 127.0.0.1:1 answers again"]
     router.close()
     router.tracker_channel.close()

@@ -193,7 +193,9 @@ class _StoppingServer(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         if not self._stopping.is_set():  # said once; os.write, since print is not safe in a signal handler
-            os.write(2, b"[meshnet api] stopping: open requests end now (server_shutdown)\n")
+            tasks = len(self.server_state.tasks)  # requests being answered
+            os.write(2, ("[meshnet api] stopping" + (f": {tasks} open request(s) end now (server_shutdown)"
+                                                     if tasks else "") + "\n").encode())
         self._stopping.set()
         super().handle_exit(sig, frame)
 

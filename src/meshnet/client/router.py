@@ -162,6 +162,8 @@ class Router:
             log.warning("tracker %s unreachable (%s): using the last route it gave", self.tracker_address,
                         e.code().name)
             return previous_epoch + 1, stages
+        if self._unreachable_at is not None:  # its outage was warned of with every route it could not give
+            log.info("tracker %s answers again", self.tracker_address)
         self._last_route, self._unreachable_at = list(r.hops), None
         return int(r.epoch), [self.stage(h) for h in r.hops]
 
