@@ -58,8 +58,8 @@ def dialable_host(bind_host: str, tracker: str | None) -> str:
             found = probe.getsockname()[0]
     except (OSError, ValueError):  # unresolvable, unreachable, or no port
         return bind_host
-    if is_loopback_host(found) and tracker != _ELSEWHERE:
-        if (elsewhere := dialable_host(bind_host, _ELSEWHERE)) not in WILDCARD_HOSTS:
+    if is_loopback_host(found) and tracker != _ELSEWHERE:  # (this_machine_address asks for _ELSEWHERE's route)
+        if (elsewhere := this_machine_address(bind_host)) not in WILDCARD_HOSTS:
             return elsewhere
     return found
 
