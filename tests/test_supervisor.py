@@ -199,3 +199,47 @@ def test_an_exit_quotes_only_what_the_child_said_just_before_it(monkeypatch):
         sup.stop(timeout_s=5)
     [exited] = [line for line in out.getvalue().splitlines() if "exited" in line]
     assert "(no output in its last 0.5 s)" in exited and "serving layers" not in exited, exited
+
+
+def test_a_signal_while_a_bench_starts_its_server_stops_that_server(tmp_path, monkeypatch):
+    """A SIGTERM that lands inside ``subprocess.Popen``, after the fork but before it returns, raised there:
+    the server had started but the bench held nothing to stop it, and it ran on (seen as a `meshnet api`
+    left running by a bench SIGTERMed while its server loaded). The signal is now held until Popen has
+    returned, then raised, and the server is stopped."""
+    import subprocess
+
+    import pytest
+
+    from meshnet.bench import served
+    from meshnet.supervisor import Terminated, sigterm_as_interrupt
+
+    real_popen = subprocess.Popen
+
+    def popen_then_signal(*args, **kwargs):  # the signal comes after the fork, before Popen returns
+        proc = real_popen(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)  # a handler that raises does so here
+        return proc
+
+    monkeypatch.setattr(served.subprocess, "Popen", popen_then_signal)
+    server = served.Server("sleeper", lambda port: ["sleep", "60"], tmp_path)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated):
+        with sigterm_as_interrupt():
+            server.start(timeout_s=30)
+    assert server.proc is not None and server.proc.returncode == -signal.SIGTERM  # stopped by start itself
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_signals_deferred_holds_a_ctrl_c_to_the_end_of_its_block():
+    from meshnet.supervisor import signals_deferred
+
+    import pytest
+
+    ran = []
+    with pytest.raises(KeyboardInterrupt):
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+            ran.append("after the signal")
+    assert ran == ["after the signal"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -103,6 +103,33 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """While inside, a Ctrl-C (SIGINT) or SIGTERM is held until the block is left, then handled as it would
+    have been: for a block that starts a child process and keeps it to stop later. A signal that landed
+    inside ``subprocess.Popen``, after the fork but before it returned, raised there: the child ran on
+    with nothing holding it to stop (a bench sent SIGTERM while its server loaded left that server
+    running). Main thread only (the only one Python's handlers run in); elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if callable(signal.getsignal(sig)) or signal.getsignal(sig) == signal.SIG_DFL:
+            previous[sig] = signal.signal(sig, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(held):  # each signal once, in the order they came
+            if callable(previous[sig]):
+                previous[sig](sig, None)
+            else:
+                signal.raise_signal(sig)  # its default action, now that the handler is back
+
+
 def wait_for_stop(stop: threading.Event) -> None:
     """Until ``stop`` is set (by :func:`on_stop_signals`' handler), waking twice a second: a SIGTERM the
     kernel hands to another thread only flags its handler for the main thread, which an untimed wait

@@ -25,6 +25,7 @@ from meshnet.client.mesh_client import MeshClient
 from meshnet.contract import GREEDY, LayerRange, StepRequest
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+from meshnet.supervisor import signals_deferred
 from meshnet.wire.security import JOIN_TOKEN_ENV, open_channel
 
 NODE_START_TIMEOUT_S = 180.0  # import + load + speed probe; generous because the machine may be busy
@@ -101,9 +102,10 @@ class NodeGroup:
                 cmd += ["--cpu", str(spec.cpu)]
             cmd += list(spec.extra_args)
             log = tempfile.TemporaryFile()
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, text=True,
-                                    env=_env_without_token())
-            self._pending.append((spec, proc, log))
+            with signals_deferred():  # a signal inside Popen left the node with nothing to stop it
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                                        text=True, env=_env_without_token())
+                self._pending.append((spec, proc, log))
             # readline() blocks; a reader thread per node lets the wait below have a deadline.
             threading.Thread(target=lambda p=proc, s=spec: lines.put((s.node_id, p.stdout.readline())),
                              daemon=True).start()

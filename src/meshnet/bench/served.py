@@ -16,6 +16,7 @@ from pathlib import Path
 
 from meshnet.secret_args import API_KEY_ENV
 from meshnet.openmp import competitor_env
+from meshnet.supervisor import signals_deferred
 
 
 def free_port() -> int:
@@ -105,9 +106,10 @@ class Server:
         # A key in the bench's environment would make the servers it starts ask its own requests for it.
         env = {k: v for k, v in env.items() if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD", API_KEY_ENV)}
         log = open(self.log_path, "a")  # each start appends: a server is started once per C
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
         try:
+            with signals_deferred():  # a signal inside Popen left the server with nothing to stop it
+                self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                             start_new_session=True)
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:

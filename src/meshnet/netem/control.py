@@ -29,6 +29,7 @@ from pathlib import Path
 
 from meshnet.netem.link import LinkSpec
 from meshnet.netem.proxy import EmulatorThread, Listener
+from meshnet.supervisor import signals_deferred
 
 READY = "MESHNET_NETEM_READY"
 _SPEC_FIELDS = ("delay_s", "rate_bps", "burst_bytes", "blackhole")
@@ -77,10 +78,16 @@ class NetemProcess:
         path = workdir / "netem.json"
         path.write_text(json.dumps(config))
         self._stderr = open(workdir / "netem.stderr", "w+")
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "meshnet.netem", str(path)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     text=True)
-        line = self.proc.stdout.readline().strip()
+        self.proc: subprocess.Popen | None = None
+        try:  # the caller holds no emulator to close until this returns
+            with signals_deferred():  # a signal inside Popen left the emulator with nothing to stop it
+                self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "meshnet.netem", str(path)],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                             text=True)
+            line = self.proc.stdout.readline().strip()
+        except BaseException:
+            self.close()
+            raise
         if not line.startswith(READY + " "):
             self.close()
             with open(workdir / "netem.stderr") as f:
@@ -107,7 +114,7 @@ class NetemProcess:
         return self._ask({"op": "stats"})["links"]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             try:
                 self.proc.stdin.close()
                 self.proc.wait(timeout=5)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from meshnet.netem.control import NetemProcess
 from meshnet.netem.namespaces import Topology
+from meshnet.supervisor import signals_deferred
 
 TRACKER_PORT, GRPC_PORT, DATA_PORT = 7700, 7701, 7702
 
@@ -50,15 +51,24 @@ class Agent:
     ``{"event": "ready"}``. Raises RuntimeError when it is not."""
 
     def __init__(self, argv: list[str], stderr) -> None:
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True)
         self.events: queue.Queue[dict] = queue.Queue()
         self._replies: dict[int, queue.Queue] = {}
         self._next = 0
         self._lock = threading.Lock()  # asked from more than one thread
-        threading.Thread(target=self._read, daemon=True).start()
-        first = self.next_event(60)
-        if first.get("event") != "ready":
-            raise RuntimeError(f"client agent did not start: {first}")
+        self.proc: subprocess.Popen | None = None
+        try:  # the caller holds no agent to stop until this returns
+            with signals_deferred():  # a signal inside Popen left the agent with nothing to stop it
+                self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                                             text=True)
+            threading.Thread(target=self._read, daemon=True).start()
+            first = self.next_event(60)
+            if first.get("event") != "ready":
+                raise RuntimeError(f"client agent did not start: {first}")
+        except BaseException:
+            if self.proc is not None:
+                self.proc.kill()
+                self.proc.wait()
+            raise
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -141,8 +151,10 @@ class NetMesh:
         """Run ``argv`` in ``host``'s namespace, its stderr appended to ``WORKDIR/LOG.stderr`` (``log``:
         the host's name by default); :meth:`close` kills it. Returns the process and the log's path."""
         name = log or host
-        proc = subprocess.Popen(self.topo.argv(host, argv), stdout=stdout, stderr=self._log(name), text=True, env=env)
-        self.procs.append(proc)
+        with signals_deferred():  # a signal inside Popen left the process with nothing to stop it
+            proc = subprocess.Popen(self.topo.argv(host, argv), stdout=stdout, stderr=self._log(name), text=True,
+                                    env=env)
+            self.procs.append(proc)
         return proc, self.workdir / f"{name}.stderr"
 
     def _spawn(self, host: str, args: list[str], stdout=subprocess.DEVNULL) -> tuple[subprocess.Popen, Path]:
