@@ -428,3 +428,25 @@ def test_callers_refused_for_their_token_are_logged_once_a_minute_per_address_an
             "address)"]
     finally:
         server.stop(0).wait()
+
+
+def test_the_tracker_command_timestamps_its_refusals_as_its_membership_lines():
+    """`meshnet tracker` printed a caller refused for its token as a bare line (logging's last resort),
+    without the time and the "tracker:" its lines about nodes carry."""
+    import re
+    import subprocess
+    import sys
+
+    tracker = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "tracker", "--port", "0", "--ledger", "sqlite://",
+                                "--dashboard-port", "-1", "--join-token", TOKEN], stderr=subprocess.PIPE, text=True)
+    try:
+        port = int(next(x for x in tracker.stderr if x.startswith("tracker listening on")).rsplit(":", 1)[1])
+        with open_channel(f"127.0.0.1:{port}", join_token="guess") as channel, pytest.raises(grpc.RpcError):
+            _ping(channel)
+        line = next(x for x in tracker.stderr if "refused" in x)
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} tracker: refused /meshnet.v1.Tracker/Heartbeat "
+                            r"from 127.0.0.1: wrong join token \(logged once a minute per address\)\n", line), line
+    finally:
+        tracker.terminate()
+        tracker.wait(30)
+        tracker.stderr.close()

@@ -122,13 +122,15 @@ def run_tracker(args: argparse.Namespace) -> int:
     if not token and not is_loopback_host(args.host):
         print(f"tracker: no join token: anyone who reaches port {port} can join nodes to this mesh and use it "
               f"(pass --join-token, or set ${JOIN_TOKEN_ENV}, on every machine)", file=sys.stderr, flush=True)
-    # Nodes joining and leaving, a line each (the tracker's only log lines otherwise are warnings).
-    members = logging.getLogger("meshnet.tracker.members")
-    if not members.handlers:
+    # Nodes joining and leaving, a line each, and warnings (callers refused for their join token, nodes
+    # refused at registration), all timestamped: warnings went out bare through logging's last resort.
+    meshnet_log = logging.getLogger("meshnet")
+    if not meshnet_log.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(asctime)s tracker: %(message)s"))
-        members.addHandler(handler)
-        members.setLevel(logging.INFO)
+        meshnet_log.addHandler(handler)
+        meshnet_log.setLevel(logging.WARNING)
+        logging.getLogger("meshnet.tracker.members").setLevel(logging.INFO)
     # Expired entries are dropped when routes or lists are read: with nobody asking, a dead node was never
     # said to have left. A sweep each heartbeat interval says it within one.
     threading.Thread(target=_sweep_until, args=(service.registry, stop), daemon=True, name="tracker-sweep").start()
