@@ -428,6 +428,18 @@ def test_meshnet_up_with_a_taken_api_port_fails_before_loading_anything():
     assert "MESHNET_UP_READY" not in r.stdout and "starting" not in r.stderr
 
 
+def test_a_second_meshnet_up_on_the_same_ports_is_told_another_mesh_runs_there():
+    """With the tracker's and the API's ports both taken (a `meshnet up` running on them), the API's was
+    checked first: "pass another --api-port", where another mesh is what holds them."""
+    with _taken_port() as tracker_port, _taken_port() as api_port:
+        r = subprocess.run([sys.executable, "-m", "meshnet.cli", "up", "--stages", "1", "--port", str(tracker_port),
+                            "--api-port", str(api_port), "--dashboard-port", "-1"], capture_output=True, text=True,
+                           timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr == (f"error: the tracker cannot listen on 127.0.0.1:{tracker_port} (Address already in use). Is "
+                        "another tracker or `meshnet up` running there? Pass another --port.\n")
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--port", "{p}", "--api-port", "{p}"], "--port and --api-port are both {p}"),
     (["--port", "0", "--api-port", "{p}", "--dashboard-port", "{p}"], "--api-port and --dashboard-port are both {p}"),

@@ -9,6 +9,7 @@ tracker and the API keep serving meanwhile (a route through a spare attached fro
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -113,6 +114,21 @@ class _Refused(Exception):
     """A setting the mesh cannot start with, found after its nodes started (the message says which)."""
 
 
+def _tracker_port_problem(host: str, port: int) -> str | None:
+    """Why the tracker could not listen on ``host:port`` when it is taken, or None. Checked before the API's
+    port: a `meshnet up` already running on the same ports was told to pass another --api-port."""
+    from meshnet.api.server import bind_http_socket
+
+    try:
+        bind_http_socket(host, port).close()
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            return None  # not an address here: start_tracker says so
+        return (f"the tracker cannot listen on {format_address(host, port)} ({e.strerror}). Is another tracker or "
+                "`meshnet up` running there? Pass another --port.")
+    return None
+
+
 def _api_port_problem(host: str, port: int) -> str | None:
     """Why the API could not listen on ``host:port`` (taken, or not an address here), or None: checked
     before the nodes load, so that a taken port fails at once, as a taken tracker port does."""
@@ -169,6 +185,8 @@ def run_up(args: argparse.Namespace) -> int:
     if same is not None:  # each is free until one of them takes it, after every node has loaded
         problem = problem or f"{same[0]} and {same[1]} are both {same[2]}: the tracker, the API and the " \
                              "dashboard each need a port of their own"
+    if not problem and args.port > 0:  # first: a second `meshnet up` on the same ports is named for what it is
+        problem = _tracker_port_problem(args.host, args.port)
     if not problem and args.api_port > 0:
         problem = _api_port_problem(args.host, args.api_port)
     problem = problem or dashboard_port_taken(args)
