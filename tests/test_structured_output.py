@@ -71,6 +71,23 @@ def test_completions_json_schema_and_json_object(served):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
 
 
+def test_a_stop_sequence_inside_the_document_does_not_cut_it(served):
+    """The grammar ends a constrained answer: a stop sequence met inside its JSON cut it into a document that
+    did not parse, reported as finished ("stop"). The stops still apply to an unconstrained answer."""
+    _, _, client = served
+    alone = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=300, temperature=0,
+                                           response_format=PERSON_FORMAT).choices[0]
+    cut = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=300, temperature=0,
+                                         response_format=PERSON_FORMAT, stop=['"age"', "name"]).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == alone.message.content
+    assert set(_valid(cut.message.content, PERSON)) == {"name", "age", "color", "tags"}
+    got = client.completions.create(model="smollm2", prompt="A person as JSON: ", max_tokens=300, temperature=0,
+                                    stop=["name"], extra_body={"response_format": PERSON_FORMAT}).choices[0]
+    assert got.finish_reason == "stop" and "name" in _valid(got.text, PERSON)
+    free = client.completions.create(model="smollm2", prompt=PLAIN, max_tokens=20, temperature=0, stop=["Paris"])
+    assert free.choices[0].text == " " and free.choices[0].finish_reason == "stop"
+
+
 def test_batched_constrained_and_unconstrained_leave_the_unconstrained_as_alone(served):
     backend, http, _ = served
     tok = backend.tokenizer

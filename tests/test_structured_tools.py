@@ -238,17 +238,19 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.mark.parametrize("choice", ["required", NAMED])
-def test_a_stop_sequence_that_cuts_the_constrained_call_answers_with_content(served, choice):
-    # The grammar makes the answer a call, but a stop sequence may end it first: the cut text is content
-    # (finish_reason "stop"), not a 500 from parsing half a JSON document.
+def test_a_stop_sequence_inside_the_constrained_call_does_not_cut_it(served, choice):
+    # The grammar makes the answer a call and ends it: a stop sequence inside its JSON cut it into content
+    # that did not parse (finish_reason "stop", no tool_calls), though the caller required a call.
     _, http, _ = served
-    r = http.post("/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER], "tool_choice": choice,
-                                                "stop": ["city"], "max_tokens": 40, "temperature": 0})
+    body = {"messages": ASK, "tools": [WEATHER], "tool_choice": choice, "max_tokens": 40, "temperature": 0}
+    alone = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    r = http.post("/v1/chat/completions", json={**body, "stop": ["city"]})
     assert r.status_code == 200, r.text
     c = r.json()["choices"][0]
-    assert c["finish_reason"] == "stop" and c["message"]["tool_calls"] is None
-    assert c["message"]["content"].startswith("[{" if choice == "required" else "{") and "city" not in \
-        c["message"]["content"]
+    assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
+    assert [call["function"] for call in c["message"]["tool_calls"]] == \
+        [call["function"] for call in alone["message"]["tool_calls"]]  # ids are drawn for each answer
+    assert [json.loads(call["function"]["arguments"])["city"] for call in c["message"]["tool_calls"]] == ["Paris"]
 
 
 CALLED = {"id": "call_1", "type": "function",

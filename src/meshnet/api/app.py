@@ -50,7 +50,8 @@ from meshnet.api.streaming import stream_choices, unless_gone
 from meshnet.api.structured import grammar_for, response_grammar
 from meshnet.api.tools import plan_tools, tool_calls_from
 from meshnet.api.logprobs import chat_logprobs, completion_logprobs
-from meshnet.api.validation import parse_body, sampling_params, stop_sequences, token_budget, validation_error
+from meshnet.api.validation import (answer_stops, parse_body, sampling_params, stop_sequences, token_budget,
+                                    validation_error)
 from meshnet.sampling_params import Grammar
 from meshnet.speculative import Speculation, speculation_from
 
@@ -234,6 +235,7 @@ class _Api:
             raise bad_request(f"{len(prompts)} prompts x n {req.n or 1} ask for {len(prompts) * (req.n or 1)} "
                               f"choices, more than the {MAX_CHOICES} one request may", "prompt", "too_many_choices")
         grammar = await self._grammar(req)
+        stops = answer_stops(req.stop, grammar)
         n_top = req.logprobs or 0
         want_logprobs = req.logprobs is not None
         jobs = []
@@ -242,8 +244,7 @@ class _Api:
             for choice in range(req.n or 1):
                 sp = sampling_params(req, self.backend.tokenizer.n_vocab, n_top, len(jobs), grammar,
                                      logprobs=want_logprobs)
-                jobs.append(GenJob(p_ids, budget, sp,
-                                   tuple(stop_sequences(req.stop)),
+                jobs.append(GenJob(p_ids, budget, sp, stops,
                                    speculation=self._speculation(req), ignore_eos=bool(req.ignore_eos),
                                    counts_prompt=choice == 0))
         await self._check_route()
@@ -328,7 +329,7 @@ class _Api:
         budget = token_budget(self.backend.n_ctx, prompt_ids, max_tokens, "messages")
         n_top = req.top_logprobs or 0
         want_logprobs = bool(req.logprobs)
-        stops = tuple(stop_sequences(req.stop))
+        stops = answer_stops(req.stop, grammar)
         ignore_eos = bool(req.ignore_eos)
         jobs = [GenJob(prompt_ids, budget, sampling_params(req, self.backend.tokenizer.n_vocab, n_top, i, grammar,
                                                            logprobs=want_logprobs), stops,

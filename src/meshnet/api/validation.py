@@ -157,6 +157,16 @@ def stop_sequences(stop: str | list[str] | None) -> list[str]:
     return [s for s in stops if s]
 
 
+def answer_stops(stop: str | list[str] | None, grammar: Grammar | None) -> tuple[str, ...]:
+    """The stop sequences a generation ends at: the request's (:func:`stop_sequences`), none where a grammar
+    constrains the whole answer (a ``response_format`` schema, a required or named tool call). The grammar
+    ends such an answer where its document ends; a stop sequence found inside the document cut it into
+    JSON that does not parse, reported as a finished answer (``finish_reason`` "stop"). Raises ApiError
+    (400) beyond MAX_STOP, whether or not they apply."""
+    stops = tuple(stop_sequences(stop))
+    return () if grammar is not None else stops
+
+
 def sampling_params(req, n_vocab: int, n_top: int, index: int, grammar: Grammar | None = None, *,
                     logprobs: bool) -> SamplingParams:
     """SamplingParams for choice ``index`` of ``req`` (seeded choices use ``seed + index``); OpenAI's
