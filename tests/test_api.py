@@ -276,7 +276,6 @@ def _error(r, status: int, param: str | None = "any") -> dict:
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "stream": false, '
                              b'"stream_options": {"include_usage": true}}', "stream_options"),
     ("/v1/completions", b'{"prompt": [999999]}', "prompt"),
-    ("/v1/completions", b'{"prompt": "x", "model": "gpt-4"}', "model"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}', "top_logprobs"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
      "tools.0"),
@@ -286,6 +285,16 @@ def test_bad_requests_are_400(backend, http, path, body, param):
     err = _error(http.post(path, content=body, headers={"Content-Type": "application/json"}), 400, param)
     assert err["type"] == "invalid_request_error"
     assert _engines(backend)[0].metrics().prefill_tokens == before  # nothing reached the engine
+    _ok(http)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "x"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})])
+def test_a_model_not_served_here_is_404_as_openai_answers_it(backend, http, path, body):
+    """It was a 400: OpenAI's SDKs raise NotFoundError for a 404 ``model_not_found``, which clients catch."""
+    err = _error(http.post(path, json={**body, "model": "gpt-4"}), 404, "model")
+    assert err["code"] == "model_not_found" and err["type"] == "invalid_request_error"
+    assert err["message"] == "model 'gpt-4' is not served here; this server serves 'smollm2'"
     _ok(http)
 
 

@@ -73,7 +73,8 @@ def test_an_earlier_refusal_is_read_as_its_text(http):
 
 
 @pytest.mark.parametrize("extra", [{"prompt_cache_key": "conversation-7"}, {"safety_identifier": "u-1"},
-                                   {"verbosity": "low"}, {"audio": None},
+                                   {"verbosity": "low"}, {"audio": None}, {"prediction": None},
+                                   {"web_search_options": None},
                                    {"stream": True, "stream_options": {"include_usage": True,
                                                                        "include_obfuscation": False}}])
 def test_fields_newer_sdks_set_are_accepted_and_ignored(http, extra):
@@ -91,6 +92,15 @@ def test_audio_output_is_refused_by_name(http):
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                 "audio": {"voice": "alloy", "format": "wav"}})
     assert _error(r, 400, "audio", "unsupported_parameter") == "audio output is not supported"
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("prediction", {"type": "content", "content": "Hi"}, "predicted outputs (prediction) are not supported"),
+    ("web_search_options", {}, "web search is not supported")])
+def test_documented_openai_fields_we_lack_are_refused_by_name(http, field, value, words):
+    """They were "unrecognized request argument", even as null, which SDKs may send."""
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], field: value})
+    assert _error(r, 400, field, "unsupported_parameter") == words
 
 
 def test_the_seed_of_a_later_choice_wraps_around_int64(http):

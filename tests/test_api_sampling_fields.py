@@ -223,3 +223,12 @@ def test_top_k_is_capped_at_the_wires_int32(served):
     assert "top_k must be in [0, 2147483647]" in SamplingParams(top_k=2**31).validate()
     assert "penalty_last_n must be in [-1, 2147483647]" in SamplingParams(penalty_last_n=2**31).validate()
     assert SamplingParams(top_k=MAX_INT32, penalty_last_n=MAX_INT32).validate() is None
+
+
+def test_a_completion_without_max_tokens_stops_at_openais_default_of_16(served):
+    """It ran to the end of the context (4093 tokens, a minute and a half of a slot) where OpenAI's
+    completions stop at 16."""
+    _, http, _ = served
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 16 and r.json()["choices"][0]["finish_reason"] == "length"

@@ -61,6 +61,9 @@ log = logging.getLogger("meshnet.api")
 MAX_BODY_BYTES = 2 * 1024 * 1024
 # Generations that may wait for a slot before new requests are turned away with 503.
 MAX_QUEUED = 256
+# Tokens a /v1/completions request without max_tokens generates at most: OpenAI's documented default (a
+# chat's is what the context holds). Up to the context, a forgotten max_tokens held a slot for minutes.
+COMPLETION_MAX_TOKENS = 16
 
 
 def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_queued: int = MAX_QUEUED,
@@ -177,9 +180,9 @@ class _Api:
 
     # ---- shared checks ----
     def _common_checks(self, req) -> None:
-        if req.model is not None and req.model != self.backend.model_name:
-            raise bad_request(f"model {req.model!r} is not served here; this server serves "
-                              f"{self.backend.model_name!r}", "model", "model_not_found")
+        if req.model is not None and req.model != self.backend.model_name:  # 404, as OpenAI answers it
+            raise ApiError(404, f"model {req.model!r} is not served here; this server serves "
+                                f"{self.backend.model_name!r}", param="model", code="model_not_found")
         stop_sequences(req.stop)  # refuses too many
         if req.stream_options is not None and not req.stream:  # as OpenAI answers it
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")
@@ -240,7 +243,8 @@ class _Api:
         want_logprobs = req.logprobs is not None
         jobs = []
         for p_ids in prompts:
-            budget = token_budget(self.backend.n_ctx, p_ids, req.max_tokens, "prompt")
+            budget = token_budget(self.backend.n_ctx, p_ids, COMPLETION_MAX_TOKENS if req.max_tokens is None
+                                  else req.max_tokens, "prompt")
             for choice in range(req.n or 1):
                 sp = sampling_params(req, self.backend.tokenizer.n_vocab, n_top, len(jobs), grammar,
                                      logprobs=want_logprobs)
@@ -310,6 +314,10 @@ class _Api:
             raise bad_request("only the text modality is supported", "modalities", "unsupported_parameter")
         if req.audio is not None:
             raise bad_request("audio output is not supported", "audio", "unsupported_parameter")
+        if req.prediction is not None:
+            raise bad_request("predicted outputs (prediction) are not supported", "prediction", "unsupported_parameter")
+        if req.web_search_options is not None:
+            raise bad_request("web search is not supported", "web_search_options", "unsupported_parameter")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if not req.messages:

@@ -127,6 +127,8 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: str | None = None  # accepted, ignored
     verbosity: str | None = None  # accepted, ignored
     audio: Any = None  # refused unless null: no audio output
+    prediction: Any = None  # refused unless null: no predicted outputs
+    web_search_options: Any = None  # refused unless null: no web search
 
 
 # ---- responses ---------------------------------------------------------------------------------
