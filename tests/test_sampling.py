@@ -432,3 +432,15 @@ def test_bad_params_and_position_raise():
         sample(f32([1.0]), SamplingParams(temperature=-1.0), [], 0)
     with pytest.raises(ValueError, match="position"):
         sample(f32([1.0]), SamplingParams(), [], -1)
+
+
+def test_logprobs_are_the_float32_values_a_steps_reply_carries():
+    """In one process the log-probs were float64 and through a mesh float32: the same request answered
+    -2.195002565404721 and -2.195002555847168. Now a reply's protobuf round trip changes none of them."""
+    from meshnet.contract import StepRequest, StepResult, Status
+    from meshnet.wire.envelope import replies_to_result, result_to_replies
+
+    out = sample(f32([0.3, 1.7, -2.2, 0.9]), SamplingParams(n_top_logprobs=3), [], 0)
+    replies = result_to_replies(StepRequest("s", 1, 0, (1,)), StepResult(Status.OK, token=out, n_past=1))
+    again = replies_to_result(replies).token
+    assert again == out and out.logprob == float(np.float32(out.logprob)) and len(out.top) == 3

@@ -138,11 +138,13 @@ def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], p
         # scratch space afterwards (saves a vocabulary-sized allocation per call)
         token = _draw(pen, params, position, e_raw if pen is raw else None, scratch=e_raw, draft=draft)
 
+    # Log-probs leave as float32, the precision a step's reply carries them in: the same request answered
+    # -2.195002565404721 in one process and -2.195002555847168 through a mesh.
     top: tuple[TokenLogprob, ...] = ()
     if params.n_top_logprobs > 0:
         ids = _top_ids(raw, params.n_top_logprobs)
-        top = tuple(TokenLogprob(int(i), float(raw[i]) - lse) for i in ids)
-    return SampledToken(token_id=token, logprob=float(raw[token]) - lse, top=top)
+        top = tuple(TokenLogprob(int(i), float(np.float32(float(raw[i]) - lse))) for i in ids)
+    return SampledToken(token_id=token, logprob=float(np.float32(float(raw[token]) - lse)), top=top)
 
 
 def _constrained(raw: np.ndarray, params: SamplingParams, n_vocab: int,
