@@ -14,7 +14,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from api_served import served_api  # noqa: E402
 from meshnet.api.backend import local_backend  # noqa: E402
-from meshnet.api.tools import plan_tools, tool_calls_from, tools_system_message  # noqa: E402
+from meshnet.api.tools import ToolPlan, plan_tools, tool_calls_from, tools_system_message  # noqa: E402
 from meshnet.chat_template import chat_prompt_ids, render_chat, template_has_tools  # noqa: E402
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
@@ -105,6 +105,78 @@ def test_required_and_named_tool_choice_answer_with_tool_calls(served, choice, t
     assert args["city"] == "Paris"
     if "properties" in params:  # closed; the allOf parts stay open, as JSON Schema has them
         assert set(args) <= set(params["properties"])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_streamed_tool_calls_join_into_the_calls_of_the_whole_answer(served, choice):
+    """Streaming with tools was a 400 (agent frameworks and chat UIs stream with tools). The calls come
+    as ``delta.tool_calls`` at the end, each token's log-prob once, and the SDK's stream helper joins them."""
+    _, http, client = served
+    body = {"model": "smollm2", "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": choice,
+            "temperature": 0, "max_tokens": 100}
+    whole = client.chat.completions.create(**body, logprobs=True).choices[0]
+    chunks = list(client.chat.completions.create(**body, logprobs=True, stream=True))
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    assert deltas[0].delta.role == "assistant" and deltas[-1].finish_reason == "tool_calls"
+    assert "".join(d.delta.content or "" for d in deltas) == ""
+    streamed = [call for d in deltas for call in d.delta.tool_calls or ()]
+    assert [(c.index, c.function.name, c.function.arguments) for c in streamed] == \
+        [(k, c.function.name, c.function.arguments) for k, c in enumerate(whole.message.tool_calls)]
+    assert [t.token for d in deltas if d.logprobs for t in d.logprobs.content] == \
+        [t.token for t in whole.logprobs.content]
+    with client.beta.chat.completions.stream(**body) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [c.function.arguments for c in final.message.tool_calls] == \
+        [c.function.arguments for c in whole.message.tool_calls]
+
+
+def test_a_streamed_auto_answer_without_a_call_is_the_same_content(served):
+    _, _, client = served
+    body = {"model": "smollm2", "messages": ASK, "tools": [WEATHER], "tool_choice": "auto", "temperature": 0,
+            "max_tokens": 12}
+    whole = client.chat.completions.create(**body).choices[0]
+    deltas = [c.choices[0] for c in client.chat.completions.create(**body, stream=True) if c.choices]
+    assert "".join(d.delta.content or "" for d in deltas) == whole.message.content and whole.message.content
+    assert deltas[-1].finish_reason == whole.finish_reason and not any(d.delta.tool_calls for d in deltas)
+
+
+AUTO = ToolPlan("auto", (WEATHER,))
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+@pytest.mark.parametrize("pieces, content, calls", [
+    (["Hello", " world"], "Hello world", None),
+    # a Hermes block after some text: the text goes out as it comes, the block becomes a call
+    (["Let me look. <tool", "_call>", CALL[:10], CALL[10:], "</tool_call>"], "Let me look. ", ["get_weather"]),
+    ([" ", "\n<tool_call>" + CALL + "</tool_call>"], None, ["get_weather"]),
+    # a bare object naming a tool is the whole answer; one that names none is content after all
+    (["{", CALL[1:]], None, ["get_weather"]),
+    (['{"name": "nothing", "arguments": {}}'], '{"name": "nothing", "arguments": {}}', None),
+    # text that only looked like the start of a block
+    (["a <tool", "box> b"], "a <toolbox> b", None),
+    (["<tool_call>{\"name\": \"get_we"], "<tool_call>{\"name\": \"get_we", None),  # never closed
+])
+def test_an_auto_answer_is_told_apart_as_it_streams(pieces, content, calls):
+    from meshnet.api.tool_stream import ToolAnswer, whole_answer
+
+    answer = ToolAnswer(AUTO)
+    released = [answer.feed(p) for p in pieces]
+    tail, got = answer.finish("stop")
+    assert "".join(released) + tail == (content or "")
+    assert [c["function"]["name"] for c in got or ()] == (calls or [])
+    if calls:  # nothing of a call went out as content before it was known to be one
+        assert "".join(released) == (content or "")
+    w_content, w_calls = whole_answer(AUTO, "".join(pieces), "stop")  # the answer without streaming
+    assert w_content == content and [c["function"]["name"] for c in w_calls or ()] == (calls or [])
+
+
+def test_a_call_cut_by_max_tokens_is_content():
+    from meshnet.api.tool_stream import ToolAnswer
+
+    answer = ToolAnswer(ToolPlan("named", (WEATHER,), named="get_weather"))
+    assert answer.feed('{"city": "Par') == ""
+    assert answer.finish("length") == ('{"city": "Par', None)
 
 
 def test_none_and_auto_without_a_call_answer_with_content(served):
@@ -200,7 +272,6 @@ def test_a_template_that_reads_tools_renders_them(tok):
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER, WEATHER]}, "tools"),
-    ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     # a string or an array of arguments: a named call answered `"arguments": "\"Paris, France\""`
     ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},

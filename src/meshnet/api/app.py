@@ -48,7 +48,8 @@ from meshnet.api.schemas import (
 from meshnet.api.sse import ChatChunks, CompletionChunks
 from meshnet.api.streaming import stream_choices, unless_gone
 from meshnet.api.structured import grammar_for, response_grammar
-from meshnet.api.tools import plan_tools, tool_calls_from
+from meshnet.api.tool_stream import ChatEvents, whole_answer
+from meshnet.api.tools import ToolPlan, plan_tools
 from meshnet.api.logprobs import chat_logprobs, completion_logprobs
 from meshnet.api.validation import (answer_stops, parse_body, sampling_params, stop_sequences, token_budget,
                                     validation_error)
@@ -301,9 +302,6 @@ class _Api:
             raise bad_request("functions and function_call are not supported; use tools", "functions",
                               "unsupported_parameter")
         plan = plan_tools(req.tools, req.tool_choice, parallel=req.parallel_tool_calls is not False)
-        if plan.mode != "none" and req.stream:
-            raise bad_request("streaming with tools is not supported; set stream false or tool_choice 'none'",
-                              "stream", "unsupported_parameter")
         if plan.schema is not None and req.response_format and req.response_format.get("type") != "text":
             raise bad_request("response_format cannot be combined with a required or named tool_choice (both "
                               "constrain the answer)", "response_format")
@@ -350,15 +348,14 @@ class _Api:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await self._stream_chat(jobs, rid, created, prompt_tokens, want_logprobs, include_usage, t0,
-                                           request)
+                                           request, plan)
         choices, completion_tokens = [], 0
         for i, job in enumerate(jobs):
             pieces, run = await self._run_whole(job, request, t0, i == 0)
             completion_tokens += run.completion_tokens
             text = "".join(p.text for p in pieces)
-            calls = tool_calls_from(text, plan) if run.finish_reason == "stop" else None
-            message = ChatResponseMessage(content=None, tool_calls=calls) if calls else \
-                ChatResponseMessage(content=text)
+            content, calls = whole_answer(plan, text, run.finish_reason)
+            message = ChatResponseMessage(content=content, tool_calls=calls)
             choices.append(ChatChoice(index=i, message=message,
                                       finish_reason="tool_calls" if calls else run.finish_reason,
                                       logprobs=chat_logprobs(self.backend.tokenizer, pieces) if want_logprobs else None))
@@ -369,19 +366,14 @@ class _Api:
         return JSONResponse(body.model_dump())
 
     async def _stream_chat(self, jobs: list[GenJob], rid: str, created: int, prompt_tokens: int,
-                           want_logprobs: bool, include_usage: bool, t0: float, request: Request) -> Response:
+                           want_logprobs: bool, include_usage: bool, t0: float, request: Request,
+                           plan: ToolPlan) -> Response:
         chunks = ChatChunks(rid, created, self.backend.model_name)
-
-        def on_piece(i: int, piece: Piece) -> list[str]:
-            events = []
-            if piece.text or piece.tokens:
-                events.append(chunks.content(i, piece.text, chat_logprobs(self.backend.tokenizer, [piece]) if want_logprobs else None))
-            if piece.finish_reason is not None:
-                events.append(chunks.finish(i, piece.finish_reason))
-            return events
+        events = ChatEvents(chunks, plan, len(jobs),
+                            (lambda pieces: chat_logprobs(self.backend.tokenizer, pieces)) if want_logprobs else None)
 
         return await stream_choices(self._runs, jobs, t0, prompt_tokens, include_usage,
-                                    lambda i: [chunks.role(i)], on_piece, chunks.usage, request)
+                                    lambda i: [chunks.role(i)], events.piece, chunks.usage, request)
 
     # ---- non-streaming driver ----
     async def _run_whole(self, job: GenJob, request: Request, t0: float,

@@ -96,6 +96,11 @@ class ChatChunks:
             return self._text(index, text)
         return self._chunk(index, ChatDelta(content=text), logprobs)
 
+    def tool_calls(self, index: int, calls: list[dict], logprobs: ChatLogprobs | None = None) -> str:
+        """Choice ``index``'s tool calls (``{"id", "type", "function": {"name", "arguments"}}``), each whole in one
+        delta with its ``index`` among them, as OpenAI's streamed calls join up."""
+        return self._chunk(index, ChatDelta(tool_calls=[{"index": k, **c} for k, c in enumerate(calls)]), logprobs)
+
     def finish(self, index: int, reason: str) -> str:
         """The last chunk of choice ``index``: an empty delta and its ``finish_reason``."""
         return self._chunk(index, ChatDelta(), None, reason)

@@ -121,7 +121,7 @@ def tool_calls_from(text: str, plan: ToolPlan) -> list[dict] | None:
 
 def _tool_calls(text: str, plan: ToolPlan) -> list[dict] | None:
     if plan.mode in ("named", "required"):
-        # The grammar makes the whole answer a call, but a stop sequence can end it early: cut text is content.
+        # The grammar makes the whole answer a call, but max_tokens can end it early: cut text is content.
         try:
             doc = json.loads(text)
         except ValueError:
