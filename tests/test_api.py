@@ -560,6 +560,26 @@ def test_an_internal_error_is_a_500_and_the_connection_keeps_serving(served, mon
         assert one.get("/health").status_code == 200  # on the same connection, which stayed open
 
 
+def test_an_internal_error_mid_stream_ends_it_with_an_error_event(served, http, monkeypatch):
+    """A bug while a stream's events were made (here: building a chunk raising) cut the response mid-body
+    ("incomplete chunked read" in the client, "ASGI callable returned without completing response" in the
+    log). The stream now ends with an error event in OpenAI's shape, and the server serves on."""
+    from meshnet.api.sse import ChatChunks
+
+    def broken(*_a, **_k):
+        raise TypeError("not a str")
+
+    monkeypatch.setattr(ChatChunks, "content", broken)
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                                                "temperature": 0, "stream": True})
+    assert r.status_code == 200
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert events[-1] == {"error": {"message": "internal error: TypeError", "type": "server_error", "param": None,
+                                    "code": "internal_error"}}
+    monkeypatch.undo()
+    _ok(http)
+
+
 # ---- disconnects ---------------------------------------------------------------------------------
 
 

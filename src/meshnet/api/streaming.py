@@ -12,17 +12,20 @@ error event, as OpenAI's API does, and the request is counted under that error's
 from __future__ import annotations
 
 import asyncio
+import logging
 from functools import partial
 from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from meshnet.api.errors import ApiError
+from meshnet.api.errors import ApiError, internal_error
 from meshnet.api.middleware import stream_failed
 from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece
 from meshnet.api.schemas import Usage
 from meshnet.api.sse import DONE, event, sse
+
+log = logging.getLogger("meshnet.api")
 
 # new_run(job, t_request, observe_ttft) -> a ChoiceRun holding the server's limiter and metrics
 NewRun = Callable[[GenJob, float, bool], ChoiceRun]
@@ -98,7 +101,10 @@ async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_p
                 for ev in on_piece(i, piece):
                     yield ev
                 piece = await run.next_piece()
-        except ApiError as e:
+        except Exception as e:  # noqa: BLE001 - an ApiError, or a bug: an error event ends the stream either way
+            if not isinstance(e, ApiError):  # a bug cut the stream mid-body, without an end a client could read
+                log.error("streamed choice %d failed", i, exc_info=e)
+                e = internal_error(e)
             run.metrics.errors.labels(kind=e.code or str(e.status)).inc()
             failed(e.status)
             yield event(e.body())
