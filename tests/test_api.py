@@ -447,6 +447,28 @@ def test_a_prompt_no_context_could_hold_is_refused_by_its_length_untokenized(bac
     _ok(http)
 
 
+def test_more_messages_than_the_context_holds_are_refused_unrendered(backend, http, monkeypatch):
+    """50,000 one-letter messages (1.7 MB, under the body limit) were rendered and tokenized, holding every
+    stream for over a second, before their refusal; each renders to a token at least, so more messages
+    than n_ctx are refused before the template runs. N_CTX of them are rendered as before."""
+    import meshnet.chat_template as chat_template
+
+    rendered: list[int] = []
+    real = chat_template.chat_prompt_ids
+    monkeypatch.setattr(chat_template, "chat_prompt_ids",
+                        lambda tok, messages, *a, **k: rendered.append(len(messages)) or real(tok, messages, *a, **k))
+    err = _error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}] * 50_000}),
+                 400, "messages")
+    assert err["code"] == "context_length_exceeded" and err["message"] == (
+        f"This model's maximum context length is {N_CTX} tokens, but there are 50000 messages, a token each at "
+        "least. Shorten the conversation.")
+    assert rendered == []
+    err = _error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}] * N_CTX}),
+                 400, "messages")
+    assert err["code"] == "context_length_exceeded" and rendered == [N_CTX]
+    _ok(http)
+
+
 def test_oversized_body_is_413(http):
     big = json.dumps({"prompt": "x" * (3 * 1024 * 1024), "max_tokens": 1}).encode()
     err = _error(http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"}), 413)

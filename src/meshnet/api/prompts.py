@@ -69,7 +69,9 @@ def chat_prompt(tok: GGUFTokenizer, req: ChatCompletionRequest, plan: ToolPlan, 
     Raises:
         ApiError: 400 ``invalid_messages`` for messages the template refuses, or a malformed earlier
             tool call; 400 ``model_has_no_chat_template`` when the model has no template; 400
-            ``context_length_exceeded`` for messages whose text no context of ``n_ctx`` tokens holds.
+            ``context_length_exceeded`` for messages whose text (or number) no context of ``n_ctx`` tokens
+            holds, found before rendering them: rendering and tokenizing 50,000 messages held every stream
+            for a second.
     """
     from meshnet.chat_template import chat_prompt_ids, template_has_tools
 
@@ -77,6 +79,10 @@ def chat_prompt(tok: GGUFTokenizer, req: ChatCompletionRequest, plan: ToolPlan, 
         raise bad_request("the served model has no chat template (its GGUF holds no tokenizer.chat_template), so "
                           "it cannot take messages: send the text as a prompt to /v1/completions",
                           "messages", "model_has_no_chat_template")
+    if n_ctx is not None and len(req.messages) > n_ctx:  # each message renders to a token at least
+        raise bad_request(f"This model's maximum context length is {n_ctx} tokens, but there are "
+                          f"{len(req.messages)} messages, a token each at least. Shorten the conversation.",
+                          "messages", "context_length_exceeded")
     refuse_beyond_context(tok, sum(len(m.content) if isinstance(m.content, str) else
                                    sum(len(p.text or "") for p in m.content) if m.content else 0
                                    for m in req.messages), n_ctx, "messages")
