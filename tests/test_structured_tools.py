@@ -150,6 +150,10 @@ CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
     # a Hermes block after some text: the text goes out as it comes, the block becomes a call
     (["Let me look. <tool", "_call>", CALL[:10], CALL[10:], "</tool_call>"], "Let me look. ", ["get_weather"]),
     ([" ", "\n<tool_call>" + CALL + "</tool_call>"], None, ["get_weather"]),
+    # blank, then a token that may start a block: the blank is no content of a call, streamed or not
+    (["\n", "<", "tool_call>" + CALL + "</tool_call>"], None, ["get_weather"]),
+    (["\n", "<tool_call>", "bad</tool_call>"], "\n<tool_call>bad</tool_call>", None),
+    (["\n\n<tool_call>bad</tool_call>"], "\n\n<tool_call>bad</tool_call>", None),
     # a bare object naming a tool is the whole answer; one that names none is content after all
     (["{", CALL[1:]], None, ["get_weather"]),
     (['{"name": "nothing", "arguments": {}}'], '{"name": "nothing", "arguments": {}}', None),
@@ -169,6 +173,23 @@ def test_an_auto_answer_is_told_apart_as_it_streams(pieces, content, calls):
         assert "".join(released) == (content or "")
     w_content, w_calls = whole_answer(AUTO, "".join(pieces), "stop")  # the answer without streaming
     assert w_content == content and [c["function"]["name"] for c in w_calls or ()] == (calls or [])
+
+
+def test_a_call_whose_arguments_escape_a_lone_surrogate_can_be_sent():
+    """An answer that wrote the escape ``\\ud83d`` alone: as a character in the arguments, the response
+    could not be encoded as UTF-8 (a 500; streamed, cut without ``[DONE]``)."""
+    from meshnet.api.tools import hermes_calls_text
+
+    for text, plan in (('<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud83d"}}</tool_call>', AUTO),
+                       ('[{"name": "get_weather", "parameters": {"city": "\\ud83d"}}]',
+                        plan_tools([WEATHER], "required"))):
+        (call,) = tool_calls_from(text, plan)
+        call["function"]["arguments"].encode("utf-8")
+        assert json.loads(call["function"]["arguments"]) == {"city": "\ud83d"}
+    # the same call sent back in the history is shown to the model as it was written
+    shown = hermes_calls_text([{"type": "function", "function": {"name": "get_weather",
+                                                                 "arguments": '{"city": "\\ud83d"}'}}], "m")
+    assert shown.encode("utf-8") and '"\\ud83d"' in shown
 
 
 def test_a_call_cut_by_max_tokens_is_content():

@@ -49,12 +49,15 @@ class ToolAnswer:
                 return ""
         at = self._held.find(_BLOCK)
         if at >= 0:
-            out, self._held, self._whole = self._held[:at], self._held[at:], True
-            if not self.content and not out.strip():
-                out = ""  # blank before a first block: no content
+            self._whole = True
+            if not self.content and not self._held[:at].strip():
+                return ""  # blank before a first block: held with it (no content if it is a call)
+            out, self._held = self._held[:at], self._held[at:]
         else:
             keep = next((k for k in range(min(len(_BLOCK) - 1, len(self._held)), 0, -1)
                          if _BLOCK.startswith(self._held[-k:])), 0)
+            if not self.content and not self._held[:len(self._held) - keep].strip():
+                return ""  # blank before what may start a block: as blank alone, what follows decides
             out, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
         self.content += out
         return out

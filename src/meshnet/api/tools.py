@@ -182,12 +182,24 @@ def _hermes_call(call: Any, param: str, i: int) -> str:
     if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(args, dict)):
         raise bad_request(f"{param}[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": str, "
                           "\"arguments\": a JSON object as text}}", f"{param}.{i}")
-    return "<tool_call>" + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False) + "</tool_call>"
+    return "<tool_call>" + _json_text({"name": fn["name"], "arguments": args}) + "</tool_call>"
 
 
 def _call(name: str, arguments: Any) -> dict:
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+            "function": {"name": name, "arguments": _json_text(arguments)}}
+
+
+def _json_text(value: Any) -> str:
+    """``value`` as JSON text, non-ASCII kept as is; a lone UTF-16 surrogate (an answer that wrote the
+    escape ``\\ud83d`` alone) stays an escape: as a character no UTF-8 response could carry it (a 500, or a
+    stream cut without ``[DONE]``)."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value)
+    return text
 
 
 def _tool(tool: Any, i: int) -> dict:
