@@ -126,7 +126,7 @@ def test_streamed_tool_calls_join_into_the_calls_of_the_whole_answer(served, cho
         [t.token for t in whole.logprobs.content]
     with client.beta.chat.completions.stream(**body) as stream:
         final = stream.get_final_completion().choices[0]
-    assert final.finish_reason == "tool_calls"
+    assert final.finish_reason == "tool_calls" and final.message.content is None
     assert [c.function.arguments for c in final.message.tool_calls] == \
         [c.function.arguments for c in whole.message.tool_calls]
 
@@ -190,6 +190,50 @@ def test_a_call_whose_arguments_escape_a_lone_surrogate_can_be_sent():
     shown = hermes_calls_text([{"type": "function", "function": {"name": "get_weather",
                                                                  "arguments": '{"city": "\\ud83d"}'}}], "m")
     assert shown.encode("utf-8") and '"\\ud83d"' in shown
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_of_an_auto_answer():
+    """Only the required schema held it to one call (maxItems): an auto answer of two blocks gave two."""
+    two = "<tool_call>" + CALL + "</tool_call>\n<tool_call>" + CALL.replace("Paris", "Rome") + "</tool_call>"
+    assert [json.loads(c["function"]["arguments"])["city"] for c in tool_calls_from(two, AUTO)] == ["Paris", "Rome"]
+    one = plan_tools([WEATHER], "auto", parallel=False)
+    assert [json.loads(c["function"]["arguments"])["city"] for c in tool_calls_from(two, one)] == ["Paris"]
+
+
+def test_an_auto_call_with_nan_arguments_is_content():
+    """json reads NaN and Infinity and wrote them back into arguments that no client's JSON reader takes."""
+    for bad in ('{"name": "get_weather", "arguments": {"city": NaN}}',
+                '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": Infinity}"}</tool_call>'):
+        assert tool_calls_from(bad, AUTO) is None
+
+
+def test_a_held_answer_sends_keep_alives_and_a_call_has_no_content():
+    """A required call is held whole: nothing went out for its whole length (a 1000-token call ran past httpx's
+    5 s read timeout, 3000 tokens past nginx's 60 s). A comment, which SSE readers skip, goes out every 2 s;
+    the role chunk of a call carries no content (its message has none: the SDKs' helpers made it "")."""
+    from meshnet.api import tool_stream
+    from meshnet.api.runner import Piece
+    from meshnet.api.sse import ChatChunks
+
+    now = [100.0]
+    events = tool_stream.ChatEvents(ChatChunks("id", 0, "m"), plan_tools([WEATHER], "required"), 1, None)
+    real = tool_stream.time.monotonic
+    tool_stream.time.monotonic = lambda: now[0]
+    try:
+        start = events.start(0)
+        assert json.loads(start[0][6:])["choices"][0]["delta"] == {"role": "assistant"}
+        sent = []
+        for k, text in enumerate(['[{"name": ', '"get_weather", ', '"parameters": ', '{"city": "Paris"}}]']):
+            now[0] += 1.1
+            sent.append(events.piece(0, Piece(text, finish_reason="stop" if k == 3 else None)))
+    finally:
+        tool_stream.time.monotonic = real
+    assert sent[0] == [] and sent[1] == [": keep-alive\n\n"] and sent[2] == []
+    deltas = [json.loads(e[6:])["choices"][0] for e in sent[3]]
+    assert deltas[0]["delta"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert deltas[1]["finish_reason"] == "tool_calls"
+    plain = tool_stream.ChatEvents(ChatChunks("id", 0, "m"), plan_tools([WEATHER], "auto"), 1, None)
+    assert json.loads(plain.start(0)[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
 
 
 def test_a_call_cut_by_max_tokens_is_content():

@@ -373,7 +373,7 @@ class _Api:
                             (lambda pieces: chat_logprobs(self.backend.tokenizer, pieces)) if want_logprobs else None)
 
         return await stream_choices(self._runs, jobs, t0, prompt_tokens, include_usage,
-                                    lambda i: [chunks.role(i)], events.piece, chunks.usage, request)
+                                    events.start, events.piece, chunks.usage, request)
 
     # ---- non-streaming driver ----
     async def _run_whole(self, job: GenJob, request: Request, t0: float,

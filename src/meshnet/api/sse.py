@@ -29,6 +29,9 @@ from meshnet.api.schemas import (
 from meshnet.wire.addresses import format_address
 
 DONE = "data: [DONE]\n\n"
+# A comment line, which SSE readers skip: sent while an answer is held back (a tool call), so that a
+# client's or a proxy's read timeout (httpx: 5 s, nginx: 60 s) does not end a stream that is working.
+KEEPALIVE = ": keep-alive\n\n"
 
 # How long a stream waits for its client to take what it was sent, seconds. A client that read nothing
 # (its socket's buffers full) held its generation slot and KV cells for as long as it kept the connection;
@@ -86,9 +89,10 @@ class ChatChunks:
         d["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
         return event(d)
 
-    def role(self, index: int) -> str:
-        """The first chunk of choice ``index``: ``{"role": "assistant", "content": ""}``."""
-        return self._chunk(index, ChatDelta(role="assistant", content=""))
+    def role(self, index: int, content: str | None = "") -> str:
+        """The first chunk of choice ``index``: ``{"role": "assistant", "content": ""}``; without content
+        (None) for an answer that is a tool call, whose message has none."""
+        return self._chunk(index, ChatDelta(role="assistant", content=content))
 
     def content(self, index: int, text: str, logprobs: ChatLogprobs | None = None) -> str:
         """A chunk of text of choice ``index``, with the log-probs of its tokens when asked for."""

@@ -16,14 +16,17 @@ text apart the same way.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from meshnet.api.runner import Piece
 from meshnet.api.schemas import ChatLogprobs
-from meshnet.api.sse import ChatChunks
+from meshnet.api.sse import KEEPALIVE, ChatChunks
 from meshnet.api.tools import ToolPlan, tool_calls_from
 
 _BLOCK = "<tool_call>"
+# While an answer is held, a keep-alive comment goes out after this many seconds without an event.
+KEEPALIVE_S = 2.0
 
 
 class ToolAnswer:
@@ -94,9 +97,15 @@ class ChatEvents:
 
     def __init__(self, chunks: ChatChunks, plan: ToolPlan, n_choices: int,
                  logprobs_of: Callable[[list[Piece]], ChatLogprobs] | None) -> None:
-        self.chunks, self.logprobs_of = chunks, logprobs_of
+        self.chunks, self.logprobs_of, self.plan = chunks, logprobs_of, plan
         self.answers = [ToolAnswer(plan) if plan.mode != "none" else None for _ in range(n_choices)]
         self.unsent: list[list[Piece]] = [[] for _ in range(n_choices)]
+        self._sent_at = time.monotonic()
+
+    def start(self, i: int) -> list[str]:
+        """The first event of choice ``i``: its role (no content for a required or named call)."""
+        self._sent_at = time.monotonic()
+        return [self.chunks.role(i, None if self.plan.mode in ("required", "named") else "")]
 
     def piece(self, i: int, piece: Piece) -> list[str]:
         """The events for choice ``i``'s next piece (none while it is held)."""
@@ -108,7 +117,10 @@ class ChatEvents:
                 text += tail
             if not text and not calls and piece.finish_reason is None:
                 self.unsent[i].append(piece)  # held: its log-probs go with what its text becomes
-                return []
+                if time.monotonic() - self._sent_at < KEEPALIVE_S:
+                    return []
+                self._sent_at = time.monotonic()
+                return [KEEPALIVE]
         pieces, self.unsent[i] = self.unsent[i] + [piece], []
         logprobs = self.logprobs_of(pieces) if self.logprobs_of is not None and any(p.tokens for p in pieces) \
             else None
@@ -119,4 +131,6 @@ class ChatEvents:
             events.append(self.chunks.content(i, text, logprobs))
         if piece.finish_reason is not None:
             events.append(self.chunks.finish(i, "tool_calls" if calls else piece.finish_reason))
+        if events:
+            self._sent_at = time.monotonic()
         return events

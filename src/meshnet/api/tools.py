@@ -50,6 +50,7 @@ class ToolPlan:
     named: str | None = None
     schema: dict | None = None
     parts: tuple[tuple[dict, str], ...] = ()
+    parallel: bool = True  # False (parallel_tool_calls): one call at most, the first an "auto" answer makes
 
     def prompt_tools(self) -> list[dict] | None:
         """The tools the prompt shows (None for ``"none"``)."""
@@ -81,7 +82,7 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool = True)
     # schema that cannot be enforced (an unknown type) is as wrong under one choice as under another.
     parts = tuple((_closed(_parameters(t)), f"tools.{i}.function.parameters") for i, t in enumerate(checked))
     if choice == "auto":
-        return ToolPlan("auto", checked, parts=parts)
+        return ToolPlan("auto", checked, parts=parts, parallel=parallel)
     if choice == "required":
         calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                                                    "parameters": {"$ref": f"#/$defs/tool_{i}"}},
@@ -135,8 +136,8 @@ def _tool_calls(text: str, plan: ToolPlan) -> list[dict] | None:
     found = _HERMES.findall(text) or [text.strip()]
     calls = []
     for raw in found:
-        try:
-            obj = json.loads(raw)
+        try:  # NaN and Infinity, which json reads, are no JSON a client could read back
+            obj = json.loads(raw, parse_constant=_no_constant)
         except ValueError:
             return None
         if not (isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"] in names):
@@ -144,13 +145,17 @@ def _tool_calls(text: str, plan: ToolPlan) -> list[dict] | None:
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):  # some templates teach arguments as JSON text
             try:
-                args = json.loads(args)
+                args = json.loads(args, parse_constant=_no_constant)
             except ValueError:
                 return None
         if not isinstance(args, dict):
             return None
         calls.append(_call(obj["name"], args))
-    return calls or None
+    return (calls if plan.parallel else calls[:1]) or None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def hermes_calls_text(tool_calls: list[Any], param: str) -> str:
