@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshnet.api.backend import ApiBackend
-from meshnet.api.errors import ApiError, bad_request, internal_error
+from meshnet.api.errors import ApiError, bad_request, internal_error, no_such_endpoint
 from meshnet.api.metrics import ApiMetrics
 from meshnet.api.middleware import ApiKeyOnly, BodyLimitAndMetrics, SameOriginOnly
 from meshnet.api.prompts import chat_prompt, completion_prompts
@@ -108,12 +108,13 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        err = ApiError(exc.status_code, message)
         if exc.status_code == 404:
-            message = f"no such endpoint: {request.method} {request.url.path}"
+            err = no_such_endpoint(request.method, request.url.path)
         elif exc.status_code == 405:
-            message = f"method {request.method} is not allowed on {request.url.path}"
+            err = ApiError(405, f"method {request.method} is not allowed on {request.url.path}")
         metrics.errors.labels(kind=str(exc.status_code)).inc()
-        return ApiError(exc.status_code, message).response()
+        return err.response()
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> Response:

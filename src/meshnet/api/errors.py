@@ -39,3 +39,19 @@ def internal_error(e: BaseException) -> ApiError:
     """The 500 for a bug inside a request: names the exception's type, not its text (which may hold
     internals); the details go to the server's log."""
     return ApiError(500, f"internal error: {type(e).__name__}", code="internal_error")
+
+
+# OpenAI's endpoints this server does not serve, by path prefix: a 404 there names what the client asked for.
+_UNSERVED = {"/v1/embeddings": "embeddings", "/v1/responses": "responses (the Responses API)",
+             "/v1/audio": "audio", "/v1/images": "images", "/v1/moderations": "moderations"}
+
+
+def no_such_endpoint(method: str, path: str) -> ApiError:
+    """The 404 for a path nothing serves; for one of OpenAI's endpoints this server lacks, it says so
+    (``unsupported_endpoint``) and names those it has."""
+    known = next((what for prefix, what in _UNSERVED.items() if path == prefix or path.startswith(prefix + "/")),
+                 None)
+    if known is None:
+        return ApiError(404, f"no such endpoint: {method} {path}")
+    return ApiError(404, f"no such endpoint: {method} {path} ({known} are not served here: this server generates "
+                         "text with /v1/chat/completions and /v1/completions)", code="unsupported_endpoint")
