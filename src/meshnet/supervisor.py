@@ -220,9 +220,12 @@ class Supervisor:
         self.restarts = 0  # how many restarts so far, all children together
 
     def start(self) -> None:
-        """Start every child and the watcher thread."""
+        """Start every child and the watcher thread; none once :meth:`halt` was called (a signal that came
+        while they were being started stops the rest)."""
         with self._lock:
             for child in self._children:
+                if self._stop.is_set():
+                    return
                 self._spawn(child)
         self._thread = threading.Thread(target=self._watch, daemon=True, name="supervisor")
         self._thread.start()

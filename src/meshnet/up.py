@@ -267,12 +267,13 @@ def run_up(args: argparse.Namespace) -> int:
         stop.set()
 
     supervisor = Supervisor(children, env=env, on_exit=registry.deregister, on_refused=on_refused)
-    supervisor.start()
-    # Handle SIGINT explicitly too: a shell starts background jobs with SIGINT ignored.
+    # Handle SIGINT explicitly too: a shell starts background jobs with SIGINT ignored. Before the nodes start,
+    # so that a signal while they start stops them the same way (one to a background `up` was ignored then).
     on_stop_signals(lambda: (supervisor.halt(), stop.set()), again=supervisor.hurry)
     code = 0
     api = None
     try:
+        supervisor.start()
         route = wait_for_route(tracker, args.timeout, args.join_token, len(ranges), sys.stderr.isatty(), stop)
         print(f"[meshnet up] route ready (epoch {route.epoch}): "
               + " -> ".join(f"{h.node_id}@{h.address}" for h in route.hops), file=sys.stderr)
