@@ -292,15 +292,23 @@ def sigterm_bench(argv: list[str], started, timeout_s: float = 180) -> tuple[sub
     alone SIGTERM (as ``kill`` does: nothing else tells its children). Returns the bench's process (ended),
     its stderr and the tree it had then. Fails when the bench ends, or ``started`` never holds, within
     ``timeout_s``."""
-    proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "bench", *argv], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    return signal_once_started(["bench", *argv], started, signal.SIGTERM, timeout_s)
+
+
+def signal_once_started(argv: list[str], started, sig: int, timeout_s: float = 180, poll_s: float = 0.1,
+                        **popen) -> tuple[subprocess.Popen, str, dict]:
+    """Run ``meshnet ARGV`` (``popen``: more of Popen's arguments), and once ``started(tree)`` holds for its
+    :func:`process_tree` (asked every ``poll_s`` seconds), send it alone ``sig``. Returns the process (ended),
+    its stderr and the tree it had then. Fails when it ends, or ``started`` never holds, within ``timeout_s``."""
+    proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, **popen)
     try:
         deadline = time.monotonic() + timeout_s
         while not started(tree := process_tree(proc.pid)):
-            assert proc.poll() is None, f"the bench ended first ({proc.returncode}): {proc.stderr.read()[-2000:]}"
+            assert proc.poll() is None, f"it ended first ({proc.returncode}): {proc.stderr.read()[-2000:]}"
             assert time.monotonic() < deadline, f"not started after {timeout_s} s: {tree}"
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)
+            time.sleep(poll_s)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

@@ -401,24 +401,12 @@ def test_a_background_meshnet_up_stops_on_a_ctrl_c_while_its_nodes_start():
     its first node starts, the mesh stops, its nodes with it, before any route. (Its handler came only after
     every node had started, and a SIGINT in between was lost: the mesh came up and served on. That window is
     a few milliseconds; this test lands in it only now and then.)"""
-    from mesh_util import left_running
+    from mesh_util import left_running, signal_once_started
 
-    up = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "up", "--stages", "2", "--threads", "1", "--port", "0",
-                           "--api-port", "-1", "--dashboard-port", "-1"], stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True,
-                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    try:
-        deadline, tree = time.monotonic() + 60, {}
-        while not any("--node-id" in argv for argv in tree.values()):
-            assert up.poll() is None and time.monotonic() < deadline, up.stderr.read()
-            time.sleep(0.01)
-            tree = process_tree(up.pid)
-        up.send_signal(signal.SIGINT)
-        _, err = up.communicate(timeout=60)
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
+    up, err, tree = signal_once_started(
+        ["up", "--stages", "2", "--threads", "1", "--port", "0", "--api-port", "-1", "--dashboard-port", "-1"],
+        lambda tree: any("--node-id" in argv for argv in tree.values()), signal.SIGINT, timeout_s=60, poll_s=0.01,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert left_running(tree, grace_s=5) == []
     assert up.returncode == 0 and "route ready" not in err and "Traceback" not in err, err
 
