@@ -236,6 +236,49 @@ def test_a_held_answer_sends_keep_alives_and_a_call_has_no_content():
     assert json.loads(plain.start(0)[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
 
 
+def test_a_required_answer_that_repeats_a_call_ends_with_that_call_once(served):
+    """SmolLM2 wrote this SDK-made tool's call again and again until max_tokens (or, without it, the whole
+    context: 3878 tokens, 2 minutes) cut the array, and the cut answer came back as content. The answer now
+    ends where a call repeats, with the call once, streamed or not."""
+    from typing import Optional
+
+    from pydantic import BaseModel
+
+    class Address(BaseModel):
+        city: str
+        country: str
+
+    class GetWeather(BaseModel):
+        location: Address
+        unit: Optional[str] = None
+
+    _, _, client = served
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Weather in Paris, France?"}],
+            "tools": [openai.pydantic_function_tool(GetWeather)], "tool_choice": "required", "temperature": 0,
+            "max_tokens": 300}
+    out = client.chat.completions.create(**body)
+    c = out.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None and out.usage.completion_tokens < 150
+    assert [(t.function.name, json.loads(t.function.arguments)["location"]) for t in c.message.tool_calls] == \
+        [("GetWeather", {"city": "Paris", "country": "France"})]
+    deltas = [d.choices[0] for d in client.chat.completions.create(**body, stream=True) if d.choices]
+    assert [t.function.arguments for d in deltas for t in d.delta.tool_calls or ()] == \
+        [c.message.tool_calls[0].function.arguments] and deltas[-1].finish_reason == "tool_calls"
+
+
+def test_a_required_answer_cut_by_max_tokens_keeps_its_whole_calls():
+    from meshnet.api.tool_stream import ToolAnswer, finish_reason
+
+    answer = ToolAnswer(plan_tools([WEATHER], "required"))
+    answer.feed('[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_weather", "para')
+    tail, calls = answer.finish("length")
+    assert tail == "" and [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
+    assert finish_reason("length", calls) == "length" and finish_reason("stop", calls) == "tool_calls"
+    nothing = ToolAnswer(plan_tools([WEATHER], "required"))
+    nothing.feed('[{"name": "get_we')
+    assert nothing.finish("length") == ('[{"name": "get_we', None)
+
+
 def test_a_call_cut_by_max_tokens_is_content():
     from meshnet.api.tool_stream import ToolAnswer
 

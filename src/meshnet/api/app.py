@@ -48,8 +48,8 @@ from meshnet.api.schemas import (
 from meshnet.api.sse import ChatChunks, CompletionChunks
 from meshnet.api.streaming import stream_choices, unless_gone
 from meshnet.api.structured import grammar_for, response_grammar
-from meshnet.api.tool_stream import ChatEvents, whole_answer
-from meshnet.api.tools import ToolPlan, plan_tools
+from meshnet.api.tool_stream import ChatEvents, finish_reason, whole_answer
+from meshnet.api.tools import ToolPlan, plan_tools, repeats_a_call
 from meshnet.api.logprobs import chat_logprobs, completion_logprobs
 from meshnet.api.validation import (answer_stops, parse_body, sampling_params, stop_sequences, token_budget,
                                     validation_error)
@@ -341,7 +341,7 @@ class _Api:
         jobs = [GenJob(prompt_ids, budget, sampling_params(req, self.backend.tokenizer.n_vocab, n_top, i, grammar,
                                                            logprobs=want_logprobs), stops,
                        stop_at_control=not ignore_eos, speculation=self._speculation(req), ignore_eos=ignore_eos,
-                       counts_prompt=i == 0)
+                       counts_prompt=i == 0, ends_early=repeats_a_call if plan.mode == "required" else None)
                 for i in range(req.n or 1)]
         await self._check_route()
         prompt_tokens = len(prompt_ids)  # counted once, however many choices, as OpenAI does
@@ -358,7 +358,7 @@ class _Api:
             content, calls = whole_answer(plan, text, run.finish_reason)
             message = ChatResponseMessage(content=content, tool_calls=calls)
             choices.append(ChatChoice(index=i, message=message,
-                                      finish_reason="tool_calls" if calls else run.finish_reason,
+                                      finish_reason=finish_reason(run.finish_reason, calls),
                                       logprobs=chat_logprobs(self.backend.tokenizer, pieces) if want_logprobs else None))
         usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                       total_tokens=prompt_tokens + completion_tokens)

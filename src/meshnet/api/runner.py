@@ -136,6 +136,8 @@ class GenJob:
     # Its prompt's tokens go to the prompt-token metric once it holds a slot: one choice of each prompt
     # says so (a prompt is processed once however many choices it has; a request refused never is).
     counts_prompt: bool = True
+    # A test of the answer's text so far, after each token: True ends it there ("stop"); None: none.
+    ends_early: Callable[[str], bool] | None = None
 
 
 # How often a request waiting for a generation slot looks whether the server is stopping, seconds.
@@ -305,8 +307,11 @@ class ChoiceRun:
         piece = self.text.add_token(ev.token, ev.text)
         if piece.finish_reason is not None:
             self._finish(piece)
-        elif piece:
+            return
+        if piece:
             self._pending.append(piece)
+        if self.job.ends_early is not None and self.job.ends_early(self.text.raw):
+            self._finish(self.text.finish("stop"))
 
     def _charged(self, position: int) -> None:
         if self._charge is not None and self._driver is not None:

@@ -67,24 +67,32 @@ class ToolAnswer:
 
     def finish(self, finish_reason: str) -> tuple[str, list[dict] | None]:
         """The answer ended with ``finish_reason``: ``(content still to release, tool calls or None)``. Held
-        text is read as calls only when the answer ended by itself ("stop"): one cut by ``max_tokens`` is
-        content, as OpenAI returns a cut answer."""
+        text is read as calls when the answer ended by itself ("stop"); one cut by ``max_tokens`` is content,
+        as OpenAI returns a cut answer, except the whole calls of a required answer's array (see
+        :func:`finish_reason`)."""
         held, self._held = self._held, ""
-        calls = tool_calls_from(held, self.plan) if finish_reason == "stop" and held.strip() else None
+        calls = tool_calls_from(held, self.plan) if held.strip() and (
+            finish_reason == "stop" or self.plan.mode == "required") else None
         if calls:
             return "", calls
         self.content += held
         return held, None
 
 
-def whole_answer(plan: ToolPlan, text: str, finish_reason: str) -> tuple[str | None, list[dict] | None]:
-    """``(content, tool calls)`` of a whole answer ``text`` that ended with ``finish_reason``, told apart as
-    its stream would be: content None beside calls when the answer was calls alone."""
+def finish_reason(reason: str, calls: list[dict] | None) -> str:
+    """What an answer that ended with ``reason`` and was read as ``calls`` reports: "tool_calls", or, for the
+    whole calls of an answer ``max_tokens`` cut, "length" (OpenAI's reason for a cut answer)."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def whole_answer(plan: ToolPlan, text: str, reason: str) -> tuple[str | None, list[dict] | None]:
+    """``(content, tool calls)`` of a whole answer ``text`` that ended with ``reason``, told apart as its
+    stream would be: content None beside calls when the answer was calls alone."""
     if plan.mode == "none":
         return text, None
     answer = ToolAnswer(plan)
     answer.feed(text)
-    _, calls = answer.finish(finish_reason)
+    _, calls = answer.finish(reason)
     return (answer.content or None) if calls else answer.content, calls
 
 
@@ -130,7 +138,7 @@ class ChatEvents:
         elif text or logprobs is not None or (answer is None and piece.tokens):
             events.append(self.chunks.content(i, text, logprobs))
         if piece.finish_reason is not None:
-            events.append(self.chunks.finish(i, "tool_calls" if calls else piece.finish_reason))
+            events.append(self.chunks.finish(i, finish_reason(piece.finish_reason, calls)))
         if events:
             self._sent_at = time.monotonic()
         return events

@@ -121,15 +121,18 @@ def tool_calls_from(text: str, plan: ToolPlan) -> list[dict] | None:
 
 
 def _tool_calls(text: str, plan: ToolPlan) -> list[dict] | None:
-    if plan.mode in ("named", "required"):
+    if plan.mode == "named":
         # The grammar makes the whole answer a call, but max_tokens can end it early: cut text is content.
         try:
             doc = json.loads(text)
         except ValueError:
             return None
-        if plan.mode == "named":
-            return [_call(plan.named, doc)]
-        return [_call(c["name"], c["parameters"]) for c in doc]
+        return [_call(plan.named, doc)]
+    if plan.mode == "required":
+        # An array ended early (max_tokens, or a call repeated: see repeats_a_call) keeps its whole calls; the
+        # same call twice is one (a small model repeats one call until the context is full).
+        unique = {json.dumps(c, sort_keys=True): c for c in _whole_items(text)}
+        return [_call(c["name"], c["parameters"]) for c in unique.values()] or None
     if plan.mode != "auto":
         return None
     names = {t["function"]["name"] for t in plan.tools}
@@ -152,6 +155,30 @@ def _tool_calls(text: str, plan: ToolPlan) -> list[dict] | None:
             return None
         calls.append(_call(obj["name"], args))
     return (calls if plan.parallel else calls[:1]) or None
+
+
+def _whole_items(text: str) -> list[Any]:
+    """The items of the JSON array ``text`` begins, up to the first that is not whole (the grammar wrote it,
+    so what is there is well-formed up to where it was cut)."""
+    decoder, items = json.JSONDecoder(), []
+    at = text.find("[") + 1
+    while at:
+        at = len(text) - len(text[at:].lstrip(" \n\t,"))
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            break
+        items.append(item)
+    return items
+
+
+def repeats_a_call(text: str) -> bool:
+    """Whether a required answer (a JSON array of calls, being written) holds the same call twice: it ends
+    there (see :func:`_tool_calls`) rather than repeating it to ``max_tokens`` or the context's end."""
+    if not text.endswith("}"):  # only a call's closing brace can complete one
+        return False
+    keys = [json.dumps(c, sort_keys=True) for c in _whole_items(text)]
+    return len(set(keys)) < len(keys)
 
 
 def _no_constant(name: str) -> Any:
