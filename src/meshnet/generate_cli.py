@@ -47,7 +47,7 @@ def _add_model_args(p: argparse.ArgumentParser):
     split.add_argument("--stages", type=int, default=None,
                        help="split the layers into N ranges of about equal decode cost")
     split.add_argument("--layers", default=None, help='explicit half-open ranges, e.g. "0:10,10:20,20:30"')
-    p.add_argument("--threads", type=thread_count, default=LOCAL_STAGE_DEFAULTS["threads"], help="CPU threads per stage")
+    p.add_argument("--threads", type=thread_count, default=LOCAL_STAGE_DEFAULTS["threads"], help="CPU threads per stage (default %(default)s)")
     p.add_argument("--n-ctx", type=load_setting("n_ctx"), default=LOCAL_STAGE_DEFAULTS["n_ctx"],
                    help="context length (0 = model's, capped at 4096)")
     p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false", help=NO_HUGE_PAGES_HELP)

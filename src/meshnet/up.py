@@ -47,7 +47,7 @@ def add_up_parser(sub) -> None:
     p.add_argument("--node-ports", type=port_number, default=0, metavar="FIRST",
                    help="node i listens on FIRST + 2i (gRPC) and FIRST + 2i + 1 (its step data plane), for a "
                         "firewall or a router to let through; 0 = any free ports (default)")
-    p.add_argument("--threads", type=thread_count, default=1, help="CPU threads per node")
+    p.add_argument("--threads", type=thread_count, default=1, help="CPU threads per node (default %(default)s: its nodes share this machine)")
     p.add_argument("--n-ctx", type=load_setting("n_ctx"), default=0, help="context length per session (0 = model's, capped at 4096)")
     p.add_argument("--max-sessions", type=load_setting("max_sessions"), default=16,
                    help="sessions each node holds; also the API's concurrency")

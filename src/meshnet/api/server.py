@@ -73,7 +73,7 @@ def add_api_parser(sub) -> None:
     split = local.add_mutually_exclusive_group()
     split.add_argument("--stages", type=int, default=None, help="split the layers into N ranges of about equal decode cost")
     split.add_argument("--layers", default=None, help='explicit half-open ranges, e.g. "0:10,10:30"')
-    local.add_argument("--threads", type=thread_count, default=LOCAL_STAGE_DEFAULTS["threads"], help="CPU threads per stage")
+    local.add_argument("--threads", type=thread_count, default=LOCAL_STAGE_DEFAULTS["threads"], help="CPU threads per stage (default %(default)s)")
     local.add_argument("--n-ctx", type=load_setting("n_ctx"), default=LOCAL_STAGE_DEFAULTS["n_ctx"],
                        help="context length (0 = model's, capped at 4096)")
     local.add_argument("--max-sessions", type=load_setting("max_sessions"), default=LOCAL_STAGE_DEFAULTS["max_sessions"],
