@@ -279,6 +279,20 @@ def test_a_required_answer_cut_by_max_tokens_keeps_its_whole_calls():
     assert nothing.finish("length") == ('[{"name": "get_we', None)
 
 
+def test_text_and_a_call_in_one_last_piece_both_go_out():
+    """A last piece that held the text before a block and the block too sent only the call."""
+    from meshnet.api.runner import Piece
+    from meshnet.api.sse import ChatChunks
+    from meshnet.api.tool_stream import ChatEvents
+
+    events = ChatEvents(ChatChunks("id", 0, "m"), AUTO, 1, None)
+    sent = events.piece(0, Piece("Let me look. <tool_call>" + CALL + "</tool_call>", finish_reason="stop"))
+    deltas = [json.loads(e[6:])["choices"][0] for e in sent]
+    assert deltas[0]["delta"] == {"content": "Let me look. "}
+    assert deltas[1]["delta"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert deltas[2]["finish_reason"] == "tool_calls" and len(deltas) == 3
+
+
 def test_a_call_cut_by_max_tokens_is_content():
     from meshnet.api.tool_stream import ToolAnswer
 

@@ -65,14 +65,14 @@ class ToolAnswer:
         self.content += out
         return out
 
-    def finish(self, finish_reason: str) -> tuple[str, list[dict] | None]:
-        """The answer ended with ``finish_reason``: ``(content still to release, tool calls or None)``. Held
+    def finish(self, reason: str) -> tuple[str, list[dict] | None]:
+        """The answer ended with ``reason``: ``(content still to release, tool calls or None)``. Held
         text is read as calls when the answer ended by itself ("stop"); one cut by ``max_tokens`` is content,
         as OpenAI returns a cut answer, except the whole calls of a required answer's array (see
         :func:`finish_reason`)."""
         held, self._held = self._held, ""
         calls = tool_calls_from(held, self.plan) if held.strip() and (
-            finish_reason == "stop" or self.plan.mode == "required") else None
+            reason == "stop" or self.plan.mode == "required") else None
         if calls:
             return "", calls
         self.content += held
@@ -133,10 +133,11 @@ class ChatEvents:
         logprobs = self.logprobs_of(pieces) if self.logprobs_of is not None and any(p.tokens for p in pieces) \
             else None
         events = []
-        if calls:
-            events.append(self.chunks.tool_calls(i, calls, logprobs))
-        elif text or logprobs is not None or (answer is None and piece.tokens):
+        if text or (logprobs is not None and not calls) or (answer is None and piece.tokens):
             events.append(self.chunks.content(i, text, logprobs))
+            logprobs = None  # sent
+        if calls:  # after the text that came before them in this piece, if any
+            events.append(self.chunks.tool_calls(i, calls, logprobs))
         if piece.finish_reason is not None:
             events.append(self.chunks.finish(i, finish_reason(piece.finish_reason, calls)))
         if events:
