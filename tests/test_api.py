@@ -486,7 +486,7 @@ def test_unknown_endpoint_and_method_use_openai_errors(http):
     _error(http.get("/v1/completions"), 405)
     assert (errors("404"), errors("405")) == (before[0] + 1, before[1] + 1)  # they were not counted
     # OpenAI's endpoints this server lacks say so (a bare "no such endpoint" read as a wrong URL)
-    for path, what in (("/v1/embeddings", "embeddings"), ("/v1/responses", "responses (the Responses API)")):
+    for path, what in (("/v1/embeddings", "embeddings"), ("/v1/images/generations", "images")):
         err = _error(http.post(path, json={"model": "smollm2", "input": "Hi"}), 404)
         assert err["code"] == "unsupported_endpoint" and err["message"] == (
             f"no such endpoint: POST {path} ({what} are not served here: this server generates text with "

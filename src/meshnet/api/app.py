@@ -31,6 +31,7 @@ from meshnet.api.errors import ApiError, bad_request, internal_error, no_such_en
 from meshnet.api.metrics import ApiMetrics
 from meshnet.api.middleware import ApiKeyOnly, BodyLimitAndMetrics, SameOriginOnly
 from meshnet.api.prompts import chat_prompt, completion_prompts
+from meshnet.api.responses import create_response
 from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece, queue_full
 from meshnet.api.schemas import (
     MAX_CHOICES,
@@ -137,6 +138,10 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await api.completions(request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await create_response(api, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -42,8 +42,8 @@ def internal_error(e: BaseException) -> ApiError:
 
 
 # OpenAI's endpoints this server does not serve, by path prefix: a 404 there names what the client asked for.
-_UNSERVED = {"/v1/embeddings": "embeddings", "/v1/responses": "responses (the Responses API)",
-             "/v1/audio": "audio", "/v1/images": "images", "/v1/moderations": "moderations"}
+_UNSERVED = {"/v1/embeddings": "embeddings", "/v1/audio": "audio", "/v1/images": "images",
+             "/v1/moderations": "moderations"}
 
 
 def no_such_endpoint(method: str, path: str) -> ApiError:

@@ -12,7 +12,7 @@ from meshnet.speculative import SpeculationStats
 
 # Endpoints with their own label value; anything else is counted as "other" so that arbitrary request
 # paths cannot grow the label set without bound.
-ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/health", "/metrics")
 
 
 class ApiMetrics:
