@@ -68,6 +68,8 @@ def test_a_streamed_response_comes_as_the_responses_apis_events(served):
     ({"previous_response_id": "resp_1"}, 400, "previous_response_id", "this server keeps no responses"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, 400, "text.format",
      "only text.format"),
+    ({"text": {"format": "json_object"}}, 400, "text.format", "text.format must be an object"),
+    ({"text": {"format": 5}}, 400, "text.format", "text.format must be an object"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.0.content.0",
      "only text parts are supported"),
     ({"input": []}, 400, "input", "input is empty"),

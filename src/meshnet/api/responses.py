@@ -92,7 +92,11 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
                           "unsupported_parameter")
     if req.background:
         raise bad_request("background responses are not supported", "background", "unsupported_parameter")
-    if req.text and (req.text.get("format") or {}).get("type", "text") != "text":
+    fmt = (req.text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object such as {\"type\": \"text\"}", "text.format",
+                          "invalid_type")
+    if fmt and fmt.get("type", "text") != "text":
         raise bad_request("only text.format {\"type\": \"text\"} is supported on /v1/responses; for JSON use "
                           "response_format on /v1/chat/completions", "text.format", "unsupported_parameter")
 
