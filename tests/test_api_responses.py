@@ -58,9 +58,13 @@ def test_a_streamed_response_comes_as_the_responses_apis_events(served):
     assert cut.usage.output_tokens == 4
     r = http.post("/v1/responses", json={"input": "Count from one to fifty.", "temperature": 0, "max_output_tokens": 4,
                                          "stream": True})
-    last = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")][-1]
+    lines = [line for line in r.text.splitlines() if line]
+    last = json.loads(lines[-1][6:])
     assert last["type"] == "response.incomplete" and last["response"]["incomplete_details"] == {
         "reason": "max_output_tokens"}
+    # each event named on its own line, as OpenAI's are; no chat-style [DONE] at the end
+    assert lines[-2] == "event: response.incomplete" and lines[0] == "event: response.created"
+    assert "data: [DONE]" not in lines and last["response"]["temperature"] == 0.0
 
 
 @pytest.mark.parametrize("body, status, param, words", [

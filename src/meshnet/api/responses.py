@@ -132,11 +132,15 @@ class _Shapes:
     def response(self, status: str, finish_reason: str | None = None, usage: Usage | None = None) -> dict:
         done = status != "in_progress"
         output = [self.message("completed" if status == "completed" else "incomplete")] if done else []
+        req = self.req
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "model": self.model, "output": output, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if finish_reason == "length" else None,
-                "instructions": self.req.instructions, "max_output_tokens": self.req.max_output_tokens,
-                "temperature": self.req.temperature, "top_p": self.req.top_p, "parallel_tool_calls": True,
+                "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+                "temperature": 1.0 if req.temperature is None else req.temperature,  # the values in effect
+                "top_p": 1.0 if req.top_p is None else req.top_p,
+                "parallel_tool_calls": req.parallel_tool_calls is not False,
+                "previous_response_id": None, "store": False, "background": False,
                 "tool_choice": "auto", "tools": [], "text": {"format": {"type": "text"}},
                 "metadata": self.req.metadata or {},
                 "usage": None if usage is None else {
@@ -150,8 +154,9 @@ class _Shapes:
                 else []}
 
     def event(self, kind: str, **fields) -> str:
+        """One event, named on an ``event:`` line as OpenAI's are, its ``type`` and ``sequence_number`` in it."""
         self.seq += 1
-        return event({"type": kind, "sequence_number": self.seq - 1, **fields})
+        return f"event: {kind}\n" + event({"type": kind, "sequence_number": self.seq - 1, **fields})
 
     def start(self, _i: int) -> list[str]:
         where = {"output_index": 0}
@@ -204,7 +209,7 @@ async def create_response(api, request: Request) -> Response:
     shapes = _Shapes(req, api.backend.model_name)
     if req.stream:
         return await stream_choices(api._runs, [job], t0, len(prompt_ids), True, shapes.start, shapes.piece,
-                                    shapes.end, request)
+                                    shapes.end, request, done=None)
     pieces, run = await api._run_whole(job, request, t0, True)
     shapes.text = "".join(p.text for p in pieces)
     usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=run.completion_tokens,

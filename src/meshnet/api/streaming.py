@@ -33,11 +33,11 @@ NewRun = Callable[[GenJob, float, bool], ChoiceRun]
 
 async def stream_choices(new_run: NewRun, jobs: list[GenJob], t0: float, prompt_tokens: int, include_usage: bool,
                          on_start: Callable[[int], list[str]], on_piece: Callable[[int, Piece], list[str]],
-                         usage_event: Callable[[Usage], str], request: Request) -> Response:
+                         usage_event: Callable[[Usage], str], request: Request, done: str | None = DONE) -> Response:
     """The response of a streamed request: events of each choice's generation in turn (``on_start`` once
     its first piece is ready, ``on_piece`` per piece of text), an error event that ends the stream if a
-    choice fails, the usage event when asked for, then ``[DONE]``. ``t0``: when the request arrived
-    (``time.perf_counter()``), for TTFT.
+    choice fails, the usage event when asked for, then ``done`` (``[DONE]``; None: nothing, as the Responses
+    API's streams end). ``t0``: when the request arrived (``time.perf_counter()``), for TTFT.
 
     Raises:
         ApiError: the first choice could not start, or the client went away meanwhile (499)."""
@@ -51,7 +51,7 @@ async def stream_choices(new_run: NewRun, jobs: list[GenJob], t0: float, prompt_
         raise
     # The first run is closed with the response even if its body never starts (a client gone at once).
     return sse(_events(new_run, jobs, first, piece, t0, prompt_tokens, include_usage, on_start, on_piece,
-                       usage_event, partial(stream_failed, request.scope)), on_close=first.aclose)
+                       usage_event, partial(stream_failed, request.scope), done), on_close=first.aclose)
 
 
 async def unless_gone(request: Request, start: Callable[[], Awaitable[None]],
@@ -83,7 +83,8 @@ async def unless_gone(request: Request, start: Callable[[], Awaitable[None]],
 async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_piece: Piece | None, t0: float,
                   prompt_tokens: int, include_usage: bool, on_start: Callable[[int], list[str]],
                   on_piece: Callable[[int, Piece], list[str]],
-                  usage_event: Callable[[Usage], str], failed: Callable[[int], None]) -> AsyncIterator[str]:
+                  usage_event: Callable[[Usage], str], failed: Callable[[int], None],
+                  done: str | None = DONE) -> AsyncIterator[str]:
     """The events of :func:`stream_choices`, its first choice started already (``first``, whose first
     piece is ``first_piece``); ``failed(status)`` is told the status of an error that ends the stream."""
     completion_tokens = 0
@@ -115,4 +116,5 @@ async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_p
     if include_usage:
         yield usage_event(Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                 total_tokens=prompt_tokens + completion_tokens))
-    yield DONE
+    if done is not None:
+        yield done
