@@ -77,6 +77,7 @@ def test_a_streamed_response_comes_as_the_responses_apis_events(served):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.0.content.0",
      "only text parts are supported"),
     ({"input": []}, 400, "input", "input is empty"),
+    ({"input": [{"role": "user", "content": []}]}, 400, "input.0.content", "input[0].content is empty"),
     ({"model": "gpt-4o"}, 404, "model", "model 'gpt-4o' is not served here"),
     ({"temperature": 3}, 400, "temperature", ""),
 ])

@@ -109,12 +109,13 @@ def _chat(req: ResponsesRequest) -> ChatCompletionRequest:
         if isinstance(m.content, str):
             messages.append(ChatMessage(role=m.role, content=m.content))
             continue
+        if not m.content:
+            raise bad_request(f"input[{i}].content is empty", f"input.{i}.content", "empty_messages")
         for k, p in enumerate(m.content):
             if p.type not in ("input_text", "output_text", "text") or p.text is None:
                 raise bad_request(f"input[{i}].content[{k}] is {p.type!r}: only text parts are supported",
                                   f"input.{i}.content.{k}", "unsupported_parameter")
-        messages.append(ChatMessage(role=m.role, content=[TextPart(type="text", text=p.text) for p in m.content]
-                                    or None))
+        messages.append(ChatMessage(role=m.role, content=[TextPart(type="text", text=p.text) for p in m.content]))
     if not messages:
         raise bad_request("input is empty", "input", "empty_messages")
     return ChatCompletionRequest(messages=messages, temperature=req.temperature, top_p=req.top_p)
