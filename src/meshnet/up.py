@@ -114,32 +114,34 @@ class _Refused(Exception):
     """A setting the mesh cannot start with, found after its nodes started (the message says which)."""
 
 
-def _tracker_port_problem(host: str, port: int) -> str | None:
-    """Why the tracker could not listen on ``host:port`` when it is taken, or None. Checked before the API's
-    port: a `meshnet up` already running on the same ports was told to pass another --api-port."""
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why a server could not listen on ``host:port`` now (taken, or not an address here), or None."""
     from meshnet.api.server import bind_http_socket
 
     try:
         bind_http_socket(host, port).close()
     except OSError as e:
-        if e.errno != errno.EADDRINUSE:
-            return None  # not an address here: start_tracker says so
-        return (f"the tracker cannot listen on {format_address(host, port)} ({e.strerror}). Is another tracker or "
-                "`meshnet up` running there? Pass another --port.")
+        return e
     return None
+
+
+def _tracker_port_problem(host: str, port: int) -> str | None:
+    """Why the tracker could not listen on ``host:port`` when it is taken, or None. Checked before the API's
+    port: a `meshnet up` already running on the same ports was told to pass another --api-port."""
+    e = _bind_error(host, port)
+    if e is None or e.errno != errno.EADDRINUSE:
+        return None  # free, or not an address here: start_tracker says so
+    return (f"the tracker cannot listen on {format_address(host, port)} ({e.strerror}). Is another tracker or "
+            "`meshnet up` running there? Pass another --port.")
 
 
 def _api_port_problem(host: str, port: int) -> str | None:
     """Why the API could not listen on ``host:port`` (taken, or not an address here), or None: checked
     before the nodes load, so that a taken port fails at once, as a taken tracker port does."""
-    from meshnet.api.server import bind_http_socket
-
-    try:
-        bind_http_socket(host, port).close()
-    except OSError as e:
-        return (f"the API cannot listen on {format_address(host, port)} ({e.strerror or e}); pass another --api-port "
-                "(0 = any free port, -1 = no API) or --host")
-    return None
+    if (e := _bind_error(host, port)) is None:
+        return None
+    return (f"the API cannot listen on {format_address(host, port)} ({e.strerror or e}); pass another --api-port "
+            "(0 = any free port, -1 = no API) or --host")
 
 
 def node_ports(first: int, n_nodes: int) -> list[tuple[int, int]]:

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshnet.api.backend import ApiBackend
-from meshnet.api.errors import ApiError, bad_request, internal_error, no_such_endpoint
+from meshnet.api.errors import ApiError, bad_request, internal_error, model_not_found, no_such_endpoint
 from meshnet.api.metrics import ApiMetrics
 from meshnet.api.middleware import ApiKeyOnly, BodyLimitAndMetrics, SameOriginOnly
 from meshnet.api.prompts import chat_prompt, completion_prompts
@@ -131,8 +131,7 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
     @app.get("/v1/models/{model_id}")
     async def get_model(model_id: str) -> Response:
         if model_id != backend.model_name:
-            raise ApiError(404, f"model {model_id!r} is not served here; this server serves "
-                                f"{backend.model_name!r}", param="model", code="model_not_found")
+            raise model_not_found(model_id, backend.model_name)
         return JSONResponse(api.model_card().model_dump())
 
     @app.post("/v1/completions")
@@ -188,8 +187,7 @@ class _Api:
     # ---- shared checks ----
     def _common_checks(self, req) -> None:
         if req.model is not None and req.model != self.backend.model_name:  # 404, as OpenAI answers it
-            raise ApiError(404, f"model {req.model!r} is not served here; this server serves "
-                                f"{self.backend.model_name!r}", param="model", code="model_not_found")
+            raise model_not_found(req.model, self.backend.model_name)
         stop_sequences(req.stop)  # refuses too many
         if req.stream_options is not None and not req.stream:  # as OpenAI answers it
             raise bad_request("stream_options is only allowed when stream is true", "stream_options")

@@ -35,6 +35,12 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
+def model_not_found(model: str, served: str) -> ApiError:
+    """The 404 for a request naming a model other than the one served (OpenAI's ``model_not_found``)."""
+    return ApiError(404, f"model {model!r} is not served here; this server serves {served!r}", param="model",
+                    code="model_not_found")
+
+
 def internal_error(e: BaseException) -> ApiError:
     """The 500 for a bug inside a request: names the exception's type, not its text (which may hold
     internals); the details go to the server's log."""

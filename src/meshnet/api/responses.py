@@ -23,7 +23,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field
 
-from meshnet.api.errors import ApiError, bad_request
+from meshnet.api.errors import bad_request, model_not_found
 from meshnet.api.prompts import chat_prompt
 from meshnet.api.runner import GenJob, Piece
 from meshnet.api.schemas import ChatCompletionRequest, ChatMessage, TextPart, Usage, _Strict
@@ -197,8 +197,7 @@ async def create_response(api, request: Request) -> Response:
     t0 = time.perf_counter()
     req = parse_body(ResponsesRequest, await request.body())
     if req.model is not None and req.model != api.backend.model_name:
-        raise ApiError(404, f"model {req.model!r} is not served here; this server serves "
-                            f"{api.backend.model_name!r}", param="model", code="model_not_found")
+        raise model_not_found(req.model, api.backend.model_name)
     _refuse_unsupported(req)
     chat = _chat(req)
     prompt_ids = await anyio.to_thread.run_sync(chat_prompt, api.backend.tokenizer, chat, ToolPlan("none"),

@@ -162,9 +162,8 @@ def answer_stops(stop: str | list[str] | None, grammar: Grammar | None) -> tuple
     constrains the whole answer (a ``response_format`` schema, a required or named tool call). The grammar
     ends such an answer where its document ends; a stop sequence found inside the document cut it into
     JSON that does not parse, reported as a finished answer (``finish_reason`` "stop"). Raises ApiError
-    (400) beyond MAX_STOP, whether or not they apply."""
-    stops = tuple(stop_sequences(stop))
-    return () if grammar is not None else stops
+    (400) beyond MAX_STOP."""
+    return () if grammar is not None else tuple(stop_sequences(stop))
 
 
 def sampling_params(req, n_vocab: int, n_top: int, index: int, grammar: Grammar | None = None, *,

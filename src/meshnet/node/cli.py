@@ -27,7 +27,7 @@ from meshnet.node.runner import Node
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.secret_args import add_join_token_arg
 from meshnet.supervisor import announce, follow_supervisor, on_stop_signals, wait_for_stop
-from meshnet.wire.addresses import WILDCARD_HOSTS, dialable_host, is_loopback_host
+from meshnet.wire.addresses import WILDCARD_HOSTS, dialable_host, is_loopback_address, is_loopback_host
 from meshnet.wire.call_problems import tracker_refusal
 from meshnet.wire.security import TlsConfig, open_channel, server_ssl_context
 
@@ -224,7 +224,7 @@ def run_node(args: argparse.Namespace) -> int:
         print(f"warning: --advertise {cfg.advertise}: the name does not resolve on this machine ({why}); clients "
               "and nodes that cannot resolve it either will fail to reach this node", file=sys.stderr, flush=True)
     if (cfg.tracker and not cfg.relay and not cfg.advertise and is_loopback_host(cfg.host)
-            and not is_loopback_host(cfg.tracker.rpartition(":")[0])):
+            and not is_loopback_address(cfg.tracker)):
         # The tracker refuses such a node from another machine; on the tracker's own machine it is taken, and
         # every client elsewhere that the route sends to it is refused its connection.
         print(f"warning: --host {cfg.host}: this node listens on loopback only, while its tracker "
@@ -295,8 +295,9 @@ def loopback_behind_advertise(cfg: NodeConfig) -> str | None:
     that forwards to this loopback port makes it work, so this warns rather than refuses."""
     if not cfg.advertise or cfg.relay or not is_loopback_host(cfg.host):
         return None
-    if is_loopback_host(advertised := cfg.advertise.rpartition(":")[0].strip("[]")):
+    if is_loopback_address(cfg.advertise):
         return None
+    advertised = cfg.advertise.rpartition(":")[0].strip("[]")
     return (f"--advertise {cfg.advertise} with --host {cfg.host}: this node listens on loopback only, so nothing "
             f"answers at {advertised} unless a proxy or tunnel there forwards to it; pass --host 0.0.0.0 (or "
             f"this machine's address) as well")

@@ -41,7 +41,7 @@ from meshnet.tracker.refusals import Refusal, bounded, rpc
 from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry, RegistryFull
 from meshnet.tracker.relay import RELAY_NODE_METADATA, RelayHub, RelayLimits
 from meshnet.tracker.routing import NodeRecord, NoRoute, plan_route
-from meshnet.wire.addresses import is_loopback_host, loopback_seen_from_elsewhere
+from meshnet.wire.addresses import is_loopback_address, loopback_seen_from_elsewhere
 from meshnet.wire.call_problems import abort_call
 
 if TYPE_CHECKING:  # the ledger pulls in SQLAlchemy: imported when a tracker starts, not with the CLI
@@ -124,7 +124,7 @@ class TrackerService(pb_grpc.TrackerServicer):
                               self.registry.heartbeat_interval_s) from None
             except ValueError as e:
                 raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"Register: {e}") from None
-        if self.listens_beyond_loopback and not record.relayed and is_loopback_host(record.address.rpartition(":")[0]):
+        if self.listens_beyond_loopback and not record.relayed and is_loopback_address(record.address):
             # Taken (it is on this machine), but routes hand it to clients elsewhere, which are refused at it.
             members_log.warning("node %s registered %s, which only this machine can dial, while the tracker serves "
                                 "other machines: they cannot reach it (start it with --host 0.0.0.0, with --advertise "

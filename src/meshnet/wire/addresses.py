@@ -136,6 +136,11 @@ def is_loopback_host(host: str) -> bool:
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
+def is_loopback_address(address: str) -> bool:
+    """Whether the host of ``address`` (``HOST:PORT``) is loopback only (:func:`is_loopback_host`)."""
+    return is_loopback_host(address.rpartition(":")[0])
+
+
 def peer_host(peer: str) -> str | None:
     """The host of gRPC peer ``peer`` (``ipv4:10.0.0.5:41234`` -> ``10.0.0.5``, ``ipv6:%5B::1%5D:41234`` ->
     ``[::1]``: gRPC percent-encodes an IPv6 peer's brackets), or None for a peer that is not an IP address
@@ -149,7 +154,7 @@ def loopback_seen_from_elsewhere(advertised: str, peer: str) -> str | None:
     ``peer`` (``ipv4:10.0.0.5:41234``, ``ipv6:[::1]:41234``): its host is a loopback address (127.0.0.0/8,
     ::1, localhost), which only its own machine can dial, while the registration came from another
     machine. None where it can be dialled, or where that cannot be told (a host name, a unix socket)."""
-    if not is_loopback_host(advertised.rpartition(":")[0]):
+    if not is_loopback_address(advertised):
         return None
     if (host := peer_host(peer)) is None:
         return None
