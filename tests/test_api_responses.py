@@ -80,6 +80,9 @@ def test_a_streamed_response_comes_as_the_responses_apis_events(served):
     ({"input": [{"role": "user", "content": []}]}, 400, "input.0.content", "input[0].content is empty"),
     ({"model": "gpt-4o"}, 404, "model", "model 'gpt-4o' is not served here"),
     ({"temperature": 3}, 400, "temperature", ""),
+    ({"prompt": {"id": "pmpt_1"}}, 400, "prompt", "this server keeps no prompt templates"),
+    ({"truncation": "middle"}, 400, "truncation", ""),
+    ({"top_logprobs": 21}, 400, "top_logprobs", ""),
 ])
 def test_what_responses_do_not_do_is_refused_by_name(served, body, status, param, words):
     _, http, _ = served
@@ -87,3 +90,93 @@ def test_what_responses_do_not_do_is_refused_by_name(served, body, status, param
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"]
+
+
+def test_the_texts_log_probs_come_when_include_asks_for_them(served):
+    """``include: ["message.output_text.logprobs"]`` (with ``top_logprobs``) adds chat's entries to the text,
+    streamed in the deltas as in the whole response; without it the parts carry an empty list."""
+    _, http, client = served
+    chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": ASK}], temperature=0,
+                                          max_tokens=8, logprobs=True, top_logprobs=2)
+    ask = {"model": "smollm2", "input": ASK, "temperature": 0, "max_output_tokens": 8,
+           "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    out = client.responses.create(**ask)
+    entries = [e.model_dump() for e in out.output[0].content[0].logprobs]
+    expected = [e.model_dump() for e in chat.choices[0].logprobs.content]
+    assert len(entries) == out.usage.output_tokens == chat.usage.completion_tokens
+    assert [(e["token"], e["logprob"], e["bytes"]) for e in entries] == [
+        (e["token"], e["logprob"], e["bytes"]) for e in expected]
+    assert [[a["token"] for a in e["top_logprobs"]] for e in entries] == [
+        [a["token"] for a in e["top_logprobs"]] for e in expected]
+    assert out.top_logprobs == 2
+    with client.responses.stream(**ask) as stream:
+        events = list(stream)
+    streamed = [e.model_dump() for ev in events if ev.type == "response.output_text.delta" for e in ev.logprobs]
+    final = events[-1].response  # response.completed, or .incomplete (the SDK's final response raises on it)
+    assert streamed == entries and [e.model_dump() for e in final.output[0].content[0].logprobs] == entries
+    plain = client.responses.create(model="smollm2", input=ASK, temperature=0, max_output_tokens=8)
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == out.output_text
+    bad = http.post("/v1/responses", json={"input": ASK, "include": ["message.output_text.logprobs", "logits"]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "include.1"
+    assert "'logits', which is none of" in bad.json()["error"]["message"]
+
+
+def test_auto_truncation_drops_the_oldest_input_until_the_rest_fits(served, tok):
+    """``truncation: "auto"`` keeps the instructions, the last message and as many of the latest before it as
+    fit the context (1024 tokens here); "disabled", the default, refuses the same input by name."""
+    from meshnet.api.prompts import chat_prompt
+    from meshnet.api.responses import ResponsesRequest, _chat, fitted_prompt
+    from meshnet.api.tools import ToolPlan
+
+    _, http, client = served
+    history = []
+    for i in range(12):  # about 1,300 tokens in all
+        history += [{"role": "user", "content": f"Tell me fact number {i} about the sea. " + "Waves roll. " * 20},
+                    {"role": "assistant", "content": f"Fact {i}: the sea is deep and " + "salty, " * 20}]
+    body = {"instructions": "Be brief.", "input": history + [{"role": "user", "content": ASK}], "temperature": 0,
+            "max_output_tokens": 4}
+    refused = http.post("/v1/responses", json=body)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    out = client.responses.create(model="smollm2", truncation="auto", **body)
+    assert out.status in ("completed", "incomplete") and out.truncation == "auto"
+    chat, kept = _chat(ResponsesRequest(truncation="auto", **body))
+    ids = fitted_prompt(tok, chat, kept, 1024, True)
+    assert len(ids) == out.usage.input_tokens <= 1024
+    # the instructions, then the latest messages that fit: one message more does not
+    def prompt(first: int) -> list[int]:
+        return chat_prompt(tok, chat.model_copy(update={"messages": chat.messages[:1] + chat.messages[first:]}),
+                           ToolPlan("none"))
+
+    first = next(k for k in range(2, len(chat.messages)) if prompt(k) == ids)
+    assert len(prompt(first - 1)) > 1024 and tok.decode(ids).startswith("system\nBe brief.\n")
+
+
+def test_a_response_failing_mid_stream_ends_with_response_failed(served, monkeypatch):
+    """A failure once a Responses stream has started ends it with ``response.failed`` naming the error (it was
+    chat's ``{"error": ...}`` event, on which the SDK raised mid-stream), the text so far in its output."""
+    from meshnet.api import responses
+
+    calls = []
+    piece = responses._Shapes.piece
+
+    def breaks_second(self, i, p):
+        calls.append(p)
+        if len(calls) == 2:
+            raise TypeError("not a str")
+        return piece(self, i, p)
+
+    monkeypatch.setattr(responses._Shapes, "piece", breaks_second)
+    _, http, _ = served
+    r = http.post("/v1/responses", json={"input": "Count from one to fifty.", "temperature": 0,
+                                         "max_output_tokens": 20, "stream": True})
+    assert r.status_code == 200
+    lines = [line for line in r.text.splitlines() if line]
+    last = json.loads(lines[-1][6:])
+    assert lines[-2] == "event: response.failed" and last["type"] == "response.failed"
+    assert last["response"]["status"] == "failed"
+    assert last["response"]["error"] == {"code": "internal_error", "message": "internal error: TypeError"}
+    assert last["response"]["output"][0]["content"][0]["text"] == calls[0].text
+    monkeypatch.undo()
+    gone = http.get("/v1/responses/" + last["response"]["id"])
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"
+    assert "this server keeps no responses" in gone.json()["error"]["message"]

@@ -54,7 +54,12 @@ _UNSERVED = {"/v1/embeddings": "embeddings", "/v1/audio": "audio", "/v1/images":
 
 def no_such_endpoint(method: str, path: str) -> ApiError:
     """The 404 for a path nothing serves; for one of OpenAI's endpoints this server lacks, it says so
-    (``unsupported_endpoint``) and names those it has."""
+    (``unsupported_endpoint``) and names those it has. A stored response asked for by id
+    (``/v1/responses/{id}``, its ``input_items``, its cancel) is not found: none is ever kept."""
+    if path.startswith("/v1/responses/") and len(path) > len("/v1/responses/"):
+        response_id = path[len("/v1/responses/"):].split("/", 1)[0]
+        return ApiError(404, f"no response {response_id!r}: this server keeps no responses (each answer is "
+                             "returned once, whatever store says)", code="response_not_found")
     known = next((what for prefix, what in _UNSERVED.items() if path == prefix or path.startswith(prefix + "/")),
                  None)
     if known is None:

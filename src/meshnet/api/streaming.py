@@ -33,11 +33,13 @@ NewRun = Callable[[GenJob, float, bool], ChoiceRun]
 
 async def stream_choices(new_run: NewRun, jobs: list[GenJob], t0: float, prompt_tokens: int, include_usage: bool,
                          on_start: Callable[[int], list[str]], on_piece: Callable[[int, Piece], list[str]],
-                         usage_event: Callable[[Usage], str], request: Request, done: str | None = DONE) -> Response:
+                         usage_event: Callable[[Usage], str], request: Request, done: str | None = DONE,
+                         error_event: Callable[[ApiError], str] | None = None) -> Response:
     """The response of a streamed request: events of each choice's generation in turn (``on_start`` once
     its first piece is ready, ``on_piece`` per piece of text), an error event that ends the stream if a
-    choice fails, the usage event when asked for, then ``done`` (``[DONE]``; None: nothing, as the Responses
-    API's streams end). ``t0``: when the request arrived (``time.perf_counter()``), for TTFT.
+    choice fails (``error_event(error)``; by default chat's ``{"error": ...}``), the usage event when asked
+    for, then ``done`` (``[DONE]``; None: nothing, as the Responses API's streams end). ``t0``: when the
+    request arrived (``time.perf_counter()``), for TTFT.
 
     Raises:
         ApiError: the first choice could not start, or the client went away meanwhile (499)."""
@@ -51,7 +53,13 @@ async def stream_choices(new_run: NewRun, jobs: list[GenJob], t0: float, prompt_
         raise
     # The first run is closed with the response even if its body never starts (a client gone at once).
     return sse(_events(new_run, jobs, first, piece, t0, prompt_tokens, include_usage, on_start, on_piece,
-                       usage_event, partial(stream_failed, request.scope), done), on_close=first.aclose)
+                       usage_event, partial(stream_failed, request.scope), done, error_event or _error_event),
+               on_close=first.aclose)
+
+
+def _error_event(e: ApiError) -> str:
+    """Chat's and completions' error event: the error's body, as OpenAI's API ends such a stream."""
+    return event(e.body())
 
 
 async def unless_gone(request: Request, start: Callable[[], Awaitable[None]],
@@ -84,7 +92,7 @@ async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_p
                   prompt_tokens: int, include_usage: bool, on_start: Callable[[int], list[str]],
                   on_piece: Callable[[int, Piece], list[str]],
                   usage_event: Callable[[Usage], str], failed: Callable[[int], None],
-                  done: str | None = DONE) -> AsyncIterator[str]:
+                  done: str | None, error_event: Callable[[ApiError], str]) -> AsyncIterator[str]:
     """The events of :func:`stream_choices`, its first choice started already (``first``, whose first
     piece is ``first_piece``); ``failed(status)`` is told the status of an error that ends the stream."""
     completion_tokens = 0
@@ -108,7 +116,7 @@ async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_p
                 e = internal_error(e)
             run.metrics.errors.labels(kind=e.code or str(e.status)).inc()
             failed(e.status)
-            yield event(e.body())
+            yield error_event(e)
             return
         finally:
             await run.aclose()
