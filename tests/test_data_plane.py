@@ -506,3 +506,22 @@ def test_a_service_that_is_no_data_plane_is_named_so_without_repeating_its_bytes
         assert str(ei.value) == "it does not answer as a meshnet node's data plane (another service at that port?)"
     finally:
         listener.close()
+
+
+def test_one_address_cannot_hold_the_connections_kept_for_others(serve):
+    """A join-token holder that opened authenticated connections up to the cap (each with an await, or idle)
+    locked every new client and node out for the connections' idle timeout: one address's authenticated
+    connections now hold at most three quarters of them, and another address still gets in."""
+    server, address = serve(max_connections=8)
+    mine = [DataPlaneConnection(address, TOKEN, 5) for _ in range(6)]
+    with pytest.raises(DataPlaneError, match=r"RESOURCE_EXHAUSTED: 127\.0\.0\.1 holds 6 of this data plane's "
+                                             r"connections, the most one address may \(6 of max_connections 8\)"):
+        DataPlaneConnection(address, TOKEN, 5)
+    host, port = address.rsplit(":", 1)
+    other = socket.create_connection((host, int(port)), timeout=5, source_address=("127.0.0.2", 0))
+    send_message(other, AUTH, TOKEN.encode())
+    assert recv_message(other) == (AUTH, b"")  # another address is let in
+    assert server.stats["refused"] == 1 and server.open_connections == 7
+    replies, error = mine[0].call(_prefill(2))  # and the first address's connections still work
+    assert error is None and replies_to_result(replies).n_past == 2
+    other.close()

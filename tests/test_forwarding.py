@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 
 import pytest
 
@@ -303,6 +304,26 @@ def test_expired_and_surplus_entries_are_dropped_and_their_awaits_answered():
     for i in range(3):
         reg.await_(("s", i, 1), got.append)
     assert reg.pending == (0, 2) and [o.code for o in got] == ["DEADLINE_EXCEEDED"] * 2
+    assert "keeps at most 2 awaits" in got[-1].message
+
+
+def test_an_await_expires_without_other_traffic_and_a_superseded_one_is_told_so():
+    """An await of a step that never comes was answered only when another await or outcome arrived: on a
+    node nothing else reached, its client waited until the connection's idle timeout (300 s) closed it. The
+    node's sweep answers it after ``ttl_s``; a second await of the same step answers the first one saying
+    it was superseded (the words said "in time", after 0.2 s)."""
+    reg = AwaitedOutcomes(StepOutcome, ttl_s=0.05)
+    got = []
+    reg.await_(("s", 1, 1), got.append)
+    reg.await_(("s", 1, 1), got.append)
+    assert [(o.code, o.message) for o in got] == [
+        ("DEADLINE_EXCEEDED", "the await was superseded by another await of the same step")]
+    reg.sweep()
+    assert len(got) == 1 and reg.pending == (0, 1)  # not yet expired
+    time.sleep(0.06)
+    reg.sweep()
+    assert reg.pending == (0, 0) and (got[1].code, got[1].message) == (
+        "DEADLINE_EXCEEDED", "no outcome of the awaited step reached this node within 0.05 s")
 
 
 # ---- the data plane refuses forwarding kinds it does not serve ----------------------------------------------

@@ -94,7 +94,10 @@ class AwaitedOutcomes:
     The forwarded step and the client's AwaitStep reach the tail by different paths, so either may come
     first: an outcome waits for its await, an await for its outcome. ``answer`` callbacks run on the
     thread that completes the pair. Entries older than ``ttl_s`` seconds are dropped (an expired await
-    is answered DEADLINE_EXCEEDED), and beyond ``max_entries`` the oldest goes first.
+    is answered DEADLINE_EXCEEDED, as is one superseded by a second await of the same step, each saying
+    which), and beyond ``max_entries`` the oldest goes first. Expiry runs with each delivery and await,
+    and from :meth:`sweep`, which the node calls every few seconds: an await on a node nothing else
+    reaches was otherwise kept until its client's connection closed.
     """
 
     def __init__(self, make_outcome: Callable[..., object], ttl_s: float = OUTCOME_TTL_S,
@@ -113,7 +116,7 @@ class AwaitedOutcomes:
             if waiter is None:
                 self._outcomes[key] = (time.monotonic(), outcome)
                 expired += self._trim()
-        self._answer_expired(expired)
+        self._refuse(expired)
         if waiter is not None:
             waiter[1](outcome)
 
@@ -128,10 +131,10 @@ class AwaitedOutcomes:
             if done is None:
                 old = self._waiters.pop(key, None)
                 if old is not None:  # the client asked again (a new connection): the old one is gone
-                    expired.append(old[1])
+                    expired.append((old[1], "the await was superseded by another await of the same step"))
                 self._waiters[key] = (time.monotonic(), answer)
                 expired += self._trim()
-        self._answer_expired(expired)
+        self._refuse(expired)
         if done is not None:
             answer(done[1])
         return lambda: self._withdraw(key, answer)
@@ -142,35 +145,42 @@ class AwaitedOutcomes:
             if waiter is not None and waiter[1] is answer:
                 del self._waiters[key]
 
+    def sweep(self) -> None:
+        """Drop what is older than ``ttl_s``, answering expired awaits (any thread)."""
+        with self._lock:
+            expired = self._expire()
+        self._refuse(expired)
+
     @property
     def pending(self) -> tuple[int, int]:
         """(outcomes nobody has awaited yet, awaits still waiting)."""
         with self._lock:
             return len(self._outcomes), len(self._waiters)
 
-    def _expire(self) -> list[Callable]:
+    def _expire(self) -> list[tuple[Callable, str]]:
         cutoff = time.monotonic() - self.ttl_s
         while self._outcomes and next(iter(self._outcomes.values()))[0] < cutoff:
             self._outcomes.popitem(last=False)
         answers = []
         while self._waiters and next(iter(self._waiters.values()))[0] < cutoff:
-            answers.append(self._waiters.popitem(last=False)[1][1])
+            answers.append((self._waiters.popitem(last=False)[1][1],
+                            f"no outcome of the awaited step reached this node within {self.ttl_s:g} s"))
         return answers
 
-    def _trim(self) -> list[Callable]:
+    def _trim(self) -> list[tuple[Callable, str]]:
         answers = []
         while len(self._outcomes) + len(self._waiters) > self.max_entries:
             older = self._outcomes if (self._outcomes and (not self._waiters or next(iter(
                 self._outcomes.values()))[0] <= next(iter(self._waiters.values()))[0])) else self._waiters
             _, (_, item) = older.popitem(last=False)
             if older is self._waiters:
-                answers.append(item)
+                answers.append((item, f"the await was dropped: this node keeps at most {self.max_entries} "
+                                      "awaits and unawaited outcomes, and it was the oldest"))
         return answers
 
-    def _answer_expired(self, answers: list[Callable]) -> None:
-        for answer in answers:
-            answer(self._make_outcome("DEADLINE_EXCEEDED", "no outcome of the awaited step reached this node "
-                                                           "in time (or the await was superseded)"))
+    def _refuse(self, answers: list[tuple[Callable, str]]) -> None:
+        for answer, why in answers:
+            answer(self._make_outcome("DEADLINE_EXCEEDED", why))
 
 
 class WouldWait(Exception):

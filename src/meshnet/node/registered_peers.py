@@ -8,10 +8,12 @@ its tracker lists.
 
 The list is the tracker's ``ListNodes``, kept here and asked again when a step names an address it lacks
 (a node that joined since), at most once every :data:`REFRESH_S`. When the tracker cannot be asked (an
-outage, during which the mesh goes on serving) the addresses last listed, and any other, are let through:
-a check that failed closed would stop forwarding with the tracker. An address refused (a node that joined
-within the second since the last asking, too) is reported to the client as a link this node cannot use,
-which the client then steps itself: a route through a new node goes on, one hop slower, rather than fail.
+outage, during which the mesh goes on serving) the addresses last listed are still let through and no
+other: routes come from the tracker, so one planned before the outage names listed nodes, and letting every
+address through then (as this check once did) turned a stopped tracker into a port scan and a join token
+sent to any address a step named. An address refused (a node that joined within the second since the last
+asking, or during the outage) is reported to the client as a link this node cannot use, which the client
+then steps itself: a route through a new node goes on, one hop slower, rather than fail.
 """
 
 from __future__ import annotations
@@ -50,19 +52,19 @@ class RegisteredPeers:
         self._list, self._clock = list_addresses, clock
         self._known: frozenset[str] = frozenset()
         self._asked_at = float("-inf")
-        self._reachable = True  # whether the last asking was answered
+        self._reachable = True  # whether the last asking was answered (logged once per outage)
         self._lock = threading.Lock()  # one asking at a time
 
     def admits(self, address: str, may_block: bool = True) -> bool:
-        """Whether a step may be sent on to ``address``: a registered node's data address, or any while
-        the tracker cannot be asked. ``may_block`` False raises :class:`NeedsRefresh` where the answer
+        """Whether a step may be sent on to ``address``: a registered node's data address (as last listed,
+        while the tracker cannot be asked). ``may_block`` False raises :class:`NeedsRefresh` where the answer
         takes asking the tracker (the caller asks again from a thread that may wait)."""
         if address.lower() in self._known:
             return True
         if not may_block:  # nor waits for another thread's asking, which holds the lock up to LIST_TIMEOUT_S
             if self._lock.locked() or self._clock() - self._asked_at >= REFRESH_S:
                 raise NeedsRefresh(address)
-            return address.lower() in self._known or not self._reachable  # an asking may have ended since
+            return address.lower() in self._known  # an asking may have ended since
         with self._lock:
             if self._clock() - self._asked_at >= REFRESH_S:
                 self._asked_at = self._clock()
@@ -72,6 +74,7 @@ class RegisteredPeers:
                 except grpc.RpcError as e:
                     if self._reachable:
                         log.warning("could not ask the tracker which nodes are registered (%s): steps are "
-                                    "forwarded to the addresses they name until it answers", e.code().name)
+                                    "forwarded only to the %d nodes it last listed until it answers",
+                                    e.code().name, len(self._known))
                     self._reachable = False
-            return address.lower() in self._known or not self._reachable
+            return address.lower() in self._known

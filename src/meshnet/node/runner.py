@@ -243,6 +243,7 @@ class Node:
     def _idle_loop(self, stop: threading.Event) -> None:
         under_pressure_s = pressure_idle_s(self.cfg.idle_timeout_s)
         while not stop.wait(sweep_period_s(self.cfg.idle_timeout_s)):
+            self.service.awaited.sweep()  # awaits of forwarded steps that never came
             for sid in self.engine.release_idle(self.cfg.idle_timeout_s):
                 log.info("released idle session %s", sid)
             if self._at_its_limit():

@@ -31,16 +31,22 @@ FRAME_CHARGE = 4096
 # An AWAIT message is a session id (at most 256 characters) and two integers; one is not budgeted while it
 # arrives, and the tail keeps it as long as its connection waits: 150 awaits of 8 MB held 1.2 GB.
 MAX_AWAIT_BYTES = 1024
+# The part of a data plane's connections kept from any one address's authenticated connections (1/4: 64 of
+# 256): a join-token holder that opened connections (and awaits) up to the limit locked every new client and
+# node out of the node for the connections' idle timeout (300 s).
+RESERVED_FOR_OTHERS = 4
 
 
 class Conn:
     """One connection's state; touched only by the selector thread, or by the one worker running its step."""
 
     __slots__ = ("sock", "authed", "header", "body", "need", "kind", "frames", "n_frames", "request_bytes",
-                 "charged", "waits_for", "deadline", "busy", "cancel_await", "forwards", "paused", "handshaking")
+                 "charged", "waits_for", "deadline", "busy", "cancel_await", "forwards", "paused", "handshaking",
+                 "peer")
 
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, deadline: float, peer: str = "") -> None:
         self.sock = sock
+        self.peer = peer  # the host it connected from
         self.authed = False
         self.header = bytearray()
         self.body: bytearray | None = None  # the message being read, once its header is known
@@ -179,6 +185,18 @@ class Refuse(Exception):
         self.stat, self.code, self.message, self.retry_after_s = stat, code, message, retry_after_s
 
 
+def over_address_share(conns, c: Conn, max_connections: int) -> str | None:
+    """Why ``c``, authenticating now, may not stay: the authenticated connections of its address already
+    number the most one address may hold (``max_connections`` less a ``RESERVED_FOR_OTHERS``-th of it, kept
+    for other addresses); None when it may stay. ``conns``: the server's open connections."""
+    most = max_connections - max_connections // RESERVED_FOR_OTHERS
+    held = sum(1 for o in conns if o.authed and o.peer == c.peer)
+    if held < most:
+        return None
+    return (f"{c.peer} holds {held} of this data plane's connections, the most one address may ({most} of "
+            f"max_connections {max_connections}): close idle ones")
+
+
 def accept_connections(listener: socket.socket, conns: dict[int, Conn], max_connections: int,
                        tls: ssl.SSLContext | None, auth_deadline: float, stats: collections.Counter[str],
                        close: Callable[[Conn], None]) -> list[Conn]:
@@ -193,7 +211,7 @@ def accept_connections(listener: socket.socket, conns: dict[int, Conn], max_conn
     out: list[Conn] = []
     for _ in range(64):
         try:
-            sock, _ = listener.accept()
+            sock, addr = listener.accept()
         except (BlockingIOError, InterruptedError):
             break
         except OSError:  # e.g. out of file descriptors: try again on the next event
@@ -223,7 +241,7 @@ def accept_connections(listener: socket.socket, conns: dict[int, Conn], max_conn
             except (OSError, ValueError):
                 sock.close()
                 continue
-        out.append(Conn(sock, auth_deadline))
+        out.append(Conn(sock, auth_deadline, addr[0] if isinstance(addr, tuple) else str(addr)))
     return out
 
 

@@ -8,7 +8,8 @@ request, and the client requests still arriving on all connections within a
 until its request completes or its connection closes). Silent connections are closed
 (``auth_timeout_s`` to authenticate, ``read_timeout_s`` of silence inside a request, ``idle_timeout_s``
 between requests), and at most ``max_connections`` are open at once: a new one beyond that replaces the
-oldest connection that has not authenticated yet, or is refused when every connection has. Steps run on
+oldest connection that has not authenticated yet, or is refused when every connection has; a quarter of
+them stays out of reach of any one address's authenticated connections. Steps run on
 ``workers`` threads (:mod:`meshnet.wire.data_plane_steps`); reading and writing never block the selector
 thread, whose loop costs no thread per connection.
 
@@ -22,7 +23,8 @@ blocking and must finish, with the join token, within ``auth_timeout_s``. Bytes 
 wait in the socket's TLS layer, where the selector cannot see them, so connections holding such bytes are
 read again on the next turn without waiting.
 
-Counters (``DataPlaneServer.stats``): ``accepted``, ``refused`` (over the cap, all authenticated),
+Counters (``DataPlaneServer.stats``): ``accepted``, ``refused`` (over the cap, all authenticated, or over
+its address's share),
 ``evicted`` (an unauthenticated connection replaced by a newer one), ``busy`` (past the budget),
 ``held_back`` (a forwarded frame waiting for room in it), ``timed_out``, ``unauthenticated``
 (wrong token or not an AUTH message first), ``too_large`` and ``malformed`` (protocol violations after
@@ -45,8 +47,8 @@ from google.protobuf.message import DecodeError
 
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.wire.data_plane import AUTH, AWAIT, ENVELOPE, ERROR, FORWARD, HEADER, MAX_MESSAGE_BYTES, encode_error
-from meshnet.wire.data_plane_conn import (FRAME_CHARGE, Conn, Refuse, WaitingRoom, accept_connections, send_at_once,
-                                         send_now)
+from meshnet.wire.data_plane_conn import (FRAME_CHARGE, Conn, Refuse, WaitingRoom, accept_connections,
+                                         over_address_share, send_at_once, send_now)
 from meshnet.wire.data_plane_steps import StepPool, encode_outcome
 from meshnet.wire.envelope import session_id_problem
 from meshnet.wire.request_budget import RequestBudget
@@ -272,6 +274,8 @@ class DataPlaneServer:
             # A node without a join token serves anyone, whatever token they bring (as its gRPC port does).
             if self._token and not hmac.compare_digest(body, self._token):
                 raise Refuse("unauthenticated", "UNAUTHENTICATED", "missing or wrong join token")
+            if (over := over_address_share(self._conns.values(), c, self.max_connections)) is not None:
+                raise Refuse("refused", "RESOURCE_EXHAUSTED", over)
             c.authed = True
             c.deadline = time.monotonic() + self.idle_timeout_s
             if not send_now(c.sock, AUTH, b""):
