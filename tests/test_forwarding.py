@@ -74,6 +74,71 @@ def test_a_node_killed_while_forwarding_is_replaced_with_identical_output(mesh, 
                    in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
+def test_a_head_killed_while_forwarding_is_rebuilt_alone_and_the_hops_after_it_keep_their_caches(mesh, tok, solo):
+    """A forwarded step records only the head's inputs, so a failover replayed every hop of the route from
+    the token ids, one after the other: a dead head cost each session a replay through all three stages.
+    Only the new head is rebuilt now; the middle and the tail keep their caches (the retried step rolls
+    them back, should they have run it), and the output is the same."""
+    nodes = mesh.start_nodes([("a-head", "0:10"), ("z-spare-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
+    client = mesh.client(forwarding=True)
+    _, route = client.route()
+    victim = next(n for n in nodes if n.node_id == route[0].node_id)
+    spare = next(n for n in nodes if n.node_id.endswith("head") and n is not victim)
+    kept = [n for n in nodes if n.node_id in ("b-mid", "c-tail")]
+    prompt = solo.prompt_ids(2)
+
+    def counts(node) -> tuple[int, int]:
+        m = node.stub().Metrics(pb.Empty(), timeout=5)
+        return m.prefill_tokens, m.decode_tokens
+
+    before = {n.node_id: counts(n) for n in [*kept, spare]}  # a node's speed probe at start counts too
+    gen, steps = Generation(client, tok, prompt, N, GREEDY, stop_at_eog=False), []
+    for i, _ in enumerate(gen):
+        steps = client._sessions[next(iter(client._sessions))].steps
+        if i + 1 == 8:
+            victim.kill()
+    assert gen.result.generated_token_ids == solo.greedy(2, N) and client.failovers == 1
+    # the step retried after the failover says rollback (a kept hop may have run it), and only that one
+    assert [i for i, rec in enumerate(steps) if rec.req.rollback] == [8]
+    stepped = {n.node_id: tuple(a - b for a, b in zip(counts(n), before[n.node_id])) for n in [*kept, spare]}
+    # each kept hop prefilled the prompt once and decoded each later token once (the retried step perhaps
+    # twice); the new head took the replay of the 8 steps before the kill, then the rest
+    assert [stepped[n.node_id][0] for n in kept] == [len(prompt)] * 2, stepped
+    assert all(N - 1 <= stepped[n.node_id][1] <= N for n in kept), stepped
+    assert stepped[spare.node_id] == (len(prompt), N - 1), stepped
+    client.close()
+    assert [n.active_sessions() for n in nodes if n is not victim] == [0, 0, 0]
+
+
+def test_hops_kept_after_a_head_that_died_once_it_forwarded_roll_the_retried_step_back(mesh, tok, solo, monkeypatch):
+    """The head forwarded a step, the middle and the tail ran it, and the head died before answering the
+    client: the client fails over with those two hops kept, holding one step more than its log. The retried
+    step says rollback, so they cut it back and run it again (without it they refused it FAILED_PRECONDITION,
+    the session lost); the output equals the uninterrupted run."""
+    from meshnet.client.remote import StageFailure
+
+    nodes = mesh.start_nodes([("a-head", "0:10"), ("z-spare-head", "0:10"), ("b-mid", "10:20"), ("c-tail", "20:30")])
+    client = mesh.client(forwarding=True)
+    real, calls = MeshClient._run_forwarded, []
+
+    def head_dies_after_forwarding(self, log_, req, decode):
+        calls.append(req.position)
+        if len(calls) == 9:
+            real(self, log_, req, decode)  # every hop ran it: the tail sampled its token
+            head = next(n for n in nodes if n.node_id == log_.hops[0].node_id)
+            head.kill()
+            raise StageFailure(head.node_id, head.address, "UNAVAILABLE", "the head died before it answered")
+        return real(self, log_, req, decode)
+
+    monkeypatch.setattr(MeshClient, "_run_forwarded", head_dies_after_forwarding)
+    kept = [n for n in nodes if n.node_id in ("b-mid", "c-tail")]
+    before = [n.stub().Metrics(pb.Empty(), timeout=5).decode_tokens for n in kept]
+    assert _generate(client, tok, solo.prompt_ids(3)) == solo.greedy(3, N) and client.failovers == 1
+    after = [n.stub().Metrics(pb.Empty(), timeout=5).decode_tokens for n in kept]
+    assert [a - b for a, b in zip(after, before)] == [N, N]  # the retried step ran twice there, no replay
+    client.close()
+
+
 def _firewall_before(monkeypatch, mesh, node_id: str) -> str:
     """Emulate a firewall that lets the client reach ``node_id``'s data port but not the nodes before it:
     the route the client hands on to the nodes names a closed port (returned) for it, while the client's

@@ -4,7 +4,8 @@ Data path (client-orchestrated): for each step the client sends the request to h
 hidden states it returns and sends them to hop 1, and so on; the tail returns a sampled token. The
 client therefore sees every stage's input and records it per session. When a node fails, the client
 asks the tracker for a new route (epoch + 1, excluding the dead node), keeps the hops before the first
-changed one (their KV caches are intact), and replays the recorded steps from that boundary on: the
+changed one and after the last one (their KV caches are intact), and replays the recorded steps on those
+between: the
 prompt as the same prefill batch, then each generated token as its own decode step. Where the new
 route serves the same layer ranges, every replayed hop takes the inputs recorded for it, so the hops
 replay at the same time. Same inputs, same kernels, same batch shapes: the rebuilt KV cache is
@@ -13,7 +14,8 @@ bit-identical, so greedy output equals an uninterrupted run token for token (the
 
 With ``forwarding`` on, a step whose route allows it is forwarded instead (:mod:`meshnet.client.forwarded`):
 the client sends token ids to the head and gets the token from the tail, and records no hidden states,
-so a failover replays such steps on every hop of the new route, from the token ids.
+so a failover replays such steps on every hop of the new route up to its last changed one, from the token
+ids; the step retried after it says ``rollback``, since a hop kept may have run it already.
 
 Implements the generation loop's client interface (``step`` / ``cancel`` / ``release``), like the
 in-process :class:`~meshnet.chain.LocalChain`.
@@ -31,7 +33,8 @@ from meshnet.client.deadline import DeadlinePolicy, HopClocks
 from meshnet.client.forwarded import BlockedLinks, LinkFailure, forwardable, run_forwarded
 from meshnet.client.node_failures import NodeFailures
 from meshnet.client.orphans import RELEASE_WAIT_S, OrphanReleaser
-from meshnet.client.replay import SessionLost, first_changed_hop, replay, warn_if_unlike
+from meshnet.client.replay import (SessionLost, first_changed_hop, free_old_copies, replay, replay_end,
+                                   warn_if_unlike)
 from meshnet.client.session_log import RecordedStep, SessionLog
 from meshnet.client.remote import RemoteStage, StageFailure, check_reply
 from meshnet.client.router import MeshUnavailable, Router, context_length
@@ -198,6 +201,9 @@ class MeshClient:
                 if deadline is not None:
                     start = self._failover(log_, failed_at, deadline, lost, from_head=forward)
                     lost.clear()
+                    # A hop the replay kept may have run the failed attempt (a forwarded step reaches hops
+                    # past the one that failed): the retry cuts such a hop back to where it starts.
+                    req = replace(req, rollback=True) if forward else req
                     step_inputs = (step_inputs + [None] * len(log_.hops))[:len(log_.hops)]
                     # Not past a hop this step has not reached in any attempt (its input unknown): when a
                     # node fails during a replay, the first changed hop can lie beyond where the step got.
@@ -354,7 +360,8 @@ class MeshClient:
         A node back at its own address may still hold the session as it was: it is told to free that
         copy before the replay rebuilds it. Nodes in ``lost`` still serve but lost the session: they may
         stay in the route, and the replay starts at them. ``from_head``: the failed step was forwarded
-        (any hop before the failure may have run it), so every hop is rebuilt, from the head on."""
+        (any hop may have run it; only the head's inputs are recorded), so the replay starts at the head;
+        it ends at the last changed hop either way."""
         exclude = set(failed_at)
         needed = log_.tokens_needed  # a replacement holding fewer would refuse the replay
         while True:
@@ -371,7 +378,8 @@ class MeshClient:
                 time.sleep(0.25)
         old = log_.hops
         first, recorded = first_changed_hop(log_, hops, exclude, lost, from_head)
-        self.unlike_failovers += warn_if_unlike(log_.session_id, old, hops[first:])
+        stop = replay_end(log_, hops, first, exclude, lost)
+        self.unlike_failovers += warn_if_unlike(log_.session_id, old, hops[first:stop])
         # Hops before `first` keep their caches; the replay starts at hop `first`'s input boundary.
         # Tiling guarantees the new hop `first` starts where the old one did, whose inputs we recorded.
         # Every hop the replay reaches may hold an older copy of the session (a node back at its old
@@ -380,14 +388,10 @@ class MeshClient:
         # wherever no such copy exists. A node that does not answer fails the replay: it may hold a copy
         # (forwarded steps reach a node the client itself has been cut off from), and the next failover
         # routes around it, or through it once it answers again.
-        replayed = {(h.node_id, h.address) for h in hops[first:]}
-        for hop in hops[first:]:
-            out = hop.release(log_.session_id, superseded_by=epoch, timeout_s=RELEASE_WAIT_S)
-            if not out.ok:
-                raise StageFailure(hop.node_id, hop.address, "UNAVAILABLE",
-                                   f"could not free its old copy of the session: {out.message}")
+        free_old_copies(hops[first:stop], log_.session_id, epoch, RELEASE_WAIT_S)
+        in_route = {(h.node_id, h.address) for h in hops[first:]}
         for hop in old[first:]:
-            if (hop.node_id, hop.address) in replayed:
+            if (hop.node_id, hop.address) in in_route:
                 continue
             if hop.node_id in exclude:
                 # It failed, but may only be stalled and come back holding the session's KV cache.
@@ -396,10 +400,10 @@ class MeshClient:
                 # Fenced too: a late unconditional release could free a copy rebuilt there since.
                 self.orphans.release(hop, log_.session_id, epoch)
         self.failovers += 1
-        log_.epoch, log_.hops, log_.intact = epoch, hops, first
+        log_.epoch, log_.hops, log_.intact, log_.kept_from = epoch, hops, first, stop
         self.last_hops = hops
         log.info("session %s: epoch %d, replaying %d steps on hops %d..%d", log_.session_id, epoch,
-                 len(log_.steps), first, len(hops) - 1)
-        replay(log_, old, first, recorded, self._abandon)
-        log_.intact = len(hops)
+                 len(log_.steps), first, stop - 1)
+        replay(log_, old, first, recorded, self._abandon, stop)
+        log_.intact, log_.kept_from = len(hops), 1 << 30
         return first

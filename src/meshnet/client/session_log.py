@@ -34,8 +34,10 @@ class SessionLog:
     hops: list[RemoteStage]
     steps: list[RecordedStep] = field(default_factory=list)
     # Leading hops whose KV caches hold every recorded step; fewer while a replay is under way (a node
-    # failing in the middle of one leaves the hops after `intact` with only part of the history).
+    # failing in the middle of one leaves the hops from `intact` to `kept_from` with part of the history;
+    # the hops from `kept_from` on, which the replay does not reach, keep all of it).
     intact: int = 1 << 30
+    kept_from: int = 1 << 30
     # Node id -> the steps in a row, up to the last one, that found the node had lost the session.
     lost_in_a_row: dict[str, int] = field(default_factory=dict)
     cancelled: bool = False  # its consumer cancelled it: a replay waiting for room gives up
