@@ -3,6 +3,7 @@ bundled SmolLM2, driven with the official ``openai`` package and with raw HTTP (
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -606,6 +607,38 @@ def test_an_internal_error_mid_stream_ends_it_with_an_error_event(served, http, 
                                     "code": "internal_error"}}
     monkeypatch.undo()
     _ok(http)
+
+
+def test_a_stream_waiting_for_its_next_piece_sends_keep_alive_comments(served, http, monkeypatch):
+    """A stream whose next piece is slow to come (a failover replaying the session: 6-8 s on a 3-stage mesh)
+    sent nothing meanwhile, past httpx's 5 s read timeout and towards a proxy's; it now sends an SSE comment
+    each KEEPALIVE_S (here 0.1 s) until the piece comes, and the answer is the same."""
+    from meshnet.api import sse
+    from meshnet.api.runner import ChoiceRun
+
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0, "stream": True}
+    plain = http.post("/v1/chat/completions", json=body).text
+    monkeypatch.setattr(sse, "KEEPALIVE_S", 0.1)
+    real, calls = ChoiceRun.next_piece, []
+
+    async def slow_third(self):
+        calls.append(1)
+        if len(calls) == 3:
+            await asyncio.sleep(0.45)
+        return await real(self)
+
+    monkeypatch.setattr(ChoiceRun, "next_piece", slow_third)
+    r = http.post("/v1/chat/completions", json=body)
+    lines = [line for line in r.text.splitlines() if line]
+    alive = [i for i, line in enumerate(lines) if line == ": keep-alive"]
+    assert r.status_code == 200 and 1 <= len(alive) <= 6, lines
+    assert alive == list(range(alive[0], alive[0] + len(alive))) and alive[0] >= 2  # together, mid-stream
+
+    def content(text: str) -> str:
+        chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+    assert content(r.text) == content(plain) and content(plain)
 
 
 # ---- disconnects ---------------------------------------------------------------------------------

@@ -50,7 +50,8 @@ def add_up_parser(sub) -> None:
     p.add_argument("--threads", type=thread_count, default=1, help="CPU threads per node (default %(default)s: its nodes share this machine)")
     p.add_argument("--n-ctx", type=load_setting("n_ctx"), default=0, help="context length per session (0 = model's, capped at 4096)")
     p.add_argument("--max-sessions", type=load_setting("max_sessions"), default=16,
-                   help="sessions each node holds; also the API's concurrency")
+                   help="sessions each node holds (default %(default)s); also the generations its API runs at once, "
+                        "more waiting their turn")
     p.add_argument("--kv-tokens", type=load_setting("kv_tokens"), default=0,
                    help="KV cells each node's sessions may reserve at once (0 = half the memory available)")
     p.add_argument("--prefix-cache", type=load_setting("prefix_cache"), default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")

@@ -86,10 +86,11 @@ class ApiBackend:
                 self._grammars = GrammarCompiler(self.tokenizer, self.tokenizer.n_vocab)
             return self._grammars
 
-    def new_client(self, wait_s: float = ADMISSION_WAIT_S) -> StepClient:
+    def new_client(self, wait_s: float = ADMISSION_WAIT_S, since: float | None = None) -> StepClient:
         """The client for one generation, wrapped so a busy stage is waited for (up to ``wait_s`` seconds
-        for its first prefill) instead of failing."""
-        return AdmissionRetry(self._new_client(), wait_s=wait_s, line=self.admission)
+        for its first prefill) instead of failing; ``since``: when its request began to wait (monotonic
+        seconds; default now), for the refusal's words."""
+        return AdmissionRetry(self._new_client(), wait_s=wait_s, line=self.admission, since=since)
 
     @property
     def n_ctx(self) -> int:
@@ -156,11 +157,14 @@ class AdmissionRetry:
     memory limit, e.g. nodes shared with other users) is retried after the stage's suggested back-off,
     for up to ``wait_s`` seconds in total, in turn with the other waiting requests of ``line`` (the API
     server's :class:`AdmissionLine`; None: a line of its own). A first prefill that finds nobody in line
-    goes to the stages at once, beside the others running. Any other result passes through unchanged."""
+    goes to the stages at once, beside the others running. Any other result passes through unchanged.
+    ``since``: when the request began to wait (monotonic seconds, default now: a wait for a generation slot
+    comes first), so that a refusal says how long it waited in all."""
 
     def __init__(self, client: StepClient, wait_s: float = ADMISSION_WAIT_S,
-                 line: AdmissionLine | None = None) -> None:
+                 line: AdmissionLine | None = None, since: float | None = None) -> None:
         self.client, self.wait_s = client, wait_s
+        self.since = time.monotonic() if since is None else since
         self.line = line if line is not None else AdmissionLine()
         self._start = getattr(client, "step_async", None)  # looked up once: it is on every token's path
         self._cancelled: set[str] = set()
@@ -190,7 +194,8 @@ class AdmissionRetry:
                                                             f"it waited in line for room")
                     # never reached the front: the requests ahead held the room all along
                     return StepResult(Status.RESOURCE_EXHAUSTED, f"no room for a new session: waited "
-                                      f"{self.wait_s:g} s in line behind other requests", retry_after_s=2.0)
+                                      f"{time.monotonic() - self.since:.1f} s, for a generation slot and in line "
+                                      "behind other requests", retry_after_s=2.0)
                 res = self.client.step(req, decode)
                 if self._settled(res, deadline, req.session_id):
                     return res

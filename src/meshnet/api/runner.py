@@ -250,7 +250,7 @@ class ChoiceRun:
         self.metrics.add_active(1)
         if self.job.counts_prompt:
             self.metrics.prompt_tokens.inc(len(self.job.prompt_ids))
-        client = self.backend.new_client(max(0.0, ADMISSION_WAIT_S - (time.monotonic() - t0)))
+        client = self.backend.new_client(max(0.0, ADMISSION_WAIT_S - (time.monotonic() - t0)), since=t0)
         # The ledger is charged here, for the tokens read: a stop sequence found in one leaves the
         # RUN_AHEAD steps the generation took beyond it, and their kept drafts, undelivered.
         gen = Generation(client, self.tokenizer, self.job.prompt_ids, self.job.max_tokens, self.job.sampling,

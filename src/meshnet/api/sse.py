@@ -29,9 +29,12 @@ from meshnet.api.schemas import (
 from meshnet.wire.addresses import format_address
 
 DONE = "data: [DONE]\n\n"
-# A comment line, which SSE readers skip: sent while an answer is held back (a tool call), so that a
-# client's or a proxy's read timeout (httpx: 5 s, nginx: 60 s) does not end a stream that is working.
+# A comment line, which SSE readers skip: sent while an answer is held back (a tool call), or while a
+# stream waits for its next piece (a failover's replay, a later choice's turn), so that a client's or a
+# proxy's read timeout (httpx: 5 s, nginx: 60 s) does not end a stream that is working; after this many
+# seconds without an event.
 KEEPALIVE = ": keep-alive\n\n"
+KEEPALIVE_S = 2.0
 
 # How long a stream waits for its client to take what it was sent, seconds. A client that read nothing
 # (its socket's buffers full) held its generation slot and KV cells for as long as it kept the connection;

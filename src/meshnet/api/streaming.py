@@ -23,6 +23,7 @@ from meshnet.api.errors import ApiError, internal_error
 from meshnet.api.middleware import stream_failed
 from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece
 from meshnet.api.schemas import Usage
+from meshnet.api import sse as sse_events
 from meshnet.api.sse import DONE, event, sse
 
 log = logging.getLogger("meshnet.api")
@@ -88,6 +89,20 @@ async def unless_gone(request: Request, start: Callable[[], Awaitable[None]],
     return opening.result()
 
 
+async def _keeping_alive(waited: Awaitable, out: list) -> AsyncIterator[str]:
+    """Await ``waited``, yielding a keep-alive comment after each ``KEEPALIVE_S`` seconds it takes (a
+    failover replaying the session held a stream silent for seconds, past httpx's 5 s read timeout); its
+    result is appended to ``out``, what it raises raised. Cancelled with the stream, it cancels ``waited``."""
+    task = asyncio.ensure_future(waited)
+    try:
+        while not (await asyncio.wait({task}, timeout=sse_events.KEEPALIVE_S))[0]:
+            yield sse_events.KEEPALIVE
+        out.append(task.result())
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_piece: Piece | None, t0: float,
                   prompt_tokens: int, include_usage: bool, on_start: Callable[[int], list[str]],
                   on_piece: Callable[[int, Piece], list[str]],
@@ -99,17 +114,23 @@ async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_p
     for i, job in enumerate(jobs):
         run = first if i == 0 else new_run(job, t0, False)
         try:
+            got: list = []
             if i == 0:
-                piece = first_piece
+                got.append(first_piece)
             else:
-                await run.start()
-                piece = await run.next_piece()
+                async for ev in _keeping_alive(run.start(), []):
+                    yield ev
+                async for ev in _keeping_alive(run.next_piece(), got):
+                    yield ev
+            piece = got.pop()
             for ev in on_start(i):
                 yield ev
             while piece is not None:
                 for ev in on_piece(i, piece):
                     yield ev
-                piece = await run.next_piece()
+                async for ev in _keeping_alive(run.next_piece(), got):
+                    yield ev
+                piece = got.pop()
         except Exception as e:  # noqa: BLE001 - an ApiError, or a bug: an error event ends the stream either way
             if not isinstance(e, ApiError):  # a bug cut the stream mid-body, without an end a client could read
                 log.error("streamed choice %d failed", i, exc_info=e)

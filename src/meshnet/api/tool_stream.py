@@ -21,12 +21,10 @@ from typing import Callable
 
 from meshnet.api.runner import Piece
 from meshnet.api.schemas import ChatLogprobs
-from meshnet.api.sse import KEEPALIVE, ChatChunks
+from meshnet.api.sse import KEEPALIVE, KEEPALIVE_S, ChatChunks
 from meshnet.api.tools import ToolPlan, tool_calls_from
 
 _BLOCK = "<tool_call>"
-# While an answer is held, a keep-alive comment goes out after this many seconds without an event.
-KEEPALIVE_S = 2.0
 
 
 class ToolAnswer:
