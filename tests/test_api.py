@@ -619,11 +619,11 @@ def test_a_stream_waiting_for_its_next_piece_sends_keep_alive_comments(served, h
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0, "stream": True}
     plain = http.post("/v1/chat/completions", json=body).text
     monkeypatch.setattr(sse, "KEEPALIVE_S", 0.1)
-    real, calls = ChoiceRun.next_piece, []
+    real, calls = ChoiceRun.next_piece, {}
 
-    async def slow_third(self):
-        calls.append(1)
-        if len(calls) == 3:
+    async def slow_third(self):  # counted per run: another test's stream may still be ending meanwhile
+        calls[id(self)] = calls.get(id(self), 0) + 1
+        if calls[id(self)] == 3:
             await asyncio.sleep(0.45)
         return await real(self)
 

@@ -68,7 +68,13 @@ def test_a_streamed_response_comes_as_the_responses_apis_events(served):
 
 
 @pytest.mark.parametrize("body, status, param, words", [
-    ({"tools": [{"type": "web_search"}]}, 400, "tools", "tools are not supported on /v1/responses"),
+    ({"tools": [{"type": "web_search"}]}, 400, "tools.0", "tools[0] is 'web_search': only function tools"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}, 400, "tools.0.parameters", ""),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "web_search_preview"}}, 400,
+     "tool_choice", "tool_choice must be"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "input.0.call_id",
+     "input[0] has no call_id"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input.0.type", ""),
     ({"previous_response_id": "resp_1"}, 400, "previous_response_id", "this server keeps no responses"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, 400, "text.format",
      "only text.format"),
@@ -154,10 +160,10 @@ def test_auto_truncation_drops_the_oldest_input_until_the_rest_fits(served, tok)
 def test_a_response_failing_mid_stream_ends_with_response_failed(served, monkeypatch):
     """A failure once a Responses stream has started ends it with ``response.failed`` naming the error (it was
     chat's ``{"error": ...}`` event, on which the SDK raised mid-stream), the text so far in its output."""
-    from meshnet.api import responses
+    from meshnet.api.responses_events import ResponseShapes
 
     calls = []
-    piece = responses._Shapes.piece
+    piece = ResponseShapes.piece
 
     def breaks_second(self, i, p):
         calls.append(p)
@@ -165,7 +171,7 @@ def test_a_response_failing_mid_stream_ends_with_response_failed(served, monkeyp
             raise TypeError("not a str")
         return piece(self, i, p)
 
-    monkeypatch.setattr(responses._Shapes, "piece", breaks_second)
+    monkeypatch.setattr(ResponseShapes, "piece", breaks_second)
     _, http, _ = served
     r = http.post("/v1/responses", json={"input": "Count from one to fifty.", "temperature": 0,
                                          "max_output_tokens": 20, "stream": True})
@@ -180,3 +186,82 @@ def test_a_response_failing_mid_stream_ends_with_response_failed(served, monkeyp
     gone = http.get("/v1/responses/" + last["response"]["id"])
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "response_not_found"
     assert "this server keeps no responses" in gone.json()["error"]["message"]
+
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                          "required": ["city"], "additionalProperties": False}}
+CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+WHERE = "What is the weather in Paris?"
+
+
+@pytest.mark.parametrize("choice, chat_choice", [
+    ("required", "required"),
+    ({"type": "function", "name": "get_weather"}, {"type": "function", "function": {"name": "get_weather"}})])
+def test_function_tools_answer_with_the_chat_endpoints_calls_streamed_and_whole(served, choice, chat_choice):
+    """Function tools (the Responses API's flat shape) were refused; agent frameworks that default to the
+    Responses API call them. A required or named call answers with ``function_call`` items whose names and
+    arguments are the chat endpoint's for the same request; streamed, each call comes as its item's events
+    and the SDK's stream helper joins them into the same response."""
+    _, _, client = served
+    chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": WHERE}],
+                                          tools=[CHAT_WEATHER], tool_choice=chat_choice, temperature=0, max_tokens=60)
+    want = [(c.function.name, c.function.arguments) for c in chat.choices[0].message.tool_calls]
+    ask = {"model": "smollm2", "input": WHERE, "tools": [WEATHER], "tool_choice": choice, "temperature": 0,
+           "max_output_tokens": 60}
+    out = client.responses.create(**ask)
+    assert out.status == "completed" and [o.type for o in out.output] == ["function_call"] * len(want)
+    assert [(o.name, o.arguments) for o in out.output] == want and json.loads(want[0][1])["city"] == "Paris"
+    assert all(o.call_id.startswith("call_") and o.id.startswith("fc_") and o.status == "completed"
+               for o in out.output)
+    assert out.usage.output_tokens == chat.usage.completion_tokens and out.tools[0].name == "get_weather"
+    with client.responses.stream(**ask) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress"] + [
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done"] * len(want) + ["response.completed"]
+    assert [(o.name, o.arguments) for o in final.output] == want
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_a_tool_round_trip_answers_as_the_chat_endpoint_does(served):
+    """An earlier call and its result come back as ``function_call`` and ``function_call_output`` input items;
+    the answer equals the chat endpoint's for the same conversation (an assistant message with the call, a
+    tool message with its result)."""
+    _, _, client = served
+    call_id, args = "call_1", json.dumps({"city": "Paris"})
+    chat = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=40, tools=[CHAT_WEATHER], messages=[
+        {"role": "user", "content": WHERE},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "18 C and sunny"}])
+    out = client.responses.create(model="smollm2", temperature=0, max_output_tokens=40, tools=[WEATHER], input=[
+        {"role": "user", "content": WHERE},
+        {"type": "function_call", "call_id": call_id, "name": "get_weather", "arguments": args},
+        {"type": "function_call_output", "call_id": call_id, "output": "18 C and sunny"}])
+    assert chat.choices[0].message.tool_calls is None  # SmolLM2 answers in prose here
+    assert out.output_text == chat.choices[0].message.content and out.output_text
+    assert (out.usage.input_tokens, out.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert [o.type for o in out.output] == ["message"]
+
+
+def test_an_auto_answer_in_prose_is_one_message_streamed_and_whole(served):
+    """Under ``auto`` SmolLM2 answers in prose: one message item, opened with the first text that cannot
+    become a call; streamed and whole agree."""
+    _, _, client = served
+    ask = {"model": "smollm2", "input": "Say hello to Ann.", "tools": [WEATHER], "temperature": 0,
+           "max_output_tokens": 30}
+    whole = client.responses.create(**ask)
+    assert [o.type for o in whole.output] == ["message"] and whole.output_text
+    with client.responses.stream(**ask) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{whole.status}"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text and events[-1].response.tool_choice == "auto"

@@ -48,7 +48,7 @@ from meshnet.api.schemas import (
 )
 from meshnet.api.sse import ChatChunks, CompletionChunks
 from meshnet.api.streaming import stream_choices, unless_gone
-from meshnet.api.structured import grammar_for, response_grammar
+from meshnet.api.structured import response_grammar, tools_grammar
 from meshnet.api.tool_stream import ChatEvents, finish_reason, whole_answer
 from meshnet.api.tools import ToolPlan, plan_tools, repeats_a_call
 from meshnet.api.logprobs import chat_logprobs, completion_logprobs
@@ -205,6 +205,11 @@ class _Api:
                               "when the JSON document is complete", "ignore_eos")
         return grammar
 
+    async def tools_grammar(self, plan: ToolPlan, grammar: Grammar | None) -> Grammar | None:
+        """:func:`~meshnet.api.structured.tools_grammar` off the event loop (a new schema takes milliseconds)."""
+        return await anyio.to_thread.run_sync(tools_grammar, plan, grammar, self.backend.grammars) if plan.parts \
+            else grammar
+
     def _speculation(self, req) -> Speculation | None:
         """How the request's generations draft: its ``speculative`` / ``draft_tokens``, else the server's."""
         try:
@@ -326,16 +331,7 @@ class _Api:
             raise bad_request("messages is empty: a chat needs at least one message", "messages", "empty_messages")
         prompt_ids = await anyio.to_thread.run_sync(chat_prompt, self.backend.tokenizer, req, plan,
                                                  self.backend.n_ctx)
-        grammar = await self._grammar(req)
-        if plan.parts:
-            def tools_grammar() -> Grammar | None:
-                for schema, param in plan.parts:
-                    grammar_for(schema, self.backend.grammars, param)  # an error names its tool
-                if plan.schema is None:  # "auto": the tools' schemas are checked, not enforced
-                    return grammar
-                return grammar_for(plan.schema, self.backend.grammars, "tools")
-
-            grammar = await anyio.to_thread.run_sync(tools_grammar)
+        grammar = await self.tools_grammar(plan, await self._grammar(req))
         budget = token_budget(self.backend.n_ctx, prompt_ids, max_tokens, "messages")
         n_top = req.top_logprobs or 0
         want_logprobs = bool(req.logprobs)

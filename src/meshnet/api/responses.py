@@ -1,17 +1,20 @@
 """``POST /v1/responses``: OpenAI's Responses API for text, over the chat path's generation.
 
-A request's ``instructions`` and ``input`` (a string, or messages whose ``content`` is a string or
-``input_text`` / ``output_text`` parts) become a chat (``instructions`` as its system message) rendered with
-the model's chat template; the answer is one ``message`` output item of one ``output_text`` part. Streamed, its
-events are the Responses API's own (``response.created`` ... ``response.output_text.delta`` ...
-``response.completed``), each with its ``sequence_number``. An answer cut by ``max_output_tokens`` is
+A request's ``instructions`` and ``input`` (a string, or items: messages whose ``content`` is a string or
+``input_text`` / ``output_text`` parts, and the ``function_call`` / ``function_call_output`` items of earlier
+tool calls) become a chat (``instructions`` as its system message) rendered with the model's chat template,
+and its function ``tools`` / ``tool_choice`` the chat endpoint's (:mod:`meshnet.api.tools`). The answer is a
+``message`` output item of one ``output_text`` part and a ``function_call`` item per call
+(:mod:`meshnet.api.responses_events`, streamed as the Responses API's events). An answer cut by
+``max_output_tokens`` is
 ``status`` "incomplete" with ``incomplete_details.reason`` "max_output_tokens"; one that fails once its stream
 has started ends with ``response.failed``, its ``error`` saying why. ``include`` of
 ``message.output_text.logprobs`` adds each token's log-prob (and ``top_logprobs`` alternatives) to the text, in
 chat's entries; ``truncation`` "auto" drops input items from the start of the conversation until the rest fits
 the context (the instructions stay), where "disabled", the default, refuses such an input.
 
-What it does not do is refused by name (400 ``unsupported_parameter``): tools, a ``previous_response_id`` or
+What it does not do is refused by name (400 ``unsupported_parameter``): tools other than functions (web
+search, file search, ...), a ``previous_response_id`` or
 ``conversation`` (this server keeps no responses, so ``GET /v1/responses/{id}`` is a 404 saying so), a stored
 ``prompt``, ``background``, a ``text.format`` other than text, images and files in the input.
 """
@@ -19,7 +22,6 @@ What it does not do is refused by name (400 ``unsupported_parameter``): tools, a
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Literal
 
 import anyio
@@ -28,16 +30,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field
 
 from meshnet.api.errors import ApiError, bad_request, model_not_found
-from meshnet.api.logprobs import chat_logprobs
 from meshnet.api.prompts import chat_prompt
-from meshnet.api.runner import GenJob, Piece
+from meshnet.api.responses_events import ResponseShapes
+from meshnet.api.runner import GenJob
 from meshnet.api.schemas import ChatCompletionRequest, ChatMessage, TextPart, Usage, _Strict
-from meshnet.api.sse import event
 from meshnet.api.streaming import stream_choices
-from meshnet.api.tools import ToolPlan
+from meshnet.api.tools import ToolPlan, plan_tools, repeats_a_call
 from meshnet.api.validation import parse_body, sampling_params, token_budget
 
-_ROLES = ("system", "developer", "user", "assistant")
 # What ``include`` may ask for: the text's log-probs, which this server adds, and OpenAI's other values, which
 # name items (tool calls' results, images, reasoning) that its answers never hold.
 LOGPROBS = "message.output_text.logprobs"
@@ -54,12 +54,19 @@ class _Part(_Strict):
     text: str | None = None
 
 
-class _InputMessage(_Strict):
+class _InputItem(_Strict):
+    """A message (``type`` "message", or none with a ``role``), or an earlier tool call (``function_call``:
+    ``call_id``, ``name``, ``arguments``) or its result (``function_call_output``: ``call_id``, ``output``)."""
+
     model_config = ConfigDict(strict=True, extra="allow")  # an earlier output item's id, status, ...
 
-    type: Literal["message"] | None = None
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[_Part]
+    type: Literal["message", "function_call", "function_call_output"] | None = None
+    role: Literal["system", "developer", "user", "assistant"] | None = None
+    content: str | list[_Part] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[_Part] | None = None
 
 
 class ResponsesRequest(_Strict):
@@ -69,7 +76,7 @@ class ResponsesRequest(_Strict):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
-    input: str | list[_InputMessage]
+    input: str | list[_InputItem]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -98,9 +105,6 @@ class ResponsesRequest(_Strict):
 
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
-    if req.tools:
-        raise bad_request("tools are not supported on /v1/responses; use /v1/chat/completions", "tools",
-                          "unsupported_parameter")
     if req.previous_response_id is not None or req.conversation is not None:
         param = "previous_response_id" if req.previous_response_id is not None else "conversation"
         raise bad_request("this server keeps no responses: send the whole conversation as input", param,
@@ -124,28 +128,97 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
 
 
 def _chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, int]:
-    """The chat the request asks for, ``instructions`` first, as the system message; and how many of its
-    messages come before the input's (1 with instructions, else 0)."""
+    """The chat the request asks for, ``instructions`` first, as the system message, with its tools in the
+    chat endpoint's shape; and how many of its messages come before the input's (1 with instructions, else 0).
+    Consecutive ``function_call`` items are one assistant message's tool calls (after its text, if an
+    assistant message comes just before them); a ``function_call_output`` is a ``tool`` message."""
     messages = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
-    items = [_InputMessage(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    items = [_InputItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     for i, m in enumerate(items):
-        if isinstance(m.content, str):
-            messages.append(ChatMessage(role=m.role, content=m.content))
-            continue
-        if not m.content:
-            raise bad_request(f"input[{i}].content is empty", f"input.{i}.content", "empty_messages")
-        for k, p in enumerate(m.content):
-            if p.type not in ("input_text", "output_text", "text") or p.text is None:
-                raise bad_request(f"input[{i}].content[{k}] is {p.type!r}: only text parts are supported",
-                                  f"input.{i}.content.{k}", "unsupported_parameter")
-        messages.append(ChatMessage(role=m.role, content=[TextPart(type="text", text=p.text) for p in m.content]))
+        if m.type == "function_call":
+            call = {"id": _needed(m.call_id, i, "call_id"), "type": "function",
+                    "function": {"name": _needed(m.name, i, "name"), "arguments": _needed(m.arguments, i, "arguments")}}
+            last = messages[-1] if messages else None
+            if last is not None and last.role == "assistant":  # its text, or calls of the same turn
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+        elif m.type == "function_call_output":
+            output = _needed(m.output, i, "output")
+            messages.append(ChatMessage(role="tool", tool_call_id=_needed(m.call_id, i, "call_id"),
+                                        content=output if isinstance(output, str) else _text(output, i, "output")))
+        else:
+            if m.role is None:
+                raise bad_request(f"input[{i}] has no role", f"input.{i}.role", "missing_required_parameter")
+            content = _needed(m.content, i, "content")
+            messages.append(ChatMessage(role=m.role, content=content if isinstance(content, str) else
+                                        [TextPart(type="text", text=t) for t in _texts(content, i, "content")]))
     if not messages:
         raise bad_request("input is empty", "input", "empty_messages")
-    return ChatCompletionRequest(messages=messages, temperature=req.temperature, top_p=req.top_p), \
-        1 if req.instructions else 0
+    return ChatCompletionRequest(messages=messages, temperature=req.temperature, top_p=req.top_p,
+                                 tools=_chat_tools(req.tools), tool_choice=_chat_tool_choice(req.tool_choice),
+                                 parallel_tool_calls=req.parallel_tool_calls), 1 if req.instructions else 0
 
 
-def fitted_prompt(tok, chat: ChatCompletionRequest, kept: int, n_ctx: int, truncate: bool) -> list[int]:
+def _needed(value, i: int, field: str):
+    if value is None:
+        raise bad_request(f"input[{i}] has no {field}", f"input.{i}.{field}", "missing_required_parameter")
+    return value
+
+
+def _texts(parts: list[_Part], i: int, field: str) -> list[str]:
+    """The texts of an item's parts (text parts only: 400 naming the first other one)."""
+    if not parts:
+        raise bad_request(f"input[{i}].{field} is empty", f"input.{i}.{field}", "empty_messages")
+    for k, p in enumerate(parts):
+        if p.type not in ("input_text", "output_text", "text") or p.text is None:
+            raise bad_request(f"input[{i}].{field}[{k}] is {p.type!r}: only text parts are supported",
+                              f"input.{i}.{field}.{k}", "unsupported_parameter")
+    return [p.text for p in parts]
+
+
+def _text(parts: list[_Part], i: int, field: str) -> str:
+    return "".join(_texts(parts, i, field))
+
+
+def _chat_tools(tools: list[Any] | None) -> list[Any] | None:
+    """The Responses API's function tools (``{"type": "function", "name", "parameters", ...}``) in the chat
+    endpoint's shape (``{"type": "function", "function": {...}}``), checked there; others refused by name."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise bad_request(f"tools[{i}] is {kind!r}: only function tools are supported here", f"tools.{i}",
+                              "unsupported_parameter")
+        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    return out
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    """``tool_choice`` in the chat endpoint's shape: a string as it is, ``{"type": "function", "name"}`` as
+    ``{"type": "function", "function": {"name"}}``; a hosted tool or ``allowed_tools`` refused by name."""
+    if not isinstance(choice, dict):
+        return choice
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}",
+                          "tool_choice", "unsupported_parameter")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _plan(chat: ChatCompletionRequest) -> ToolPlan:
+    """The chat's tool plan; an error names the Responses API's fields (``tools.N.parameters``)."""
+    try:
+        return plan_tools(chat.tools, chat.tool_choice, parallel=chat.parallel_tool_calls is not False)
+    except ApiError as e:
+        if e.param:
+            e.param = e.param.replace(".function.", ".").replace(".function", "")
+        raise
+
+
+def fitted_prompt(tok, chat: ChatCompletionRequest, kept: int, n_ctx: int, truncate: bool,
+                  plan: ToolPlan = ToolPlan("none")) -> list[int]:
     """The token ids of ``chat`` rendered; with ``truncate`` (``truncation: "auto"``), of the chat less as few
     input messages from its start as leave a prompt of at most ``n_ctx`` tokens, ``kept`` leading messages
     (the instructions) and the last message always kept. The prompt's length falls as messages are dropped,
@@ -159,7 +232,7 @@ def fitted_prompt(tok, chat: ChatCompletionRequest, kept: int, n_ctx: int, trunc
         """The prompt with ``dropped`` input messages left out; None when it cannot fit."""
         shorter = chat.model_copy(update={"messages": chat.messages[:kept] + chat.messages[kept + dropped:]})
         try:
-            ids = chat_prompt(tok, shorter, ToolPlan("none"), n_ctx)
+            ids = chat_prompt(tok, shorter, plan, n_ctx)
         except ApiError as e:
             if truncate and e.code == "context_length_exceeded":
                 return None
@@ -173,7 +246,7 @@ def fitted_prompt(tok, chat: ChatCompletionRequest, kept: int, n_ctx: int, trunc
     best = render(high)
     if best is None:
         return chat_prompt(tok, chat.model_copy(update={"messages": chat.messages[:kept] + chat.messages[-1:]}),
-                           ToolPlan("none"), n_ctx)  # refused as the chat path refuses it
+                           plan, n_ctx)  # refused as the chat path refuses it
     while high - low > 1:
         mid = (low + high) // 2
         ids = render(mid)
@@ -182,92 +255,6 @@ def fitted_prompt(tok, chat: ChatCompletionRequest, kept: int, n_ctx: int, trunc
         else:
             high, best = mid, ids
     return best
-
-
-class _Shapes:
-    """The response object and its stream's events, for one answer."""
-
-    def __init__(self, req: ResponsesRequest, model: str, tok=None) -> None:
-        self.req, self.model = req, model
-        self.tok = tok  # the tokenizer when the text's log-probs are asked for
-        self.id, self.msg_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
-        self.created, self.seq, self.text = int(time.time()), 0, ""
-        self.logprobs: list[dict] = []
-        self.finish_reason = "stop"  # the streamed answer's, once its last piece came
-
-    def add(self, pieces: list[Piece]) -> list[dict]:
-        """Take ``pieces`` into the answer; their tokens' log-prob entries (none unless asked for)."""
-        self.text += "".join(p.text for p in pieces)
-        entries = [] if self.tok is None else [e.model_dump() for e in chat_logprobs(self.tok, pieces).content]
-        self.logprobs += entries
-        return entries
-
-    def response(self, status: str, finish_reason: str | None = None, usage: Usage | None = None,
-                 error: ApiError | None = None) -> dict:
-        done = status != "in_progress"
-        output = [self.message("completed" if status == "completed" else "incomplete")] if done else []
-        req = self.req
-        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
-                "model": self.model, "output": output,
-                "error": None if error is None else {"code": error.code or error.type, "message": error.message},
-                "incomplete_details": {"reason": "max_output_tokens"} if finish_reason == "length" else None,
-                "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-                "temperature": 1.0 if req.temperature is None else req.temperature,  # the values in effect
-                "top_p": 1.0 if req.top_p is None else req.top_p,
-                "parallel_tool_calls": req.parallel_tool_calls is not False,
-                "previous_response_id": None, "store": False, "background": False,
-                "tool_choice": "auto", "tools": [], "text": {"format": {"type": "text"}},
-                "truncation": req.truncation or "disabled", "top_logprobs": req.top_logprobs,
-                "max_tool_calls": req.max_tool_calls, "metadata": self.req.metadata or {},
-                "usage": None if usage is None else {
-                    "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
-                    "total_tokens": usage.total_tokens, "input_tokens_details": {"cached_tokens": 0},
-                    "output_tokens_details": {"reasoning_tokens": 0}}}
-
-    def message(self, status: str) -> dict:
-        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant",
-                "content": [self.part()] if status != "in_progress" else []}
-
-    def part(self) -> dict:
-        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": self.logprobs}
-
-    def event(self, kind: str, **fields) -> str:
-        """One event, named on an ``event:`` line as OpenAI's are, its ``type`` and ``sequence_number`` in it."""
-        self.seq += 1
-        return f"event: {kind}\n" + event({"type": kind, "sequence_number": self.seq - 1, **fields})
-
-    def start(self, _i: int) -> list[str]:
-        where = {"output_index": 0}
-        return [self.event("response.created", response=self.response("in_progress")),
-                self.event("response.in_progress", response=self.response("in_progress")),
-                self.event("response.output_item.added", item=self.message("in_progress"), **where),
-                self.event("response.content_part.added", item_id=self.msg_id, content_index=0,
-                           part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}, **where)]
-
-    def piece(self, _i: int, piece: Piece) -> list[str]:
-        out = []
-        entries = self.add([piece])
-        if piece.text or entries:
-            out.append(self.event("response.output_text.delta", item_id=self.msg_id, output_index=0,
-                                  content_index=0, delta=piece.text, logprobs=entries))
-        if piece.finish_reason is not None:
-            self.finish_reason = piece.finish_reason
-            status = "completed" if piece.finish_reason == "stop" else "incomplete"
-            out += [self.event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0,
-                               text=self.text, logprobs=self.logprobs),
-                    self.event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
-                               part=self.part()),
-                    self.event("response.output_item.done", output_index=0, item=self.message(status))]
-        return out
-
-    def end(self, usage: Usage) -> str:
-        status = "completed" if self.finish_reason == "stop" else "incomplete"
-        return self.event(f"response.{status}", response=self.response(status, self.finish_reason, usage))
-
-    def failed(self, error: ApiError) -> str:
-        """The event that ends a stream whose answer failed once it had started: ``response.failed``, the
-        response's ``error`` saying why (chat's ``{"error": ...}`` event made the SDK raise mid-stream)."""
-        return self.event("response.failed", response=self.response("failed", error=error))
 
 
 async def create_response(api, request: Request) -> Response:
@@ -282,21 +269,24 @@ async def create_response(api, request: Request) -> Response:
         raise model_not_found(req.model, api.backend.model_name)
     _refuse_unsupported(req)
     chat, kept = _chat(req)
+    plan = _plan(chat)
     tok = api.backend.tokenizer
     prompt_ids = await anyio.to_thread.run_sync(fitted_prompt, tok, chat, kept, api.backend.n_ctx,
-                                                req.truncation == "auto")
+                                                req.truncation == "auto", plan)
+    grammar = await api.tools_grammar(plan, None)
     budget = token_budget(api.backend.n_ctx, prompt_ids, req.max_output_tokens, "input")
     logprobs = LOGPROBS in (req.include or ())
-    job = GenJob(prompt_ids, budget, sampling_params(chat, tok.n_vocab, req.top_logprobs or 0, 0, logprobs=logprobs),
-                 stop_at_control=True, speculation=api._speculation(chat))
+    job = GenJob(prompt_ids, budget, sampling_params(chat, tok.n_vocab, req.top_logprobs or 0, 0, grammar,
+                                                     logprobs=logprobs),
+                 stop_at_control=True, speculation=api._speculation(chat),
+                 ends_early=repeats_a_call if plan.mode == "required" else None)
     await api._check_route()
-    shapes = _Shapes(req, api.backend.model_name, tok if logprobs else None)
+    shapes = ResponseShapes(req, api.backend.model_name, plan, tok if logprobs else None)
     if req.stream:
         return await stream_choices(api._runs, [job], t0, len(prompt_ids), True, shapes.start, shapes.piece,
                                     shapes.end, request, done=None, error_event=shapes.failed)
     pieces, run = await api._run_whole(job, request, t0, True)
-    shapes.add(pieces)
+    shapes.take_whole(pieces, run.finish_reason)
     usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=run.completion_tokens,
                   total_tokens=len(prompt_ids) + run.completion_tokens)
-    status = "completed" if run.finish_reason == "stop" else "incomplete"
-    return JSONResponse(shapes.response(status, run.finish_reason, usage))
+    return JSONResponse(shapes.response("incomplete" if run.finish_reason == "length" else "completed", usage))

@@ -80,3 +80,15 @@ def _only(obj: dict[str, Any], keys: set[str], param: str) -> None:
         raise bad_request(f"{param} has unknown field {extra[0]!r} (expected {', '.join(sorted(keys))})",
                           f"{param}.{extra[0]}")
 
+
+
+def tools_grammar(plan, grammar: Grammar | None, compiler: GrammarCompiler) -> Grammar | None:
+    """The grammar an answer under ``plan`` (a :class:`~meshnet.api.tools.ToolPlan`) follows: its call
+    schema for a required or named call, else ``grammar`` (the response format's, or None). Each tool's own
+    schema is checked first, so that an error names its tool (``tools.N.function.parameters``). Raises
+    ApiError 400 for a schema that cannot be enforced."""
+    for schema, param in plan.parts:
+        grammar_for(schema, compiler, param)
+    if plan.schema is None:  # "auto": the tools' schemas are checked, not enforced
+        return grammar
+    return grammar_for(plan.schema, compiler, "tools")
