@@ -91,7 +91,7 @@ class ResponsesRequest(_Strict):
     background: bool | None = None
     include: list[str] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_tool_calls: int | None = Field(default=None, ge=1)  # no tools are called here: accepted, ignored
+    max_tool_calls: int | None = Field(default=None, ge=1)  # of built-in tools, which none are here: ignored
     prompt: Any = None
     reasoning: Any = None  # accepted, ignored
     store: bool | None = None
