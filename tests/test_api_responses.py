@@ -265,3 +265,35 @@ def test_an_auto_answer_in_prose_is_one_message_streamed_and_whole(served):
                           f"response.{whole.status}"]
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
     assert events[-1].response.output_text == whole.output_text and events[-1].response.tool_choice == "auto"
+
+
+_F = {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}
+_CALL = {"type": "function_call", "call_id": "c1", "name": "f"}
+_OUT = {"type": "function_call_output", "call_id": "c1", "output": "ok"}
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"input": [{"role": "user", "content": "Hi"}, {**_CALL, "arguments": "{not json"}, _OUT]}, "input.1.arguments",
+     "input[1].arguments must be a JSON object as text"),
+    ({"instructions": "Be terse.", "input": [{"role": "user", "content": "Hi"}, {**_CALL, "arguments": "{}"},
+                                             {**_CALL, "call_id": "c2", "arguments": "[1, 2]"}, _OUT]},
+     "input.2.arguments", "input[2].arguments"),
+    ({"input": [{"role": "user", "content": "Hi"}, {**_CALL, "arguments": ""}, _OUT]}, "input.1.arguments",
+     "input[1].arguments"),
+    ({"input": [{"role": "user", "content": "Hi"}, {**_CALL, "arguments": "[" * 5000 + "]" * 5000}, _OUT]},
+     "input.1.arguments", "input[1].arguments"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools.0.name",
+     "not the chat endpoint's"),
+    ({"tools": [{"type": "function", "name": "a b"}]}, "tools.0.name", "tools[0].name must be"),
+    ({"tools": [{**_F, "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/Nope"}}}}],
+      "tool_choice": "required"}, "tools.0.parameters", "tools.0.parameters: the JSON schema cannot be enforced"),
+])
+def test_bad_tools_and_calls_are_refused_naming_the_responses_fields(served, body, param, words):
+    """A function_call item's bad ``arguments`` was refused naming ``messages.N.tool_calls.0`` (the chat message
+    it becomes: neither the field nor, with instructions or parallel calls, the index a client sent), and a
+    schema the grammar cannot enforce ``tools.N.function.parameters``; they name the Responses API's fields."""
+    _, http, _ = served
+    r = http.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], "function." in err["message"]) == (param, False) and words in err["message"], err

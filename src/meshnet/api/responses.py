@@ -21,6 +21,8 @@ search, file search, ...), a ``previous_response_id`` or
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from typing import Any, Literal
 
@@ -137,7 +139,7 @@ def _chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, int]:
     for i, m in enumerate(items):
         if m.type == "function_call":
             call = {"id": _needed(m.call_id, i, "call_id"), "type": "function",
-                    "function": {"name": _needed(m.name, i, "name"), "arguments": _needed(m.arguments, i, "arguments")}}
+                    "function": {"name": _needed(m.name, i, "name"), "arguments": _arguments(m.arguments, i)}}
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":  # its text, or calls of the same turn
                 last.tool_calls = [*(last.tool_calls or []), call]
@@ -166,6 +168,20 @@ def _needed(value, i: int, field: str):
     return value
 
 
+def _arguments(value: str | None, i: int) -> str:
+    """A ``function_call`` item's ``arguments``: a JSON object as text (400 naming ``input.N.arguments``, not
+    the chat message it becomes, when it is not)."""
+    text = _needed(value, i, "arguments")
+    try:
+        ok = isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        ok = False
+    if not ok:
+        raise bad_request(f"input[{i}].arguments must be a JSON object as text, got {text[:40]!r}",
+                          f"input.{i}.arguments", "invalid_value")
+    return text
+
+
 def _texts(parts: list[_Part], i: int, field: str) -> list[str]:
     """The texts of an item's parts (text parts only: 400 naming the first other one)."""
     if not parts:
@@ -192,6 +208,11 @@ def _chat_tools(tools: list[Any] | None) -> list[Any] | None:
             kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
             raise bad_request(f"tools[{i}] is {kind!r}: only function tools are supported here", f"tools.{i}",
                               "unsupported_parameter")
+        if "name" not in tool and isinstance(tool.get("function"), dict):
+            raise bad_request(f"tools[{i}] has no name: the Responses API's function tools are flat "
+                              "({\"type\": \"function\", \"name\": ..., \"parameters\": ...}), not the chat "
+                              "endpoint's {\"type\": \"function\", \"function\": {...}}", f"tools.{i}.name",
+                              "missing_required_parameter")
         out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
     return out
 
@@ -207,14 +228,24 @@ def _chat_tool_choice(choice: Any) -> Any:
     return {"type": "function", "function": {"name": choice["name"]}}
 
 
+_CHAT_TOOL_FIELD = re.compile(r"^(tools(?:\[\d+\]|\.\d+))\.function(?=[.:\s])")
+
+
+def _responses_fields(e: ApiError) -> ApiError:
+    """``e`` naming the Responses API's fields (``tools.N.parameters``), not the chat shape's
+    (``tools.N.function.parameters``), in its param and at the start of its message."""
+    if e.param and e.param.startswith("tools"):
+        e.param = e.param.replace(".function.", ".").replace(".function", "")
+        e.message = _CHAT_TOOL_FIELD.sub(r"\1", e.message)
+    return e
+
+
 def _plan(chat: ChatCompletionRequest) -> ToolPlan:
     """The chat's tool plan; an error names the Responses API's fields (``tools.N.parameters``)."""
     try:
         return plan_tools(chat.tools, chat.tool_choice, parallel=chat.parallel_tool_calls is not False)
     except ApiError as e:
-        if e.param:
-            e.param = e.param.replace(".function.", ".").replace(".function", "")
-        raise
+        raise _responses_fields(e) from None
 
 
 def fitted_prompt(tok, chat: ChatCompletionRequest, kept: int, n_ctx: int, truncate: bool,
@@ -273,7 +304,10 @@ async def create_response(api, request: Request) -> Response:
     tok = api.backend.tokenizer
     prompt_ids = await anyio.to_thread.run_sync(fitted_prompt, tok, chat, kept, api.backend.n_ctx,
                                                 req.truncation == "auto", plan)
-    grammar = await api.tools_grammar(plan, None)
+    try:
+        grammar = await api.tools_grammar(plan, None)
+    except ApiError as e:  # a schema the grammar cannot enforce: tools.N.parameters
+        raise _responses_fields(e) from None
     budget = token_budget(api.backend.n_ctx, prompt_ids, req.max_output_tokens, "input")
     logprobs = LOGPROBS in (req.include or ())
     job = GenJob(prompt_ids, budget, sampling_params(chat, tok.n_vocab, req.top_logprobs or 0, 0, grammar,
