@@ -297,3 +297,14 @@ def test_bad_tools_and_calls_are_refused_naming_the_responses_fields(served, bod
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert (err["param"], "function." in err["message"]) == (param, False) and words in err["message"], err
+
+
+def test_a_function_tools_null_parameters_and_strict_are_none_given(served):
+    """OpenAI's Responses API types a function tool's ``parameters`` and ``strict`` as nullable (the SDK's
+    ``FunctionToolParam``: ``Required[Optional[...]]``): a tool of no arguments sent with ``parameters: null``
+    was a 400; it is called with ``{}``, as one without ``parameters``."""
+    _, _, client = served
+    out = client.responses.create(model="smollm2", input="What time is it?", temperature=0, max_output_tokens=30,
+                                  tools=[{"type": "function", "name": "now", "parameters": None, "strict": None,
+                                          "description": None}], tool_choice={"type": "function", "name": "now"})
+    assert [(o.type, o.name, o.arguments) for o in out.output] == [("function_call", "now", "{}")]

@@ -213,7 +213,9 @@ def _chat_tools(tools: list[Any] | None) -> list[Any] | None:
                               "({\"type\": \"function\", \"name\": ..., \"parameters\": ...}), not the chat "
                               "endpoint's {\"type\": \"function\", \"function\": {...}}", f"tools.{i}.name",
                               "missing_required_parameter")
-        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+        # the Responses API's parameters and strict are nullable (OpenAI's FunctionToolParam): null, none given
+        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type" and not (
+            v is None and k in ("parameters", "strict", "description"))}})
     return out
 
 
