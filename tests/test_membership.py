@@ -687,3 +687,41 @@ def test_a_node_refused_for_good_stops_reporting_work_too():
             {t.ident for t in threading.enumerate() if t.name == "work-reports"} - before:
         time.sleep(0.01)
     assert not {t.ident for t in threading.enumerate() if t.name == "work-reports"} - before
+
+
+def test_a_node_whose_tracker_never_answers_says_so_again_every_while(monkeypatch, caplog):
+    """A node started with a mistyped --tracker warned once ("tracker unreachable; retrying"), printed that it
+    serves, and was silent for good: it looked healthy while never part of a mesh. It now says so again every
+    REMIND_S (here 1 s) while the tracker does not answer, with how long it has tried."""
+    import logging
+    import threading
+    import types
+
+    from meshnet.node import membership as membership_module
+    from meshnet.node.membership import Membership
+
+    class Tracker:
+        def Register(self, info, timeout):
+            raise RpcFailure(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")
+
+    monkeypatch.setattr(membership_module, "REMIND_S", 1.0)
+    membership = Membership(Tracker(), NodeIdentity.generate(), "n1", lambda: pb.NodeInfo(node_id="n1"),
+                            lambda: (0, 0.0), types.SimpleNamespace(flush=lambda tracker, max_batches: True),
+                            lambda why: None)
+    stop = threading.Event()
+    runner = threading.Thread(target=membership.run, args=(stop,), daemon=True)
+    with caplog.at_level(logging.WARNING, logger="meshnet.node"):
+        runner.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and sum("still no answer" in r.getMessage() for r in caplog.records) < 2:
+            time.sleep(0.05)
+        stop.set()
+        runner.join(5)
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0] == "tracker unreachable (failed to connect to all addresses); retrying", said
+    again = [m for m in said if m.startswith("still no answer from the tracker after ")]
+    assert len(again) >= 2 and all(m.endswith("(failed to connect to all addresses); retrying: is --tracker its "
+                                              "address, and is it running?") for m in again), said
+    tried = [int(m.split("after ")[1].split(" s")[0]) for m in again]
+    assert 1 <= tried[0] < tried[1], again  # seconds since the first warning, growing
+    assert not membership.registered.is_set()

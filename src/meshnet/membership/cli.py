@@ -30,7 +30,8 @@ def add_nodes_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                                    "reserved / capacity), mean rows per batched iteration, steps "
                                    "waiting with their mean time in queue, and the bytes of weights its "
                                    "range holds.")
-    p.add_argument("--tracker", type=host_port, required=True, help="HOST:PORT of the tracker")
+    p.add_argument("--tracker", type=host_port, default="127.0.0.1:7700",
+                   help="HOST:PORT of the tracker (default %(default)s: meshnet up's and meshnet tracker's)")
     add_join_token_arg(p)
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

@@ -35,6 +35,8 @@ FATAL_REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENT
 # entry is usually this node's own, killed and restarted on another port (``--port`` defaults to any free
 # one) before the tracker's TTL (3 heartbeats) ran out; one heartbeat from a live node keeps it.
 ID_WAIT_MARGIN_S = 1.0
+# While the tracker does not answer, the node says so again this often, seconds (after the first warning).
+REMIND_S = 60.0
 
 
 class Membership:
@@ -80,6 +82,7 @@ class Membership:
 
     def _beat(self, stop: threading.Event) -> None:
         interval, registered, warned = 1.0, False, False
+        failing_since = reminded_at = 0.0  # when this outage's first warning and its last reminder came
         ever_registered, id_deadline = False, 0.0
         while not stop.is_set() and not self.leaving:
             began = time.monotonic()
@@ -121,7 +124,14 @@ class Membership:
                         log.warning("tracker unreachable (%s); retrying", e.details() or e.code().name)
                     else:  # it answered, with an error of its own (a ledger it cannot write)
                         log.warning("the tracker answered %s: %s; retrying", e.code().name, e.details())
-                    warned = True
+                    warned, failing_since = True, time.monotonic()
+                    reminded_at = failing_since
+                elif time.monotonic() - reminded_at >= REMIND_S:
+                    # A mistyped --tracker otherwise left the node serving, silent, and never part of a mesh.
+                    reminded_at = time.monotonic()
+                    log.warning("still no answer from the tracker after %.0f s (%s); retrying: is --tracker its "
+                                "address, and is it running?", reminded_at - failing_since,
+                                e.details() or e.code().name)
                 registered = False  # tracker down or restarting: keep trying
             if not registered:
                 self.registered.clear()
