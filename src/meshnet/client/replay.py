@@ -70,11 +70,19 @@ def replay_end(log_: SessionLog, hops: list[RemoteStage], first: int, exclude: s
     old, stop = log_.hops, first + 1
     for i in range(first, len(hops)):
         kept = (i < len(old) and (old[i].node_id, old[i].address) == (hops[i].node_id, hops[i].address)
-                and getattr(old[i], "layers", None) == getattr(hops[i], "layers", None))
+                and getattr(old[i], "layers", None) == getattr(hops[i], "layers", None)
+                and not _restarted(old[i], hops[i]))
         if (not kept or hops[i].node_id in exclude or hops[i].node_id in lost
                 or log_.intact <= i < log_.kept_from):
             stop = i + 1
     return stop
+
+
+def _restarted(was: RemoteStage, now: RemoteStage) -> bool:
+    """Whether ``now`` is another process than ``was`` at the same address (a node restarted at a pinned
+    port, ``meshnet up --node-ports`` or an operator's fixed ``--port``): it holds none of the session."""
+    a, b = getattr(was, "instance", ""), getattr(now, "instance", "")
+    return bool(a and b and a != b)
 
 
 def free_old_copies(hops: list[RemoteStage], session_id: str, epoch: int, timeout_s: float) -> None:
