@@ -113,14 +113,15 @@ def replay(log_: SessionLog, old: list[RemoteStage], first: int, recorded: int,
         return
     # Hop by hop: what one hop answers is the next one's input.
     inputs = [rec.inputs[first] if first < len(rec.inputs) else None for rec in log_.steps]
-    for i in range(first, stop + 1 if stop < len(hops) else stop):  # the inputs of the first hop kept too
+    for i in range(first, stop):
         for rec, x in zip(log_.steps, inputs):
             rec.inputs = (rec.inputs + [None] * len(hops))[:len(hops)]
             rec.inputs[i] = x
-        if i < stop:
-            inputs = [res.hidden for res in _replay_hop(log_, i, abandon)]
+        inputs = [res.hidden for res in _replay_hop(log_, i, abandon)]
+    # A kept hop's inputs stay what it was given: the replayed hop before it may compute otherwise (a
+    # replacement of other numerics), and a later replay of the kept hop must start from what it computed.
     for rec in log_.steps:
-        rec.through = max(rec.through, min(stop + 1, len(hops)))
+        rec.through = max(rec.through, stop)
 
 
 def _replay_in_parallel(log_: SessionLog, first: int, stop: int, abandon: Callable[[SessionLog], None]) -> None:
