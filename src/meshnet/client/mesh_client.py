@@ -382,12 +382,6 @@ class MeshClient:
         self.unlike_failovers += warn_if_unlike(log_.session_id, old, hops[first:stop])
         # Hops before `first` keep their caches; the replay starts at hop `first`'s input boundary.
         # Tiling guarantees the new hop `first` starts where the old one did, whose inputs we recorded.
-        # Every hop the replay reaches may hold an older copy of the session (a node back at its old
-        # address, a release of an earlier failover that never landed), which would refuse the replay's
-        # first step: copies older than the new epoch go first. Fenced, these releases are harmless
-        # wherever no such copy exists. A node that does not answer fails the replay: it may hold a copy
-        # (forwarded steps reach a node the client itself has been cut off from), and the next failover
-        # routes around it, or through it once it answers again.
         free_old_copies(hops[first:stop], log_.session_id, epoch, RELEASE_WAIT_S)
         in_route = {(h.node_id, h.address) for h in hops[first:]}
         for hop in old[first:]:

@@ -87,7 +87,13 @@ def _restarted(was: RemoteStage, now: RemoteStage) -> bool:
 
 def free_old_copies(hops: list[RemoteStage], session_id: str, epoch: int, timeout_s: float) -> None:
     """Have each of ``hops`` (those a replay rebuilds) free its copy of the session older than ``epoch``,
-    waiting ``timeout_s`` seconds at most for each. Raises StageFailure for a hop that did not."""
+    waiting ``timeout_s`` seconds at most for each. Raises StageFailure for a hop that did not.
+
+    Every hop the replay reaches may hold an older copy (a node back at its old address, a release of an
+    earlier failover that never landed), which would refuse the replay's first step. Fenced, these releases
+    are harmless wherever no such copy exists. A node that does not answer fails the replay: it may hold a
+    copy (forwarded steps reach a node the client itself has been cut off from), and the next failover
+    routes around it, or through it once it answers again."""
     for hop in hops:
         out = hop.release(session_id, superseded_by=epoch, timeout_s=timeout_s)
         if not out.ok:

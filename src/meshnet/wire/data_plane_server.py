@@ -24,9 +24,8 @@ wait in the socket's TLS layer, where the selector cannot see them, so connectio
 read again on the next turn without waiting.
 
 Counters (``DataPlaneServer.stats``): ``accepted``, ``refused`` (over the cap, all authenticated, or over
-its address's share),
-``evicted`` (an unauthenticated connection replaced by a newer one), ``busy`` (past the budget),
-``held_back`` (a forwarded frame waiting for room in it), ``timed_out``, ``unauthenticated``
+its address's share), ``evicted`` (an unauthenticated connection replaced by a newer one), ``busy`` (past
+the budget), ``held_back`` (a forwarded frame waiting for room in it), ``timed_out``, ``unauthenticated``
 (wrong token or not an AUTH message first), ``too_large`` and ``malformed`` (protocol violations after
 authentication), ``steps`` (requests handed to a worker).
 """
