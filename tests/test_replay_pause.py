@@ -1,6 +1,6 @@
 """How long a stream stops when a failover replays 200 tokens of history: the 157-token golden prompt and
-43 generated tokens, then the head node is killed, so every hop of the new route rebuilds the session
-(the prompt as one prefill step, then 43 decode steps). The ids still equal the solo run; the pause
+43 generated tokens, then the head node is killed, so the new head rebuilds the session (the prompt as one
+prefill step, then 43 decode steps; the tail keeps its cache). The ids still equal the solo run; the pause
 (from the token before the kill to the token after it) is printed as a figure, not asserted: the
 machine is shared and timings are noisy."""
 
@@ -35,7 +35,7 @@ def test_failover_replaying_200_tokens_of_history_keeps_the_ids(mesh, tok, solo)
     steps = [b - a for a, b in zip(stamps, stamps[1:])]
     pause = steps[kill_after - 1]
     usual = sorted(steps)[len(steps) // 2]
-    print(f"\nreplay of {HISTORY} tokens of history on every hop: the stream paused {pause:.2f}s "
+    print(f"\nreplay of {HISTORY} tokens of history on the new head: the stream paused {pause:.2f}s "
           f"(a decode step takes {usual * 1000:.0f} ms here)")
     client.close()
     assert [n.active_sessions() for n in nodes if n is not victim] == [0, 0]
