@@ -223,3 +223,36 @@ def test_the_api_looks_at_a_route_around_a_node_it_found_down_and_warns_of_it_on
     finally:
         client.close()
         channel.close()
+
+
+def test_the_api_says_once_when_the_mesh_loses_its_route_and_once_when_it_is_back(caplog):
+    """`meshnet api --tracker` answered 503s while its mesh had no complete route and logged nothing, nor
+    when the route came back: each is now said once, however many requests check meanwhile."""
+    from meshnet.api.backend import RouteWatch
+    from meshnet.client.router import MeshUnavailable
+
+    head, tail = FakeHop("a", LayerRange(0, 15)), FakeHop("c", LayerRange(15, 30))
+    client = MeshClient("127.0.0.1:1", report_deliveries=False)
+    up = [True, False, False, False, True, True]
+
+    def route(exclude=frozenset(), previous_epoch=0, min_n_ctx=0, like=(), opens_session=False):
+        if not up.pop(0):
+            raise MeshUnavailable("no route: no node serves layers [15, 30)")
+        return previous_epoch + 1, [head, tail]
+
+    client.route = route  # type: ignore[method-assign]
+    watch = RouteWatch(client, 123)
+    results = []
+    try:
+        with caplog.at_level(logging.INFO, logger="meshnet.api"):
+            for _ in range(6):
+                try:
+                    results.append(watch.check())
+                except MeshUnavailable:
+                    results.append(None)
+        assert results == [["a@a:1", "c@c:1"], None, None, None, ["a@a:1", "c@c:1"], ["a@a:1", "c@c:1"]]
+        said = [r.getMessage() for r in caplog.records if "route" in r.getMessage()]
+        assert said[1:] == ["the mesh has no complete route now (requests get 503 until it has): no node serves "
+                            "layers [15, 30)", "the mesh has a complete route again: a@a:1 -> c@c:1"], said
+    finally:
+        client.close()

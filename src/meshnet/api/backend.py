@@ -341,16 +341,28 @@ class RouteWatch:
         self.client = client
         self._lock = threading.Lock()
         self._n_ctx, self._hops = n_ctx, ()
+        self._lost = False  # the last check found no route, after one had been found
 
     def check(self) -> list[str]:
-        """The route's hops as ``id@address``. Raises MeshUnavailable."""
+        """The route's hops as ``id@address``. Raises MeshUnavailable. The route's loss and return are
+        logged once each (the API said nothing while its requests got 503s)."""
         from meshnet.client.remote import StageFailure
-        from meshnet.client.router import context_length
+        from meshnet.client.router import MeshUnavailable, context_length
 
-        _, hops = self.client.new_route(opens_session=False)
+        try:
+            _, hops = self.client.new_route(opens_session=False)
+        except MeshUnavailable as e:
+            with self._lock:
+                lost, self._lost = not self._lost and bool(self._hops), bool(self._hops)
+            if lost:
+                log.warning("the mesh has no complete route now (requests get 503 until it has): %s",
+                            str(e).removeprefix("no route: "))
+            raise
         key = tuple((h.node_id, h.address) for h in hops)
         with self._lock:
-            known = self._hops == key
+            known, back, self._lost = self._hops == key, self._lost, False
+        if back:
+            log.info("the mesh has a complete route again: %s", " -> ".join(f"{h.node_id}@{h.address}" for h in hops))
         if not known:
             try:
                 n_ctx = context_length(hops)
