@@ -33,7 +33,7 @@ from pydantic import ConfigDict, Field
 
 from meshnet.api.errors import ApiError, bad_request, model_not_found
 from meshnet.api.prompts import chat_prompt
-from meshnet.api.responses_events import ResponseShapes
+from meshnet.api.responses_events import ResponseShapes, response_status
 from meshnet.api.runner import GenJob
 from meshnet.api.schemas import ChatCompletionRequest, ChatMessage, TextPart, Usage, _Strict
 from meshnet.api.streaming import stream_choices
@@ -325,4 +325,4 @@ async def create_response(api, request: Request) -> Response:
     shapes.take_whole(pieces, run.finish_reason)
     usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=run.completion_tokens,
                   total_tokens=len(prompt_ids) + run.completion_tokens)
-    return JSONResponse(shapes.response("incomplete" if run.finish_reason == "length" else "completed", usage))
+    return JSONResponse(shapes.response(response_status(run.finish_reason), usage))

@@ -23,7 +23,7 @@ from meshnet.api.tool_stream import ToolAnswer, whole_answer
 from meshnet.api.tools import ToolPlan
 
 
-def _status(finish_reason: str) -> str:
+def response_status(finish_reason: str) -> str:
     """A response's status for its answer's finish reason: cut by ``max_output_tokens``, incomplete."""
     return "incomplete" if finish_reason == "length" else "completed"
 
@@ -134,7 +134,7 @@ class ResponseShapes:
         return out
 
     def end(self, usage: Usage) -> str:
-        status = _status(self.finish_reason)
+        status = response_status(self.finish_reason)
         return self.event(f"response.{status}", response=self.response(status, usage))
 
     def failed(self, error: ApiError) -> str:
@@ -153,7 +153,7 @@ class ResponseShapes:
     def _close(self) -> list[str]:
         if not self.opened:
             return []
-        status = "completed" if _status(self.finish_reason) == "completed" else "incomplete"
+        status = response_status(self.finish_reason)
         where = {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
         return [self.event("response.output_text.done", text=self.text, logprobs=self.logprobs, **where),
                 self.event("response.content_part.done", part=self.part(), **where),
