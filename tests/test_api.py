@@ -624,15 +624,24 @@ def test_a_stream_waiting_for_its_next_piece_sends_keep_alive_comments(served, h
     async def slow_third(self):  # counted per run: another test's stream may still be ending meanwhile
         calls[id(self)] = calls.get(id(self), 0) + 1
         if calls[id(self)] == 3:
-            await asyncio.sleep(0.45)
+            await asyncio.sleep(0.6)
         return await real(self)
 
     monkeypatch.setattr(ChoiceRun, "next_piece", slow_third)
     r = http.post("/v1/chat/completions", json=body)
     lines = [line for line in r.text.splitlines() if line]
-    alive = [i for i, line in enumerate(lines) if line == ": keep-alive"]
-    assert r.status_code == 200 and 1 <= len(alive) <= 6, lines
-    assert alive == list(range(alive[0], alive[0] + len(alive))) and alive[0] >= 2  # together, mid-stream
+    assert r.status_code == 200, lines
+    # The run of comments while the third piece is held: a loaded machine may also hold another piece past
+    # 0.1 s (CI saw single stray comments), so the held one is the longest run, not the only comments.
+    runs, start = [], None
+    for i, line in enumerate(lines + [""]):
+        if line == ": keep-alive" and start is None:
+            start = i
+        elif line != ": keep-alive" and start is not None:
+            runs.append((i - start, start))
+            start = None
+    length, first = max(runs, default=(0, 0))
+    assert 3 <= length <= 15 and first >= 2, lines  # 0.6 s held (more when loaded), one each 0.1 s, mid-stream
 
     def content(text: str) -> str:
         chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
