@@ -198,6 +198,80 @@ def test_streamed_chat_with_two_choices(client):
     assert usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_a_requests_choices_run_side_by_side_each_equal_to_its_run_alone(backend, http):
+    """A request's choices ran one after another: n = 4 took four times n = 1. They now hold generation
+    slots side by side (half the server's: 4 of 8) and share the stage's iterations; each choice's text
+    is still the one its seed gives alone, whole or streamed, and a stream interleaves the choices."""
+    tail = _engines(backend)[-1]
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 77, "ignore_eos": True}
+    alone = [http.post("/v1/completions", json=body | {"seed": 77 + i}).json()["choices"][0]["text"]
+             for i in range(4)]
+    before = tail.metrics()
+    whole = http.post("/v1/completions", json=body | {"n": 4}).json()
+    assert [c["text"] for c in whole["choices"]] == alone and whole["usage"]["completion_tokens"] == 48
+    # alone, each of the 4 x 12 steps (a prefill, 11 decodes) is an iteration of its own; side by side fewer
+    after = tail.metrics()
+    assert after.decode_tokens - before.decode_tokens == 44 and after.iterations - before.iterations < 40
+    events = [json.loads(line[6:]) for line in http.post("/v1/completions", json=body | {"n": 4, "stream": True})
+              .text.splitlines() if line.startswith("data: {")]
+    order = [e["choices"][0]["index"] for e in events]
+    assert ["".join(e["choices"][0]["text"] for e in events if e["choices"][0]["index"] == i)
+            for i in range(4)] == alone
+    assert order != sorted(order)  # choice 0 did not stream to its end before choice 1 began
+    assert _wait_idle(backend) == 0
+
+
+def test_one_failing_choice_ends_the_request_and_releases_every_choice(tok):
+    """Choices run side by side: when one fails, the others are cancelled and their sessions released,
+    whole or streamed; the request says why (503 mesh_unavailable) and the server serves the next one."""
+    from mesh_util import wait_for
+
+    class Tracked(_ChargedClient):
+        """Records the sessions it stepped and those cancelled or released; the second of each three fails
+        its 3rd decode."""
+
+        def __init__(self, fail_at: int) -> None:
+            super().__init__([], 0.05)
+            self.fail_at, self.seen, self.ended = fail_at, set(), set()
+
+        def step(self, req, decode):
+            self.seen.add(req.session_id)
+            return super().step(req, decode)
+
+        def cancel(self, session_id):
+            self.ended.add(session_id)
+
+        release = cancel
+
+        def open_sessions(self) -> set:
+            return self.seen - self.ended
+
+    clients: list = []
+
+    def new_client():
+        clients.append(Tracked(3 if len(clients) % 3 == 1 else 10**9))
+        return clients[-1]
+
+    b = ApiBackend(new_client, tok, "smollm2", N_CTX, retry_after_s=3)
+    server, thread = start_api_in_thread(b, "127.0.0.1", 0)
+    body = {"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True, "n": 3}
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.config.port}", timeout=30) as http:
+            err = _error(http.post("/v1/completions", json=body), 503)
+            assert err["code"] == "mesh_unavailable"
+            with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as s:
+                events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+            assert s.status_code == 200 and events[-1]["error"]["code"] == "mesh_unavailable"
+            assert len(clients) == 6 and all(c.seen for c in clients)
+            # every session was cancelled or released: none left open on any client
+            assert wait_for(lambda: not any(c.open_sessions() for c in clients), 10) is not None, \
+                [c.open_sessions() for c in clients]
+            assert sum(c.steps for c in clients) < 6 * 20  # the others stopped: 40 decodes each had they not
+            assert http.post("/v1/completions", json=body | {"n": 1, "max_tokens": 3}).status_code == 200
+    finally:
+        stop_api(server, thread)
+
+
 def test_chat_logprobs(backend, client):
     r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=5, temperature=0,
                                        logprobs=True, top_logprobs=4)

@@ -27,12 +27,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meshnet.api.backend import ApiBackend
+from meshnet.api.choices import whole_choices
 from meshnet.api.errors import ApiError, bad_request, internal_error, model_not_found, no_such_endpoint
 from meshnet.api.metrics import ApiMetrics
 from meshnet.api.middleware import ApiKeyOnly, BodyLimitAndMetrics, SameOriginOnly
 from meshnet.api.prompts import chat_prompt, completion_prompts
 from meshnet.api.responses import create_response
-from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece, queue_full
+from meshnet.api.runner import ChoiceRun, GenJob, Piece, queue_full
 from meshnet.api.schemas import (
     MAX_CHOICES,
     ChatChoice,
@@ -47,7 +48,7 @@ from meshnet.api.schemas import (
     Usage,
 )
 from meshnet.api.sse import ChatChunks, CompletionChunks
-from meshnet.api.streaming import stream_choices, unless_gone
+from meshnet.api.streaming import stream_choices
 from meshnet.api.structured import response_grammar, tools_grammar
 from meshnet.api.tool_stream import ChatEvents, finish_reason, whole_answer
 from meshnet.api.tools import ToolPlan, plan_tools, repeats_a_call
@@ -244,7 +245,7 @@ class _Api:
             raise bad_request("suffix is not supported", "suffix", "unsupported_parameter")
         prompts = await anyio.to_thread.run_sync(completion_prompts, self.backend.tokenizer, req.prompt,
                                                  self.backend.n_ctx)
-        if len(prompts) * (req.n or 1) > MAX_CHOICES:  # every choice is a generation, run in turn
+        if len(prompts) * (req.n or 1) > MAX_CHOICES:  # every choice is a generation of its own
             raise bad_request(f"{len(prompts)} prompts x n {req.n or 1} ask for {len(prompts) * (req.n or 1)} "
                               f"choices, more than the {MAX_CHOICES} one request may", "prompt", "too_many_choices")
         grammar = await self._grammar(req)
@@ -269,8 +270,7 @@ class _Api:
             return await self._stream_completion(jobs, rid, created, prompt_tokens, want_logprobs, include_usage, t0,
                                                  request)
         choices, completion_tokens = [], 0
-        for i, job in enumerate(jobs):
-            pieces, run = await self._run_whole(job, request, t0, i == 0)
+        for i, (pieces, run) in enumerate(await self.whole_choices(jobs, request, t0)):
             completion_tokens += run.completion_tokens
             text = "".join(p.text for p in pieces)
             choices.append(CompletionChoice(index=i, text=text, finish_reason=run.finish_reason,
@@ -350,8 +350,7 @@ class _Api:
             return await self._stream_chat(jobs, rid, created, prompt_tokens, want_logprobs, include_usage, t0,
                                            request, plan)
         choices, completion_tokens = [], 0
-        for i, job in enumerate(jobs):
-            pieces, run = await self._run_whole(job, request, t0, i == 0)
+        for i, (pieces, run) in enumerate(await self.whole_choices(jobs, request, t0)):
             completion_tokens += run.completion_tokens
             text = "".join(p.text for p in pieces)
             content, calls = whole_answer(plan, text, run.finish_reason)
@@ -376,18 +375,12 @@ class _Api:
                                     events.start, events.piece, chunks.usage, request)
 
     # ---- non-streaming driver ----
-    async def _run_whole(self, job: GenJob, request: Request, t0: float,
-                         observe_ttft: bool) -> tuple[list[Piece], ChoiceRun]:
-        run = ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, request.is_disconnected,
-                        observe_ttft=observe_ttft, max_queued=self.max_queued if observe_ttft else None)
-        try:
-            # A client that leaves while the run waits for a slot frees its place in the queue at once.
-            first = await unless_gone(request, run.start, run.next_piece)
-            pieces = [first] + await run.collect() if first is not None else []
-            run.charge_read()  # before the session ends with aclose: its whole answer is read
-            return pieces, run
-        except ClientGone:
-            # Nobody will read the answer; 499 is what proxies log for it.
-            raise ApiError(499, "the client closed the connection", code="client_closed") from None
-        finally:
-            await run.aclose()
+    async def whole_choices(self, jobs: list[GenJob], request: Request,
+                            t0: float) -> list[tuple[list[Piece], ChoiceRun]]:
+        """Every job's pieces and finished run, side by side (:func:`~meshnet.api.choices.whole_choices`);
+        the first one's TTFT is observed, and the queue's bound applies to it."""
+        def make_run(job: GenJob, i: int, is_disconnected) -> ChoiceRun:
+            return ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, is_disconnected,
+                             observe_ttft=i == 0, max_queued=self.max_queued if i == 0 else None)
+
+        return await whole_choices(make_run, jobs, request, self.backend.max_concurrency)

@@ -321,7 +321,7 @@ async def create_response(api, request: Request) -> Response:
     if req.stream:
         return await stream_choices(api._runs, [job], t0, len(prompt_ids), True, shapes.start, shapes.piece,
                                     shapes.end, request, done=None, error_event=shapes.failed)
-    pieces, run = await api._run_whole(job, request, t0, True)
+    [(pieces, run)] = await api.whole_choices([job], request, t0)
     shapes.take_whole(pieces, run.finish_reason)
     usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=run.completion_tokens,
                   total_tokens=len(prompt_ids) + run.completion_tokens)

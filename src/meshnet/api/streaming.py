@@ -1,5 +1,5 @@
 """A streamed answer (``"stream": true``): its first choice started before the response, then server-sent
-events of each choice in turn.
+events of its choices as they come (side by side: :mod:`meshnet.api.choices`).
 
 The response starts with the first choice's first token: until then the request can still get its own
 status (503 ``server_busy`` with Retry-After when no generation slot or no room on the stages freed in
@@ -19,6 +19,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from fastapi import Request
 from fastapi.responses import Response
 
+from meshnet.api.choices import client_closed, parallelism
 from meshnet.api.errors import ApiError, internal_error
 from meshnet.api.middleware import stream_failed
 from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece
@@ -36,7 +37,7 @@ async def stream_choices(new_run: NewRun, jobs: list[GenJob], t0: float, prompt_
                          on_start: Callable[[int], list[str]], on_piece: Callable[[int, Piece], list[str]],
                          usage_event: Callable[[Usage], str], request: Request, done: str | None = DONE,
                          error_event: Callable[[ApiError], str] | None = None) -> Response:
-    """The response of a streamed request: events of each choice's generation in turn (``on_start`` once
+    """The response of a streamed request: events of each choice's generation (``on_start`` once
     its first piece is ready, ``on_piece`` per piece of text), an error event that ends the stream if a
     choice fails (``error_event(error)``; by default chat's ``{"error": ...}``), the usage event when asked
     for, then ``done`` (``[DONE]``; None: nothing, as the Responses API's streams end). ``t0``: when the
@@ -49,8 +50,8 @@ async def stream_choices(new_run: NewRun, jobs: list[GenJob], t0: float, prompt_
         piece = await unless_gone(request, first.start, first.next_piece)
     except BaseException as e:
         await first.aclose()
-        if isinstance(e, ClientGone):  # nobody will read the answer; 499 is what proxies log for it
-            raise ApiError(499, "the client closed the connection", code="client_closed") from None
+        if isinstance(e, ClientGone):
+            raise client_closed() from None
         raise
     # The first run is closed with the response even if its body never starts (a client gone at once).
     return sse(_events(new_run, jobs, first, piece, t0, prompt_tokens, include_usage, on_start, on_piece,
@@ -109,39 +110,64 @@ async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_p
                   usage_event: Callable[[Usage], str], failed: Callable[[int], None],
                   done: str | None, error_event: Callable[[ApiError], str]) -> AsyncIterator[str]:
     """The events of :func:`stream_choices`, its first choice started already (``first``, whose first
-    piece is ``first_piece``); ``failed(status)`` is told the status of an error that ends the stream."""
-    completion_tokens = 0
-    for i, job in enumerate(jobs):
-        run = first if i == 0 else new_run(job, t0, False)
+    piece is ``first_piece``); ``failed(status)`` is told the status of an error that ends the stream.
+
+    The choices run side by side (:func:`~meshnet.api.choices.parallelism` at a time), each in a task
+    that puts its pieces in one queue; its bound holds the runs back when the client reads slowly, as
+    a single run is held :data:`~meshnet.api.driver.RUN_AHEAD` tokens ahead of its reader."""
+    parallel = parallelism(first.backend.max_concurrency)
+    room = asyncio.Semaphore(parallel)
+    pieces: asyncio.Queue = asyncio.Queue(maxsize=2 * parallel)
+
+    async def choice(i: int) -> None:  # puts (i, "start" | "piece" | "end" | "error", value)
+        run = None
         try:
-            got: list = []
-            if i == 0:
-                got.append(first_piece)
-            else:
-                async for ev in _keeping_alive(run.start(), []):
-                    yield ev
-                async for ev in _keeping_alive(run.next_piece(), got):
-                    yield ev
-            piece = got.pop()
-            for ev in on_start(i):
-                yield ev
-            while piece is not None:
-                for ev in on_piece(i, piece):
-                    yield ev
-                async for ev in _keeping_alive(run.next_piece(), got):
-                    yield ev
-                piece = got.pop()
-        except Exception as e:  # noqa: BLE001 - an ApiError, or a bug: an error event ends the stream either way
-            if not isinstance(e, ApiError):  # a bug cut the stream mid-body, without an end a client could read
-                log.error("streamed choice %d failed", i, exc_info=e)
-                e = internal_error(e)
-            run.metrics.errors.labels(kind=e.code or str(e.status)).inc()
-            failed(e.status)
-            yield error_event(e)
-            return
+            async with room:
+                run = first if i == 0 else new_run(jobs[i], t0, False)
+                piece = first_piece
+                if i > 0:
+                    await run.start()
+                    piece = await run.next_piece()
+                await pieces.put((i, "start", None))
+                while piece is not None:
+                    await pieces.put((i, "piece", piece))
+                    piece = await run.next_piece()
+                await pieces.put((i, "end", run.completion_tokens))
+        except Exception as e:  # noqa: BLE001 - the reader ends the stream with it
+            await pieces.put((i, "error", e))
         finally:
-            await run.aclose()
-        completion_tokens += run.completion_tokens
+            if run is not None:
+                await run.aclose()
+
+    tasks = [asyncio.ensure_future(choice(i)) for i in range(len(jobs))]
+    completion_tokens, ended, i = 0, 0, 0
+    try:
+        while ended < len(jobs):
+            got: list = []
+            async for ev in _keeping_alive(pieces.get(), got):
+                yield ev
+            i, kind, value = got.pop()
+            if kind == "error":
+                raise value
+            events = on_start(i) if kind == "start" else on_piece(i, value) if kind == "piece" else []
+            for ev in events:
+                yield ev
+            if kind == "end":
+                completion_tokens += value
+                ended += 1
+    except Exception as e:  # noqa: BLE001 - an ApiError, or a bug: an error event ends the stream either way
+        if not isinstance(e, ApiError):  # a bug cut the stream mid-body, without an end a client could read
+            log.error("streamed choice %d failed", i, exc_info=e)
+            e = internal_error(e)
+        first.metrics.errors.labels(kind=e.code or str(e.status)).inc()
+        failed(e.status)
+        yield error_event(e)
+        return
+    finally:  # the stream ended, failed, or its client went away: the other choices stop
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     if include_usage:
         yield usage_event(Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                 total_tokens=prompt_tokens + completion_tokens))
