@@ -384,12 +384,21 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
     stub.Register(cpu_node, timeout=5)
     parser = argparse.ArgumentParser(prog="meshnet")
     add_nodes_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["nodes", "--tracker", f"127.0.0.1:{state['port']}", "--no-load"])
-    assert args.func.__name__ == "run_nodes"
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert args.func(args) == 0
-    header, *rows = out.getvalue().splitlines()
+    def table(*flags: str) -> str:
+        args = parser.parse_args(["nodes", "--tracker", f"127.0.0.1:{state['port']}", "--no-load", *flags])
+        assert args.func.__name__ == "run_nodes"
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert args.func(args) == 0
+        return out.getvalue()
+
+    # By default what a node is beyond its range (backend, signing, data plane, device) stays out: the
+    # table took 267 columns for three nodes of `meshnet up`, its device alone 80.
+    header, *rows = table().splitlines()
+    assert header.split() == ["NODE", "MODEL", "LAYERS", "CTX", "LOAD", "SPEED", "RELAY", "HEARTBEAT", "ADDRESS"]
+    assert {r.split()[0]: r.split()[-1] for r in rows}[me.node_id] == "127.0.0.1:9"
+    assert max(len(line) for line in table().splitlines()) <= 120  # its generated node id alone is 32
+    header, *rows = table("--wide").splitlines()
     assert header.split() == ["NODE", "MODEL", "LAYERS", "CTX", "BACKEND", "LOAD", "SPEED", "RELAY", "HEARTBEAT",
                               "SIGNED", "ADDRESS", "DATA", "DEVICE"]
     cells = {r.split()[0]: r.split()[:1] + r.split()[2:] for r in rows}  # MODEL checked below
@@ -425,7 +434,7 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
             "mean_batch_rows": 6.5, "max_batch_rows": 40, "waiting_steps": 2, "mean_queue_ms": 1.25,
             "weight_bytes": 1_755_000_000}
     reply = stub.ListNodes(pb.Empty(), timeout=5)
-    header, *rows = format_nodes(reply, {me.node_id: load}).splitlines()
+    header, *rows = format_nodes(reply, {me.node_id: load}, wide=True).splitlines()
     assert header.split()[7:11] == ["KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE", "WEIGHTS"]
     cells = {r.split()[0]: r.split()[:1] + r.split()[2:] for r in rows}
     assert cells[me.node_id][8:17] == ["120/400/8192", "6.5", "(max", "40)", "2", "(1.2", "ms)", "1.6", "GiB"]

@@ -25,7 +25,8 @@ def add_nodes_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                        description="List the live nodes of a tracker: layer range, context (tokens a session may hold), backend, load (active/max "
                                    "sessions), decode speed, relay status, last heartbeat age, whether "
                                    "the node signs its messages with a registered key, its gRPC and "
-                                   "data-plane addresses, the device it computes on (free/total memory), "
+                                   "data-plane addresses, the device it computes on (free/total memory; "
+                                   "backend, signing, data plane, device and weights with --wide), "
                                    "and, asked of each directly reachable node, its KV pool (cells held / "
                                    "reserved / capacity), mean rows per batched iteration, steps "
                                    "waiting with their mean time in queue, and the bytes of weights its "
@@ -36,6 +37,9 @@ def add_nodes_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--no-load", action="store_true", help="do not ask the nodes for their KV and batch figures")
+    p.add_argument("--wide", action="store_true",
+                   help="every column: also each node's backend, weights, whether it signs, its data-plane "
+                        "address and its device (the table then takes about 270 columns)")
     p.set_defaults(func=run_nodes)
     return p
 
@@ -164,10 +168,15 @@ def nodes_dict(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) 
                       for s in reply.nodes]}
 
 
-def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) -> str:
+# The columns only --wide prints: what a node is, rather than how it is doing.
+WIDE_ONLY = ("BACKEND", "WEIGHTS", "SIGNED", "DATA", "DEVICE")
+
+
+def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None, wide: bool = False) -> str:
     """An aligned table, one row per node (its model's id shortened to 12 hex digits, as ``meshnet ledger``
     prints it), or a line saying none is registered. ``loads`` (node id ->
     :func:`node_load`) adds the KV, BATCH_ROWS, QUEUE and WEIGHTS columns; "-" where a node did not answer.
+    Without ``wide`` the :data:`WIDE_ONLY` columns are left out (the device alone takes about 80 characters).
     Below the table, a line for each model whose layers are not all served (:func:`unserved_layers`) and
     for each run of layers served by replicas that compute otherwise (:func:`unlike_replicas`)."""
     if not reply.nodes:
@@ -184,6 +193,9 @@ def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None
                      f"{s.active_sessions}/{i.max_sessions}", f"{i.decode_tokens_per_s:.1f} tok/s", *load,
                      _relay(s), f"{s.last_heartbeat_age_s:.1f}s ago", "yes" if s.signed else "no", i.address,
                      i.data_address or "-", _device_cell(i)))
+    if not wide:
+        kept = [c for c, name in enumerate(rows[0]) if name not in WIDE_ONLY]
+        rows = [tuple(r[c] for c in kept) for r in rows]
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     gaps = [f"model {sha[:12]}: no node serves layers {', '.join(f'[{a}, {b})' for a, b in spans)}: no route "
             f"until one does" for sha, spans in unserved_layers(reply).items()]
@@ -209,5 +221,5 @@ def run_nodes(args: argparse.Namespace) -> int:
             answers = pool.map(lambda i: node_load(i.address, args.join_token, args.tls_ca), direct)
             loads = {s.info.node_id: None for s in reply.nodes}
             loads.update({i.node_id: a for i, a in zip(direct, answers)})
-    print(json.dumps(nodes_dict(reply, loads)) if args.json else format_nodes(reply, loads))
+    print(json.dumps(nodes_dict(reply, loads)) if args.json else format_nodes(reply, loads, args.wide))
     return 0
