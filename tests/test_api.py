@@ -272,6 +272,39 @@ def test_one_failing_choice_ends_the_request_and_releases_every_choice(tok):
         stop_api(server, thread)
 
 
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_later_choice_waits_its_turn_without_failing_a_request_that_holds_a_slot(tok, monkeypatch, stream):
+    """A request's later choice waited for a slot of its own while its first choice ran, and gave up after
+    ADMISSION_WAIT_S: with the server's other slots held by long answers, n = 2 was a 503 (or a stream's
+    error event) though its first choice held a slot, where one after another it had taken that slot next.
+    A later choice waits its turn however long; only the request's first choice is bounded."""
+    import meshnet.api.backend as backend_module
+
+    monkeypatch.setattr(backend_module, "ADMISSION_WAIT_S", 1.0)
+    b = ApiBackend(lambda: _ChargedClient([], 0.05), tok, "smollm2", N_CTX, max_concurrency=4, retry_after_s=3)
+    server, thread = start_api_in_thread(b, "127.0.0.1", 0)
+    long = {"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True}  # 2 s each, past the 1 s bound
+    try:
+        url = f"http://127.0.0.1:{server.config.port}"
+        with httpx.Client(base_url=url, timeout=30) as http:
+            others = [threading.Thread(target=http.post, args=("/v1/completions",), kwargs={"json": long})
+                      for _ in range(3)]  # 3 of the 4 slots
+            for t in others:
+                t.start()
+            time.sleep(0.3)
+            body = long | {"n": 2, "stream": stream}
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            if stream:
+                assert "error" not in r.text and r.text.endswith("data: [DONE]\n\n"), r.text[-300:]
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 80
+            for t in others:
+                t.join()
+    finally:
+        stop_api(server, thread)
+
 def test_chat_logprobs(backend, client):
     r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=5, temperature=0,
                                        logprobs=True, top_logprobs=4)

@@ -296,7 +296,7 @@ class _Api:
         """A streamed choice's run (see :mod:`meshnet.api.streaming`); ``observe_ttft``: the request's
         first choice, the one the queue's bound applies to (a later one, refused, would lose those before)."""
         return ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, observe_ttft=observe_ttft,
-                         max_queued=self.max_queued if observe_ttft else None)
+                         max_queued=self.max_queued if observe_ttft else None, wait_bound=observe_ttft)
 
     # ---- chat ----
     async def chat_completions(self, request: Request) -> Response:
@@ -381,6 +381,7 @@ class _Api:
         the first one's TTFT is observed, and the queue's bound applies to it."""
         def make_run(job: GenJob, i: int, is_disconnected) -> ChoiceRun:
             return ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, is_disconnected,
-                             observe_ttft=i == 0, max_queued=self.max_queued if i == 0 else None)
+                             observe_ttft=i == 0, max_queued=self.max_queued if i == 0 else None,
+                             wait_bound=i == 0)
 
         return await whole_choices(make_run, jobs, request, self.backend.max_concurrency)

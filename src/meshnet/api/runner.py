@@ -178,6 +178,10 @@ class ChoiceRun:
         limiter: admission: the run holds one slot of it while it holds a mesh session.
         max_queued: runs allowed to wait for a slot (``metrics.n_queued``) when none is free; one more is
             refused 503 ``server_busy`` as it would join them (None: no bound).
+        wait_bound: whether the wait for a slot is bounded by ADMISSION_WAIT_S (503 ``server_busy``
+            after it). False for a request's later choice, whose first choice holds a slot already: it
+            waits its turn however long (a slot frees at the latest when one of its request's ends),
+            where its 503 would fail the request that holds the slot.
         metrics: updated with active sessions, TTFT (from ``t_request``, a ``time.perf_counter()``
             value) and generated tokens.
         is_disconnected: awaited between tokens; when it returns True the run stops with
@@ -191,9 +195,9 @@ class ChoiceRun:
 
     def __init__(self, backend, job: GenJob, limiter: asyncio.Semaphore, metrics: ApiMetrics,
                  t_request: float, is_disconnected: Callable[[], Awaitable[bool]] | None = None,
-                 observe_ttft: bool = True, max_queued: int | None = None) -> None:
+                 observe_ttft: bool = True, max_queued: int | None = None, wait_bound: bool = True) -> None:
         self.backend, self.job, self.limiter, self.metrics = backend, job, limiter, metrics
-        self.max_queued = max_queued
+        self.max_queued, self.wait_bound = max_queued, wait_bound
         self.t_request, self.is_disconnected, self.observe_ttft = t_request, is_disconnected, observe_ttft
         self.tokenizer: GGUFTokenizer = backend.tokenizer
         self.text = ChoiceText(job.stops)
@@ -231,7 +235,7 @@ class ChoiceRun:
         try:
             while not acquiring.done():
                 self._check_stopping()
-                left = ADMISSION_WAIT_S - (time.monotonic() - t0)
+                left = ADMISSION_WAIT_S - (time.monotonic() - t0) if self.wait_bound else _STOP_POLL_S
                 if left <= 0:
                     raise ApiError(503, f"the server is busy: waited {ADMISSION_WAIT_S:g} s for one of its "
                                         f"{self.backend.max_concurrency} generation slots; retry later",
@@ -246,6 +250,8 @@ class ChoiceRun:
             raise
         finally:
             self.metrics.add_queued(-1)
+        if not self.wait_bound:
+            t0 = time.monotonic()  # the wait for room on the stages starts with the slot
         self._holding = True
         self.metrics.add_active(1)
         if self.job.counts_prompt:
