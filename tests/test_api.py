@@ -272,7 +272,6 @@ def test_one_failing_choice_ends_the_request_and_releases_every_choice(tok):
         stop_api(server, thread)
 
 
-
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_later_choice_waits_its_turn_without_failing_a_request_that_holds_a_slot(tok, monkeypatch, stream):
     """A request's later choice waited for a slot of its own while its first choice ran, and gave up after
@@ -294,7 +293,14 @@ def test_a_later_choice_waits_its_turn_without_failing_a_request_that_holds_a_sl
                 t.start()
             time.sleep(0.3)
             body = long | {"n": 2, "stream": stream}
-            r = http.post("/v1/completions", json=body)
+            answer: list = []
+            asking = threading.Thread(target=lambda: answer.append(http.post("/v1/completions", json=body)))
+            asking.start()
+            time.sleep(0.5)
+            # its second choice waits for a slot, but no request waits: the queue counts requests
+            assert _gauge(http, "meshnet_api_queued_requests") == "0.0" and asking.is_alive()
+            asking.join(30)
+            r = answer[0]
             assert r.status_code == 200, r.text
             if stream:
                 assert "error" not in r.text and r.text.endswith("data: [DONE]\n\n"), r.text[-300:]
@@ -304,6 +310,7 @@ def test_a_later_choice_waits_its_turn_without_failing_a_request_that_holds_a_sl
                 t.join()
     finally:
         stop_api(server, thread)
+
 
 def test_chat_logprobs(backend, client):
     r = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=5, temperature=0,

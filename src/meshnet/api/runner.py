@@ -228,7 +228,9 @@ class ChoiceRun:
         # a burst of requests all passed it and then queued past the bound).
         if self.max_queued is not None and self.limiter.locked() and self.metrics.n_queued >= self.max_queued:
             raise queue_full(self.max_queued, self.backend.retry_after_s)
-        self.metrics.add_queued(1)
+        # A request's later choice is no request waiting (its first choice holds a slot): not counted.
+        queued = 1 if self.wait_bound else 0
+        self.metrics.add_queued(queued)
         # One acquire, kept in the semaphore's line however long it waits (slots go first come, first
         # served), looked at in slices: a server that begins to stop lets its waiting requests go.
         acquiring = asyncio.ensure_future(self.limiter.acquire())
@@ -249,7 +251,7 @@ class ChoiceRun:
                 acquiring.cancel()
             raise
         finally:
-            self.metrics.add_queued(-1)
+            self.metrics.add_queued(-queued)
         if not self.wait_bound:
             t0 = time.monotonic()  # the wait for room on the stages starts with the slot
         self._holding = True
