@@ -19,7 +19,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from fastapi import Request
 from fastapi.responses import Response
 
-from meshnet.api.choices import client_closed, parallelism
+from meshnet.api.choices import Turns, client_closed, parallelism
 from meshnet.api.errors import ApiError, internal_error
 from meshnet.api.middleware import stream_failed
 from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece
@@ -112,17 +112,16 @@ async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_p
     """The events of :func:`stream_choices`, its first choice started already (``first``, whose first
     piece is ``first_piece``); ``failed(status)`` is told the status of an error that ends the stream.
 
-    The choices run side by side (:func:`~meshnet.api.choices.parallelism` at a time), each in a task
+    The choices run side by side (each in its :class:`~meshnet.api.choices.Turns`), each in a task
     that puts its pieces in one queue; its bound holds the runs back when the client reads slowly, as
     a single run is held :data:`~meshnet.api.driver.RUN_AHEAD` tokens ahead of its reader."""
-    parallel = parallelism(first.backend.max_concurrency)
-    room = asyncio.Semaphore(parallel)
-    pieces: asyncio.Queue = asyncio.Queue(maxsize=2 * parallel)
+    turns = Turns(jobs, first.backend.max_concurrency)
+    pieces: asyncio.Queue = asyncio.Queue(maxsize=2 * parallelism(first.backend.max_concurrency))
 
     async def choice(i: int) -> None:  # puts (i, "start" | "piece" | "end" | "error", value)
         run = None
         try:
-            async with room:
+            async with turns.turn(i):
                 run = first if i == 0 else new_run(jobs[i], t0, False)
                 piece = first_piece
                 if i > 0:
