@@ -211,14 +211,14 @@ def test_a_held_answer_sends_keep_alives_and_a_call_has_no_content():
     """A required call is held whole: nothing went out for its whole length (a 1000-token call ran past httpx's
     5 s read timeout, 3000 tokens past nginx's 60 s). A comment, which SSE readers skip, goes out every 2 s;
     the role chunk of a call carries no content (its message has none: the SDKs' helpers made it "")."""
-    from meshnet.api import tool_stream
+    from meshnet.api import sse, tool_stream
     from meshnet.api.runner import Piece
     from meshnet.api.sse import ChatChunks
 
     now = [100.0]
     events = tool_stream.ChatEvents(ChatChunks("id", 0, "m"), plan_tools([WEATHER], "required"), 1, None)
-    real = tool_stream.time.monotonic
-    tool_stream.time.monotonic = lambda: now[0]
+    real = sse.time.monotonic
+    sse.time.monotonic = lambda: now[0]
     try:
         start = events.start(0)
         assert json.loads(start[0][6:])["choices"][0]["delta"] == {"role": "assistant"}
@@ -227,7 +227,7 @@ def test_a_held_answer_sends_keep_alives_and_a_call_has_no_content():
             now[0] += 1.1
             sent.append(events.piece(0, Piece(text, finish_reason="stop" if k == 3 else None)))
     finally:
-        tool_stream.time.monotonic = real
+        sse.time.monotonic = real
     assert sent[0] == [] and sent[1] == [": keep-alive\n\n"] and sent[2] == []
     deltas = [json.loads(e[6:])["choices"][0] for e in sent[3]]
     assert deltas[0]["delta"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}

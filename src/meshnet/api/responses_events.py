@@ -18,7 +18,7 @@ from meshnet.api.errors import ApiError
 from meshnet.api.logprobs import chat_logprobs
 from meshnet.api.runner import Piece
 from meshnet.api.schemas import Usage
-from meshnet.api.sse import KEEPALIVE, KEEPALIVE_S, event
+from meshnet.api.sse import HeldAnswer, event
 from meshnet.api.tool_stream import ToolAnswer, whole_answer
 from meshnet.api.tools import ToolPlan
 
@@ -42,7 +42,7 @@ class ResponseShapes:
         self.finish_reason = "stop"  # the streamed answer's, once its last piece came
         self._answer = ToolAnswer(plan) if plan.mode != "none" else None
         self._held: list[dict] = []  # log-prob entries of text held back
-        self._sent_at = time.monotonic()
+        self.quiet = HeldAnswer()  # an answer held while it could become a call: clients' read timeouts
 
     # ---- the whole answer ----
     def take_whole(self, pieces: list[Piece], finish_reason: str) -> None:
@@ -98,12 +98,11 @@ class ResponseShapes:
     def event(self, kind: str, **fields) -> str:
         """One event, named on an ``event:`` line as OpenAI's are, its ``type`` and ``sequence_number`` in it."""
         self.seq += 1
-        self._sent_at = time.monotonic()
         return f"event: {kind}\n" + event({"type": kind, "sequence_number": self.seq - 1, **fields})
 
     def start(self, _i: int) -> list[str]:
-        return [self.event("response.created", response=self.response("in_progress")),
-                self.event("response.in_progress", response=self.response("in_progress"))]
+        return self.quiet.sent([self.event("response.created", response=self.response("in_progress")),
+                                self.event("response.in_progress", response=self.response("in_progress"))])
 
     def piece(self, _i: int, piece: Piece) -> list[str]:
         text, calls = piece.text, None
@@ -128,10 +127,7 @@ class ResponseShapes:
             if not calls:
                 out += self._open()  # an empty answer is an empty message
             out += self._close() + self._emit_calls(calls or [])
-        elif not out and time.monotonic() - self._sent_at >= KEEPALIVE_S:
-            self._sent_at = time.monotonic()
-            out.append(KEEPALIVE)  # an answer held while it could become a call: clients' read timeouts
-        return out
+        return self.quiet.sent(out)
 
     def end(self, usage: Usage) -> str:
         status = response_status(self.finish_reason)

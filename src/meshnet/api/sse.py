@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi.responses import Response, StreamingResponse
@@ -35,6 +36,24 @@ DONE = "data: [DONE]\n\n"
 # seconds without an event.
 KEEPALIVE = ": keep-alive\n\n"
 KEEPALIVE_S = 2.0
+
+
+class HeldAnswer:
+    """The keep-alive rule of a stream whose answer may be held back (text that could still turn out to
+    be a tool call, sent as nothing until it is known): a comment in place of the events of a piece
+    once ``KEEPALIVE_S`` passed since the last event sent. Chat's and the Responses API's events share it."""
+
+    def __init__(self) -> None:
+        self._sent_at = time.monotonic()
+
+    def sent(self, events: list[str]) -> list[str]:
+        """``events`` (sent now), or when there are none and the stream has been quiet for ``KEEPALIVE_S``
+        seconds, a keep-alive comment."""
+        now = time.monotonic()
+        if events or now - self._sent_at >= KEEPALIVE_S:
+            self._sent_at = now
+            return events or [KEEPALIVE]
+        return []
 
 # How long a stream waits for its client to take what it was sent, seconds. A client that read nothing
 # (its socket's buffers full) held its generation slot and KV cells for as long as it kept the connection;

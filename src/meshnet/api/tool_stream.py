@@ -16,12 +16,11 @@ text apart the same way.
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 from meshnet.api.runner import Piece
 from meshnet.api.schemas import ChatLogprobs
-from meshnet.api.sse import KEEPALIVE, KEEPALIVE_S, ChatChunks
+from meshnet.api.sse import ChatChunks, HeldAnswer
 from meshnet.api.tools import ToolPlan, tool_calls_from
 
 _BLOCK = "<tool_call>"
@@ -106,12 +105,11 @@ class ChatEvents:
         self.chunks, self.logprobs_of, self.plan = chunks, logprobs_of, plan
         self.answers = [ToolAnswer(plan) if plan.mode != "none" else None for _ in range(n_choices)]
         self.unsent: list[list[Piece]] = [[] for _ in range(n_choices)]
-        self._sent_at = time.monotonic()
+        self.held = HeldAnswer()
 
     def start(self, i: int) -> list[str]:
         """The first event of choice ``i``: its role (no content for a required or named call)."""
-        self._sent_at = time.monotonic()
-        return [self.chunks.role(i, None if self.plan.mode in ("required", "named") else "")]
+        return self.held.sent([self.chunks.role(i, None if self.plan.mode in ("required", "named") else "")])
 
     def piece(self, i: int, piece: Piece) -> list[str]:
         """The events for choice ``i``'s next piece (none while it is held)."""
@@ -123,10 +121,7 @@ class ChatEvents:
                 text += tail
             if not text and not calls and piece.finish_reason is None:
                 self.unsent[i].append(piece)  # held: its log-probs go with what its text becomes
-                if time.monotonic() - self._sent_at < KEEPALIVE_S:
-                    return []
-                self._sent_at = time.monotonic()
-                return [KEEPALIVE]
+                return self.held.sent([])
         pieces, self.unsent[i] = self.unsent[i] + [piece], []
         logprobs = self.logprobs_of(pieces) if self.logprobs_of is not None and any(p.tokens for p in pieces) \
             else None
@@ -138,6 +133,4 @@ class ChatEvents:
             events.append(self.chunks.tool_calls(i, calls, logprobs))
         if piece.finish_reason is not None:
             events.append(self.chunks.finish(i, finish_reason(piece.finish_reason, calls)))
-        if events:
-            self._sent_at = time.monotonic()
-        return events
+        return self.held.sent(events)
