@@ -55,6 +55,7 @@ class HeldAnswer:
             return events or [KEEPALIVE]
         return []
 
+
 # How long a stream waits for its client to take what it was sent, seconds. A client that read nothing
 # (its socket's buffers full) held its generation slot and KV cells for as long as it kept the connection;
 # two such clients of a server with two slots turned everyone else away.
