@@ -153,6 +153,30 @@ def test_kill_without_spare_fails_fast_and_survivors_release(mesh, tok, solo):
     assert tail.active_sessions() == 0
 
 
+def test_a_new_session_waits_for_a_node_the_tracker_just_dropped_to_come_back(mesh, tok, solo):
+    """`meshnet up` drops a node from the tracker the moment it exits and restarts it within seconds. A
+    `meshnet generate` that had printed its route and opened its session in that gap failed at once ("no
+    node serves layers [0, 10)"), where a running generation waits up to the failover deadline for a
+    replacement. A client that had a route now waits the same way for its new session's."""
+    head, _ = mesh.start_nodes([("a-head", "0:10"), ("d-tail", "10:30")])
+    client = mesh.client()
+    client.route_with_context()  # what generate prints before its first step
+    assert mesh.service.registry.deregister("a-head")  # as `meshnet up` does when a node's process exits
+    t0 = time.monotonic()
+    # the node is back at its next heartbeat (0.3 s here), told by the tracker it is not registered
+    ids = list(Generation(client, tok, solo.prompt_ids(0), 8, GREEDY, stop_at_eog=False))
+    assert [e.token.token_id for e in ids] == solo.greedy(0, 8) and time.monotonic() - t0 < client.failover_deadline_s
+    # A client the tracker never gave a route is told at once: nothing suggests one is coming.
+    head.proc.kill()
+    head.proc.wait(timeout=10)
+    assert mesh.service.registry.deregister("a-head")
+    fresh = mesh.client()
+    t0 = time.monotonic()
+    with pytest.raises(MeshUnavailable, match=r"layers \[0, 10\)"):
+        list(Generation(fresh, tok, solo.prompt_ids(0), 8, GREEDY, stop_at_eog=False))
+    assert time.monotonic() - t0 < 1.0
+
+
 def test_prompts_sessions_and_release_on_one_chain(mesh, smollm2_path, solo):
     mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
     client = mesh.client()

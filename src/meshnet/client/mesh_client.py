@@ -141,14 +141,25 @@ class MeshClient:
                 if f.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
                     refusals[f.node_id] = str(f)
 
-    def new_route(self, opens_session: bool = True) -> tuple[int, list[RemoteStage]]:
+    def new_route(self, opens_session: bool = True, wait_s: float = 0.0) -> tuple[int, list[RemoteStage]]:
         """A new session's route: around the nodes found down lately (:meth:`NodeFailures.recent`) where
         the mesh has another way, else the plain one (they may be back). ``opens_session`` False: only
-        look (the API's check before it takes a request). Raises MeshUnavailable."""
-        if down := self.node_failures.recent(time.monotonic()):
-            with contextlib.suppress(MeshUnavailable):
-                return self.route(down, opens_session=opens_session)
-        return self.route(opens_session=opens_session)
+        look (the API's check before it takes a request). ``wait_s``: where the tracker gave this client a
+        route before, one missing now is a node between death and restart (``meshnet up`` drops a dead
+        node at once and restarts it in seconds): asked again for up to this long, as a failover waits
+        for a replacement. Raises MeshUnavailable."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                if down := self.node_failures.recent(time.monotonic()):
+                    with contextlib.suppress(MeshUnavailable):
+                        return self.route(down, opens_session=opens_session)
+                return self.route(opens_session=opens_session)
+            except MeshUnavailable as e:
+                if not self.router.had_route or time.monotonic() >= deadline:
+                    raise
+                log.info("%s; asking again", e)
+                time.sleep(0.25)
 
     def _route_around(self, failed_at: dict[str, str], previous_epoch: int = 0, min_n_ctx: int = 0,
                       like: list[RemoteStage] = (), opens_session: bool = False) -> tuple[int, list[RemoteStage]]:
@@ -180,7 +191,7 @@ class MeshClient:
                 return StepResult(Status.NOT_FOUND, f"session {req.session_id!r} is not open on this client")
             self.accounting.opened(req.session_id)
             try:
-                epoch, hops = self.new_route()
+                epoch, hops = self.new_route(wait_s=self.failover_deadline_s)
             except BaseException:
                 self.accounting.ended(req.session_id)
                 raise

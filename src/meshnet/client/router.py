@@ -167,6 +167,11 @@ class Router:
         self._last_route, self._unreachable_at = list(r.hops), None
         return int(r.epoch), [self.stage(h) for h in r.hops]
 
+    @property
+    def had_route(self) -> bool:
+        """Whether the tracker has given this client a route."""
+        return self._last_route is not None
+
     def _probe(self, stage: RemoteStage) -> str | None:
         """Why ``stage`` cannot take a new session now (it does not answer Health, answers unhealthy, or
         serves another layer range or model than the route says), or None; a probe's answer is kept
