@@ -22,15 +22,15 @@ from meshnet.wire.security import open_channel
 def add_nodes_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``nodes`` subcommand to ``sub`` (``set_defaults(func=run_nodes)``)."""
     p = sub.add_parser("nodes", help="list the nodes registered with a tracker",
-                       description="List the live nodes of a tracker: layer range, context (tokens a session may hold), backend, load (active/max "
-                                   "sessions), decode speed, relay status, last heartbeat age, whether "
-                                   "the node signs its messages with a registered key, its gRPC and "
-                                   "data-plane addresses, the device it computes on (free/total memory; "
-                                   "backend, signing, data plane, device and weights with --wide), "
-                                   "and, asked of each directly reachable node, its KV pool (cells held / "
-                                   "reserved / capacity), mean rows per batched iteration, steps "
-                                   "waiting with their mean time in queue, and the bytes of weights its "
-                                   "range holds.")
+                       description="List the live nodes of a tracker: model (its id's first 12 hex digits), layer range, "
+                                   "context (tokens a session may hold), "
+                                   "load (active/max sessions), decode speed, relay status, last heartbeat "
+                                   "age, gRPC address and, asked of each directly reachable node, its KV pool "
+                                   "(cells held / reserved / capacity), mean rows per batched iteration and "
+                                   "steps waiting with their mean time in queue. --wide adds the backend, the "
+                                   "bytes of weights the node's range holds, whether it signs its messages "
+                                   "with a registered key, its data-plane address and the device it computes "
+                                   "on (free/total memory).")
     p.add_argument("--tracker", type=host_port, default="127.0.0.1:7700",
                    help="HOST:PORT of the tracker (default %(default)s: meshnet up's and meshnet tracker's)")
     add_join_token_arg(p)
