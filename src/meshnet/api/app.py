@@ -292,11 +292,12 @@ class _Api:
         return await stream_choices(self._runs, jobs, t0, prompt_tokens, include_usage, lambda i: [], on_piece,
                                     chunks.usage, request)
 
-    def _runs(self, job: GenJob, t0: float, observe_ttft: bool) -> ChoiceRun:
-        """A streamed choice's run (see :mod:`meshnet.api.streaming`); ``observe_ttft``: the request's
-        first choice, the one the queue's bound applies to (a later one, refused, would lose those before)."""
-        return ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, observe_ttft=observe_ttft,
-                         max_queued=self.max_queued if observe_ttft else None, wait_bound=observe_ttft)
+    def _runs(self, job: GenJob, t0: float, first: bool, is_disconnected=None) -> ChoiceRun:
+        """A choice's run, streamed (see :mod:`meshnet.api.streaming`) or whole (``is_disconnected`` given);
+        ``first``: the request's first choice, whose TTFT is observed, to which the queue's bound applies (a
+        later one, refused, would lose those before) and whose wait for a slot is bounded."""
+        return ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, is_disconnected, observe_ttft=first,
+                         max_queued=self.max_queued if first else None, wait_bound=first)
 
     # ---- chat ----
     async def chat_completions(self, request: Request) -> Response:
@@ -377,11 +378,7 @@ class _Api:
     # ---- non-streaming driver ----
     async def whole_choices(self, jobs: list[GenJob], request: Request,
                             t0: float) -> list[tuple[list[Piece], ChoiceRun]]:
-        """Every job's pieces and finished run, side by side (:func:`~meshnet.api.choices.whole_choices`);
-        the first one's TTFT is observed, and the queue's bound applies to it."""
-        def make_run(job: GenJob, i: int, is_disconnected) -> ChoiceRun:
-            return ChoiceRun(self.backend, job, self.limiter, self.metrics, t0, is_disconnected,
-                             observe_ttft=i == 0, max_queued=self.max_queued if i == 0 else None,
-                             wait_bound=i == 0)
-
-        return await whole_choices(make_run, jobs, request, self.backend.max_concurrency)
+        """Every job's pieces and finished run, side by side (:func:`~meshnet.api.choices.whole_choices`),
+        each run made by :meth:`_runs`."""
+        return await whole_choices(lambda job, i, is_disconnected: self._runs(job, t0, i == 0, is_disconnected),
+                                   jobs, request, self.backend.max_concurrency)

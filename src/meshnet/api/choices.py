@@ -67,6 +67,13 @@ class Turns:
             self.ended[i].set()
 
 
+async def disconnected(request: Request) -> None:
+    """Returns when ``request``'s client has gone away. The request's body has been read, so its next
+    message is the disconnect; one reader of the messages at a time."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def client_closed() -> ApiError:
     """The 499 of a request whose client went away: nobody reads the answer (what proxies log for it)."""
     return ApiError(499, "the client closed the connection", code="client_closed")
@@ -100,8 +107,7 @@ async def whole_choices(make_run: MakeRun, jobs: list[GenJob], request: Request,
                 await run.aclose()
 
     async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
+        await disconnected(request)
         gone.set()
 
     tasks = [asyncio.ensure_future(one(i, job)) for i, job in enumerate(jobs)]

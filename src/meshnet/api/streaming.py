@@ -19,7 +19,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from fastapi import Request
 from fastapi.responses import Response
 
-from meshnet.api.choices import Turns, client_closed, parallelism
+from meshnet.api.choices import Turns, client_closed, disconnected, parallelism
 from meshnet.api.errors import ApiError, internal_error
 from meshnet.api.middleware import stream_failed
 from meshnet.api.runner import ChoiceRun, ClientGone, GenJob, Piece
@@ -67,17 +67,13 @@ def _error_event(e: ApiError) -> str:
 async def unless_gone(request: Request, start: Callable[[], Awaitable[None]],
                        first: Callable[[], Awaitable[Piece | None]]) -> Piece | None:
     """``await start()`` then ``first()``, unless the client goes away meanwhile: then both are cancelled
-    and ClientGone raised. The request's body has been read, so its next message is the disconnect; the
-    response, once it starts, watches for that itself (one reader of the messages at a time)."""
+    and ClientGone raised. The response, once it starts, watches for the disconnect itself (one reader of
+    the request's messages at a time)."""
     async def opened() -> Piece | None:
         await start()
         return await first()
 
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    opening, watching = asyncio.ensure_future(opened()), asyncio.ensure_future(gone())
+    opening, watching = asyncio.ensure_future(opened()), asyncio.ensure_future(disconnected(request))
     try:
         await asyncio.wait({opening, watching}, return_when=asyncio.FIRST_COMPLETED)
     finally:
