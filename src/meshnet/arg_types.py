@@ -150,6 +150,17 @@ def host_port(text: str) -> str:
     return text
 
 
+# The port a tracker listens on unless told otherwise (`meshnet tracker`'s and `meshnet up`'s).
+TRACKER_PORT = 7700
+
+
+def add_tracker_query_arg(p: argparse.ArgumentParser) -> None:
+    """``--tracker HOST:PORT`` of a command that asks a tracker (``meshnet nodes``, ``meshnet ledger``): by
+    default the one on this machine's :data:`TRACKER_PORT`."""
+    p.add_argument("--tracker", type=host_port, default=f"127.0.0.1:{TRACKER_PORT}",
+                   help="HOST:PORT of the tracker (default %(default)s: meshnet up's and meshnet tracker's)")
+
+
 def http_url(text: str) -> str:
     """An HTTP server's base URL, ``http://HOST:PORT`` or ``https://...`` (a bare ``HOST:PORT`` was
     a traceback from the HTTP client)."""

@@ -19,7 +19,7 @@ import time
 import grpc
 from tqdm import tqdm
 
-from meshnet.arg_types import (heartbeat_seconds, listen_host, load_setting, port_number, positive_seconds, seconds,
+from meshnet.arg_types import (TRACKER_PORT, heartbeat_seconds, listen_host, load_setting, port_number, positive_seconds, seconds,
                                thread_count)
 from meshnet.load_spec import NO_HUGE_PAGES_HELP
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem, dashboard_port_taken
@@ -43,7 +43,7 @@ def add_up_parser(sub) -> None:
     p.add_argument("--host", type=listen_host, default="127.0.0.1",
                    help="address the tracker, nodes and API listen on (default %(default)s; 0.0.0.0 = every "
                         "interface, and the others are told this machine's address)")
-    p.add_argument("--port", type=port_number, default=7700, help="tracker port (default %(default)s)")
+    p.add_argument("--port", type=port_number, default=TRACKER_PORT, help="tracker port (default %(default)s)")
     p.add_argument("--node-ports", type=port_number, default=0, metavar="FIRST",
                    help="node i listens on FIRST + 2i (gRPC) and FIRST + 2i + 1 (its step data plane), for a "
                         "firewall or a router to let through; 0 = any free ports (default)")

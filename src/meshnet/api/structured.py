@@ -81,7 +81,6 @@ def _only(obj: dict[str, Any], keys: set[str], param: str) -> None:
                           f"{param}.{extra[0]}")
 
 
-
 def tools_grammar(plan, grammar: Grammar | None, compiler: GrammarCompiler) -> Grammar | None:
     """The grammar an answer under ``plan`` (a :class:`~meshnet.api.tools.ToolPlan`) follows: its call
     schema for a required or named call, else ``grammar`` (the response format's, or None). Each tool's own

@@ -8,7 +8,7 @@ import sys
 
 import grpc
 
-from meshnet.arg_types import host_port
+from meshnet.arg_types import add_tracker_query_arg
 from meshnet.secret_args import add_join_token_arg
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
@@ -23,8 +23,7 @@ def add_ledger_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                                    "through one layer; a step replayed after a failover or resent counts "
                                    "once); TOKENS is that divided by the model's layer count. Clients are "
                                    "charged one unit per token delivered to them.")
-    p.add_argument("--tracker", type=host_port, default="127.0.0.1:7700",
-                   help="HOST:PORT of the tracker (default %(default)s: meshnet up's and meshnet tracker's)")
+    add_tracker_query_arg(p)
     add_join_token_arg(p)
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")

@@ -8,7 +8,7 @@ import sys
 
 import grpc
 
-from meshnet.arg_types import host_port
+from meshnet.arg_types import add_tracker_query_arg
 from meshnet.secret_args import add_join_token_arg
 from meshnet.engine.numerics import distinct_words
 from meshnet.proto import meshnet_pb2 as pb
@@ -31,8 +31,7 @@ def add_nodes_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                                    "bytes of weights the node's range holds, whether it signs its messages "
                                    "with a registered key, its data-plane address and the device it computes "
                                    "on (free/total memory).")
-    p.add_argument("--tracker", type=host_port, default="127.0.0.1:7700",
-                   help="HOST:PORT of the tracker (default %(default)s: meshnet up's and meshnet tracker's)")
+    add_tracker_query_arg(p)
     add_join_token_arg(p)
     p.add_argument("--tls-ca", default=None, help="CA/cert to verify a TLS tracker")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 
-from meshnet.arg_types import heartbeat_seconds, listen_host, port_number
+from meshnet.arg_types import TRACKER_PORT, heartbeat_seconds, listen_host, port_number
 from meshnet.secret_args import join_token
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem, dashboard_port_taken
 from meshnet.supervisor import on_stop_signals, wait_for_stop
@@ -22,8 +22,6 @@ from meshnet.tracker.server import start_tracker
 from meshnet.wire.addresses import (WILDCARD_HOSTS, bind_problem, format_address, is_loopback_host,
                                     this_machine_address)
 from meshnet.wire.security import JOIN_TOKEN_ENV, TlsConfig
-
-DEFAULT_PORT = 7700
 
 
 def add_tracker_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -33,7 +31,7 @@ def add_tracker_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                                           "for a route (a chain of nodes covering every layer).")
     p.add_argument("--host", type=listen_host, default="127.0.0.1", help="address to listen on (default %(default)s; "
                                                        "0.0.0.0 for every interface)")
-    p.add_argument("--port", type=port_number, default=DEFAULT_PORT, help="port (default %(default)s; 0 = any free port)")
+    p.add_argument("--port", type=port_number, default=TRACKER_PORT, help="port (default %(default)s; 0 = any free port)")
     p.add_argument("--heartbeat", type=heartbeat_seconds, default=2.0, metavar="SECONDS",
                    help="heartbeat interval nodes are told to use; a node silent for 3 intervals leaves "
                         "routing (default %(default)s)")
