@@ -52,20 +52,21 @@ def test_concurrent_requests_equal_each_request_alone(smollm2_path, tok, solo, n
     texts = list(PROMPTS) + [OTHER_PROMPTS[i % len(OTHER_PROMPTS)] + " " * (i // len(OTHER_PROMPTS))
                              for i in range(n_sessions - len(PROMPTS))]
     prompts = [tok.encode(t) for t in texts]
-    alone = [generate(chain, tok, p, N_TOKENS, GREEDY, stop_at_eog=False).generated_token_ids for p in prompts]
+    n_tokens = N_TOKENS if n_sessions <= 8 else N_TOKENS // 2  # 32 x 24 decodes alone cost 10-35 s
+    alone = [generate(chain, tok, p, n_tokens, GREEDY, stop_at_eog=False).generated_token_ids for p in prompts]
     iterations_before = chain.stages[-1].metrics().iterations
-    together = _together(chain, tok, prompts, N_TOKENS)
+    together = _together(chain, tok, prompts, n_tokens)
     assert together == alone
     # The golden prompts, run beside the others, equal the one-stage solo run on this machine ...
     for i in range(len(PROMPTS)):
-        assert together[i] == solo.greedy(i, N_TOKENS), f"golden prompt {i}"
+        assert together[i] == solo.greedy(i, n_tokens), f"golden prompt {i}"
     # ... and llama.cpp's goldens for the running CPU features (rule 3 where no set matches them).
     if GOLDEN_SET is not None:
         golden = load_golden("SmolLM2-135M-Instruct.Q4_1")
         for i in range(len(PROMPTS)):
             assert_greedy_matches(golden, i, together[i], golden_exact())
     tail = chain.stages[-1].metrics()
-    steps = n_sessions * N_TOKENS
+    steps = n_sessions * n_tokens
     # Alone, every step is an iteration of its own; shared, fewer: how many sessions meet in one depends
     # on the machine's load (96 iterations for 192 steps once, on a busy machine).
     assert tail.iterations - iterations_before < steps * 3 / 4, "sessions did not share iterations"
@@ -113,18 +114,22 @@ def test_a_short_prompt_behind_a_long_prefill_answers_first_and_both_equal_each_
 
 
 def test_sessions_past_the_split_kv_depth_equal_each_alone(smollm2_path, tok):
-    """2 concurrent greedy sessions decoding past 256 tokens (where a decode row reads 512 cells and ggml's
-    attention changes path) give the ids each gives alone; kept prefixes on (the defaults). (8 took 55 s,
-    4 took 27 s; the mechanism is checked row by row in the test below.)"""
+    """2 concurrent greedy sessions decoding across 256 tokens (past it a decode row reads 512 cells and
+    ggml's attention changes path) give the ids each gives alone; kept prefixes on (the defaults). Their
+    prompts bring them near that depth, so that the decodes around it are few (300 decodes each took 11-32
+    s); the mechanism is also checked row by row in the test below."""
     path = str(smollm2_path)
     chain = load_local_chain(path, plan_ranges(path, 1), n_threads=2, n_ctx=1024, max_sessions=8,
                              progress=False)
-    prompts = [tok.encode(OTHER_PROMPTS[i % len(OTHER_PROMPTS)] + " " * (i // len(OTHER_PROMPTS)))
-               for i in range(2)]
-    n = 300 - min(len(p) for p in prompts) + 8  # every session ends past position 300
+    # texts whose greedy ids, decoded beside each other through the multi-stream call past 256, differ
+    # from alone within 48 tokens (at position 270 on the AVX-512 VM: found by trying rotations with that
+    # call forced; elsewhere the row-by-row test below still holds the mechanism)
+    texts = list(OTHER_PROMPTS) + list(PROMPTS)
+    prompts = [tok.encode(" ".join(texts[i:] + texts[:i]) * 6)[:236 + 4 * (i - 2)] for i in (2, 3)]
+    n = 48
     alone = [generate(chain, tok, p, n, GREEDY, stop_at_eog=False).generated_token_ids for p in prompts]
     assert _together(chain, tok, prompts, n) == alone
-    assert all(len(a) == n for a in alone) and min(len(p) for p in prompts) + n > 300
+    assert [len(p) for p in prompts] == [236, 240] and all(len(a) == n for a in alone)  # both cross 256
 
 
 def test_a_deep_decode_gives_the_same_logits_in_any_batch_and_slot(smollm2_path):

@@ -31,10 +31,10 @@ from meshnet.wire.envelope import PROTOCOL_MAJOR, request_to_frames
 from meshnet.wire.security import open_channel
 
 
-def test_1200_token_prompt_streams_in_frames_and_equals_single_process(mesh, smollm2_path):
+def test_a_600_token_prompt_streams_in_frames_and_equals_single_process(mesh, smollm2_path):
     mesh.start_nodes([("a-head", "0:10"), ("b-mid", "10:20"), ("d-tail", "20:30")])
     tok = GGUFTokenizer.from_gguf(str(smollm2_path))
-    n = 1200
+    n = 600
     ids = (tok.encode(PROMPTS[1]) * 20)[:n]
     client = mesh.client()
     local = load_local_chain(str(smollm2_path), [LayerRange(0, 30)], n_threads=2, progress=False)
@@ -48,9 +48,9 @@ def test_1200_token_prompt_streams_in_frames_and_equals_single_process(mesh, smo
         chain.release("long")
         return out
 
-    # 1200 x 576 f32 hidden states are 2.8 MB per hop: three frames of at most MAX_FRAME_BYTES (1 MiB)
+    # 600 x 576 f32 hidden states are 1.4 MB per hop: two frames of at most MAX_FRAME_BYTES (1 MiB)
     assert len(request_to_frames(StepRequest("long", 0, 0, tuple(ids), hidden=NamedTensor.from_numpy(
-        "hidden", np.zeros((n, 576), np.float32))), False)) == 3
+        "hidden", np.zeros((n, 576), np.float32))), False)) == 2
     assert run(client) == run(local)
 
 

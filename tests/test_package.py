@@ -121,7 +121,9 @@ def _generated_ids(cmd: list[str], env: dict[str, str], cwd: Path) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
+# 27-44 s, most of it pip resolving and installing the dependencies: the README's setup installs this
+# checkout, the other tests here check what the wheel carries
+@pytest.mark.long
 @pytest.mark.timeout(900)
 def test_fresh_venv_installs_the_wheel_and_completes_a_prompt(wheel, tmp_path):
     env_dir = tmp_path / "venv"
