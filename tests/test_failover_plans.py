@@ -71,7 +71,7 @@ def _client(hops: list[FakeHop]) -> MeshClient:
                        and h.node_id not in exclude) for r in ranges]
         return previous_epoch + 1, picked
 
-    client.route = route  # type: ignore[method-assign]
+    client.router.route = route  # type: ignore[method-assign]
     return client
 
 
@@ -126,7 +126,7 @@ def test_a_node_that_answers_health_but_fails_every_step_is_given_up_at_the_fail
             raise MeshUnavailable("no node serves [15, 30)")
         return previous_epoch + 1, [head, tail]
 
-    client.route = route  # type: ignore[method-assign]
+    client.router.route = route  # type: ignore[method-assign]
     client.router.route_through_recovered = lambda failed_at, previous_epoch, *_: (previous_epoch + 1, [head, tail])
     client.failover_deadline_s = 1.0
     res = client.step(StepRequest("s", 0, 0, PROMPT), decode=False)
@@ -168,7 +168,7 @@ def test_a_node_routed_around_for_the_context_length_is_not_stepped_through_and_
     def route(exclude=frozenset(), previous_epoch=0, min_n_ctx=0, like=(), opens_session=False):
         return previous_epoch + 1, [head, spare if "b-loop" in exclude else refusing]  # as the tracker would
 
-    client.route = route  # type: ignore[method-assign]
+    client.router.route = route  # type: ignore[method-assign]
     try:
         with caplog.at_level(logging.WARNING, logger="meshnet.client"):
             _, hops, n_ctx = client.route_with_context()
@@ -205,7 +205,7 @@ def test_the_api_looks_at_a_route_around_a_node_it_found_down_and_warns_of_it_on
         asked.append((set(exclude), opens_session))
         return previous_epoch + 1, [head, spare if "b-dead" in exclude else dead]  # as the tracker would
 
-    client.route = route  # type: ignore[method-assign]
+    client.router.route = route  # type: ignore[method-assign]
     watch = RouteWatch(client, 123)
     try:
         with caplog.at_level(logging.INFO, logger="meshnet.api"):
@@ -240,7 +240,7 @@ def test_the_api_says_once_when_the_mesh_loses_its_route_and_once_when_it_is_bac
             raise MeshUnavailable("no route: no node serves layers [15, 30)")
         return previous_epoch + 1, [head, tail]
 
-    client.route = route  # type: ignore[method-assign]
+    client.router.route = route  # type: ignore[method-assign]
     watch = RouteWatch(client, 123)
     results = []
     try:

@@ -109,7 +109,7 @@ class MeshClient:
 
         A hop that does not answer (dead, though the tracker has not noticed yet) is excluded and the
         route asked for again, until ``failover_deadline_s`` has passed; an excluded node is let back in
-        once it has recovered (see :meth:`Router.route_through_recovered`: restarted under its id, or
+        once it has recovered (see :meth:`Router.route_around`: restarted under its id, or
         answering again), so a mesh without a spare serves as soon as the node is back. One found down is
         recorded (:attr:`node_failures`): new sessions route around it too, rather than fail over from it.
 
@@ -121,7 +121,7 @@ class MeshClient:
         refusals: dict[str, str] = {}  # node id -> why it refused this client (its join token, its CA)
         while True:
             try:
-                epoch, hops = self._route_around(failed_at)
+                epoch, hops = self.router.route_around(failed_at)
             except MeshUnavailable as e:
                 if refusals and len(refusals) == len(failed_at):  # waiting does not change a refusal
                     raise MeshUnavailable(f"{e}; {'; '.join(refusals.values())}") from None
@@ -160,22 +160,6 @@ class MeshClient:
                     raise
                 log.info("%s; asking again", e)
                 time.sleep(0.25)
-
-    def _route_around(self, failed_at: dict[str, str], previous_epoch: int = 0, min_n_ctx: int = 0,
-                      like: list[RemoteStage] = (), opens_session: bool = False) -> tuple[int, list[RemoteStage]]:
-        """A route without the nodes in ``failed_at`` (node id -> the address each failed at), or else
-        one through them once every one has recovered (:meth:`Router.route_through_recovered`): a mesh
-        without a spare serves again as soon as its failed node is back. ``like``: the route a failover
-        replaces, whose numerics the new hops should share; ``opens_session``: as :meth:`route`. Raises
-        MeshUnavailable (the tracker's reason for the route without them)."""
-        try:
-            return self.route(set(failed_at), previous_epoch, min_n_ctx, like, opens_session)
-        except MeshUnavailable:
-            recovered = (self.router.route_through_recovered(failed_at, previous_epoch, min_n_ctx, like)
-                         if failed_at else None)
-            if recovered is None:
-                raise
-            return recovered
 
     # ---- the client interface ----------------------------------------------------------------
     def step(self, req: StepRequest, decode: bool) -> StepResult:
@@ -378,7 +362,8 @@ class MeshClient:
         while True:
             try:
                 # A failover opens the session on its new hops: the sessions of a dead node spread too.
-                epoch, hops = self._route_around(failed_at, log_.epoch, needed, like=log_.hops, opens_session=True)
+                epoch, hops = self.router.route_around(failed_at, log_.epoch, needed, like=log_.hops,
+                                                       opens_session=True)
                 break
             except MeshUnavailable as e:
                 if time.monotonic() >= deadline:

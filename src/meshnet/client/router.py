@@ -206,6 +206,21 @@ class Router:
             return f"is now a node serving another model ({caps.model.sha256[:12]}) at {stage.address}"
         return None
 
+    def route_around(self, failed_at: dict[str, str], previous_epoch: int = 0, min_n_ctx: int = 0,
+                     like: list[RemoteStage] = (), opens_session: bool = False) -> tuple[int, list[RemoteStage]]:
+        """A route without the nodes in ``failed_at`` (node id -> the address each failed at), or else
+        one through them once every one has recovered (:meth:`route_through_recovered`): a mesh without a
+        spare serves again as soon as its failed node is back. Other arguments as :meth:`route`. Raises
+        MeshUnavailable (the tracker's reason for the route without them)."""
+        try:
+            return self.route(set(failed_at), previous_epoch, min_n_ctx, like, opens_session)
+        except MeshUnavailable:
+            recovered = (self.route_through_recovered(failed_at, previous_epoch, min_n_ctx, like)
+                         if failed_at else None)
+            if recovered is None:
+                raise
+            return recovered
+
     def route_through_recovered(self, failed_at: dict[str, str], previous_epoch: int, min_n_ctx: int = 0,
                                 like: list[RemoteStage] = ()) -> tuple[int, list[RemoteStage]] | None:
         """A route in which every node that failed for this session has recovered: it is a new process
