@@ -1187,6 +1187,56 @@ def test_bench_serve_against_running_server(served, tmp_path):
     assert report["rounds"][0]["results"]["url"]["3"]["completed"] == 8
 
 
+def test_bench_serve_counts_every_choice_of_a_request(served, tmp_path):
+    """``--choices 3``: each request asks for n = 3 running to their budget, and its tokens are those of all
+    three (8 requests x 3 choices x 3 tokens)."""
+    import argparse
+
+    from meshnet.bench.serve_bench import add_serve_bench_parser
+
+    parser = argparse.ArgumentParser()
+    add_serve_bench_parser(parser.add_subparsers(dest="bench"))
+    out = tmp_path / "serve.json"
+    args = parser.parse_args(["serve", "--url", served[1], "--concurrency", "2", "--max-tokens", "3",
+                              "--choices", "3", "--out", str(out)])
+    assert args.func(args) == 0
+    report = json.loads(out.read_text())
+    row = report["results"]["url"]["2"]
+    assert (report["choices"], row["completed"], row["errors"]) == (3, 8, 0)
+    assert row["completion_tokens"] == 72
+
+
+def test_a_load_counts_choices_from_the_stream_not_from_usage():
+    """llama-server's ``usage`` counts one choice's tokens for n > 1: a request's tokens are counted choice by
+    choice, a choice cut by its budget holding max_tokens, one that stopped sooner its chunks."""
+    import asyncio
+
+    import httpx
+
+    from meshnet.bench.serve_load import LoadSpec, one_request
+
+    sent = []
+
+    def chunk(index, content=None, finish=None):
+        delta = {"content": content} if content else {}
+        return {"choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
+
+    def handler(request):
+        sent.append(json.loads(request.content))
+        events = [chunk(0, "a"), chunk(1, "b"), chunk(0, "c"), chunk(1, None, "stop"), chunk(0, "d"),
+                  chunk(0, None, "length"), {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}]
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    async def run():
+        async with httpx.AsyncClient(base_url="http://x", transport=httpx.MockTransport(handler)) as client:
+            return await one_request(client, "m", 0, LoadSpec(1, 1, max_tokens=16, choices=2))
+
+    row = asyncio.run(run())
+    assert (sent[0]["n"], sent[0]["ignore_eos"]) == (2, True)
+    assert (row["ok"], row["completion_tokens"], row["prompt_tokens"]) == (True, 16 + 1, 9)
+
+
 def test_bench_counts_the_cpu_of_every_process_a_server_started():
     """A parent that only waits and a child that burns 0.4 s of CPU: the tree's CPU holds the child's time
     and counts both processes (what ``bench serve`` reads around a mesh's load)."""

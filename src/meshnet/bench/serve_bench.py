@@ -72,6 +72,9 @@ def add_serve_bench_parser(bench_subparsers) -> None:
     p.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
     p.add_argument("--concurrency", type=counts, default="1,2,4,8,16,32", help="comma-separated C values")
     p.add_argument("--max-tokens", type=positive_int, default=128)
+    p.add_argument("--choices", type=positive_int, default=1,
+                   help="choices per request (OpenAI's n); above 1 every choice runs to --max-tokens "
+                        "(ignore_eos) and is counted from the stream")
     p.add_argument("--requests-per-stream", type=positive_int, default=2,
                    help=f"requests per concurrent stream at each C (at least {MIN_REQUESTS} requests in all)")
     p.add_argument("--threads", type=thread_count, default=2, help="threads of llama-server and of meshnet in process")
@@ -105,7 +108,8 @@ def _measure(server: Server, model: str, c: int, args, sample_kv: bool, neighbou
     memory map, and polling it every 0.2 s during the timed load cost meshnet 10-15% of its decode speed.
     ``neighbours``: servers idling beside this one, whose CPU seconds meanwhile the row records."""
     n = max(MIN_REQUESTS, c * args.requests_per_stream)
-    spec = LoadSpec(n_requests=n, concurrency=c, max_tokens=args.max_tokens, timeout_s=args.timeout)
+    spec = LoadSpec(n_requests=n, concurrency=c, max_tokens=args.max_tokens, timeout_s=args.timeout,
+                    choices=args.choices)
     rss0 = server.rss_bytes()[0] if server.proc else 0
     cpu0, idle0 = server.cpu_seconds(), [s.cpu_seconds() for s in neighbours]
     results, wall = asyncio.run(run_load(server.url, model, spec, server.headers))
@@ -121,8 +125,8 @@ def _measure(server: Server, model: str, c: int, args, sample_kv: bool, neighbou
         row["neighbour_cpu_s"] = round(sum(b - a for a, b in zip(idle0, idle1)), 3)
     if sample_kv:
         with KvSampler(server.url) as kv:
-            asyncio.run(run_load(server.url, model, LoadSpec(n_requests=c, concurrency=c,
-                                                             max_tokens=args.max_tokens, timeout_s=args.timeout)))
+            asyncio.run(run_load(server.url, model, LoadSpec(n_requests=c, concurrency=c, max_tokens=args.max_tokens,
+                                                             timeout_s=args.timeout, choices=args.choices)))
         if kv.best[0]:
             row["kv"] = {"held_tokens": kv.best[0], "resident_bytes": kv.best[1],
                          "bytes_per_held_token": round(kv.best[1] / kv.best[0], 1)}
@@ -144,6 +148,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     out = Path(args.out)
     log_dir = out.parent / "serve-logs"
     report: dict = {"bench": "serve", "model": model_path, "max_tokens": args.max_tokens, "temperature": 0.0,
+                    "choices": args.choices,
                     "concurrency": cs, "threads": args.threads, "results": {}, "skipped": {},
                     "machine": {"python": platform.python_version(), "cpus": len(os.sched_getaffinity(0))}}
     if args.url:
@@ -286,8 +291,9 @@ class _Run:
         print(f"[bench serve] {name}: C={c}", file=sys.stderr, flush=True)
         row = _measure(srv, model, c, self.args, sample_kv=name == "meshnet", neighbours=neighbours)
         if name == "llama-server":
-            held = min(c, row["requests"]) * (row["prompt_tokens"] + row["completion_tokens"]) \
-                / max(1, row["completed"])
+            # each choice holds the prompt in a slot of its own
+            prompts = row["prompt_tokens"] * getattr(self.args, "choices", 1)
+            held = min(c, row["requests"]) * (prompts + row["completion_tokens"]) / max(1, row["completed"])
             allocated = LLAMA_SLOT_CTX * n_parallel * self.kv_bytes_per_token
             row["kv"] = {"allocated_bytes": allocated,
                          "bytes_per_held_token": round(allocated / max(1.0, held), 1),
@@ -370,5 +376,7 @@ def print_table(report: dict) -> None:
             q = report.get("ratios", {}).get(str(c), {})
             ratio = _ratio_cells(q, ("meshnet_cpu_vs_llama", "mesh_cpu_vs_meshnet", "mesh_cpu_vs_llama_rpc"))
             print(f"{c:>3}  {'  '.join(cells)}  {ratio:>38}")
+    if report.get("choices", 1) > 1:
+        print(f"({report['choices']} choices a request: tokens/s count every choice's, TTFT a request's first)")
     if "rounds" in report:
         print(f"(figures of the last of {len(report['rounds'])} rounds; ratios: the medians of the rounds')")

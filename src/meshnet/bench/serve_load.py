@@ -4,6 +4,11 @@ Every request is a streaming ``/v1/chat/completions`` with ``stream_options.incl
 exactly ``n_requests``, at most ``concurrency`` at a time, and waits for all. Works against ``meshnet api``
 and llama.cpp's ``llama-server`` alike (both speak the same protocol), which is what lets
 ``meshnet bench serve`` compare them request for request.
+
+A load of requests with several choices (OpenAI's ``n``) also asks for ``ignore_eos`` (both servers take
+it), so that every choice runs to ``max_tokens``, and counts a request's tokens choice by choice from the
+stream (a choice cut by its budget holds ``max_tokens``): llama-server's ``usage`` counts one choice's
+tokens for ``n`` > 1.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ PROMPTS = (
 @dataclass(frozen=True)
 class LoadSpec:
     """What one load sends: ``n_requests`` requests, ``concurrency`` at a time, each with ``max_tokens``
-    at ``temperature`` (0 = greedy), request ``i`` asking ``prompts[i % len(prompts)]``."""
+    at ``temperature`` (0 = greedy) and ``choices`` choices, request ``i`` asking
+    ``prompts[i % len(prompts)]``."""
 
     n_requests: int
     concurrency: int
@@ -37,6 +43,7 @@ class LoadSpec:
     temperature: float = 0.0
     prompts: tuple[str, ...] = PROMPTS
     timeout_s: float = 900.0
+    choices: int = 1
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -52,12 +59,18 @@ def percentile(values: list[float], q: float) -> float | None:
 
 async def one_request(client, model: str, i: int, spec: LoadSpec) -> dict:
     """One streaming chat request. Returns ``{"ok", "ttft_s", "latency_s", "prompt_tokens",
-    "completion_tokens", "decode_tokens_per_s"}`` or ``{"ok": False, "error"}``; never raises."""
+    "completion_tokens", "decode_tokens_per_s"}`` (tokens of every choice; TTFT: the first token of any;
+    decode: the tokens after each choice's first over the time after the request's first) or
+    ``{"ok": False, "error"}``; never raises."""
     body = {"model": model, "messages": [{"role": "user", "content": spec.prompts[i % len(spec.prompts)]}],
             "max_tokens": spec.max_tokens, "temperature": spec.temperature, "seed": i, "stream": True,
             "stream_options": {"include_usage": True}}
+    if spec.choices > 1:
+        body.update(n=spec.choices, ignore_eos=True)
     t0 = time.perf_counter()
     ttft = usage = None
+    pieces: dict[int, int] = {}  # choice index -> chunks with content
+    finished: dict[int, str] = {}  # choice index -> finish_reason
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -77,15 +90,23 @@ async def one_request(client, model: str, i: int, spec: LoadSpec) -> dict:
                 if event.get("usage"):
                     usage = event["usage"]
                 for ch in event.get("choices", ()):
-                    if ttft is None and ch.get("delta", {}).get("content"):
-                        ttft = time.perf_counter() - t0
+                    if ch.get("delta", {}).get("content"):
+                        pieces[ch.get("index", 0)] = pieces.get(ch.get("index", 0), 0) + 1
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+                    if ch.get("finish_reason"):
+                        finished[ch.get("index", 0)] = ch["finish_reason"]
             if not done:
                 return {"ok": False, "error": "the stream ended without [DONE]"}
     except Exception as e:  # a failed request is counted and reported, not fatal to the run
         return {"ok": False, "error": f"{type(e).__name__}: {e}"}
     total = time.perf_counter() - t0
-    n = usage["completion_tokens"] if usage else 0
-    decode = (n - 1) / (total - ttft) if ttft is not None and n > 1 and total > ttft else None
+    if spec.choices > 1:  # each choice cut by its budget holds max_tokens; one that ended sooner, its chunks
+        n = sum(spec.max_tokens if finished.get(c) == "length" else pieces.get(c, 0) for c in range(spec.choices))
+    else:
+        n = usage["completion_tokens"] if usage else 0
+    decode = ((n - spec.choices) / (total - ttft) if ttft is not None and n > spec.choices and total > ttft
+              else None)
     return {"ok": True, "ttft_s": ttft, "latency_s": total, "completion_tokens": n,
             "prompt_tokens": usage.get("prompt_tokens", 0) if usage else 0, "decode_tokens_per_s": decode}
 
