@@ -20,7 +20,7 @@ from meshnet.contract import LayerRange
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.tracker.registry import NodeIdInUse, ProtocolMismatch, Registry
-from meshnet.tracker.routing import NodeRecord
+from meshnet.tracker.routing import NodeRecord, plan_route
 from meshnet.tracker.cli import add_tracker_parser
 from meshnet.tracker.server import serve_tracker, start_tracker
 from meshnet.wire.envelope import PROTOCOL_MAJOR, PROTOCOL_MINOR
@@ -563,3 +563,18 @@ def test_a_tracker_serving_other_machines_warns_of_a_node_only_its_machine_can_d
     finally:
         channel.close()
         server.stop(None)
+
+
+def test_a_node_claiming_another_layer_count_for_a_served_model_is_refused_and_routes_stay():
+    # Routing takes a model's n_layer as the largest any node of it claims: one registration saying the
+    # served model has 60 layers turned every honest node of it unusable (and drew every route to itself).
+    clock = FakeClock()
+    reg = Registry(heartbeat_interval_s=1.0, clock=clock)
+    reg.register(record("a", 0, 19), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+    reg.register(record("b", 19, 30), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+    with pytest.raises(ValueError, match=r"60 layers.*30"):
+        reg.register(record("liar", 0, 60, n_layer=60, address="127.0.0.1:10"), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+    assert [h.node_id for h in plan_route(reg.routable(), SHA)] == ["a", "b"]
+    clock.now += 3.5  # the model's nodes are gone: another layer count may be served under the id again
+    reg.register(record("c", 0, 60, n_layer=60, address="127.0.0.1:11"), PROTOCOL_MAJOR, PROTOCOL_MINOR)
+    assert [h.node_id for h in plan_route(reg.routable(), SHA)] == ["c"]

@@ -163,6 +163,17 @@ class Registry:
         if problem:
             raise ValueError(problem)
         now = self._clock()
+        # Routing takes a model's layer count as the largest its nodes claim: one node saying the model
+        # has more layers would leave every other node of it out of every route.
+        for other in self._entries.values():
+            o = other.record
+            if (o.node_id != record.node_id and o.model_sha256 == record.model_sha256
+                    and now - other.last_seen < self.ttl_s
+                    and (o.n_layer, o.architecture) != (record.n_layer, record.architecture)):
+                raise ValueError(
+                    f"node {record.node_id[:40]!r} says model {record.model_sha256[:12]} is {record.architecture!r} "
+                    f"with {record.n_layer} layers, but node {o.node_id[:40]!r} serving it says {o.architecture!r} "
+                    f"with {o.n_layer}: one model id is one model")
         live = self._entries.get(record.node_id)
         if live is None and len(self._entries) >= self.max_nodes:
             now = self._sweep()
