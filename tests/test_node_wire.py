@@ -266,3 +266,26 @@ def test_a_data_plane_failure_names_the_node_at_its_routed_address_and_the_data_
         stage.prefill(StepRequest("s", 0, 0, (1, 2, 3)))
     assert (e.value.node_id, e.value.address, e.value.code) == ("n1", "127.0.0.1:7700", "UNAVAILABLE")
     assert str(e.value).startswith(f"node n1 at 127.0.0.1:7700: UNAVAILABLE: data plane {dead}: ")
+
+
+def test_a_unary_step_whose_output_needs_several_frames_is_refused_before_it_runs():
+    # The refusal used to come after the step ran: the session held its tokens, so the StepStream its
+    # message advised was refused in turn (the step starts at 0, the session had n tokens cached).
+    wide = FakeModel(n_embd=1024)
+    eng = FakeEngine(wide)
+    assert eng.load(LoadSpec(path="", artifact=ArtifactId(wide.sha256, LayerRange(0, 10)), max_sessions=2)).ok
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_NodeServicer_to_server(NodeService(eng, "head", pb.ModelIdentity(sha256=wide.sha256)), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        stub = pb_grpc.NodeStub(open_channel(f"127.0.0.1:{port}"))
+        n = 300  # 300 rows x 4 KiB of output: two 1 MiB frames
+        [frame] = request_to_frames(StepRequest("h", 0, 0, tuple(i % 999 + 1 for i in range(n))), False)
+        got, details = code_of(stub, frame)
+        assert got == grpc.StatusCode.INVALID_ARGUMENT and "StepStream" in details
+        assert eng.health().active_sessions == 0
+        replies = list(stub.StepStream(iter([frame]), timeout=10))
+        assert len(replies) == 2 and replies[0].n_past == n
+    finally:
+        server.stop(0).wait()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import secrets
 import ssl
 import threading
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.envelope import (
+    MAX_FRAME_BYTES,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
     WireError,
@@ -331,12 +333,30 @@ class NodeService(pb_grpc.NodeServicer):
         return out.replies
 
     def Step(self, request, context):
+        if (problem := self._unary_output_problem(request)) is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         replies = self._grpc_step([request], context)
         if len(replies) > 1:
             # The step already ran; the caller must use StepStream for outputs this large.
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"the step's output needs {len(replies)} frames; send it with StepStream")
         return replies[0]
+
+    def _unary_output_problem(self, head: pb.Envelope) -> str | None:
+        """Why a unary Step cannot carry ``head``'s output (hidden states over one frame), said before the
+        step runs: refused after it, the session kept its tokens and the StepStream the refusal advised
+        was refused in turn (the step no longer starts where the session ends)."""
+        try:
+            caps = self.engine.capabilities()
+        except Exception:  # noqa: BLE001 - not loaded (or the worker is gone): the step itself says so
+            return None
+        if caps.is_tail:
+            return None
+        row_bytes = 4 * math.prod(caps.hidden_row_shape)  # stages pass f32 hidden states on
+        n_frames = -(-len(head.token_ids) * row_bytes // MAX_FRAME_BYTES)
+        if n_frames <= 1:
+            return None
+        return f"the step's output needs {n_frames} frames; send it with StepStream"
 
     def StepStream(self, request_iterator, context):
         try:  # bounded as on the data plane: its frames were all buffered, however many came
