@@ -289,3 +289,44 @@ def test_a_unary_step_whose_output_needs_several_frames_is_refused_before_it_run
         assert len(replies) == 2 and replies[0].n_past == n
     finally:
         server.stop(0).wait()
+
+
+def test_stalled_step_streams_leave_workers_for_other_calls_and_are_cancelled(monkeypatch):
+    # StepStreams that sent one frame of two and stalled held a gRPC worker each for as long as their
+    # client kept them open: with max_sessions + 8 of them (24 by default) the node answered nothing else.
+    import threading
+    import time
+    from meshnet.node import service as service_module
+    monkeypatch.setattr(service_module, "STREAM_READ_S", 0.5, raising=False)
+    eng = FakeEngine(MODEL)
+    assert eng.load(LoadSpec(path="", artifact=ArtifactId(MODEL.sha256, LayerRange(0, 10)), max_sessions=2)).ok
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=3))  # 2 sessions + 1 spare worker
+    pb_grpc.add_NodeServicer_to_server(NodeService(eng, "head", pb.ModelIdentity(sha256=MODEL.sha256)), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    release = threading.Event()
+    ended: list[grpc.StatusCode] = []
+
+    def stall(i):
+        def frames():
+            yield pb.Envelope(major=PROTOCOL_MAJOR, minor=PROTOCOL_MINOR, session_id=f"stall{i}", n_chunks=2,
+                              token_ids=[1], sampling=pb.Sampling(top_p=1, repetition_penalty=1))
+            release.wait(30)
+        try:
+            list(pb_grpc.NodeStub(open_channel(f"127.0.0.1:{port}")).StepStream(frames(), timeout=30))
+        except grpc.RpcError as e:
+            ended.append(e.code())
+
+    threads = [threading.Thread(target=stall, args=(i,), daemon=True) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        stub = pb_grpc.NodeStub(open_channel(f"127.0.0.1:{port}"))
+        assert stub.Health(pb.Empty(), timeout=5).healthy
+        for t in threads:
+            t.join(5)
+        assert sorted(c.name for c in ended) == ["CANCELLED", "CANCELLED", "RESOURCE_EXHAUSTED"]
+    finally:
+        release.set()
+        server.stop(0).wait()

@@ -15,6 +15,7 @@ import math
 import secrets
 import ssl
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
@@ -43,7 +44,7 @@ from meshnet.wire.envelope import (
 )
 from meshnet.wire.data_plane_conn import FRAME_CHARGE
 from meshnet.wire.data_plane_server import MAX_REQUEST_BYTES
-from meshnet.wire.request_budget import RequestBudget, RequestRefused, read_request
+from meshnet.wire.request_budget import RETRY_AFTER_S, RequestBudget, RequestRefused, read_request
 from meshnet.wire.call_problems import abort_call
 
 log = logging.getLogger("meshnet.node")
@@ -57,6 +58,70 @@ ASYNC_STEP_TOKENS = 1 + MAX_DRAFT_TOKENS
 def grpc_code(status: Status) -> grpc.StatusCode:
     """Our statuses are named after gRPC's codes."""
     return grpc.StatusCode[status.value]
+
+
+# A StepStream's next frame (or its end) must come within this many seconds, or the call is cancelled (the
+# data plane's read_timeout_s): stalled streams held the node's gRPC workers for as long as their client
+# kept them open, and with every worker held Health, GetCapabilities and unary steps went unanswered.
+STREAM_READ_S = 30.0
+_WATCH_TICK_S = 0.25
+
+
+class _StreamReads:
+    """The StepStreams reading their frames: at most ``max_sessions`` of the engine's at once (the
+    node's other gRPC workers stay free for everything else), each cancelled when a frame is late."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reading = 0
+        self._deadlines: dict[int, tuple[float, object]] = {}
+        self._watching = False
+
+    def enter(self, limit: int) -> bool:
+        with self._lock:
+            if self._reading >= limit:
+                return False
+            self._reading += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self._reading -= 1
+
+    def watch(self, frames, context):
+        """``frames``, cancelling ``context`` when the next one is over :data:`STREAM_READ_S` late."""
+        key = id(context)
+        try:
+            self._expect(key, context)
+            for f in frames:
+                yield f
+                self._expect(key, context)
+        finally:
+            with self._lock:
+                self._deadlines.pop(key, None)
+
+    def _expect(self, key: int, context) -> None:
+        with self._lock:
+            self._deadlines[key] = (time.monotonic() + STREAM_READ_S, context)
+            start, self._watching = not self._watching, True
+        if start:
+            threading.Thread(target=self._cancel_late, daemon=True, name="step-stream-deadlines").start()
+
+    def _cancel_late(self) -> None:
+        while True:
+            time.sleep(_WATCH_TICK_S)
+            now = time.monotonic()
+            with self._lock:
+                late = [(k, ctx) for k, (at, ctx) in self._deadlines.items() if at < now]
+                for k, _ in late:
+                    del self._deadlines[k]
+                done = not self._deadlines
+                if done:
+                    self._watching = False
+            for _, ctx in late:
+                ctx.cancel()
+            if done:
+                return
 
 
 @dataclass
@@ -94,6 +159,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.tensors: TensorSource | None = None
         # Step requests still arriving, on gRPC and the data plane together.
         self.budget = RequestBudget()
+        self._stream_reads = _StreamReads()
         self._layers_after: int | None = None  # the model's layers after this node's range (known once asked)
 
     # ---- steps -------------------------------------------------------------------------------
@@ -359,10 +425,21 @@ class NodeService(pb_grpc.NodeServicer):
         return f"the step's output needs {n_frames} frames; send it with StepStream"
 
     def StepStream(self, request_iterator, context):
+        try:
+            limit = max(1, int(self.engine.capabilities().max_sessions))
+        except Exception:  # noqa: BLE001 - not loaded: the step itself says so
+            limit = 1
+        if not self._stream_reads.enter(limit):
+            abort_call(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"{limit} StepStreams are sending their frames already (the node's limit); "
+                       "try again later", RETRY_AFTER_S)
         try:  # bounded as on the data plane: its frames were all buffered, however many came
-            frames, _ = read_request(request_iterator, self.budget, MAX_REQUEST_BYTES, FRAME_CHARGE)
+            frames, _ = read_request(self._stream_reads.watch(request_iterator, context), self.budget,
+                                     MAX_REQUEST_BYTES, FRAME_CHARGE)
         except RequestRefused as e:
             abort_call(context, grpc.StatusCode[e.code], e.message, e.retry_after_s)
+        finally:
+            self._stream_reads.leave()
         yield from self._grpc_step(frames, context)
 
     # ---- session control ---------------------------------------------------------------------
