@@ -296,8 +296,8 @@ def test_stalled_step_streams_leave_workers_for_other_calls_and_are_cancelled(mo
     # client kept them open: with max_sessions + 8 of them (24 by default) the node answered nothing else.
     import threading
     import time
-    from meshnet.node import service as service_module
-    monkeypatch.setattr(service_module, "STREAM_READ_S", 0.5, raising=False)
+    from meshnet.node import grpc_step_limits
+    monkeypatch.setattr(grpc_step_limits, "STREAM_READ_S", 0.5)
     eng = FakeEngine(MODEL)
     assert eng.load(LoadSpec(path="", artifact=ArtifactId(MODEL.sha256, LayerRange(0, 10)), max_sessions=2)).ok
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=3))  # 2 sessions + 1 spare worker

@@ -9,13 +9,12 @@ being restarted) is UNAVAILABLE; any other exception out of the engine is INTERN
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-import math
 import secrets
 import ssl
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
@@ -24,6 +23,7 @@ import grpc
 from meshnet.contract import MAX_DRAFT_TOKENS, Status, StepRequest, StepResult
 from meshnet.engine.base import ShardEngine
 from meshnet.node.tensor_source import TensorRequestError, TensorSource
+from meshnet.node.grpc_step_limits import StepStreamReads, unary_output_problem
 from meshnet.node.forwarding import AwaitedOutcomes, Forwarder, WouldWait, await_key, next_hops_error
 from meshnet.node.worker_wire import EngineUnavailable
 
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.wire.envelope import (
-    MAX_FRAME_BYTES,
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
     WireError,
@@ -44,7 +43,7 @@ from meshnet.wire.envelope import (
 )
 from meshnet.wire.data_plane_conn import FRAME_CHARGE
 from meshnet.wire.data_plane_server import MAX_REQUEST_BYTES
-from meshnet.wire.request_budget import RETRY_AFTER_S, RequestBudget, RequestRefused, read_request
+from meshnet.wire.request_budget import RequestBudget, RequestRefused, read_request
 from meshnet.wire.call_problems import abort_call
 
 log = logging.getLogger("meshnet.node")
@@ -58,70 +57,6 @@ ASYNC_STEP_TOKENS = 1 + MAX_DRAFT_TOKENS
 def grpc_code(status: Status) -> grpc.StatusCode:
     """Our statuses are named after gRPC's codes."""
     return grpc.StatusCode[status.value]
-
-
-# A StepStream's next frame (or its end) must come within this many seconds, or the call is cancelled (the
-# data plane's read_timeout_s): stalled streams held the node's gRPC workers for as long as their client
-# kept them open, and with every worker held Health, GetCapabilities and unary steps went unanswered.
-STREAM_READ_S = 30.0
-_WATCH_TICK_S = 0.25
-
-
-class _StreamReads:
-    """The StepStreams reading their frames: at most ``max_sessions`` of the engine's at once (the
-    node's other gRPC workers stay free for everything else), each cancelled when a frame is late."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._reading = 0
-        self._deadlines: dict[int, tuple[float, object]] = {}
-        self._watching = False
-
-    def enter(self, limit: int) -> bool:
-        with self._lock:
-            if self._reading >= limit:
-                return False
-            self._reading += 1
-            return True
-
-    def leave(self) -> None:
-        with self._lock:
-            self._reading -= 1
-
-    def watch(self, frames, context):
-        """``frames``, cancelling ``context`` when the next one is over :data:`STREAM_READ_S` late."""
-        key = id(context)
-        try:
-            self._expect(key, context)
-            for f in frames:
-                yield f
-                self._expect(key, context)
-        finally:
-            with self._lock:
-                self._deadlines.pop(key, None)
-
-    def _expect(self, key: int, context) -> None:
-        with self._lock:
-            self._deadlines[key] = (time.monotonic() + STREAM_READ_S, context)
-            start, self._watching = not self._watching, True
-        if start:
-            threading.Thread(target=self._cancel_late, daemon=True, name="step-stream-deadlines").start()
-
-    def _cancel_late(self) -> None:
-        while True:
-            time.sleep(_WATCH_TICK_S)
-            now = time.monotonic()
-            with self._lock:
-                late = [(k, ctx) for k, (at, ctx) in self._deadlines.items() if at < now]
-                for k, _ in late:
-                    del self._deadlines[k]
-                done = not self._deadlines
-                if done:
-                    self._watching = False
-            for _, ctx in late:
-                ctx.cancel()
-            if done:
-                return
 
 
 @dataclass
@@ -159,7 +94,7 @@ class NodeService(pb_grpc.NodeServicer):
         self.tensors: TensorSource | None = None
         # Step requests still arriving, on gRPC and the data plane together.
         self.budget = RequestBudget()
-        self._stream_reads = _StreamReads()
+        self._stream_reads = StepStreamReads()
         self._layers_after: int | None = None  # the model's layers after this node's range (known once asked)
 
     # ---- steps -------------------------------------------------------------------------------
@@ -399,47 +334,27 @@ class NodeService(pb_grpc.NodeServicer):
         return out.replies
 
     def Step(self, request, context):
-        if (problem := self._unary_output_problem(request)) is not None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        with contextlib.suppress(RuntimeError):  # not loaded: the step itself says so
+            if (problem := unary_output_problem(self.engine.capabilities(), len(request.token_ids))) is not None:
+                abort_call(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
         replies = self._grpc_step([request], context)
         if len(replies) > 1:
-            # The step already ran; the caller must use StepStream for outputs this large.
+            # The step already ran (its output took more than the estimate's frames)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"the step's output needs {len(replies)} frames; send it with StepStream")
         return replies[0]
 
-    def _unary_output_problem(self, head: pb.Envelope) -> str | None:
-        """Why a unary Step cannot carry ``head``'s output (hidden states over one frame), said before the
-        step runs: refused after it, the session kept its tokens and the StepStream the refusal advised
-        was refused in turn (the step no longer starts where the session ends)."""
-        try:
-            caps = self.engine.capabilities()
-        except Exception:  # noqa: BLE001 - not loaded (or the worker is gone): the step itself says so
-            return None
-        if caps.is_tail:
-            return None
-        row_bytes = 4 * math.prod(caps.hidden_row_shape)  # stages pass f32 hidden states on
-        n_frames = -(-len(head.token_ids) * row_bytes // MAX_FRAME_BYTES)
-        if n_frames <= 1:
-            return None
-        return f"the step's output needs {n_frames} frames; send it with StepStream"
-
     def StepStream(self, request_iterator, context):
         try:
-            limit = max(1, int(self.engine.capabilities().max_sessions))
-        except Exception:  # noqa: BLE001 - not loaded: the step itself says so
+            limit = self.engine.capabilities().max_sessions
+        except RuntimeError:  # not loaded: the step itself says so
             limit = 1
-        if not self._stream_reads.enter(limit):
-            abort_call(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                       f"{limit} StepStreams are sending their frames already (the node's limit); "
-                       "try again later", RETRY_AFTER_S)
-        try:  # bounded as on the data plane: its frames were all buffered, however many came
-            frames, _ = read_request(self._stream_reads.watch(request_iterator, context), self.budget,
-                                     MAX_REQUEST_BYTES, FRAME_CHARGE)
-        except RequestRefused as e:
-            abort_call(context, grpc.StatusCode[e.code], e.message, e.retry_after_s)
-        finally:
-            self._stream_reads.leave()
+        # bounded as on the data plane: its frames were all buffered, however many came
+        with self._stream_reads.reading(request_iterator, context, max(1, limit)) as frames_in:
+            try:
+                frames, _ = read_request(frames_in, self.budget, MAX_REQUEST_BYTES, FRAME_CHARGE)
+            except RequestRefused as e:
+                abort_call(context, grpc.StatusCode[e.code], e.message, e.retry_after_s)
         yield from self._grpc_step(frames, context)
 
     # ---- session control ---------------------------------------------------------------------

@@ -13,7 +13,6 @@ import contextlib
 import itertools
 import queue
 import threading
-import time
 from dataclasses import dataclass
 
 import grpc
@@ -22,6 +21,7 @@ from meshnet.proto import meshnet_pb2 as pb
 from meshnet.tracker.refusals import bounded
 from meshnet.wire.call_problems import abort_call
 from meshnet.wire.data_plane_server import MAX_REQUEST_BYTES
+from meshnet.wire.read_deadlines import ReadDeadlines
 from meshnet.wire.request_budget import RequestBudget, RequestRefused, read_request
 
 # Header of a RelayStep call naming the node to forward to.
@@ -46,7 +46,6 @@ RELAY_READ_S = 60.0
 # How long the tracker waits for a relayed node to answer a call that has no deadline of its own, seconds
 # (the client's step deadline at most, as above): a node that never answered held a tracker thread for good.
 RELAY_ANSWER_S = 60.0
-_WATCH_TICK_S = 0.5  # how often the read deadlines are checked
 
 
 @dataclass
@@ -176,9 +175,7 @@ class RelayLimits:
                        "RelayControl": (threading.BoundedSemaphore(max_controls), max_controls,
                                         "has {} control calls for relayed nodes in flight")}
         self.budget = RequestBudget(max_bytes)  # step frames buffered
-        self._deadlines: dict[int, tuple[float, object]] = {}  # id(context) -> (read deadline, context)
-        self._lock = threading.Lock()
-        self._watching = False  # a _cancel_late thread runs (while any deadline is pending)
+        self._reads = ReadDeadlines("relay-read-deadlines")
 
     @contextlib.contextmanager
     def stream(self, context, method: str):
@@ -188,39 +185,12 @@ class RelayLimits:
         slots, most, what = self._slots[method]
         if not slots.acquire(blocking=False):
             _refuse(context, f"{method}: the tracker {what.format(most)} already; try again later")
-        key = id(context)
         try:
-            with self._lock:
-                self._deadlines[key] = (time.monotonic() + self.read_s, context)
-                start, self._watching = not self._watching, True
-            if start:
-                threading.Thread(target=self._cancel_late, daemon=True, name="relay-read-deadlines").start()
-            yield lambda: self._arrived(key)
+            self._reads.expect(context, self.read_s)
+            yield lambda: self._reads.arrived(context)
         finally:
-            self._arrived(key)
+            self._reads.arrived(context)
             slots.release()
-
-    def _arrived(self, key: int) -> None:
-        with self._lock:
-            self._deadlines.pop(key, None)
-
-    def _cancel_late(self) -> None:
-        """Cancel the calls past their read deadline, every :data:`_WATCH_TICK_S` (one thread for all
-        of them, not a timer per step), until none is pending."""
-        while True:
-            time.sleep(_WATCH_TICK_S)
-            now = time.monotonic()
-            with self._lock:
-                late = [(key, ctx) for key, (deadline, ctx) in self._deadlines.items() if deadline < now]
-                for key, _ in late:
-                    del self._deadlines[key]
-                done = not self._deadlines
-                if done:
-                    self._watching = False
-            for _, ctx in late:
-                ctx.cancel()
-            if done:
-                return
 
     def answer_timeout(self, context) -> float:
         """Seconds to wait for a relayed node's answer: the call's own deadline, :attr:`answer_s` at most."""
