@@ -5,7 +5,8 @@ streaming, greedy, ``max_tokens`` 128) at each concurrency C, each started for i
 after it so that nothing else runs beside the one measured (``--side-by-side``: llama-server and meshnet
 in process run side by side for a C and take turns a load at a time; the mesh still runs alone):
 
-* ``llama-server``: same GGUF, 2 threads, ``-fa on``, ``-np 8`` for C <= 8 and ``-np 32`` above,
+* ``llama-server``: same GGUF, 2 threads, ``-fa on``, ``-np 8`` for C <= 8 and ``-np 32`` above (C x n
+  with ``--choices`` n: the sequences generated at once; meshnet's servers hold that many sessions),
   ``-c`` 1024 per slot (found on PATH or built once into a cache folder: :mod:`meshnet.bench.llama_server`;
   skipped with the reason when neither works);
 * ``meshnet``: ``meshnet api`` with the model in process, 2 threads;
@@ -161,8 +162,10 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         groups = [(None, cs)]
     else:
         log_dir.mkdir(parents=True, exist_ok=True)  # the servers started here log into it
-        servers = meshnet_targets(args, log_dir, max(cs))
-        groups = [(8, [c for c in cs if c <= 8]), (32, [c for c in cs if c > 8])]
+        # sequences generated at once: each stream's request runs its choices side by side
+        k = args.choices
+        servers = meshnet_targets(args, log_dir, max(cs) * k)
+        groups = [(8, [c for c in cs if c * k <= 8]), (32, [c for c in cs if c * k > 8])]
         groups = [(np_, g) for np_, g in groups if g]
     llama_bin, rpc, wanted = None, None, {t.strip() for t in args.targets.split(",")}
     if not args.url and wanted & {"llama-server", "llama-rpc"}:

@@ -16,7 +16,8 @@ LLAMA_SLOT_CTX = 1024
 
 
 def meshnet_targets(args, log_dir: Path, max_c: int) -> dict:
-    """The meshnet servers to measure (not started): in process and a 3-node loopback mesh."""
+    """The meshnet servers to measure (not started): in process and a 3-node loopback mesh, each holding
+    ``max_c`` sessions (the sequences the largest load generates at once)."""
     py = [sys.executable, "-m", "meshnet.cli"]
     wanted = [t.strip() for t in args.targets.split(",") if t.strip()]
     out = {}
