@@ -8,10 +8,16 @@ case "${1:-}" in
   -*) echo "usage: [MESHNET_PORT=7700] bash scripts/demo.sh [PROMPT...]: no flags (got $1); set MESHNET_PORT" \
            "to move the tracker's port" >&2; exit 2 ;;
 esac
+PORT="${MESHNET_PORT:-7700}"
+# checked here: meshnet up's own message would name its --port, and 0 ("any free port") leaves the demo
+# without the port to give meshnet generate
+if ! [[ "$PORT" =~ ^[0-9]+$ ]] || (( 10#$PORT < 1 || 10#$PORT > 65535 )); then
+  echo "demo: MESHNET_PORT must be the tracker's port, 1 to 65535 (got '$PORT')" >&2
+  exit 2
+fi
 echo "demo: setting up .venv and the bundled model (1-3 minutes the first time)..." >&2
 scripts/setup.sh
 echo "demo: starting a tracker and 3 nodes..." >&2
-PORT="${MESHNET_PORT:-7700}"
 PROMPT="${*:-The capital of France is}"
 log="$(mktemp)"
 # The demo needs neither the API nor the dashboard: only the tracker's port (and the nodes' free ones) opens.

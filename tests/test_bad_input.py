@@ -37,7 +37,7 @@ def test_truncated_gguf_names_the_first_tensor_past_the_end(tmp_path):
     bad.write_bytes(data[:cut])
     _, out = _load(bad)
     assert out.status is Status.INVALID_ARGUMENT
-    assert "truncated" in out.message
+    assert out.message.startswith(f"{bad}: truncated GGUF")  # which file: a new user saw only the tensor
     assert repr(_first_tensor_past(TINY, cut)) in out.message
 
 
@@ -47,6 +47,13 @@ def test_file_that_is_not_gguf(tmp_path):
     _, out = _load(bad)
     assert out.status is Status.INVALID_ARGUMENT
     assert "is not a GGUF file" in out.message and "b'hell'" in out.message
+
+
+def test_an_empty_file_is_said_to_be_empty(tmp_path):
+    bad = tmp_path / "empty.gguf"
+    bad.write_bytes(b"")
+    _, out = _load(bad)
+    assert (out.status, out.message) == (Status.INVALID_ARGUMENT, f"{bad} is not a GGUF file: it is empty")
 
 
 def test_missing_file():
@@ -366,7 +373,8 @@ def test_ports_and_timeouts_out_of_range_are_refused_up_front(args, message):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--model", "/tmp"], "error: model '/tmp' is neither a file nor a bundled model (smollm2, gemma3-270m)"),
+    (["--model", "/tmp"], "error: model '/tmp' is a folder: name the .gguf file in it (of a split GGUF set, any one of its parts)"),
+    (["--model", "/no/such.gguf"], "error: model '/no/such.gguf' is neither a file nor a bundled model (smollm2, gemma3-270m)"),
     # KV slots for 65536 sessions of 2**24 tokens take more than any address space: the load fails, in one line.
     (["--model", "smollm2", "--n-ctx", str(1 << 24), "--max-sessions", "65536"],
      "error: not enough memory to load every layer of smollm2 with n_ctx=16777216"),

@@ -448,6 +448,13 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
     assert "error: tracker 127.0.0.1:1: UNAVAILABLE" in err.getvalue()
 
 
+def test_meshnet_nodes_lists_a_models_nodes_in_layer_order():
+    """Rows came in node-id order: with random ids a tail was listed above its head."""
+    reply = pb.NodeList(nodes=[pb.NodeStatus(info=node_info(n, a, b))
+                               for n, a, b in (("9b12", 20, 30), ("eb82", 0, 10), ("0c3f", 10, 20), ("1aaa", 10, 20))])
+    assert [row.split()[0] for row in format_nodes(reply).splitlines()[1:]] == ["eb82", "0c3f", "1aaa", "9b12"]
+
+
 def test_meshnet_nodes_names_the_layers_no_node_serves():
     from meshnet.membership.cli import nodes_dict
 

@@ -157,3 +157,14 @@ def test_version_flag_prints_the_package_version(capsys):
     assert done.value.code == 0
     assert capsys.readouterr().out.strip() == f"meshnet {package_version()}"
     assert package_version() == meshnet.__version__
+
+
+@pytest.mark.parametrize("port", ["0", "abc", "70000"])
+def test_the_demo_refuses_a_port_it_cannot_hand_to_generate_before_setting_up(port):
+    """``MESHNET_PORT=0`` (meshnet up's "any free port") brought a mesh up, then failed generate's --tracker
+    after 9 s; another non-port got meshnet up's usage naming a --port the user never typed."""
+    env = {**os.environ, "MESHNET_PORT": port}
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], capture_output=True, text=True, env=env,
+                         timeout=30)
+    assert res.returncode == 2
+    assert res.stderr == f"demo: MESHNET_PORT must be the tracker's port, 1 to 65535 (got '{port}')\n"

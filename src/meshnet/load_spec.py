@@ -118,3 +118,6 @@ NO_HUGE_PAGES_HELP = ("leave the weights in the file's memory map (by default, o
                       "transparent huge pages and they take at most half the memory available, they are copied "
                       "into memory backed by huge pages, which decodes faster; a head's token embedding stays "
                       "mapped)")
+# The help of ``--prefix-cache`` (``LoadSpec.prefix_cache``), the same on every command that loads stages.
+PREFIX_CACHE_HELP = ("finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none; "
+                     "default %(default)s)")

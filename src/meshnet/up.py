@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from meshnet.arg_types import (TRACKER_PORT, heartbeat_seconds, listen_host, load_setting, port_number, positive_seconds, seconds,
                                thread_count)
-from meshnet.load_spec import NO_HUGE_PAGES_HELP
+from meshnet.load_spec import NO_HUGE_PAGES_HELP, PREFIX_CACHE_HELP
 from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, dashboard_port_problem, dashboard_port_taken
 from meshnet.proto import meshnet_pb2 as pb
 from meshnet.speculative import add_speculation_args, mtp_problem, speculation_from_args
@@ -54,7 +54,8 @@ def add_up_parser(sub) -> None:
                         "more waiting their turn")
     p.add_argument("--kv-tokens", type=load_setting("kv_tokens"), default=0,
                    help="KV cells each node's sessions may reserve at once (0 = half the memory available)")
-    p.add_argument("--prefix-cache", type=load_setting("prefix_cache"), default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
+    p.add_argument("--prefix-cache", type=load_setting("prefix_cache"), default=4,
+                   help=PREFIX_CACHE_HELP)
     p.add_argument("--decode-groups", type=load_setting("decode_groups"), default=0,
                    help="groups each node splits its sessions' decodes into, taking turns so that every stage "
                         "computes at once (0 = one per stage, 1 = all together)")

@@ -172,7 +172,7 @@ WIDE_ONLY = ("BACKEND", "WEIGHTS", "SIGNED", "DATA", "DEVICE")
 
 
 def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None, wide: bool = False) -> str:
-    """An aligned table, one row per node (its model's id shortened to 12 hex digits, as ``meshnet ledger``
+    """An aligned table, one row per node in layer order (its model's id shortened to 12 hex digits, as ``meshnet ledger``
     prints it), or a line saying none is registered. ``loads`` (node id ->
     :func:`node_load`) adds the KV, BATCH_ROWS, QUEUE and WEIGHTS columns; "-" where a node did not answer.
     Without ``wide`` the :data:`WIDE_ONLY` columns are left out (the device alone takes about 80 characters).
@@ -183,7 +183,9 @@ def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None
     load_head = ("KV_HELD/RSVD/CAP", "BATCH_ROWS", "QUEUE", "WEIGHTS") if loads is not None else ()
     rows = [("NODE", "MODEL", "LAYERS", "CTX", "BACKEND", "LOAD", "SPEED", *load_head, "RELAY", "HEARTBEAT",
              "SIGNED", "ADDRESS", "DATA", "DEVICE")]
-    for s in reply.nodes:
+    # in route order, a model's head first: node ids (random unless given) put a tail above its head
+    for s in sorted(reply.nodes, key=lambda s: (s.info.model.sha256, s.info.layers.start, s.info.layers.end,
+                                                s.info.node_id)):
         i = s.info
         load = _load_cells(loads.get(i.node_id)) if loads is not None else ()
         # The model's id as the ledger prints it: a tracker may serve nodes of several models.

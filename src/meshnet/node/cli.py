@@ -20,7 +20,7 @@ import time
 from meshnet.arg_types import (advertised_address, count, host_port, listen_host, load_setting, model_ref, node_id,
                                port_number, positive_seconds, seconds, thread_count, unresolved_host)
 from meshnet.contract import LayerRange
-from meshnet.load_spec import NO_HUGE_PAGES_HELP
+from meshnet.load_spec import NO_HUGE_PAGES_HELP, PREFIX_CACHE_HELP
 from meshnet.node.config import NodeConfig
 from meshnet.node.engine_loader import pin_to_cpu
 from meshnet.node.runner import Node
@@ -76,9 +76,10 @@ def add_node_parser(sub) -> None:
                         "crash then takes the node down)")
     p.add_argument("--worker-restarts", type=count, default=5, metavar="N",
                    help="engine worker deaths in a row, each soon after its start, that are restarted (with "
-                        "backoff) before the node deregisters and exits")
+                        "backoff) before the node deregisters and exits (default %(default)s)")
     p.add_argument("--worker-hang-timeout", type=positive_seconds, default=5.0, metavar="S",
-                   help="seconds an engine worker may leave a ping unanswered before it is killed and restarted")
+                   help="seconds an engine worker may leave a ping unanswered before it is killed and restarted "
+                        "(default %(default)g)")
     p.add_argument("--backend", choices=["cpu", "cuda", "rocm", "vulkan", "metal"], default="cpu",
                    help="where the ggml engine computes; anything but cpu must be certified here first "
                         "(meshnet backends --certify)")
@@ -97,7 +98,8 @@ def add_node_parser(sub) -> None:
                         "llama.cpp's do: Q4_0 and IQ4_NL matrices, Q4_0 / IQ4_NL / Q4_K / MXFP4 experts, and Q4_K "
                         "matrices as two row halves)")
     p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false", help=NO_HUGE_PAGES_HELP)
-    p.add_argument("--prefix-cache", type=load_setting("prefix_cache"), default=4, help="finished sessions kept for prompts that start the same way (exact prefix reuse; 0 = none)")
+    p.add_argument("--prefix-cache", type=load_setting("prefix_cache"), default=4,
+                   help=PREFIX_CACHE_HELP)
     p.add_argument("--decode-groups", type=load_setting("decode_groups"), default=0,
                    help="groups the sessions' decode steps are split into, taking turns so that every stage "
                         "of a pipeline computes at once (0 = one per stage, from the range's share of the model's cost; "
