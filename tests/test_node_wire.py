@@ -297,7 +297,7 @@ def test_stalled_step_streams_leave_workers_for_other_calls_and_are_cancelled(mo
     import threading
     import time
     from meshnet.node import grpc_step_limits
-    monkeypatch.setattr(grpc_step_limits, "STREAM_READ_S", 0.5)
+    monkeypatch.setattr(grpc_step_limits, "STREAM_READ_S", 2.0)  # all three arrive well within it
     eng = FakeEngine(MODEL)
     assert eng.load(LoadSpec(path="", artifact=ArtifactId(MODEL.sha256, LayerRange(0, 10)), max_sessions=2)).ok
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=3))  # 2 sessions + 1 spare worker
@@ -325,7 +325,7 @@ def test_stalled_step_streams_leave_workers_for_other_calls_and_are_cancelled(mo
         stub = pb_grpc.NodeStub(open_channel(f"127.0.0.1:{port}"))
         assert stub.Health(pb.Empty(), timeout=5).healthy
         for t in threads:
-            t.join(5)
+            t.join(10)
         assert sorted(c.name for c in ended) == ["CANCELLED", "CANCELLED", "RESOURCE_EXHAUSTED"]
     finally:
         release.set()
