@@ -3,6 +3,7 @@ changes, large envelopes stream in frames, and the node keeps serving."""
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from concurrent import futures
 
@@ -24,18 +25,28 @@ MODEL = FakeModel()
 N_EMBD = MODEL.n_embd
 
 
+@contextlib.contextmanager
+def served_stage(model: FakeModel, layers: LayerRange, node_id: str, workers: int = 8):
+    """``(engine, port)``: a fake engine of ``model``'s ``layers`` (2 sessions) behind a real gRPC server on
+    loopback with ``workers`` threads, stopped after."""
+    eng = FakeEngine(model)
+    assert eng.load(LoadSpec(path="", artifact=ArtifactId(model.sha256, layers), max_sessions=2)).ok
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+    pb_grpc.add_NodeServicer_to_server(NodeService(eng, node_id, pb.ModelIdentity(sha256=model.sha256)), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield eng, port
+    finally:
+        server.stop(0).wait()
+
+
 @pytest.fixture
 def node():
     """A middle stage (layers 10:20) of the fake model behind a real gRPC server on loopback."""
-    eng = FakeEngine(MODEL)
-    assert eng.load(LoadSpec(path="", artifact=ArtifactId(MODEL.sha256, LayerRange(10, 20)), max_sessions=2)).ok
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    pb_grpc.add_NodeServicer_to_server(NodeService(eng, "mid", pb.ModelIdentity(sha256=MODEL.sha256)), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    channel = open_channel(f"127.0.0.1:{port}")
-    yield eng, pb_grpc.NodeStub(channel), RemoteStage("mid", f"127.0.0.1:{port}", channel)
-    server.stop(0).wait()
+    with served_stage(MODEL, LayerRange(10, 20), "mid") as (eng, port):
+        channel = open_channel(f"127.0.0.1:{port}")
+        yield eng, pb_grpc.NodeStub(channel), RemoteStage("mid", f"127.0.0.1:{port}", channel)
 
 
 def hidden(n: int, seed: int = 0) -> NamedTensor:
@@ -271,14 +282,7 @@ def test_a_data_plane_failure_names_the_node_at_its_routed_address_and_the_data_
 def test_a_unary_step_whose_output_needs_several_frames_is_refused_before_it_runs():
     # The refusal used to come after the step ran: the session held its tokens, so the StepStream its
     # message advised was refused in turn (the step starts at 0, the session had n tokens cached).
-    wide = FakeModel(n_embd=1024)
-    eng = FakeEngine(wide)
-    assert eng.load(LoadSpec(path="", artifact=ArtifactId(wide.sha256, LayerRange(0, 10)), max_sessions=2)).ok
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_NodeServicer_to_server(NodeService(eng, "head", pb.ModelIdentity(sha256=wide.sha256)), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    try:
+    with served_stage(FakeModel(n_embd=1024), LayerRange(0, 10), "head", workers=4) as (eng, port):
         stub = pb_grpc.NodeStub(open_channel(f"127.0.0.1:{port}"))
         n = 300  # 300 rows x 4 KiB of output: two 1 MiB frames
         [frame] = request_to_frames(StepRequest("h", 0, 0, tuple(i % 999 + 1 for i in range(n))), False)
@@ -287,8 +291,6 @@ def test_a_unary_step_whose_output_needs_several_frames_is_refused_before_it_run
         assert eng.health().active_sessions == 0
         replies = list(stub.StepStream(iter([frame]), timeout=10))
         assert len(replies) == 2 and replies[0].n_past == n
-    finally:
-        server.stop(0).wait()
 
 
 def test_stalled_step_streams_leave_workers_for_other_calls_and_are_cancelled(monkeypatch):
@@ -298,16 +300,10 @@ def test_stalled_step_streams_leave_workers_for_other_calls_and_are_cancelled(mo
     import time
     from meshnet.node import grpc_step_limits
     monkeypatch.setattr(grpc_step_limits, "STREAM_READ_S", 2.0)  # all three arrive well within it
-    eng = FakeEngine(MODEL)
-    assert eng.load(LoadSpec(path="", artifact=ArtifactId(MODEL.sha256, LayerRange(0, 10)), max_sessions=2)).ok
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=3))  # 2 sessions + 1 spare worker
-    pb_grpc.add_NodeServicer_to_server(NodeService(eng, "head", pb.ModelIdentity(sha256=MODEL.sha256)), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
     release = threading.Event()
     ended: list[grpc.StatusCode] = []
 
-    def stall(i):
+    def stall(port, i):
         def frames():
             yield pb.Envelope(major=PROTOCOL_MAJOR, minor=PROTOCOL_MINOR, session_id=f"stall{i}", n_chunks=2,
                               token_ids=[1], sampling=pb.Sampling(top_p=1, repetition_penalty=1))
@@ -317,16 +313,17 @@ def test_stalled_step_streams_leave_workers_for_other_calls_and_are_cancelled(mo
         except grpc.RpcError as e:
             ended.append(e.code())
 
-    threads = [threading.Thread(target=stall, args=(i,), daemon=True) for i in range(3)]
-    try:
-        for t in threads:
-            t.start()
-        time.sleep(0.2)
-        stub = pb_grpc.NodeStub(open_channel(f"127.0.0.1:{port}"))
-        assert stub.Health(pb.Empty(), timeout=5).healthy
-        for t in threads:
-            t.join(10)
-        assert sorted(c.name for c in ended) == ["CANCELLED", "CANCELLED", "RESOURCE_EXHAUSTED"]
-    finally:
-        release.set()
-        server.stop(0).wait()
+    # 2 sessions + 1 spare worker
+    with served_stage(MODEL, LayerRange(0, 10), "head", workers=3) as (_, port):
+        threads = [threading.Thread(target=stall, args=(port, i), daemon=True) for i in range(3)]
+        try:
+            for t in threads:
+                t.start()
+            time.sleep(0.2)
+            stub = pb_grpc.NodeStub(open_channel(f"127.0.0.1:{port}"))
+            assert stub.Health(pb.Empty(), timeout=5).healthy
+            for t in threads:
+                t.join(10)
+            assert sorted(c.name for c in ended) == ["CANCELLED", "CANCELLED", "RESOURCE_EXHAUSTED"]
+        finally:
+            release.set()
