@@ -22,9 +22,10 @@ from meshnet.wire.envelope import request_to_frames, result_to_replies
 class StubWorkerEngine:
     """Records the steps started; the test answers them."""
 
-    def __init__(self, refuse: Exception | None = None) -> None:
+    def __init__(self, refuse: Exception | None = None, layers: tuple[int, int] = (10, 20)) -> None:
         self.started: list[tuple[StepRequest, bool, object]] = []
         self.refuse = refuse
+        self.layers = layers
 
     def start_step(self, req, decode, on_done) -> None:
         if self.refuse is not None:
@@ -35,12 +36,13 @@ class StubWorkerEngine:
         return []
 
     def capabilities(self):
-        """What a forwarded step's next hops are checked against: a middle stage of 30 layers."""
+        """What a forwarded step's next hops are checked against: a stage of 30 layers (a middle one unless
+        the test gave other ``layers``)."""
         from types import SimpleNamespace
 
         from meshnet.contract import LayerRange
 
-        return SimpleNamespace(n_layer=30, artifact=SimpleNamespace(layers=LayerRange(10, 20)))
+        return SimpleNamespace(n_layer=30, artifact=SimpleNamespace(layers=LayerRange(*self.layers)))
 
 
 def _service(engine) -> NodeService:
@@ -101,7 +103,7 @@ def test_prefills_failure_notes_and_a_draining_node_take_the_threaded_path():
 
 
 def test_a_forwarded_step_at_the_tail_reaches_the_clients_await_and_says_done_once():
-    engine = StubWorkerEngine()
+    engine = StubWorkerEngine(layers=(20, 30))  # the tail
     svc = _service(engine)
     req, frames = _decode_step()
     done: list[bool] = []

@@ -21,9 +21,11 @@ from meshnet.wire.data_plane_server import DataPlaneServer
 from meshnet.wire.envelope import MAX_SESSION_ID_CHARS
 
 
-def _service() -> NodeService:
+def _service(layers: LayerRange = LayerRange(20, 30)) -> NodeService:
+    """A node of the fake model's 30 layers, by default a tail: the node that keeps failure notes and answers
+    awaits."""
     engine = FakeEngine(FakeModel())
-    assert engine.load(LoadSpec(path="", artifact=ArtifactId("", LayerRange(10, 20)))).ok
+    assert engine.load(LoadSpec(path="", artifact=ArtifactId("", layers))).ok
     return NodeService(engine, "t", pb.ModelIdentity())
 
 
@@ -105,6 +107,21 @@ def test_an_await_of_an_overlong_session_id_is_refused_before_it_is_buffered():
         long = pb.AwaitStep(session_id="s" * (MAX_SESSION_ID_CHARS + 1), step_id=1, epoch=1).SerializeToString()
         code, _, message = _refusal(server.port, long)
         assert code == "INVALID_ARGUMENT" and "session_id of" in message
+        assert service.awaited.pending == (0, 0)
+    finally:
+        server.stop()
+
+
+def test_an_await_sent_to_a_node_that_is_not_a_tail_is_refused_at_once():
+    """No forwarded step ends at a middle node: its await was answered only at its expiry (40 s), and the
+    refusal now comes before the socket's 5 s timeout."""
+    service = _service(LayerRange(10, 20))
+    server = DataPlaneServer("127.0.0.1", 0, service.run_step, run_forward=service.run_forward,
+                             run_await=service.run_await)
+    server.start()
+    try:
+        code, _, message = _refusal(server.port, pb.AwaitStep(session_id="s", step_id=1, epoch=1).SerializeToString())
+        assert code == "UNAVAILABLE" and "node t is not a tail (10 of the model's layers" in message
         assert service.awaited.pending == (0, 0)
     finally:
         server.stop()

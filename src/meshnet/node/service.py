@@ -9,7 +9,6 @@ being restarted) is UNAVAILABLE; any other exception out of the engine is INTERN
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import secrets
@@ -20,11 +19,12 @@ from typing import TYPE_CHECKING, Callable
 
 import grpc
 
-from meshnet.contract import MAX_DRAFT_TOKENS, Status, StepRequest, StepResult
+from meshnet.contract import MAX_DRAFT_TOKENS, StepRequest, StepResult
 from meshnet.engine.base import ShardEngine
 from meshnet.node.tensor_source import TensorRequestError, TensorSource
 from meshnet.node.grpc_step_limits import StepStreamReads, unary_output_problem
-from meshnet.node.forwarding import AwaitedOutcomes, Forwarder, WouldWait, await_key, next_hops_error
+from meshnet.node.forwarding import AwaitedOutcomes, Forwarder, WouldWait, await_key
+from meshnet.node.route_place import RoutePlace
 from meshnet.node.worker_wire import EngineUnavailable
 
 if TYPE_CHECKING:
@@ -52,11 +52,6 @@ log = logging.getLogger("meshnet.node")
 # drafts) are carried on by the engine worker's answer itself (NodeService._start); larger ones hold a
 # thread of the data plane's pool.
 ASYNC_STEP_TOKENS = 1 + MAX_DRAFT_TOKENS
-
-
-def grpc_code(status: Status) -> grpc.StatusCode:
-    """Our statuses are named after gRPC's codes."""
-    return grpc.StatusCode[status.value]
 
 
 @dataclass
@@ -95,31 +90,9 @@ class NodeService(pb_grpc.NodeServicer):
         # Step requests still arriving, on gRPC and the data plane together.
         self.budget = RequestBudget()
         self._stream_reads = StepStreamReads()
-        self._layers_after: int | None = None  # the model's layers after this node's range (known once asked)
+        self.place = RoutePlace(engine, node_id)
 
     # ---- steps -------------------------------------------------------------------------------
-    def _hops_error(self, hops) -> str | None:
-        """:func:`next_hops_error` for this node: its id, and the model's layers after its range."""
-        if not hops:  # a client-orchestrated step (most): nothing to check
-            return None
-        if self._layers_after is None:
-            c = self.engine.capabilities()
-            self._layers_after = c.n_layer - c.artifact.layers.end
-        return next_hops_error(hops, self.node_id, self._layers_after)
-
-    def _range_error(self, head: pb.Envelope) -> str | None:
-        """Why this node does not run a step routed to it for another layer range (``head.layers``):
-        another process now answers at the address the route names (a node restarted with another
-        range while the tracker was away), and its layers in place of the route's would yield wrong
-        tokens without an error. None: the range is this node's, or the step names none."""
-        if not head.HasField("layers"):
-            return None
-        own = self.engine.capabilities().artifact.layers
-        if (head.layers.start, head.layers.end) == (own.start, own.end):
-            return None
-        return (f"node {self.node_id} serves layers {own.start}:{own.end}, but the step was routed to "
-                f"it for layers {head.layers.start}:{head.layers.end}; get a new route")
-
     def run_step(self, frames) -> StepOutcome:
         """Validate frames, run the step, and say what to answer; shared by gRPC and the TCP data plane.
 
@@ -129,9 +102,9 @@ class NodeService(pb_grpc.NodeServicer):
         frames = list(frames)
         hops = frames[0].next_hops if frames else ()
         # First: a node of another range would judge the route by its own range.
-        if frames and (wrong := self._range_error(frames[0])) is not None:
+        if frames and (wrong := self.place.range_error(frames[0])) is not None:
             return StepOutcome("UNAVAILABLE", wrong)  # for the client a node gone from its route: fail over
-        refused = self._hops_error(hops)
+        refused = self.place.hops_error(hops)
         if refused is not None:
             return StepOutcome("INVALID_ARGUMENT", refused)
         out, req, decode, res = self._execute(frames)
@@ -163,10 +136,10 @@ class NodeService(pb_grpc.NodeServicer):
                                  StepOutcome("OK", replies=[pb.StepReply(failure=bounded_failure(head.failure))]))
             return
         hops = head.next_hops
-        if (wrong := self._range_error(head)) is not None:  # the tail tells the client, which fails over
+        if (wrong := self.place.range_error(head)) is not None:  # the tail tells the client, which fails over
             self._pass_on(head, StepOutcome("UNAVAILABLE", wrong), None, False, None)
             return
-        refused = self._hops_error(hops)
+        refused = self.place.hops_error(hops)
         if refused is not None:  # the head refuses such a route: only a misbehaving node sends it on
             log.warning("dropped a forwarded step of session %s: %s", head.session_id, refused)
             return
@@ -225,8 +198,8 @@ class NodeService(pb_grpc.NodeServicer):
             return False
         head = frames[0]
         n_tokens = head.shape[0] if head.shape else len(head.token_ids)
-        if (n_tokens > ASYNC_STEP_TOKENS or self._range_error(head) is not None
-                or self._hops_error(head.next_hops) is not None):
+        if (n_tokens > ASYNC_STEP_TOKENS or self.place.range_error(head) is not None
+                or self.place.hops_error(head.next_hops) is not None):
             return False
         try:
             req, decode = frames_to_request(frames)
@@ -267,7 +240,11 @@ class NodeService(pb_grpc.NodeServicer):
 
     def run_await(self, awaited: pb.AwaitStep, answer):
         """Answer ``answer(StepOutcome)`` with the outcome of the forwarded step ``awaited`` names;
-        returns the function that withdraws the await (see AwaitedOutcomes.await_)."""
+        returns the function that withdraws the await (see AwaitedOutcomes.await_). A node that is not a
+        tail answers at once: no forwarded step ends here (it would wait out the await's expiry)."""
+        if (refused := self.place.await_error()) is not None:
+            answer(StepOutcome("UNAVAILABLE", refused))
+            return lambda: None
         return self.awaited.await_(await_key(awaited), answer)
 
     def _forward(self, req: StepRequest, decode: bool, res: StepResult, hops,
@@ -333,10 +310,17 @@ class NodeService(pb_grpc.NodeServicer):
             abort_call(context, grpc.StatusCode[out.code], out.message, out.retry_after_s)
         return out.replies
 
+    def _loaded_capabilities(self):
+        """The engine's capabilities, or None while nothing is loaded (the step itself then says so)."""
+        try:
+            return self.engine.capabilities()
+        except RuntimeError:
+            return None
+
     def Step(self, request, context):
-        with contextlib.suppress(RuntimeError):  # not loaded: the step itself says so
-            if (problem := unary_output_problem(self.engine.capabilities(), len(request.token_ids))) is not None:
-                abort_call(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        caps = self._loaded_capabilities()
+        if caps is not None and (problem := unary_output_problem(caps, len(request.token_ids))) is not None:
+            abort_call(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
         replies = self._grpc_step([request], context)
         if len(replies) > 1:
             # The step already ran (its output took more than the estimate's frames)
@@ -345,12 +329,10 @@ class NodeService(pb_grpc.NodeServicer):
         return replies[0]
 
     def StepStream(self, request_iterator, context):
-        try:
-            limit = self.engine.capabilities().max_sessions
-        except RuntimeError:  # not loaded: the step itself says so
-            limit = 1
+        caps = self._loaded_capabilities()
+        limit = 1 if caps is None else max(1, caps.max_sessions)
         # bounded as on the data plane: its frames were all buffered, however many came
-        with self._stream_reads.reading(request_iterator, context, max(1, limit)) as frames_in:
+        with self._stream_reads.reading(request_iterator, context, limit) as frames_in:
             try:
                 frames, _ = read_request(frames_in, self.budget, MAX_REQUEST_BYTES, FRAME_CHARGE)
             except RequestRefused as e:
