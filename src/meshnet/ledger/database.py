@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -29,6 +30,17 @@ URL_HELP = ("SQLite: sqlite:////ABSOLUTE/PATH or sqlite:///RELATIVE/PATH; Postgr
 _MIGRATION_LOCK = 0x6D6573686E6574  # "meshnet"
 # Alembic keeps the running migration's context in module globals: one migration at a time per process.
 _UPGRADE_LOCK = threading.Lock()
+
+
+def data_dir() -> Path:
+    """``$XDG_DATA_HOME/meshnet``, by default ``~/.local/share/meshnet``."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "meshnet"
+
+
+def default_ledger_url() -> str:
+    """The ledger ``meshnet tracker`` uses without ``--ledger``: ``sqlite:///<data_dir>/ledger.db``."""
+    return f"sqlite:///{data_dir() / 'ledger.db'}"
 
 
 def db_error(e: BaseException) -> str:

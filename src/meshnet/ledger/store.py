@@ -1,6 +1,6 @@
 """The ledger: who did how much work, who received how many tokens, and which key each node id owns.
 
-Stored with SQLAlchemy: an SQLite file by default (:func:`default_ledger_url`), PostgreSQL by URL
+Stored with SQLAlchemy: an SQLite file by default (:func:`~meshnet.ledger.database.default_ledger_url`), PostgreSQL by URL
 (``postgresql://user:pass@host/db``, with the ``postgres`` extra installed; see
 :mod:`meshnet.ledger.database`). The schema is versioned by the Alembic migrations shipped in
 ``meshnet/ledger/migrations``; :class:`Ledger` runs ``upgrade head`` when it opens a database, so a
@@ -19,12 +19,10 @@ or PostgreSQL database another tracker holds is refused (:func:`~meshnet.ledger.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterable
 
 from sqlalchemy import BigInteger, and_, bindparam, case, func, select, text
@@ -36,17 +34,6 @@ from meshnet.ledger.hold import LOCK_WAIT_S, PostgresHold, hold_ledger
 from meshnet.ledger.schema import deliveries, node_keys, work
 
 MAX_ID_CHARS = 256  # session, client and node ids longer than this are refused (column width)
-
-
-def data_dir() -> Path:
-    """``$XDG_DATA_HOME/meshnet``, by default ``~/.local/share/meshnet``."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
-    return Path(base) / "meshnet"
-
-
-def default_ledger_url() -> str:
-    """The ledger ``meshnet tracker`` uses without ``--ledger``: ``sqlite:///<data_dir>/ledger.db``."""
-    return f"sqlite:///{data_dir() / 'ledger.db'}"
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,8 @@ def run_tracker(args: argparse.Namespace) -> int:
         return 2
     token = args.join_token or None  # the flag's default is $MESHNET_JOIN_TOKEN
     tls = TlsConfig(args.tls_cert, args.tls_key) if args.tls_cert else None
-    from meshnet.ledger.store import Ledger, LedgerError, default_ledger_url
+    from meshnet.ledger.database import default_ledger_url
+    from meshnet.ledger.store import Ledger, LedgerError
 
     ledger_url = getattr(args, "ledger", None) or default_ledger_url()
     # The port first: a second tracker started on a taken port was told of the first one's ledger lock,
