@@ -6,6 +6,9 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
+
+import pytest
 
 from mesh_util import wait_for
 from meshnet.client.mesh_client import MeshClient
@@ -191,7 +194,7 @@ def test_the_api_looks_at_a_route_around_a_node_it_found_down_and_warns_of_it_on
     requests look at the route a new session takes, around it."""
     from mesh_util import free_port
 
-    from meshnet.api.backend import RouteWatch
+    from meshnet.api.route_watch import RouteWatch
     from meshnet.wire.security import open_channel
 
     address = f"127.0.0.1:{free_port()}"
@@ -228,7 +231,7 @@ def test_the_api_looks_at_a_route_around_a_node_it_found_down_and_warns_of_it_on
 def test_the_api_says_once_when_the_mesh_loses_its_route_and_once_when_it_is_back(caplog):
     """`meshnet api --tracker` answered 503s while its mesh had no complete route and logged nothing, nor
     when the route came back: each is now said once, however many requests check meanwhile."""
-    from meshnet.api.backend import RouteWatch
+    from meshnet.api.route_watch import RouteWatch
     from meshnet.client.router import MeshUnavailable
 
     head, tail = FakeHop("a", LayerRange(0, 15)), FakeHop("c", LayerRange(15, 30))
@@ -256,3 +259,40 @@ def test_the_api_says_once_when_the_mesh_loses_its_route_and_once_when_it_is_bac
                             "layers [15, 30)", "the mesh has a complete route again: a@a:1 -> c@c:1"], said
     finally:
         client.close()
+
+
+def test_health_refuses_a_route_through_a_node_found_down_that_does_not_answer_but_requests_still_try_it():
+    """``/health`` said "ok" for up to three heartbeats after the only node of a range died (the tracker
+    still listed it), while requests waited out the failover deadline for a 503. Now a hop this client
+    found down lately must answer a health probe for ``/health``; a request's own check does not probe
+    (a node restarting at its address is waited for by the request's failover)."""
+    from mesh_util import free_port
+
+    from meshnet.api.route_watch import RouteWatch
+    from meshnet.client.node_failures import NodeFailures
+    from meshnet.client.router import MeshUnavailable
+    from meshnet.wire.security import open_channel
+
+    address = f"127.0.0.1:{free_port()}"
+    channel = open_channel(address, None, None)
+    dead = RemoteStage("b-dead", address, channel, timeout_s=5.0)
+    head = FakeHop("a", LayerRange(0, 15))
+    client = MeshClient("127.0.0.1:1", report_deliveries=False)
+
+    def route(exclude=frozenset(), previous_epoch=0, min_n_ctx=0, like=(), opens_session=False):
+        return previous_epoch + 1, [head, dead]  # no spare: the tracker lists the dead node until it lapses
+
+    client.router.route = route  # type: ignore[method-assign]
+    watch = RouteWatch(client, 123)
+    try:
+        assert watch.check(probe_found_down=True) == ["a@a:1", f"b-dead@{address}"]  # nobody found it down yet
+        client.node_failures.record("b-dead", address, "UNAVAILABLE: connection refused", time.monotonic())
+        with pytest.raises(MeshUnavailable, match=f"node b-dead at {address} was found down and does not answer"):
+            watch.check(probe_found_down=True)
+        assert watch.check() == ["a@a:1", f"b-dead@{address}"]
+        client.node_failures = NodeFailures()  # only the head found down, and it answers: ok
+        client.node_failures.record("a", "a:1", "UNAVAILABLE: a step timed out", time.monotonic())
+        assert watch.check(probe_found_down=True) == ["a@a:1", f"b-dead@{address}"]
+    finally:
+        client.close()
+        channel.close()

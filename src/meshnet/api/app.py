@@ -154,7 +154,7 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
         body: dict[str, Any] = {"model": backend.model_name, "active_sessions": metrics.n_active,
                                 "max_concurrency": backend.max_concurrency}
         try:
-            hops = await anyio.to_thread.run_sync(backend.check_route)
+            hops = await anyio.to_thread.run_sync(backend.check_health)
         except MeshUnavailable as e:
             body.update(status="unavailable", route=None, error=str(e))
             return JSONResponse(body, status_code=503,

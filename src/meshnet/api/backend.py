@@ -49,7 +49,8 @@ class ApiBackend:
 
     def __init__(self, new_client: Callable[[], StepClient], tokenizer: GGUFTokenizer, model_name: str,
                  n_ctx: int | Callable[[], int], check_route: Callable[[], list[str]] | None = None,
-                 max_concurrency: int = 8, retry_after_s: int = 2) -> None:
+                 max_concurrency: int = 8, retry_after_s: int = 2,
+                 check_health: Callable[[], list[str]] | None = None) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self._new_client = new_client
@@ -57,6 +58,7 @@ class ApiBackend:
         self.model_name = model_name
         self._n_ctx = n_ctx
         self._check_route = check_route
+        self._check_health = check_health or check_route
         self.max_concurrency = max_concurrency
         self.retry_after_s = retry_after_s
         self.closers: list[Callable[[], None]] = []
@@ -103,6 +105,13 @@ class ApiBackend:
         if self._check_route is None:
             return ["in-process"]
         return self._check_route()
+
+    def check_health(self) -> list[str]:
+        """:meth:`check_route` for ``/health``, which may probe more (``check_health``: over a mesh, the
+        hops this API's requests found down lately). Raises MeshUnavailable. Blocking."""
+        if self._check_health is None:
+            return ["in-process"]
+        return self._check_health()
 
     def close(self) -> None:
         """Release what the backend holds (mesh channels)."""
@@ -307,6 +316,8 @@ def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = 
     # Until a route has been seen, assume the engines' default context (the model's, capped at 4096).
     from meshnet.engine.ggml_stage import DEFAULT_MAX_CTX
 
+    from meshnet.api.route_watch import RouteWatch
+
     watch = RouteWatch(client, min(ModelConfig.from_reader(open_gguf(path)).n_ctx_train, DEFAULT_MAX_CTX))
     check_route, n_ctx = watch.check, watch.n_ctx
     try:
@@ -316,70 +327,10 @@ def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = 
         log.info("the mesh has no complete route yet (requests get 503 until it has): %s",
                  str(e).removeprefix("no route: "))
     backend = ApiBackend(lambda: client, tok, name or served_name(model), n_ctx, check_route=check_route,
-                         max_concurrency=max_concurrency)
+                         max_concurrency=max_concurrency, check_health=lambda: watch.check(probe_found_down=True))
     backend.mesh_figures = client.figures
     backend.closers.append(client.close)
     return backend
-
-
-class RouteWatch:
-    """The API's view of the mesh: the route a request would take, checked before each one (no route:
-    MeshUnavailable, a 503), and that route's context length, read from its hops when the route changes.
-
-    The route is a new session's (:meth:`MeshClient.new_route`): around the nodes this client found down
-    lately, as its sessions route. A hop that does not answer the context query is recorded as found down
-    when a health probe agrees, so the next request looks elsewhere (a node the tracker lists until its
-    heartbeats lapse, seconds after it died, was queried again and warned of by every request); the
-    last length read stays in use.
-
-    Args:
-        client: the API's MeshClient.
-        n_ctx: the context length (tokens) to assume until a route has been read.
-    """
-
-    def __init__(self, client, n_ctx: int) -> None:
-        self.client = client
-        self._lock = threading.Lock()
-        self._n_ctx, self._hops = n_ctx, ()
-        self._lost = False  # the last check found no route, after one had been found
-
-    def check(self) -> list[str]:
-        """The route's hops as ``id@address``. Raises MeshUnavailable. The route's loss and return are
-        logged once each (the API said nothing while its requests got 503s)."""
-        from meshnet.client.remote import StageFailure
-        from meshnet.client.router import MeshUnavailable, context_length
-
-        try:
-            _, hops = self.client.new_route(opens_session=False)
-        except MeshUnavailable as e:
-            with self._lock:
-                lost, self._lost = not self._lost and bool(self._hops), bool(self._hops)
-            if lost:
-                log.warning("the mesh has no complete route now (requests get 503 until it has): %s",
-                            str(e).removeprefix("no route: "))
-            raise
-        key = tuple((h.node_id, h.address) for h in hops)
-        with self._lock:
-            known, back, self._lost = self._hops == key, self._lost, False
-        if back:
-            log.info("the mesh has a complete route again: %s", " -> ".join(f"{h.node_id}@{h.address}" for h in hops))
-        if not known:
-            try:
-                n_ctx = context_length(hops)
-                with self._lock:
-                    first, (self._n_ctx, self._hops) = not self._hops, (n_ctx, key)
-                if first:  # said once: "no complete route yet" was, at start, where the mesh came up later
-                    log.info("the mesh has a complete route: %s (%d tokens of context)",
-                             " -> ".join(f"{h.node_id}@{h.address}" for h in hops), n_ctx)
-            except Exception as e:  # noqa: BLE001 - the request still runs; the generation finds the route
-                log.warning("could not read the route's context length: %s", e)
-                if isinstance(e, StageFailure):  # a node died since the tracker last heard of it
-                    self.client.node_failures.record_if_down(hops, e, time.monotonic())
-        return [f"{h.node_id}@{h.address}" for h in hops]
-
-    def n_ctx(self) -> int:
-        with self._lock:
-            return self._n_ctx
 
 
 def served_name(model: str) -> str:
