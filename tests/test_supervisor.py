@@ -243,3 +243,40 @@ def test_signals_deferred_holds_a_ctrl_c_to_the_end_of_its_block():
             time.sleep(0.2)
             ran.append("after the signal")
     assert ran == ["after the signal"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+WARNER = [sys.executable, "-c", "import logging, sys, time\n"
+          "from meshnet.supervisor import CHILD_LOG_FORMAT\n"
+          "logging.basicConfig(level=logging.INFO, format=CHILD_LOG_FORMAT, stream=sys.stderr)\n"
+          "log = logging.getLogger('meshnet.node')\n"
+          "log.info('serving layers 0:10')\n"
+          "for i in range(7): log.warning('engine worker pid %d hung; restarting in 0.5 s', 100 + i)\n"
+          "print('a line of another shape', file=sys.stderr, flush=True)\n"
+          "time.sleep(120)\n"]
+
+
+def test_a_childs_warnings_are_passed_on_as_they_come_five_in_ten_seconds():
+    """`meshnet up` swallowed its nodes' stderr until one exited: an engine worker restarted, or a next hop
+    unreachable, said nothing. Warnings and errors now reach its output; INFO lines and floods do not."""
+    out = io.StringIO()
+    sup = Supervisor([("0:10", WARNER)], out=out)
+    sup.start()
+    try:
+        _wait(lambda: "a line of another shape" in "".join(line for _, line in sup._children[0].log))
+        assert out.getvalue().splitlines() == [
+            f"[meshnet up] node 0:10: warning: engine worker pid {100 + i} hung; restarting in 0.5 s" for i in range(5)]
+        assert sup._children[0].held == 2
+    finally:
+        sup.stop(timeout_s=5)
+
+
+def test_warnings_held_back_are_counted_in_the_next_window():
+    from meshnet.supervisor import _Child
+
+    child = _Child("n", [])
+    line = "2026-12-07 17:44:03,664 ERROR meshnet.node step failed"
+    said = [Supervisor._echo(child, line, t) for t in (0.0, 1, 2, 3, 4, 5, 6, 12.0)]
+    assert said[:5] == ["node n: error: step failed"] * 5 and said[5:7] == [None, None]
+    assert said[7] == "node n: error: step failed (2 more held back before this)"
+    assert Supervisor._echo(child, "2026-12-07 17:44:03,664 INFO meshnet.node serving", 13.0) is None
+    assert Supervisor._echo(child, "Traceback (most recent call last):", 13.0) is None

@@ -30,6 +30,12 @@ _LAST_WORDS_S = 0.5
 # Lines a child wrote this long before it exited are its last words, quoted to explain the exit (seconds);
 # older ones (its start-up lines, minutes before a SIGKILL) explain nothing and read as if they did.
 _LAST_WORDS_WINDOW_S = 5.0
+# How a child logs (``meshnet node`` and its engine worker): its lines at WARNING and above are passed on
+# to the supervisor's own output as they come (a worker restarted, a next hop unreachable), at most
+# _ECHO_BURST a child per _ECHO_WINDOW_S seconds, those held back counted in the next one passed on.
+CHILD_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+_ECHO_LEVELS = frozenset({"WARNING", "ERROR", "CRITICAL"})
+_ECHO_BURST, _ECHO_WINDOW_S = 5, 10.0
 # The exit status of a node that refused its settings (a bad flag, a model that does not load): starting
 # it again would only fail again, so it is not restarted.
 EXIT_REFUSED = 2
@@ -185,6 +191,18 @@ class _Child:
     restart_at: float | None = None  # monotonic seconds; None while running
     pump: threading.Thread | None = None  # copies the child's stderr into ``log``
     log: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LOG_LINES))  # (monotonic s, line)
+    echo_since: float = float("-inf")  # the start of the window warnings are passed on in (monotonic s)
+    echoed: int = 0  # warnings passed on in that window
+    held: int = 0  # and held back
+
+
+def _warning_in(line: str) -> str | None:
+    """``"LEVEL: message"`` for a :data:`CHILD_LOG_FORMAT` line at WARNING or above, else None (INFO, a
+    traceback's continuation lines, a line of another shape)."""
+    parts = line.split(" ", 4)  # date, time, level, logger, message
+    if len(parts) == 5 and parts[2] in _ECHO_LEVELS:
+        return f"{parts[2].lower()}: {parts[4]}"
+    return None
 
 
 class Supervisor:
@@ -201,7 +219,7 @@ class Supervisor:
         out: where restart messages go (default stderr), one line each, prefixed ``[meshnet up]``.
 
     Children get stdout discarded and stderr captured; the last lines of stderr are quoted when a child
-    exits.
+    exits, and its warnings and errors (:data:`CHILD_LOG_FORMAT`) are passed on to ``out`` as they come.
     """
 
     def __init__(self, children: list[tuple[str, list[str]]], env: dict | None = None,
@@ -282,8 +300,27 @@ class Supervisor:
 
     def _pump(self, child: _Child, proc: subprocess.Popen) -> None:
         for line in proc.stderr:
+            now, line = time.monotonic(), line.rstrip()
             with self._lock:  # _schedule reads the log under the lock
-                child.log.append((time.monotonic(), line.rstrip()))
+                child.log.append((now, line))
+                echo = self._echo(child, line, now)
+            if echo is not None:
+                self._say(echo)
+
+    @staticmethod
+    def _echo(child: _Child, line: str, now: float) -> str | None:
+        """What to say of ``child``'s stderr ``line``: its warning, unless the window's are used up (lock
+        held)."""
+        if (said := _warning_in(line)) is None:
+            return None
+        held = 0
+        if now - child.echo_since >= _ECHO_WINDOW_S:
+            held, child.echo_since, child.echoed, child.held = child.held, now, 0, 0
+        if child.echoed >= _ECHO_BURST:
+            child.held += 1
+            return None
+        child.echoed += 1
+        return f"node {child.name}: {said}" + (f" ({held} more held back before this)" if held else "")
 
     def _watch(self) -> None:
         while not self._stop.wait(_POLL_S):

@@ -26,7 +26,7 @@ from meshnet.node.engine_loader import pin_to_cpu
 from meshnet.node.runner import Node
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.secret_args import add_join_token_arg
-from meshnet.supervisor import announce, follow_supervisor, on_stop_signals, wait_for_stop
+from meshnet.supervisor import CHILD_LOG_FORMAT, announce, follow_supervisor, on_stop_signals, wait_for_stop
 from meshnet.wire.addresses import WILDCARD_HOSTS, dialable_host, is_loopback_address, is_loopback_host
 from meshnet.wire.call_problems import tracker_refusal
 from meshnet.wire.security import TlsConfig, open_channel, server_ssl_context
@@ -174,7 +174,7 @@ def run_node(args: argparse.Namespace) -> int:
     cpu = getattr(args, "cpu", None)
     if cpu is not None:
         pin_to_cpu(cpu)  # before loading, so the engine's threads start pinned
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format=CHILD_LOG_FORMAT, stream=sys.stderr)
     if args.tls_ca and args.tls_cert is None and not args.relay:
         # The mesh speaks TLS (its tracker does): clients and the nodes before this one dial it over TLS.
         print("error: --tls-ca without --tls-cert: in a mesh that speaks TLS this node must too (give it "

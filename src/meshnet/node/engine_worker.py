@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from meshnet.node import worker_wire as ww
 from meshnet.node.engine_loader import load_engine, load_failure, pin_to_cpu
-from meshnet.supervisor import die_with_parent
+from meshnet.supervisor import CHILD_LOG_FORMAT, die_with_parent
 
 log = logging.getLogger("meshnet.worker")
 
@@ -125,7 +125,7 @@ def serve(sock: socket.socket) -> int:
 
 def main(argv: list[str]) -> int:
     die_with_parent(signal.SIGKILL)  # the node died: so does its engine (elsewhere the closed pipe ends it)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format=CHILD_LOG_FORMAT, stream=sys.stderr)
     sock = socket.socket(fileno=int(argv[0]))
     # The node's SIGINT (Ctrl-C in its terminal) and SIGTERM (sent to its process group, as `timeout` and
     # service managers do) reach this process too; the node decides: it drains, then closes the pipe.
