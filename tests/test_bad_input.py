@@ -241,7 +241,7 @@ def test_bad_load_settings_are_named(field, value):
     # gRPC takes a scheme for part of a host name it cannot resolve, and retried it forever
     (["node", "--engine", "fake", "--tracker", "http://127.0.0.1:7700"],
      "argument --tracker: bad address 'http://127.0.0.1:7700': expected HOST:PORT without a scheme or path"),
-    (["generate", "--tracker", "127.0.0.1", "hi"], "argument --tracker: bad address '127.0.0.1': expected HOST:PORT"),
+    (["generate", "--tracker", "127.0.0.1:", "hi"], "argument --tracker: bad address '127.0.0.1:': expected HOST:PORT"),
     (["node", "--engine", "fake", "--advertise", "nope"], "argument --advertise: bad address 'nope'"),
     (["node", "--engine", "fake", "--node-id", "a" * 300],  # the key file's name was too long for the disk
      "argument --node-id: must be 1 to 128 characters, got 300"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -106,8 +107,26 @@ def test_generate_without_a_running_mesh_is_a_clear_error(smollm2_path):
     proc = meshnet("generate", "--tracker", f"127.0.0.1:{port}", "--wait", "0.5", "Hello")  # it said 2
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "error: no complete route after 0.5 s: failed to connect" in proc.stderr, proc.stderr
-    proc = meshnet("generate", "--tracker", "127.0.0.1", "Hello")
+    proc = meshnet("generate", "--tracker", "127.0.0.1:", "Hello")
     assert proc.returncode == 2 and "expected HOST:PORT" in proc.stderr
+
+
+def test_a_tracker_named_without_a_port_is_the_one_on_the_default_port():
+    """`--tracker localhost` was refused (HOST:PORT expected) although the tracker listens on 7700 unless
+    told otherwise; a bare host now means that port, in every command that takes --tracker."""
+    from meshnet.arg_types import tracker_address
+
+    assert [tracker_address(a) for a in ("localhost", "10.0.0.5", "[::1]", "node-7:7811", "[::1]:80")] == [
+        "localhost:7700", "10.0.0.5:7700", "[::1]:7700", "node-7:7811", "[::1]:80"]
+    for bad in ("", "::1", "localhost:0", "http://localhost"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            tracker_address(bad)
+    from meshnet.cli import build_parser
+
+    for command in ("generate", "node", "api", "nodes", "ledger"):
+        parser = build_parser([command])
+        args = parser.parse_args([command, "--tracker", "tracker-host"] + (["hi"] if command == "generate" else []))
+        assert args.tracker == "tracker-host:7700", command
 
 
 def test_a_second_server_on_a_busy_port_fails_to_start():

@@ -154,11 +154,22 @@ def host_port(text: str) -> str:
 TRACKER_PORT = 7700
 
 
+def tracker_address(text: str) -> str:
+    """A tracker's ``HOST:PORT``; a bare host (``localhost``, ``10.0.0.5``, ``[::1]``) is given the
+    tracker's default :data:`TRACKER_PORT`, as the tracker listens on it unless told otherwise."""
+    if text and ":" not in text or (text.startswith("[") and text.endswith("]")):
+        text = f"{text}:{TRACKER_PORT}"
+    return host_port(text)
+
+
+TRACKER_HELP = f"HOST[:PORT] of the tracker (port {TRACKER_PORT} when not given)"
+
+
 def add_tracker_query_arg(p: argparse.ArgumentParser) -> None:
     """``--tracker HOST:PORT`` of a command that asks a tracker (``meshnet nodes``, ``meshnet ledger``): by
     default the one on this machine's :data:`TRACKER_PORT`."""
-    p.add_argument("--tracker", type=host_port, default=f"127.0.0.1:{TRACKER_PORT}",
-                   help="HOST:PORT of the tracker (default %(default)s: meshnet up's and meshnet tracker's)")
+    p.add_argument("--tracker", type=tracker_address, default=f"127.0.0.1:{TRACKER_PORT}",
+                   help=f"{TRACKER_HELP}; default %(default)s: meshnet up's and meshnet tracker's")
 
 
 def http_url(text: str) -> str:

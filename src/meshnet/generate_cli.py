@@ -55,7 +55,7 @@ def _add_model_args(p: argparse.ArgumentParser):
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
-    from meshnet.arg_types import add_client_id_arg, host_port, model_ref, seconds, utf8_text
+    from meshnet.arg_types import TRACKER_HELP, add_client_id_arg, model_ref, seconds, tracker_address, utf8_text
     from meshnet.secret_args import add_join_token_arg
 
     gen = sub.add_parser("generate", help="complete a prompt, streaming the text to stdout")
@@ -67,8 +67,8 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-generation tokens")
     gen.add_argument("--json", action="store_true",
                      help="after the text, print one JSON object with token ids, text and timings")
-    gen.add_argument("--tracker", type=host_port, default=None,
-                     help="HOST:PORT of a running mesh's tracker (default: run the stages in this process)")
+    gen.add_argument("--tracker", type=tracker_address, default=None,
+                     help=f"{TRACKER_HELP}; default: run the stages in this process")
     source.add_argument("--model-id", type=model_ref, default=None, metavar="ID_OR_NAME",
                         help="with --tracker, instead of a local --model: the model's id (or 8+ hex digits of "
                              "it), general.name or bundled name (smollm2); the tokenizer and chat template come "

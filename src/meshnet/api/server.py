@@ -13,9 +13,9 @@ import time
 
 import uvicorn
 
-from meshnet.arg_types import (LOCAL_STAGE_DEFAULTS, add_client_id_arg, host_port, listen_host, load_setting,
+from meshnet.arg_types import (LOCAL_STAGE_DEFAULTS, TRACKER_HELP, add_client_id_arg, listen_host, load_setting,
                                mode_problem, model_ref, name_text, port_number, positive_int, positive_number,
-                               thread_count)
+                               thread_count, tracker_address)
 from meshnet.api.app import MAX_BODY_BYTES, create_app
 from meshnet.api.http_protocol import HeaderDeadlineProtocol
 from meshnet.api.backend import ApiBackend
@@ -44,8 +44,8 @@ def add_api_parser(sub) -> None:
     """Add ``meshnet api`` to the subcommands ``sub`` (an ``argparse`` subparsers object)."""
     p = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API (/v1/chat/completions, ...) "
                                    "in front of a mesh")
-    p.add_argument("--tracker", type=host_port, default=None,
-                   help="HOST:PORT of the mesh's tracker (default: run the stages in this process)")
+    p.add_argument("--tracker", type=tracker_address, default=None,
+                   help=f"{TRACKER_HELP}; default: run the stages in this process")
     source = p.add_mutually_exclusive_group()  # a file here, or the model the tracker knows: never both
     source.add_argument("--model", default="smollm2",
                         help="GGUF path or bundled name; the file must be readable here (tokenizer, chat template)")

@@ -17,8 +17,8 @@ import sys
 import threading
 import time
 
-from meshnet.arg_types import (advertised_address, count, host_port, listen_host, load_setting, model_ref, node_id,
-                               port_number, positive_seconds, seconds, thread_count, unresolved_host)
+from meshnet.arg_types import (TRACKER_HELP, advertised_address, count, listen_host, load_setting, model_ref, node_id,
+                               port_number, positive_seconds, seconds, thread_count, tracker_address, unresolved_host)
 from meshnet.contract import LayerRange
 from meshnet.load_spec import NO_HUGE_PAGES_HELP, PREFIX_CACHE_HELP
 from meshnet.node.config import NodeConfig
@@ -42,7 +42,7 @@ READY_UNREACHABLE_TRIES = 2
 
 def add_node_parser(sub) -> None:
     p = sub.add_parser("node", help="serve a layer range of a model and join a tracker")
-    p.add_argument("--tracker", type=host_port, default=None, help="HOST:PORT of the tracker")
+    p.add_argument("--tracker", type=tracker_address, default=None, help=TRACKER_HELP)
     source = p.add_mutually_exclusive_group()  # a file here, or the tensors fetched from peers: never both
     source.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
     p.add_argument("--layers", default=None, help="half-open range START:END, e.g. 0:15")
