@@ -296,3 +296,43 @@ def test_health_refuses_a_route_through_a_node_found_down_that_does_not_answer_b
     finally:
         client.close()
         channel.close()
+
+
+def test_a_hop_that_never_answers_is_left_out_and_the_error_says_why_and_what_to_do():
+    """A node the tracker reaches but this client cannot (NAT without --relay, a wrong --advertise: its
+    packets dropped) held every new client for 5 s, and with no other node for its range the error said
+    only "no node serves layers [15, 30) (excluded: ...)". Its capabilities are now waited for 2 s, and the
+    error names the node, its failure and the fix."""
+    import socket
+
+    from meshnet.client.router import CAPABILITIES_TIMEOUT_S, MeshUnavailable
+    from meshnet.wire.security import open_channel
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)  # connections complete in the backlog; nothing ever answers on them
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    channel = open_channel(address, None, None)
+    silent = RemoteStage("b-silent", address, channel, timeout_s=5.0)
+    head = FakeHop("a", LayerRange(0, 15))
+    client = MeshClient("127.0.0.1:1", report_deliveries=False, failover_deadline_s=CAPABILITIES_TIMEOUT_S + 0.5)
+
+    def route(exclude=frozenset(), previous_epoch=0, min_n_ctx=0, like=(), opens_session=False):
+        if "b-silent" in exclude:
+            raise MeshUnavailable("no route: no node serves layers [15, 30) (excluded: b-silent)")
+        return previous_epoch + 1, [head, silent]
+
+    client.router.route = route  # type: ignore[method-assign]
+    try:
+        with pytest.raises(MeshUnavailable) as ei:
+            client.route_with_context()
+        assert str(ei.value) == (
+            f"no route: no node serves layers [15, 30) (excluded: b-silent); node b-silent at {address}: "
+            f"DEADLINE_EXCEEDED: no answer within {CAPABILITIES_TIMEOUT_S:g} s: is its port open to this machine? (a "
+            "node behind NAT or a firewall joins with --relay; one with a wrong --advertise address registers one "
+            "nobody reaches)")
+        assert client.node_failures.recent(time.monotonic()) == {"b-silent"}
+    finally:
+        client.close()
+        channel.close()
+        listener.close()

@@ -114,19 +114,22 @@ class MeshClient:
         recorded (:attr:`node_failures`): new sessions route around it too, rather than fail over from it.
 
         Raises:
-            MeshUnavailable: no route whose every hop answers; the message names the last failure.
+            MeshUnavailable: no route whose every hop answers; the message names the hops left out, and why.
         """
         deadline = time.monotonic() + self.failover_deadline_s
         failed_at: dict[str, str] = {}  # node id -> the address it did not answer at
-        refusals: dict[str, str] = {}  # node id -> why it refused this client (its join token, its CA)
+        failures: dict[str, StageFailure] = {}  # node id -> how it failed this client
         while True:
             try:
                 epoch, hops = self.router.route_around(failed_at)
             except MeshUnavailable as e:
-                if refusals and len(refusals) == len(failed_at):  # waiting does not change a refusal
-                    raise MeshUnavailable(f"{e}; {'; '.join(refusals.values())}") from None
-                if not failed_at or time.monotonic() >= deadline:
+                refusals = [str(f) for f in failures.values() if f.code in ("UNAUTHENTICATED", "PERMISSION_DENIED")]
+                if refusals and len(refusals) == len(failed_at):  # its join token, its CA: waiting changes nothing
+                    raise MeshUnavailable(f"{e}; {'; '.join(refusals)}") from None
+                if not failed_at:
                     raise
+                if time.monotonic() >= deadline:  # which nodes were excluded, and why: the tracker lists them
+                    raise MeshUnavailable(f"{e}; {'; '.join(map(str, failures.values()))}") from None
                 log.info("%s; asking again", e)
                 time.sleep(0.25)
                 continue
@@ -138,8 +141,7 @@ class MeshClient:
                 log.warning("%s; routing around it", f)
                 failed_at[f.node_id] = f.address
                 self.node_failures.record_if_down(hops, f, time.monotonic())
-                if f.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
-                    refusals[f.node_id] = str(f)
+                failures[f.node_id] = f
 
     def new_route(self, opens_session: bool = True, wait_s: float = 0.0) -> tuple[int, list[RemoteStage]]:
         """A new session's route: around the nodes found down lately (:meth:`NodeFailures.recent`) where

@@ -36,10 +36,28 @@ ROUTE_TIMEOUT_UNREACHABLE_S = 1.0
 ROUTE_RETRY_FULL_S = 10.0
 
 
+# How long a route's hop may take to answer for its capabilities, seconds: a small call any reachable node
+# answers at once, where one behind a firewall that drops packets (NAT without --relay, a wrong
+# --advertise) held every new client for the 5 s default before it routed around the node.
+CAPABILITIES_TIMEOUT_S = 2.0
+
+
 def context_length(hops: list[RemoteStage]) -> int:
     """The smallest ``n_ctx`` (tokens) along a route: every stage must hold the whole session.
-    Raises StageFailure when a hop does not answer."""
-    return min(h.capabilities().n_ctx for h in hops)
+    Raises StageFailure when a hop does not answer within :data:`CAPABILITIES_TIMEOUT_S` (one that let
+    the time run out is said to be perhaps unreachable from here, with what to do about it)."""
+    n_ctx = []
+    for h in hops:
+        try:
+            n_ctx.append(h.capabilities(CAPABILITIES_TIMEOUT_S).n_ctx)
+        except StageFailure as f:
+            if f.code != "DEADLINE_EXCEEDED":
+                raise
+            raise StageFailure(f.node_id, f.address, f.code,
+                               f"no answer within {CAPABILITIES_TIMEOUT_S:g} s: is its port open to this machine? (a "
+                               "node behind NAT or a firewall joins with --relay; one with a wrong --advertise "
+                               "address registers one nobody reaches)") from None
+    return min(n_ctx)
 
 
 class MeshUnavailable(RuntimeError):
