@@ -464,7 +464,10 @@ def test_an_api_key_is_required_of_every_request_but_health(backend, tmp_path, c
             assert raw.get("/v1/models", headers={"Authorization": "Basic sk-mesh-0123"}).status_code == 401
             assert raw.get("/v1/models", headers={"Authorization": "Bearer sk-mesh-0123x"}).status_code == 401
             assert raw.get("/metrics").status_code == 401
-            assert raw.get("/health").status_code == 200  # load balancers probe without a key
+            probe = raw.get("/health")  # load balancers probe without a key; only the key shows the route
+            assert probe.status_code == 200 and probe.json() == {"status": "ok"}
+            keyed_health = raw.get("/health", headers={"Authorization": "Bearer sk-mesh-0123"}).json()
+            assert keyed_health["status"] == "ok" and keyed_health["route"] and keyed_health["model"] == "smollm2"
         assert _engines(backend)[0].metrics().prefill_tokens == before
         keyed = openai.OpenAI(base_url=base + "/v1", api_key="sk-mesh-0123", max_retries=0, timeout=120)
         out = keyed.completions.create(model="smollm2", prompt="Hi", max_tokens=2, temperature=0)

@@ -30,7 +30,7 @@ from meshnet.api.backend import ApiBackend
 from meshnet.api.choices import whole_choices
 from meshnet.api.errors import ApiError, bad_request, internal_error, model_not_found, no_such_endpoint
 from meshnet.api.metrics import ApiMetrics
-from meshnet.api.middleware import ApiKeyOnly, BodyLimitAndMetrics, SameOriginOnly
+from meshnet.api.middleware import AUTHORIZED, ApiKeyOnly, BodyLimitAndMetrics, SameOriginOnly
 from meshnet.api.prompts import chat_prompt, completion_prompts
 from meshnet.api.responses import create_response
 from meshnet.api.runner import ChoiceRun, GenJob, Piece, queue_full
@@ -148,19 +148,22 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
         return await api.chat_completions(request)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
+        """The mesh's state; with ``--api-key``, only ``status`` to callers without the key (a load
+        balancer's probe): the route names the mesh's nodes and their addresses."""
         from meshnet.client.mesh_client import MeshUnavailable
 
+        detailed = request.scope.get(AUTHORIZED, True)
         body: dict[str, Any] = {"model": backend.model_name, "active_sessions": metrics.n_active,
                                 "max_concurrency": backend.max_concurrency}
         try:
             hops = await anyio.to_thread.run_sync(backend.check_health)
         except MeshUnavailable as e:
             body.update(status="unavailable", route=None, error=str(e))
-            return JSONResponse(body, status_code=503,
+            return JSONResponse(body if detailed else {"status": "unavailable"}, status_code=503,
                                 headers={"Retry-After": str(backend.retry_after_s)})
         body.update(status="ok", route=hops, n_ctx=backend.n_ctx)
-        return JSONResponse(body)
+        return JSONResponse(body if detailed else {"status": "ok"})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -172,10 +172,16 @@ class SameOriginOnly:
         await self.app(scope, receive, send)
 
 
+# The scope key under which ApiKeyOnly says whether a request to an open path carried the key: ``/health``
+# shows the mesh's route (node ids, addresses) only to those that did.
+AUTHORIZED = "meshnet.authorized"
+
+
 class ApiKeyOnly:
     """Answers 401 (OpenAI's ``invalid_api_key``) to a request without ``Authorization: Bearer KEY``, the
     key compared in constant time, as OpenAI and ``llama-server --api-key`` do; ``/health`` stays open to
-    load balancers' probes. Without it anyone who reaches the port can run generations on the mesh."""
+    load balancers' probes (its details only with the key: :data:`AUTHORIZED`). Without it anyone who
+    reaches the port can run generations on the mesh."""
 
     OPEN_PATHS = frozenset({"/health"})
 
@@ -183,13 +189,14 @@ class ApiKeyOnly:
         self.app, self._expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.OPEN_PATHS:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         sent = next((value for name, value in scope.get("headers", ()) if name == b"authorization"), b"")
         scheme, _, key = sent.strip().partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self._expected):  # scheme: any case
-            await self.app(scope, receive, send)
+        authorized = scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self._expected)  # any case
+        if authorized or scope["path"] in self.OPEN_PATHS:
+            await self.app({**scope, AUTHORIZED: authorized}, receive, send)
             return
         err = ApiError(401, f"{'an incorrect' if sent else 'no'} API key: send the header 'Authorization: Bearer "
                             f"KEY' with the key this server was started with (--api-key)", code="invalid_api_key")
