@@ -89,7 +89,8 @@ class Router:
         # When a GetRoute with the whole timeout last went unanswered (see ROUTE_TIMEOUT_UNREACHABLE_S).
         self._unreachable_at: float | None = None
         self._clock = time.monotonic
-        self._probed: dict[tuple[str, str], tuple[float, str | None]] = {}  # (id, address) -> (when, problem)
+        # (id, address) -> (when, problem, the instance that answered)
+        self._probed: dict[tuple[str, str], tuple[float, str | None, str]] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._pools: dict[str, ConnectionPool] = {}
         self._lock = threading.Lock()
@@ -174,9 +175,13 @@ class Router:
             # session, and the API's /health, learn it at once rather than through a failover's deadline.
             stages = [self.stage(h) for h in last]
             for st in stages:
-                if (problem := self._probe(st)) is not None:
+                problem, instance = self._probe(st)
+                if problem is not None:
                     raise MeshUnavailable(f"no route: the tracker is unreachable ({e.code().name}) and node "
                                           f"{st.node_id} of its last route {problem}") from None
+                # The process that answered is the route's node now (one restarted meanwhile serves its
+                # layers): a step it fails must not be taken for "another process answers" (RemoteStage.answers).
+                st.instance = instance or st.instance
             log.warning("tracker %s unreachable (%s): using the last route it gave", self.tracker_address,
                         e.code().name)
             return previous_epoch + 1, stages
@@ -190,29 +195,30 @@ class Router:
         """Whether the tracker has given this client a route."""
         return self._last_route is not None
 
-    def _probe(self, stage: RemoteStage) -> str | None:
-        """Why ``stage`` cannot take a new session now (it does not answer Health, answers unhealthy, or
-        serves another layer range or model than the route says), or None; a probe's answer is kept
-        :data:`PROBE_KEPT_S`. Another process answering at the node's address is fine here if it serves
-        the same layers of the same model (a node restarted while the tracker was away): a new session
-        starts there."""
+    def _probe(self, stage: RemoteStage) -> tuple[str | None, str]:
+        """(why ``stage`` cannot take a new session now, or None; the instance of the process that answered,
+        or ""). Why not: it does not answer Health, answers unhealthy, or serves another layer range or
+        model than the route says. A probe's answer is kept :data:`PROBE_KEPT_S`. Another process
+        answering at the node's address is fine here if it serves the same layers of the same model (a
+        node restarted while the tracker was away): a new session starts there."""
         key, now = (stage.node_id, stage.address), time.monotonic()
         with self._lock:
             kept = self._probed.get(key)
         if kept is not None and now - kept[0] < PROBE_KEPT_S:
-            return kept[1]
+            return kept[1], kept[2]
+        instance = ""
         try:
             h = stage.health(LIVENESS_PROBE_S)
             problem = None if h.healthy else f"answers unhealthy at {stage.address}: {h.message}"
             if problem is None:
-                problem = self._serves_other(stage, stage.capabilities(LIVENESS_PROBE_S))
+                problem, instance = self._serves_other(stage, stage.capabilities(LIVENESS_PROBE_S)), h.instance
         except grpc.RpcError as err:
             problem = f"does not answer at {stage.address} ({err.code().name})"
         except StageFailure as f:
             problem = f"does not answer at {stage.address} ({f.code})"
         with self._lock:
-            self._probed[key] = (now, problem)
-        return problem
+            self._probed[key] = (now, problem, instance)
+        return problem, instance
 
     def _serves_other(self, stage: RemoteStage, caps: pb.Capabilities) -> str | None:
         """Why the node answering at ``stage``'s address is not the route's (another layer range, another

@@ -229,6 +229,10 @@ class Forwarder:
         if self.peers is not None:
             try:
                 if not self.peers.admits(address, may_block=connect):  # a link it will not use: see the module
+                    # Said in Health too: the failure note goes to the tail, which may be refused alike (a
+                    # node restarted during a tracker outage has no list), and a client waiting on the
+                    # step then learns it only from its probes.
+                    self._failed_to(hop.node_id, address)
                     return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0, unreachable=True,
                                          message=f"the hop before it sends steps to the nodes registered with "
                                                  f"its tracker only, and none has the data address {address}")
