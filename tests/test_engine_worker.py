@@ -241,3 +241,38 @@ def test_fault_spec_parses_and_refuses_bad_text():
         parse_fault_spec("after=3")
     with pytest.raises(ValueError, match="got 'speed=3'"):
         parse_fault_spec("speed=3")
+
+
+def test_a_ping_behind_a_message_stuck_in_the_pipe_of_a_worker_that_stopped_reading_is_not_answered():
+    """A prefill's megabytes sent to a stopped worker (SIGSTOP) filled the pipe, and its sender held the
+    channel's send lock: the watchdog's ping waited on that lock for good, and the hung worker was never
+    killed. A ping that cannot be sent within its timeout now counts as unanswered."""
+    import socket
+
+    from meshnet.node.worker_channel import WorkerChannel
+
+    ours, worker = socket.socketpair()  # the worker end is never read: a stopped worker
+    channel = WorkerChannel(ours)
+    results: list = []
+    sender = threading.Thread(target=lambda: results.append(
+        _outcome(lambda: channel.call("prefill", b"x" * (64 << 20), timeout_s=30))), daemon=True)
+    sender.start()
+    assert wait_for(lambda: channel._send_lock.locked(), 5.0) is not None  # 64 MB fill the pipe, the lock held
+    pings: list[bool] = []
+    pinger = threading.Thread(target=lambda: pings.append(channel.ping(0.3)), daemon=True)
+    pinger.start()
+    pinger.join(5.0)
+    try:
+        assert pings == [False]
+    finally:
+        worker.close()  # as the watchdog's kill does: the stuck send fails, the call with it
+        channel.close("killed")
+        sender.join(5.0)
+    assert len(results) == 1 and isinstance(results[0], EngineUnavailable)
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - the test looks at what was raised
+        return e

@@ -89,9 +89,12 @@ class WorkerChannel:
         self._request(ww.Kind.CALL, *ww.encode_call(method, args), method=method, on_done=on_done)
 
     def ping(self, timeout_s: float) -> bool:
-        """Whether the worker's reading thread answers within ``timeout_s`` seconds (its Python runs)."""
+        """Whether the worker's reading thread answers within ``timeout_s`` seconds (its Python runs). A ping
+        that cannot be sent within ``timeout_s``, behind a call's message that fills the pipe of a worker
+        that stopped reading (a prefill's megabytes to a stopped worker), is not answered: the watchdog
+        waited on the pipe for good, and the hung worker was never killed."""
         try:
-            pending = self._request(ww.Kind.PING)
+            pending = self._request(ww.Kind.PING, lock_timeout_s=timeout_s)
         except ww.EngineUnavailable:
             return False
         # The grace covers this process having been stopped itself (SIGSTOP, a frozen VM): on waking, the
@@ -111,14 +114,14 @@ class WorkerChannel:
         self._sock.close()
 
     def _request(self, kind: ww.Kind, meta: bytes = b"", payload: bytes = b"", method: str = "",
-                 on_done: Callable[[Any], None] | None = None) -> _Pending:
+                 on_done: Callable[[Any], None] | None = None, lock_timeout_s: float | None = None) -> _Pending:
         with self._lock:
             if self.lost.is_set():
                 raise ww.EngineUnavailable(f"engine worker is gone ({self.lost_reason})")
             call_id = next(self._ids)
             pending = self._pending[call_id] = _Pending(call_id, method, on_done)
         try:
-            ww.send(self._sock, self._send_lock, kind, call_id, meta, payload)
+            ww.send(self._sock, self._send_lock, kind, call_id, meta, payload, lock_timeout_s)
         except OSError:
             with self._lock:
                 self._pending.pop(call_id, None)

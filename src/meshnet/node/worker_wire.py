@@ -81,15 +81,20 @@ def decode_call(meta: bytes, payload: bytes) -> tuple[str, tuple]:
 
 
 def send(sock: socket.socket, lock: threading.Lock, kind: Kind, call_id: int, meta: bytes = b"",
-         payload: bytes = b"") -> None:
+         payload: bytes = b"", lock_timeout_s: float | None = None) -> None:
     """Send one message; ``lock`` keeps messages of concurrent senders whole. Raises OSError when the
-    other end is gone."""
+    other end is gone, TimeoutError (an OSError) when another sender held ``lock`` for ``lock_timeout_s``
+    seconds (None: waits as long as it takes): its message is stuck in a pipe nobody reads."""
     parts = [_HEADER.pack(call_id, len(meta), len(payload), kind), meta, payload]
     total = sum(len(p) for p in parts)
-    with lock:
+    if not lock.acquire(timeout=-1 if lock_timeout_s is None else lock_timeout_s):
+        raise TimeoutError(f"another message held the pipe for {lock_timeout_s:g} s")
+    try:
         sent = sock.sendmsg(parts)
         if sent < total:  # a large payload may leave in several pieces
             sock.sendall(b"".join(parts)[sent:])
+    finally:
+        lock.release()
 
 
 def receive(sock: socket.socket) -> tuple[Kind, int, bytes, bytes]:
