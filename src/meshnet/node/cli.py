@@ -27,7 +27,8 @@ from meshnet.node.runner import Node
 from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 from meshnet.secret_args import add_join_token_arg
 from meshnet.supervisor import CHILD_LOG_FORMAT, announce, follow_supervisor, on_stop_signals, wait_for_stop
-from meshnet.wire.addresses import WILDCARD_HOSTS, dialable_host, is_loopback_address, is_loopback_host
+from meshnet.wire.addresses import (WILDCARD_HOSTS, dialable_host, is_loopback_address, is_loopback_host,
+                                    on_another_machine)
 from meshnet.wire.call_problems import tracker_refusal
 from meshnet.wire.security import TlsConfig, open_channel, server_ssl_context
 
@@ -190,6 +191,14 @@ def run_node(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
+    if (args.tracker and not args.relay and not args.advertise and is_loopback_host(args.host)
+            and on_another_machine(args.tracker)):
+        # The tracker refuses it (Register): said before the model loads, or its layers are fetched.
+        print(f"error: --host {args.host}: this node would listen on loopback only, and its tracker ({args.tracker}) "
+              "is on another machine, which refuses a node only this machine can dial; pass --host 0.0.0.0 (or "
+              "this machine's address), with --advertise HOST:PORT where others reach it by another address, "
+              "or --relay", file=sys.stderr)
+        return 2
     model = args.model
     if getattr(args, "fetch", None):
         try:

@@ -141,6 +141,13 @@ def is_loopback_address(address: str) -> bool:
     return is_loopback_host(address.rpartition(":")[0])
 
 
+def on_another_machine(address: str) -> bool:
+    """Whether ``address`` (``HOST:PORT``) names an IP address of another machine: not loopback, not one of
+    this machine's. False for a host name (telling would take resolving it)."""
+    ip = _ip(address.rpartition(":")[0].strip("[]"))
+    return ip is not None and not ip.is_loopback and not _is_own_address(ip)
+
+
 def peer_host(peer: str) -> str | None:
     """The host of gRPC peer ``peer`` (``ipv4:10.0.0.5:41234`` -> ``10.0.0.5``, ``ipv6:%5B::1%5D:41234`` ->
     ``[::1]``: gRPC percent-encodes an IPv6 peer's brackets), or None for a peer that is not an IP address
