@@ -571,17 +571,7 @@ def test_ctrl_c_that_a_library_turned_into_an_error_of_its_own_still_exits_130(m
 def test_an_advertised_name_that_does_not_resolve_here_is_warned_about():
     """Registered without a word, and every client then failed on it first; refusing it would refuse
     names only the peers resolve (split DNS, a pod's name published once it is ready), so it is a warning."""
-    import subprocess
-    import sys
-
-    proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "node", "--engine", "fake", "--port", "0",
-                             "--advertise", "nonexistent.invalid:9512"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stderr.readline()
-    finally:
-        proc.kill()
-        proc.communicate(timeout=30)
+    line = _first_warning_of_node("--engine", "fake", "--port", "0", "--advertise", "nonexistent.invalid:9512")
     assert line.startswith("warning: --advertise nonexistent.invalid:9512: the name does not resolve on this "
                            "machine ("), line
 
@@ -596,14 +586,7 @@ def test_a_node_on_loopback_under_a_tracker_reached_over_the_network_is_warned_a
     import sys
 
     # tracker.invalid resolves nowhere: the node is killed while it still tries to reach it
-    proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "node", "--engine", "fake", "--port", "0",
-                             "--tracker", "tracker.invalid:7700"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        line = proc.stderr.readline()
-    finally:
-        proc.kill()
-        proc.communicate(timeout=30)
+    line = _first_warning_of_node("--engine", "fake", "--port", "0", "--tracker", "tracker.invalid:7700")
     assert line == ("warning: --host 127.0.0.1: this node listens on loopback only, while its tracker "
                     "(tracker.invalid:7700) is reached over the network: clients and nodes on other machines cannot "
                     "reach it; pass --host 0.0.0.0 (or this machine's address), with --advertise HOST:PORT where "
@@ -741,3 +724,26 @@ def test_an_unpaired_surrogate_escape_is_named_as_one(escape):
         parse_body(ChatCompletionRequest, body.encode())
     assert e.value.status == 400 and e.value.code == "invalid_json"
     assert "a string holds an unpaired UTF-16 surrogate escape such as \\ud800" in str(e.value), str(e.value)
+
+
+def test_a_node_with_a_join_token_under_a_tracker_without_one_is_warned_about(mesh):
+    """The tracker took clients without a token and routed them to the node, which refused them: nothing
+    said so at start, on either side."""
+    line = _first_warning_of_node("--engine", "fake", "--tracker", mesh.tracker, "--join-token", "node-only secret")
+    assert line == (f"warning: --join-token: the tracker at {mesh.tracker} takes callers without a join token, so the "
+                    "clients it routes to this node come without one, and this node refuses them; give the tracker "
+                    "the same --join-token (or this node none)\n"), line
+
+
+def _first_warning_of_node(*args: str) -> str:
+    """The first line ``meshnet node ARGS`` writes on stderr; the node is killed after it."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "node", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        return proc.stderr.readline()
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)

@@ -94,6 +94,22 @@ def tracker_refusal(tracker: str, join_token: str | None, tls_ca: str | None, re
     return None
 
 
+def tracker_open_to_all(tracker: str, tls_ca: str | None) -> bool:
+    """Whether the tracker at ``tracker`` answers a caller without a join token (it was started without
+    one); False when it refuses one, or cannot be asked now."""
+    from meshnet.proto import meshnet_pb2 as pb
+    from meshnet.proto import meshnet_pb2_grpc as pb_grpc
+
+    channel = open_channel(tracker, None, tls_ca)
+    try:
+        pb_grpc.TrackerStub(channel).ListNodes(pb.Empty(), timeout=5)
+        return True
+    except grpc.RpcError:
+        return False
+    finally:
+        channel.close()
+
+
 def abort_call(context, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
     """End a gRPC call with ``code`` and ``message``, and with ``retry_after_s`` (the seconds after which
     asking again may succeed) as :data:`RETRY_AFTER_METADATA` trailing metadata when given: what
