@@ -427,7 +427,18 @@ def test_meshnet_nodes_lists_range_backend_load_speed_relay_and_age(tracker):
     assert nodes["cpu-node"]["device"]["cpu_features"] == ["SSE3", "AVX", "AVX2", "FMA", "AVX512", "AVX512_VNNI"]
     assert nodes[me.node_id]["free_memory_bytes"] == 3 << 30 and nodes["legacy"]["device"] is None
 
-    assert nodes[me.node_id]["load"] is None  # nothing listens at 127.0.0.1:9: no figures, no error
+    # Nothing listens at 127.0.0.1:9: no figures, but why (it looked like a relayed node's, which is not asked).
+    assert nodes[me.node_id]["load"]["error"].startswith("UNAVAILABLE: failed to connect")
+    args = parser.parse_args(["nodes", "--tracker", f"127.0.0.1:{state['port']}"])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert args.func(args) == 0
+    said = [line for line in out.getvalue().splitlines() if line.startswith(f"node {me.node_id} at")]
+    assert len(said) == 1 and said[0].startswith(f"node {me.node_id} at 127.0.0.1:9 does not answer from here "
+                                                 "(UNAVAILABLE: failed to connect")
+    assert said[0].endswith("clients on this machine cannot reach it either (a node behind NAT or a firewall joins "
+                            "with --relay)")
+    assert {r.split()[0]: r.split()[8] for r in out.getvalue().splitlines()[1:4]}[me.node_id] == "unreachable"
 
     # With the nodes' figures: KV cells held/reserved/capacity, rows per iteration, steps in queue.
     load = {"kv_tokens_held": 120, "kv_tokens_reserved": 400, "kv_tokens_capacity": 8192, "kv_bytes": 1 << 20,

@@ -68,14 +68,15 @@ def node_load(address: str, join_token: str | None, tls_ca: str | None, timeout_
     """A node's KV pool, batching figures and weights from its Metrics RPC: ``{"kv_tokens_held",
     "kv_tokens_reserved", "kv_tokens_capacity", "kv_bytes", "mean_batch_rows", "max_batch_rows",
     "waiting_steps", "mean_queue_ms", "weight_bytes"}`` (``weight_bytes``: the tensors of the node's layer
-    range, plus the embedding on a head and the output head on a tail); None when it does not answer in ``timeout_s`` seconds (or has no address)."""
+    range, plus the embedding on a head and the output head on a tail); ``{"error": "CODE: details"}`` when it
+    does not answer in ``timeout_s`` seconds; None when it has no address."""
     if not address:
         return None
     try:
         with open_channel(address, join_token, tls_ca) as channel:
             m = pb_grpc.NodeStub(channel).Metrics(pb.Empty(), timeout=timeout_s)
-    except grpc.RpcError:
-        return None
+    except grpc.RpcError as e:
+        return {"error": f"{e.code().name}: {e.details() or ''}".rstrip(": ")}
     return {"kv_tokens_held": m.kv_tokens_held, "kv_tokens_reserved": m.kv_tokens_reserved,
             "kv_tokens_capacity": m.kv_tokens_capacity, "kv_bytes": m.kv_bytes,
             "mean_batch_rows": round(m.batch_rows / m.iterations, 2) if m.iterations else 0.0,
@@ -95,6 +96,8 @@ def _bytes_cell(n: int) -> str:
 def _load_cells(load: dict | None) -> tuple[str, str, str, str]:
     if load is None:
         return "-", "-", "-", "-"
+    if "error" in load:
+        return "unreachable", "-", "-", "-"
     return (f"{load['kv_tokens_held']}/{load['kv_tokens_reserved']}/{load['kv_tokens_capacity']}",
             f"{load['mean_batch_rows']:.1f} (max {load['max_batch_rows']})",
             f"{load['waiting_steps']} ({load['mean_queue_ms']:.1f} ms)",
@@ -149,7 +152,8 @@ def nodes_dict(reply: pb.NodeList, loads: dict[str, dict | None] | None = None) 
     hold there (0: an older node that does not say; routes prefer the largest a chain offers); ``version`` the node's meshnet
     release ("" from an older node), ``protocol`` its wire protocol ``MAJOR.MINOR``; ``numerics`` what decides
     the bits it computes ("" from an older node; :mod:`meshnet.engine.numerics`); ``unserved_layers``:
-    :func:`unserved_layers`; ``unlike_replicas``: :func:`unlike_replicas`."""
+    :func:`unserved_layers`; ``unlike_replicas``: :func:`unlike_replicas`; ``load``: :func:`node_load`'s answer
+    (``{"error": ...}`` from a node that did not answer here), null for a relayed node (not asked)."""
     return {"unserved_layers": {sha: [list(span) for span in spans] for sha, spans in unserved_layers(reply).items()},
             "unlike_replicas": unlike_replicas(reply),
             "nodes": [{"node_id": s.info.node_id, "address": s.info.address, "data_address": s.info.data_address,
@@ -174,7 +178,8 @@ WIDE_ONLY = ("BACKEND", "WEIGHTS", "SIGNED", "DATA", "DEVICE")
 def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None, wide: bool = False) -> str:
     """An aligned table, one row per node in layer order (its model's id shortened to 12 hex digits, as ``meshnet ledger``
     prints it), or a line saying none is registered. ``loads`` (node id ->
-    :func:`node_load`) adds the KV, BATCH_ROWS, QUEUE and WEIGHTS columns; "-" where a node did not answer.
+    :func:`node_load`) adds the KV, BATCH_ROWS, QUEUE and WEIGHTS columns ("-" for a relayed node, not asked;
+    "unreachable" for one that did not answer, with a line below the table saying so).
     Without ``wide`` the :data:`WIDE_ONLY` columns are left out (the device alone takes about 80 characters).
     Below the table, a line for each model whose layers are not all served (:func:`unserved_layers`) and
     for each run of layers served by replicas that compute otherwise (:func:`unlike_replicas`)."""
@@ -198,10 +203,14 @@ def format_nodes(reply: pb.NodeList, loads: dict[str, dict | None] | None = None
         kept = [c for c, name in enumerate(rows[0]) if name not in WIDE_ONLY]
         rows = [tuple(r[c] for c in kept) for r in rows]
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    # A node this machine cannot reach (where the tracker can: it registered) is one its clients cannot either.
+    unreached = [f"node {s.info.node_id} at {s.info.address} does not answer from here ({load['error']}): clients on "
+                 "this machine cannot reach it either (a node behind NAT or a firewall joins with --relay)"
+                 for s in reply.nodes if "error" in (load := (loads or {}).get(s.info.node_id) or {})]
     gaps = [f"model {sha[:12]}: no node serves layers {', '.join(f'[{a}, {b})' for a, b in spans)}: no route "
             f"until one does" for sha, spans in unserved_layers(reply).items()]
     return "\n".join(["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows] + gaps
-                     + unlike_replicas(reply))
+                     + unlike_replicas(reply) + unreached)
 
 
 def run_nodes(args: argparse.Namespace) -> int:
