@@ -336,3 +336,34 @@ def test_a_hop_that_never_answers_is_left_out_and_the_error_says_why_and_what_to
         client.close()
         channel.close()
         listener.close()
+
+
+def test_a_busy_hop_that_answers_health_is_waited_for_to_free_its_old_copy():
+    """A head busy with a long prefill chunk let a failover's release of its old copy wait past 1 s, and was
+    taken for dead with the middle node that had died: a healthy head was replaced too. A hop that answers
+    Health is now waited for up to its step timeout; one that does not still fails the replay."""
+    from meshnet.client.replay import free_old_copies
+    from meshnet.contract import Status
+
+    class Busy:
+        node_id, address, timeout_s = "a-head", "a:1", 30.0
+
+        def __init__(self, alive: bool) -> None:
+            self.alive, self.waits = alive, []
+
+        def release(self, session_id, superseded_by=0, timeout_s=5.0):
+            self.waits.append(timeout_s)
+            if len(self.waits) == 1:
+                return Outcome(Status.FAILED_PRECONDITION, "DEADLINE_EXCEEDED: Deadline Exceeded")
+            return Outcome(Status.OK)
+
+        def answers(self) -> bool:
+            return self.alive
+
+    busy = Busy(alive=True)
+    free_old_copies([busy], "s", 2, 1.0)
+    assert busy.waits == [1.0, 30.0]
+    dead = Busy(alive=False)
+    with pytest.raises(StageFailure, match="could not free its old copy of the session: DEADLINE_EXCEEDED"):
+        free_old_copies([dead], "s", 2, 1.0)
+    assert dead.waits == [1.0]

@@ -87,7 +87,8 @@ def _restarted(was: RemoteStage, now: RemoteStage) -> bool:
 
 def free_old_copies(hops: list[RemoteStage], session_id: str, epoch: int, timeout_s: float) -> None:
     """Have each of ``hops`` (those a replay rebuilds) free its copy of the session older than ``epoch``,
-    waiting ``timeout_s`` seconds at most for each. Raises StageFailure for a hop that did not.
+    waiting ``timeout_s`` seconds for each, or its step timeout where it answers Health meanwhile. Raises
+    StageFailure for a hop that did not.
 
     Every hop the replay reaches may hold an older copy (a node back at its old address, a release of an
     earlier failover that never landed), which would refuse the replay's first step. Fenced, these releases
@@ -96,6 +97,10 @@ def free_old_copies(hops: list[RemoteStage], session_id: str, epoch: int, timeou
     routes around it, or through it once it answers again."""
     for hop in hops:
         out = hop.release(session_id, superseded_by=epoch, timeout_s=timeout_s)
+        if not out.ok and hop.answers():
+            # Alive and busy (a long prefill chunk ahead of the release in its engine): waited for as a step
+            # is, up to the hop's step timeout; taken for dead, a healthy head was replaced with the rest.
+            out = hop.release(session_id, superseded_by=epoch, timeout_s=hop.timeout_s)
         if not out.ok:
             raise StageFailure(hop.node_id, hop.address, "UNAVAILABLE",
                                f"could not free its old copy of the session: {out.message}")
