@@ -225,4 +225,4 @@ def test_commands_that_ask_a_tracker_nothing_answers_at_say_what_to_check():
         assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
         assert r.stderr.startswith(f"error: tracker {address}: UNAVAILABLE: "), r.stderr
         assert r.stderr.rstrip().endswith(f"(no tracker answers at {address}: is it running, and is that its "
-                                          "address?)"), r.stderr
+                                          "address (--tracker HOST:PORT)?)"), r.stderr

@@ -68,7 +68,7 @@ def test_new_sessions_take_the_last_route_while_the_tracker_is_down(mesh, tok, s
     client.close()
     fresh = mesh.client(report_deliveries=False)
     with pytest.raises(MeshUnavailable, match=f"^no route: .*\\(no tracker answers at {mesh.tracker}: is it "
-                                              f"running, and is that its address\\?\\)$"):
+                                              f"running, and is that its address \\(--tracker HOST:PORT\\)\\?\\)$"):
         fresh.route()  # it said gRPC's "failed to connect to all addresses" and no more
     fresh.close()
 

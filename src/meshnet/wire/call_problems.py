@@ -63,7 +63,7 @@ def tracker_hint(e: grpc.RpcError, tls_ca: str | None, tracker: str | None = Non
 
 def no_tracker_at(tracker: str) -> str:
     """What a tracker call that nothing answered (UNAVAILABLE) means to the user."""
-    return f"no tracker answers at {tracker}: is it running, and is that its address?"
+    return f"no tracker answers at {tracker}: is it running, and is that its address (--tracker HOST:PORT)?"
 
 
 def tracker_refusal(tracker: str, join_token: str | None, tls_ca: str | None, retry_s: float = 1.0) -> str | None:
