@@ -314,9 +314,8 @@ def mesh_backend(tracker: str, model: str = "smollm2", join_token: str | None = 
     client = MeshClient(tracker, model_sha256=model_id(path), join_token=join_token, tls_ca=tls_ca,
                         step_timeout_s=step_timeout_s, forwarding=forwarding, client_id=client_id)
     # Until a route has been seen, assume the engines' default context (the model's, capped at 4096).
-    from meshnet.engine.ggml_stage import DEFAULT_MAX_CTX
-
     from meshnet.api.route_watch import RouteWatch
+    from meshnet.engine.ggml_stage import DEFAULT_MAX_CTX
 
     watch = RouteWatch(client, min(ModelConfig.from_reader(open_gguf(path)).n_ctx_train, DEFAULT_MAX_CTX))
     check_route, n_ctx = watch.check, watch.n_ctx

@@ -196,7 +196,8 @@ class ApiKeyOnly:
         scheme, _, key = sent.strip().partition(b" ")
         authorized = scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self._expected)  # any case
         if authorized or scope["path"] in self.OPEN_PATHS:
-            await self.app({**scope, AUTHORIZED: authorized}, receive, send)
+            scope[AUTHORIZED] = authorized  # in place: the outer middleware reads what the app leaves in scope
+            await self.app(scope, receive, send)
             return
         err = ApiError(401, f"{'an incorrect' if sent else 'no'} API key: send the header 'Authorization: Bearer "
                             f"KEY' with the key this server was started with (--api-key)", code="invalid_api_key")

@@ -94,15 +94,15 @@ def tracker_refusal(tracker: str, join_token: str | None, tls_ca: str | None, re
     return None
 
 
-def tracker_open_to_all(tracker: str, tls_ca: str | None) -> bool:
+def tracker_open_to_all(tracker: str, tls_ca: str | None, timeout_s: float = 2.0) -> bool:
     """Whether the tracker at ``tracker`` answers a caller without a join token (it was started without
-    one); False when it refuses one, or cannot be asked now."""
+    one); False when it refuses one, or cannot be asked within ``timeout_s`` seconds."""
     from meshnet.proto import meshnet_pb2 as pb
     from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 
     channel = open_channel(tracker, None, tls_ca)
     try:
-        pb_grpc.TrackerStub(channel).ListNodes(pb.Empty(), timeout=5)
+        pb_grpc.TrackerStub(channel).ListNodes(pb.Empty(), timeout=timeout_s)
         return True
     except grpc.RpcError:
         return False
