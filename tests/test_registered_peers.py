@@ -127,3 +127,30 @@ def test_a_node_of_a_mesh_sends_on_to_its_tracker_s_nodes_only(mesh):
     finally:
         conn.close()
         target.close()
+
+
+def test_refresh_asks_the_tracker_at_once_so_a_node_restarted_just_before_an_outage_has_a_list():
+    """A node asks its tracker's list when it registers: asked first on its first forwarded step, a node
+    restarted just before the tracker stopped had none, and every link out of it was stepped by clients."""
+    clock, asked = Clock(), []
+    peers = RegisteredPeers(lambda: asked.append(clock.now) or ["10.0.0.3:7701"], clock)
+    peers.refresh()
+    peers.refresh()  # at once, however recently asked
+    assert asked == [100.0, 100.0] and peers.admits("10.0.0.3:7701") and len(asked) == 2
+    # Not the last asking: a node that registered after this one is asked for at the first step naming it.
+    assert not peers.admits("10.0.0.4:7701") and len(asked) == 3
+
+
+def test_a_forwarder_logs_the_address_it_will_not_send_to_and_why(caplog):
+    fwd = Forwarder(None, timeout_s=5.0)
+    fwd.peers = RegisteredPeers(lambda: [])
+    step = [pb.Envelope(session_id="s", n_chunks=1, byte_order="little")]
+    try:
+        with caplog.at_level(logging.WARNING, logger="meshnet.node"):
+            for _ in range(2):  # logged once an address
+                assert fwd.send(pb.ForwardHop(node_id="nC", data_address="127.0.0.1:9"), step).unreachable
+    finally:
+        fwd.close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "this node does not send steps to 127.0.0.1:9 (next node nC): its tracker has not listed that address "
+        "as a registered node's (or cannot be asked now); clients step that link themselves meanwhile"]

@@ -233,6 +233,9 @@ class Forwarder:
                     # node restarted during a tracker outage has no list), and a client waiting on the
                     # step then learns it only from its probes.
                     self._failed_to(hop.node_id, address)
+                    self._warn_once(address, "this node does not send steps to %s (next node %s): its tracker "
+                                    "has not listed that address as a registered node's (or cannot be asked "
+                                    "now); clients step that link themselves meanwhile", address, hop.node_id)
                     return pb.HopFailure(node_id=hop.node_id, code="UNAVAILABLE", retry_after_s=-1.0, unreachable=True,
                                          message=f"the hop before it sends steps to the nodes registered with "
                                                  f"its tracker only, and none has the data address {address}")
@@ -326,6 +329,14 @@ class Forwarder:
         :data:`UNREACHABLE_WARN_S` an address: the node's own log is where its operator looks for a firewall
         before the next node. ``refused``: nothing listens there (the connection was refused), which is
         most often that node stopped or restarting, not a firewall."""
+        why = (" refused the connection: it has stopped or is restarting (clients fail over), or a firewall "
+               "rejects this node;" if refused else ";")
+        self._warn_once(address, "this node %s (next node %s%s if that node is up, its data port must be open to "
+                        "the nodes before it in a route; clients step such a link themselves meanwhile)",
+                        reason, node_id, why)
+
+    def _warn_once(self, address: str, fmt: str, *args: object) -> None:
+        """Log a warning about ``address``, once per :data:`UNREACHABLE_WARN_S` an address."""
         now = time.monotonic()
         with self._lock:
             if now < self._warned.get(address, 0.0):
@@ -333,10 +344,7 @@ class Forwarder:
             if len(self._warned) >= MAX_PEERS:
                 self._warned = {a: until for a, until in self._warned.items() if until > now}
             self._warned[address] = now + UNREACHABLE_WARN_S
-        why = (" refused the connection: it has stopped or is restarting (clients fail over), or a firewall "
-               "rejects this node;" if refused else ";")
-        log.warning("this node %s (next node %s%s if that node is up, its data port must be open to the nodes "
-                    "before it in a route; clients step such a link themselves meanwhile)", reason, node_id, why)
+        log.warning(fmt, *args)
 
     def report(self, tail: pb.ForwardHop, step: pb.Envelope, failure: pb.HopFailure, connect: bool = True) -> None:
         """Tell ``tail`` that the step ``step`` heads (its header fields) failed with ``failure``, so it

@@ -55,6 +55,28 @@ class RegisteredPeers:
         self._reachable = True  # whether the last asking was answered (logged once per outage)
         self._lock = threading.Lock()  # one asking at a time
 
+    def refresh(self) -> None:
+        """Ask the tracker's list now, whenever it was last asked (a node that has just registered: a
+        tracker that stops before this node's first forwarded step would otherwise leave it no list at all,
+        and every link out of it stepped by its clients until the tracker is back). It does not count as
+        the last asking: the nodes that register after this one are asked for at the first step naming one."""
+        with self._lock:
+            self._ask(counts=False)
+
+    def _ask(self, counts: bool = True) -> None:
+        """Ask the tracker's list (the lock held); ``counts``: as the last asking (:data:`REFRESH_S`)."""
+        if counts:
+            self._asked_at = self._clock()
+        try:
+            self._known = frozenset(a.lower() for a in self._list() if a)
+            self._reachable = True
+        except grpc.RpcError as e:
+            if self._reachable:
+                log.warning("could not ask the tracker which nodes are registered (%s): steps are "
+                            "forwarded only to the %d nodes it last listed until it answers",
+                            e.code().name, len(self._known))
+            self._reachable = False
+
     def admits(self, address: str, may_block: bool = True) -> bool:
         """Whether a step may be sent on to ``address``: a registered node's data address (as last listed,
         while the tracker cannot be asked). ``may_block`` False raises :class:`NeedsRefresh` where the answer
@@ -67,14 +89,5 @@ class RegisteredPeers:
             return address.lower() in self._known  # an asking may have ended since
         with self._lock:
             if self._clock() - self._asked_at >= REFRESH_S:
-                self._asked_at = self._clock()
-                try:
-                    self._known = frozenset(a.lower() for a in self._list() if a)
-                    self._reachable = True
-                except grpc.RpcError as e:
-                    if self._reachable:
-                        log.warning("could not ask the tracker which nodes are registered (%s): steps are "
-                                    "forwarded only to the %d nodes it last listed until it answers",
-                                    e.code().name, len(self._known))
-                    self._reachable = False
+                self._ask()
             return address.lower() in self._known

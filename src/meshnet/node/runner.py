@@ -136,6 +136,7 @@ class Node:
                 if self.loaded.manifest else None
             self.membership = Membership(tracker, self.identity, self.node_id, self.info, self._load, self.work,
                                          self._refused, manifest)
+            self.membership.on_registered = self.service.forwarder.peers.refresh
             if cfg.relay:
                 self.relay = RelayLink(tracker, self.identity, self.node_id, self.service,
                                        self.membership.registered, cfg.max_sessions)
