@@ -205,3 +205,20 @@ def test_numerics_are_matched_over_the_layers_a_replacement_shares_with_the_repl
     split = [node("h2", 0, 15, numerics=AVX2), node("t512", 15, 30, numerics=AVX512)]
     assert ids(plan_route([whole, *split], SHA)) == ["whole512"]
     assert ids(plan_route([whole, *split], SHA, like=like)) == ["h2", "t512"]
+
+
+def test_a_node_clients_excluded_lately_is_taken_only_where_no_chain_avoids_it():
+    """A node the tracker reaches but clients do not (NAT without --relay) measured fastest and was handed to
+    every new client, each of which waited for it before routing around it. Nodes in ``avoid`` (excluded by
+    clients' route requests lately) now come after saturation and numerics, before speed."""
+    ends = [node("a", 0, 10), node("c", 20, 30)]
+    nat = node("nat", 10, 20, decode_tokens_per_s=166.8)
+    lan = node("lan", 10, 20, decode_tokens_per_s=146.1)
+    assert ids(plan_route([*ends, nat, lan], SHA)) == ["a", "nat", "c"]
+    assert ids(plan_route([*ends, nat, lan], SHA, avoid={"nat"})) == ["a", "lan", "c"]
+    assert ids(plan_route([*ends, nat], SHA, avoid={"nat"})) == ["a", "nat", "c"]  # the only way: taken
+    full = node("lan", 10, 20, active_sessions=16, max_sessions=16)
+    assert ids(plan_route([*ends, nat, full], SHA, avoid={"nat"})) == ["a", "nat", "c"]  # saturation first
+    like = [(LayerRange(10, 20), AVX2)]
+    same, other = node("nat", 10, 20, numerics=AVX2), node("lan", 10, 20, numerics=AVX512)
+    assert ids(plan_route([*ends, same, other], SHA, like=like, avoid={"nat"})) == ["a", "nat", "c"]  # numerics too

@@ -578,3 +578,37 @@ def test_a_node_claiming_another_layer_count_for_a_served_model_is_refused_and_r
     clock.now += 3.5  # the model's nodes are gone: another layer count may be served under the id again
     reg.register(record("c", 0, 60, n_layer=60, address="127.0.0.1:11"), PROTOCOL_MAJOR, PROTOCOL_MINOR)
     assert [h.node_id for h in plan_route(reg.routable(), SHA)] == ["c"]
+
+
+def test_a_node_a_route_request_excluded_is_avoided_for_a_minute_and_afresh_once_it_registers_again():
+    from meshnet.tracker.registry import AVOID_S
+
+    clock = FakeClock()
+    reg = Registry(heartbeat_interval_s=1000.0, clock=clock)
+    for r in (record("a", 0, 15), record("b", 15, 30, address="127.0.0.1:10"), record("b2", 15, 30, address="127.0.0.1:11")):
+        reg.register(r, PROTOCOL_MAJOR, PROTOCOL_MINOR)
+    reg.excluded(["b", "stranger"])  # ids the registry does not hold are ignored
+    assert reg.avoided() == {"b"}
+    clock.now += AVOID_S - 0.001
+    assert reg.avoided() == {"b"}
+    clock.now += 0.001
+    assert reg.avoided() == set()
+    reg.excluded(["b"])
+    reg.register(record("b", 15, 30, address="127.0.0.1:10"), PROTOCOL_MAJOR, PROTOCOL_MINOR)  # restarted
+    assert reg.avoided() == set()
+
+
+def test_a_route_request_that_excluded_a_node_spares_other_clients_the_node(tracker):
+    """Every new client was handed the node it could not reach (it measured fastest), and each waited for it
+    before routing around it; once a client excluded it, the next clients are routed around it."""
+    tracker.Register(info("a", 0, 15, port=9200), timeout=5)
+    nat = info("b-nat", 15, 30, port=9201)
+    nat.decode_tokens_per_s = 166.8
+    lan = info("b-lan", 15, 30, port=9202)
+    lan.decode_tokens_per_s = 146.1
+    tracker.Register(nat, timeout=5)
+    tracker.Register(lan, timeout=5)
+    assert [h.node_id for h in tracker.GetRoute(pb.RouteRequest(), timeout=5).hops] == ["a", "b-nat"]
+    assert [h.node_id for h in tracker.GetRoute(pb.RouteRequest(exclude_node_ids=["b-nat"]), timeout=5).hops] == [
+        "a", "b-lan"]
+    assert [h.node_id for h in tracker.GetRoute(pb.RouteRequest(), timeout=5).hops] == ["a", "b-lan"]

@@ -23,6 +23,11 @@ log = logging.getLogger("meshnet.tracker.members")
 
 # Missed heartbeats after which a node is presumed gone.
 TTL_HEARTBEATS = 3
+# How long a node a client's route request excluded is taken only where no other chain serves (seconds): a
+# node the tracker reaches but clients do not (NAT without --relay, a wrong --advertise) was handed to every
+# new client, each of which waited for it before routing around it. A node that registers again (restarted)
+# starts afresh.
+AVOID_S = 60.0
 # Nodes registered at once, at most: every node list and the dashboard's state carry them all, and 20,000
 # registrations of long fields made ListNodes larger than gRPC's message limit (nodes fetching tensors from
 # peers, `meshnet nodes` and `meshnet up` all failed) and the dashboard's state 59 MB.
@@ -91,6 +96,7 @@ class _Entry:
     device: dict | None = None
     version: str = ""
     granted: int = 0  # routes through it handed out since its last heartbeat
+    excluded_at: float = float("-inf")  # when a client's route request last excluded it (clock seconds)
 
 
 class Registry:
@@ -253,6 +259,22 @@ class Registry:
                 entry = self._entries.get(node_id)
                 if entry is not None:
                     entry.granted += 1
+
+    def excluded(self, node_ids: Iterable[str]) -> None:
+        """A client's route request excluded ``node_ids`` (it found them down, or could not reach them):
+        routes avoid them for :data:`AVOID_S` where another chain serves (see :meth:`avoided`)."""
+        with self._lock:
+            now = self._clock()
+            for node_id in node_ids:
+                entry = self._entries.get(node_id)
+                if entry is not None:
+                    entry.excluded_at = now
+
+    def avoided(self) -> set[str]:
+        """The nodes a client's route request excluded within the last :data:`AVOID_S` seconds."""
+        with self._lock:
+            now = self._clock()
+            return {k for k, e in self._entries.items() if now - e.excluded_at < AVOID_S}
 
     def statuses(self) -> list[RegisteredNode]:
         """Every live node with the age of its last heartbeat (seconds), sorted by node id."""

@@ -36,8 +36,11 @@ to whole-range nodes. The estimated seconds one decode token spends on a hop are
   the node it replaces rebuilds the session's KV cache bit for bit, so after saturation routes are
   compared by how many hops compute otherwise than the hops they replace over some of their layers, and
   only then by time: a slower spare with the same kernels and threads beats a faster one without.
-* Ties (equal saturation, numerics and time) go to the route whose node ids sort first, so the answer
-  never depends on the order of the input.
+* Avoided nodes: a node some client's route request excluded lately (it found it down, or could not reach
+  it: a node behind NAT without a relay) is taken, after saturation and numerics, only where no chain of
+  as few avoided hops serves; the tracker keeps the list (``avoid``).
+* Ties (equal saturation, numerics, avoided hops and time) go to the route whose node ids sort first, so
+  the answer never depends on the order of the input.
 
 Context: a route holds sessions of its smallest node context (``n_ctx``), so before any of the above, a
 route offers the largest context some chain offers: a node holding less is a spare for when no chain
@@ -209,29 +212,31 @@ def computes_unlike(node: NodeRecord, like: Sequence[tuple[LayerRange, str]]) ->
                for r, key in like)
 
 
-def _cheapest_chain(usable: Sequence[NodeRecord], n_layer: int, like: Sequence[tuple[LayerRange, str]] = ()):
+def _cheapest_chain(usable: Sequence[NodeRecord], n_layer: int, like: Sequence[tuple[LayerRange, str]] = (),
+                    avoid: Collection[str] = ()):
     """``(hops, best, by_start)``: the cheapest chain of ``usable`` from layer 0 to ``n_layer`` (None when
     none reaches it), the cheapest chain found to each boundary (``best[b] = (saturated hops, hops
-    computing unlike ``like``, seconds, node ids, hops)``) and the nodes by first layer."""
+    computing unlike ``like``, hops in ``avoid``, seconds, node ids, hops)``) and the nodes by first layer."""
     by_start: dict[int, list[NodeRecord]] = {}
     for n in usable:
         by_start.setdefault(n.layers.start, []).append(n)
-    best: dict[int, tuple[int, int, float, tuple[str, ...], tuple[NodeRecord, ...]]] = {0: (0, 0, 0.0, (), ())}
+    best: dict[int, tuple[int, int, int, float, tuple[str, ...], tuple[NodeRecord, ...]]] = {
+        0: (0, 0, 0, 0.0, (), ())}
     for boundary in sorted({0, *(n.layers.start for n in usable), *(n.layers.end for n in usable)}):
         if boundary not in best or boundary == n_layer:
             continue
-        sat, unlike, cost, ids, hops = best[boundary]
+        sat, unlike, avoided, cost, ids, hops = best[boundary]
         for n in by_start.get(boundary, ()):
-            cand = (sat + int(n.saturated), unlike + int(computes_unlike(n, like)), cost + hop_cost(n),
-                    ids + (n.node_id,), hops + (n,))
+            cand = (sat + int(n.saturated), unlike + int(computes_unlike(n, like)), avoided + int(n.node_id in avoid),
+                    cost + hop_cost(n), ids + (n.node_id,), hops + (n,))
             cur = best.get(n.layers.end)
-            if cur is None or cand[:4] < cur[:4]:
+            if cur is None or cand[:5] < cur[:5]:
                 best[n.layers.end] = cand
-    return (best[n_layer][4] if n_layer in best else None), best, by_start
+    return (best[n_layer][5] if n_layer in best else None), best, by_start
 
 
 def plan_route(nodes: Sequence[NodeRecord], model_sha256: str, exclude: Collection[str] = (), min_n_ctx: int = 0,
-               like: Sequence[tuple[LayerRange, str]] = ()) -> tuple[NodeRecord, ...]:
+               like: Sequence[tuple[LayerRange, str]] = (), avoid: Collection[str] = ()) -> tuple[NodeRecord, ...]:
     """The cheapest chain of nodes whose ranges tile ``[0, n_layer)`` of ``model_sha256`` exactly, among
     those holding the largest context a chain offers (see the module docstring).
 
@@ -242,6 +247,7 @@ def plan_route(nodes: Sequence[NodeRecord], model_sha256: str, exclude: Collecti
         min_n_ctx: tokens a session must be able to hold on every hop (0: any).
         like: ``(layer range, numerics key)`` of each hop of the route being replaced (a failover): nodes
             computing as those hops did are preferred over their layers (see the module docstring).
+        avoid: node ids taken only where no chain with fewer of them serves (clients excluded them lately).
 
     Returns:
         The hops in layer order: hop 0 starts at layer 0, each hop ends where the next starts and the
@@ -271,10 +277,10 @@ def plan_route(nodes: Sequence[NodeRecord], model_sha256: str, exclude: Collecti
     # The widest context first: each node context, largest first, that some chain of nodes holding it
     # offers (the smallest admits every node; nodes that did not say fit any).
     for width in sorted({n.n_ctx for n in usable if n.n_ctx > 0}, reverse=True)[:-1]:
-        chain = _cheapest_chain([n for n in usable if _holds(n, width)], n_layer, like)[0]
+        chain = _cheapest_chain([n for n in usable if _holds(n, width)], n_layer, like, avoid)[0]
         if chain is not None:
             return chain
-    chain, best, by_start = _cheapest_chain(usable, n_layer, like)
+    chain, best, by_start = _cheapest_chain(usable, n_layer, like, avoid)
     if chain is not None:
         return chain
 

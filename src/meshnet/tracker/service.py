@@ -182,9 +182,10 @@ class TrackerService(pb_grpc.TrackerServicer):
             like = like_from_hops(request.prefer_like)
         except ValueError as e:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"GetRoute: {e}") from None
+        self.registry.excluded(request.exclude_node_ids)  # found down or out of this client's reach: spare others
         try:
             hops = plan_route(nodes, model, exclude=frozenset(request.exclude_node_ids), min_n_ctx=request.min_n_ctx,
-                              like=like)
+                              like=like, avoid=self.registry.avoided())
         except NoRoute as e:
             message = e.message
             if not any(n.model_sha256 == model for n in nodes):
