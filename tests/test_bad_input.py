@@ -591,12 +591,12 @@ def test_a_node_on_loopback_under_a_tracker_reached_over_the_network_is_warned_a
                     "(tracker.invalid:7700) is reached over the network: clients and nodes on other machines cannot "
                     "reach it; pass --host 0.0.0.0 (or this machine's address), with --advertise HOST:PORT where "
                     "others reach it by another address\n"), line
-    # 192.0.2.1 (TEST-NET-1) is no address of this machine's
-    done = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--tracker", "192.0.2.1:7700", "--layers",
+    # 198.51.100.1 (TEST-NET-2) is no address of this machine's (this VM sits in TEST-NET-1)
+    done = subprocess.run([sys.executable, "-m", "meshnet.cli", "node", "--tracker", "198.51.100.1:7700", "--layers",
                            "0:10", "--fetch", "smollm2"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "MESHNET_FETCHED" not in done.stdout
     assert done.stderr == ("error: --host 127.0.0.1: this node would listen on loopback only, and its tracker "
-                           "(192.0.2.1:7700) is on another machine, which refuses a node only this machine can dial; "
+                           "(198.51.100.1:7700) is on another machine, which refuses a node only this machine can dial; "
                            "pass --host 0.0.0.0 (or this machine's address), with --advertise HOST:PORT where others "
                            "reach it by another address, or --relay\n"), done.stderr
 
