@@ -192,13 +192,21 @@ def run_node(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     if (args.tracker and not args.relay and not args.advertise and is_loopback_host(args.host)
-            and on_another_machine(args.tracker)):
-        # The tracker refuses it (Register): said before the model loads, or its layers are fetched.
-        print(f"error: --host {args.host}: this node would listen on loopback only, and its tracker ({args.tracker}) "
-              "is on another machine, which refuses a node only this machine can dial; pass --host 0.0.0.0 (or "
-              "this machine's address), with --advertise HOST:PORT where others reach it by another address, "
-              "or --relay", file=sys.stderr)
-        return 2
+            and not is_loopback_address(args.tracker)):
+        if on_another_machine(args.tracker):
+            # The tracker refuses it (Register): said before the model loads, or its layers are fetched.
+            print(f"error: --host {args.host}: this node would listen on loopback only, and its tracker "
+                  f"({args.tracker}) is on another machine, which refuses a node only this machine can dial; pass "
+                  "--host 0.0.0.0 (or this machine's address), with --advertise HOST:PORT where others reach it by "
+                  "another address, or --relay", file=sys.stderr)
+            return 2
+        # A tracker at one of this machine's addresses (or named by a host name, which may be one) takes such
+        # a node, and every client elsewhere that the route sends to it is refused its connection.
+        print(f"warning: --host {args.host}: this node listens on loopback only, while its tracker "
+              f"({args.tracker}) is reached over the network: clients and nodes on other machines cannot reach "
+              f"it; pass --host 0.0.0.0 (or this machine's address), with --advertise HOST:PORT where others "
+              f"reach it by another address",
+              file=sys.stderr, flush=True)
     model = args.model
     if getattr(args, "fetch", None):
         try:
@@ -234,15 +242,6 @@ def run_node(args: argparse.Namespace) -> int:
     if cfg.advertise and (why := unresolved_host(cfg.advertise)):
         print(f"warning: --advertise {cfg.advertise}: the name does not resolve on this machine ({why}); clients "
               "and nodes that cannot resolve it either will fail to reach this node", file=sys.stderr, flush=True)
-    if (cfg.tracker and not cfg.relay and not cfg.advertise and is_loopback_host(cfg.host)
-            and not is_loopback_address(cfg.tracker)):
-        # The tracker refuses such a node from another machine; on the tracker's own machine it is taken, and
-        # every client elsewhere that the route sends to it is refused its connection.
-        print(f"warning: --host {cfg.host}: this node listens on loopback only, while its tracker "
-              f"({cfg.tracker}) is reached over the network: clients and nodes on other machines cannot reach "
-              f"it; pass --host 0.0.0.0 (or this machine's address), with --advertise HOST:PORT where others "
-              f"reach it by another address",
-              file=sys.stderr, flush=True)
     if warning := unreachable_wildcard(cfg):
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     if warning := loopback_behind_advertise(cfg):
