@@ -117,16 +117,15 @@ class MeshClient:
             MeshUnavailable: no route whose every hop answers; the message names the hops left out, and why.
         """
         deadline = time.monotonic() + self.failover_deadline_s
-        failed_at: dict[str, str] = {}  # node id -> the address it did not answer at
-        failures: dict[str, StageFailure] = {}  # node id -> how it failed this client
+        failures: dict[str, StageFailure] = {}  # node id -> how it failed this client (its address with it)
         while True:
             try:
-                epoch, hops = self.router.route_around(failed_at)
+                epoch, hops = self.router.route_around({node_id: f.address for node_id, f in failures.items()})
             except MeshUnavailable as e:
                 refusals = [str(f) for f in failures.values() if f.code in ("UNAUTHENTICATED", "PERMISSION_DENIED")]
-                if refusals and len(refusals) == len(failed_at):  # its join token, its CA: waiting changes nothing
+                if refusals and len(refusals) == len(failures):  # its join token, its CA: waiting changes nothing
                     raise MeshUnavailable(f"{e}; {'; '.join(refusals)}") from None
-                if not failed_at:
+                if not failures:
                     raise
                 if time.monotonic() >= deadline:  # which nodes were excluded, and why: the tracker lists them
                     raise MeshUnavailable(f"{e}; {'; '.join(map(str, failures.values()))}") from None
@@ -139,9 +138,8 @@ class MeshClient:
                 if time.monotonic() >= deadline:
                     raise MeshUnavailable(f"no route whose nodes all answer: {f}") from None
                 log.warning("%s; routing around it", f)
-                failed_at[f.node_id] = f.address
-                self.node_failures.record_if_down(hops, f, time.monotonic())
                 failures[f.node_id] = f
+                self.node_failures.record_if_down(hops, f, time.monotonic())
 
     def new_route(self, opens_session: bool = True, wait_s: float = 0.0) -> tuple[int, list[RemoteStage]]:
         """A new session's route: around the nodes found down lately (:meth:`NodeFailures.recent`) where
