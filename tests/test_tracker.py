@@ -587,13 +587,13 @@ def test_a_node_a_route_request_excluded_is_avoided_for_a_minute_and_afresh_once
     reg = Registry(heartbeat_interval_s=1000.0, clock=clock)
     for r in (record("a", 0, 15), record("b", 15, 30, address="127.0.0.1:10"), record("b2", 15, 30, address="127.0.0.1:11")):
         reg.register(r, PROTOCOL_MAJOR, PROTOCOL_MINOR)
-    reg.excluded(["b", "stranger"])  # ids the registry does not hold are ignored
+    assert reg.avoided(["b", "stranger"]) == {"b"}  # ids the registry does not hold are ignored
     assert reg.avoided() == {"b"}
     clock.now += AVOID_S - 0.001
     assert reg.avoided() == {"b"}
     clock.now += 0.001
     assert reg.avoided() == set()
-    reg.excluded(["b"])
+    assert reg.avoided(["b"]) == {"b"}
     reg.register(record("b", 15, 30, address="127.0.0.1:10"), PROTOCOL_MAJOR, PROTOCOL_MINOR)  # restarted
     assert reg.avoided() == set()
 

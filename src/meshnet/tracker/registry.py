@@ -260,20 +260,16 @@ class Registry:
                 if entry is not None:
                     entry.granted += 1
 
-    def excluded(self, node_ids: Iterable[str]) -> None:
-        """A client's route request excluded ``node_ids`` (it found them down, or could not reach them):
-        routes avoid them for :data:`AVOID_S` where another chain serves (see :meth:`avoided`)."""
+    def avoided(self, excluded: Iterable[str] = ()) -> set[str]:
+        """The nodes a client's route request excluded within the last :data:`AVOID_S` seconds, this one's
+        ``excluded`` included (its client found them down, or could not reach them): routes take them only
+        where no other chain serves."""
         with self._lock:
             now = self._clock()
-            for node_id in node_ids:
+            for node_id in excluded:
                 entry = self._entries.get(node_id)
                 if entry is not None:
                     entry.excluded_at = now
-
-    def avoided(self) -> set[str]:
-        """The nodes a client's route request excluded within the last :data:`AVOID_S` seconds."""
-        with self._lock:
-            now = self._clock()
             return {k for k, e in self._entries.items() if now - e.excluded_at < AVOID_S}
 
     def statuses(self) -> list[RegisteredNode]:

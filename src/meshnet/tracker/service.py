@@ -182,10 +182,9 @@ class TrackerService(pb_grpc.TrackerServicer):
             like = like_from_hops(request.prefer_like)
         except ValueError as e:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"GetRoute: {e}") from None
-        self.registry.excluded(request.exclude_node_ids)  # found down or out of this client's reach: spare others
-        try:
+        try:  # the nodes this client found down or out of its reach are spared other clients for a while
             hops = plan_route(nodes, model, exclude=frozenset(request.exclude_node_ids), min_n_ctx=request.min_n_ctx,
-                              like=like, avoid=self.registry.avoided())
+                              like=like, avoid=self.registry.avoided(request.exclude_node_ids))
         except NoRoute as e:
             message = e.message
             if not any(n.model_sha256 == model for n in nodes):
