@@ -58,7 +58,7 @@ class ApiBackend:
         self.model_name = model_name
         self._n_ctx = n_ctx
         self._check_route = check_route
-        self._check_health = check_health or check_route
+        self._check_health = check_health
         self.max_concurrency = max_concurrency
         self.retry_after_s = retry_after_s
         self.closers: list[Callable[[], None]] = []
@@ -109,9 +109,7 @@ class ApiBackend:
     def check_health(self) -> list[str]:
         """:meth:`check_route` for ``/health``, which may probe more (``check_health``: over a mesh, the
         hops this API's requests found down lately). Raises MeshUnavailable. Blocking."""
-        if self._check_health is None:
-            return ["in-process"]
-        return self._check_health()
+        return self.check_route() if self._check_health is None else self._check_health()
 
     def close(self) -> None:
         """Release what the backend holds (mesh channels)."""
