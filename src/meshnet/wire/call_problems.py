@@ -72,24 +72,17 @@ def tracker_refusal(tracker: str, join_token: str | None, tls_ca: str | None, re
     address that serves no tracker, or TLS settings that do not match its own (asked again after
     ``retry_s`` first: a tracker shutting down closes sockets too). None when it accepts the caller, or cannot be asked now (a node then starts and
     keeps trying to register, as it does when the tracker goes away later)."""
-    from meshnet.proto import meshnet_pb2 as pb
-    from meshnet.proto import meshnet_pb2_grpc as pb_grpc
-
     for attempt in range(2):
-        channel = open_channel(tracker, join_token, tls_ca)
-        try:
-            pb_grpc.TrackerStub(channel).ListNodes(pb.Empty(), timeout=5)
+        e = _list_nodes_error(tracker, join_token, tls_ca, 5.0)
+        if e is None:
             return None
-        except grpc.RpcError as e:
-            if e.code() is grpc.StatusCode.UNAUTHENTICATED:
-                return e.details() or "UNAUTHENTICATED"
-            why = tracker_mismatch(e, tls_ca)
-            if why is None:
-                return None
-            if attempt or not_a_tracker(e):
-                return f"{e.details()} ({why})"
-        finally:
-            channel.close()
+        if e.code() is grpc.StatusCode.UNAUTHENTICATED:
+            return e.details() or "UNAUTHENTICATED"
+        why = tracker_mismatch(e, tls_ca)
+        if why is None:
+            return None
+        if attempt or not_a_tracker(e):
+            return f"{e.details()} ({why})"
         time.sleep(retry_s)
     return None
 
@@ -97,15 +90,22 @@ def tracker_refusal(tracker: str, join_token: str | None, tls_ca: str | None, re
 def tracker_open_to_all(tracker: str, tls_ca: str | None, timeout_s: float = 2.0) -> bool:
     """Whether the tracker at ``tracker`` answers a caller without a join token (it was started without
     one); False when it refuses one, or cannot be asked within ``timeout_s`` seconds."""
+    return _list_nodes_error(tracker, None, tls_ca, timeout_s) is None
+
+
+def _list_nodes_error(tracker: str, join_token: str | None, tls_ca: str | None,
+                      timeout_s: float) -> grpc.RpcError | None:
+    """What a ListNodes call to the tracker at ``tracker``, as a caller with ``join_token`` and ``tls_ca``,
+    failed with within ``timeout_s`` seconds; None when it was answered."""
     from meshnet.proto import meshnet_pb2 as pb
     from meshnet.proto import meshnet_pb2_grpc as pb_grpc
 
-    channel = open_channel(tracker, None, tls_ca)
+    channel = open_channel(tracker, join_token, tls_ca)
     try:
         pb_grpc.TrackerStub(channel).ListNodes(pb.Empty(), timeout=timeout_s)
-        return True
-    except grpc.RpcError:
-        return False
+        return None
+    except grpc.RpcError as e:
+        return e
     finally:
         channel.close()
 
