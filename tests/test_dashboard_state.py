@@ -223,6 +223,34 @@ def test_dashboard_port_options_and_a_busy_port(capsys):
             server.stop(None)
 
 
+def test_a_dashboard_beyond_this_machine_of_a_mesh_with_a_join_token_is_warned_about(capsys):
+    """The dashboard asks for no join token: shown on every interface, it gives a closed mesh's node
+    addresses and routes to whoever reaches the port, which the operator is told as it starts."""
+    import argparse
+
+    from meshnet.dashboard.cli import add_dashboard_args, dashboard_from_args, open_dashboard_warning
+    from meshnet.tracker.server import start_tracker
+
+    assert open_dashboard_warning("127.0.0.1", "s3cret") is None
+    assert open_dashboard_warning("localhost", "s3cret") is None
+    assert open_dashboard_warning("0.0.0.0", None) is None  # an open mesh shows nothing a caller cannot ask for
+    assert open_dashboard_warning("0.0.0.0", "s3cret").startswith("the dashboard on 0.0.0.0 asks for no join token")
+    parser = argparse.ArgumentParser()
+    add_dashboard_args(parser)
+    server, _, service = start_tracker()
+    try:
+        for host, warned in (("0.0.0.0", True), ("127.0.0.1", False)):
+            args = parser.parse_args(["--dashboard-port", "0", "--dashboard-host", host])
+            args.join_token = "s3cret"
+            dashboard = dashboard_from_args(service, args, "tracker:")
+            assert dashboard is not None
+            dashboard.stop()
+            err = capsys.readouterr().err
+            assert ("tracker: WARNING: the dashboard on 0.0.0.0 asks for no join token" in err) == warned, err
+    finally:
+        server.stop(None)
+
+
 def test_a_client_flooding_ttft_keeps_the_history_bounded():
     # One client may report as often as it likes: 4096 TTFTs per report must not grow the tracker's
     # memory (and /api/state) without bound within the chart's 120 s.

@@ -82,4 +82,18 @@ def dashboard_from_args(service, args, who: str) -> "Dashboard | None":
               f"({why}); {_advice(why)}", file=sys.stderr, flush=True)
         return None
     print(f"{who} dashboard on {dashboard.url}", file=sys.stderr, flush=True)
+    if (warning := open_dashboard_warning(args.dashboard_host, getattr(args, "join_token", None))) is not None:
+        print(f"{who} WARNING: {warning}", file=sys.stderr, flush=True)
     return dashboard
+
+
+def open_dashboard_warning(host: str, join_token: str | None) -> str | None:
+    """What to warn of when a mesh closed by a join token shows its dashboard beyond this machine (the
+    dashboard asks for no token), or None."""
+    from meshnet.wire.addresses import is_loopback_host
+
+    if not join_token or is_loopback_host(host):
+        return None
+    return (f"the dashboard on {host} asks for no join token: anyone who reaches its port sees the nodes' "
+            "addresses, the sessions' routes and the ledger (--dashboard-host 127.0.0.1 keeps it to this "
+            "machine; -1 as --dashboard-port serves none)")
