@@ -27,6 +27,7 @@ from meshnet import __version__
 from meshnet.engine.kv_pool import available_memory_bytes
 from meshnet.ledger.reporting import WorkReporter
 from meshnet.membership.identity import node_identity
+from meshnet.node.advertised_check import check_advertised_address
 from meshnet.node.config import NodeConfig
 from meshnet.node.engine_loader import load_engine, load_failure, measure_decode_speed
 from meshnet.node.membership import Membership
@@ -235,6 +236,9 @@ class Node:
         if self.relay is not None:
             self._spawn(self.relay.run)
         self._spawn(self._idle_loop)
+        if self.cfg.advertise and self.server is not None:
+            threading.Thread(target=check_advertised_address, name="advertised-check", daemon=True,
+                             args=(self.address, self.service.instance, self.cfg.join_token, self.cfg.tls_ca)).start()
 
     def _spawn(self, fn) -> None:
         t = threading.Thread(target=fn, args=(self._stop,), daemon=True)

@@ -1,0 +1,46 @@
+"""A node started with --advertise calls its own Health at that address once it serves, and warns when
+nobody answers there or another process does (a wrong --advertise was silent without TLS)."""
+
+import subprocess
+import sys
+import time
+
+from mesh_util import free_port
+
+
+def _node(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "meshnet.cli", "node", "--engine", "fake", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _stderr_after_ready(proc: subprocess.Popen, wait_s: float) -> str:
+    """What the node wrote on stderr within ``wait_s`` of its ready line; the node is killed after it."""
+    try:
+        assert proc.stdout.readline().startswith("MESHNET_NODE_READY")
+        time.sleep(wait_s)
+    finally:
+        proc.kill()
+        _, err = proc.communicate(timeout=30)
+    return err
+
+
+def test_a_node_warns_when_nothing_answers_at_its_advertised_address():
+    nowhere = free_port()
+    err = _stderr_after_ready(_node("--port", "0", "--advertise", f"127.0.0.1:{nowhere}"), 1.5)
+    assert (f"WARNING meshnet.node this node does not answer at its advertised address 127.0.0.1:{nowhere} "
+            "from its own machine (UNAVAILABLE") in err, err
+    assert "check --advertise HOST:PORT" in err
+
+
+def test_a_node_warns_when_another_process_answers_at_its_advertised_address_and_not_when_it_does():
+    port = free_port()
+    first = _node("--port", str(port), "--advertise", f"127.0.0.1:{port}")
+    try:
+        assert first.stdout.readline().startswith("MESHNET_NODE_READY")
+        err = _stderr_after_ready(_node("--port", "0", "--advertise", f"127.0.0.1:{port}"), 1.5)
+        assert (f"another meshnet process answers at this node's advertised address 127.0.0.1:{port}: clients "
+                "and other nodes dial that address and reach it instead; check --advertise HOST:PORT") in err, err
+    finally:
+        first.kill()
+        _, first_err = first.communicate(timeout=30)
+    assert "advertised address" not in first_err, first_err  # it answers there itself
