@@ -76,8 +76,15 @@ def test_a_streamed_response_comes_as_the_responses_apis_events(served):
      "input[0] has no call_id"),
     ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input.0.type", ""),
     ({"previous_response_id": "resp_1"}, 400, "previous_response_id", "this server keeps no responses"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, 400, "text.format",
-     "only text.format"),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, 400, "text.format.name",
+     "text.format.name must be 1-64 letters"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"not": {"type": "string"}}}}}, 400,
+     "text.format.schema", "text.format.schema: "),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "strict": "yes"}}}, 400,
+     "text.format.strict", "text.format.strict must be a boolean"),
+    ({"text": {"format": {"type": "json_object", "schema": {}}}}, 400, "text.format.schema",
+     "text.format has unknown field 'schema'"),
+    ({"text": {"format": {"type": "xml"}}}, 400, "text.format.type", "text.format.type must be 'text', 'json_object'"),
     ({"text": {"format": "json_object"}}, 400, "text.format", "text.format must be an object"),
     ({"text": {"format": 5}}, 400, "text.format", "text.format must be an object"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input.0.content.0",
@@ -96,6 +103,30 @@ def test_what_responses_do_not_do_is_refused_by_name(served, body, status, param
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"]
+
+
+def test_text_format_holds_the_answer_to_json_as_chats_response_format_does(served):
+    """``text.format`` json_schema (what the SDK's ``responses.parse(text_format=Model)`` sends) and json_object:
+    the output text is chat's answer under the same ``response_format``, and the SDK parses it into the model."""
+    import pydantic
+
+    _, _, client = served
+
+    class City(pydantic.BaseModel):
+        name: str
+        capital: bool
+
+    ask = "Is Paris a capital? Answer as JSON."
+    parsed = client.responses.parse(model="smollm2", input=ask, temperature=0, max_output_tokens=80, text_format=City)
+    city = parsed.output_parsed
+    assert isinstance(city, City) and parsed.status == "completed"
+    chat = client.chat.completions.parse(model="smollm2", messages=[{"role": "user", "content": ask}], temperature=0,
+                                         max_tokens=80, response_format=City)
+    assert parsed.output_text == chat.choices[0].message.content and chat.choices[0].message.parsed == city
+    assert parsed.text.format.type == "json_schema" and parsed.text.format.name == "City"
+    loose = client.responses.create(model="smollm2", input=ask, temperature=0, max_output_tokens=80,
+                                    text={"format": {"type": "json_object"}})
+    assert isinstance(json.loads(loose.output_text), dict) and loose.text.format.type == "json_object"
 
 
 def test_the_texts_log_probs_come_when_include_asks_for_them(served):

@@ -10,13 +10,14 @@ and its function ``tools`` / ``tool_choice`` the chat endpoint's (:mod:`meshnet.
 ``status`` "incomplete" with ``incomplete_details.reason`` "max_output_tokens"; one that fails once its stream
 has started ends with ``response.failed``, its ``error`` saying why. ``include`` of
 ``message.output_text.logprobs`` adds each token's log-prob (and ``top_logprobs`` alternatives) to the text, in
-chat's entries; ``truncation`` "auto" drops input items from the start of the conversation until the rest fits
+chat's entries; ``text.format`` ``json_object`` or ``json_schema`` holds the text to JSON as chat's
+``response_format`` does (:mod:`meshnet.api.structured`); ``truncation`` "auto" drops input items from the start of the conversation until the rest fits
 the context (the instructions stay), where "disabled", the default, refuses such an input.
 
 What it does not do is refused by name (400 ``unsupported_parameter``): tools other than functions (web
 search, file search, ...), a ``previous_response_id`` or
 ``conversation`` (this server keeps no responses, so ``GET /v1/responses/{id}`` is a 404 saying so), a stored
-``prompt``, ``background``, a ``text.format`` other than text, images and files in the input.
+``prompt``, ``background``, images and files in the input.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from meshnet.api.responses_events import ResponseShapes, response_status
 from meshnet.api.runner import GenJob
 from meshnet.api.schemas import ChatCompletionRequest, ChatMessage, TextPart, Usage, _Strict
 from meshnet.api.streaming import stream_choices
+from meshnet.api.structured import text_format_grammar
 from meshnet.api.tools import ToolPlan, plan_tools, repeats_a_call
 from meshnet.api.validation import parse_body, sampling_params, token_budget
 
@@ -120,13 +122,6 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
         if value not in _INCLUDES:
             raise bad_request(f"include[{i}] is {value!r}, which is none of {sorted(_INCLUDES)}", f"include.{i}",
                               "invalid_value")
-    fmt = (req.text or {}).get("format")
-    if fmt is not None and not isinstance(fmt, dict):
-        raise bad_request("text.format must be an object such as {\"type\": \"text\"}", "text.format",
-                          "invalid_type")
-    if fmt and fmt.get("type", "text") != "text":
-        raise bad_request("only text.format {\"type\": \"text\"} is supported on /v1/responses; for JSON use "
-                          "response_format on /v1/chat/completions", "text.format", "unsupported_parameter")
 
 
 def _chat(req: ResponsesRequest) -> tuple[ChatCompletionRequest, int]:
@@ -306,8 +301,11 @@ async def create_response(api, request: Request) -> Response:
     tok = api.backend.tokenizer
     prompt_ids = await anyio.to_thread.run_sync(fitted_prompt, tok, chat, kept, api.backend.n_ctx,
                                                 req.truncation == "auto", plan)
+    # Compiled off the event loop, as chat's response_format (a new schema takes milliseconds).
+    grammar = await anyio.to_thread.run_sync(text_format_grammar, (req.text or {}).get("format"),
+                                             api.backend.grammars)
     try:
-        grammar = await api.tools_grammar(plan, None)
+        grammar = await api.tools_grammar(plan, grammar)
     except ApiError as e:  # a schema the grammar cannot enforce: tools.N.parameters
         raise _responses_fields(e) from None
     budget = token_budget(api.backend.n_ctx, prompt_ids, req.max_output_tokens, "input")

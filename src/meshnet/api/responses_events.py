@@ -69,7 +69,7 @@ class ResponseShapes:
                 "parallel_tool_calls": req.parallel_tool_calls is not False,
                 "previous_response_id": None, "store": False, "background": False,
                 "tool_choice": "auto" if req.tool_choice is None else req.tool_choice,
-                "tools": req.tools or [], "text": {"format": {"type": "text"}},
+                "tools": req.tools or [], "text": {"format": (req.text or {}).get("format") or {"type": "text"}},
                 "truncation": req.truncation or "disabled", "top_logprobs": req.top_logprobs,
                 "max_tool_calls": req.max_tool_calls, "metadata": req.metadata or {},
                 "usage": None if usage is None else {

@@ -1,6 +1,7 @@
 """OpenAI's ``response_format`` as the :class:`~meshnet.sampling_params.Grammar` a generation's sampling carries:
 ``{"type": "text"}`` (none), ``{"type": "json_object"}`` (any JSON object) and ``{"type": "json_schema",
-"json_schema": {"name", "schema", "strict", "description"}}``. The schema is compiled here, against the
+"json_schema": {"name", "schema", "strict", "description"}}``; the Responses API's ``text.format`` likewise,
+its ``json_schema`` fields in the format itself. The schema is compiled here, against the
 served vocabulary, so a schema the grammar library cannot enforce is a 400 naming why before any node runs.
 ``strict`` is accepted either way: the schema is always enforced."""
 
@@ -46,15 +47,42 @@ def response_grammar(fmt: dict[str, Any] | None, compiler: GrammarCompiler) -> G
     if not isinstance(spec, dict):
         raise bad_request("response_format.json_schema must be an object with 'name' and 'schema'",
                           "response_format.json_schema")
-    _only(spec, _JSON_SCHEMA_KEYS, "response_format.json_schema")
+    return _schema_grammar(spec, compiler, "response_format.json_schema")
+
+
+def text_format_grammar(fmt: Any, compiler: GrammarCompiler) -> Grammar | None:
+    """The grammar the Responses API's ``text.format`` asks for, or None for text: ``{"type": "text"}``,
+    ``{"type": "json_object"}`` or ``{"type": "json_schema", "name", "schema", "strict", "description"}``
+    (the chat shape's ``json_schema`` object, flattened into the format).
+
+    Raises:
+        ApiError: 400 naming ``text.format`` or its field, as :func:`response_grammar`.
+    """
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise bad_request("text.format must be an object such as {\"type\": \"text\"}", "text.format",
+                          "invalid_type")
+    kind = fmt.get("type", "text")
+    if kind in ("text", "json_object"):
+        _only(fmt, {"type"}, "text.format")
+        return grammar_for(ANY_OBJECT, compiler, "text.format") if kind == "json_object" else None
+    if kind != "json_schema":
+        raise bad_request(f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                          "text.format.type")
+    return _schema_grammar({k: v for k, v in fmt.items() if k != "type"}, compiler, "text.format")
+
+
+def _schema_grammar(spec: dict[str, Any], compiler: GrammarCompiler, param: str) -> Grammar:
+    """The grammar of a named JSON schema ``spec`` (``name``, ``schema``, ``strict``, ``description``), its
+    fields named ``<param>.<field>`` in a 400."""
+    _only(spec, _JSON_SCHEMA_KEYS, param)
     name = spec.get("name")
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise bad_request("response_format.json_schema.name must be 1-64 letters, digits, '_' or '-', "
-                          f"got {name!r}", "response_format.json_schema.name")
+        raise bad_request(f"{param}.name must be 1-64 letters, digits, '_' or '-', got {name!r}", f"{param}.name")
     if "strict" in spec and not isinstance(spec["strict"], bool | None):
-        raise bad_request("response_format.json_schema.strict must be a boolean",
-                          "response_format.json_schema.strict")
-    return grammar_for(spec.get("schema", {}), compiler, "response_format.json_schema.schema")
+        raise bad_request(f"{param}.strict must be a boolean", f"{param}.strict")
+    return grammar_for(spec.get("schema", {}), compiler, f"{param}.schema")
 
 
 def grammar_for(schema: Any, compiler: GrammarCompiler, param: str) -> Grammar:
