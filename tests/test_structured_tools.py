@@ -274,9 +274,11 @@ def test_a_required_answer_cut_by_max_tokens_keeps_its_whole_calls():
     tail, calls = answer.finish("length")
     assert tail == "" and [json.loads(c["function"]["arguments"]) for c in calls] == [{"city": "Paris"}]
     assert finish_reason("length", calls) == "length" and finish_reason("stop", calls) == "tool_calls"
+    # The call the cut broke is no content: its text was this server's array of calls (the SDK's helper showed
+    # '[{"name": "get_weather", "' as the message's content).
     nothing = ToolAnswer(plan_tools([WEATHER], "required"))
     nothing.feed('[{"name": "get_we')
-    assert nothing.finish("length") == ('[{"name": "get_we', None)
+    assert nothing.finish("length") == ("", None)
 
 
 def test_text_and_a_call_in_one_last_piece_both_go_out():
@@ -293,12 +295,30 @@ def test_text_and_a_call_in_one_last_piece_both_go_out():
     assert deltas[2]["finish_reason"] == "tool_calls" and len(deltas) == 3
 
 
-def test_a_call_cut_by_max_tokens_is_content():
-    from meshnet.api.tool_stream import ToolAnswer
+def test_a_named_call_cut_by_max_tokens_is_neither_content_nor_a_call(served):
+    """A named call cut by max_tokens came back as content holding its arguments' JSON ('{"city":'), which a
+    client shows its user; handed back as a call, its broken arguments would make the next turn a 400. It is
+    dropped: finish_reason "length", content and tool_calls null, streamed or not. A whole call stays."""
+    from meshnet.api.tool_stream import ToolAnswer, whole_answer
 
-    answer = ToolAnswer(ToolPlan("named", (WEATHER,), named="get_weather"))
+    plan = ToolPlan("named", (WEATHER,), named="get_weather")
+    answer = ToolAnswer(plan)
     assert answer.feed('{"city": "Par') == ""
-    assert answer.finish("length") == ('{"city": "Par', None)
+    assert answer.finish("length") == ("", None)
+    assert whole_answer(plan, '{"city": "Par', "length") == (None, None)
+    [call] = whole_answer(plan, '{"city": "Paris"}', "length")[1]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    _, _, client = served
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        body = {"model": "smollm2", "messages": ASK, "tools": [WEATHER], "tool_choice": choice, "temperature": 0,
+                "max_tokens": 3}
+        out = client.chat.completions.create(**body)
+        c = out.choices[0]
+        assert (c.finish_reason, c.message.content, c.message.tool_calls) == ("length", None, None)
+        assert out.usage.completion_tokens == 3
+        deltas = [d.choices[0] for d in client.chat.completions.create(**body, stream=True) if d.choices]
+        assert [d.delta.content for d in deltas if d.delta.content] == [] and deltas[-1].finish_reason == "length"
+        assert not any(d.delta.tool_calls for d in deltas)
 
 
 def test_none_and_auto_without_a_call_answer_with_content(served):

@@ -4,7 +4,8 @@ still become tool calls held back until the answer ends (:class:`ToolAnswer`).
 OpenAI streams a call as ``delta.tool_calls`` chunks; which text is a call is only known at its end (a
 ``<tool_call>`` block must close, a bare ``{"name", "arguments"}`` object must parse and name a tool). So:
 
-* a required or named call (the grammar makes the whole answer one) is held whole;
+* a required or named call (the grammar makes the whole answer one) is held whole, and never becomes
+  content: cut by ``max_tokens``, its broken call is dropped;
 * under ``"auto"``, text goes out as content until it could start a call: an answer whose first
   non-blank character is ``{`` is held whole (a bare call is the whole answer), and from a
   ``<tool_call>`` on the rest is held (a suffix that could still grow into one waits for the next token).
@@ -64,12 +65,16 @@ class ToolAnswer:
 
     def finish(self, reason: str) -> tuple[str, list[dict] | None]:
         """The answer ended with ``reason``: ``(content still to release, tool calls or None)``. Held
-        text is read as calls when the answer ended by itself ("stop"); one cut by ``max_tokens`` is content,
-        as OpenAI returns a cut answer, except the whole calls of a required answer's array (see
-        :func:`finish_reason`)."""
+        text is read as calls when the answer ended by itself ("stop"); under ``"auto"`` one cut by
+        ``max_tokens`` is content, as OpenAI returns a cut answer. A required or named answer is calls
+        whatever way it ended (the grammar made it so): cut, it keeps its whole calls (see
+        :func:`finish_reason`) and drops the one the cut broke, which is no content (its text is the call's
+        JSON, for a required answer inside this server's array of calls) and no call either (its broken
+        arguments, sent back with the next turn's messages, would make that request a 400)."""
         held, self._held = self._held, ""
-        calls = tool_calls_from(held, self.plan) if held.strip() and (
-            reason == "stop" or self.plan.mode == "required") else None
+        if self.plan.mode in ("required", "named") and reason != "stop":
+            return "", tool_calls_from(held, self.plan) if held.strip() else None
+        calls = tool_calls_from(held, self.plan) if held.strip() and reason == "stop" else None
         if calls:
             return "", calls
         self.content += held
@@ -90,7 +95,8 @@ def whole_answer(plan: ToolPlan, text: str, reason: str) -> tuple[str | None, li
     answer = ToolAnswer(plan)
     answer.feed(text)
     _, calls = answer.finish(reason)
-    return (answer.content or None) if calls else answer.content, calls
+    # A required or named answer is calls: no content beside them, nor in place of one a cut dropped.
+    return (answer.content or None) if calls or plan.mode in ("required", "named") else answer.content, calls
 
 
 class ChatEvents:
