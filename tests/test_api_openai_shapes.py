@@ -166,3 +166,17 @@ def test_a_compressed_body_is_a_415_that_says_so(http):
     assert "Content-Encoding 'gzip' is not supported" in _error(r, 415, None, "unsupported_content_encoding")
     r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers={"Content-Encoding": "identity"})
     assert r.status_code == 200
+
+
+def test_every_answer_carries_an_x_request_id(served):
+    """OpenAI's answers carry ``x-request-id`` (the SDK's ``_request_id``, what a bug report quotes); ours had
+    none. A client's own sensible id is answered back; an error answer (a 400, a 404) carries one too."""
+    _, http, client = served
+    out = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
+    assert out._request_id is not None and len(out._request_id) == 36 and out._request_id.startswith("req_")
+    ids = {http.get("/v1/models").headers["x-request-id"] for _ in range(3)}
+    assert len(ids) == 3  # one per request
+    assert http.get("/v1/models", headers={"X-Request-Id": "proxy-42"}).headers["x-request-id"] == "proxy-42"
+    assert http.get("/v1/models", headers={"X-Request-Id": "x" * 129}).headers["x-request-id"].startswith("req_")
+    assert http.post("/v1/chat/completions", json={"messages": []}).headers["x-request-id"].startswith("req_")
+    assert http.get("/v1/nothing").headers["x-request-id"].startswith("req_")

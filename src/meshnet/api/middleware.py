@@ -1,5 +1,5 @@
-"""ASGI middleware in front of the API: a limit on request bodies, a count of every answer, a 500 for a
-request that fails inside the app, a refusal of requests that web pages of other origins send, and of
+"""ASGI middleware in front of the API: a limit on request bodies, a count of every answer, an
+``x-request-id`` on it, a 500 for a request that fails inside the app, a refusal of requests that web pages of other origins send, and of
 requests without the server's API key when it has one."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import asyncio
 import hmac
 import logging
 import time
+import uuid
 from urllib.parse import urlsplit
 
 from meshnet.api.errors import ApiError, internal_error
@@ -21,6 +22,20 @@ log = logging.getLogger("meshnet.api")
 # arrives within the cap on a 64 kbit/s link.
 BODY_TIMEOUT_S = 30.0
 BODY_TOTAL_S = 300.0
+
+
+# A client's own X-Request-Id is answered back when it is this long at most and printable ASCII.
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID_CHARS = frozenset(range(0x21, 0x7F))
+
+
+def request_id_of(scope) -> bytes:
+    """The ``x-request-id`` every answer carries (as OpenAI's do, which the SDK shows as ``_request_id``): the
+    request's own when it sent a sensible one (a proxy's, to match logs), else ``req_`` and 32 hex digits."""
+    for k, v in scope.get("headers", ()):
+        if k == b"x-request-id" and 0 < len(v) <= MAX_REQUEST_ID_CHARS and set(v) <= _REQUEST_ID_CHARS:
+            return v
+    return f"req_{uuid.uuid4().hex}".encode()
 
 
 class BodyLimitAndMetrics:
@@ -48,6 +63,7 @@ class BodyLimitAndMetrics:
         t0 = time.perf_counter()
         endpoint = self.metrics.endpoint_label(scope.get("path", ""))
         status = {"code": 0, "counted": False}
+        request_id = request_id_of(scope)
 
         def count(code: int) -> None:
             status["counted"] = True
@@ -56,6 +72,7 @@ class BodyLimitAndMetrics:
         async def send_wrapper(message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id)]}
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 count(scope.get(_STREAM_FAILED, status["code"]))  # before the client can see the end
             await send(message)
@@ -76,7 +93,7 @@ class BodyLimitAndMetrics:
         try:
             await self.app(scope, replay, send_wrapper)
         except Exception as e:  # noqa: BLE001 - answered here; see the class docstring
-            log.exception("internal error on %s", scope.get("path", ""))
+            log.exception("internal error on %s (x-request-id %s)", scope.get("path", ""), request_id.decode())
             self.metrics.errors.labels(kind="internal_error").inc()
             if status["code"]:  # a stream already under way just ends
                 ended = 500
