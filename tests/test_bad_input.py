@@ -711,6 +711,30 @@ def test_chat_with_a_model_without_a_chat_template_is_a_400_that_says_what_to_do
         backend.close()
 
 
+def test_generate_chat_with_a_model_without_a_chat_template_says_what_to_do_instead():
+    """`meshnet generate --model gemma3-270m --chat` (a base model, bundled) said "this GGUF has no
+    tokenizer.chat_template; pass template=...", a Python argument the command has no flag for."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "meshnet.cli", "generate", "--model", str(TINY), "--chat", "hi"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "template=" not in r.stderr
+    assert "no chat template" in r.stderr and "without --chat" in r.stderr, r.stderr
+
+
+def test_up_suggests_a_generate_command_for_the_model_it_serves():
+    """`meshnet up --model gemma3-270m` printed "try: meshnet generate --tracker T "Hello"", which asks for a
+    route of the default model (smollm2) and fails with "no registered node serves this model"."""
+    from meshnet.up import try_command
+
+    assert try_command("127.0.0.1:7700", "smollm2", False) == 'meshnet generate --tracker 127.0.0.1:7700 "Hello"'
+    assert try_command("127.0.0.1:7700", "gemma3-270m", True) == (
+        'meshnet generate --tracker 127.0.0.1:7700 --model gemma3-270m --join-token YOUR_TOKEN "Hello"')
+    assert try_command("h:1", "/tmp/my model.gguf", False) == "meshnet generate --tracker h:1 --model '/tmp/my model.gguf' \"Hello\""
+
+
 @pytest.mark.parametrize("escape", ["\\ud800", "\\ud800x", "\\ude00"])
 def test_an_unpaired_surrogate_escape_is_named_as_one(escape):
     """\\ud800 alone is JSON's grammar but no character; the parser's "unexpected end of hex escape" read

@@ -121,6 +121,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     speculation = speculation_from_args(args, path, args.model_id)  # ValueError: exit status 2
     ranges = plan_ranges(path, args.stages, args.layers)
     tok = GGUFTokenizer.from_gguf(path)
+    if args.chat and not tok.chat_template:
+        print(f"error: --chat: the model ({args.model_id or args.model}) has no chat template (its GGUF holds no "
+              "tokenizer.chat_template: a base model); run without --chat to complete the prompt as text",
+              file=sys.stderr)
+        return 2
     if args.chat:
         from meshnet.chat_template import chat_prompt_ids
         prompt_ids = chat_prompt_ids(tok, [{"role": "user", "content": args.prompt}])

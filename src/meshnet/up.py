@@ -146,6 +146,19 @@ def _api_port_problem(host: str, port: int) -> str | None:
             "(0 = any free port, -1 = no API) or --host")
 
 
+def try_command(tracker: str, model: str, join_token: bool) -> str:
+    """The ``meshnet generate`` line the ready message suggests: it names the model unless it is
+    ``meshnet generate``'s own default (which would otherwise look for a route of smollm2), and a
+    placeholder for the join token (the secret stays out of logs)."""
+    import shlex
+
+    from meshnet.model.bundled import DEFAULT_MODEL
+
+    model_flag = "" if model == DEFAULT_MODEL else f" --model {shlex.quote(model)}"
+    token = " --join-token YOUR_TOKEN" if join_token else ""
+    return f'meshnet generate --tracker {tracker}{model_flag}{token} "Hello"'
+
+
 def node_ports(first: int, n_nodes: int) -> list[tuple[int, int]]:
     """(gRPC port, data-plane port) of each of ``n_nodes`` nodes from ``--node-ports FIRST``: node i
     takes ``FIRST + 2i`` and ``FIRST + 2i + 1``; all ``(0, 0)`` (any free ports) when ``first`` is 0.
@@ -305,8 +318,7 @@ def run_up(args: argparse.Namespace) -> int:
                                "another --api-port (0 = any free port, -1 = no API)") from None
         announce(f"MESHNET_UP_READY tracker={tracker}" + (f" api={api_url}" if api_url else "")
                  + (f" dashboard={dashboard.url}" if dashboard else ""))
-        token = " --join-token YOUR_TOKEN" if args.join_token else ""  # the secret stays out of logs
-        print(f"[meshnet up] try: meshnet generate --tracker {tracker}{token} \"Hello\"   (Ctrl-C stops the mesh)",
+        print(f"[meshnet up] try: {try_command(tracker, args.model, bool(args.join_token))}   (Ctrl-C stops the mesh)",
               file=sys.stderr, flush=True)
         if dashboard:
             print(f"[meshnet up] watch it: {dashboard.url}", file=sys.stderr, flush=True)
