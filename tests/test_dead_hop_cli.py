@@ -151,6 +151,23 @@ def test_generate_json_ends_with_the_object_also_when_no_route_exists(mesh):
     assert last["failovers"] == 0
 
 
+def test_generate_for_a_model_the_mesh_does_not_serve_names_the_one_it_does_and_how_to_ask_for_it(mesh):
+    """A mesh of SmolLM2 asked for another model's route: the error named the served model by its whole
+    sha256 and advised --wait, which cannot help (a new user's `meshnet up --model gemma3-270m` and then
+    `meshnet generate --tracker ...`). It names the model as --model-id takes it, and says to."""
+    import re
+
+    from conftest import GOLDEN_DIR
+
+    mesh.start_nodes([("a", "0:30")])
+    r = run_generate(mesh.tracker, "Hello", "--model", str(GOLDEN_DIR / "models" / "tiny-llama-q8_0.gguf"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    last = r.stderr.splitlines()[-1]
+    assert re.search(r"no registered node serves this model; models served: \S.* \([0-9a-f]{12}\) \(--model-id NAME "
+                     r"or ID asks for one of those, --model FILE for a file of it here\)$", last), last
+    assert "--wait" not in last
+
+
 def test_a_client_the_nodes_refuse_is_told_why_at_once(mesh):
     """The tracker asks for no join token but the node does, and the client has none: it routed around
     the refusing node for the whole failover deadline (8 s), then said the route was excluded. A refusal

@@ -194,7 +194,10 @@ def _complete(args: argparse.Namespace, progress: _Progress, path: str, tok, sam
                     raise MeshUnavailable(str(e)) from None
             _, hops, n_ctx = chain.route_with_context()
         except MeshUnavailable as e:
-            if not args.wait and str(e).startswith("no route: GetRoute:") and "(excluded: " not in str(e):
+            if "; models served: " in str(e) and "; models served: none" not in str(e):
+                e = MeshUnavailable(f"{e} (--model-id NAME or ID asks for one of those, --model FILE for a file "
+                                    "of it here)")
+            elif not args.wait and str(e).startswith("no route: GetRoute:") and "(excluded: " not in str(e):
                 e = MeshUnavailable(f"{e} (nodes still loading? --wait SECONDS waits for a complete route)")
             if args.json:  # the last line is the object, also when no token came
                 print(_json_line(args, progress.result, [], chain, "", error=str(e)))

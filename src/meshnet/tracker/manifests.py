@@ -71,6 +71,13 @@ class ManifestStore:
             self._by_id[model_id] = _Entry(bytes(blob), m.name)
             return True
 
+    def label(self, model_id: str) -> str:
+        """``model_id`` as a person names it: its ``general.name`` and first 12 hex digits when a manifest
+        of it is kept (both are what ``--model-id`` takes), else the whole id."""
+        with self._lock:
+            e = self._by_id.get(model_id)
+        return f"{e.name} ({model_id[:12]})" if e is not None and e.name else model_id
+
     def get(self, model: str) -> tuple[str, bytes]:
         """``(id, blob)`` of the model whose id, ``general.name`` (case-insensitive) or id prefix (at least
         MIN_ID_PREFIX hex digits) is ``model``; empty: the only model kept. Raises ManifestNotFound."""

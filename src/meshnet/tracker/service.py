@@ -188,7 +188,7 @@ class TrackerService(pb_grpc.TrackerServicer):
         except NoRoute as e:
             message = e.message
             if not any(n.model_sha256 == model for n in nodes):
-                message += f"; models served: {', '.join(models) or 'none'}"
+                message += f"; models served: {', '.join(map(self.manifests.label, models)) or 'none'}"
             raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, f"GetRoute: {message}") from None
         if request.opens_session:
             self.registry.granted(h.node_id for h in hops)
