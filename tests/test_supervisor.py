@@ -38,7 +38,7 @@ def test_a_killed_child_is_restarted_reported_and_the_others_keep_running():
         assert again["b"] == first["b"]  # untouched
         assert exits == ["a"] and sup.restarts == 1
         lines = out.getvalue().splitlines()
-        assert re.fullmatch(r"\[meshnet up\] node a exited with code -9 after \d+\.\d s \(no output in its last 5 s\); "
+        assert re.fullmatch(r"\[meshnet up\] node a killed by SIGKILL after \d+\.\d s \(no output in its last 5 s\); "
                             r"restarting in 0\.2 s", lines[0]), lines
         assert lines[1] == f"[meshnet up] node a restarted (pid {again['a']})"
     finally:
@@ -54,7 +54,7 @@ def test_a_crash_looping_child_backs_off_and_its_last_words_are_quoted():
     sup = Supervisor([("c", CRASHER)], policy=RestartPolicy(0.1, 0.4, 30.0), out=out)
     sup.start()
     try:
-        _wait(lambda: out.getvalue().count("exited with code 3") >= 4)
+        _wait(lambda: out.getvalue().count("exited with status 3") >= 4)
     finally:
         sup.stop(timeout_s=5)
     exits = [line for line in out.getvalue().splitlines() if "exited" in line]
@@ -194,10 +194,10 @@ def test_an_exit_quotes_only_what_the_child_said_just_before_it(monkeypatch):
     try:
         time.sleep(1.5)
         os.kill(sup.pids()["a"], signal.SIGKILL)
-        _wait(lambda: "exited" in out.getvalue())
+        _wait(lambda: "killed by SIGKILL" in out.getvalue())
     finally:
         sup.stop(timeout_s=5)
-    [exited] = [line for line in out.getvalue().splitlines() if "exited" in line]
+    [exited] = [line for line in out.getvalue().splitlines() if "killed by SIGKILL" in line]
     assert "(no output in its last 0.5 s)" in exited and "serving layers" not in exited, exited
 
 

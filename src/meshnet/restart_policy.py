@@ -8,6 +8,7 @@ seconds; one that ran for at least 30 s before exiting is restarted after 0.5 s 
 from __future__ import annotations
 
 import math
+import signal
 from dataclasses import dataclass
 
 # 2**64 times any sensible initial delay is past any cap; capping the exponent keeps the float finite.
@@ -79,3 +80,14 @@ def next_restart(policy: RestartPolicy, ran_s: float, quick_exits: int) -> Resta
         quick_exits = 0  # it had recovered: this exit starts a new run of quick exits
     delay = policy.initial_delay_s * 2.0 ** min(quick_exits, _MAX_DOUBLINGS)
     return RestartDecision(min(delay, policy.max_delay_s), quick_exits + 1)
+
+
+def exit_reason(returncode: int) -> str:
+    """How a process ended, as its supervisor says it: ``"exited with status 70"``, or ``"killed by SIGSEGV"``
+    for the negative return code Popen gives a process a signal ended."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with status {returncode}"

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, TextIO
 
-from meshnet.restart_policy import RestartPolicy, next_restart
+from meshnet.restart_policy import RestartPolicy, exit_reason, next_restart
 
 # How often the watcher looks for exits and due restarts (seconds).
 _POLL_S = 0.1
@@ -353,7 +353,7 @@ class Supervisor:
         child.quick_exits, child.restart_at = decision.quick_exits, now + decision.delay_s
         last = " | ".join(line for t, line in list(child.log)[-3:] if t >= now - _LAST_WORDS_WINDOW_S) or \
             f"no output in its last {_LAST_WORDS_WINDOW_S:g} s"
-        self._say(f"node {child.name} exited with code {child.proc.returncode} after {ran:.1f} s ({last}); "
+        self._say(f"node {child.name} {exit_reason(child.proc.returncode)} after {ran:.1f} s ({last}); "
                   f"restarting in {decision.delay_s:g} s")
         if self._on_exit is not None:
             try:

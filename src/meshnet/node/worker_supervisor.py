@@ -13,7 +13,6 @@ while it still runs is killed (SIGKILL) and restarted the same way. After more t
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 import subprocess
 import sys
@@ -25,22 +24,12 @@ from meshnet.node import worker_wire as ww
 from meshnet.node.config import NodeConfig
 from meshnet.node.engine_loader import LoadedEngine, load_subject
 from meshnet.node.worker_channel import WorkerChannel
-from meshnet.restart_policy import RestartPolicy, next_restart
+from meshnet.restart_policy import RestartPolicy, exit_reason, next_restart
 
 log = logging.getLogger("meshnet.node")
 
 # How long a worker may take to load its range before the start counts as failed (seconds).
 LOAD_TIMEOUT_S = 300.0
-
-
-def exit_reason(returncode: int) -> str:
-    """``"killed by SIGSEGV"`` / ``"exited with status 70"`` for a Popen return code."""
-    if returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"exited with status {returncode}"
 
 
 class WorkerSupervisor:
