@@ -711,6 +711,24 @@ def test_chat_with_a_model_without_a_chat_template_is_a_400_that_says_what_to_do
         backend.close()
 
 
+def test_an_api_serving_a_model_without_a_chat_template_says_so_as_it_starts(tmp_path):
+    """A new user's `meshnet api --model gemma3-270m` (a base model) said nothing of it until the first chat
+    request's 400."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "api", "--model", str(TINY), "--port", "0",
+                             "--n-ctx", "64"], stderr=subprocess.PIPE, text=True, env={**os.environ, "HOME": str(tmp_path)})
+    try:
+        lines = [proc.stderr.readline() for _ in range(2)]
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    assert lines[0].startswith("[meshnet api] serving 'tiny-llama-q8_0' on http://127.0.0.1:"), lines
+    assert lines[1] == ("[meshnet api] 'tiny-llama-q8_0' has no chat template (a base model): /v1/chat/completions and "
+                        "/v1/responses refuse messages; send text to /v1/completions\n"), lines
+
+
 def test_generate_chat_with_a_model_without_a_chat_template_says_what_to_do_instead():
     """`meshnet generate --model gemma3-270m --chat` (a base model, bundled) said "this GGUF has no
     tokenizer.chat_template; pass template=...", a Python argument the command has no flag for."""

@@ -283,8 +283,10 @@ def model_ref(text: str) -> str:
         argparse.ArgumentTypeError: empty, or not valid UTF-8.
     """
     if not text.strip():
+        from meshnet.model.bundled import BUNDLED
+
         raise argparse.ArgumentTypeError("must not be empty; give the model's id (or 8+ hex digits of it), its "
-                                         "general.name or a bundled name (smollm2)")
+                                         f"general.name or a bundled name ({', '.join(BUNDLED)})")
     return utf8_text(text)
 
 

@@ -69,10 +69,12 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
                      help="after the text, print one JSON object with token ids, text and timings")
     gen.add_argument("--tracker", type=tracker_address, default=None,
                      help=f"{TRACKER_HELP}; default: run the stages in this process")
+    from meshnet.model.bundled import BUNDLED
+
     source.add_argument("--model-id", type=model_ref, default=None, metavar="ID_OR_NAME",
                         help="with --tracker, instead of a local --model: the model's id (or 8+ hex digits of "
-                             "it), general.name or bundled name (smollm2); the tokenizer and chat template come "
-                             "from the tracker's manifest")
+                             f"it), general.name or bundled name ({', '.join(BUNDLED)}); the tokenizer and chat "
+                             "template come from the tracker's manifest")
     gen.add_argument("--wait", type=seconds, default=0.0,
                      help="with --tracker: seconds to wait for a complete route before giving up (default 0: "
                           "give up at once)")

@@ -38,7 +38,7 @@ STOP_MARGIN_S = 5.0
 
 def add_up_parser(sub) -> None:
     p = sub.add_parser("up", help="start a tracker and N local nodes for a model; serve until Ctrl-C")
-    p.add_argument("--model", default="smollm2", help="GGUF path or bundled name")
+    p.add_argument("--model", default="smollm2", help="GGUF path or bundled name (default %(default)s)")
     p.add_argument("--stages", type=int, default=3, help="node processes, one layer range each")
     p.add_argument("--host", type=listen_host, default="127.0.0.1",
                    help="address the tracker, nodes and API listen on (default %(default)s; 0.0.0.0 = every "
@@ -60,12 +60,12 @@ def add_up_parser(sub) -> None:
                    help="groups each node splits its sessions' decodes into, taking turns so that every stage "
                         "computes at once (0 = one per stage, 1 = all together)")
     p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false", help=NO_HUGE_PAGES_HELP)
-    p.add_argument("--heartbeat", type=heartbeat_seconds, default=1.0, help="node heartbeat interval, seconds")
+    p.add_argument("--heartbeat", type=heartbeat_seconds, default=1.0, help="node heartbeat interval, seconds (default %(default)s)")
     p.add_argument("--client-orchestrated", action="store_true",
                    help="the API's steps: " + "every step through the client, hop by hop (default: nodes forward hidden states to the next node themselves where the route allows)")
     add_join_token_arg(p)
     add_api_key_arg(p)
-    p.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds to wait for a complete route")
+    p.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds to wait for a complete route (default %(default)g)")
     p.add_argument("--drain-timeout", type=seconds, default=10.0,
                    help="at Ctrl-C or SIGTERM, seconds other clients' open sessions may take to finish before "
                         "the nodes stop (default %(default)g; a second Ctrl-C stops them at once)")

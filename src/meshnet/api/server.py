@@ -161,6 +161,9 @@ def run_api(args: argparse.Namespace) -> int:
               flush=True)
         if warning := open_api_warning(args.host, port, args.api_key, "this model"):
             print(f"[meshnet api] {warning}", file=sys.stderr, flush=True)
+        if not backend.tokenizer.chat_template:  # a base model: said now, not first at a chat request's 400
+            print(f"[meshnet api] {backend.model_name!r} has no chat template (a base model): /v1/chat/completions "
+                  "and /v1/responses refuse messages; send text to /v1/completions", file=sys.stderr, flush=True)
         # uvicorn raises the signal that stopped it again once it has stopped: with SIGTERM's default
         # action the process was killed there (status -15), before the backend closed and before the
         # atexit handlers sent the ledger what the mesh client had not reported yet.
