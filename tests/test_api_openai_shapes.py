@@ -180,3 +180,31 @@ def test_every_answer_carries_an_x_request_id(served):
     assert http.get("/v1/models", headers={"X-Request-Id": "x" * 129}).headers["x-request-id"].startswith("req_")
     assert http.post("/v1/chat/completions", json={"messages": []}).headers["x-request-id"].startswith("req_")
     assert http.get("/v1/nothing").headers["x-request-id"].startswith("req_")
+
+
+def test_usage_reports_the_prompt_tokens_taken_from_the_prefix_cache(served, tok):
+    """``usage.prompt_tokens_details.cached_tokens`` (the Responses API's ``input_tokens_details``), which
+    llama-server and OpenAI report, was never given: a second chat sharing the first's system prompt takes
+    those rows from the prefix cache, and says how many (its tokens in common with the first), streamed or
+    not; the first shares only the chat template's opening with the requests before it."""
+    from meshnet.chat_template import chat_prompt_ids
+
+    _, http, client = served
+    system = {"role": "system", "content": "You answer in one word, always, whatever the question."}
+
+    def ask(q: str, **kw):
+        return client.chat.completions.create(model="smollm2", temperature=0, max_tokens=2, **kw,
+                                              messages=[system, {"role": "user", "content": q}])
+
+    first = ask("Name a fruit that is yellow.")
+    second = ask("Name a colour of the sky.")
+    a, b = (chat_prompt_ids(tok, [system, {"role": "user", "content": q}])
+            for q in ("Name a fruit that is yellow.", "Name a colour of the sky."))
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    shared = second.usage.prompt_tokens_details.cached_tokens
+    assert shared == common and common > 20 and first.usage.prompt_tokens_details.cached_tokens < 8, second.usage
+    chunks = list(ask("Name a large animal.", stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == shared
+    out = client.responses.create(model="smollm2", temperature=0, max_output_tokens=2, instructions=system["content"],
+                                  input="Name a small animal.")
+    assert out.usage.input_tokens_details.cached_tokens == shared

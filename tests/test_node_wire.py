@@ -327,3 +327,19 @@ def test_stalled_step_streams_leave_workers_for_other_calls_and_are_cancelled(mo
             assert sorted(c.name for c in ended) == ["CANCELLED", "CANCELLED", "RESOURCE_EXHAUSTED"]
         finally:
             release.set()
+
+
+def test_a_steps_prefix_cache_rows_cross_the_wire_with_its_result():
+    """``StepResult.reused`` (the rows a stage took from its prefix cache: the API's cached_tokens) travels
+    in every reply message of a step, a hidden-state result of several frames as a token's."""
+    from meshnet.contract import SampledToken, StepResult
+    from meshnet.wire.envelope import replies_to_result, result_to_replies
+
+    req = StepRequest("s", 0, 0, [1] * 40)
+    hidden = NamedTensor.from_numpy("hidden", np.ones((40, N_EMBD), np.float32))
+    replies = result_to_replies(req, StepResult(Status.OK, hidden=hidden, n_past=40, reused=31), max_frame=1 << 10)
+    assert len(replies) > 1 and {r.reused for r in replies} == {31}
+    assert replies_to_result(replies).reused == 31
+    token = StepResult(Status.OK, token=SampledToken(7, -0.5), n_past=40, reused=31)
+    assert replies_to_result(result_to_replies(req, token)).reused == 31
+    assert replies_to_result(result_to_replies(req, StepResult(Status.OK, token=SampledToken(7, -0.5)))).reused == 0

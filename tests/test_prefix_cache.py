@@ -91,16 +91,20 @@ def test_three_stages_reuse_prefixes_exactly(smollm2_path, tok):
     prompts = [tok.encode(t) for t in ("<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n"
                                        f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
                                        for q in ("What is 2+2?", "Name a colour.", "Say hello."))]
-    ids = {}
+    ids, cached = {}, {}
     for keep in (0, 4):
         chain = load_local_chain(path, plan_ranges(path, 3), n_threads=2, n_ctx=512, progress=False,
                                  prefix_cache=keep)
-        ids[keep] = [generate(chain, tok, p, 12, GREEDY, stop_at_eog=False).generated_token_ids for p in prompts]
+        results = [generate(chain, tok, p, 12, GREEDY, stop_at_eog=False) for p in prompts]
+        ids[keep] = [r.generated_token_ids for r in results]
+        cached[keep] = [r.cached_tokens for r in results]  # what the API reports as usage's cached_tokens
         if keep:
             assert all(len(s.stage.prefix_cache) == 3 for s in chain.stages)
             rows = chain.stages[0].metrics().batch_rows
             assert rows < sum(len(p) + 11 for p in prompts)  # the shared rows were not computed again
     assert ids[4] == ids[0]
+    common = next(i for i, (a, b) in enumerate(zip(*prompts[:2])) if a != b)
+    assert cached[0] == [0, 0, 0] and cached[4] == [0, common, common] and common > 20, (cached, common)
 
 
 def test_a_later_stage_reuses_only_rows_computed_from_the_same_hidden_states(smollm2_path):

@@ -223,7 +223,8 @@ class StepResult:
     ``retry_after_s`` is set with RESOURCE_EXHAUSTED. On the tail, a verification step
     (``StepRequest.verify``) also sets ``tokens``: the token sampled after each of its rows, in row
     order (``token`` is the last of them). ``drafts``: the tail's next-token-prediction drafts of the
-    tokens after ``token`` (``StepRequest.mtp_drafts``), for the next step to verify.
+    tokens after ``token`` (``StepRequest.mtp_drafts``), for the next step to verify. ``reused``: rows
+    of the step its stage did not compute, having them in its prefix cache.
     """
 
     status: Status
@@ -234,6 +235,9 @@ class StepResult:
     retry_after_s: float | None = None
     tokens: tuple[SampledToken, ...] = ()
     drafts: tuple[int, ...] = ()
+    # Leading rows of a session's first step whose cells the stage took from its prefix cache instead of
+    # computing them (a finished session's prompt began the same way); 0 for every later step.
+    reused: int = 0
 
     @property
     def ok(self) -> bool:

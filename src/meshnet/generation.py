@@ -78,6 +78,7 @@ class GenerationResult:
     verify_steps: int = 0  # speculative verification steps run
     drafted: int = 0  # draft tokens they carried
     accepted: int = 0  # drafts the tail agreed with
+    cached_tokens: int = 0  # prompt tokens the tail took from its prefix cache (StepResult.reused)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -228,7 +229,9 @@ class Generation:
             self._consumer_charged(self.session_id)
         try:
             req = self._request(0, r.prompt_token_ids, step_id=0)
-            pending = list(self._tokens(req, (yield StepCall(req, False))))
+            res = yield StepCall(req, False)
+            pending = list(self._tokens(req, res))
+            r.cached_tokens = res.reused
             r.ttft_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             position = cached = len(r.prompt_token_ids)  # the next step's first position; cells held

@@ -272,14 +272,14 @@ class _Api:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await self._stream_completion(jobs, rid, created, prompt_tokens, want_logprobs, include_usage, t0,
                                                  request)
-        choices, completion_tokens = [], 0
+        choices, completion_tokens, cached_tokens = [], 0, 0
         for i, (pieces, run) in enumerate(await self.whole_choices(jobs, request, t0)):
             completion_tokens += run.completion_tokens
+            cached_tokens += run.cached_tokens
             text = "".join(p.text for p in pieces)
             choices.append(CompletionChoice(index=i, text=text, finish_reason=run.finish_reason,
                                             logprobs=completion_logprobs(self.backend.tokenizer, pieces) if want_logprobs else None))
-        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                      total_tokens=prompt_tokens + completion_tokens)
+        usage = Usage.of(prompt_tokens, completion_tokens, cached_tokens)
         body = CompletionResponse(id=rid, created=created, model=self.backend.model_name, choices=choices,
                                   usage=usage)
         return JSONResponse(body.model_dump())
@@ -353,17 +353,17 @@ class _Api:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return await self._stream_chat(jobs, rid, created, prompt_tokens, want_logprobs, include_usage, t0,
                                            request, plan)
-        choices, completion_tokens = [], 0
+        choices, completion_tokens, cached_tokens = [], 0, 0
         for i, (pieces, run) in enumerate(await self.whole_choices(jobs, request, t0)):
             completion_tokens += run.completion_tokens
+            cached_tokens += run.cached_tokens
             text = "".join(p.text for p in pieces)
             content, calls = whole_answer(plan, text, run.finish_reason)
             message = ChatResponseMessage(content=content, tool_calls=calls)
             choices.append(ChatChoice(index=i, message=message,
                                       finish_reason=finish_reason(run.finish_reason, calls),
                                       logprobs=chat_logprobs(self.backend.tokenizer, pieces) if want_logprobs else None))
-        usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                      total_tokens=prompt_tokens + completion_tokens)
+        usage = Usage.of(prompt_tokens, completion_tokens, cached_tokens)
         body = ChatCompletionResponse(id=rid, created=created, model=self.backend.model_name, choices=choices,
                                       usage=usage)
         return JSONResponse(body.model_dump())

@@ -321,6 +321,5 @@ async def create_response(api, request: Request) -> Response:
                                     shapes.end, request, done=None, error_event=shapes.failed)
     [(pieces, run)] = await api.whole_choices([job], request, t0)
     shapes.take_whole(pieces, run.finish_reason)
-    usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=run.completion_tokens,
-                  total_tokens=len(prompt_ids) + run.completion_tokens)
+    usage = Usage.of(len(prompt_ids), run.completion_tokens, run.cached_tokens)
     return JSONResponse(shapes.response(response_status(run.finish_reason), usage))

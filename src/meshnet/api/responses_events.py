@@ -74,7 +74,8 @@ class ResponseShapes:
                 "max_tool_calls": req.max_tool_calls, "metadata": req.metadata or {},
                 "usage": None if usage is None else {
                     "input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
-                    "total_tokens": usage.total_tokens, "input_tokens_details": {"cached_tokens": 0},
+                    "total_tokens": usage.total_tokens, "input_tokens_details": {
+                        "cached_tokens": usage.prompt_tokens_details.cached_tokens},
                     "output_tokens_details": {"reasoning_tokens": 0}}}
 
     def message(self, status: str) -> dict:

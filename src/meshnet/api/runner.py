@@ -339,6 +339,14 @@ class ChoiceRun:
         self.finish_reason = piece.finish_reason
         self._pending.append(piece)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Of its prompt's tokens, those the tail took from its prefix cache; 0 for a choice whose prompt
+        another choice of the request counts (``GenJob.counts_prompt``)."""
+        if not self.job.counts_prompt or self._driver is None:
+            return 0
+        return self._driver.gen.result.cached_tokens
+
     async def collect(self) -> list[Piece]:
         """Run to the end; every piece in order."""
         out = []

@@ -127,7 +127,7 @@ async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_p
                 while piece is not None:
                     await pieces.put((i, "piece", piece))
                     piece = await run.next_piece()
-                await pieces.put((i, "end", run.completion_tokens))
+                await pieces.put((i, "end", (run.completion_tokens, run.cached_tokens)))
         except Exception as e:  # noqa: BLE001 - the reader ends the stream with it
             await pieces.put((i, "error", e))
         finally:
@@ -135,7 +135,7 @@ async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_p
                 await run.aclose()
 
     tasks = [asyncio.ensure_future(choice(i)) for i in range(len(jobs))]
-    completion_tokens, ended, i = 0, 0, 0
+    completion_tokens, cached_tokens, ended, i = 0, 0, 0, 0
     try:
         while ended < len(jobs):
             got: list = []
@@ -148,7 +148,8 @@ async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_p
             for ev in events:
                 yield ev
             if kind == "end":
-                completion_tokens += value
+                completion_tokens += value[0]
+                cached_tokens += value[1]
                 ended += 1
     except Exception as e:  # noqa: BLE001 - an ApiError, or a bug: an error event ends the stream either way
         if not isinstance(e, ApiError):  # a bug cut the stream mid-body, without an end a client could read
@@ -164,7 +165,6 @@ async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_p
                 task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     if include_usage:
-        yield usage_event(Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                                total_tokens=prompt_tokens + completion_tokens))
+        yield usage_event(Usage.of(prompt_tokens, completion_tokens, cached_tokens))
     if done is not None:
         yield done

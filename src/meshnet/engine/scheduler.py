@@ -61,6 +61,7 @@ class Job:
     req: StepRequest
     enqueued: float = field(default_factory=time.perf_counter)
     done_tokens: int = 0
+    reused: int = 0  # leading tokens the session already held when the step came (its prefix cache's)
     parts: list[StepResult] = field(default_factory=list)
     started: bool = False  # picked for an iteration
     passed_over_at: int = -1  # the iteration a prefill was first left out of for the budget (-1: it was not)
@@ -150,8 +151,8 @@ class StepScheduler:
 
     def _enqueue(self, session: Any, req: StepRequest, done_tokens: int, done_part: StepResult | None,
                  on_done: Callable[[Job], None] | None = None) -> Job:
-        job = Job(session, req, done_tokens=done_tokens, parts=[done_part] if done_part is not None else [],
-                  on_done=on_done)
+        job = Job(session, req, done_tokens=done_tokens, reused=done_tokens,
+                  parts=[done_part] if done_part is not None else [], on_done=on_done)
         with self._cv:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="stage-scheduler", daemon=True)

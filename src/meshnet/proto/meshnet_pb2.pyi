@@ -169,7 +169,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("n_past", "has_token", "token_id", "logprob", "top", "hidden", "failure", "tokens", "drafts")
+    __slots__ = ("n_past", "has_token", "token_id", "logprob", "top", "hidden", "failure", "tokens", "drafts", "reused")
     N_PAST_FIELD_NUMBER: _ClassVar[int]
     HAS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class StepReply(_message.Message):
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_FIELD_NUMBER: _ClassVar[int]
     n_past: int
     has_token: bool
     token_id: int
@@ -188,7 +189,8 @@ class StepReply(_message.Message):
     failure: HopFailure
     tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
     drafts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, n_past: _Optional[int] = ..., has_token: _Optional[bool] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., hidden: _Optional[_Union[Envelope, _Mapping]] = ..., failure: _Optional[_Union[HopFailure, _Mapping]] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., drafts: _Optional[_Iterable[int]] = ...) -> None: ...
+    reused: int
+    def __init__(self, n_past: _Optional[int] = ..., has_token: _Optional[bool] = ..., token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., hidden: _Optional[_Union[Envelope, _Mapping]] = ..., failure: _Optional[_Union[HopFailure, _Mapping]] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., drafts: _Optional[_Iterable[int]] = ..., reused: _Optional[int] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("token_id", "logprob", "top")

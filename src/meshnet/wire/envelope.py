@@ -257,9 +257,10 @@ def result_to_replies(req: StepRequest, res: StepResult, max_frame: int = MAX_FR
         return [pb.StepReply(n_past=res.n_past, has_token=True, token_id=t.token_id, logprob=t.logprob,
                              top=_top_to_pb(t), tokens=[pb.SampledToken(token_id=x.token_id, logprob=x.logprob,
                                                                          top=_top_to_pb(x)) for x in res.tokens],
-                             drafts=list(res.drafts))]
+                             drafts=list(res.drafts), reused=res.reused)]
     header = pb.Envelope(session_id=req.session_id, epoch=req.epoch, position=req.position, step_id=req.step_id)
-    return [pb.StepReply(n_past=res.n_past, hidden=f) for f in tensor_frames(header, res.hidden, max_frame)]
+    return [pb.StepReply(n_past=res.n_past, hidden=f, reused=res.reused)
+            for f in tensor_frames(header, res.hidden, max_frame)]
 
 
 def replies_to_result(replies: Iterable[pb.StepReply]) -> StepResult:
@@ -269,7 +270,7 @@ def replies_to_result(replies: Iterable[pb.StepReply]) -> StepResult:
     if first.has_token:
         return StepResult(Status.OK, token=_token_from_pb(first), n_past=int(first.n_past),
                           tokens=tuple(_token_from_pb(t) for t in first.tokens),
-                          drafts=tuple(int(d) for d in first.drafts))
+                          drafts=tuple(int(d) for d in first.drafts), reused=int(first.reused))
 
     def frames() -> Iterator[pb.Envelope]:
         yield first.hidden
@@ -278,4 +279,4 @@ def replies_to_result(replies: Iterable[pb.StepReply]) -> StepResult:
 
     h, payload = assemble(frames())
     hidden = NamedTensor("hidden", tuple(int(d) for d in h.shape), h.dtype, payload)
-    return StepResult(Status.OK, hidden=hidden, n_past=int(first.n_past))
+    return StepResult(Status.OK, hidden=hidden, n_past=int(first.n_past), reused=int(first.reused))
