@@ -558,7 +558,8 @@ def test_meshnet_up_says_what_its_stop_waits_for_and_a_second_ctrl_c_stops_at_on
                            "--api-port", "-1", "--dashboard-port", "0", "--heartbeat", "0.3",
                            "--drain-timeout", "120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(up.stderr), daemon=True).start()
+    reader = threading.Thread(target=lambda: lines.extend(up.stderr), daemon=True)
+    reader.start()
     client = None
     try:
         assert up.stdout.readline().startswith("MESHNET_UP_READY"), "".join(lines)
@@ -586,6 +587,8 @@ def test_meshnet_up_says_what_its_stop_waits_for_and_a_second_ctrl_c_stops_at_on
         assert up.wait(timeout=20) == 0
         assert time.monotonic() - t0 < 10
         assert all(not os.path.exists(f"/proc/{pid}") for pid in nodes.values())
+        reader.join(10)
+        assert lines[-1] == "[meshnet up] stopped\n", lines[-3:]  # said once nothing of the mesh runs
     finally:
         if up.poll() is None:
             up.kill()

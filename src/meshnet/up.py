@@ -352,6 +352,7 @@ def run_up(args: argparse.Namespace) -> int:
         server.stop(grace=1).wait()
         if ledger is not None:
             ledger.close()
+        print("[meshnet up] stopped", file=sys.stderr, flush=True)  # nothing of the mesh runs any more
     return code
 
 
