@@ -48,7 +48,9 @@ class RouteWatch:
                 for h in hops:
                     if h.node_id in down and not h.answers():
                         raise MeshUnavailable(f"no route: node {h.node_id} at {h.address} was found down and "
-                                              "does not answer a health probe")
+                                              "does not answer a health probe from this machine (if it runs: "
+                                              "is its port open to this machine? a node behind NAT or a "
+                                              "firewall joins with --relay)")
         except MeshUnavailable as e:
             with self._lock:
                 lost, self._lost = not self._lost and bool(self._hops), bool(self._hops)
