@@ -4,6 +4,7 @@ network, open and closed ports told apart by the failure's timing and words)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 
@@ -69,6 +70,34 @@ def test_while_the_tracker_cannot_be_asked_only_the_nodes_it_last_listed_are_let
         "nodes it last listed until it answers"]
     clock.now += REFRESH_S
     assert peers.admits("10.0.0.5:7701") and peers.admits("10.0.0.1:7701")  # listed once it answers
+
+
+def test_a_node_restarted_while_the_tracker_is_down_starts_from_the_list_it_kept(tmp_path):
+    """A node restarted during a tracker outage held no list: every link out of it was refused, and its clients
+    stepped them all themselves, told to open a data port that was open. The list is kept beside the node's
+    key, for its tracker only, and read back at start; what does not read as such a list is no list."""
+    down = RpcFailure(grpc.StatusCode.UNAVAILABLE)
+
+    def tracker_down():
+        raise down
+
+    kept = tmp_path / "node-b.peers.json"
+    first = RegisteredPeers(lambda: ["10.0.0.1:7701", "10.0.0.3:7701"], Clock(), kept=(kept, "t:7700"))
+    assert not kept.exists()  # nothing asked yet
+    first.refresh()
+    assert json.loads(kept.read_text()) == {"tracker": "t:7700", "data_addresses": ["10.0.0.1:7701", "10.0.0.3:7701"]}
+    again = RegisteredPeers(tracker_down, Clock(), kept=(kept, "t:7700"))
+    again.refresh()
+    assert again.admits("10.0.0.3:7701") and not again.admits("10.0.0.9:7701")
+    assert not RegisteredPeers(tracker_down, Clock(), kept=(kept, "other:7700")).admits("10.0.0.3:7701")
+    for junk in ("{", "[]", '{"tracker": "t:7700", "data_addresses": [1]}',
+                 json.dumps({"tracker": "t:7700", "data_addresses": ["a:1"] * 5000})):
+        kept.write_text(junk)
+        assert not RegisteredPeers(tracker_down, Clock(), kept=(kept, "t:7700")).admits("a:1"), junk
+    # Answered again: the new list replaces the kept one, in the file too.
+    back = RegisteredPeers(lambda: ["10.0.0.4:7701"], Clock(), kept=(kept, "t:7700"))
+    assert back.admits("10.0.0.4:7701") and not back.admits("10.0.0.3:7701")
+    assert json.loads(kept.read_text())["data_addresses"] == ["10.0.0.4:7701"]
 
 
 def test_a_forwarder_sends_to_registered_nodes_only_and_never_dials_another_address():

@@ -178,28 +178,42 @@ def test_once_the_tracker_has_not_answered_route_requests_wait_a_second_while_th
     router.tracker_channel.close()
 
 
-def test_a_middle_node_restarted_before_the_tracker_went_down_still_serves_the_last_route(mesh, tok, solo):
+def test_a_middle_node_restarted_before_and_while_the_tracker_is_down_still_serves_the_last_route(mesh, tok, solo):
     """The API's last route named a node's old process; the node was restarted (same id, range and ports)
     and the tracker died before this client asked again. Every request then failed after ~10 s: a step the
     new process could not take at once (its peers' pooled connections went to the old one) was followed by
     a probe that took "another process answers" for "down", and without the tracker the route through it
-    counted as failed. The probe of the last route now takes the process that answers as the node's."""
+    counted as failed. The probe of the last route now takes the process that answers as the node's.
+
+    Then the node is restarted again, the tracker still down: it could not ask which nodes are registered,
+    so it refused to forward to the next one, and its client stepped that link itself for 5 minutes, saying
+    to open a data port that was open. The node keeps the list beside its key and starts from it: the
+    client's steps go node to node again."""
     head, middle, tail = mesh.start_nodes([("a-head", "0:12"), ("b-mid", "12:25"), ("c-tail", "25:30")])
     client = mesh.client(report_deliveries=False)
+    restarted: list = []
+
+    def restart_middle(kill) -> None:
+        kill()
+        restarted.append(mesh.spawn_node("12:25", middle.node_id, "smollm2", "--port", grpc_port, "--data-port",
+                                         data_port))
+        assert restarted[-1].stdout.readline().startswith("MESHNET_NODE_READY")
+
     try:
         before = generate(client, tok, solo.prompt_ids(0), 8, GREEDY, stop_at_eog=False)
         assert before.generated_token_ids == solo.greedy(0, 8)
         _, hops = client.route()
         grpc_port, data_port = hops[1].address.rsplit(":", 1)[1], hops[1].data_pool.address.rsplit(":", 1)[1]
-        middle.kill()
-        again = mesh.spawn_node("12:25", middle.node_id, "smollm2", "--port", grpc_port, "--data-port", data_port)
-        try:
-            assert again.stdout.readline().startswith("MESHNET_NODE_READY")
-            mesh.server.stop(grace=0).wait()
-            after = generate(client, tok, solo.prompt_ids(1), 8, GREEDY, stop_at_eog=False)
-            assert after.generated_token_ids == solo.greedy(1, 8)
-        finally:
-            again.kill()
-            again.wait(10)
+        restart_middle(middle.kill)
+        mesh.server.stop(grace=0).wait()
+        after = generate(client, tok, solo.prompt_ids(1), 8, GREEDY, stop_at_eog=False)
+        assert after.generated_token_ids == solo.greedy(1, 8)
+        restart_middle(restarted[-1].kill)  # the tracker still down
+        again = generate(client, tok, solo.prompt_ids(2), 8, GREEDY, stop_at_eog=False)
+        assert again.generated_token_ids == solo.greedy(2, 8)
+        assert client.blocked_links.blocked_now() == 0  # no link stepped by the client
     finally:
+        for proc in restarted:
+            proc.kill()
+            proc.wait(10)
         client.close()

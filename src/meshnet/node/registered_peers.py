@@ -14,13 +14,21 @@ address through then (as this check once did) turned a stopped tracker into a po
 sent to any address a step named. An address refused (a node that joined within the second since the last
 asking, or during the outage) is reported to the client as a link this node cannot use, which the client
 then steps itself: a route through a new node goes on, one hop slower, rather than fail.
+
+A node restarted during an outage would hold no list at all, and its clients would step every link out of
+it themselves for minutes, told to open a data port that is open: a node with a key file (``--node-id`` or
+``--identity``, the nodes that come back under the same id) keeps the list beside it, for the same tracker,
+and starts from it until the tracker answers.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterable
 
 import grpc
@@ -32,6 +40,9 @@ log = logging.getLogger("meshnet.node")
 REFRESH_S = 1.0
 # How long one asking may take, seconds (on a thread that may block: see RegisteredPeers.admits).
 LIST_TIMEOUT_S = 2.0
+# Addresses read back from a kept list at most (a tracker lists this many nodes at most in practice; a file
+# someone else wrote must not become an allocation of its size).
+MAX_KEPT = 4096
 
 
 class NeedsRefresh(Exception):
@@ -45,12 +56,14 @@ class RegisteredPeers:
         list_addresses: returns every registered node's data address (``ListNodes``); raises
             ``grpc.RpcError`` when the tracker cannot be asked.
         clock: monotonic seconds.
+        kept: ``(file, tracker)``: the list last answered is kept in ``file`` (JSON, written when it
+            changes) and read back at start when it is ``tracker``'s; None: kept in memory only.
     """
 
     def __init__(self, list_addresses: Callable[[], Iterable[str]],
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._list, self._clock = list_addresses, clock
-        self._known: frozenset[str] = frozenset()
+                 clock: Callable[[], float] = time.monotonic, kept: tuple[Path, str] | None = None) -> None:
+        self._list, self._clock, self._kept = list_addresses, clock, kept
+        self._known: frozenset[str] = self._read_kept()
         self._asked_at = float("-inf")
         self._reachable = True  # whether the last asking was answered (logged once per outage)
         self._lock = threading.Lock()  # one asking at a time
@@ -68,7 +81,7 @@ class RegisteredPeers:
         if counts:
             self._asked_at = self._clock()
         try:
-            self._known = frozenset(a.lower() for a in self._list() if a)
+            known = frozenset(a.lower() for a in self._list() if a)
             self._reachable = True
         except grpc.RpcError as e:
             if self._reachable:
@@ -76,6 +89,38 @@ class RegisteredPeers:
                             "forwarded only to the %d nodes it last listed until it answers",
                             e.code().name, len(self._known))
             self._reachable = False
+            return
+        if known != self._known:
+            self._write_kept(known)
+        self._known = known
+
+    def _read_kept(self) -> frozenset[str]:
+        """The addresses kept for this tracker by an earlier process of this node; empty when there are none
+        (no file, another tracker's, or one that does not read as a list of addresses)."""
+        if self._kept is None:
+            return frozenset()
+        path, tracker = self._kept
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return frozenset()
+        addresses = data.get("data_addresses") if isinstance(data, dict) and data.get("tracker") == tracker else None
+        if not isinstance(addresses, list) or len(addresses) > MAX_KEPT or \
+                not all(isinstance(a, str) and a for a in addresses):
+            return frozenset()
+        return frozenset(a.lower() for a in addresses)
+
+    def _write_kept(self, known: frozenset[str]) -> None:
+        if self._kept is None:
+            return
+        path, tracker = self._kept
+        try:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps({"tracker": tracker, "data_addresses": sorted(known)}))
+            os.replace(tmp, path)  # whole or not at all: a node killed while writing keeps the last list
+        except OSError as e:
+            log.warning("could not keep the list of registered nodes in %s (%s): a restart while the tracker "
+                        "is unreachable starts without it", path, os.strerror(e.errno) if e.errno else e)
 
     def admits(self, address: str, may_block: bool = True) -> bool:
         """Whether a step may be sent on to ``address``: a registered node's data address (as last listed,

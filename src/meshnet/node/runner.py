@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 from meshnet import __version__
 from meshnet.engine.kv_pool import available_memory_bytes
@@ -131,8 +132,12 @@ class Node:
         if cfg.tracker:
             self.service.on_step = self.work.record
             tracker = pb_grpc.TrackerStub(open_channel(cfg.tracker, cfg.join_token, cfg.tls_ca))
+            # A node with a key file keeps its peers' list beside it (see RegisteredPeers): restarted during
+            # a tracker outage, it forwards to the nodes listed before.
+            key = self.identity.path
+            kept = (Path(key).with_name(Path(key).stem + ".peers.json"), cfg.tracker) if key else None
             self.service.forwarder.peers = RegisteredPeers(lambda: [n.info.data_address for n in tracker.ListNodes(
-                pb.Empty(), timeout=LIST_TIMEOUT_S).nodes])
+                pb.Empty(), timeout=LIST_TIMEOUT_S).nodes], kept=kept)
             manifest = pb.ModelManifest(model_id=self.model.sha256, manifest=self.loaded.manifest) \
                 if self.loaded.manifest else None
             self.membership = Membership(tracker, self.identity, self.node_id, self.info, self._load, self.work,
