@@ -44,3 +44,21 @@ def test_a_node_warns_when_another_process_answers_at_its_advertised_address_and
         first.kill()
         _, first_err = first.communicate(timeout=30)
     assert "advertised address" not in first_err, first_err  # it answers there itself
+
+
+def test_a_tls_node_at_its_advertised_address_is_not_warned_about(tmp_path):
+    """A node serving TLS answers its own check over TLS with its --tls-ca (without one, nothing verifies its
+    certificate: no check, where it warned of the failed handshake); a join token is sent with it. A correct
+    setup is not warned about; a wrong port still is."""
+    from tls_util import self_signed_cert
+
+    tls = self_signed_cert(tmp_path)
+    for extra in ((), ("--tls-ca", tls.cert), ("--join-token", "s3cret")):
+        port = free_port()
+        err = _stderr_after_ready(_node("--port", str(port), "--advertise", f"127.0.0.1:{port}", "--tls-cert", tls.cert,
+                                        "--tls-key", tls.key, *extra), 1.5)
+        assert "advertised address" not in err, (extra, err)
+    nowhere = free_port()
+    err = _stderr_after_ready(_node("--port", "0", "--advertise", f"127.0.0.1:{nowhere}", "--tls-cert", tls.cert,
+                                    "--tls-key", tls.key, "--tls-ca", tls.cert, "--join-token", "s3cret"), 1.5)
+    assert f"this node does not answer at its advertised address 127.0.0.1:{nowhere}" in err, err

@@ -241,7 +241,9 @@ class Node:
         if self.relay is not None:
             self._spawn(self.relay.run)
         self._spawn(self._idle_loop)
-        if self.cfg.advertise and self.server is not None:
+        # A TLS node without --tls-ca has nothing to verify its own certificate with (the host it names was
+        # checked at start): not checked, rather than warned about a failed handshake.
+        if self.cfg.advertise and self.server is not None and (self.cfg.tls is None or self.cfg.tls_ca):
             threading.Thread(target=check_advertised_address, name="advertised-check", daemon=True,
                              args=(self.address, self.service.instance, self.cfg.join_token, self.cfg.tls_ca)).start()
 
