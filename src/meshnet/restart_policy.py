@@ -2,7 +2,8 @@
 
 Pure: plain numbers in, a decision out, no clock and no processes (:mod:`meshnet.supervisor` applies it).
 With the defaults a process that keeps exiting at once is restarted after 0.5, 1, 2, 4, 8, 10, 10, ...
-seconds; one that ran for at least 30 s before exiting is restarted after 0.5 s again.
+seconds; one that ran for at least 30 s before exiting is restarted after 0.5 s again. How it ended, in the
+words both supervisors (``meshnet up``'s and a node's engine worker's) log it: :func:`exit_reason`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """ASGI middleware in front of the API: a limit on request bodies, a count of every answer, an
-``x-request-id`` on it, a 500 for a request that fails inside the app, a refusal of requests that web pages of other origins send, and of
-requests without the server's API key when it has one."""
+``x-request-id`` on it, a 500 for a request that fails inside the app, a refusal of requests that web pages
+of other origins send, and of requests without the server's API key when it has one."""
 
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ and its function ``tools`` / ``tool_choice`` the chat endpoint's (:mod:`meshnet.
 has started ends with ``response.failed``, its ``error`` saying why. ``include`` of
 ``message.output_text.logprobs`` adds each token's log-prob (and ``top_logprobs`` alternatives) to the text, in
 chat's entries; ``text.format`` ``json_object`` or ``json_schema`` holds the text to JSON as chat's
-``response_format`` does (:mod:`meshnet.api.structured`); ``truncation`` "auto" drops input items from the start of the conversation until the rest fits
-the context (the instructions stay), where "disabled", the default, refuses such an input.
+``response_format`` does (:mod:`meshnet.api.structured`); ``truncation`` "auto" drops input items from the
+start of the conversation until the rest fits the context (the instructions stay), where "disabled", the
+default, refuses such an input.
 
 What it does not do is refused by name (400 ``unsupported_parameter``): tools other than functions (web
 search, file search, ...), a ``previous_response_id`` or

@@ -34,7 +34,7 @@ class ToolAnswer:
         self.plan = plan
         self.content = ""  # released so far
         self._held = ""
-        self._whole = plan.mode in ("required", "named")  # hold everything from here to the end
+        self._whole = plan.forced  # hold everything from here to the end
 
     def feed(self, text: str) -> str:
         """Take the answer's next ``text``; returns what may go out as content now ("" while held)."""
@@ -72,7 +72,7 @@ class ToolAnswer:
         JSON, for a required answer inside this server's array of calls) and no call either (its broken
         arguments, sent back with the next turn's messages, would make that request a 400)."""
         held, self._held = self._held, ""
-        if self.plan.mode in ("required", "named") and reason != "stop":
+        if self.plan.forced and reason != "stop":
             return "", tool_calls_from(held, self.plan) if held.strip() else None
         calls = tool_calls_from(held, self.plan) if held.strip() and reason == "stop" else None
         if calls:
@@ -96,7 +96,7 @@ def whole_answer(plan: ToolPlan, text: str, reason: str) -> tuple[str | None, li
     answer.feed(text)
     _, calls = answer.finish(reason)
     # A required or named answer is calls: no content beside them, nor in place of one a cut dropped.
-    return (answer.content or None) if calls or plan.mode in ("required", "named") else answer.content, calls
+    return (answer.content or None) if calls or plan.forced else answer.content, calls
 
 
 class ChatEvents:
@@ -115,7 +115,7 @@ class ChatEvents:
 
     def start(self, i: int) -> list[str]:
         """The first event of choice ``i``: its role (no content for a required or named call)."""
-        return self.held.sent([self.chunks.role(i, None if self.plan.mode in ("required", "named") else "")])
+        return self.held.sent([self.chunks.role(i, None if self.plan.forced else "")])
 
     def piece(self, i: int, piece: Piece) -> list[str]:
         """The events for choice ``i``'s next piece (none while it is held)."""

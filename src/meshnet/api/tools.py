@@ -52,6 +52,11 @@ class ToolPlan:
     parts: tuple[tuple[dict, str], ...] = ()
     parallel: bool = True  # False (parallel_tool_calls): one call at most, the first an "auto" answer makes
 
+    @property
+    def forced(self) -> bool:
+        """Whether the answer is calls whatever it says ("required" or "named": the grammar makes it so)."""
+        return self.mode in ("required", "named")
+
     def prompt_tools(self) -> list[dict] | None:
         """The tools the prompt shows (None for ``"none"``)."""
         return None if self.mode == "none" or not self.tools else list(self.tools)
