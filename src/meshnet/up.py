@@ -60,12 +60,14 @@ def add_up_parser(sub) -> None:
                    help="groups each node splits its sessions' decodes into, taking turns so that every stage "
                         "computes at once (0 = one per stage, 1 = all together)")
     p.add_argument("--no-huge-pages", dest="huge_pages", action="store_false", help=NO_HUGE_PAGES_HELP)
-    p.add_argument("--heartbeat", type=heartbeat_seconds, default=1.0, help="node heartbeat interval, seconds (default %(default)s)")
+    p.add_argument("--heartbeat", type=heartbeat_seconds, default=1.0,
+                   help="node heartbeat interval, seconds (default %(default)s)")
     p.add_argument("--client-orchestrated", action="store_true",
                    help="the API's steps: " + "every step through the client, hop by hop (default: nodes forward hidden states to the next node themselves where the route allows)")
     add_join_token_arg(p)
     add_api_key_arg(p)
-    p.add_argument("--timeout", type=positive_seconds, default=300.0, help="seconds to wait for a complete route (default %(default)g)")
+    p.add_argument("--timeout", type=positive_seconds, default=300.0,
+                   help="seconds to wait for a complete route (default %(default)g)")
     p.add_argument("--drain-timeout", type=seconds, default=10.0,
                    help="at Ctrl-C or SIGTERM, seconds other clients' open sessions may take to finish before "
                         "the nodes stop (default %(default)g; a second Ctrl-C stops them at once)")
@@ -318,8 +320,8 @@ def run_up(args: argparse.Namespace) -> int:
                                "another --api-port (0 = any free port, -1 = no API)") from None
         announce(f"MESHNET_UP_READY tracker={tracker}" + (f" api={api_url}" if api_url else "")
                  + (f" dashboard={dashboard.url}" if dashboard else ""))
-        print(f"[meshnet up] try: {try_command(tracker, args.model, bool(args.join_token))}   (Ctrl-C stops the mesh)",
-              file=sys.stderr, flush=True)
+        print(f"[meshnet up] try: {try_command(tracker, args.model, bool(args.join_token))}   "
+              "(Ctrl-C stops the mesh)", file=sys.stderr, flush=True)
         if dashboard:
             print(f"[meshnet up] watch it: {dashboard.url}", file=sys.stderr, flush=True)
         # The supervisor restarts nodes that exit; only a signal ends the mesh.
