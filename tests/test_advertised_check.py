@@ -3,7 +3,7 @@ nobody answers there or another process does (a wrong --advertise was silent wit
 
 import subprocess
 import sys
-import time
+import threading
 
 from mesh_util import free_port
 
@@ -13,20 +13,34 @@ def _node(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _stderr_after_ready(proc: subprocess.Popen, wait_s: float) -> str:
-    """What the node wrote on stderr within ``wait_s`` of its ready line; the node is killed after it."""
+def _stderr_after_ready(proc: subprocess.Popen, until: str | None = None, wait_s: float = 0.5) -> str:
+    """What the node wrote on stderr up to ``wait_s`` after its ready line, or until a line holding
+    ``until`` (the check runs as the node starts serving, on loopback in milliseconds); the node is killed
+    after it."""
+    lines: list[str] = []
+    seen = threading.Event()
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if until is not None and until in line:
+                seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        assert proc.stdout.readline().startswith("MESHNET_NODE_READY")
-        time.sleep(wait_s)
+        assert proc.stdout.readline().startswith("MESHNET_NODE_READY"), "".join(lines)
+        seen.wait(wait_s)
     finally:
         proc.kill()
-        _, err = proc.communicate(timeout=30)
-    return err
+        proc.wait(30)
+        reader.join(10)
+    return "".join(lines)
 
 
 def test_a_node_warns_when_nothing_answers_at_its_advertised_address():
     nowhere = free_port()
-    err = _stderr_after_ready(_node("--port", "0", "--advertise", f"127.0.0.1:{nowhere}"), 1.5)
+    err = _stderr_after_ready(_node("--port", "0", "--advertise", f"127.0.0.1:{nowhere}"), "advertised", 10)
     assert (f"WARNING meshnet.node this node does not answer at its advertised address 127.0.0.1:{nowhere} "
             "from its own machine (UNAVAILABLE") in err, err
     assert "check --advertise HOST:PORT" in err
@@ -37,7 +51,7 @@ def test_a_node_warns_when_another_process_answers_at_its_advertised_address_and
     first = _node("--port", str(port), "--advertise", f"127.0.0.1:{port}")
     try:
         assert first.stdout.readline().startswith("MESHNET_NODE_READY")
-        err = _stderr_after_ready(_node("--port", "0", "--advertise", f"127.0.0.1:{port}"), 1.5)
+        err = _stderr_after_ready(_node("--port", "0", "--advertise", f"127.0.0.1:{port}"), "advertised", 10)
         assert (f"another meshnet process answers at this node's advertised address 127.0.0.1:{port}: clients "
                 "and other nodes dial that address and reach it instead; check --advertise HOST:PORT") in err, err
     finally:
@@ -56,9 +70,10 @@ def test_a_tls_node_at_its_advertised_address_is_not_warned_about(tmp_path):
     for extra in ((), ("--tls-ca", tls.cert), ("--join-token", "s3cret")):
         port = free_port()
         err = _stderr_after_ready(_node("--port", str(port), "--advertise", f"127.0.0.1:{port}", "--tls-cert", tls.cert,
-                                        "--tls-key", tls.key, *extra), 1.5)
+                                        "--tls-key", tls.key, *extra))
         assert "advertised address" not in err, (extra, err)
     nowhere = free_port()
     err = _stderr_after_ready(_node("--port", "0", "--advertise", f"127.0.0.1:{nowhere}", "--tls-cert", tls.cert,
-                                    "--tls-key", tls.key, "--tls-ca", tls.cert, "--join-token", "s3cret"), 1.5)
+                                    "--tls-key", tls.key, "--tls-ca", tls.cert, "--join-token", "s3cret"),
+                              "advertised", 10)
     assert f"this node does not answer at its advertised address 127.0.0.1:{nowhere}" in err, err
