@@ -77,3 +77,24 @@ def test_a_tls_node_at_its_advertised_address_is_not_warned_about(tmp_path):
                                     "--tls-key", tls.key, "--tls-ca", tls.cert, "--join-token", "s3cret"),
                               "advertised", 10)
     assert f"this node does not answer at its advertised address 127.0.0.1:{nowhere}" in err, err
+
+
+def test_a_grpc_server_that_is_no_node_of_this_mesh_is_named_as_another_process_not_as_no_answer():
+    """A tracker (UNIMPLEMENTED for Node.Health) or a node of a mesh with another join token
+    (UNAUTHENTICATED) at the advertised address answered: "does not answer" sent users looking for a
+    firewall, and UNAUTHENTICATED's details asked for a join token this node already has."""
+    from concurrent import futures
+
+    import grpc
+
+    from meshnet.node.advertised_check import advertised_address_problem
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        problem = advertised_address_problem(f"127.0.0.1:{port}", "me", timeout_s=5)
+    finally:
+        server.stop(None)
+    assert problem is not None and problem.startswith(
+        f"another process answers at this node's advertised address 127.0.0.1:{port} (UNIMPLEMENTED"), problem

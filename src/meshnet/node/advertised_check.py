@@ -24,6 +24,11 @@ log = logging.getLogger("meshnet.node")
 # answers within a round trip, and the check runs in the background.
 CHECK_TIMEOUT_S = 3.0
 
+# Answers this node never gives its own Health call (it sends its own join token, and serves Health): a
+# tracker (which serves no Node service), or a node of another mesh (another join token), answered.
+_ANSWERED_BY_ANOTHER = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED,
+                                  grpc.StatusCode.PERMISSION_DENIED})
+
 
 def advertised_address_problem(address: str, instance: str, join_token: str | None = None,
                                tls_ca: str | None = None, timeout_s: float = CHECK_TIMEOUT_S) -> str | None:
@@ -36,6 +41,9 @@ def advertised_address_problem(address: str, instance: str, join_token: str | No
         code = e.code()
         why = (f"no answer within {timeout_s:g} s" if code is grpc.StatusCode.DEADLINE_EXCEEDED
                else f"{code.name}: {e.details() or ''}".rstrip(": "))
+        if code in _ANSWERED_BY_ANOTHER:  # a gRPC server answered, and this node would not answer so
+            return (f"another process answers at this node's advertised address {address} ({why}): clients "
+                    "and other nodes dial that address and reach it instead; check --advertise HOST:PORT")
         return (f"this node does not answer at its advertised address {address} from its own machine ({why}); "
                 "clients and other nodes dial that address: check --advertise HOST:PORT (a router that "
                 "forwards its public address from outside but not from inside gives this too)")
