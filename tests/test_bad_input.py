@@ -768,13 +768,49 @@ def test_an_unpaired_surrogate_escape_is_named_as_one(escape):
     assert "a string holds an unpaired UTF-16 surrogate escape such as \\ud800" in str(e.value), str(e.value)
 
 
-def test_a_node_with_a_join_token_under_a_tracker_without_one_is_warned_about(mesh):
+def test_a_node_with_a_join_token_under_a_tracker_without_one_is_warned_about(mesh, caplog):
     """The tracker took clients without a token and routed them to the node, which refused them: nothing
-    said so at start, on either side."""
-    line = _first_warning_of_node("--engine", "fake", "--tracker", mesh.tracker, "--join-token", "node-only secret")
-    assert line == (f"warning: --join-token: the tracker at {mesh.tracker} takes callers without a join token, so the "
-                    "clients it routes to this node come without one, and this node refuses them; give the tracker "
-                    "the same --join-token (or this node none)\n"), line
+    said so at start, on either side. The tracker's answer to the registration says whether it takes
+    callers without a token; the node used to ask it without one, and a tracker with the mesh's token
+    logged that as a refused caller at every node's start, on a correct setup."""
+    import logging
+    import subprocess
+    import sys
+    import threading
+
+    from mesh_util import Mesh
+
+    warning = (f"WARNING meshnet.node --join-token: the tracker at {mesh.tracker} takes callers without a join "
+               "token, so the clients it routes to this node come without one, and this node refuses them; give "
+               "the tracker the same --join-token (or this node none)")
+    proc = subprocess.Popen([sys.executable, "-m", "meshnet.cli", "node", "--engine", "fake", "--tracker", mesh.tracker,
+                             "--join-token", "node-only secret"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    lines: list[str] = []
+    warned = threading.Event()
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if warning in line:
+                warned.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert warned.wait(30), lines
+    finally:
+        proc.kill()
+        proc.wait(30)
+        reader.join(10)
+    closed = Mesh(join_token="the mesh's secret")
+    try:
+        with caplog.at_level(logging.INFO, logger="meshnet.security"):
+            [node] = closed.start_nodes([("n1", "0:30")], "smollm2", "--engine", "fake")
+        assert not [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert "takes callers without a join token" not in node.log_tail()
+    finally:
+        closed.close()
 
 
 def _first_warning_of_node(*args: str) -> str:

@@ -29,7 +29,7 @@ from meshnet.secret_args import add_join_token_arg
 from meshnet.supervisor import CHILD_LOG_FORMAT, announce, follow_supervisor, on_stop_signals, wait_for_stop
 from meshnet.wire.addresses import (WILDCARD_HOSTS, dialable_host, is_loopback_address, is_loopback_host,
                                     on_another_machine)
-from meshnet.wire.call_problems import tracker_open_to_all, tracker_refusal
+from meshnet.wire.call_problems import tracker_refusal
 from meshnet.wire.security import TlsConfig, open_channel, server_ssl_context
 
 log = logging.getLogger("meshnet.node")
@@ -253,11 +253,6 @@ def run_node(args: argparse.Namespace) -> int:
     if refused:
         print(f"error: --tracker {cfg.tracker}: {refused}", file=sys.stderr)
         return 1
-    if cfg.tracker and args.join_token and tracker_open_to_all(cfg.tracker, args.tls_ca):
-        # Clients the tracker takes without a token are routed here, and this node refuses them.
-        print(f"warning: --join-token: the tracker at {cfg.tracker} takes callers without a join token, so the clients "
-              "it routes to this node come without one, and this node refuses them; give the tracker the same "
-              "--join-token (or this node none)", file=sys.stderr, flush=True)
     try:
         node = Node(cfg)
     except ValueError as e:

@@ -60,8 +60,9 @@ class Membership:
         self.tracker, self.identity, self.node_id = tracker, identity, node_id
         self._info, self._load, self.work, self._on_refused = info, load, work, on_refused
         self.registered = threading.Event()  # set while the tracker knows this node
-        # Called (on a thread of its own) after each registration: the node asks for the tracker's node list.
-        self.on_registered: Callable[[], None] | None = None
+        # Called with the tracker's RegisterReply (on a thread of its own) after each registration: the node
+        # asks for the tracker's node list.
+        self.on_registered: Callable[[pb.RegisterReply], None] | None = None
         self.refusal: str | None = None  # why the tracker refused this node for good, or None
         self.leaving = False  # set by deregister: the loop must not register again
         self.waiting_for_id = False  # the tracker holds our id for an entry elsewhere, which may expire
@@ -98,7 +99,8 @@ class Membership:
                     self.registered.set()
                     log.info("registered with the tracker (heartbeat %.2fs)", interval)
                     if self.on_registered is not None:
-                        threading.Thread(target=self.on_registered, name="list-peers", daemon=True).start()
+                        threading.Thread(target=self.on_registered, args=(reply,), name="list-peers",
+                                         daemon=True).start()
                 else:
                     sessions, speed = self._load()
                     hb = self.tracker.Heartbeat(self.identity.sign(pb.HeartbeatRequest(

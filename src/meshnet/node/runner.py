@@ -142,7 +142,7 @@ class Node:
                 if self.loaded.manifest else None
             self.membership = Membership(tracker, self.identity, self.node_id, self.info, self._load, self.work,
                                          self._refused, manifest)
-            self.membership.on_registered = self.service.forwarder.peers.refresh
+            self.membership.on_registered = self._registered
             if cfg.relay:
                 self.relay = RelayLink(tracker, self.identity, self.node_id, self.service,
                                        self.membership.registered, cfg.max_sessions)
@@ -183,6 +183,7 @@ class Node:
             self.data_address = format_address(adv_host, self.data_plane.port)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._said_open = False  # the tracker-without-a-token warning, once
 
     @property
     def relay_attached(self) -> threading.Event:
@@ -215,6 +216,16 @@ class Node:
         active = self.engine.health().active_sessions
         self.decode_tokens_per_s = self.speed.report(active)
         return active, self.decode_tokens_per_s
+
+    def _registered(self, reply: pb.RegisterReply) -> None:
+        """After each registration: the tracker's node list, and a warning where this node asks for a join
+        token its tracker does not (the clients it routes here come without one, and are refused)."""
+        if self.cfg.join_token and reply.open_to_all and not self._said_open:
+            self._said_open = True
+            log.warning("--join-token: the tracker at %s takes callers without a join token, so the clients it "
+                        "routes to this node come without one, and this node refuses them; give the tracker the "
+                        "same --join-token (or this node none)", self.cfg.tracker)
+        self.service.forwarder.peers.refresh()
 
     def _refused(self, refusal: str) -> None:
         # Retrying cannot help (wrong key, wrong protocol, an id another live node holds): stop, and

@@ -396,12 +396,14 @@ class NodeInfo(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[_Union[ModelIdentity, _Mapping]] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., engine: _Optional[str] = ..., backend: _Optional[str] = ..., protocol_major: _Optional[int] = ..., protocol_minor: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., decode_tokens_per_s: _Optional[float] = ..., max_sessions: _Optional[int] = ..., data_address: _Optional[str] = ..., relayed: _Optional[bool] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., version: _Optional[str] = ..., instance: _Optional[str] = ..., n_ctx: _Optional[int] = ..., numerics: _Optional[str] = ..., public_key: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., timestamp: _Optional[float] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("heartbeat_interval_s", "ttl_s")
+    __slots__ = ("heartbeat_interval_s", "ttl_s", "open_to_all")
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    OPEN_TO_ALL_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_s: float
     ttl_s: float
-    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    open_to_all: bool
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., ttl_s: _Optional[float] = ..., open_to_all: _Optional[bool] = ...) -> None: ...
 
 class NodeRef(_message.Message):
     __slots__ = ("node_id", "public_key", "signature", "timestamp")

@@ -61,6 +61,7 @@ def start_tracker(host: str = "127.0.0.1", port: int = 0, heartbeat_interval_s: 
     service = TrackerService(registry, ledger)
     service.auth.require_signatures = require_signatures
     service.listens_beyond_loopback = not is_loopback_host(host)
+    service.open_to_all = not join_token
     # Each attached relay stream and each relayed step in flight holds a worker thread (see RelayLimits).
     server = make_server(join_token, max_workers=TRACKER_WORKERS)
     pb_grpc.add_TrackerServicer_to_server(service, server)

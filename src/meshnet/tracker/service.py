@@ -82,6 +82,7 @@ class TrackerService(pb_grpc.TrackerServicer):
         self.activity = ActivityBoard()  # clients' sessions, tokens/s and TTFT, for the dashboard
         self.manifests = ManifestStore()
         self.listens_beyond_loopback = False  # set by start_tracker: it serves other machines too
+        self.open_to_all = True  # set by start_tracker: False with a join token (RegisterReply tells nodes)
 
     def _authenticate(self, method: str, node_id: str, message, bind: bool = False) -> None:
         try:
@@ -129,7 +130,8 @@ class TrackerService(pb_grpc.TrackerServicer):
             members_log.warning("node %s registered %s, which only this machine can dial, while the tracker serves "
                                 "other machines: they cannot reach it (start it with --host 0.0.0.0, with --advertise "
                                 "HOST:PORT where others reach it by another address)", record.node_id, record.address)
-        return pb.RegisterReply(heartbeat_interval_s=self.registry.heartbeat_interval_s, ttl_s=self.registry.ttl_s)
+        return pb.RegisterReply(heartbeat_interval_s=self.registry.heartbeat_interval_s, ttl_s=self.registry.ttl_s,
+                                open_to_all=self.open_to_all)
 
     @rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatReply:

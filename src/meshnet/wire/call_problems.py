@@ -87,12 +87,6 @@ def tracker_refusal(tracker: str, join_token: str | None, tls_ca: str | None, re
     return None
 
 
-def tracker_open_to_all(tracker: str, tls_ca: str | None, timeout_s: float = 2.0) -> bool:
-    """Whether the tracker at ``tracker`` answers a caller without a join token (it was started without
-    one); False when it refuses one, or cannot be asked within ``timeout_s`` seconds."""
-    return _list_nodes_error(tracker, None, tls_ca, timeout_s) is None
-
-
 def _list_nodes_error(tracker: str, join_token: str | None, tls_ca: str | None,
                       timeout_s: float) -> grpc.RpcError | None:
     """What a ListNodes call to the tracker at ``tracker``, as a caller with ``join_token`` and ``tls_ca``,
