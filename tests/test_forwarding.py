@@ -433,3 +433,36 @@ def test_a_hop_found_silent_while_the_client_waited_on_another_is_named_with_bot
     assert f.message == ("does not answer Health (or another process does: it restarted), while this client waited "
                          "on node t: data plane 10.99.0.3:17102: no answer within 1.50s")
     assert _unanswered([tail], [], tail, waited) is waited  # the hop waited on is the silent one: its own failure
+
+
+def test_the_prompt_rows_a_route_reused_are_the_least_any_stage_reused(mesh, tok):
+    """The API's cached_tokens counted the tail's prefix cache alone: after the head restarted (its cache
+    empty, every row computed), a prompt the tail had seen still counted 236 of 300 rows as cached. A
+    forwarded first step carries the least reuse of the stages it passed (Envelope.reused_before); a
+    client-orchestrated one takes the least of its hops' replies."""
+    from mesh_util import free_port
+
+    ports = ("--port", str(free_port()), "--data-port", str(free_port()))
+    head, tail = mesh.start_nodes([("a-head", "0:15", ports), ("b-tail", "15:30")])
+
+    def prompt(question: str) -> list[int]:
+        return tok.encode("<|im_start|>system\nYou are a helpful AI assistant.<|im_end|>\n"
+                          f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+
+    first, second, third = prompt("What is 2+2?"), prompt("Name a colour."), prompt("Say hello.")
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    def cached(forwarding: bool, ids: list[int]) -> int:
+        client = mesh.client(forwarding=forwarding, report_deliveries=False)
+        try:
+            gen = Generation(client, tok, ids, 4, GREEDY, stop_at_eog=False)
+            list(gen)
+            return gen.result.cached_tokens
+        finally:
+            client.close()
+
+    assert [cached(True, first), cached(True, second)] == [0, common]
+    assert [cached(False, first), cached(False, second)] == [len(first) - 1, len(second) - 1]  # seen whole
+    head.kill()  # its prefix cache goes with it; the tail keeps its own
+    mesh.start_nodes([("a-head", "0:15", ports)])
+    assert cached(False, third) == 0  # the tail had the system prompt's rows: it counted `common`
+    assert cached(True, second) == common  # the head had only `third`'s: the tail counted all but a row

@@ -25,9 +25,11 @@ class Stage(Protocol):
     def release(self, session_id: str) -> Outcome: ...
 
 
-def run_step(stages: Sequence[Stage], req: StepRequest, decode: bool) -> tuple[StepResult, int]:
+def run_step(stages: Sequence[Stage], req: StepRequest, decode: bool,
+             upstream_reused: int | None = None) -> tuple[StepResult, int]:
     """Run ``req`` through ``stages`` in order; return the tail's result and the index of the stage
-    that produced it (``len(stages) - 1`` on success, the failing stage's index otherwise).
+    that produced it (``len(stages) - 1`` on success, the failing stage's index otherwise). The result's
+    ``reused`` is the least of the stages' (and of ``upstream_reused``, stages run before these).
 
     ``req.hidden`` must be None (the first stage is the head). A non-OK result stops the chain.
     """
@@ -37,6 +39,9 @@ def run_step(stages: Sequence[Stage], req: StepRequest, decode: bool) -> tuple[S
         result = stage.decode(cur) if decode else stage.prefill(cur)
         if not result.ok:
             return result, i
+        if upstream_reused is not None:
+            result = result.reused_after(upstream_reused)
+        upstream_reused = result.reused
         if i + 1 < len(stages):
             cur = replace(req, hidden=result.hidden)
     return result, len(stages) - 1
@@ -74,28 +79,30 @@ class LocalChain:
         if any(start is None for start in starts) or req.sampling.grammar is not None:
             return False  # (the tail follows a grammar on the thread that calls it)
 
-        def after(i: int) -> Callable[[StepResult | BaseException], None]:
+        def after(i: int, upstream_reused: int | None) -> Callable[[StepResult | BaseException], None]:
             def done(res: StepResult | BaseException) -> None:
+                if not isinstance(res, BaseException) and res.ok and upstream_reused is not None:
+                    res = res.reused_after(upstream_reused)  # as run_step counts it
                 if isinstance(res, BaseException) or not res.ok or i + 1 == len(self.stages):
                     on_done(res)
                     return
                 nxt = replace(req, hidden=res.hidden)
                 try:
-                    if starts[i + 1](nxt, decode, after(i + 1)):
+                    if starts[i + 1](nxt, decode, after(i + 1, res.reused)):
                         return
                 except BaseException as e:  # noqa: BLE001 - the step's outcome, handed to its caller
                     on_done(e)
                     return
-                threading.Thread(target=self._finish_step, args=(i + 1, nxt, decode, on_done),
+                threading.Thread(target=self._finish_step, args=(i + 1, nxt, decode, on_done, res.reused),
                                  name="meshnet-chain-step", daemon=True).start()
             return done
 
-        return starts[0](req, decode, after(0))
+        return starts[0](req, decode, after(0, None))
 
     def _finish_step(self, first: int, req: StepRequest, decode: bool,
-                     on_done: Callable[[StepResult | BaseException], None]) -> None:
+                     on_done: Callable[[StepResult | BaseException], None], upstream_reused: int) -> None:
         try:
-            res = run_step(self.stages[first:], req, decode)[0]
+            res = run_step(self.stages[first:], req, decode, upstream_reused)[0]
         except BaseException as e:  # noqa: BLE001 - the step's outcome, handed to its caller
             on_done(e)
             return

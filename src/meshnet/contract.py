@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -242,6 +242,12 @@ class StepResult:
     @property
     def ok(self) -> bool:
         return self.status is Status.OK
+
+    def reused_after(self, upstream: int) -> "StepResult":
+        """This result with ``reused`` at most ``upstream``, the rows every stage before this one on the route
+        took from its prefix cache: a prompt's rows count as reused only where every stage reused them (a
+        restarted head, its cache empty, computes them all whatever the tail kept)."""
+        return self if self.reused <= upstream else replace(self, reused=upstream)
 
 
 @dataclass(frozen=True)

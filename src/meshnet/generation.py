@@ -78,7 +78,7 @@ class GenerationResult:
     verify_steps: int = 0  # speculative verification steps run
     drafted: int = 0  # draft tokens they carried
     accepted: int = 0  # drafts the tail agreed with
-    cached_tokens: int = 0  # prompt tokens the tail took from its prefix cache (StepResult.reused)
+    cached_tokens: int = 0  # prompt tokens every stage took from its prefix cache (StepResult.reused)
 
     @property
     def prefill_tokens_per_s(self) -> float:

@@ -341,7 +341,7 @@ class ChoiceRun:
 
     @property
     def cached_tokens(self) -> int:
-        """Of its prompt's tokens, those the tail took from its prefix cache; 0 for a choice whose prompt
+        """Of its prompt's tokens, those every stage took from its prefix cache; 0 for a choice whose prompt
         another choice of the request counts (``GenJob.counts_prompt``)."""
         if not self.job.counts_prompt or self._driver is None:
             return 0

@@ -135,7 +135,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0  # prompt tokens a stage took from its prefix cache instead of computing them
+    cached_tokens: int = 0  # prompt tokens every stage took from its prefix cache instead of computing them
 
 
 class Usage(BaseModel):
@@ -147,7 +147,7 @@ class Usage(BaseModel):
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> "Usage":
         """A request's usage: its prompts' tokens (each prompt once, however many choices), its choices'
-        tokens, and of the prompts' tokens those the tail stage had in its prefix cache."""
+        tokens, and of the prompts' tokens those every stage of the route had in its prefix cache."""
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                    total_tokens=prompt_tokens + completion_tokens,
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))

@@ -304,7 +304,7 @@ class MeshClient:
         """Run ``req`` through hops ``start..`` feeding hop ``start`` with ``inputs[start]``; fills in
         ``inputs[i]`` for the later hops as their inputs are produced. Raises StageFailure."""
         result = StepResult(Status.OK)
-        x = inputs[start]
+        x, reused = inputs[start], None
         for i in range(start, len(log_.hops)):
             inputs[i] = x
             hop = log_.hops[i]
@@ -313,7 +313,8 @@ class MeshClient:
                 raise SessionLost(hop.node_id, hop.address, "NOT_FOUND", result.message)
             if not result.ok:
                 return result
-            x = result.hidden
+            result = result if reused is None else result.reused_after(reused)  # the least of the hops'
+            x, reused = result.hidden, result.reused
             check_reply(hop, result, last=i == len(log_.hops) - 1)
         return result
 

@@ -229,6 +229,8 @@ class NodeService(pb_grpc.NodeServicer):
         Forwarder.send). A refusal names this hop as the route does (``routed_node_id``): another process
         at its address has another id, which the client would not find in its route."""
         hops = head.next_hops
+        if res is not None and head.HasField("reused_before"):
+            res = res.reused_after(head.reused_before)
         if not hops:
             self.awaited.deliver(await_key(head), self._answer(out, req, res))
             return
@@ -252,6 +254,8 @@ class NodeService(pb_grpc.NodeServicer):
         """Send this stage's output for ``req`` to ``hops[0]`` with the rest of the route (``connect``:
         as Forwarder.send)."""
         frames = request_to_frames(replace(req, hidden=res.hidden), decode, next_hops=hops[1:], receiver=hops[0])
+        if req.position == 0:  # a first step: what this stage and those before it took from prefix caches
+            frames[0].reused_before = res.reused
         return self.forwarder.send(hops[0], frames, connect)
 
     @staticmethod

@@ -73,7 +73,7 @@ class Grammar(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., start: _Optional[int] = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("major", "minor", "session_id", "epoch", "position", "step_id", "decode", "token_ids", "sampling", "dtype", "shape", "byte_order", "crc32", "total_bytes", "chunk_index", "n_chunks", "payload", "reserve_tokens", "next_hops", "failure", "verify", "rollback", "mtp_drafts", "layers", "routed_node_id")
+    __slots__ = ("major", "minor", "session_id", "epoch", "position", "step_id", "decode", "token_ids", "sampling", "dtype", "shape", "byte_order", "crc32", "total_bytes", "chunk_index", "n_chunks", "payload", "reserve_tokens", "next_hops", "failure", "verify", "rollback", "mtp_drafts", "layers", "routed_node_id", "reused_before")
     MAJOR_FIELD_NUMBER: _ClassVar[int]
     MINOR_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class Envelope(_message.Message):
     MTP_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REUSED_BEFORE_FIELD_NUMBER: _ClassVar[int]
     major: int
     minor: int
     session_id: str
@@ -124,7 +125,8 @@ class Envelope(_message.Message):
     mtp_drafts: int
     layers: LayerRange
     routed_node_id: str
-    def __init__(self, major: _Optional[int] = ..., minor: _Optional[int] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., position: _Optional[int] = ..., step_id: _Optional[int] = ..., decode: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., byte_order: _Optional[str] = ..., crc32: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_index: _Optional[int] = ..., n_chunks: _Optional[int] = ..., payload: _Optional[bytes] = ..., reserve_tokens: _Optional[int] = ..., next_hops: _Optional[_Iterable[_Union[ForwardHop, _Mapping]]] = ..., failure: _Optional[_Union[HopFailure, _Mapping]] = ..., verify: _Optional[bool] = ..., rollback: _Optional[bool] = ..., mtp_drafts: _Optional[int] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., routed_node_id: _Optional[str] = ...) -> None: ...
+    reused_before: int
+    def __init__(self, major: _Optional[int] = ..., minor: _Optional[int] = ..., session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., position: _Optional[int] = ..., step_id: _Optional[int] = ..., decode: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., byte_order: _Optional[str] = ..., crc32: _Optional[int] = ..., total_bytes: _Optional[int] = ..., chunk_index: _Optional[int] = ..., n_chunks: _Optional[int] = ..., payload: _Optional[bytes] = ..., reserve_tokens: _Optional[int] = ..., next_hops: _Optional[_Iterable[_Union[ForwardHop, _Mapping]]] = ..., failure: _Optional[_Union[HopFailure, _Mapping]] = ..., verify: _Optional[bool] = ..., rollback: _Optional[bool] = ..., mtp_drafts: _Optional[int] = ..., layers: _Optional[_Union[LayerRange, _Mapping]] = ..., routed_node_id: _Optional[str] = ..., reused_before: _Optional[int] = ...) -> None: ...
 
 class ForwardHop(_message.Message):
     __slots__ = ("node_id", "data_address", "layers")
