@@ -130,6 +130,8 @@ def test_ngram_speculation_keeps_the_constrained_greedy_answer(served):
 @pytest.mark.parametrize("fmt, param, words", [
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1, 2]}}, "response_format.json_schema.schema",
      "must be an object"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "description": ["a"]}},
+     "response_format.json_schema.description", "must be a string"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}},
      "response_format.json_schema.schema", "Invalid type: foo"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}},

@@ -63,7 +63,9 @@ def text_format_grammar(fmt: Any, compiler: GrammarCompiler) -> Grammar | None:
     if not isinstance(fmt, dict):
         raise bad_request("text.format must be an object such as {\"type\": \"text\"}", "text.format",
                           "invalid_type")
-    kind = fmt.get("type", "text")
+    if "type" not in fmt:  # as chat's response_format: {} is refused, not taken for text
+        raise bad_request("text.format needs a type: 'text', 'json_object' or 'json_schema'", "text.format.type")
+    kind = fmt["type"]
     if kind in ("text", "json_object"):
         _only(fmt, {"type"}, "text.format")
         return grammar_for(ANY_OBJECT, compiler, "text.format") if kind == "json_object" else None
@@ -82,6 +84,8 @@ def _schema_grammar(spec: dict[str, Any], compiler: GrammarCompiler, param: str)
         raise bad_request(f"{param}.name must be 1-64 letters, digits, '_' or '-', got {name!r}", f"{param}.name")
     if "strict" in spec and not isinstance(spec["strict"], bool | None):
         raise bad_request(f"{param}.strict must be a boolean", f"{param}.strict")
+    if not isinstance(spec.get("description", ""), str | None):
+        raise bad_request(f"{param}.description must be a string", f"{param}.description")
     return grammar_for(spec.get("schema", {}), compiler, f"{param}.schema")
 
 
