@@ -916,15 +916,29 @@ def test_no_route_is_503_with_retry_after(broken_servers):
         assert "meshnet_api_requests_total" in http.get("/metrics").text
 
 
-def test_mesh_failure_mid_request(broken_servers):
-    with httpx.Client(base_url=broken_servers[1], timeout=30) as http:
-        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10})
+def test_mesh_failure_mid_request(broken_servers, caplog):
+    """A 503 and a stream's error event are answered, and logged under the request's x-request-id (a user
+    quoting it found nothing in the log: only the client's "failing over" under a session id); a 400 is the
+    caller's and is not logged."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="meshnet.api"), \
+            httpx.Client(base_url=broken_servers[1], timeout=30) as http:
+        r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 10}, headers={"X-Request-Id": "whole-1"})
         err = _error(r, 503)
         assert err["code"] == "mesh_unavailable" and r.headers["Retry-After"] == "3"
-        with http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "stream": True}) as s:
+        with http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 10, "stream": True},
+                         headers={"X-Request-Id": "stream-1"}) as s:
             events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
         assert events[-1]["error"]["code"] == "mesh_unavailable"
         assert "".join(e["choices"][0]["text"] for e in events[:-1]) != ""
+        _error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}, headers={"X-Request-Id": "bad-1"}),
+               400, "max_tokens")
+    logged = [r.getMessage() for r in caplog.records if "x-request-id" in r.getMessage()]
+    for rid in ("whole-1", "stream-1"):
+        [line] = [m for m in logged if f"(x-request-id {rid})" in m]
+        assert line.startswith(f"POST /v1/completions (x-request-id {rid}) answered 503 mesh_unavailable: "), line
+    assert not [m for m in logged if "bad-1" in m]
 
 
 def _requests_total(http, endpoint: str) -> dict[str, float]:

@@ -30,7 +30,7 @@ from meshnet.api.backend import ApiBackend
 from meshnet.api.choices import whole_choices
 from meshnet.api.errors import ApiError, bad_request, internal_error, model_not_found, no_such_endpoint
 from meshnet.api.metrics import ApiMetrics
-from meshnet.api.middleware import AUTHORIZED, ApiKeyOnly, BodyLimitAndMetrics, SameOriginOnly
+from meshnet.api.middleware import AUTHORIZED, ApiKeyOnly, BodyLimitAndMetrics, SameOriginOnly, log_failure
 from meshnet.api.prompts import chat_prompt, completion_prompts
 from meshnet.api.responses import create_response
 from meshnet.api.runner import ChoiceRun, GenJob, Piece, queue_full
@@ -98,6 +98,7 @@ def create_app(backend: ApiBackend, max_body_bytes: int = MAX_BODY_BYTES, max_qu
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
         metrics.errors.labels(kind=exc.code or str(exc.status)).inc()
+        log_failure(request.scope, exc)
         return exc.response()
 
     @app.exception_handler(RequestValidationError)

@@ -63,7 +63,7 @@ class BodyLimitAndMetrics:
         t0 = time.perf_counter()
         endpoint = self.metrics.endpoint_label(scope.get("path", ""))
         status = {"code": 0, "counted": False}
-        request_id = request_id_of(scope)
+        request_id = scope[_REQUEST_ID] = request_id_of(scope)
 
         def count(code: int) -> None:
             status["counted"] = True
@@ -237,12 +237,25 @@ def _same_origin(origin: bytes, host: bytes | None) -> bool:
 
 # The scope key under which a failed stream leaves its error's status for BodyLimitAndMetrics to count.
 _STREAM_FAILED = "meshnet.stream_failed"
+_REQUEST_ID = "meshnet.request_id"  # the answer's x-request-id, as bytes
 
 
-def stream_failed(scope, status: int) -> None:
+def stream_failed(scope, error: ApiError) -> None:
     """Record that the answer to the request of ``scope``, a stream already under way (its HTTP status
-    sent), ended with an error event of HTTP status ``status``: it is counted under that status."""
-    scope[_STREAM_FAILED] = status
+    sent), ended with the error event of ``error``: it is counted under its status (and logged, see
+    :func:`log_failure`)."""
+    scope[_STREAM_FAILED] = error.status
+    log_failure(scope, error)
+
+
+def log_failure(scope, error: ApiError) -> None:
+    """Log an answer of status 500 or more (the mesh unavailable, the server stopping, a bug) with its
+    ``x-request-id``: the id a user quotes finds why their request failed, and which session it was (the
+    client logs its failovers by session id). A 4xx is the caller's, and not logged."""
+    if error.status >= 500:
+        request_id = scope.get(_REQUEST_ID, b"").decode("ascii", "replace")
+        log.warning("%s %s (x-request-id %s) answered %d %s: %s", scope.get("method", ""), scope.get("path", ""),
+                    request_id, error.status, error.code or "", error.message)
 
 
 async def _no_receive() -> dict:

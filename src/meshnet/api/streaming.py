@@ -103,10 +103,10 @@ async def _keeping_alive(waited: Awaitable, out: list) -> AsyncIterator[str]:
 async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_piece: Piece | None, t0: float,
                   prompt_tokens: int, include_usage: bool, on_start: Callable[[int], list[str]],
                   on_piece: Callable[[int, Piece], list[str]],
-                  usage_event: Callable[[Usage], str], failed: Callable[[int], None],
+                  usage_event: Callable[[Usage], str], failed: Callable[[ApiError], None],
                   done: str | None, error_event: Callable[[ApiError], str]) -> AsyncIterator[str]:
     """The events of :func:`stream_choices`, its first choice started already (``first``, whose first
-    piece is ``first_piece``); ``failed(status)`` is told the status of an error that ends the stream.
+    piece is ``first_piece``); ``failed(error)`` is told the error that ends the stream.
 
     The choices run side by side (each in its :class:`~meshnet.api.choices.Turns`), each in a task
     that puts its pieces in one queue; its bound holds the runs back when the client reads slowly, as
@@ -156,7 +156,7 @@ async def _events(new_run: NewRun, jobs: list[GenJob], first: ChoiceRun, first_p
             log.error("streamed choice %d failed", i, exc_info=e)
             e = internal_error(e)
         first.metrics.errors.labels(kind=e.code or str(e.status)).inc()
-        failed(e.status)
+        failed(e)
         yield error_event(e)
         return
     finally:  # the stream ended, failed, or its client went away: the other choices stop
