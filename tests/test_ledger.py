@@ -402,8 +402,8 @@ def test_a_second_tracker_on_the_same_sqlite_file_is_refused_naming_the_first(tm
         with pytest.raises(LedgerError) as e:
             Ledger(url, lock_wait_s=0.2)
         assert str(e.value) == (f"the ledger {tmp_path / 'ledger.db'} is in use by another tracker (this process, "
-                                "still after 0.2 s): one tracker writes a ledger at a time; give this one --ledger "
-                                "with another file")
+                                "still after 0.2 s): one tracker writes a ledger at a time; give this one another "
+                                "file, --ledger sqlite:////ABSOLUTE/PATH (four slashes)")
         r = subprocess.run([sys.executable, "-m", "meshnet.cli", "tracker", "--port", "0", "--ledger", url],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

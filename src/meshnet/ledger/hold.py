@@ -174,8 +174,8 @@ def hold_sqlite_file(engine: Engine, wait_s: float = LOCK_WAIT_S) -> IO | None:
                 lock.close()
                 who = "this process" if holder == str(os.getpid()) else f"pid {holder}"
                 raise LedgerError(f"the ledger {path} is in use by another tracker ({who}, still after "
-                                  f"{wait_s:g} s): one tracker writes a ledger at a time; give this one --ledger "
-                                  "with another file") from None
+                                  f"{wait_s:g} s): one tracker writes a ledger at a time; give this one another "
+                                  "file, --ledger sqlite:////ABSOLUTE/PATH (four slashes)") from None
             time.sleep(0.05)
     lock.truncate(0)
     lock.write(str(os.getpid()))
