@@ -109,11 +109,8 @@ class ShardEngine(ABC):
         return 0
 
     def _join(self, job: Job) -> StepResult:
-        """A step's result from its chunks' results: the last chunk's, with every chunk's hidden rows and
-        the rows it took from the prefix cache."""
+        """A step's result from its chunks' results: the last chunk's, with every chunk's hidden rows."""
         last = job.parts[-1]
-        if job.reused:
-            last = replace(last, reused=job.reused)
         hiddens = [p.hidden for p in job.parts if p.hidden is not None]
         if len(hiddens) > 1:
             rows = np.concatenate([h.to_numpy() for h in hiddens], axis=0)

@@ -23,7 +23,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from meshnet.contract import StepRequest, StepResult, Status
@@ -306,13 +306,19 @@ class StepScheduler:
                     job.parts.append(res)
                     job.done_tokens = chunk.end
                     if chunk.last:
-                        self._finish(job, self._join(job))
+                        self._finish(job, self._joined(job))
                         ended.append(id(job.session))
                         if self.decode_groups <= 1:  # a group gathers by its companions instead
                             self._expected.add(id(job.session))
                 if self.decode_groups > 1:
                     for sid in ended:
                         self._companions[sid] = frozenset(ended) - {sid}
+
+    def _joined(self, job: Job) -> StepResult:
+        """The result of a job whose last chunk ran: its chunks' joined (``join``), with the leading rows the
+        session held when it came (``Job.reused``: its prefix cache's)."""
+        res = self._join(job)
+        return replace(res, reused=job.reused) if job.reused else res
 
     def _run(self, picked: list[tuple[Job, Chunk]]) -> list[StepResult | BaseException]:
         """The iteration's results; when it raises, each chunk is rerun alone so that only the chunk that

@@ -135,7 +135,7 @@ class Node:
             # A node with a key file keeps its peers' list beside it (see RegisteredPeers): restarted during
             # a tracker outage, it forwards to the nodes listed before.
             key = self.identity.path
-            kept = (Path(key).with_name(Path(key).stem + ".peers.json"), cfg.tracker) if key else None
+            kept = (Path(key).with_suffix(".peers.json"), cfg.tracker) if key else None
             self.service.forwarder.peers = RegisteredPeers(lambda: [n.info.data_address for n in tracker.ListNodes(
                 pb.Empty(), timeout=LIST_TIMEOUT_S).nodes], kept=kept)
             manifest = pb.ModelManifest(model_id=self.model.sha256, manifest=self.loaded.manifest) \

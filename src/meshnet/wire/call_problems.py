@@ -70,8 +70,9 @@ def tracker_refusal(tracker: str, join_token: str | None, tls_ca: str | None, re
     """Why the tracker at ``tracker`` will not have a caller with ``join_token`` and ``tls_ca``, asked
     before a node loads its model or an API starts: its refusal of the token (a missing or wrong one), an
     address that serves no tracker, or TLS settings that do not match its own (asked again after
-    ``retry_s`` first: a tracker shutting down closes sockets too). None when it accepts the caller, or cannot be asked now (a node then starts and
-    keeps trying to register, as it does when the tracker goes away later)."""
+    ``retry_s`` first: a tracker shutting down closes sockets too). None when it accepts the caller, or
+    cannot be asked now (a node then starts and keeps trying to register, as it does when the tracker goes
+    away later)."""
     for attempt in range(2):
         e = _list_nodes_error(tracker, join_token, tls_ca, 5.0)
         if e is None:
