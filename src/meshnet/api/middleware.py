@@ -250,8 +250,8 @@ def stream_failed(scope, error: ApiError) -> None:
 
 def log_failure(scope, error: ApiError) -> None:
     """Log an answer of status 500 or more (the mesh unavailable, the server stopping, a bug) with its
-    ``x-request-id``: the id a user quotes finds why their request failed, and which session it was (the
-    client logs its failovers by session id). A 4xx is the caller's, and not logged."""
+    ``x-request-id``: the id a user quotes finds why their request failed (a mesh failure's message names
+    its session, under whose id the client logs its failovers). A 4xx is the caller's, and not logged."""
     if error.status >= 500:
         request_id = scope.get(_REQUEST_ID, b"").decode("ascii", "replace")
         log.warning("%s %s (x-request-id %s) answered %d %s: %s", scope.get("method", ""), scope.get("path", ""),
